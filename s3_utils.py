@@ -1,0 +1,1180 @@
+"""Everything that talks to S3: client, retries, checksums, streaming writer, parallel reader.
+
+`S3Utils` keeps the names and arguments of NeMo's ``nemo.utils.s3_utils.S3Utils`` so NeMo code keeps working,
+and fixes what NeMo got wrong:
+
+* retries really fire (NeMo's tenacity hook crashed on its own logger), cover every S3 call, stop after a bounded
+  number of attempts and time, and re-raise the *original* exception rather than ``tenacity.RetryError``;
+* "directory" operations respect the ``/`` boundary (``s3://b/ckpt`` never matches ``s3://b/ckpt_old/x``);
+* endpoint, region and addressing style are configurable (argument, else ``AWS_ENDPOINT_URL_S3`` /
+  ``AWS_ENDPOINT_URL``, else AWS defaults), and one thread-safe client is shared per process and settings;
+* uploads carry a full-object checksum and downloads verify it.
+
+Heavy dependencies (boto3, botocore, s3transfer, tenacity, awscrt) are imported on first use, so importing this
+module never fails; a missing one raises `MissingOptionalDependencyError` with the ``pip install`` line that fixes it.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import functools
+import importlib
+import io
+import json
+import logging
+import mmap
+import os
+import re
+import tempfile
+import threading
+import time
+import types
+import zlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
+from typing import IO, Any, BinaryIO, TypeVar
+
+if __package__:
+    from . import s3_dirpath_utils as _urls
+else:  # installed (or copied) as a top-level module
+    import s3_dirpath_utils as _urls
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE_MB",
+    "DEFAULT_MAX_READ_CONCURRENCY",
+    "DEFAULT_MAX_WRITE_CONCURRENCY",
+    "GB",
+    "MB",
+    "ChecksumMismatchError",
+    "DownloadedObject",
+    "MissingOptionalDependencyError",
+    "RetryPolicy",
+    "S3ClientSettings",
+    "S3MultipartWriter",
+    "S3ObjectInfo",
+    "S3Utils",
+    "get_s3_client",
+    "import_optional_dependency",
+    "is_retriable_error",
+]
+
+logger = logging.getLogger(__name__)
+
+MB = 1024**2
+GB = 1024**3
+DEFAULT_CHUNK_SIZE_MB = 64
+DEFAULT_MAX_READ_CONCURRENCY = 15
+DEFAULT_MAX_WRITE_CONCURRENCY = 10
+MIN_PART_SIZE = 5 * MB  # S3's minimum for every part but the last
+MAX_PARTS = 10_000  # S3's maximum number of parts in one multipart upload
+CHECKSUM_SIDECAR_SUFFIX = ".s3ckpt-checksum.json"
+"""Suffix of the small object that records a checksum where a store does not keep S3 checksums itself."""
+
+_T = TypeVar("_T")
+
+# --------------------------------------------------------------------------------------------------------------------
+# Optional dependencies
+# --------------------------------------------------------------------------------------------------------------------
+
+_INSTALL_HINTS: dict[str, tuple[str, str]] = {
+    # import name: (distribution to name in the message, the command that fixes it)
+    "boto3": ("boto3", 'pip install "s3-checkpoint-io[s3]"'),
+    "botocore": ("botocore", 'pip install "s3-checkpoint-io[s3]"'),
+    "s3transfer": ("s3transfer", 'pip install "s3-checkpoint-io[s3]"'),
+    "awscrt": ("awscrt (boto3[crt])", 'pip install "s3-checkpoint-io[s3]"'),
+    "s3fs": ("s3fs", 'pip install "s3-checkpoint-io[s3]"'),
+    "tenacity": ("tenacity", 'pip install "s3-checkpoint-io[s3]"'),
+    "lightning": ("lightning", 'pip install "s3-checkpoint-io[lightning]"'),
+    "pytorch_lightning": ("pytorch_lightning", 'pip install "s3-checkpoint-io[lightning]"'),
+    "torch": ("torch", "pip install torch  (pick the build for your hardware at https://pytorch.org)"),
+}
+
+
+class MissingOptionalDependencyError(ImportError):
+    """A feature needs an optional package that is not installed; the message says how to install it."""
+
+
+def import_optional_dependency(name: str, feature: str = "") -> types.ModuleType:
+    """Import `name` (a module, e.g. ``"boto3"`` or ``"s3transfer.crt"``) or explain which extra provides it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        top = name.split(".")[0]
+        package, command = _INSTALL_HINTS.get(top, (top, f"pip install {top}"))
+        purpose = f" for {feature}" if feature else ""
+        raise MissingOptionalDependencyError(
+            f"s3-checkpoint-io needs the optional package '{package}'{purpose}, but it could not be imported "
+            f"({exc}). Install it with: {command}",
+            name=top,
+        ) from exc
+
+
+def _botocore_exceptions() -> types.ModuleType:
+    return import_optional_dependency("botocore.exceptions", "S3 access")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Retries
+# --------------------------------------------------------------------------------------------------------------------
+
+RETRIABLE_ERROR_CODES = frozenset(
+    {
+        "SlowDown",
+        "ServiceUnavailable",
+        "InternalError",
+        "InternalFailure",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottled",
+        "RequestThrottledException",
+        "TooManyRequestsException",
+        "RequestLimitExceeded",
+        "BandwidthLimitExceeded",
+        "EC2ThrottledException",
+        "PriorRequestNotComplete",
+        "IDPCommunicationError",
+    }
+)
+"""S3 error codes that mean "try again later" (throttling, server-side and transient errors)."""
+
+RETRIABLE_HTTP_STATUSES = frozenset({500, 502, 503, 504})
+
+
+class TransientTransferError(IOError):
+    """A response ended early or was shorter than promised; retrying the request may succeed."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How S3 calls are retried: exponential backoff with full jitter, bounded by attempts and total time.
+
+    Every S3 request this module makes goes through one policy, so the bounds hold for list, head and delete as much
+    as for part uploads. botocore's own retries are switched off so that the two layers do not multiply.
+    """
+
+    max_attempts: int = 8
+    """Attempts per call, the first included (1 disables retries)."""
+    max_elapsed_s: float = 120.0
+    """No new attempt starts once this much time has passed since the first one."""
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"RetryPolicy.max_attempts must be >= 1, got {self.max_attempts}")
+        if self.max_elapsed_s <= 0 or self.initial_backoff_s < 0 or self.max_backoff_s < 0:
+            raise ValueError(f"RetryPolicy times must be positive: {self}")
+
+
+def is_retriable_error(exc: BaseException) -> bool:
+    """True for throttling, 5xx, request timeouts, connection resets and read/connect timeouts; False otherwise.
+
+    Authentication, authorisation, missing buckets or keys and malformed requests fail at once: retrying them only
+    delays the error and adds load.
+    """
+    if isinstance(exc, TransientTransferError):
+        return True
+    try:
+        bexc = _botocore_exceptions()
+    except MissingOptionalDependencyError:
+        return isinstance(exc, (ConnectionError, TimeoutError))
+    if isinstance(exc, bexc.ClientError):
+        error = exc.response.get("Error", {})
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return error.get("Code") in RETRIABLE_ERROR_CODES or status in RETRIABLE_HTTP_STATUSES
+    if isinstance(exc, (bexc.SSLError, bexc.NoCredentialsError, bexc.PartialCredentialsError)):
+        return False
+    if isinstance(
+        exc,
+        (
+            bexc.ConnectionError,  # endpoint unreachable, connect timeout, proxy errors
+            bexc.HTTPClientError,  # connection closed, read timeout, broken response stream
+            bexc.IncompleteReadError,
+            ConnectionError,  # ConnectionResetError and friends, raised while streaming a body
+            TimeoutError,
+        ),
+    ):
+        return True
+    urllib3_exceptions = _optional_module("urllib3.exceptions")
+    return urllib3_exceptions is not None and isinstance(
+        exc, (urllib3_exceptions.ProtocolError, urllib3_exceptions.ReadTimeoutError)
+    )
+
+
+def _optional_module(name: str) -> types.ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def _error_code(exc: BaseException) -> str:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    return type(exc).__name__
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Client
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class S3ClientSettings:
+    """Where and how to reach S3. Unset fields fall back to botocore's usual sources (environment, config files).
+
+    Credentials are never part of the settings: they come from the normal boto3 credential chain (environment,
+    profile, container or instance role), which refreshes temporary credentials by itself.
+    """
+
+    endpoint_url: str | None = None
+    """Explicit endpoint; else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, else AWS."""
+    region_name: str | None = None
+    addressing_style: str | None = None
+    """``"path"``, ``"virtual"`` or ``"auto"``; defaults to ``"path"`` for a custom endpoint (MinIO, SeaweedFS...)."""
+    profile_name: str | None = None
+    max_pool_connections: int = 32
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 60.0
+    user_agent_extra: str | None = None
+
+    def resolved(self) -> S3ClientSettings:
+        """The same settings with the endpoint and addressing style filled in from the environment."""
+        endpoint = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        style = self.addressing_style or ("path" if endpoint else None)
+        return replace(self, endpoint_url=endpoint or None, addressing_style=style)
+
+
+_clients: dict[tuple[int, S3ClientSettings], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def get_s3_client(settings: S3ClientSettings | None = None) -> Any:
+    """The process-wide boto3 S3 client for these settings (boto3 clients are thread-safe; sessions are not).
+
+    Clients are cached per process id, so a forked child builds its own instead of sharing sockets with its parent.
+    """
+    settings = (settings or S3ClientSettings()).resolved()
+    key = (os.getpid(), settings)
+    client = _clients.get(key)
+    if client is not None:
+        return client
+    boto3_session = import_optional_dependency("boto3.session", "S3 access")
+    botocore_config = import_optional_dependency("botocore.config", "S3 access")
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None:
+            config = botocore_config.Config(
+                max_pool_connections=settings.max_pool_connections,
+                connect_timeout=settings.connect_timeout_s,
+                read_timeout=settings.read_timeout_s,
+                retries={"total_max_attempts": 1},  # RetryPolicy is the single retry layer
+                s3={"addressing_style": settings.addressing_style} if settings.addressing_style else None,
+                user_agent_extra=settings.user_agent_extra,
+                # This module sends and verifies full-object checksums itself.
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+            )
+            session = boto3_session.Session(profile_name=settings.profile_name)
+            client = session.client(
+                "s3", endpoint_url=settings.endpoint_url, region_name=settings.region_name, config=config
+            )
+            _clients[key] = client
+            logger.debug("Created S3 client (endpoint=%s, region=%s)", settings.endpoint_url, client.meta.region_name)
+    return client
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Checksums
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ChecksumAlgorithm:
+    name: str  # S3's spelling, e.g. "CRC32C"
+    nbytes: int
+    update: Callable[[Any, int], int]
+
+    @property
+    def response_field(self) -> str:
+        return f"Checksum{self.name}"
+
+    def encode(self, value: int) -> str:
+        return base64.b64encode(value.to_bytes(self.nbytes, "big")).decode("ascii")
+
+
+def _crt_checksum(function_name: str) -> Callable[[Any, int], int]:
+    def update(data: Any, previous: int) -> int:
+        checksums = import_optional_dependency("awscrt.checksums", f"{function_name} checksums")
+        return getattr(checksums, function_name)(data, previous)
+
+    return update
+
+
+_CHECKSUMS = {
+    "CRC32": _ChecksumAlgorithm("CRC32", 4, zlib.crc32),
+    "CRC32C": _ChecksumAlgorithm("CRC32C", 4, _crt_checksum("crc32c")),
+    "CRC64NVME": _ChecksumAlgorithm("CRC64NVME", 8, _crt_checksum("crc64nvme")),
+}
+
+
+def _checksum_algorithm(name: str | None) -> _ChecksumAlgorithm:
+    """`name` (any case) or, for None/"auto", CRC32C where awscrt is installed and CRC32 (zlib) otherwise."""
+    if name is None or name.lower() == "auto":
+        return _CHECKSUMS["CRC32C"] if _optional_module("awscrt.checksums") else _CHECKSUMS["CRC32"]
+    try:
+        algorithm = _CHECKSUMS[name.upper()]
+    except KeyError:
+        raise ValueError(f"Unknown checksum algorithm {name!r}; use one of {sorted(_CHECKSUMS)} or 'auto'") from None
+    if algorithm.name != "CRC32":
+        import_optional_dependency("awscrt.checksums", f"{algorithm.name} checksums")
+    return algorithm
+
+
+def _checksum_of(algorithm: _ChecksumAlgorithm, data: Any, block: int = 64 * MB) -> int:
+    """Checksum of a buffer, in blocks so that huge buffers never need a contiguous temporary copy."""
+    view = memoryview(data).cast("B")
+    value = 0
+    for start in range(0, len(view), block):
+        value = algorithm.update(view[start : start + block], value)
+    return value
+
+
+class ChecksumMismatchError(IOError):
+    """The bytes read from S3 do not match the checksum recorded when the object was written."""
+
+
+@dataclass(frozen=True)
+class _RecordedChecksum:
+    algorithm: _ChecksumAlgorithm
+    value: str  # base64, as S3 encodes it
+    source: str  # "s3" (stored by the service) or "sidecar" (stored by this package)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Object metadata and downloads
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class S3ObjectInfo:
+    """One object as a listing or HEAD reports it."""
+
+    bucket: str
+    key: str
+    size: int
+    etag: str = ""
+    last_modified: Any = None  # datetime.datetime
+    checksums: dict[str, str] = field(default_factory=dict)
+    checksum_type: str | None = None
+
+    @property
+    def url(self) -> str:
+        return _urls.build_s3_url(self.bucket, self.key)
+
+
+class DownloadedObject:
+    """An object downloaded into an anonymous in-memory file (Linux ``memfd``; a temporary file elsewhere).
+
+    `path` can be handed to ``torch.load(path, mmap=True)``: the tensors then use the downloaded pages directly, so
+    loading needs no second copy of the checkpoint. Close it when done (the mapping torch made stays valid).
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
+            self._fd = os.memfd_create("s3-checkpoint", getattr(os, "MFD_CLOEXEC", 0))
+            self.path = f"/proc/self/fd/{self._fd}"
+        else:  # pragma: no cover - non-Linux fallback
+            self._fd, self.path = tempfile.mkstemp(prefix="s3-checkpoint-")
+        os.ftruncate(self._fd, size)
+
+    def write_at(self, offset: int, data: Any) -> None:
+        """Write `data` at `offset`; safe to call from several threads for disjoint ranges."""
+        view = memoryview(data)
+        while view:
+            written = os.pwrite(self._fd, view, offset)
+            view, offset = view[written:], offset + written
+
+    @contextlib.contextmanager
+    def view(self) -> Iterator[Any]:
+        """A read-only, zero-copy view of the whole content, valid inside the ``with`` block."""
+        if not self.size:
+            yield b""
+            return
+        with mmap.mmap(self._fd, self.size, prot=mmap.PROT_READ) as mapped:
+            yield mapped
+
+    def read_all(self) -> bytes:
+        return os.pread(self._fd, self.size, 0) if self.size else b""
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            if not self.path.startswith("/proc/"):  # pragma: no cover - non-Linux fallback
+                os.unlink(self.path)
+            self._fd = -1
+
+    def __enter__(self) -> DownloadedObject:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# S3Utils
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _ClassOrInstanceMethod:
+    """A method that NeMo code may call on the class (``S3Utils.remove_object(url)``): it then runs on an instance
+    built from default settings, the way NeMo's static methods behaved; called on an instance it uses that instance."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.__func__ = function
+        functools.update_wrapper(self, function)
+
+    def __get__(self, instance: Any, owner: type) -> Callable[..., Any]:
+        return types.MethodType(self.__func__, instance if instance is not None else owner())
+
+
+_class_or_instance = _ClassOrInstanceMethod
+
+
+class S3Utils:
+    """S3 operations for checkpoints, with retries, ``/``-bounded directory semantics and verified transfers.
+
+    NeMo calls these as static methods (``S3Utils.s3_path_exists(url)``); that still works and uses default
+    settings. Build an instance to choose an endpoint, region, retry policy or pool size::
+
+        s3 = S3Utils(S3ClientSettings(endpoint_url="http://127.0.0.1:9000"), retry_policy=RetryPolicy(max_attempts=5))
+        s3.s3_path_exists("s3://bucket/checkpoints", match_directory=True)
+    """
+
+    def __init__(
+        self,
+        settings: S3ClientSettings | None = None,
+        retry_policy: RetryPolicy | None = None,
+        *,
+        client: Any = None,
+    ) -> None:
+        self.settings = (settings or S3ClientSettings()).resolved()
+        self.retry_policy = retry_policy or RetryPolicy()
+        self._client = client
+        self._stats_lock = threading.Lock()
+        self.retries = 0
+        """How many times a call was retried by this instance (for tests, logs and benchmarks)."""
+        self.list_page_size = 1000
+
+    # ---- plumbing -------------------------------------------------------------------------------------------------
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            self._client = get_s3_client(self.settings)
+        return self._client
+
+    def call(self, operation: str, url: str, **kwargs: Any) -> Any:
+        """Call the client operation `operation` (e.g. ``"head_object"``) with retries; `url` is for messages."""
+        return self.with_retries(lambda: getattr(self.client, operation)(**kwargs), operation, url)
+
+    def with_retries(self, attempt: Callable[[], _T], operation: str, url: str) -> _T:
+        """Run `attempt` under the retry policy; the final failure is the original exception, annotated with the URL."""
+        tenacity = import_optional_dependency("tenacity", "S3 retries")
+        policy = self.retry_policy
+
+        def before_sleep(state: Any) -> None:
+            with self._stats_lock:
+                self.retries += 1
+            exc = state.outcome.exception()
+            logger.warning(
+                "S3 %s on %s failed with %s (attempt %d of %d); retrying in %.2f s",
+                operation,
+                url,
+                _error_code(exc),
+                state.attempt_number,
+                policy.max_attempts,
+                state.next_action.sleep if state.next_action else 0.0,
+            )
+
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(policy.max_attempts) | tenacity.stop_before_delay(policy.max_elapsed_s),
+            wait=tenacity.wait_random_exponential(multiplier=policy.initial_backoff_s, max=policy.max_backoff_s),
+            retry=tenacity.retry_if_exception(is_retriable_error),
+            before_sleep=before_sleep,
+            reraise=True,
+        )
+        try:
+            return retrying(attempt)
+        except Exception as exc:
+            not_found = _not_found_error(exc, operation, url)
+            if not_found is not None:
+                raise not_found from exc
+            _annotate(exc, operation, url)
+            raise
+
+    def _new_pool(self, workers: int, name: str) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix=f"s3ckpt-{name}")
+
+    # ---- NeMo-compatible URL helpers ------------------------------------------------------------------------------
+
+    @staticmethod
+    def parse_s3_url(s3_url: str | os.PathLike[str]) -> tuple[str, str]:
+        """``(bucket, key)``; raises ValueError for anything that is not an S3 URL (NeMo returned (None, None))."""
+        return _urls.parse_s3_url(s3_url)
+
+    @staticmethod
+    def build_s3_url(bucket: str, key: str) -> str:
+        return _urls.build_s3_url(bucket, key)
+
+    @staticmethod
+    def is_s3_url(path: str | os.PathLike[str] | None) -> bool:
+        return _urls.is_s3_url(path)
+
+    @staticmethod
+    def parse_prefix_with_step(path: str) -> str:
+        """The part of `path` up to and including the last ``step=<digits>-``, else `path` (NeMo's rule)."""
+        match = re.search(r"(.*step=\d+-)", path)
+        return match.group(1) if match else path
+
+    # ---- metadata and listing -------------------------------------------------------------------------------------
+
+    @_class_or_instance
+    def head_object(self, s3_path: str | os.PathLike[str]) -> S3ObjectInfo:
+        """Size, ETag, modification time and stored checksums of one object; FileNotFoundError if there is none."""
+        url = _urls.normalize_s3_url(s3_path)
+        bucket, key = _urls.parse_s3_url(url)
+        response = self.call("head_object", url, Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+        return S3ObjectInfo(
+            bucket=bucket,
+            key=key,
+            size=response["ContentLength"],
+            etag=response.get("ETag", ""),
+            last_modified=response.get("LastModified"),
+            checksums={
+                name: response[name] for name in response if name.startswith("Checksum") and name != "ChecksumType"
+            },
+            checksum_type=response.get("ChecksumType"),
+        )
+
+    @_class_or_instance
+    def list_objects(self, s3_path: str | os.PathLike[str], *, include_sidecars: bool = False) -> list[S3ObjectInfo]:
+        """Every object under the "directory" `s3_path` (key + ``/``), all pages; the bucket root lists everything."""
+        url = _urls.normalize_s3_url(s3_path)
+        bucket, prefix = _urls.s3_dir_prefix(url)
+        return list(self._iter_objects(bucket, prefix, url, include_sidecars))
+
+    @_class_or_instance
+    def list_objects_with_key_prefix(self, s3_path: str | os.PathLike[str]) -> list[S3ObjectInfo]:
+        """Every object whose key starts with the key of `s3_path` as a plain string (no ``/`` boundary added),
+        e.g. ``s3://b/ckpt/model--step=10-`` for all checkpoints of step 10."""
+        url = _urls.normalize_s3_url(s3_path)
+        bucket, key = _urls.parse_s3_url(url)
+        return list(self._iter_objects(bucket, key, url, include_sidecars=False))
+
+    def _iter_objects(self, bucket: str, prefix: str, url: str, include_sidecars: bool) -> Iterator[S3ObjectInfo]:
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": self.list_page_size}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self.call("list_objects_v2", url, **kwargs)
+            for item in page.get("Contents", []):
+                if include_sidecars or not item["Key"].endswith(CHECKSUM_SIDECAR_SUFFIX):
+                    yield S3ObjectInfo(
+                        bucket, item["Key"], item["Size"], item.get("ETag", ""), item.get("LastModified")
+                    )
+            if not page.get("IsTruncated"):
+                return
+            token = page["NextContinuationToken"]
+
+    @_class_or_instance
+    def s3_path_exists(self, s3_path: str | os.PathLike[str], match_directory: bool = False) -> bool:
+        """True if an object exists at exactly `s3_path`, or (with `match_directory`) any object under ``s3_path/``.
+
+        For the bucket root: whether the bucket exists (and, with `match_directory`, holds any object).
+        A missing bucket gives False; other errors (e.g. AccessDenied) propagate.
+        """
+        url = _urls.normalize_s3_url(s3_path)
+        bucket, key = _urls.parse_s3_url(url)
+        try:
+            if key and not key.endswith("/"):
+                try:
+                    self.head_object(url)
+                    return True
+                except FileNotFoundError:
+                    if not match_directory:
+                        return False
+            elif not match_directory:
+                self.call("head_bucket", url, Bucket=bucket)
+                return True
+            _, prefix = _urls.s3_dir_prefix(url)
+            page = self.call("list_objects_v2", url, Bucket=bucket, Prefix=prefix, MaxKeys=1)
+            return bool(page.get("Contents"))
+        except FileNotFoundError:
+            return False
+
+    @_class_or_instance
+    def find_files_with_suffix(
+        self,
+        base_path: str | os.PathLike[str],
+        suffix: str | None = None,
+        return_key_only: bool = True,
+        profile: str | None = None,
+        creds: Any = None,
+    ) -> list[str]:
+        """Keys (or, with ``return_key_only=False``, s3:// URLs) of all objects under ``base_path/`` ending in
+        `suffix`. Keys are full keys, as NeMo returned them. `profile` / `creds` (an STS-style dict with
+        AccessKeyId, SecretAccessKey, SessionToken) select other credentials for this call, as in NeMo."""
+        utils = self if profile is None and creds is None else self._with_credentials(profile, creds)
+        objects = utils.list_objects(base_path)
+        keys = [obj.key for obj in objects if not suffix or obj.key.endswith(suffix)]
+        if return_key_only:
+            return keys
+        bucket = _urls.parse_s3_url(_urls.normalize_s3_url(base_path))[0]
+        return [_urls.build_s3_url(bucket, key) for key in keys]
+
+    def _with_credentials(self, profile: str | None, creds: Any) -> S3Utils:
+        if profile is not None and creds is not None:
+            raise ValueError("Pass either profile or creds, not both")
+        if profile is not None:
+            return S3Utils(replace(self.settings, profile_name=profile), self.retry_policy)
+        boto3_session = import_optional_dependency("boto3.session", "S3 access")
+        session = boto3_session.Session(
+            aws_access_key_id=creds["AccessKeyId"],
+            aws_secret_access_key=creds["SecretAccessKey"],
+            aws_session_token=creds.get("SessionToken"),
+        )
+        client = session.client(
+            "s3",
+            endpoint_url=self.settings.endpoint_url,
+            region_name=self.settings.region_name,
+            config=get_s3_client(self.settings).meta.config,
+        )
+        return S3Utils(self.settings, self.retry_policy, client=client)
+
+    # ---- removal --------------------------------------------------------------------------------------------------
+
+    @_class_or_instance
+    def remove_object(self, s3_path: str | os.PathLike[str]) -> None:
+        """Delete one object (and the checksum record this package may keep beside it). Missing objects are fine."""
+        url = _urls.normalize_s3_url(s3_path)
+        bucket, key = _urls.parse_s3_url(url)
+        if not key:
+            raise IsADirectoryError(f"{url} is a bucket, not an object; use remove_objects_with_prefix")
+        self._delete_keys(bucket, [key, key + CHECKSUM_SIDECAR_SUFFIX], url)
+
+    @_class_or_instance
+    def remove_objects_with_prefix(self, s3_path: str | os.PathLike[str]) -> int:
+        """Delete the object at `s3_path`, if any, and every object under ``s3_path/``; returns how many were deleted.
+
+        Only the "directory" is removed: ``s3://b/ckpt`` never touches ``s3://b/ckpt_old/...``.
+        """
+        url = _urls.normalize_s3_url(s3_path)
+        bucket, key = _urls.parse_s3_url(url)
+        keys = [obj.key for obj in self.list_objects(url, include_sidecars=True)]
+        if key and not key.endswith("/"):
+            keys += [key, key + CHECKSUM_SIDECAR_SUFFIX]
+        self._delete_keys(bucket, keys, url)
+        return len(keys)
+
+    def _delete_keys(self, bucket: str, keys: list[str], url: str) -> None:
+        for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            batch = keys[start : start + 1000]
+            response = self.call(
+                "delete_objects", url, Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+            )
+            errors = [e for e in response.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                first = errors[0]
+                raise OSError(
+                    f"Could not delete {len(errors)} object(s) under {url}: first "
+                    f"{_urls.build_s3_url(bucket, first.get('Key', ''))}: {first.get('Code')} {first.get('Message')}"
+                )
+
+    # ---- streaming upload -----------------------------------------------------------------------------------------
+
+    @_class_or_instance
+    def open_writer(
+        self,
+        s3_path: str | os.PathLike[str],
+        chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
+        max_concurrency: int = DEFAULT_MAX_WRITE_CONCURRENCY,
+        checksum_algorithm: str | None = "auto",
+    ) -> S3MultipartWriter:
+        """A write-only binary stream that uploads to `s3_path` as it is written (see `S3MultipartWriter`)."""
+        return S3MultipartWriter(self, s3_path, int(chunk_size_MB * MB), max_concurrency, checksum_algorithm)
+
+    @_class_or_instance
+    def upload_file_stream_to_s3(
+        self,
+        bytes_buffer: BinaryIO,
+        s3_path: str | os.PathLike[str],
+        chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
+        max_concurrency: int = DEFAULT_MAX_WRITE_CONCURRENCY,
+    ) -> None:
+        """Upload a binary stream: from its start if it is seekable (as NeMo did), else from where it stands.
+
+        Parts are retried one by one from the bytes already read, so a retry never resumes mid-stream and the
+        object can never come out truncated (NeMo rewound only once, before its retry loop).
+        """
+        self._upload_stream(bytes_buffer, s3_path, chunk_size_MB, max_concurrency)
+
+    @_class_or_instance
+    def upload_file(
+        self,
+        file_path: str | os.PathLike[str],
+        s3_path: str | os.PathLike[str],
+        chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
+        max_concurrency: int = DEFAULT_MAX_WRITE_CONCURRENCY,
+        remove_file: bool = False,
+    ) -> None:
+        """Upload a local file (empty files included); with `remove_file`, delete it once the upload succeeded."""
+        started = time.monotonic()
+        with open(file_path, "rb") as stream:
+            self._upload_stream(stream, s3_path, chunk_size_MB, max_concurrency)
+        size = os.path.getsize(file_path)
+        logger.info("Uploaded %s (%.3f GB) to %s in %.2f s", file_path, size / GB, s3_path, time.monotonic() - started)
+        if remove_file:
+            os.remove(file_path)
+
+    def _upload_stream(
+        self, stream: IO[bytes], s3_path: str | os.PathLike[str], chunk_size_MB: float, max_concurrency: int
+    ) -> None:
+        chunk = int(chunk_size_MB * MB)
+        with self.open_writer(s3_path, chunk_size_MB, max_concurrency) as writer:
+            if stream.seekable():
+                stream.seek(0)
+            while True:
+                data = stream.read(chunk)
+                if not data:
+                    break
+                writer.write(data)
+
+    # ---- download -------------------------------------------------------------------------------------------------
+
+    @_class_or_instance
+    def download_to_memory(
+        self,
+        s3_path: str | os.PathLike[str],
+        chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
+        max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY,
+        *,
+        verify: bool = True,
+    ) -> DownloadedObject:
+        """Download with parallel ranged GETs into a `DownloadedObject` and verify the recorded checksum.
+
+        Every range is read with ``If-Match`` on the ETag seen first, so an object replaced during the download fails
+        instead of mixing two versions. Raises FileNotFoundError if there is no object, ChecksumMismatchError if the
+        bytes do not match what was recorded at upload.
+        """
+        url = _urls.normalize_s3_url(s3_path)
+        info = self.head_object(url)
+        target = DownloadedObject(info.size)
+        try:
+            self._download_ranges(info, target, max(int(chunk_size_MB * MB), MIN_PART_SIZE), max_concurrency)
+            if verify:
+                self._verify(info, target)
+        except BaseException:
+            target.close()
+            raise
+        return target
+
+    def _download_ranges(self, info: S3ObjectInfo, target: DownloadedObject, part_size: int, workers: int) -> None:
+        ranges = [(start, min(start + part_size, info.size)) for start in range(0, info.size, part_size)]
+        if len(ranges) <= 1:
+            for start, end in ranges:
+                self._download_range(info, target, start, end, whole=True)
+            return
+        with self._new_pool(min(workers, len(ranges)), "get") as pool:
+            futures = [pool.submit(self._download_range, info, target, s, e, whole=False) for s, e in ranges]
+            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+            for future in pending:
+                future.cancel()
+            for future in done:
+                future.result()
+
+    def _download_range(self, info: S3ObjectInfo, target: DownloadedObject, start: int, end: int, whole: bool) -> None:
+        kwargs: dict[str, Any] = {"Bucket": info.bucket, "Key": info.key}
+        if info.etag:
+            kwargs["IfMatch"] = info.etag
+        if not whole:
+            kwargs["Range"] = f"bytes={start}-{end - 1}"
+
+        def attempt() -> None:
+            body = self.client.get_object(**kwargs)["Body"]
+            offset = start
+            try:
+                while offset < end:
+                    data = body.read(min(8 * MB, end - offset))
+                    if not data:
+                        break
+                    target.write_at(offset, data)
+                    offset += len(data)
+            finally:
+                body.close()
+            if offset != end:
+                raise TransientTransferError(f"got {offset - start} of {end - start} bytes of {info.url}")
+
+        self.with_retries(attempt, "get_object", info.url)
+
+    def _verify(self, info: S3ObjectInfo, target: DownloadedObject) -> None:
+        """Check the downloaded bytes against the full-object checksum S3 stored, else against the sidecar record.
+
+        Some stores report a checksum they never verified (moto reports a wrong one); this package writes a sidecar
+        for exactly those stores, so a sidecar that matches settles a disagreement with the store's value.
+        """
+        mismatch = ""
+        native = self._native_checksum(info)
+        if native is not None:
+            actual = self._checksum_of_download(native.algorithm, target)
+            if actual == native.value:
+                return
+            mismatch = f"its {native.algorithm.name} is {actual}, but S3 recorded {native.value}"
+        sidecar = self._read_sidecar(info)
+        if sidecar is not None:
+            if sidecar.get("etag") != info.etag or sidecar.get("size") != info.size:
+                raise ChecksumMismatchError(
+                    f"{info.url} was replaced after its checksum was recorded (size/ETag {info.size}/{info.etag}, "
+                    f"recorded {sidecar.get('size')}/{sidecar.get('etag')}): refusing to load an unverified object"
+                )
+            algorithm = _checksum_algorithm(sidecar["algorithm"])
+            actual = self._checksum_of_download(algorithm, target)
+            if actual == sidecar["checksum"]:
+                return
+            mismatch = f"its {algorithm.name} is {actual}, but {sidecar['checksum']} was recorded when it was written"
+        if mismatch:
+            raise ChecksumMismatchError(
+                f"{info.url} is corrupt: {mismatch}. Do not use it; restore it from another copy or use an older one."
+            )
+        logger.warning("%s has no recorded checksum (written by another tool?); checked its size only", info.url)
+
+    @staticmethod
+    def _native_checksum(info: S3ObjectInfo) -> _RecordedChecksum | None:
+        if info.checksum_type not in (None, "FULL_OBJECT"):
+            return None
+        for algorithm in _CHECKSUMS.values():
+            value = info.checksums.get(algorithm.response_field)
+            if value and "-" not in value:  # "xxx-N" is a composite (per-part) checksum, not the object's
+                with contextlib.suppress(MissingOptionalDependencyError):
+                    return _RecordedChecksum(_checksum_algorithm(algorithm.name), value, "s3")
+        return None
+
+    @staticmethod
+    def _checksum_of_download(algorithm: _ChecksumAlgorithm, target: DownloadedObject) -> str:
+        with target.view() as view:
+            return algorithm.encode(_checksum_of(algorithm, view))
+
+    def _read_sidecar(self, info: S3ObjectInfo) -> dict[str, Any] | None:
+        key = info.key + CHECKSUM_SIDECAR_SUFFIX
+        url = _urls.build_s3_url(info.bucket, key)
+        try:
+            body = self.call("get_object", url, Bucket=info.bucket, Key=key)["Body"]
+        except FileNotFoundError:
+            return None
+        with body:
+            return json.loads(body.read())
+
+    def _write_sidecar(self, bucket: str, key: str, record: dict[str, Any]) -> None:
+        sidecar_key = key + CHECKSUM_SIDECAR_SUFFIX
+        body = json.dumps(record, sort_keys=True).encode()
+        self.call("put_object", _urls.build_s3_url(bucket, sidecar_key), Bucket=bucket, Key=sidecar_key, Body=body)
+
+    @_class_or_instance
+    def download_s3_file_to_stream(
+        self,
+        s3_path: str | os.PathLike[str],
+        chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
+        max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY,
+    ) -> io.BytesIO:
+        """The verified content of `s3_path` in a BytesIO positioned at 0 (NeMo's signature)."""
+        with self.download_to_memory(s3_path, chunk_size_MB, max_concurrency) as downloaded:
+            return io.BytesIO(downloaded.read_all())
+
+    @_class_or_instance
+    def download_s3_file_to_path(
+        self,
+        s3_path: str | os.PathLike[str],
+        file_path: str | os.PathLike[str],
+        chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
+        max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY,
+    ) -> None:
+        """Download and verify `s3_path` into `file_path`, which appears only once it is complete."""
+        directory = os.path.dirname(os.path.abspath(file_path))
+        with self.download_to_memory(s3_path, chunk_size_MB, max_concurrency) as downloaded:
+            fd, partial = tempfile.mkstemp(dir=directory, prefix=".s3ckpt-partial-")
+            try:
+                with os.fdopen(fd, "wb") as out, downloaded.view() as view:
+                    for start in range(0, downloaded.size, 64 * MB):
+                        out.write(view[start : start + 64 * MB])
+                os.replace(partial, file_path)
+            except BaseException:
+                if os.path.exists(partial):
+                    os.unlink(partial)
+                raise
+
+
+def _not_found_error(exc: BaseException, operation: str, url: str) -> FileNotFoundError | None:
+    """ "No such key / bucket" as the FileNotFoundError Python code expects (the S3 error becomes its cause)."""
+    code = _error_code(exc)
+    if code not in {"NoSuchKey", "404", "NotFound", "NoSuchBucket"}:
+        return None
+    what = "bucket" if code == "NoSuchBucket" else "object"
+    return FileNotFoundError(f"No such {what}: {url} (S3 {operation} answered {code})")
+
+
+def _annotate(exc: BaseException, operation: str, url: str) -> None:
+    """Add the URL and, for common mistakes, what to do, to an exception that is re-raised unchanged (callers that
+    match on botocore's ``ClientError`` codes keep working)."""
+    code = _error_code(exc)
+    if code in {"AccessDenied", "403", "Forbidden"}:
+        hint = "check the credentials and that their policy allows this action on this bucket and key"
+    elif code in {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "NoCredentialsError"}:
+        hint = "check the AWS credentials (environment, profile or role) used by this process"
+    elif code in {"AuthorizationHeaderMalformed", "PermanentRedirect", "IllegalLocationConstraintException"}:
+        hint = "the bucket may be in another region: set the region (AWS_REGION or region_name)"
+    else:
+        hint = ""
+    if not any(url in note for note in getattr(exc, "__notes__", [])):
+        exc.add_note(f"while running S3 {operation} on {url}" + (f": {hint}" if hint else ""))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Streaming multipart writer
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class S3MultipartWriter(io.RawIOBase):
+    """A binary stream whose bytes go to one S3 object while they are written (``torch.save(obj, writer)``).
+
+    * Parts of `part_size` bytes are uploaded by up to `max_concurrency` threads while the caller keeps writing, so
+      extra memory stays below about ``(max_concurrency + 1) * part_size``, whatever the object's size.
+    * Objects smaller than one part go up in a single PUT.
+    * A full-object checksum is computed as the bytes stream past and sent with the upload, so S3 verifies and keeps
+      it; where a store does not keep it, a small sidecar object records it for `S3Utils.download_to_memory`.
+    * The object appears only when `close()` completes the upload. If anything fails, or the writer is left through
+      an exception, the multipart upload is aborted: no partial object, no stray parts, an older object untouched.
+    * Each part is retried on its own under the `S3Utils` retry policy.
+    """
+
+    def __init__(
+        self,
+        utils: S3Utils,
+        s3_path: str | os.PathLike[str],
+        part_size: int,
+        max_concurrency: int,
+        checksum_algorithm: str | None = "auto",
+    ) -> None:
+        super().__init__()
+        if part_size < MIN_PART_SIZE:
+            raise ValueError(f"part size must be at least {MIN_PART_SIZE // MB} MiB (S3's minimum), got {part_size}")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        self.url = _urls.normalize_s3_url(s3_path)
+        self.bucket, self.key = _urls.parse_s3_url(self.url)
+        if not self.key or self.key.endswith("/"):
+            raise IsADirectoryError(f"Cannot write an object at {self.url}: the URL names a directory, not a key")
+        self._utils = utils
+        self._part_size = part_size
+        self._max_concurrency = max_concurrency
+        self._algorithm = _checksum_algorithm(checksum_algorithm)
+        self._checksum = 0
+        self._size = 0
+        self._buffer = bytearray()
+        self._upload_id: str | None = None
+        self._native_checksums = True
+        self._parts: list[Future[dict[str, Any]]] = []
+        self._failed_part: Future[dict[str, Any]] | None = None
+        self._slots = threading.BoundedSemaphore(max_concurrency)
+        self._pool: ThreadPoolExecutor | None = None
+        self._finished = False
+        self.info: S3ObjectInfo | None = None
+        """Set by `close()`: the committed object's size, ETag and checksum."""
+
+    # ---- io.RawIOBase ---------------------------------------------------------------------------------------------
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        if self.closed or self._finished:
+            raise ValueError(f"write to a closed S3 writer ({self.url})")
+        view = memoryview(data).cast("B")
+        total = len(view)
+        self._checksum = self._algorithm.update(view, self._checksum)
+        self._size += total
+        while view:
+            room = self._part_size - len(self._buffer)
+            self._buffer += view[:room]
+            view = view[room:]
+            if len(self._buffer) >= self._part_size:
+                self._send_part(self._buffer)
+                self._buffer = bytearray()
+        return total
+
+    def close(self) -> None:
+        """Upload what is left and complete the object; on failure abort the upload and re-raise."""
+        if self.closed:
+            return
+        try:
+            if not self._finished:
+                self._finished = True
+                self._complete()
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            super().close()
+
+    def abort(self) -> None:
+        """Give up: stop uploading, abort the multipart upload. Nothing becomes visible at the URL."""
+        self._finished = True
+        for future in self._parts:
+            future.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._upload_id is not None:
+            upload_id, self._upload_id = self._upload_id, None
+            try:
+                self._utils.call(
+                    "abort_multipart_upload", self.url, Bucket=self.bucket, Key=self.key, UploadId=upload_id
+                )
+                logger.info("Aborted the multipart upload to %s", self.url)
+            except Exception:
+                logger.exception("Could not abort the multipart upload %s to %s", upload_id, self.url)
+        self._buffer = bytearray()
+        if not self.closed:
+            super().close()
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is not None:
+            self.abort()
+        else:
+            self.close()
+
+    def __del__(self) -> None:  # an abandoned writer must not leave a multipart upload behind
+        if not self.closed and self._upload_id is not None:
+            self.abort()
+
+    # ---- internals ------------------------------------------------------------------------------------------------
+
+    def _checksum_args(self) -> dict[str, Any]:
+        if not self._native_checksums:
+            return {}
+        return {"ChecksumAlgorithm": self._algorithm.name, "ChecksumType": "FULL_OBJECT"}
+
+    def _start_multipart(self) -> None:
+        try:
+            response = self._utils.call(
+                "create_multipart_upload", self.url, Bucket=self.bucket, Key=self.key, **self._checksum_args()
+            )
+        except Exception as exc:
+            if _error_code(exc) not in {"InvalidArgument", "InvalidRequest", "NotImplemented"}:
+                raise
+            logger.info(
+                "%s: the store rejects full-object checksums (%s); recording them beside the object",
+                self.url,
+                _error_code(exc),
+            )
+            self._native_checksums = False
+            response = self._utils.call("create_multipart_upload", self.url, Bucket=self.bucket, Key=self.key)
+        self._upload_id = response["UploadId"]
+        workers = self._max_concurrency
+        self._pool = self._utils._new_pool(workers, "put")
+
+    def _send_part(self, data: bytearray) -> None:
+        """Queue one part; blocks while `max_concurrency` parts are already in flight (the memory bound)."""
+        self._raise_failed_part()
+        if self._upload_id is None:
+            self._start_multipart()
+        number = len(self._parts) + 1
+        if number > MAX_PARTS:
+            raise ValueError(
+                f"{self.url}: more than {MAX_PARTS} parts of {self._part_size // MB} MiB; raise chunk_size_MB"
+            )
+        self._slots.acquire()
+        assert self._pool is not None
+        future = self._pool.submit(self._upload_part, number, data)
+        future.add_done_callback(self._part_done)
+        self._parts.append(future)
+
+    def _part_done(self, future: Future[dict[str, Any]]) -> None:
+        self._slots.release()
+        if not future.cancelled() and future.exception() is not None and self._failed_part is None:
+            self._failed_part = future
+
+    def _raise_failed_part(self) -> None:
+        """Surface a failed part at the next write rather than after serialising the rest of the checkpoint."""
+        if self._failed_part is not None:
+            self._failed_part.result()
+
+    def _upload_part(self, number: int, data: bytearray) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "Bucket": self.bucket,
+            "Key": self.key,
+            "UploadId": self._upload_id,
+            "PartNumber": number,
+            "Body": data,
+        }
+        if self._native_checksums:
+            kwargs[self._algorithm.response_field] = self._algorithm.encode(_checksum_of(self._algorithm, data))
+        response = self._utils.call("upload_part", f"{self.url} (part {number})", **kwargs)
+        part = {"PartNumber": number, "ETag": response["ETag"]}
+        if self._native_checksums:
+            part[self._algorithm.response_field] = kwargs[self._algorithm.response_field]
+        return part
+
+    def _complete(self) -> None:
+        checksum = self._algorithm.encode(self._checksum)
+        if self._upload_id is None:  # small object: one PUT
+            response = self._utils.call(
+                "put_object",
+                self.url,
+                Bucket=self.bucket,
+                Key=self.key,
+                Body=bytes(self._buffer),
+                ChecksumAlgorithm=self._algorithm.name,
+                **{self._algorithm.response_field: checksum},
+            )
+        else:
+            if self._buffer:
+                self._send_part(self._buffer)
+            self._buffer = bytearray()
+            wait(self._parts, return_when=FIRST_EXCEPTION)
+            parts = [future.result() for future in self._parts]
+            kwargs: dict[str, Any] = {}
+            if self._native_checksums:
+                kwargs = {self._algorithm.response_field: checksum, "ChecksumType": "FULL_OBJECT"}
+            response = self._utils.call(
+                "complete_multipart_upload",
+                self.url,
+                Bucket=self.bucket,
+                Key=self.key,
+                UploadId=self._upload_id,
+                MultipartUpload={"Parts": parts},
+                **kwargs,
+            )
+            self._upload_id = None
+            assert self._pool is not None
+            self._pool.shutdown(wait=False)
+        etag = response.get("ETag", "")
+        stored = response.get(self._algorithm.response_field)
+        if stored is not None and stored != checksum:
+            raise ChecksumMismatchError(f"S3 stored checksum {stored} for {self.url}, but {checksum} was uploaded")
+        if stored is None:  # the store ignored the checksum: record it ourselves, bound to this exact object
+            self._utils._write_sidecar(
+                self.bucket,
+                self.key,
+                {"algorithm": self._algorithm.name, "checksum": checksum, "size": self._size, "etag": etag},
+            )
+        self.info = S3ObjectInfo(
+            self.bucket, self.key, self._size, etag, checksums={self._algorithm.response_field: checksum}
+        )
+        logger.debug("Wrote %s (%d bytes, %s %s)", self.url, self._size, self._algorithm.name, checksum)
