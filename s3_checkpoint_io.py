@@ -1,0 +1,425 @@
+"""`S3CheckpointIO`: a Lightning checkpoint plugin that streams ``torch.save`` to S3 and loads it back in parallel.
+
+Same name, arguments and defaults as NeMo's ``nemo.utils.callbacks.s3_checkpoint_io.S3CheckpointIO``, with NeMo's
+defects fixed:
+
+* a save streams into a multipart upload while ``torch.save`` runs: no ``/dev/shm`` file, no full in-memory copy;
+  memory stays below about ``(max_write_concurrency + 1) * chunk_size_MB`` whatever the checkpoint size;
+* the object appears only when complete, carries a full-object checksum, and a failed save leaves nothing behind;
+* a load fetches ranges in parallel into an in-memory file that ``torch.load(mmap=True)`` maps, so the tensors use
+  the downloaded pages and no second copy is made; the checksum is verified first;
+* async saves snapshot the tensors before returning, and removing an older checkpoint waits until every save issued
+  before it is durable (and is dropped if one failed), so the last good checkpoint is never deleted too early;
+* background failures are raised at the next call and at `teardown`, never dropped;
+* no ``torch.distributed`` needed, local paths work like Lightning's ``TorchCheckpointIO``.
+
+torch and Lightning are imported on first use; the class registers itself as a ``CheckpointIO`` of every installed
+Lightning family (``lightning`` and ``pytorch_lightning``), so both Trainers accept it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+if __package__:
+    from . import s3_dirpath_utils as _urls
+    from . import s3_utils as _s3
+else:  # installed (or copied) as top-level modules
+    import s3_dirpath_utils as _urls
+    import s3_utils as _s3
+
+__all__ = ["S3CheckpointIO", "register_with_lightning"]
+
+logger = logging.getLogger(__name__)
+
+_LIGHTNING_CHECKPOINT_IO_BASES = (
+    "lightning.fabric.plugins.io.checkpoint_io",
+    "lightning_fabric.plugins.io.checkpoint_io",
+)
+_registration_lock = threading.Lock()
+_registered: set[tuple[str, type]] = set()
+
+
+def _torch() -> Any:
+    return _s3.import_optional_dependency("torch", "checkpoint serialisation")
+
+
+def register_with_lightning(cls: type) -> list[str]:
+    """Register `cls` as a virtual subclass of ``CheckpointIO`` in every installed Lightning family.
+
+    ``lightning.pytorch`` and ``pytorch_lightning`` each have their own ``CheckpointIO`` class and each Trainer rejects
+    the other's plugins; registering with both ABCs lets one plugin class serve either Trainer. Returns the modules
+    registered with; raises MissingOptionalDependencyError if neither family is installed.
+    """
+    with _registration_lock:
+        found = []
+        for module_name in _LIGHTNING_CHECKPOINT_IO_BASES:
+            try:
+                module = __import__(module_name, fromlist=["CheckpointIO"])
+            except ImportError:
+                continue
+            if (module_name, cls) not in _registered:
+                module.CheckpointIO.register(cls)
+                _registered.add((module_name, cls))
+            found.append(module_name)
+    if not found:
+        _s3.import_optional_dependency("lightning", "the Lightning CheckpointIO plugin")
+    return found
+
+
+@dataclass
+class _PendingSave:
+    path: str
+    future: Future[None]
+
+
+@dataclass
+class _DeferredRemoval:
+    path: str
+    waits_for: list[Future[None]] = field(default_factory=list)
+
+
+class S3CheckpointIO:
+    """Lightning ``CheckpointIO`` for ``s3://`` (and local) paths. See the module docstring for the guarantees.
+
+    Args:
+        dirpath: where checkpoints go (``s3://bucket/prefix`` or a local directory); informational, as in NeMo.
+        chunk_size_MB: multipart part size and ranged-read size, in MiB.
+        max_read_concurrency: parallel ranged GETs per load.
+        max_write_concurrency: parallel part uploads per save.
+        async_checkpointing: upload in a background thread after snapshotting the tensors to host memory.
+        max_saves_in_flight: async only: at most this many saves run at once; a further save waits for the oldest.
+        checksum_algorithm: ``"auto"`` (CRC32C with awscrt, else CRC32), ``"CRC32C"``, ``"CRC64NVME"`` or ``"CRC32"``.
+        endpoint_url, region_name, client_settings, retry_policy: how to reach S3 (see `s3_utils.S3ClientSettings`).
+        s3_utils: a ready `S3Utils` to use instead of building one from the settings above.
+    """
+
+    # Attributes newer Lightning versions read from a CheckpointIO.
+    requires_cpu_collectives = False
+    requires_state_on_load = False
+    _restore_after_setup = False
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str] | None = None,
+        chunk_size_MB: float = _s3.DEFAULT_CHUNK_SIZE_MB,
+        max_read_concurrency: int = _s3.DEFAULT_MAX_READ_CONCURRENCY,
+        max_write_concurrency: int = _s3.DEFAULT_MAX_WRITE_CONCURRENCY,
+        async_checkpointing: bool = False,
+        *,
+        max_saves_in_flight: int = 1,
+        checksum_algorithm: str = "auto",
+        endpoint_url: str | None = None,
+        region_name: str | None = None,
+        client_settings: _s3.S3ClientSettings | None = None,
+        retry_policy: _s3.RetryPolicy | None = None,
+        s3_utils: _s3.S3Utils | None = None,
+    ) -> None:
+        _torch()
+        register_with_lightning(type(self))
+        if chunk_size_MB * _s3.MB < _s3.MIN_PART_SIZE:
+            raise ValueError(f"chunk_size_MB must be at least 5 (S3's minimum part size), got {chunk_size_MB}")
+        for name, value in [
+            ("max_read_concurrency", max_read_concurrency),
+            ("max_write_concurrency", max_write_concurrency),
+            ("max_saves_in_flight", max_saves_in_flight),
+        ]:
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.dirpath = _as_path_string(dirpath) if dirpath is not None else None
+        self.chunk_size_MB = chunk_size_MB
+        self.max_read_concurrency = max_read_concurrency
+        self.max_write_concurrency = max_write_concurrency
+        self.max_saves_in_flight = max_saves_in_flight
+        self.checksum_algorithm = checksum_algorithm
+        self._async_checkpointing = async_checkpointing
+        if s3_utils is None:
+            settings = client_settings or _s3.S3ClientSettings(
+                endpoint_url=endpoint_url,
+                region_name=region_name,
+                max_pool_connections=max(32, max_read_concurrency, max_write_concurrency * max_saves_in_flight) + 4,
+            )
+            s3_utils = _s3.S3Utils(settings, retry_policy)
+        self.s3 = s3_utils
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: deque[_PendingSave] = deque()
+        self._deferred: list[_DeferredRemoval] = []
+        self._errors: list[BaseException] = []
+        self.last_save_blocked_s = 0.0
+        """How long the last `save_checkpoint` call kept the caller waiting (snapshot plus back-pressure)."""
+
+    @property
+    def async_checkpointing(self) -> bool:
+        return self._async_checkpointing
+
+    # ---- save -----------------------------------------------------------------------------------------------------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Save `checkpoint` to `path` (``s3://...`` or local). Async mode returns once the tensors are copied."""
+        if storage_options is not None:
+            raise TypeError(
+                "S3CheckpointIO.save_checkpoint does not take storage_options; configure it in the constructor"
+            )
+        started = time.perf_counter()
+        path = _as_path_string(path)
+        self._raise_background_errors()
+        if not self._async_checkpointing:
+            self._save_now(checkpoint, path)
+            self.last_save_blocked_s = time.perf_counter() - started
+            return
+        snapshot = snapshot_to_host(checkpoint)
+        with self._lock:
+            oldest = self._pending[0].future if len(self._pending) >= self.max_saves_in_flight else None
+        if oldest is not None:
+            with contextlib.suppress(BaseException):  # its error is recorded and raised below
+                oldest.result()
+            self._raise_background_errors()
+        executor = self._get_executor()
+        with self._lock:
+            future = executor.submit(self._save_now, snapshot, path)
+            self._pending.append(_PendingSave(path, future))
+        future.add_done_callback(self._on_save_done)
+        self.last_save_blocked_s = time.perf_counter() - started
+        logger.debug("Queued async save of %s (blocked %.3f s)", path, self.last_save_blocked_s)
+
+    def _save_now(self, checkpoint: dict[str, Any], path: str) -> None:
+        torch = _torch()
+        started = time.perf_counter()
+        if _urls.is_s3_url(path):
+            with self.s3.open_writer(
+                path, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm
+            ) as writer:
+                torch.save(checkpoint, writer)
+            size = writer.info.size if writer.info else 0
+            _invalidate_fsspec_cache(path)
+            self._remove_conflicting_last_checkpoints(path)
+        else:
+            _atomic_local_save(torch, checkpoint, path)
+            size = os.path.getsize(path)
+        elapsed = time.perf_counter() - started
+        logger.info("Saved %s (%.1f MiB) in %.2f s", path, size / _s3.MB, elapsed)
+
+    def _remove_conflicting_last_checkpoints(self, path: str) -> None:
+        """Keep one ``...step=N-...last.ckpt`` per step: once `path` is durable, remove its older siblings.
+
+        NeMo did this *before* uploading, so a failed upload lost both; here it runs only after success.
+        """
+        if not path.endswith("last.ckpt"):
+            return
+        prefix = self.s3.parse_prefix_with_step(path)
+        if prefix == path:
+            return
+        for obj in self.s3.list_objects_with_key_prefix(prefix):
+            if obj.url != path and obj.key.endswith("last.ckpt"):
+                logger.info("Removing %s: superseded by %s for the same step", obj.url, path)
+                self.s3.remove_object(obj.url)
+
+    # ---- load -----------------------------------------------------------------------------------------------------
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        """Load a checkpoint; `map_location` and `weights_only` mean what they mean to ``torch.load`` (None: torch's
+        default, which is the safe ``weights_only=True``). Accepts and ignores Lightning's newer ``state=`` keyword."""
+        unexpected = set(kwargs) - {"state"}
+        if unexpected:
+            raise TypeError(f"load_checkpoint() got unexpected keyword arguments {sorted(unexpected)}")
+        path = _as_path_string(path)
+        self._raise_background_errors()
+        self._wait_for_saves_of(path)
+        torch = _torch()
+        load_kwargs: dict[str, Any] = {"map_location": map_location}
+        if weights_only is not None:
+            load_kwargs["weights_only"] = weights_only
+        started = time.perf_counter()
+        if not _urls.is_s3_url(path):
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"Checkpoint file not found: {path}")
+            return torch.load(path, **load_kwargs)
+        with self.s3.download_to_memory(path, self.chunk_size_MB, self.max_read_concurrency) as downloaded:
+            downloaded_s = time.perf_counter() - started
+            try:
+                checkpoint = torch.load(downloaded.path, mmap=True, **load_kwargs)
+            except RuntimeError as exc:
+                if "mmap" not in str(exc):
+                    raise
+                checkpoint = torch.load(downloaded.path, **load_kwargs)  # legacy (non-zip) format cannot be mapped
+        logger.info(
+            "Loaded %s (%.1f MiB) in %.2f s (download %.2f s)",
+            path,
+            downloaded.size / _s3.MB,
+            time.perf_counter() - started,
+            downloaded_s,
+        )
+        return checkpoint
+
+    # ---- remove ---------------------------------------------------------------------------------------------------
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove a checkpoint. In async mode the removal waits until every save issued before it is durable, and is
+        dropped if one of them failed: the newest good checkpoint is never deleted before its successor exists."""
+        path = _as_path_string(path)
+        self._raise_background_errors()
+        with self._lock:
+            waits_for = [pending.future for pending in self._pending if not pending.future.done()]
+            if waits_for:
+                self._deferred.append(_DeferredRemoval(path, waits_for))
+                logger.debug("Deferred removal of %s until %d pending save(s) finish", path, len(waits_for))
+                return
+        self._remove_now(path)
+
+    def _remove_now(self, path: str) -> None:
+        if _urls.is_s3_url(path):
+            self.s3.remove_object(path)
+            _invalidate_fsspec_cache(path)
+        elif os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.remove(path)
+        logger.debug("Removed checkpoint %s", path)
+
+    # ---- background bookkeeping -----------------------------------------------------------------------------------
+
+    def _get_executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:  # created lazily: teardown shuts it down and fit() may run again
+                self._executor = ThreadPoolExecutor(self.max_saves_in_flight, thread_name_prefix="s3ckpt-save")
+            return self._executor
+
+    def _on_save_done(self, future: Future[None]) -> None:
+        with self._lock:
+            for pending in list(self._pending):
+                if pending.future is future:
+                    self._pending.remove(pending)
+                    exc = future.exception() if not future.cancelled() else None
+                    if exc is not None:
+                        exc.add_note(f"raised by the background save of {pending.path}")
+                        logger.error("Background save of %s failed: %r", pending.path, exc)
+                        self._errors.append(exc)
+            ready = [d for d in self._deferred if all(f.done() for f in d.waits_for)]
+            self._deferred = [d for d in self._deferred if d not in ready]
+        for removal in ready:
+            failed = [f for f in removal.waits_for if f.cancelled() or f.exception() is not None]
+            if failed:
+                logger.warning("Not removing %s: a save issued before its removal failed", removal.path)
+                continue
+            try:
+                self._remove_now(removal.path)
+            except Exception as exc:
+                exc.add_note(f"raised by the deferred removal of {removal.path}")
+                with self._lock:
+                    self._errors.append(exc)
+
+    def _raise_background_errors(self) -> None:
+        with self._lock:
+            if not self._errors:
+                return
+            first, *others = self._errors
+            self._errors = []
+        for other in others:
+            logger.error("Another background checkpoint operation also failed: %r", other)
+        raise first
+
+    def _wait_for_saves_of(self, path: str) -> None:
+        with self._lock:
+            futures = [pending.future for pending in self._pending if pending.path == path]
+        for future in futures:
+            with contextlib.suppress(BaseException):
+                future.result()
+        self._raise_background_errors()
+
+    def wait_for_pending_saves(self) -> None:
+        """Block until every background save (and the removals waiting on them) finished; raise the first failure."""
+        with self._lock:
+            futures = [pending.future for pending in self._pending]
+        for future in futures:
+            with contextlib.suppress(BaseException):
+                future.result()
+        self._raise_background_errors()
+
+    def teardown(self) -> None:
+        """Wait for all background saves, shut the worker down, and raise if any save or removal failed."""
+        try:
+            self.wait_for_pending_saves()
+        finally:
+            with self._lock:
+                executor, self._executor = self._executor, None
+            if executor is not None:
+                executor.shutdown(wait=True)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _as_path_string(path: Any) -> str:
+    """A str path; an S3 URL collapsed by pathlib (``s3:/b/k``) is restored rather than treated as local."""
+    if _urls.is_s3_url(path):
+        return _urls.normalize_s3_url(path)
+    return os.fspath(path)
+
+
+def snapshot_to_host(obj: Any) -> Any:
+    """A copy of a checkpoint whose tensors are fresh host-memory copies and whose containers are new, so training
+    may mutate the originals while the copy is uploaded (no mixed-step checkpoints)."""
+    torch = _torch()
+
+    def copy_of(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.detach().to("cpu", copy=True)
+        if isinstance(value, dict):
+            result = copy.copy(value)  # keeps the dict type (OrderedDict, defaultdict...)
+            for key, item in value.items():
+                result[key] = copy_of(item)
+            return result
+        if isinstance(value, list):
+            return [copy_of(item) for item in value]
+        if isinstance(value, tuple):
+            items = [copy_of(item) for item in value]
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        return value
+
+    return copy_of(obj)
+
+
+def _atomic_local_save(torch: Any, checkpoint: dict[str, Any], path: str) -> None:
+    """``torch.save`` to a temporary file beside `path`, then rename: readers never see a half-written file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".ckpt")
+    try:
+        with os.fdopen(fd, "wb") as stream:
+            torch.save(checkpoint, stream)
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+        raise
+
+
+def _invalidate_fsspec_cache(url: str) -> None:
+    """Tell live s3fs filesystems that `url` changed: they cache listings per process, and Lightning's
+    ModelCheckpoint asks them whether files exist (e.g. to pick ``-v1`` names)."""
+    s3fs = sys.modules.get("s3fs")
+    if s3fs is None:
+        return
+    bucket_and_key = url[len(_urls.S3_PATH_PREFIX) :]
+    instances: Callable[[], Any] = getattr(s3fs.S3FileSystem, "_cache", {}).values
+    for filesystem in list(instances()):
+        with contextlib.suppress(Exception):
+            filesystem.invalidate_cache(bucket_and_key)
