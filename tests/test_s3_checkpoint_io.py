@@ -1,0 +1,293 @@
+"""S3CheckpointIO against a real S3-compatible server: round trips, atomicity, async safety, local paths."""
+
+from __future__ import annotations
+
+import pathlib
+import threading
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from s3_checkpoint_io import S3CheckpointIO, snapshot_to_host
+
+MiB = 1024 * 1024
+
+
+def make_checkpoint(seed: int = 0, mib: float = 1) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "state_dict": OrderedDict(
+            weight=torch.randn(int(mib * MiB) // 4, generator=generator), bias=torch.arange(10, dtype=torch.float64)
+        ),
+        "global_step": 100 + seed,
+        "epoch": 2,
+        "names": ["a", "b"],
+    }
+
+
+def assert_same_checkpoint(loaded: dict, expected: dict) -> None:
+    assert loaded.keys() == expected.keys()
+    for name, tensor in expected["state_dict"].items():
+        assert torch.equal(loaded["state_dict"][name], tensor), name
+    assert loaded["global_step"] == expected["global_step"]
+    assert loaded["names"] == expected["names"]
+
+
+def object_keys(s3_client, bucket: str) -> list[str]:
+    return sorted(
+        o["Key"] for o in s3_client.list_objects_v2(Bucket=bucket).get("Contents", []) if "s3ckpt" not in o["Key"]
+    )
+
+
+def open_uploads(s3_client, bucket: str) -> list[str]:
+    return [u["Key"] for u in s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+
+
+@pytest.fixture
+def plugin(bucket: str):
+    io = S3CheckpointIO(f"s3://{bucket}/ckpts", chunk_size_MB=5, max_write_concurrency=3, max_read_concurrency=4)
+    yield io
+    io.teardown()
+
+
+@pytest.fixture
+def async_plugin(bucket: str):
+    io = S3CheckpointIO(f"s3://{bucket}/ckpts", chunk_size_MB=5, max_write_concurrency=3, async_checkpointing=True)
+    yield io
+    io.teardown()
+
+
+class TestRoundTrip:
+    @pytest.mark.parametrize("mib", [0.01, 12.3])  # a single PUT and a multipart upload
+    def test_sync_save_then_load(self, plugin: S3CheckpointIO, bucket: str, mib: float) -> None:
+        checkpoint = make_checkpoint(mib=mib)
+        url = f"s3://{bucket}/ckpts/model.ckpt"
+        plugin.save_checkpoint(checkpoint, url)
+        assert_same_checkpoint(plugin.load_checkpoint(url), checkpoint)
+
+    def test_async_save_then_load_waits_for_the_upload(self, async_plugin: S3CheckpointIO, bucket: str) -> None:
+        checkpoint = make_checkpoint(mib=11)
+        url = f"s3://{bucket}/ckpts/model.ckpt"
+        async_plugin.save_checkpoint(checkpoint, url)
+        assert_same_checkpoint(async_plugin.load_checkpoint(url), checkpoint)
+
+    def test_pathlib_collapsed_url_is_restored(self, plugin: S3CheckpointIO, s3_client, bucket: str) -> None:
+        checkpoint = make_checkpoint()
+        plugin.save_checkpoint(checkpoint, pathlib.Path(f"s3://{bucket}/ckpts/p.ckpt"))
+        assert object_keys(s3_client, bucket) == ["ckpts/p.ckpt"]
+        assert_same_checkpoint(plugin.load_checkpoint(pathlib.Path(f"s3://{bucket}/ckpts/p.ckpt")), checkpoint)
+
+    def test_map_location_is_honoured(self, plugin: S3CheckpointIO, bucket: str) -> None:
+        url = f"s3://{bucket}/ckpts/m.ckpt"
+        plugin.save_checkpoint(make_checkpoint(), url)
+        loaded = plugin.load_checkpoint(url, map_location=torch.device("meta"))
+        assert loaded["state_dict"]["weight"].device.type == "meta"
+        loaded = plugin.load_checkpoint(url, map_location=lambda storage, location: storage)
+        assert loaded["state_dict"]["weight"].device.type == "cpu"
+
+    def test_weights_only_follows_torch(self, plugin: S3CheckpointIO, bucket: str) -> None:
+        url = f"s3://{bucket}/ckpts/w.ckpt"
+        plugin.save_checkpoint({"state_dict": {}, "custom": pathlib.PurePosixPath("x")}, url)
+        with pytest.raises(Exception, match=r"[Ww]eights only load failed"):
+            plugin.load_checkpoint(url)  # torch's safe default
+        with pytest.raises(Exception, match=r"[Ww]eights only load failed"):
+            plugin.load_checkpoint(url, weights_only=True)
+        assert plugin.load_checkpoint(url, weights_only=False)["custom"] == pathlib.PurePosixPath("x")
+
+    def test_newer_lightning_state_keyword_is_accepted(self, plugin: S3CheckpointIO, bucket: str) -> None:
+        url = f"s3://{bucket}/ckpts/s.ckpt"
+        plugin.save_checkpoint(make_checkpoint(), url)
+        assert plugin.load_checkpoint(url, state={}, weights_only=True)["global_step"] == 100
+        with pytest.raises(TypeError, match="unexpected"):
+            plugin.load_checkpoint(url, bogus=1)
+
+    def test_missing_checkpoint_is_file_not_found(self, plugin: S3CheckpointIO, bucket: str) -> None:
+        url = f"s3://{bucket}/ckpts/absent.ckpt"
+        with pytest.raises(FileNotFoundError, match=url):
+            plugin.load_checkpoint(url)
+
+    def test_storage_options_are_rejected_like_torch_checkpoint_io(self, plugin: S3CheckpointIO, bucket) -> None:
+        with pytest.raises(TypeError, match="storage_options"):
+            plugin.save_checkpoint({}, f"s3://{bucket}/x.ckpt", storage_options={"a": 1})
+
+    def test_no_process_group_needed(self, plugin: S3CheckpointIO, bucket: str) -> None:
+        assert not torch.distributed.is_initialized()
+        plugin.save_checkpoint(make_checkpoint(), f"s3://{bucket}/ckpts/solo.ckpt")
+        plugin.remove_checkpoint(f"s3://{bucket}/ckpts/solo.ckpt")
+        plugin.teardown()
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("cannot pickle this")
+
+
+class TestAtomicity:
+    def test_failed_save_leaves_no_object_and_keeps_the_older_one(
+        self, plugin: S3CheckpointIO, s3_client, bucket: str
+    ) -> None:
+        url = f"s3://{bucket}/ckpts/model.ckpt"
+        older = make_checkpoint(seed=1)
+        plugin.save_checkpoint(older, url)
+        # Large tensors are written (several parts uploaded) before pickling reaches the bad object.
+        broken = {"big": torch.randn(12 * MiB // 4), "z": _Unpicklable()}
+        with pytest.raises(RuntimeError, match="cannot pickle"):
+            plugin.save_checkpoint(broken, url)
+        assert open_uploads(s3_client, bucket) == []
+        assert_same_checkpoint(plugin.load_checkpoint(url), older)
+
+    def test_failed_first_save_leaves_nothing_visible(self, plugin: S3CheckpointIO, s3_client, bucket: str) -> None:
+        with pytest.raises(RuntimeError, match="cannot pickle"):
+            plugin.save_checkpoint({"big": torch.randn(12 * MiB // 4), "z": _Unpicklable()}, f"s3://{bucket}/n.ckpt")
+        assert object_keys(s3_client, bucket) == []
+        assert open_uploads(s3_client, bucket) == []
+
+    def test_conflicting_last_checkpoints_removed_after_the_new_one_is_durable(
+        self, plugin: S3CheckpointIO, s3_client, bucket: str
+    ) -> None:
+        base = f"s3://{bucket}/ckpts/megatron_gpt--val_loss=1.00-step=5-consumed_samples=10"
+        plugin.save_checkpoint(make_checkpoint(), f"{base}.0-last.ckpt")
+        plugin.save_checkpoint(make_checkpoint(), f"s3://{bucket}/ckpts/megatron_gpt--val_loss=1.00-step=50-last.ckpt")
+        plugin.save_checkpoint(make_checkpoint(), f"{base}.5-last.ckpt")
+        assert object_keys(s3_client, bucket) == [
+            "ckpts/megatron_gpt--val_loss=1.00-step=5-consumed_samples=10.5-last.ckpt",
+            "ckpts/megatron_gpt--val_loss=1.00-step=50-last.ckpt",
+        ]
+
+    def test_conflicting_last_is_kept_when_the_new_save_fails(
+        self, plugin: S3CheckpointIO, s3_client, bucket: str
+    ) -> None:
+        base = f"s3://{bucket}/ckpts/m--step=5-"
+        plugin.save_checkpoint(make_checkpoint(), f"{base}a-last.ckpt")
+        with pytest.raises(RuntimeError, match="cannot pickle"):
+            plugin.save_checkpoint({"z": _Unpicklable()}, f"{base}b-last.ckpt")
+        assert object_keys(s3_client, bucket) == ["ckpts/m--step=5-a-last.ckpt"]
+
+
+class _GatedSaves:
+    """Holds background saves until released, optionally failing them, to observe what happens meanwhile."""
+
+    def __init__(self, plugin: S3CheckpointIO, fail: bool = False) -> None:
+        self.release = threading.Event()
+        self.fail = fail
+        self._save_now = plugin._save_now
+        plugin._save_now = self  # type: ignore[method-assign]
+
+    def __call__(self, checkpoint: dict, path: str) -> None:
+        assert self.release.wait(30), "test never released the gate"
+        if self.fail:
+            raise ConnectionResetError(f"injected failure while uploading {path}")
+        self._save_now(checkpoint, path)
+
+
+class TestAsyncSafety:
+    def test_snapshot_is_taken_before_save_returns(self, async_plugin: S3CheckpointIO, bucket: str) -> None:
+        gate = _GatedSaves(async_plugin)
+        checkpoint = make_checkpoint()
+        expected = {name: tensor.clone() for name, tensor in checkpoint["state_dict"].items()}
+        url = f"s3://{bucket}/ckpts/snap.ckpt"
+        async_plugin.save_checkpoint(checkpoint, url)
+        checkpoint["state_dict"]["weight"].add_(1.0)  # training mutates the tensors in place right away
+        checkpoint["state_dict"]["new"] = torch.zeros(1)
+        gate.release.set()
+        loaded = async_plugin.load_checkpoint(url)
+        assert torch.equal(loaded["state_dict"]["weight"], expected["weight"])
+        assert "new" not in loaded["state_dict"]
+
+    def test_removal_waits_until_the_newer_save_is_durable(
+        self, async_plugin: S3CheckpointIO, s3_client, bucket: str
+    ) -> None:
+        old, new = f"s3://{bucket}/ckpts/old.ckpt", f"s3://{bucket}/ckpts/new.ckpt"
+        async_plugin.save_checkpoint(make_checkpoint(), old)
+        async_plugin.wait_for_pending_saves()
+        gate = _GatedSaves(async_plugin)
+        async_plugin.save_checkpoint(make_checkpoint(seed=2), new)
+        async_plugin.remove_checkpoint(old)  # what ModelCheckpoint does right after saving the newer one
+        assert object_keys(s3_client, bucket) == ["ckpts/old.ckpt"]
+        gate.release.set()
+        async_plugin.teardown()
+        assert object_keys(s3_client, bucket) == ["ckpts/new.ckpt"]
+
+    def test_failed_save_keeps_the_older_checkpoint_and_is_raised(
+        self, async_plugin: S3CheckpointIO, s3_client, bucket: str
+    ) -> None:
+        old, new = f"s3://{bucket}/ckpts/old.ckpt", f"s3://{bucket}/ckpts/new.ckpt"
+        older = make_checkpoint(seed=3)
+        async_plugin.save_checkpoint(older, old)
+        async_plugin.wait_for_pending_saves()
+        gate = _GatedSaves(async_plugin, fail=True)
+        async_plugin.save_checkpoint(make_checkpoint(), new)
+        async_plugin.remove_checkpoint(old)
+        gate.release.set()
+        with pytest.raises(ConnectionResetError, match="injected failure"):
+            async_plugin.teardown()
+        assert object_keys(s3_client, bucket) == ["ckpts/old.ckpt"]
+        assert_same_checkpoint(async_plugin.load_checkpoint(old), older)
+
+    @pytest.mark.parametrize("next_call", ["save", "load", "remove"])
+    def test_background_failure_surfaces_at_the_next_call(
+        self, async_plugin: S3CheckpointIO, bucket: str, next_call: str
+    ) -> None:
+        gate = _GatedSaves(async_plugin, fail=True)
+        gate.release.set()
+        async_plugin.save_checkpoint(make_checkpoint(), f"s3://{bucket}/ckpts/a.ckpt")
+        while async_plugin._pending:
+            async_plugin._pending[0].future.exception()
+        calls = {
+            "save": lambda: async_plugin.save_checkpoint(make_checkpoint(), f"s3://{bucket}/ckpts/b.ckpt"),
+            "load": lambda: async_plugin.load_checkpoint(f"s3://{bucket}/ckpts/a.ckpt"),
+            "remove": lambda: async_plugin.remove_checkpoint(f"s3://{bucket}/ckpts/a.ckpt"),
+        }
+        with pytest.raises(ConnectionResetError, match="injected failure"):
+            calls[next_call]()
+        async_plugin.teardown()  # reported once, not again
+
+    def test_saves_in_flight_are_bounded(self, bucket: str) -> None:
+        plugin = S3CheckpointIO(f"s3://{bucket}/c", chunk_size_MB=5, async_checkpointing=True, max_saves_in_flight=2)
+        gate = _GatedSaves(plugin)
+        plugin.save_checkpoint(make_checkpoint(), f"s3://{bucket}/c/1.ckpt")
+        plugin.save_checkpoint(make_checkpoint(), f"s3://{bucket}/c/2.ckpt")
+        third = threading.Thread(target=plugin.save_checkpoint, args=(make_checkpoint(), f"s3://{bucket}/c/3.ckpt"))
+        third.start()
+        third.join(0.5)
+        assert third.is_alive(), "a third save must wait while two are in flight"
+        gate.release.set()
+        third.join(30)
+        assert not third.is_alive()
+        plugin.teardown()
+        assert sorted(o.key for o in plugin.s3.list_objects(f"s3://{bucket}/c")) == ["c/1.ckpt", "c/2.ckpt", "c/3.ckpt"]
+
+
+def test_snapshot_copies_tensors_and_containers() -> None:
+    tensor = torch.ones(3)
+    original = {"a": OrderedDict(t=tensor), "b": [tensor, (tensor, 1)], "c": "text"}
+    copy = snapshot_to_host(original)
+    tensor.add_(1)
+    assert torch.equal(copy["a"]["t"], torch.ones(3))
+    assert type(copy["a"]) is OrderedDict
+    assert torch.equal(copy["b"][1][0], torch.ones(3))
+    assert copy["c"] == "text"
+
+
+class TestLocalPaths:
+    def test_local_save_load_remove(self, tmp_path: pathlib.Path) -> None:
+        plugin = S3CheckpointIO(tmp_path)
+        path = tmp_path / "nested" / "model.ckpt"
+        checkpoint = make_checkpoint()
+        plugin.save_checkpoint(checkpoint, path)
+        assert [p.name for p in path.parent.iterdir()] == ["model.ckpt"]  # no temporary file left
+        assert_same_checkpoint(plugin.load_checkpoint(path), checkpoint)
+        plugin.remove_checkpoint(path)
+        assert not path.exists()
+
+    def test_local_remove_of_a_directory_checkpoint(self, tmp_path: pathlib.Path) -> None:
+        directory = tmp_path / "dist.ckpt"
+        (directory / "shard").mkdir(parents=True)
+        (directory / "shard" / "0.distcp").write_bytes(b"x")
+        S3CheckpointIO(tmp_path).remove_checkpoint(directory)
+        assert not directory.exists()
+
+    def test_local_missing_file(self, tmp_path: pathlib.Path) -> None:
+        with pytest.raises(FileNotFoundError, match=r"absent\.ckpt"):
+            S3CheckpointIO(tmp_path).load_checkpoint(tmp_path / "absent.ckpt")

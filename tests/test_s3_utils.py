@@ -1,0 +1,190 @@
+"""S3Utils against a real S3-compatible server over HTTP (moto and SeaweedFS)."""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+
+import pytest
+
+from s3_utils import (
+    CHECKSUM_SIDECAR_SUFFIX,
+    S3ClientSettings,
+    S3Utils,
+    get_s3_client,
+)
+
+MiB = 1024 * 1024
+
+
+def put(s3_client, bucket: str, key: str, body: bytes = b"x") -> None:
+    s3_client.put_object(Bucket=bucket, Key=key, Body=body)
+
+
+def keys(s3_client, bucket: str) -> list[str]:
+    return sorted(obj["Key"] for obj in s3_client.list_objects_v2(Bucket=bucket).get("Contents", []))
+
+
+def open_uploads(s3_client, bucket: str) -> list[str]:
+    return [u["Key"] for u in s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+
+
+class TestDirectorySemantics:
+    def test_exists_respects_the_slash_boundary(self, s3_client, bucket: str) -> None:
+        put(s3_client, bucket, "ckpt_old/a.ckpt")
+        assert not S3Utils.s3_path_exists(f"s3://{bucket}/ckpt", match_directory=True)
+        put(s3_client, bucket, "ckpt/a.ckpt")
+        assert S3Utils.s3_path_exists(f"s3://{bucket}/ckpt", match_directory=True)
+        assert S3Utils.s3_path_exists(f"s3://{bucket}/ckpt/", match_directory=True)
+
+    def test_exists_without_match_directory_needs_the_exact_object(self, s3_client, bucket: str) -> None:
+        put(s3_client, bucket, "ckpt/a.ckpt")
+        assert S3Utils.s3_path_exists(f"s3://{bucket}/ckpt/a.ckpt")
+        assert not S3Utils.s3_path_exists(f"s3://{bucket}/ckpt/a.ck")
+        assert not S3Utils.s3_path_exists(f"s3://{bucket}/ckpt")
+
+    def test_exists_for_bucket_root_and_missing_bucket(self, bucket: str) -> None:
+        assert S3Utils.s3_path_exists(f"s3://{bucket}")
+        assert not S3Utils.s3_path_exists(f"s3://{bucket}", match_directory=True)  # empty bucket
+        assert not S3Utils.s3_path_exists("s3://no-such-bucket-s3ckpt/x", match_directory=True)
+        assert not S3Utils.s3_path_exists("s3://no-such-bucket-s3ckpt")
+
+    def test_remove_objects_with_prefix_stays_inside_the_directory(self, s3_client, bucket: str) -> None:
+        for key in ["ckpt", "ckpt/a.ckpt", "ckpt/sub/b.ckpt", "ckpt_old/c.ckpt", "ckpt2"]:
+            put(s3_client, bucket, key)
+        S3Utils.remove_objects_with_prefix(f"s3://{bucket}/ckpt")
+        assert keys(s3_client, bucket) == ["ckpt2", "ckpt_old/c.ckpt"]
+
+    def test_find_files_with_suffix_returns_full_keys_or_urls(self, s3_client, bucket: str) -> None:
+        for key in ["run/a-last.ckpt", "run/b.ckpt", "run/sub/c-last.ckpt", "run2/d-last.ckpt"]:
+            put(s3_client, bucket, key)
+        base = f"s3://{bucket}/run"
+        assert sorted(S3Utils.find_files_with_suffix(base, "last.ckpt")) == ["run/a-last.ckpt", "run/sub/c-last.ckpt"]
+        assert sorted(S3Utils.find_files_with_suffix(base, return_key_only=False)) == [
+            f"s3://{bucket}/run/a-last.ckpt",
+            f"s3://{bucket}/run/b.ckpt",
+            f"s3://{bucket}/run/sub/c-last.ckpt",
+        ]
+
+    def test_listing_follows_every_page(self, s3_client, bucket: str) -> None:
+        for index in range(23):
+            put(s3_client, bucket, f"many/{index:03d}")
+        utils = S3Utils()
+        utils.list_page_size = 5
+        listed = utils.list_objects(f"s3://{bucket}/many")
+        assert [obj.key for obj in listed] == [f"many/{index:03d}" for index in range(23)]
+        assert all(obj.size == 1 for obj in listed)
+
+    def test_remove_object_is_fine_when_missing_and_refuses_a_bucket(self, bucket: str) -> None:
+        S3Utils.remove_object(f"s3://{bucket}/never-existed")
+        with pytest.raises(IsADirectoryError, match=bucket):
+            S3Utils.remove_object(f"s3://{bucket}")
+
+
+class TestTransfers:
+    @pytest.mark.parametrize("size", [0, 1, 5 * MiB - 1, 5 * MiB, 12 * MiB + 7])
+    def test_stream_round_trip(self, bucket: str, size: int) -> None:
+        data = os.urandom(size)
+        url = f"s3://{bucket}/data/blob.bin"
+        S3Utils.upload_file_stream_to_s3(io.BytesIO(data), url, chunk_size_MB=5, max_concurrency=3)
+        assert S3Utils.download_s3_file_to_stream(url, chunk_size_MB=5, max_concurrency=3).read() == data
+
+    def test_stream_upload_starts_from_the_beginning_of_a_seekable_stream(self, bucket: str) -> None:
+        stream = io.BytesIO(b"0123456789")
+        stream.seek(7)
+        url = f"s3://{bucket}/rewound"
+        S3Utils.upload_file_stream_to_s3(stream, url)
+        assert S3Utils.download_s3_file_to_stream(url).read() == b"0123456789"
+
+    def test_file_round_trip_and_remove_file(self, bucket: str, tmp_path) -> None:
+        source = tmp_path / "source.bin"
+        data = os.urandom(11 * MiB)
+        source.write_bytes(data)
+        url = f"s3://{bucket}/files/source.bin"
+        S3Utils.upload_file(source, url, chunk_size_MB=5, remove_file=True)
+        assert not source.exists()
+        target = tmp_path / "out" / "target.bin"
+        target.parent.mkdir()
+        S3Utils.download_s3_file_to_path(url, target, chunk_size_MB=5)
+        assert target.read_bytes() == data
+        assert [p.name for p in target.parent.iterdir()] == ["target.bin"]  # no partial file left
+
+    def test_empty_file_uploads(self, bucket: str, tmp_path) -> None:
+        source = tmp_path / "empty"
+        source.write_bytes(b"")
+        S3Utils.upload_file(source, f"s3://{bucket}/empty")
+        assert S3Utils.head_object(f"s3://{bucket}/empty").size == 0
+
+    def test_missing_object_is_file_not_found_with_the_url(self, bucket: str, tmp_path) -> None:
+        url = f"s3://{bucket}/missing.ckpt"
+        with pytest.raises(FileNotFoundError, match=url):
+            S3Utils.download_s3_file_to_stream(url)
+        with pytest.raises(FileNotFoundError, match=url):
+            S3Utils.download_s3_file_to_path(url, tmp_path / "x")
+        assert not (tmp_path / "x").exists()
+
+    def test_writer_parts_are_uploaded_while_writing(self, s3_client, bucket: str) -> None:
+        url = f"s3://{bucket}/streamed"
+        writer = S3Utils().open_writer(url, chunk_size_MB=5, max_concurrency=2)
+        writer.write(os.urandom(11 * MiB))  # two full parts are queued; the rest stays buffered
+        assert open_uploads(s3_client, bucket) == ["streamed"]
+        assert keys(s3_client, bucket) == []  # nothing visible before close()
+        writer.close()
+        assert open_uploads(s3_client, bucket) == []
+        assert S3Utils.head_object(url).size == 11 * MiB
+
+    def test_writer_left_through_an_exception_leaves_nothing(self, s3_client, bucket: str) -> None:
+        url = f"s3://{bucket}/k.ckpt"
+        put(s3_client, bucket, "k.ckpt", b"older object")
+        with pytest.raises(RuntimeError, match="serialisation failed"):
+            with S3Utils().open_writer(url, chunk_size_MB=5) as writer:
+                writer.write(os.urandom(12 * MiB))
+                raise RuntimeError("serialisation failed")
+        assert open_uploads(s3_client, bucket) == []
+        assert s3_client.get_object(Bucket=bucket, Key="k.ckpt")["Body"].read() == b"older object"
+
+    def test_checksum_is_stored_by_the_store_or_beside_the_object(self, s3_client, bucket: str) -> None:
+        url = f"s3://{bucket}/ck/big.bin"
+        with S3Utils().open_writer(url, chunk_size_MB=5) as writer:
+            writer.write(os.urandom(6 * MiB))
+        assert writer.info is not None
+        expected = writer.info.checksums["ChecksumCRC32C"]
+        head = s3_client.head_object(Bucket=bucket, Key="ck/big.bin", ChecksumMode="ENABLED")
+        sidecar = "ck/big.bin" + CHECKSUM_SIDECAR_SUFFIX
+        if head.get("ChecksumCRC32C") == expected:
+            assert sidecar not in keys(s3_client, bucket)  # the store keeps it: no extra object
+        else:
+            assert sidecar in keys(s3_client, bucket)
+
+
+class TestClient:
+    def test_endpoint_comes_from_argument_then_environment(self, monkeypatch) -> None:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:1")
+        monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:2")
+        assert S3ClientSettings().resolved().endpoint_url == "http://127.0.0.1:1"
+        assert S3ClientSettings(endpoint_url="http://127.0.0.1:3").resolved().endpoint_url == "http://127.0.0.1:3"
+        monkeypatch.delenv("AWS_ENDPOINT_URL_S3")
+        assert S3ClientSettings().resolved().endpoint_url == "http://127.0.0.1:2"
+        assert S3ClientSettings().resolved().addressing_style == "path"
+        monkeypatch.delenv("AWS_ENDPOINT_URL")
+        assert S3ClientSettings().resolved().endpoint_url is None
+        assert S3ClientSettings().resolved().addressing_style is None
+
+    def test_one_client_per_settings_shared_by_threads(self, s3_server) -> None:
+        settings = S3ClientSettings(endpoint_url=s3_server.endpoint_url, max_pool_connections=17)
+        clients: list[object] = []
+        threads = [threading.Thread(target=lambda: clients.append(get_s3_client(settings))) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert len({id(client) for client in clients}) == 1
+        client = clients[0]
+        assert client.meta.endpoint_url == s3_server.endpoint_url
+        assert client.meta.config.max_pool_connections == 17
+        assert get_s3_client(S3ClientSettings(endpoint_url=s3_server.endpoint_url)) is not client
+
+    def test_class_level_calls_use_the_environment_endpoint(self, s3_server, bucket: str) -> None:
+        assert S3Utils().client.meta.endpoint_url == s3_server.endpoint_url
+        assert S3Utils.s3_path_exists(f"s3://{bucket}")
