@@ -376,7 +376,12 @@ class S3ObjectInfo:
 
     @property
     def url(self) -> str:
-        return _urls.build_s3_url(self.bucket, self.key)
+        return _object_url(self.bucket, self.key)
+
+
+def _object_url(bucket: str, key: str) -> str:
+    """The URL of a listed object, keeping its key exactly (even one starting with ``/``)."""
+    return f"{_urls.S3_PATH_PREFIX}{bucket}/{key}"
 
 
 class DownloadedObject:
@@ -639,7 +644,7 @@ class S3Utils:
         if return_key_only:
             return keys
         bucket = _urls.parse_s3_url(_urls.normalize_s3_url(base_path))[0]
-        return [_urls.build_s3_url(bucket, key) for key in keys]
+        return [_object_url(bucket, key) for key in keys]
 
     def _with_credentials(self, profile: str | None, creds: Any) -> S3Utils:
         if profile is not None and creds is not None:

@@ -1,0 +1,281 @@
+"""Parse, validate, build and join ``s3://bucket/key`` URLs, using only the standard library.
+
+This flat module is copied unedited into NeMo forks and imported by lightweight tools, so it must never import
+anything outside the standard library (not even lazily).
+
+Conventions:
+
+* An S3 URL is a ``str`` starting with exactly ``s3://``; the key is everything after the first ``/`` that follows
+  the bucket, kept character for character (unicode, spaces, ``=``, inner ``//``, a trailing ``/``).
+* ``pathlib`` collapses ``//``, so ``str(Path("s3://b/k")) == "s3:/b/k"``. A path object (``os.PathLike``) whose
+  text starts with ``s3:/`` is therefore taken as a collapsed S3 URL and repaired by :func:`normalize_s3_url`
+  (the only place that repair lives) instead of being treated as a local path. Pathlib also drops inner ``//`` and
+  a trailing ``/`` of the key, which cannot be repaired: pass such URLs as ``str``.
+* Bucket names follow the Amazon S3 general-purpose naming rules unless relaxed for S3-compatible stores (MinIO,
+  Ceph, SeaweedFS...) with ``strict_bucket_names=False`` or ``S3_CHECKPOINT_IO_RELAXED_BUCKET_NAMES=1``.
+
+Deliberate differences from NeMo's ``S3Utils``: :func:`parse_s3_url` raises ``ValueError`` instead of returning
+``(None, None)``; :func:`is_s3_url` recognises ``Path`` objects holding a (collapsed) S3 URL instead of returning
+False, and raises ``TypeError`` for types that cannot be paths; :func:`build_s3_url` returns ``s3://bucket`` (no
+trailing ``/``) for an empty key and never produces ``//`` after the bucket.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+__all__ = [
+    "MAX_KEY_BYTES",
+    "RELAXED_BUCKET_NAMES_ENV",
+    "S3_PATH_PREFIX",
+    "build_s3_url",
+    "is_s3_url",
+    "join_s3_url",
+    "normalize_s3_url",
+    "parse_s3_url",
+    "s3_dir_prefix",
+    "s3_url_name",
+    "s3_url_parent",
+    "validate_bucket_name",
+]
+
+S3_PATH_PREFIX = "s3://"
+#: Environment variable that, set to 1/true/yes/on, relaxes bucket-name checks (read at every call).
+RELAXED_BUCKET_NAMES_ENV = "S3_CHECKPOINT_IO_RELAXED_BUCKET_NAMES"
+#: Amazon S3's limit on the length of an object key, in bytes of UTF-8.
+MAX_KEY_BYTES = 1024
+
+_COLLAPSED_PREFIX = "s3:/"
+_STRICT_CHARSET = re.compile(r"[a-z0-9.-]+")
+_IPV4_LIKE = re.compile(r"[0-9]{1,3}(\.[0-9]{1,3}){3}")
+_RESERVED_PREFIXES = ("xn--", "sthree-", "amzn-s3-demo-")
+_RESERVED_SUFFIXES = ("-s3alias", "--ol-s3", ".mrap")
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("", "0", "false", "no", "off")
+_OPT_OUT_HINT = (
+    " (for S3-compatible stores that accept other names: pass strict_bucket_names=False"
+    f" or set {RELAXED_BUCKET_NAMES_ENV}=1)"
+)
+
+
+# ---- recognising and normalising ----------------------------------------------------------------------------------
+
+
+def _path_text(path: object) -> str:
+    """The text of a str or str-PathLike; TypeError for anything else, so misuse is never mistaken for "not S3"."""
+    if isinstance(path, str):
+        return path
+    if isinstance(path, os.PathLike):
+        text = os.fspath(path)
+        if isinstance(text, str):
+            return text
+        raise TypeError(f"expected an S3 URL as str or os.PathLike[str], got a path of {type(text).__name__}")
+    raise TypeError(f"expected an S3 URL as str or os.PathLike[str], got {type(path).__name__}")
+
+
+def is_s3_url(path: str | os.PathLike[str] | None) -> bool:
+    """Whether `path` names an S3 object: a str starting with ``s3://``, or a path object holding an S3 URL that
+    pathlib collapsed to ``s3:/...``. None is False (an unset path is not S3); other types raise TypeError."""
+    if path is None:
+        return False
+    text = _path_text(path)
+    if isinstance(path, str):
+        return text.startswith(S3_PATH_PREFIX)
+    return text.startswith(_COLLAPSED_PREFIX)
+
+
+def normalize_s3_url(path: str | os.PathLike[str]) -> str:
+    """The canonical ``s3://...`` str for `path`, repairing the ``//`` that pathlib collapses in path objects.
+
+    Only the scheme is checked here (bucket and key are checked by :func:`parse_s3_url`). Raises ValueError, naming
+    the input, when `path` is not an S3 URL (exactly when :func:`is_s3_url` is False) and TypeError for other types.
+    """
+    text = _path_text(path)
+    if isinstance(path, str):
+        if text.startswith(S3_PATH_PREFIX):
+            return text
+        if text.startswith(_COLLAPSED_PREFIX):
+            raise ValueError(
+                f"{path!r} is not an S3 URL: it looks like an s3:// URL whose '//' was collapsed by pathlib "
+                "(str(Path('s3://b/k')) == 's3:/b/k'); pass the URL as a str, or pass the Path object itself"
+            )
+        if text.lower().startswith("s3:"):
+            raise ValueError(f"{path!r} is not an S3 URL: it must start with exactly {S3_PATH_PREFIX!r}")
+        raise ValueError(f"{path!r} is not an S3 URL: it does not start with {S3_PATH_PREFIX!r}")
+    if text.startswith(S3_PATH_PREFIX):
+        return text
+    if text.startswith(_COLLAPSED_PREFIX):
+        return S3_PATH_PREFIX + text[len(_COLLAPSED_PREFIX) :]
+    raise ValueError(f"{path!r} is not an S3 URL: its text {text!r} does not start with {S3_PATH_PREFIX!r}")
+
+
+# ---- bucket names and keys ----------------------------------------------------------------------------------------
+
+
+def _strict_mode(strict: bool | None) -> bool:
+    """The argument if given, else the environment variable read now (so tests and tools can flip it at run time)."""
+    if strict is not None:
+        return bool(strict)
+    value = os.environ.get(RELAXED_BUCKET_NAMES_ENV, "").strip().lower()
+    if value in _TRUE_WORDS:
+        return False
+    if value in _FALSE_WORDS:
+        return True
+    raise ValueError(
+        f"environment variable {RELAXED_BUCKET_NAMES_ENV}={os.environ[RELAXED_BUCKET_NAMES_ENV]!r} is not understood; "
+        "use 1/true/yes/on for relaxed bucket names, or 0/false/no/off (or leave it unset) for strict ones"
+    )
+
+
+def _is_space_or_control(char: str) -> bool:
+    code = ord(char)
+    return char.isspace() or code < 0x20 or 0x7F <= code <= 0x9F or 0xD800 <= code <= 0xDFFF
+
+
+def _bucket_problem(bucket: str, strict: bool) -> str | None:
+    """Which naming rule `bucket` breaks, or None if it is valid."""
+    if not bucket:
+        return "the bucket name is empty"
+    if not strict:
+        if len(bucket) > 255:
+            return f"it has {len(bucket)} characters (at most 255, even with relaxed names)"
+        if "/" in bucket:
+            return "it contains '/'"
+        bad = sorted({char for char in bucket if _is_space_or_control(char)})
+        if bad:
+            return f"it contains whitespace, control or surrogate characters {', '.join(map(repr, bad))}"
+        return None
+    if not 3 <= len(bucket) <= 63:
+        return f"it has {len(bucket)} characters (must have 3 to 63)"
+    if not _STRICT_CHARSET.fullmatch(bucket):
+        bad = sorted(set(_STRICT_CHARSET.sub("", bucket)))
+        return f"it contains {', '.join(map(repr, bad))} (only lowercase letters, digits, '.' and '-' are allowed)"
+    if not (bucket[0].isalnum() and bucket[-1].isalnum()):
+        return "it must begin and end with a lowercase letter or digit"
+    if ".." in bucket:
+        return "it contains two adjacent periods"
+    if _IPV4_LIKE.fullmatch(bucket):
+        return "it is formatted as an IP address"
+    for prefix in _RESERVED_PREFIXES:
+        if bucket.startswith(prefix):
+            return f"the prefix {prefix!r} is reserved by Amazon S3"
+    for suffix in _RESERVED_SUFFIXES:
+        if bucket.endswith(suffix):
+            return f"the suffix {suffix!r} is reserved by Amazon S3"
+    return None
+
+
+def validate_bucket_name(bucket: str, *, strict: bool | None = None) -> str:
+    """Return `bucket` if it is a valid bucket name, else raise ValueError saying which rule it breaks.
+
+    Strict (default) applies the Amazon S3 general-purpose bucket rules (directory buckets ``...--x-s3`` pass).
+    Relaxed (``strict=False``, or env ``S3_CHECKPOINT_IO_RELAXED_BUCKET_NAMES=1`` when `strict` is None) only
+    requires 1-255 characters, no ``/``, no whitespace, control or surrogate characters.
+    """
+    if not isinstance(bucket, str):
+        raise TypeError(f"bucket must be a str, got {type(bucket).__name__}")
+    is_strict = _strict_mode(strict)
+    problem = _bucket_problem(bucket, is_strict)
+    if problem is not None:
+        raise ValueError(f"invalid S3 bucket name {bucket!r}: {problem}" + (_OPT_OUT_HINT if is_strict else ""))
+    return bucket
+
+
+def _key_problem(key: str) -> str | None:
+    """Why `key` cannot be an S3 object key (not UTF-8 encodable, or longer than 1024 bytes), or None."""
+    try:
+        size = len(key.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        return f"the key cannot be encoded as UTF-8 (lone surrogate at position {exc.start})"
+    if size > MAX_KEY_BYTES:
+        return f"the key is {size} bytes in UTF-8 (S3 allows at most {MAX_KEY_BYTES})"
+    return None
+
+
+# ---- parsing and building -----------------------------------------------------------------------------------------
+
+
+def parse_s3_url(url: str | os.PathLike[str], *, strict_bucket_names: bool | None = None) -> tuple[str, str]:
+    """Split an S3 URL into ``(bucket, key)``; the key is kept exactly and is ``""`` for ``s3://bucket[/]``.
+
+    Raises ValueError, naming the input, for anything that is not a valid S3 URL (other schemes, ``s3:/x`` as a
+    str, an empty or invalid bucket, a key over 1024 UTF-8 bytes or not encodable as UTF-8) and TypeError for types
+    other than str / os.PathLike (None included). See :func:`validate_bucket_name` for `strict_bucket_names`.
+    """
+    normalized = normalize_s3_url(url)
+    bucket, _, key = normalized[len(S3_PATH_PREFIX) :].partition("/")
+    is_strict = _strict_mode(strict_bucket_names)
+    problem = _bucket_problem(bucket, is_strict)
+    if problem is not None:
+        hint = _OPT_OUT_HINT if is_strict and bucket else ""
+        raise ValueError(f"{url!r} is not a valid S3 URL: bucket {bucket!r}: {problem}{hint}")
+    problem = _key_problem(key)
+    if problem is not None:
+        raise ValueError(f"{url!r} is not a valid S3 URL: {problem}")
+    return bucket, key
+
+
+def build_s3_url(bucket: str, key: str = "", *, strict_bucket_names: bool | None = None) -> str:
+    """``s3://bucket/key`` (``s3://bucket`` for an empty key), validating bucket and key.
+
+    Leading ``/`` of `key` are dropped so the result never has ``//`` after the bucket; S3 keys that really begin
+    with ``/`` therefore cannot be built with this helper. Otherwise the key is kept exactly, and
+    ``parse_s3_url(build_s3_url(b, k)) == (b, k)``.
+    """
+    if not isinstance(key, str):
+        raise TypeError(f"key must be a str, got {type(key).__name__}")
+    validate_bucket_name(bucket, strict=strict_bucket_names)
+    key = key.lstrip("/")
+    problem = _key_problem(key)
+    if problem is not None:
+        raise ValueError(f"cannot build an S3 URL for bucket {bucket!r} and key {key!r}: {problem}")
+    return f"{S3_PATH_PREFIX}{bucket}/{key}" if key else f"{S3_PATH_PREFIX}{bucket}"
+
+
+def join_s3_url(base: str | os.PathLike[str], *parts: str, strict_bucket_names: bool | None = None) -> str:
+    """Append `parts` to the S3 URL `base` with exactly one ``/`` at each boundary (only the slashes at the
+    boundary are merged; inner ``//`` and a trailing ``/`` on the last part are kept). Empty parts are skipped.
+
+    Unlike ``posixpath.join``, a part that is itself an ``s3://`` URL raises ValueError instead of replacing the
+    base, and a part starting with ``/`` is still appended. The result is validated like :func:`parse_s3_url`.
+    """
+    result = normalize_s3_url(base)
+    parse_s3_url(result, strict_bucket_names=strict_bucket_names)
+    for part in parts:
+        if not isinstance(part, str):
+            raise TypeError(f"parts to join must be str, got {type(part).__name__}")
+        if part.startswith(S3_PATH_PREFIX):
+            raise ValueError(f"cannot join the absolute S3 URL {part!r} onto {result!r}")
+        if part:
+            result = result.rstrip("/") + "/" + part.lstrip("/")
+    parse_s3_url(result, strict_bucket_names=strict_bucket_names)
+    return result
+
+
+# ---- directory-style helpers --------------------------------------------------------------------------------------
+
+
+def s3_url_parent(url: str | os.PathLike[str], *, strict_bucket_names: bool | None = None) -> str:
+    """The URL of the "directory" holding `url`, without a trailing ``/``.
+
+    ``s3://b/a/c.ckpt`` -> ``s3://b/a``; a trailing ``/`` marks a directory, so ``s3://b/a/`` -> ``s3://b``;
+    the bucket root is its own parent (like ``posixpath.dirname("/")``).
+    """
+    bucket, key = parse_s3_url(url, strict_bucket_names=strict_bucket_names)
+    parent_key = key.rstrip("/").rpartition("/")[0].rstrip("/")
+    return f"{S3_PATH_PREFIX}{bucket}/{parent_key}" if parent_key else f"{S3_PATH_PREFIX}{bucket}"
+
+
+def s3_url_name(url: str | os.PathLike[str], *, strict_bucket_names: bool | None = None) -> str:
+    """The last segment of the key, ignoring a trailing ``/`` (``s3://b/a/c.ckpt`` -> ``c.ckpt``, ``s3://b/a/``
+    -> ``a``); ``""`` for the bucket root."""
+    _, key = parse_s3_url(url, strict_bucket_names=strict_bucket_names)
+    return key.rstrip("/").rpartition("/")[2]
+
+
+def s3_dir_prefix(url: str | os.PathLike[str], *, strict_bucket_names: bool | None = None) -> tuple[str, str]:
+    """``(bucket, prefix)`` for listing the "directory" `url`: the key with exactly one trailing ``/`` (``""`` for
+    the bucket root), so ``s3://b/ckpt`` lists ``ckpt/...`` but not ``ckpt_old/...``."""
+    bucket, key = parse_s3_url(url, strict_bucket_names=strict_bucket_names)
+    return bucket, (key.rstrip("/") + "/" if key else "")
