@@ -1065,7 +1065,7 @@ class S3MultipartWriter(io.RawIOBase):
             self.close()
 
     def __del__(self) -> None:  # an abandoned writer must not leave a multipart upload behind
-        if not self.closed and self._upload_id is not None:
+        if not self.closed and getattr(self, "_upload_id", None) is not None:
             self.abort()
 
     # ---- internals ------------------------------------------------------------------------------------------------

@@ -188,3 +188,49 @@ class TestClient:
     def test_class_level_calls_use_the_environment_endpoint(self, s3_server, bucket: str) -> None:
         assert S3Utils().client.meta.endpoint_url == s3_server.endpoint_url
         assert S3Utils.s3_path_exists(f"s3://{bucket}")
+
+
+class TestRequestsSent:
+    """What goes over the wire, counted by the proxy between the client and the server."""
+
+    @pytest.fixture
+    def utils(self, fault_proxy) -> S3Utils:
+        return S3Utils(S3ClientSettings(endpoint_url=fault_proxy.endpoint_url))
+
+    def test_small_object_is_one_put(self, utils: S3Utils, fault_proxy, bucket: str) -> None:
+        with utils.open_writer(f"s3://{bucket}/small", chunk_size_MB=5) as writer:
+            writer.write(b"x" * (5 * MiB - 1))
+        assert fault_proxy.count(method="PUT") == 1
+        assert fault_proxy.count(method="POST", query_contains="uploads") == 0
+
+    def test_large_object_is_a_multipart_upload(self, utils: S3Utils, fault_proxy, bucket: str) -> None:
+        with utils.open_writer(f"s3://{bucket}/large", chunk_size_MB=5, max_concurrency=2) as writer:
+            for _ in range(4):
+                writer.write(os.urandom(3 * MiB))
+        assert fault_proxy.count(method="POST", query_contains="uploads") == 1  # create
+        assert fault_proxy.count(method="PUT", query_contains="partNumber=") == 3  # 5 + 5 + 2 MiB
+        assert fault_proxy.count(method="POST", query_contains="uploadId=") == 1  # complete
+
+    def test_load_uses_parallel_ranged_gets(self, utils: S3Utils, fault_proxy, bucket: str) -> None:
+        data = os.urandom(16 * MiB)
+        utils.upload_file_stream_to_s3(io.BytesIO(data), f"s3://{bucket}/ranged", chunk_size_MB=5)
+        fault_proxy.clear()
+        with utils.download_to_memory(f"s3://{bucket}/ranged", chunk_size_MB=5, max_concurrency=4) as downloaded:
+            assert downloaded.read_all() == data
+        assert fault_proxy.count(method="GET", path_regex="/ranged$") == 4  # ceil(16 / 5) ranges
+
+
+@pytest.mark.parametrize("algorithm", ["CRC32", "CRC32C", "CRC64NVME"])
+def test_every_checksum_algorithm_round_trips(bucket: str, algorithm: str) -> None:
+    url = f"s3://{bucket}/alg/{algorithm}"
+    data = os.urandom(7 * MiB)
+    with S3Utils().open_writer(url, chunk_size_MB=5, checksum_algorithm=algorithm) as writer:
+        writer.write(data)
+    assert f"Checksum{algorithm}" in writer.info.checksums
+    with S3Utils().download_to_memory(url, chunk_size_MB=5) as downloaded:
+        assert downloaded.read_all() == data
+
+
+def test_unknown_checksum_algorithm_is_rejected(bucket: str) -> None:
+    with pytest.raises(ValueError, match="MD5"):
+        S3Utils().open_writer(f"s3://{bucket}/x", checksum_algorithm="MD5")
