@@ -25,6 +25,7 @@ import json
 import logging
 import mmap
 import os
+import queue
 import re
 import tempfile
 import threading
@@ -300,6 +301,7 @@ class _ChecksumAlgorithm:
     name: str  # S3's spelling, e.g. "CRC32C"
     nbytes: int
     update: Callable[[Any, int], int]
+    polynomial: int  # reflected form
 
     @property
     def response_field(self) -> str:
@@ -307,6 +309,41 @@ class _ChecksumAlgorithm:
 
     def encode(self, value: int) -> str:
         return base64.b64encode(value.to_bytes(self.nbytes, "big")).decode("ascii")
+
+    def combine(self, first: int, second: int, second_length: int) -> int:
+        """The checksum of A + B from those of A and B, so parts can be checksummed in parallel (zlib's
+        ``crc32_combine``, valid for every reflected CRC with all-ones init and final XOR, as these three are)."""
+        return _gf2_times(_zeros_operator(self.polynomial, self.nbytes * 8, second_length), first) ^ second
+
+
+def _gf2_times(matrix: tuple[int, ...], vector: int) -> int:
+    result, row = 0, 0
+    while vector:
+        if vector & 1:
+            result ^= matrix[row]
+        vector >>= 1
+        row += 1
+    return result
+
+
+def _gf2_compose(outer: tuple[int, ...], inner: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(_gf2_times(outer, column) for column in inner)
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_operator(polynomial: int, width: int, length: int) -> tuple[int, ...]:
+    """The GF(2) matrix that advances a CRC register over `length` zero bytes (cached: parts share one size)."""
+    operator = (polynomial, *(1 << n for n in range(width - 1)))  # one zero bit
+    for _ in range(3):  # -> one zero byte
+        operator = _gf2_compose(operator, operator)
+    result = tuple(1 << n for n in range(width))  # identity
+    while length:
+        if length & 1:
+            result = _gf2_compose(operator, result)
+        length >>= 1
+        if length:
+            operator = _gf2_compose(operator, operator)
+    return result
 
 
 def _crt_checksum(function_name: str) -> Callable[[Any, int], int]:
@@ -318,9 +355,9 @@ def _crt_checksum(function_name: str) -> Callable[[Any, int], int]:
 
 
 _CHECKSUMS = {
-    "CRC32": _ChecksumAlgorithm("CRC32", 4, zlib.crc32),
-    "CRC32C": _ChecksumAlgorithm("CRC32C", 4, _crt_checksum("crc32c")),
-    "CRC64NVME": _ChecksumAlgorithm("CRC64NVME", 8, _crt_checksum("crc64nvme")),
+    "CRC32": _ChecksumAlgorithm("CRC32", 4, zlib.crc32, 0xEDB88320),
+    "CRC32C": _ChecksumAlgorithm("CRC32C", 4, _crt_checksum("crc32c"), 0x82F63B78),
+    "CRC64NVME": _ChecksumAlgorithm("CRC64NVME", 8, _crt_checksum("crc64nvme"), 0x9A6C9329AC4BC9B5),
 }
 
 
@@ -399,27 +436,33 @@ class DownloadedObject:
         else:  # pragma: no cover - non-Linux fallback
             self._fd, self.path = tempfile.mkstemp(prefix="s3-checkpoint-")
         os.ftruncate(self._fd, size)
+        self._map: mmap.mmap | None = mmap.mmap(self._fd, size) if size else None
 
-    def write_at(self, offset: int, data: Any) -> None:
-        """Write `data` at `offset`; safe to call from several threads for disjoint ranges."""
-        view = memoryview(data)
-        while view:
-            written = os.pwrite(self._fd, view, offset)
-            view, offset = view[written:], offset + written
+    def window(self, start: int, end: int) -> memoryview:
+        """A writable view of bytes ``[start, end)``: response bodies are read straight into it (no extra copy)."""
+        assert self._map is not None
+        return memoryview(self._map)[start:end]
 
     @contextlib.contextmanager
     def view(self) -> Iterator[Any]:
         """A read-only, zero-copy view of the whole content, valid inside the ``with`` block."""
-        if not self.size:
+        if self._map is None:
             yield b""
             return
-        with mmap.mmap(self._fd, self.size, prot=mmap.PROT_READ) as mapped:
-            yield mapped
+        view = memoryview(self._map).toreadonly()
+        try:
+            yield view
+        finally:
+            view.release()
 
     def read_all(self) -> bytes:
-        return os.pread(self._fd, self.size, 0) if self.size else b""
+        return self._map[:] if self._map is not None else b""
 
     def close(self) -> None:
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a view still referenced (e.g. by a traceback): GC unmaps it
+                self._map.close()
+            self._map = None
         if self._fd >= 0:
             os.close(self._fd)
             if not self.path.startswith("/proc/"):  # pragma: no cover - non-Linux fallback
@@ -782,84 +825,106 @@ class S3Utils:
         """
         url = _urls.normalize_s3_url(s3_path)
         info = self.head_object(url)
+        expected = self._expected_checksum(info) if verify else None
         target = DownloadedObject(info.size)
         try:
-            self._download_ranges(info, target, max(int(chunk_size_MB * MB), MIN_PART_SIZE), max_concurrency)
-            if verify:
-                self._verify(info, target)
+            part_size = max(int(chunk_size_MB * MB), MIN_PART_SIZE)
+            algorithm = expected.algorithm if expected else None
+            actual = self._download_ranges(info, target, part_size, max_concurrency, algorithm)
+            if expected is not None:
+                self._check(info, target, expected, actual)
+            elif verify:
+                logger.warning("%s has no recorded checksum (written by another tool?); checked its size only", url)
         except BaseException:
             target.close()
             raise
         return target
 
-    def _download_ranges(self, info: S3ObjectInfo, target: DownloadedObject, part_size: int, workers: int) -> None:
+    def _download_ranges(
+        self,
+        info: S3ObjectInfo,
+        target: DownloadedObject,
+        part_size: int,
+        workers: int,
+        algorithm: _ChecksumAlgorithm | None,
+    ) -> int | None:
+        """Fetch every range (in parallel) and return the whole object's checksum, combined from the ranges'."""
         ranges = [(start, min(start + part_size, info.size)) for start in range(0, info.size, part_size)]
         if len(ranges) <= 1:
-            for start, end in ranges:
-                self._download_range(info, target, start, end, whole=True)
-            return
-        with self._new_pool(min(workers, len(ranges)), "get") as pool:
-            futures = [pool.submit(self._download_range, info, target, s, e, whole=False) for s, e in ranges]
-            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-            for future in pending:
-                future.cancel()
-            for future in done:
-                future.result()
+            checksums = [self._download_range(info, target, s, e, len(ranges) == 1, algorithm) for s, e in ranges]
+        else:
+            with self._new_pool(min(workers, len(ranges)), "get") as pool:
+                futures = [pool.submit(self._download_range, info, target, s, e, False, algorithm) for s, e in ranges]
+                done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+                for future in pending:
+                    future.cancel()
+                for future in done:
+                    future.result()
+                checksums = [future.result() for future in futures]
+        if algorithm is None:
+            return None
+        total = algorithm.update(b"", 0)
+        for (start, end), checksum in zip(ranges, checksums, strict=True):
+            total = algorithm.combine(total, checksum, end - start) if start else checksum
+        return total
 
-    def _download_range(self, info: S3ObjectInfo, target: DownloadedObject, start: int, end: int, whole: bool) -> None:
+    def _download_range(
+        self,
+        info: S3ObjectInfo,
+        target: DownloadedObject,
+        start: int,
+        end: int,
+        whole: bool,
+        algorithm: _ChecksumAlgorithm | None,
+    ) -> int:
+        """GET bytes ``[start, end)`` straight into the target and checksum them while they are in cache."""
         kwargs: dict[str, Any] = {"Bucket": info.bucket, "Key": info.key}
         if info.etag:
             kwargs["IfMatch"] = info.etag
         if not whole:
             kwargs["Range"] = f"bytes={start}-{end - 1}"
 
-        def attempt() -> None:
+        def attempt() -> int:
+            window = target.window(start, end)
             body = self.client.get_object(**kwargs)["Body"]
-            offset = start
+            filled = 0
             try:
-                while offset < end:
-                    data = body.read(min(8 * MB, end - offset))
-                    if not data:
+                while filled < end - start:
+                    count = body.readinto(window[filled : min(end - start, filled + 8 * MB)])
+                    if not count:
                         break
-                    target.write_at(offset, data)
-                    offset += len(data)
+                    filled += count
             finally:
                 body.close()
-            if offset != end:
-                raise TransientTransferError(f"got {offset - start} of {end - start} bytes of {info.url}")
+            if filled != end - start:
+                raise TransientTransferError(f"got {filled} of {end - start} bytes of {info.url}")
+            return _checksum_of(algorithm, window) if algorithm is not None else 0
 
-        self.with_retries(attempt, "get_object", info.url)
+        return self.with_retries(attempt, "get_object", info.url)
 
-    def _verify(self, info: S3ObjectInfo, target: DownloadedObject) -> None:
-        """Check the downloaded bytes against the full-object checksum S3 stored, else against the sidecar record.
+    def _expected_checksum(self, info: S3ObjectInfo) -> _RecordedChecksum | None:
+        """The full-object checksum S3 stored, else the one this package recorded beside the object, else None."""
+        return self._native_checksum(info) or self._sidecar_checksum(info)
 
-        Some stores report a checksum they never verified (moto reports a wrong one); this package writes a sidecar
-        for exactly those stores, so a sidecar that matches settles a disagreement with the store's value.
-        """
-        mismatch = ""
-        native = self._native_checksum(info)
-        if native is not None:
-            actual = self._checksum_of_download(native.algorithm, target)
-            if actual == native.value:
-                return
-            mismatch = f"its {native.algorithm.name} is {actual}, but S3 recorded {native.value}"
-        sidecar = self._read_sidecar(info)
-        if sidecar is not None:
-            if sidecar.get("etag") != info.etag or sidecar.get("size") != info.size:
-                raise ChecksumMismatchError(
-                    f"{info.url} was replaced after its checksum was recorded (size/ETag {info.size}/{info.etag}, "
-                    f"recorded {sidecar.get('size')}/{sidecar.get('etag')}): refusing to load an unverified object"
-                )
-            algorithm = _checksum_algorithm(sidecar["algorithm"])
-            actual = self._checksum_of_download(algorithm, target)
-            if actual == sidecar["checksum"]:
-                return
-            mismatch = f"its {algorithm.name} is {actual}, but {sidecar['checksum']} was recorded when it was written"
-        if mismatch:
-            raise ChecksumMismatchError(
-                f"{info.url} is corrupt: {mismatch}. Do not use it; restore it from another copy or use an older one."
-            )
-        logger.warning("%s has no recorded checksum (written by another tool?); checked its size only", info.url)
+    def _check(self, info: S3ObjectInfo, target: DownloadedObject, expected: _RecordedChecksum, actual: int) -> None:
+        """Compare; on disagreement with the store's own value, let a matching sidecar settle it: some stores (moto)
+        report a checksum they never verified, and this package writes a sidecar for exactly those stores."""
+        actual_text = expected.algorithm.encode(actual)
+        if actual_text == expected.value:
+            return
+        name = expected.algorithm.name
+        mismatch = f"its {name} is {actual_text}, but {expected.value} was recorded ({expected.source})"
+        if expected.source == "s3":
+            sidecar = self._sidecar_checksum(info)
+            if sidecar is not None:
+                with target.view() as view:
+                    sidecar_actual = sidecar.algorithm.encode(_checksum_of(sidecar.algorithm, view))
+                if sidecar_actual == sidecar.value:
+                    return
+                mismatch = f"its {sidecar.algorithm.name} is {sidecar_actual}, but {sidecar.value} was recorded"
+        raise ChecksumMismatchError(
+            f"{info.url} is corrupt: {mismatch}. Do not use it; restore it from another copy or use an older one."
+        )
 
     @staticmethod
     def _native_checksum(info: S3ObjectInfo) -> _RecordedChecksum | None:
@@ -872,10 +937,16 @@ class S3Utils:
                     return _RecordedChecksum(_checksum_algorithm(algorithm.name), value, "s3")
         return None
 
-    @staticmethod
-    def _checksum_of_download(algorithm: _ChecksumAlgorithm, target: DownloadedObject) -> str:
-        with target.view() as view:
-            return algorithm.encode(_checksum_of(algorithm, view))
+    def _sidecar_checksum(self, info: S3ObjectInfo) -> _RecordedChecksum | None:
+        sidecar = self._read_sidecar(info)
+        if sidecar is None:
+            return None
+        if sidecar.get("etag") != info.etag or sidecar.get("size") != info.size:
+            raise ChecksumMismatchError(
+                f"{info.url} was replaced after its checksum was recorded (size/ETag {info.size}/{info.etag}, "
+                f"recorded {sidecar.get('size')}/{sidecar.get('etag')}): refusing to load an unverified object"
+            )
+        return _RecordedChecksum(_checksum_algorithm(sidecar["algorithm"]), sidecar["checksum"], "sidecar")
 
     def _read_sidecar(self, info: S3ObjectInfo) -> dict[str, Any] | None:
         key = info.key + CHECKSUM_SIDECAR_SUFFIX
@@ -956,14 +1027,24 @@ def _annotate(exc: BaseException, operation: str, url: str) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _UploadedPart:
+    number: int
+    etag: str
+    checksum: int
+    length: int
+
+
 class S3MultipartWriter(io.RawIOBase):
     """A binary stream whose bytes go to one S3 object while they are written (``torch.save(obj, writer)``).
 
-    * Parts of `part_size` bytes are uploaded by up to `max_concurrency` threads while the caller keeps writing, so
-      extra memory stays below about ``(max_concurrency + 1) * part_size``, whatever the object's size.
+    * Parts of `part_size` bytes are uploaded by up to `max_concurrency` threads while the caller keeps writing. The
+      part buffers come from a pool of ``max_concurrency + 1``, reused as uploads finish: extra memory stays at about
+      ``(max_concurrency + 1) * part_size`` whatever the object's size, and a full pool makes the writer wait.
     * Objects smaller than one part go up in a single PUT.
-    * A full-object checksum is computed as the bytes stream past and sent with the upload, so S3 verifies and keeps
-      it; where a store does not keep it, a small sidecar object records it for `S3Utils.download_to_memory`.
+    * Each part's checksum is computed by its upload thread; the full-object checksum is combined from them and sent
+      with the upload, so S3 verifies and keeps it. Where a store does not keep it, a small sidecar object records it
+      for `S3Utils.download_to_memory`.
     * The object appears only when `close()` completes the upload. If anything fails, or the writer is left through
       an exception, the multipart upload is aborted: no partial object, no stray parts, an older object untouched.
     * Each part is retried on its own under the `S3Utils` retry policy.
@@ -990,14 +1071,15 @@ class S3MultipartWriter(io.RawIOBase):
         self._part_size = part_size
         self._max_concurrency = max_concurrency
         self._algorithm = _checksum_algorithm(checksum_algorithm)
-        self._checksum = 0
         self._size = 0
-        self._buffer = bytearray()
+        self._free_buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+        self._buffers_made = 0
+        self._buffer: bytearray | None = None  # the part being filled
+        self._filled = 0
         self._upload_id: str | None = None
         self._native_checksums = True
-        self._parts: list[Future[dict[str, Any]]] = []
-        self._failed_part: Future[dict[str, Any]] | None = None
-        self._slots = threading.BoundedSemaphore(max_concurrency)
+        self._parts: list[Future[_UploadedPart]] = []
+        self._failed_part: Future[_UploadedPart] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._finished = False
         self.info: S3ObjectInfo | None = None
@@ -1013,15 +1095,17 @@ class S3MultipartWriter(io.RawIOBase):
             raise ValueError(f"write to a closed S3 writer ({self.url})")
         view = memoryview(data).cast("B")
         total = len(view)
-        self._checksum = self._algorithm.update(view, self._checksum)
-        self._size += total
         while view:
-            room = self._part_size - len(self._buffer)
-            self._buffer += view[:room]
-            view = view[room:]
-            if len(self._buffer) >= self._part_size:
-                self._send_part(self._buffer)
-                self._buffer = bytearray()
+            if self._buffer is None:
+                self._buffer, self._filled = self._take_buffer(), 0
+            count = min(len(view), self._part_size - self._filled)
+            self._buffer[self._filled : self._filled + count] = view[:count]
+            self._filled += count
+            view = view[count:]
+            if self._filled == self._part_size:
+                self._send_part(self._buffer, self._filled)
+                self._buffer = None
+        self._size += total
         return total
 
     def close(self) -> None:
@@ -1054,7 +1138,7 @@ class S3MultipartWriter(io.RawIOBase):
                 logger.info("Aborted the multipart upload to %s", self.url)
             except Exception:
                 logger.exception("Could not abort the multipart upload %s to %s", upload_id, self.url)
-        self._buffer = bytearray()
+        self._buffer = None
         if not self.closed:
             super().close()
 
@@ -1070,15 +1154,22 @@ class S3MultipartWriter(io.RawIOBase):
 
     # ---- internals ------------------------------------------------------------------------------------------------
 
-    def _checksum_args(self) -> dict[str, Any]:
-        if not self._native_checksums:
-            return {}
-        return {"ChecksumAlgorithm": self._algorithm.name, "ChecksumType": "FULL_OBJECT"}
+    def _take_buffer(self) -> bytearray:
+        """A free part buffer: a new one while the pool is not full, else the next one an upload gives back."""
+        try:
+            return self._free_buffers.get_nowait()
+        except queue.Empty:
+            pass
+        if self._buffers_made <= self._max_concurrency:
+            self._buffers_made += 1
+            return bytearray(self._part_size)
+        return self._free_buffers.get()  # every upload gives its buffer back, failed or not
 
     def _start_multipart(self) -> None:
+        checksum_args = {"ChecksumAlgorithm": self._algorithm.name, "ChecksumType": "FULL_OBJECT"}
         try:
             response = self._utils.call(
-                "create_multipart_upload", self.url, Bucket=self.bucket, Key=self.key, **self._checksum_args()
+                "create_multipart_upload", self.url, Bucket=self.bucket, Key=self.key, **checksum_args
             )
         except Exception as exc:
             if _error_code(exc) not in {"InvalidArgument", "InvalidRequest", "NotImplemented"}:
@@ -1091,11 +1182,10 @@ class S3MultipartWriter(io.RawIOBase):
             self._native_checksums = False
             response = self._utils.call("create_multipart_upload", self.url, Bucket=self.bucket, Key=self.key)
         self._upload_id = response["UploadId"]
-        workers = self._max_concurrency
-        self._pool = self._utils._new_pool(workers, "put")
+        self._pool = self._utils._new_pool(self._max_concurrency, "put")
 
-    def _send_part(self, data: bytearray) -> None:
-        """Queue one part; blocks while `max_concurrency` parts are already in flight (the memory bound)."""
+    def _send_part(self, buffer: bytearray, length: int) -> None:
+        """Queue one part for upload; the buffer belongs to the upload until it is given back to the pool."""
         self._raise_failed_part()
         if self._upload_id is None:
             self._start_multipart()
@@ -1104,67 +1194,78 @@ class S3MultipartWriter(io.RawIOBase):
             raise ValueError(
                 f"{self.url}: more than {MAX_PARTS} parts of {self._part_size // MB} MiB; raise chunk_size_MB"
             )
-        self._slots.acquire()
         assert self._pool is not None
-        future = self._pool.submit(self._upload_part, number, data)
+        future = self._pool.submit(self._upload_part, number, buffer, length)
         future.add_done_callback(self._part_done)
         self._parts.append(future)
 
-    def _part_done(self, future: Future[dict[str, Any]]) -> None:
-        self._slots.release()
+    def _part_done(self, future: Future[_UploadedPart]) -> None:
         if not future.cancelled() and future.exception() is not None and self._failed_part is None:
             self._failed_part = future
 
     def _raise_failed_part(self) -> None:
-        """Surface a failed part at the next write rather than after serialising the rest of the checkpoint."""
+        """Surface a failed part at the next part rather than after serialising the rest of the checkpoint."""
         if self._failed_part is not None:
             self._failed_part.result()
 
-    def _upload_part(self, number: int, data: bytearray) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {
-            "Bucket": self.bucket,
-            "Key": self.key,
-            "UploadId": self._upload_id,
-            "PartNumber": number,
-            "Body": data,
-        }
-        if self._native_checksums:
-            kwargs[self._algorithm.response_field] = self._algorithm.encode(_checksum_of(self._algorithm, data))
-        response = self._utils.call("upload_part", f"{self.url} (part {number})", **kwargs)
-        part = {"PartNumber": number, "ETag": response["ETag"]}
-        if self._native_checksums:
-            part[self._algorithm.response_field] = kwargs[self._algorithm.response_field]
-        return part
+    def _upload_part(self, number: int, buffer: bytearray, length: int) -> _UploadedPart:
+        try:
+            body = buffer if length == len(buffer) else bytes(memoryview(buffer)[:length])
+            checksum = _checksum_of(self._algorithm, memoryview(buffer)[:length])
+            kwargs: dict[str, Any] = {
+                "Bucket": self.bucket,
+                "Key": self.key,
+                "UploadId": self._upload_id,
+                "PartNumber": number,
+                "Body": body,
+            }
+            if self._native_checksums:
+                kwargs[self._algorithm.response_field] = self._algorithm.encode(checksum)
+            response = self._utils.call("upload_part", f"{self.url} (part {number})", **kwargs)
+            return _UploadedPart(number, response["ETag"], checksum, length)
+        finally:
+            self._free_buffers.put(buffer)
 
     def _complete(self) -> None:
-        checksum = self._algorithm.encode(self._checksum)
         if self._upload_id is None:  # small object: one PUT
+            body = bytes(memoryview(self._buffer)[: self._filled]) if self._buffer is not None else b""
+            checksum = self._algorithm.encode(_checksum_of(self._algorithm, body))
             response = self._utils.call(
                 "put_object",
                 self.url,
                 Bucket=self.bucket,
                 Key=self.key,
-                Body=bytes(self._buffer),
+                Body=body,
                 ChecksumAlgorithm=self._algorithm.name,
                 **{self._algorithm.response_field: checksum},
             )
         else:
-            if self._buffer:
-                self._send_part(self._buffer)
-            self._buffer = bytearray()
+            if self._buffer is not None and self._filled:
+                self._send_part(self._buffer, self._filled)
+            self._buffer = None
             wait(self._parts, return_when=FIRST_EXCEPTION)
             parts = [future.result() for future in self._parts]
-            kwargs: dict[str, Any] = {}
+            combined = parts[0].checksum
+            for part in parts[1:]:
+                combined = self._algorithm.combine(combined, part.checksum, part.length)
+            checksum = self._algorithm.encode(combined)
+            listed = []
+            for part in parts:
+                entry = {"PartNumber": part.number, "ETag": part.etag}
+                if self._native_checksums:
+                    entry[self._algorithm.response_field] = self._algorithm.encode(part.checksum)
+                listed.append(entry)
+            extra: dict[str, Any] = {}
             if self._native_checksums:
-                kwargs = {self._algorithm.response_field: checksum, "ChecksumType": "FULL_OBJECT"}
+                extra = {self._algorithm.response_field: checksum, "ChecksumType": "FULL_OBJECT"}
             response = self._utils.call(
                 "complete_multipart_upload",
                 self.url,
                 Bucket=self.bucket,
                 Key=self.key,
                 UploadId=self._upload_id,
-                MultipartUpload={"Parts": parts},
-                **kwargs,
+                MultipartUpload={"Parts": listed},
+                **extra,
             )
             self._upload_id = None
             assert self._pool is not None
