@@ -1027,6 +1027,36 @@ def _annotate(exc: BaseException, operation: str, url: str) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+class _BufferReader(io.RawIOBase):
+    """A seekable read-only stream over a buffer, so a part body reaches the socket without being copied (botocore
+    copies ``bytes`` bodies into a new stream before signing them; it reads file-like bodies in place)."""
+
+    def __init__(self, buffer: memoryview) -> None:
+        super().__init__()
+        self._buffer = buffer
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, target: Any) -> int:
+        count = min(len(target), len(self._buffer) - self._position)
+        target[:count] = self._buffer[self._position : self._position + count]
+        self._position += count
+        return count
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._buffer)}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+
 @dataclass(frozen=True)
 class _UploadedPart:
     number: int
@@ -1210,18 +1240,16 @@ class S3MultipartWriter(io.RawIOBase):
 
     def _upload_part(self, number: int, buffer: bytearray, length: int) -> _UploadedPart:
         try:
-            body = buffer if length == len(buffer) else bytes(memoryview(buffer)[:length])
-            checksum = _checksum_of(self._algorithm, memoryview(buffer)[:length])
-            kwargs: dict[str, Any] = {
-                "Bucket": self.bucket,
-                "Key": self.key,
-                "UploadId": self._upload_id,
-                "PartNumber": number,
-                "Body": body,
-            }
+            part = memoryview(buffer)[:length]
+            checksum = _checksum_of(self._algorithm, part)
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key, "UploadId": self._upload_id}
             if self._native_checksums:
                 kwargs[self._algorithm.response_field] = self._algorithm.encode(checksum)
-            response = self._utils.call("upload_part", f"{self.url} (part {number})", **kwargs)
+            response = self._utils.with_retries(  # each attempt reads the part from its start
+                lambda: self._utils.client.upload_part(PartNumber=number, Body=_BufferReader(part), **kwargs),
+                "upload_part",
+                f"{self.url} (part {number})",
+            )
             return _UploadedPart(number, response["ETag"], checksum, length)
         finally:
             self._free_buffers.put(buffer)
