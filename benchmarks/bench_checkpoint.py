@@ -1,0 +1,538 @@
+#!/usr/bin/env python
+"""Checkpoint save/load benchmark against a local SeaweedFS (``weed mini``) — see benchmarks/README.md.
+
+    .venv/bin/python benchmarks/bench_checkpoint.py --sizes 256,1024 --reps 3
+
+Starts SeaweedFS itself (data dir on /dev/shm, holding the exclusive lock /tmp/s3ckpt-weed.lock for as long as
+it runs), then runs every measurement in a fresh ``bench_worker.py`` process and writes
+``benchmarks/results/<timestamp>.json`` plus ``latest.json`` / ``latest.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import fcntl
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+LOCK_PATH = "/tmp/s3ckpt-weed.lock"
+BUCKET = "bench"
+PEERS_PY = HERE / ".venv-peers" / "bin" / "python"
+MAIN_PY = Path(sys.executable)
+
+# (scenario label, worker method, params, interpreter kind, direction)
+#   direction: "save" | "load" | "copy"
+# Groups run in this order; each group's loads read the object its save wrote; objects are deleted after a group.
+GROUPS: dict[str, list[tuple[str, str, dict[str, Any], str, str]]] = {
+    "host-copy": [("host copy (tensor.clone of all)", "host-copy", {}, "main", "copy")],
+    "raw-put": [
+        ("raw: boto3 put_object (single PUT)", "raw-put-boto3", {}, "main", "save"),
+        ("raw: boto3 get_object (single GET)", "raw-get-boto3", {}, "main", "load"),
+        ("raw: curl GET (single, to /dev/null)", "raw-get-curl", {}, "main", "load"),
+    ],
+    "raw-curl": [("raw: curl PUT (single)", "raw-put-curl", {}, "main", "save")],
+    "raw-mpu": [
+        ("raw: s3transfer multipart upload 64MBx10", "raw-mpu-put", {}, "main", "save"),
+        ("raw: s3transfer multipart download 64MBx15", "raw-mpu-get", {}, "main", "load"),
+    ],
+    "ours": [
+        ("ours: sync save", "ours-save", {}, "main", "save"),
+        ("ours: load", "ours-load", {}, "main", "load"),
+    ],
+    "ours-async": [("ours: async save", "ours-async-save", {}, "main", "save")],
+    "nemo": [
+        ("NeMo: torch.save->BytesIO->upload_fileobj", "nemo-save", {}, "main", "save"),
+        ("NeMo: download_fileobj->BytesIO->torch.load", "nemo-load", {}, "main", "load"),
+    ],
+    "lightning": [
+        ("Lightning TorchCheckpointIO (s3fs) save", "lightning-save", {}, "main", "save"),
+        ("Lightning TorchCheckpointIO (s3fs) load", "lightning-load", {}, "main", "load"),
+    ],
+    "s3tc": [
+        ("s3torchconnector: torch.save->S3Writer (8MiB parts)", "s3tc-save", {"part": 8}, "peers", "save"),
+        ("s3torchconnector: torch.load(sequential reader)", "s3tc-load", {"part": 8}, "peers", "load"),
+        ("s3torchconnector: torch.load(range_based reader)", "s3tc-load-ranged", {"part": 8}, "peers", "load"),
+    ],
+}
+DEFAULT_GROUPS = ["host-copy", "raw-put", "raw-curl", "raw-mpu", "ours", "ours-async", "nemo", "lightning", "s3tc"]
+PEER_PREFIXES = ("NeMo", "Lightning", "s3torchconnector")
+
+
+def knob_groups(spec: str) -> dict[str, list[tuple[str, str, dict[str, Any], str, str]]]:
+    """``--knobs "chunk=16,wc=10,rc=15;chunk=8"`` -> extra groups for this package."""
+    groups = {}
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        params = {k: int(v) for k, v in (kv.split("=") for kv in item.split(","))}
+        tag = ",".join(f"{k}={v}" for k, v in params.items())
+        groups[f"ours@{tag}"] = [
+            (f"ours: sync save @{tag}", "ours-save", params, "main", "save"),
+            (f"ours: load @{tag}", "ours-load", params, "main", "load"),
+        ]
+    return groups
+
+
+def _load_s3_servers() -> Any:
+    spec = importlib.util.spec_from_file_location("s3_servers_bench", REPO / "tests" / "s3_servers.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _weed_pid() -> int:
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if child.name() == "weed":
+                return child.pid
+    raise RuntimeError("weed process not found among my children")
+
+
+def _wait_for_foreign_weed(servers: Any, timeout: float = 1800) -> None:
+    """Another weed (e.g. a test run that does not take the lock yet) holds the fixed ports: wait for it."""
+    deadline = time.monotonic() + timeout
+    announced = False
+    while any(servers._has_listener(p) for p in servers.SEAWEEDFS_FIXED_PORTS):
+        if time.monotonic() > deadline:
+            raise SystemExit("another SeaweedFS kept the fixed ports busy; giving up")
+        if not announced:
+            print("another weed is listening on the fixed ports; waiting for it to stop", flush=True)
+            announced = True
+        time.sleep(2)
+
+
+def _empty_bucket(client: Any) -> None:
+    while True:
+        page = client.list_objects_v2(Bucket=BUCKET)
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=BUCKET, Delete={"Objects": keys, "Quiet": True})
+        if not page.get("IsTruncated"):
+            break
+    for up in client.list_multipart_uploads(Bucket=BUCKET).get("Uploads", []):
+        with contextlib.suppress(Exception):
+            client.abort_multipart_upload(Bucket=BUCKET, Key=up["Key"], UploadId=up["UploadId"])
+
+
+def _vacuum() -> None:
+    """Ask the master to compact volumes so deleted objects free tmpfs space."""
+    with contextlib.suppress(Exception):
+        urllib.request.urlopen("http://127.0.0.1:9333/vol/vacuum?garbageThreshold=0.0001", timeout=120).read()
+
+
+def _run_worker(kind: str, spec: dict[str, Any], env: dict[str, str], timeout: float) -> dict[str, Any]:
+    python = str(PEERS_PY if kind == "peers" else MAIN_PY)
+    proc = subprocess.run(
+        [python, str(HERE / "bench_worker.py"), json.dumps(spec)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(HERE),
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("BENCH_RESULT "):
+            return json.loads(line[len("BENCH_RESULT ") :])
+    tail = (proc.stderr or proc.stdout)[-3000:]
+    if "VERIFY FAILED" in (proc.stderr + proc.stdout):
+        raise SystemExit(f"!!! {spec['method']}: loaded tensors are NOT bit-identical\n{tail}")
+    return {"error": f"exit {proc.returncode}: {tail.strip().splitlines()[-1] if tail.strip() else ''}", "stderr": tail}
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ["torch", "boto3", "botocore", "s3transfer", "awscrt", "s3fs", "fsspec", "lightning", "psutil"]:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "-"
+    if PEERS_PY.exists():
+        code = (
+            "from importlib.metadata import version as v;"
+            "print(v('s3torchconnector'), v('s3torchconnectorclient'), v('torch'))"
+        )
+        r = subprocess.run([str(PEERS_PY), "-c", code], capture_output=True, text=True)
+        out["s3torchconnector (peers venv)"] = r.stdout.strip() or f"unavailable: {r.stderr.strip()[-200:]}"
+    weed = shutil.which("weed") or str(MAIN_PY.parent / "weed")
+    r = subprocess.run([weed, "version"], capture_output=True, text=True)
+    out["weed"] = r.stdout.strip().splitlines()[0] if r.stdout.strip() else "?"
+    out["python"] = platform.python_version()
+    return out
+
+
+def _machine() -> dict[str, Any]:
+    model = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    with open("/proc/meminfo") as f:
+        mem_kb = int(f.readline().split()[1])
+    return {
+        "nproc": os.cpu_count(),
+        "cpu_model": model,
+        "ram_gib": round(mem_kb / 1024**2, 1),
+        "kernel": platform.release(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in runs:
+        row = rows.setdefault(
+            (r["scenario"], r["size_mib"]),
+            {
+                "scenario": r["scenario"],
+                "size_mib": r["size_mib"],
+                "direction": r["direction"],
+                "runs": [],
+                "errors": [],
+            },
+        )
+        if "error" in r:
+            row["errors"].append(r["error"])
+        else:
+            row["runs"].append(r)
+    out = []
+    for row in rows.values():
+        rs = row["runs"]
+        if rs:
+            walls = [r["wall_s"] for r in rs]
+            row["wall_s"] = _median(walls)
+            row["walls"] = walls
+            row["mib_s"] = row["size_mib"] / row["wall_s"]
+            for k in (
+                "client_cpu_s",
+                "server_cpu_s",
+                "peak_extra_mib",
+                "hwm_extra_mib",
+                "footprint_extra_mib",
+                "other_cpu_s",
+            ):
+                row[k] = _median([r[k] for r in rs])
+            if any("blocked_s" in r for r in rs) and row["scenario"].startswith("ours: async"):
+                row["blocked_s"] = _median([r["blocked_s"] for r in rs])
+                row["blocked_runs"] = [r["blocked_s"] for r in rs]
+        out.append(row)
+    # ratios per size
+    for size in {r["size_mib"] for r in out}:
+        sized = [r for r in out if r["size_mib"] == size and "mib_s" in r]
+        ceil_save = max(
+            (r["mib_s"] for r in sized if r["scenario"].startswith("raw: ") and "PUT" in r["scenario"]), default=None
+        )
+        ceil_load = max(
+            (r["mib_s"] for r in sized if r["scenario"].startswith("raw: ") and "GET" in r["scenario"]), default=None
+        )
+        peer_save = max(
+            (r["mib_s"] for r in sized if r["scenario"].startswith(PEER_PREFIXES) and r["direction"] == "save"),
+            default=None,
+        )
+        peer_load = max(
+            (r["mib_s"] for r in sized if r["scenario"].startswith(PEER_PREFIXES) and r["direction"] == "load"),
+            default=None,
+        )
+        for r in sized:
+            ceil, peer = (ceil_save, peer_save) if r["direction"] == "save" else (ceil_load, peer_load)
+            if r["direction"] == "copy":
+                continue
+            r["ratio_ceiling"] = r["mib_s"] / ceil if ceil else None
+            r["ratio_best_peer"] = r["mib_s"] / peer if peer else None
+    return sorted(out, key=lambda r: (r["size_mib"], ORDER.get(r["scenario"], 99), r["scenario"]))
+
+
+ORDER: dict[str, int] = {}
+
+
+def _f(x: Any, fmt: str = "{:.2f}") -> str:
+    return "-" if x is None or (isinstance(x, float) and x != x) else fmt.format(x)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| scenario | size MiB | wall s (median) | runs s | MiB/s | client CPU s | server CPU s | peak extra RSS MiB "
+        "| x raw ceiling | x best peer | async blocked s | other CPU s |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        if "wall_s" not in r:
+            lines.append(f"| {r['scenario']} | {r['size_mib']} | FAILED: {r['errors'][0][:120]} | | | | | | | | | |")
+            continue
+        blocked = _f(r.get("blocked_s"), "{:.3f}")
+        if "blocked_runs" in r:
+            blocked += " (" + "/".join(f"{b:.3f}" for b in r["blocked_runs"]) + ")"
+        lines.append(
+            f"| {r['scenario']} | {r['size_mib']} | {r['wall_s']:.2f} | {'/'.join(f'{w:.2f}' for w in r['walls'])} "
+            f"| {r['mib_s']:.0f} | {r['client_cpu_s']:.2f} | {r['server_cpu_s']:.2f} | {r['peak_extra_mib']:.0f} "
+            f"| {_f(r.get('ratio_ceiling'))} | {_f(r.get('ratio_best_peer'))} | {blocked} | {_f(r.get('other_cpu_s'), '{:.1f}')} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def targets(rows: list[dict[str, Any]], chunk_mib: int = 64, wc: int = 10) -> str:
+    """Evaluate the lead's targets at each size (the 1 GiB one is the one that matters)."""
+    out = []
+    for size in sorted({r["size_mib"] for r in rows}):
+        by = {r["scenario"]: r for r in rows if r["size_mib"] == size and "mib_s" in r}
+
+        def v(name: str, key: str = "mib_s", by: dict[str, Any] = by) -> float | None:
+            return by.get(name, {}).get(key)
+
+        ours_s, ours_l = v("ours: sync save"), v("ours: load")
+        put = max(filter(None, [v("raw: boto3 put_object (single PUT)"), v("raw: curl PUT (single)")]), default=None)
+        get = max(
+            filter(None, [v("raw: boto3 get_object (single GET)"), v("raw: curl GET (single, to /dev/null)")]),
+            default=None,
+        )
+        nemo_s, nemo_l = (
+            v("NeMo: torch.save->BytesIO->upload_fileobj"),
+            v("NeMo: download_fileobj->BytesIO->torch.load"),
+        )
+        s3tc_s = v("s3torchconnector: torch.save->S3Writer (8MiB parts)")
+        ckpt_bytes = size
+        checks = []
+
+        def ratio(a: float | None, b: float | None) -> float | None:
+            return a / b if a and b else None
+
+        def add(
+            name: str,
+            value: float | None,
+            target: float,
+            higher_better: bool = True,
+            unit: str = "x",
+            checks: list[str] = checks,
+        ) -> None:
+            if value is None:
+                checks.append(f"| {name} | - | {target}{unit} | n/a |")
+                return
+            ok = value >= target if higher_better else value <= target
+            checks.append(
+                f"| {name} | {value:.2f}{unit} | {'>=' if higher_better else '<='} {target:.2f}{unit} | {'MET' if ok else 'MISSED'} |"
+            )
+
+        add("save vs raw single-stream PUT (best of boto3/curl)", ratio(ours_s, put), 0.85)
+        add("save vs NeMo save", ratio(ours_s, nemo_s), 1.4)
+        add("save vs s3torchconnector streaming save", ratio(ours_s, s3tc_s), 1.0)
+        add("save peak extra RSS MiB", v("ours: sync save", "peak_extra_mib"), (wc + 1) * chunk_mib + 64, False, " MiB")
+        add("load vs NeMo load", ratio(ours_l, nemo_l), 2.0)
+        add("load vs raw single GET (best of boto3/curl)", ratio(ours_l, get), 0.7)
+        add("load peak extra RSS / checkpoint size", ratio(v("ours: load", "peak_extra_mib"), ckpt_bytes), 1.15, False)
+        add(
+            "async blocked / host copy",
+            ratio(v("ours: async save", "blocked_s"), v("host copy (tensor.clone of all)", "wall_s")),
+            1.2,
+            False,
+        )
+        gib = size / 1024
+        peers_save = [r for r in by.values() if r["scenario"].startswith(PEER_PREFIXES) and r["direction"] == "save"]
+        peers_load = [r for r in by.values() if r["scenario"].startswith(PEER_PREFIXES) and r["direction"] == "load"]
+        for direction, ours_name, peers in (
+            ("save", "ours: sync save", peers_save),
+            ("load", "ours: load", peers_load),
+        ):
+            best = min(peers, key=lambda r: r["client_cpu_s"], default=None)
+            ours_cpu = v(ours_name, "client_cpu_s")
+            if best is None or ours_cpu is None:
+                continue
+            add(
+                f"{direction} client CPU s/GiB (best peer: {best['scenario']} {best['client_cpu_s'] / gib:.2f})",
+                ours_cpu / gib,
+                best["client_cpu_s"] / gib,
+                False,
+                " s",
+            )
+        out.append(
+            f"\n### Targets at {size} MiB\n\n| target | measured | target | verdict |\n|---|---|---|---|\n"
+            + "\n".join(checks)
+            + "\n"
+        )
+    return "".join(out)
+
+
+def render(doc: dict[str, Any]) -> str:
+    m, v = doc["machine"], doc["versions"]
+    rows = doc["summary"]
+    md = [
+        f"# Checkpoint benchmark {doc['timestamp']}\n",
+        f"Machine: {m['nproc']} CPU ({m['cpu_model']}), {m['ram_gib']} GiB RAM, kernel {m['kernel']}. ",
+        "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + ".\n",
+        f"Command: `{doc['command']}`; reps={doc['reps']}, tensors of {doc['tensor_mib']} MiB float32. "
+        "Server: SeaweedFS weed mini on 127.0.0.1, data on /dev/shm.\n",
+        "MiB/s = state-dict MiB / wall (median). Ratios are throughput ratios at the same size in this run: "
+        "`x raw ceiling` = vs the fastest raw single PUT (saves) or single GET (loads); `x best peer` = vs the fastest "
+        "of NeMo / Lightning / s3torchconnector in the same direction. Peak extra RSS = max(VmHWM - RSS before, "
+        "sampled RssAnon+RssFile+memfd pages - before). `other CPU s` = machine-wide busy CPU during the operation "
+        "minus client and server CPU: other processes on the machine (noise; should be ~0).\n\n",
+        markdown_table(rows),
+        targets(rows, doc.get("ours_chunk_mib", 64), doc.get("ours_wc", 10)),
+    ]
+    return "".join(md)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="256,1024", help="state-dict sizes in MiB, comma separated")
+    ap.add_argument("--size", type=int, help="a single size in MiB (overrides --sizes), e.g. 4096")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--tensor-mib", type=int, default=64)
+    ap.add_argument("--groups", default=",".join(DEFAULT_GROUPS), help=f"subset of {list(GROUPS)}")
+    ap.add_argument(
+        "--knobs", default="", help='extra configs of this package, e.g. "chunk=16;chunk=32,wc=4;chunk=64,rc=8"'
+    )
+    ap.add_argument("--data-dir", default=None, help="SeaweedFS data dir (default: a fresh dir on /dev/shm)")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--tag", default="", help="suffix for the result file name")
+    ap.add_argument("--no-latest", action="store_true", help="do not overwrite results/latest.*")
+    ap.add_argument("--render", metavar="JSON", help="only re-render (summary + markdown) an existing result file")
+    args = ap.parse_args(argv)
+    if args.render:
+        doc = json.loads(Path(args.render).read_text())
+        groups = {name: GROUPS[name] for name in DEFAULT_GROUPS}
+        for i, g in enumerate(groups.values()):
+            for j, item in enumerate(g):
+                ORDER.setdefault(item[0], i * 10 + j)
+        doc["summary"] = summarise(doc["runs"])
+        doc["markdown"] = render(doc)
+        Path(args.render).write_text(json.dumps(doc, indent=1, default=str))
+        Path(args.render).with_suffix(".md").write_text(doc["markdown"])
+        print(doc["markdown"])
+        return 0
+
+    sizes = [args.size] if args.size else [int(s) for s in args.sizes.split(",") if s]
+    groups = {name: GROUPS[name] for name in args.groups.split(",") if name}
+    groups.update(knob_groups(args.knobs))
+    for i, g in enumerate(groups.values()):
+        for j, item in enumerate(g):
+            ORDER.setdefault(item[0], i * 10 + j)
+    if any(item[3] == "peers" for g in groups.values() for item in g) and not PEERS_PY.exists():
+        print(f"NOTE: {PEERS_PY} missing: s3torchconnector scenarios are skipped (see README)", flush=True)
+        groups = {k: g for k, g in groups.items() if all(item[3] != "peers" for item in g)}
+
+    shm_free = shutil.disk_usage("/dev/shm").free / 1024**3
+    need = max(sizes) / 1024 * 4 + 2
+    data_root = args.data_dir or (
+        tempfile.mkdtemp(prefix="s3ckpt-bench-", dir="/dev/shm")
+        if shm_free > need
+        else tempfile.mkdtemp(prefix="s3ckpt-bench-")
+    )
+    servers = _load_s3_servers()
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    runs: list[dict[str, Any]] = []
+    RESULTS.mkdir(exist_ok=True)
+
+    print(f"waiting for {LOCK_PATH} ...", flush=True)
+    with open(LOCK_PATH, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        print("lock held; starting SeaweedFS in", data_root, flush=True)
+        _wait_for_foreign_weed(servers)
+        try:
+            with servers.start_seaweedfs(data_root, lock=False) as ep:
+                weed_pid = _weed_pid()
+                client = ep.client()
+                client.create_bucket(Bucket=BUCKET)
+                client.put_object(Bucket=BUCKET, Key="warmup", Body=os.urandom(8 * 1024**2))  # grow the first volumes
+                _empty_bucket(client)
+                env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+                env.update(ep.env())
+                env["PYTHONDONTWRITEBYTECODE"] = "1"
+                for size in sizes:
+                    for rep in range(args.reps):
+                        for gname, items in groups.items():
+                            key = f"ckpt/{gname.replace('@', '_').replace('=', '').replace(',', '_')}-{size}.ckpt"
+                            for label, method, params, kind, direction in items:
+                                spec = {
+                                    "method": method,
+                                    "size_mib": size,
+                                    "tensor_mib": args.tensor_mib,
+                                    "bucket": BUCKET,
+                                    "key": key,
+                                    "params": params,
+                                    "weed_pid": weed_pid,
+                                    "repo": str(REPO),
+                                }
+                                res = _run_worker(kind, spec, env, args.timeout)
+                                res.update(
+                                    scenario=label,
+                                    size_mib=size,
+                                    rep=rep,
+                                    direction=direction,
+                                    method=method,
+                                    params=params,
+                                )
+                                runs.append(res)
+                                if "error" in res:
+                                    print(f"[{size} MiB rep {rep}] {label}: ERROR {res['error']}", flush=True)
+                                else:
+                                    extra = f" blocked {res['blocked_s']:.3f}s" if "blocked_s" in res else ""
+                                    print(
+                                        f"[{size} MiB rep {rep}] {label}: {res['wall_s']:.2f}s {size / res['wall_s']:.0f} MiB/s "
+                                        f"cpu {res['client_cpu_s']:.1f}/{res['server_cpu_s']:.1f} peak+{res['peak_extra_mib']:.0f} MiB other-cpu {res['other_cpu_s']:.1f}{extra}",
+                                        flush=True,
+                                    )
+                                time.sleep(0.5)
+                            _empty_bucket(client)
+                            _vacuum()
+        finally:
+            shutil.rmtree(data_root, ignore_errors=True)
+
+    doc = {
+        "timestamp": stamp,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": _machine(),
+        "versions": _versions(),
+        "reps": args.reps,
+        "tensor_mib": args.tensor_mib,
+        "sizes": sizes,
+        "runs": runs,
+    }
+    doc["summary"] = summarise(runs)
+    md = render(doc)
+    doc["markdown"] = md
+    name = f"{stamp}{'-' + args.tag if args.tag else ''}"
+    (RESULTS / f"{name}.json").write_text(json.dumps(doc, indent=1, default=str))
+    (RESULTS / f"{name}.md").write_text(md)
+    if not args.no_latest:
+        (RESULTS / "latest.json").write_text(json.dumps(doc, indent=1, default=str))
+        (RESULTS / "latest.md").write_text(md)
+    print(md)
+    print(f"wrote {RESULTS / (name + '.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
