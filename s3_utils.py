@@ -816,12 +816,14 @@ class S3Utils:
         max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY,
         *,
         verify: bool = True,
+        progress: Callable[[int], None] | None = None,
     ) -> DownloadedObject:
         """Download with parallel ranged GETs into a `DownloadedObject` and verify the recorded checksum.
 
         Every range is read with ``If-Match`` on the ETag seen first, so an object replaced during the download fails
         instead of mixing two versions. Raises FileNotFoundError if there is no object, ChecksumMismatchError if the
-        bytes do not match what was recorded at upload.
+        bytes do not match what was recorded at upload. `progress`, if given, is called with the byte count of each
+        range once it has arrived (from worker threads).
         """
         url = _urls.normalize_s3_url(s3_path)
         info = self.head_object(url)
@@ -830,7 +832,7 @@ class S3Utils:
         try:
             part_size = max(int(chunk_size_MB * MB), MIN_PART_SIZE)
             algorithm = expected.algorithm if expected else None
-            actual = self._download_ranges(info, target, part_size, max_concurrency, algorithm)
+            actual = self._download_ranges(info, target, part_size, max_concurrency, algorithm, progress)
             if expected is not None:
                 self._check(info, target, expected, actual)
             elif verify:
@@ -847,14 +849,19 @@ class S3Utils:
         part_size: int,
         workers: int,
         algorithm: _ChecksumAlgorithm | None,
+        progress: Callable[[int], None] | None = None,
     ) -> int | None:
         """Fetch every range (in parallel) and return the whole object's checksum, combined from the ranges'."""
         ranges = [(start, min(start + part_size, info.size)) for start in range(0, info.size, part_size)]
         if len(ranges) <= 1:
-            checksums = [self._download_range(info, target, s, e, len(ranges) == 1, algorithm) for s, e in ranges]
+            checksums = [
+                self._download_range(info, target, s, e, len(ranges) == 1, algorithm, progress) for s, e in ranges
+            ]
         else:
             with self._new_pool(min(workers, len(ranges)), "get") as pool:
-                futures = [pool.submit(self._download_range, info, target, s, e, False, algorithm) for s, e in ranges]
+                futures = [
+                    pool.submit(self._download_range, info, target, s, e, False, algorithm, progress) for s, e in ranges
+                ]
                 done, pending = wait(futures, return_when=FIRST_EXCEPTION)
                 for future in pending:
                     future.cancel()
@@ -876,6 +883,7 @@ class S3Utils:
         end: int,
         whole: bool,
         algorithm: _ChecksumAlgorithm | None,
+        progress: Callable[[int], None] | None = None,
     ) -> int:
         """GET bytes ``[start, end)`` straight into the target and checksum them while they are in cache."""
         kwargs: dict[str, Any] = {"Bucket": info.bucket, "Key": info.key}
@@ -900,7 +908,10 @@ class S3Utils:
                 raise TransientTransferError(f"got {filled} of {end - start} bytes of {info.url}")
             return _checksum_of(algorithm, window) if algorithm is not None else 0
 
-        return self.with_retries(attempt, "get_object", info.url)
+        checksum = self.with_retries(attempt, "get_object", info.url)
+        if progress is not None:
+            progress(end - start)  # after success only, so retried bytes are not counted twice
+        return checksum
 
     def _expected_checksum(self, info: S3ObjectInfo) -> _RecordedChecksum | None:
         """The full-object checksum S3 stored, else the one this package recorded beside the object, else None."""
@@ -981,10 +992,12 @@ class S3Utils:
         file_path: str | os.PathLike[str],
         chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
         max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY,
+        *,
+        progress: Callable[[int], None] | None = None,
     ) -> None:
         """Download and verify `s3_path` into `file_path`, which appears only once it is complete."""
         directory = os.path.dirname(os.path.abspath(file_path))
-        with self.download_to_memory(s3_path, chunk_size_MB, max_concurrency) as downloaded:
+        with self.download_to_memory(s3_path, chunk_size_MB, max_concurrency, progress=progress) as downloaded:
             fd, partial = tempfile.mkstemp(dir=directory, prefix=".s3ckpt-partial-")
             try:
                 with os.fdopen(fd, "wb") as out, downloaded.view() as view:

@@ -138,7 +138,7 @@ def test_core_modules_work_copied_into_a_package_folder(tmp_path: Path) -> None:
     (package / "__init__.py").write_text("")
     for module in CORE_MODULES:
         shutil.copy(REPO / f"{module}.py", package / f"{module}.py")
-    imports = "\n".join(
+    imports = "\n        ".join(  # continuation lines keep the indentation of the code block below
         f"from nemo_fork.utils.{module} import {', '.join(public_names(module))}" for module in CORE_MODULES
     )
     # Run from the temporary folder so the repo's own top-level copies cannot be picked up by mistake.

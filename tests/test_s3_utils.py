@@ -7,9 +7,11 @@ import os
 import threading
 
 import pytest
+from fault_proxy import Fault, FaultRule
 
 from s3_utils import (
     CHECKSUM_SIDECAR_SUFFIX,
+    RetryPolicy,
     S3ClientSettings,
     S3Utils,
     get_s3_client,
@@ -234,3 +236,15 @@ def test_every_checksum_algorithm_round_trips(bucket: str, algorithm: str) -> No
 def test_unknown_checksum_algorithm_is_rejected(bucket: str) -> None:
     with pytest.raises(ValueError, match="MD5"):
         S3Utils().open_writer(f"s3://{bucket}/x", checksum_algorithm="MD5")
+
+
+def test_download_progress_counts_every_byte_once(s3_client, bucket: str, fault_proxy) -> None:
+    data = os.urandom(12 * MiB)
+    s3_client.put_object(Bucket=bucket, Key="p.bin", Body=data)
+    fault_proxy.add_rule(FaultRule(Fault.reset_mid_response(after_bytes=1000), method="GET", times=1))
+    utils = S3Utils(S3ClientSettings(endpoint_url=fault_proxy.endpoint_url), RetryPolicy(initial_backoff_s=0.01))
+    seen: list[int] = []
+    with utils.download_to_memory(f"s3://{bucket}/p.bin", chunk_size_MB=5, progress=seen.append) as downloaded:
+        assert downloaded.read_all() == data
+    assert sorted(seen) == [2 * MiB, 5 * MiB, 5 * MiB]
+    assert utils.retries == 1
