@@ -1,0 +1,123 @@
+"""One rank of a CPU DDP job (gloo) that checkpoints to S3 and resumes; started once per rank by test_connector_ddp.py.
+
+The parent sets the torchrun-style environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+MASTER_ADDR, MASTER_PORT), so Lightning takes the processes as created externally and does not re-execute this
+script. Every S3 request of this process carries ``rank/<N>`` (S3ClientSettings.user_agent_extra, for boto3) and
+``app/rank-<N>`` (AWS_SDK_UA_APP_ID, which s3fs's aiobotocore honours too), so the fault proxy can attribute it.
+
+Modes (``--mode``):
+  train         fit from scratch (S3 wiring from a NeMo-style config)
+  check_resume  fit with exp_manager.resume_if_exists=True: rank 0 finds the checkpoint, the others get it broadcast
+  last          fit(ckpt_path="last") with the S3-aware connector and ModelCheckpoint
+  stock_last    fit(ckpt_path="last") with Lightning's own connector and ModelCheckpoint (the behaviour being fixed)
+
+Writes ``<out>/rank<N>.json``: what this rank saw when training (re)started and when it ended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["train", "check_resume", "last", "stock_last"], required=True)
+    parser.add_argument("--dirpath", required=True)
+    parser.add_argument("--max-steps", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+
+    import lightning.pytorch as pl
+    import torch
+
+    import connector
+    from s3_checkpoint_io import S3CheckpointIO
+    from s3_utils import S3ClientSettings
+
+    class TinyModule(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(1234 + rank)  # different on every rank: only a real restore makes them agree
+            self.layer = torch.nn.Linear(4, 2)
+            self.report: dict = {}
+
+        def training_step(self, batch, batch_idx):
+            self.log("gstep", float(self.global_step))
+            return self.layer(batch[0]).pow(2).mean()
+
+        def on_train_start(self) -> None:
+            optimizer = self.trainer.optimizers[0].state_dict()["state"]
+            self.report["start"] = {
+                "global_step": self.global_step,
+                "ckpt_path": self.trainer.ckpt_path,
+                "weights": {k: v.tolist() for k, v in self.state_dict().items()},
+                "exp_avg": {str(k): s["exp_avg"].tolist() for k, s in optimizer.items() if "exp_avg" in s},
+            }
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            # 16+ batches per rank and epoch: no epoch ends within 6 steps, whatever the world size.
+            data = torch.utils.data.TensorDataset(torch.randn(256, 4, generator=torch.Generator().manual_seed(7)))
+            return torch.utils.data.DataLoader(data, batch_size=4)
+
+    config = {
+        "s3_checkpointing": {
+            "max_write_concurrency": 2,
+            "max_read_concurrency": 2,
+            "chunk_size_MB": 5,
+            "enable_async_checkpointing": False,
+        },
+        "exp_manager": {
+            "resume_if_exists": args.mode == "check_resume",
+            "checkpoint_callback_params": {
+                "dirpath": args.dirpath,
+                "filename": "tiny--{step}",
+                "monitor": "gstep",
+                "mode": "max",
+                "save_top_k": 2,
+                "save_last": True,
+                "every_n_train_steps": 2,
+            },
+        },
+    }
+    settings = S3ClientSettings(user_agent_extra=f"rank/{rank}", max_pool_connections=8)
+    trainer_kwargs = dict(
+        strategy="ddp",
+        accelerator="cpu",
+        devices=world_size,
+        num_nodes=1,
+        max_steps=args.max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    ckpt_path = "last" if args.mode in ("last", "stock_last") else None
+    if args.mode == "stock_last":
+        callback = pl.callbacks.ModelCheckpoint(
+            dirpath=args.dirpath, filename="tiny--{step}", save_last=True, every_n_train_steps=2
+        )
+        checkpoint_io = S3CheckpointIO(args.dirpath, chunk_size_MB=5, client_settings=settings)
+        trainer = pl.Trainer(plugins=[checkpoint_io], callbacks=[callback], **trainer_kwargs)
+    else:
+        trainer = pl.Trainer(**trainer_kwargs)
+        connector.configure_s3_checkpointing(trainer, config, client_settings=settings)
+
+    model = TinyModule()
+    trainer.fit(model, ckpt_path=ckpt_path)
+    model.report["end"] = {"global_step": trainer.global_step, "rank": trainer.global_rank}
+    model.report["connector"] = type(trainer._checkpoint_connector).__name__
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(model.report))
+
+
+if __name__ == "__main__":
+    main()
