@@ -1,0 +1,522 @@
+"""The operator CLI (`s3_checkpoint_cli`): ls, verify, cp, rm, their exit codes and messages, in-process through
+``main(argv)`` and as a real subprocess, against the local S3 servers of the suite."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fault_proxy import Fault, FaultProxy, FaultRule
+
+import s3_checkpoint_cli as cli
+from s3_utils import CHECKSUM_SIDECAR_SUFFIX, S3Utils
+
+REPO = Path(__file__).resolve().parent.parent
+HAVE_TQDM = importlib.util.find_spec("tqdm") is not None
+
+# name -> size; written through S3Utils so that checksums are recorded as in real use.
+RUN = {
+    "demo-step=5.ckpt": 1000,
+    "demo-step=10.ckpt": 2000,
+    "demo-step=15.ckpt": 3000,
+    "demo-step=20-end.ckpt": 4000,
+    "last.ckpt": 4000,
+    "demo-step=20-last.ckpt": 4000,
+    "manual.ckpt": 500,
+    "notes.txt": 10,
+    "sub/demo-step=99.ckpt": 100,
+}
+SIBLING = {"run_old/demo-step=1.ckpt": 100}  # shares the "run" key prefix, must never be touched
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def write_object(url: str, size: int, seed: int = 0) -> bytes:
+    data = bytes((seed + i) % 251 for i in range(size))
+    with S3Utils().open_writer(url, 5) as writer:
+        writer.write(data)
+    return data
+
+
+def keys(s3_client: Any, bucket: str) -> set[str]:
+    pages = s3_client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+    return {obj["Key"] for page in pages for obj in page.get("Contents", [])}
+
+
+@pytest.fixture
+def run_url(bucket: str) -> str:
+    """``s3://<bucket>/run`` filled with `RUN`, and `SIBLING` beside it."""
+    objects = {f"run/{name}": size for name, size in RUN.items()} | SIBLING
+    for seed, (key, size) in enumerate(objects.items()):
+        write_object(f"s3://{bucket}/{key}", size, seed=seed)
+    return f"s3://{bucket}/run"
+
+
+# ---- pure helpers ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("demo-step=10.ckpt", (10, "top-k")),
+        ("epoch=0-step=7.ckpt", (7, "top-k")),
+        ("last.ckpt", (None, "last")),
+        ("last-v1.ckpt", (None, "last")),
+        ("megatron--val_loss=1.2-step=300-consumed_samples=9-last.ckpt", (300, "last")),
+        ("demo-step=20-end.ckpt", (20, "end")),
+        ("end.ckpt", (None, "end")),
+        ("backend.ckpt", (None, "end")),  # NeMo's *end.ckpt glob, which resume discovery applies too
+        ("blast.ckpt", (None, "last")),
+        ("global_step=5.ckpt", (None, "top-k")),
+        ("step=3-step=12.ckpt", (12, "top-k")),
+        ("dir/x-step=4.ckpt", (4, "top-k")),
+        ("notes-step=3.txt", (3, "other")),
+    ],
+)
+def test_classify_checkpoint(name: str, expected: tuple[int | None, str]) -> None:
+    assert cli.classify_checkpoint(name) == expected
+
+
+def test_progress_callback_is_passed_only_to_s3_methods_that_take_one() -> None:
+    """Downloads report progress once the S3 layer offers a ``progress`` callback; until then the bar completes at
+    the end, and nothing breaks."""
+    bar = cli._Progress(10, "x", enabled=False)
+
+    def with_progress(url: str, *, progress: Any = None) -> None: ...
+
+    def without_progress(url: str) -> None: ...
+
+    assert cli._progress_kwargs(with_progress, bar) == {"progress": bar.update}
+    assert cli._progress_kwargs(without_progress, bar) == {}
+    bar.update(5)  # a hidden bar accepts updates
+    bar.close()
+
+
+def test_help_documents_commands_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "--help")
+    assert code == 0
+    for word in ("demo", "ls", "verify", "cp", "rm", "--endpoint-url", "--region", "exit codes"):
+        assert word in out
+    for code_line in ("0    success", "1    verification failed", "2    usage error", "3    not found", "4    S3"):
+        assert code_line in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["ls"],
+        ["frobnicate"],
+        ["ls", "s3:/bucket/run"],  # collapsed by pathlib
+        ["ls", "http://bucket/run"],
+        ["ls", "s3://Bad_Bucket/run"],
+        ["rm", "s3://bucket/run"],  # --keep-last is required
+        ["rm", "s3://bucket/run", "--keep-last", "-1"],
+        ["rm", "s3://bucket/run", "--keep-last", "two"],
+        ["cp", "a.ckpt", "b.ckpt"],
+        ["cp", "s3://bucket/a.ckpt", "s3://bucket/b.ckpt"],
+        ["--max-attempts", "0", "ls", "s3://bucket/run"],
+    ],
+)
+def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, *argv)
+    assert code == cli.EXIT_USAGE, (out, err)
+    assert "error" in err
+    assert out == ""
+
+
+# ---- ls -------------------------------------------------------------------------------------------------------------
+
+
+def test_ls_lists_checkpoints_with_step_size_time_and_kind(run_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "ls", run_url)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split() == ["STEP", "SIZE", "LAST", "MODIFIED", "(UTC)", "KIND", "URL"]
+    rows = [line.split() for line in lines[1:-1]]
+    # stepped checkpoints by step, then the ones without a step; not recursive, *.ckpt only, no sidecars
+    assert [(row[0], row[-2], row[-1].rpartition("/")[2]) for row in rows] == [
+        ("5", "top-k", "demo-step=5.ckpt"),
+        ("10", "top-k", "demo-step=10.ckpt"),
+        ("15", "top-k", "demo-step=15.ckpt"),
+        ("20", "end", "demo-step=20-end.ckpt"),
+        ("20", "last", "demo-step=20-last.ckpt"),
+        ("-", "last", "last.ckpt"),
+        ("-", "top-k", "manual.ckpt"),
+    ]
+    expected = {f"{run_url}/{name}" for name in RUN if name.endswith(".ckpt") and "/" not in name}
+    assert {row[-1] for row in rows} == expected
+    sizes = {row[-1].rpartition("/")[2]: " ".join(row[1:3]) for row in rows}
+    assert sizes["demo-step=5.ckpt"] == "1000 B"
+    assert sizes["demo-step=15.ckpt"] == "2.9 KiB"
+    assert lines[-1].startswith("7 checkpoint(s), ")
+
+
+def test_ls_json_recursive_and_all(run_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "ls", "--json", run_url)
+    assert code == 0, err
+    entries = json.loads(out)
+    by_name = {entry["url"].removeprefix(run_url + "/"): entry for entry in entries}
+    assert set(by_name) == {name for name in RUN if name.endswith(".ckpt") and "/" not in name}
+    assert by_name["demo-step=10.ckpt"]["step"] == 10
+    assert by_name["demo-step=10.ckpt"]["size"] == 2000
+    assert by_name["demo-step=10.ckpt"]["kind"] == "top-k"
+    assert by_name["last.ckpt"] == {**by_name["last.ckpt"], "step": None, "kind": "last"}
+    assert by_name["last.ckpt"]["last_modified"].endswith("+00:00")
+
+    _, out, _ = run_cli(capsys, "ls", "--json", "--recursive", run_url)
+    assert "sub/demo-step=99.ckpt" in {e["url"].removeprefix(run_url + "/") for e in json.loads(out)}
+    _, out, _ = run_cli(capsys, "ls", "--json", "--all", run_url)
+    names = {e["url"].removeprefix(run_url + "/") for e in json.loads(out)}
+    assert "notes.txt" in names
+    assert {e["kind"] for e in json.loads(out) if e["url"].endswith("notes.txt")} == {"other"}
+    assert not any(name.endswith(CHECKSUM_SIDECAR_SUFFIX) for name in names)
+    assert not any("run_old" in e["url"] for e in json.loads(out))
+
+
+def test_ls_kinds_agree_with_resume_discovery(run_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """What ``ls`` calls last/end is exactly what the connector may resume from (or stop at)."""
+    import connector
+
+    resumable = {candidate.name: candidate.kind for candidate in connector.list_resume_candidates(run_url)}
+    code, out, _ = run_cli(capsys, "ls", "--json", run_url)
+    assert code == 0
+    labelled = {entry["url"].rpartition("/")[2]: entry["kind"] for entry in json.loads(out)}
+    assert {name: kind for name, kind in labelled.items() if kind != "top-k"} == resumable
+    assert set(resumable) == {"last.ckpt", "demo-step=20-last.ckpt", "demo-step=20-end.ckpt"}
+
+
+def test_ls_of_one_object_and_global_options_after_the_command(
+    run_url: str, s3_server: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"{run_url}/demo-step=10.ckpt"
+    code, out, err = run_cli(capsys, "ls", url, "--endpoint-url", s3_server.endpoint_url, "--json")
+    assert code == 0, err
+    assert [(e["url"], e["step"], e["size"]) for e in json.loads(out)] == [(url, 10, 2000)]
+
+
+def test_ls_nothing_found_exits_3(bucket: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "ls", f"s3://{bucket}/empty")
+    assert code == cli.EXIT_NOT_FOUND
+    assert f"no checkpoints (*.ckpt) under s3://{bucket}/empty" in err
+    assert out == ""
+
+
+def test_missing_bucket_exits_3(s3_server: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "ls", "s3://s3ckpt-no-such-bucket-4242/run")
+    assert code == cli.EXIT_NOT_FOUND
+    assert "No such bucket: s3://s3ckpt-no-such-bucket-4242/run" in err
+
+
+# ---- verify ---------------------------------------------------------------------------------------------------------
+
+
+def test_verify_one_checkpoint_and_a_prefix(run_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "verify", f"{run_url}/demo-step=10.ckpt")
+    assert code == 0, (out, err)
+    assert out.startswith(f"OK        {run_url}/demo-step=10.ckpt  2.0 KiB  CRC")
+
+    code, out, err = run_cli(capsys, "verify", run_url)
+    assert code == 0, (out, err)
+    assert len([line for line in out.splitlines() if line.startswith("OK ")]) == 7
+
+
+def test_verify_missing_object_exits_3(bucket: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "verify", f"s3://{bucket}/run/nope.ckpt")
+    assert code == cli.EXIT_NOT_FOUND
+    assert f"s3://{bucket}/run/nope.ckpt" in err
+
+
+def test_verify_detects_corrupted_bytes_exit_1(
+    run_url: str, fault_proxy: FaultProxy, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fault_proxy.add_rule(FaultRule(Fault.corrupt_body(offset=100), method="GET", path_regex=r"step=10\.ckpt$"))
+    code, out, err = run_cli(capsys, "--endpoint-url", fault_proxy.endpoint_url, "verify", run_url)
+    assert code == cli.EXIT_VERIFY_FAILED
+    failed = [line for line in out.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 1
+    assert f"{run_url}/demo-step=10.ckpt" in failed[0]
+    assert "is corrupt" in failed[0]
+    assert "1 of 7 checkpoint(s) failed verification" in err
+
+
+def test_verify_object_without_recorded_checksum(
+    bucket: str, s3_server: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client = s3_server.client(request_checksum_calculation="when_required")
+    client.put_object(Bucket=bucket, Key="run/foreign-step=1.ckpt", Body=b"x" * 100)
+    head = client.head_object(Bucket=bucket, Key="run/foreign-step=1.ckpt", ChecksumMode="ENABLED")
+    if any(name.startswith("Checksum") and name != "ChecksumType" for name in head):
+        pytest.skip(f"{s3_server.name} records a checksum for every object by itself")
+    url = f"s3://{bucket}/run/foreign-step=1.ckpt"
+    code, out, _ = run_cli(capsys, "verify", url)
+    assert code == cli.EXIT_VERIFY_FAILED
+    assert "no checksum was recorded" in out
+    code, out, _ = run_cli(capsys, "verify", "--allow-unverified", url)
+    assert code == 0
+    assert "size only" in out
+
+
+# ---- cp -------------------------------------------------------------------------------------------------------------
+
+
+def test_cp_upload_and_download_round_trip_with_progress_bar(
+    bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "model-step=3.ckpt"
+    data = os.urandom(7 * 1024 * 1024 + 11)
+    source.write_bytes(data)
+
+    code, out, err = run_cli(capsys, "cp", "--progress", str(source), f"s3://{bucket}/up/")
+    assert code == 0, err
+    assert out.startswith(f"{source} -> s3://{bucket}/up/model-step=3.ckpt  7.0 MiB in ")
+    assert ("100%" in err) == HAVE_TQDM  # tqdm's bar, on stderr
+
+    download_dir = tmp_path / "down"
+    download_dir.mkdir()
+    code, out, err = run_cli(capsys, "cp", "--progress", f"s3://{bucket}/up/model-step=3.ckpt", str(download_dir))
+    assert code == 0, err
+    assert "verified" in out
+    assert ("100%" in err) == HAVE_TQDM
+    assert (download_dir / "model-step=3.ckpt").read_bytes() == data
+
+    code, _, err = run_cli(capsys, "cp", "--no-progress", f"s3://{bucket}/up/model-step=3.ckpt", str(tmp_path / "x"))
+    assert code == 0
+    assert err == ""
+    assert (tmp_path / "x").read_bytes() == data
+
+
+def test_cp_works_without_tqdm(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # `from tqdm import tqdm` now raises ImportError
+    source = tmp_path / "a.ckpt"
+    source.write_bytes(b"abc" * 1000)
+    code, _, err = run_cli(capsys, "cp", "--progress", str(source), f"s3://{bucket}/a.ckpt")
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "cp", "--progress", f"s3://{bucket}/a.ckpt", str(tmp_path / "b.ckpt"))
+    assert code == 0, err
+    assert (tmp_path / "b.ckpt").read_bytes() == b"abc" * 1000
+    assert "%" not in err
+
+
+def test_cp_not_found_cases_exit_3(bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "cp", str(tmp_path / "missing.ckpt"), f"s3://{bucket}/x.ckpt")
+    assert code == cli.EXIT_NOT_FOUND
+    assert "no such file" in err
+
+    code, _, err = run_cli(capsys, "cp", f"s3://{bucket}/missing.ckpt", str(tmp_path))
+    assert code == cli.EXIT_NOT_FOUND
+    assert f"s3://{bucket}/missing.ckpt" in err
+
+    write_object(f"s3://{bucket}/dir/inner.ckpt", 10)
+    code, _, err = run_cli(capsys, "cp", f"s3://{bucket}/dir", str(tmp_path))
+    assert code == cli.EXIT_NOT_FOUND
+    assert "it is a prefix holding objects" in err
+
+    code, _, err = run_cli(capsys, "cp", f"s3://{bucket}/dir/inner.ckpt", str(tmp_path / "no" / "such" / "dir" / "f"))
+    assert code == cli.EXIT_NOT_FOUND
+    assert "destination directory does not exist" in err
+
+
+def test_cp_download_of_corrupted_bytes_exits_1_and_writes_nothing(
+    bucket: str, fault_proxy: FaultProxy, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_object(f"s3://{bucket}/c.ckpt", 5000)
+    fault_proxy.add_rule(FaultRule(Fault.corrupt_body(offset=7), method="GET", path_regex=r"/c\.ckpt$"))
+    code, out, err = run_cli(
+        capsys, "--endpoint-url", fault_proxy.endpoint_url, "cp", f"s3://{bucket}/c.ckpt", str(tmp_path)
+    )
+    assert code == cli.EXIT_VERIFY_FAILED
+    assert "is corrupt" in err
+    assert out == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---- rm -------------------------------------------------------------------------------------------------------------
+
+
+def test_rm_keep_last_dry_run_then_prune(
+    run_url: str, bucket: str, s3_client: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = keys(s3_client, bucket)
+    code, out, err = run_cli(capsys, "rm", run_url, "--keep-last", "2", "--dry-run")
+    assert code == 0, err
+    assert keys(s3_client, bucket) == before
+    would = [line.split()[-1] for line in out.splitlines() if line.startswith("would delete ")]
+    assert would == [f"{run_url}/demo-step=5.ckpt"]
+    assert out.splitlines()[-1] == f"dry run: 1 to delete, 6 to keep under {run_url}; nothing was deleted"
+
+    code, out, err = run_cli(capsys, "rm", run_url, "--keep-last", "2")
+    assert code == 0, err
+    after = keys(s3_client, bucket)
+    assert "run/demo-step=5.ckpt" not in after
+    gone = {key.removesuffix(CHECKSUM_SIDECAR_SUFFIX) for key in before - after}
+    assert gone == {"run/demo-step=5.ckpt"}  # its checksum record (if any) went with it
+    assert {"run/demo-step=15.ckpt", "run/demo-step=10.ckpt"} <= after  # the 2 newest top-k by step
+    protected = {"run/demo-step=20-end.ckpt", "run/last.ckpt", "run/demo-step=20-last.ckpt", "run/manual.ckpt"}
+    assert protected <= after  # end, last and step-less checkpoints are never deleted
+    assert {"run/notes.txt", "run/sub/demo-step=99.ckpt", "run_old/demo-step=1.ckpt"} <= after  # out of scope
+    assert "(a last checkpoint)" in out
+    assert "(an end checkpoint)" in out
+    assert "(no step= in its name)" in out
+
+    code, out, _ = run_cli(capsys, "rm", run_url, "--keep-last", "0")
+    assert code == 0
+    assert out.splitlines()[-1] == f"deleted 2, kept 4 checkpoint(s) under {run_url}"
+    remaining = {k for k in keys(s3_client, bucket) if k.startswith("run/") and k.endswith(".ckpt")}
+    assert remaining == protected | {"run/sub/demo-step=99.ckpt"}
+
+
+def test_rm_breaks_step_ties_by_modification_time(
+    bucket: str, s3_client: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_object(f"s3://{bucket}/ties/b-step=7.ckpt", 10)
+    time.sleep(1.1)  # S3 timestamps have one-second resolution
+    write_object(f"s3://{bucket}/ties/a-step=7.ckpt", 10)
+    write_object(f"s3://{bucket}/ties/a-step=3.ckpt", 10)
+    code, _, err = run_cli(capsys, "rm", f"s3://{bucket}/ties", "--keep-last", "1")
+    assert code == 0, err
+    assert {k for k in keys(s3_client, bucket) if k.endswith(".ckpt")} == {"ties/a-step=7.ckpt"}
+
+
+def test_rm_nothing_found_exits_3(bucket: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "rm", f"s3://{bucket}/nothing", "--keep-last", "1")
+    assert code == cli.EXIT_NOT_FOUND
+    assert "no checkpoints" in err
+
+
+# ---- S3 errors ------------------------------------------------------------------------------------------------------
+
+
+def test_access_denied_exits_4_with_hint(
+    run_url: str, fault_proxy: FaultProxy, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fault_proxy.add_rule(FaultRule(Fault.status(403), method="GET"))
+    code, out, err = run_cli(capsys, "--endpoint-url", fault_proxy.endpoint_url, "ls", run_url)
+    assert code == cli.EXIT_S3_ERROR
+    assert out == ""
+    assert "AccessDenied" in err
+    assert "check the credentials" in err
+    assert err.startswith("s3-checkpoint-io: error: ")
+
+
+def test_unreachable_endpoint_exits_4(s3_server: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code, _, err = run_cli(
+        capsys, "--endpoint-url", f"http://127.0.0.1:{port}", "--max-attempts", "1", "ls", "s3://bucket/run"
+    )
+    assert code == cli.EXIT_S3_ERROR
+    assert "Could not connect" in err
+
+
+# ---- as a real process ----------------------------------------------------------------------------------------------
+
+
+def _cli_env(s3_server: Any) -> dict[str, str]:
+    env = {**os.environ, **s3_server.env()}  # the suite's AWS isolation plus the server's address and keys
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def test_runs_as_a_subprocess_with_exit_codes(run_url: str, s3_server: Any, tmp_path: Path) -> None:
+    env = _cli_env(s3_server)
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "s3_checkpoint_cli", *argv]
+        return subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+
+    result = run("ls", "--json", run_url)
+    assert result.returncode == 0, result.stderr
+    assert len(json.loads(result.stdout)) == 7
+
+    result = run("verify", f"{run_url}/missing.ckpt")
+    assert result.returncode == cli.EXIT_NOT_FOUND
+    assert result.stdout == ""
+    assert result.stderr.startswith("s3-checkpoint-io: error: No such object:")
+    assert "Traceback" not in result.stderr
+
+    result = run("rm", run_url)
+    assert result.returncode == cli.EXIT_USAGE
+    assert "--keep-last" in result.stderr
+
+
+def test_console_script(run_url: str, s3_server: Any, tmp_path: Path) -> None:
+    script = Path(sys.executable).parent / "s3-checkpoint-io"
+    if not script.exists():
+        pytest.skip("the package is not installed in this environment (pip install -e .): no console script")
+    result = subprocess.run(
+        [str(script), "ls", run_url], env=_cli_env(s3_server), cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "demo-step=15.ckpt" in result.stdout
+
+
+ALL_EXTRAS = (
+    "boto3",
+    "botocore",
+    "s3transfer",
+    "awscrt",
+    "s3fs",
+    "tenacity",
+    "torch",
+    "lightning",
+    "pytorch_lightning",
+    "lightning_fabric",
+    "moto",
+    "tqdm",
+)
+
+
+@pytest.mark.parametrize(
+    ("hidden", "argv", "expected"),
+    [
+        (ALL_EXTRAS, ["ls", "s3://bucket/run"], 'pip install "s3-checkpoint-io[s3]"'),
+        (ALL_EXTRAS, ["verify", "s3://bucket/run/x.ckpt"], 'pip install "s3-checkpoint-io[s3]"'),
+        (ALL_EXTRAS, ["demo"], "pip install torch"),
+        (("lightning", "pytorch_lightning", "lightning_fabric"), ["demo"], 'pip install "s3-checkpoint-io[lightning]"'),
+        (("moto",), ["demo"], "moto[server]"),
+    ],
+    ids=["ls", "verify", "demo-torch", "demo-lightning", "demo-moto"],
+)
+def test_import_needs_no_extra_and_a_missing_one_exits_5(
+    hidden: tuple[str, ...], argv: list[str], expected: str, tmp_path: Path
+) -> None:
+    script = textwrap.dedent(
+        f"""
+        import importlib.abc, sys
+        HIDDEN = {set(hidden)!r}
+        class _Hide(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in HIDDEN:
+                    raise ModuleNotFoundError(f"No module named {{name!r}} (hidden by the test)", name=name)
+                return None
+        sys.meta_path.insert(0, _Hide())
+        import s3_checkpoint_cli
+        assert s3_checkpoint_cli.main(["--help"]) == 0
+        sys.exit(s3_checkpoint_cli.main(sys.argv[1:]))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-c", script, *argv], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == cli.EXIT_MISSING_DEPENDENCY, result.stderr
+    assert "Traceback" not in result.stderr
+    assert expected in result.stderr
+    assert result.stderr.startswith("s3-checkpoint-io: error: ")
