@@ -166,6 +166,30 @@ class S3CheckpointIO:
     def async_checkpointing(self) -> bool:
         return self._async_checkpointing
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (``ddp_spawn`` and other launchers pickle the Trainer): settings travel, live state does not.
+
+        Raises if background saves are still pending, since they could not follow the copy.
+        """
+        with self._lock:
+            if self._pending or self._deferred:
+                raise RuntimeError("cannot pickle S3CheckpointIO while background saves are pending; call teardown()")
+        state = self.__dict__.copy()
+        for live in ("_lock", "_executor", "_pending", "_deferred", "_errors"):
+            del state[live]
+        state["s3"] = (self.s3.settings, self.s3.retry_policy)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        settings, retry_policy = state.pop("s3")
+        self.__dict__.update(state)
+        self.s3 = _s3.S3Utils(settings, retry_policy)
+        self._lock = threading.Lock()
+        self._executor = None
+        self._pending = deque()
+        self._deferred = []
+        self._errors = []
+
     # ---- save -----------------------------------------------------------------------------------------------------
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:

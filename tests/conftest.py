@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -93,7 +94,17 @@ def s3_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
                 pytest.skip(f"{backend} unavailable: {exc}")
             for key, value in endpoint.env().items():
                 mp.setenv(key, value)
-            yield endpoint
+            _forget_s3fs_filesystems()  # s3fs keeps one instance per process, bound to the endpoint it first saw
+            try:
+                yield endpoint
+            finally:
+                _forget_s3fs_filesystems()
+
+
+def _forget_s3fs_filesystems() -> None:
+    s3fs = sys.modules.get("s3fs")
+    if s3fs is not None:
+        s3fs.S3FileSystem.clear_instance_cache()
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import pickle
 import threading
 from collections import OrderedDict
 
@@ -291,3 +292,18 @@ class TestLocalPaths:
     def test_local_missing_file(self, tmp_path: pathlib.Path) -> None:
         with pytest.raises(FileNotFoundError, match=r"absent\.ckpt"):
             S3CheckpointIO(tmp_path).load_checkpoint(tmp_path / "absent.ckpt")
+
+
+def test_plugin_pickles_for_spawn_launchers(bucket: str) -> None:
+    plugin = S3CheckpointIO(f"s3://{bucket}/c", chunk_size_MB=5, async_checkpointing=True)
+    copy = pickle.loads(pickle.dumps(plugin))
+    assert copy.async_checkpointing and copy.chunk_size_MB == 5
+    assert copy.s3.settings == plugin.s3.settings and copy.s3.retry_policy == plugin.s3.retry_policy
+    copy.save_checkpoint(make_checkpoint(), f"s3://{bucket}/c/0.ckpt")  # the copy works on its own
+    copy.teardown()
+    gate = _GatedSaves(plugin)
+    plugin.save_checkpoint(make_checkpoint(), f"s3://{bucket}/c/1.ckpt")
+    with pytest.raises(RuntimeError, match="pending"):
+        pickle.dumps(plugin)
+    gate.release.set()
+    plugin.teardown()
