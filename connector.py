@@ -519,9 +519,11 @@ def check_resume(
         install_checkpoint_connector(trainer)
     checkpoint: str | None = None
     if resume_from_checkpoint:
-        checkpoint = _as_path_text(resume_from_checkpoint)
+        checkpoint = _urls.as_path_or_s3_url(resume_from_checkpoint)
     if resume_if_exists:
-        directory = _as_path_text(dirpath) if dirpath else os.path.join(os.fspath(log_dir or ""), "checkpoints")
+        directory = (
+            _urls.as_path_or_s3_url(dirpath) if dirpath else os.path.join(os.fspath(log_dir or ""), "checkpoints")
+        )
         rank = global_rank()
         if _urls.is_s3_url(directory) and rank != 0:
             logger.debug(
@@ -542,11 +544,6 @@ def check_resume(
         trainer.ckpt_path = checkpoint
         logger.info("Resuming training from checkpoint: %s", checkpoint)
     return checkpoint
-
-
-def _as_path_text(path: str | os.PathLike[str]) -> str:
-    """A str path; an S3 URL collapsed by pathlib (``s3:/b/k``) is repaired rather than taken as local."""
-    return _urls.normalize_s3_url(path) if _urls.is_s3_url(path) else os.fspath(path)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -139,7 +139,7 @@ class S3CheckpointIO:
         ]:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        self.dirpath = _as_path_string(dirpath) if dirpath is not None else None
+        self.dirpath = _urls.as_path_or_s3_url(dirpath) if dirpath is not None else None
         self.chunk_size_MB = chunk_size_MB
         self.max_read_concurrency = max_read_concurrency
         self.max_write_concurrency = max_write_concurrency
@@ -199,7 +199,7 @@ class S3CheckpointIO:
                 "S3CheckpointIO.save_checkpoint does not take storage_options; configure it in the constructor"
             )
         started = time.perf_counter()
-        path = _as_path_string(path)
+        path = _urls.as_path_or_s3_url(path)
         self._raise_background_errors()
         if not self._async_checkpointing:
             self._save_now(checkpoint, path)
@@ -262,7 +262,7 @@ class S3CheckpointIO:
         unexpected = set(kwargs) - {"state"}
         if unexpected:
             raise TypeError(f"load_checkpoint() got unexpected keyword arguments {sorted(unexpected)}")
-        path = _as_path_string(path)
+        path = _urls.as_path_or_s3_url(path)
         self._raise_background_errors()
         self._wait_for_saves_of(path)
         torch = _torch()
@@ -296,7 +296,7 @@ class S3CheckpointIO:
     def remove_checkpoint(self, path: Any) -> None:
         """Remove a checkpoint. In async mode the removal waits until every save issued before it is durable, and is
         dropped if one of them failed: the newest good checkpoint is never deleted before its successor exists."""
-        path = _as_path_string(path)
+        path = _urls.as_path_or_s3_url(path)
         self._raise_background_errors()
         with self._lock:
             waits_for = [pending.future for pending in self._pending if not pending.future.done()]
@@ -389,13 +389,6 @@ class S3CheckpointIO:
 # --------------------------------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def _as_path_string(path: Any) -> str:
-    """A str path; an S3 URL collapsed by pathlib (``s3:/b/k``) is restored rather than treated as local."""
-    if _urls.is_s3_url(path):
-        return _urls.normalize_s3_url(path)
-    return os.fspath(path)
 
 
 def snapshot_to_host(obj: Any) -> Any:

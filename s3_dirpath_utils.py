@@ -29,6 +29,7 @@ __all__ = [
     "MAX_KEY_BYTES",
     "RELAXED_BUCKET_NAMES_ENV",
     "S3_PATH_PREFIX",
+    "as_path_or_s3_url",
     "build_s3_url",
     "is_s3_url",
     "join_s3_url",
@@ -108,6 +109,12 @@ def normalize_s3_url(path: str | os.PathLike[str]) -> str:
     if text.startswith(_COLLAPSED_PREFIX):
         return S3_PATH_PREFIX + text[len(_COLLAPSED_PREFIX) :]
     raise ValueError(f"{path!r} is not an S3 URL: its text {text!r} does not start with {S3_PATH_PREFIX!r}")
+
+
+def as_path_or_s3_url(path: str | os.PathLike[str]) -> str:
+    """A str for a path that may be local or S3: the canonical ``s3://`` URL for S3 (pathlib collapse repaired),
+    else ``os.fspath(path)``. Use it wherever a path is handed on, so an S3 URL is never turned into a local path."""
+    return normalize_s3_url(path) if is_s3_url(path) else os.fspath(path)
 
 
 # ---- bucket names and keys ----------------------------------------------------------------------------------------

@@ -862,3 +862,16 @@ def test_public_api() -> None:
 def test_pathlib_collapse_premise() -> None:
     """The repair is only needed because pathlib collapses '//'; if that ever changes, revisit the module."""
     assert str(pathlib.PurePosixPath("s3://bkt/k")) == "s3:/bkt/k"
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("s3://bkt/a/b.ckpt", "s3://bkt/a/b.ckpt"),
+        (pathlib.PurePosixPath("s3://bkt/a/b.ckpt"), "s3://bkt/a/b.ckpt"),
+        (pathlib.PurePosixPath("/tmp/x.ckpt"), "/tmp/x.ckpt"),
+        ("relative/x.ckpt", "relative/x.ckpt"),
+    ],
+)
+def test_as_path_or_s3_url_keeps_s3_urls_and_local_paths_apart(given, expected: str) -> None:
+    assert u.as_path_or_s3_url(given) == expected
