@@ -367,7 +367,7 @@ def list_resume_candidates(
                 "(or these credentials cannot see it). Create the bucket, or fix the checkpoint dirpath."
             ) from exc
         return _candidates_from_entries(url, entries)
-    directory = os.fspath(dirpath)
+    directory = _urls.as_path_or_s3_url(dirpath)  # refuses s3:/..., S3://..., http://... rather than going local
     if not os.path.isdir(directory):
         return []
     return _candidates_from_entries(directory, _local_entries(directory))

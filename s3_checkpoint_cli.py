@@ -1525,10 +1525,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# At DEBUG these libraries print request headers, signatures and session tokens: only -vvv shows them.
+_WIRE_LOGGERS = ("botocore", "boto3", "urllib3", "s3transfer", "aiobotocore", "s3fs")
+
+
 def _configure_logging(verbosity: int) -> None:
     level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger(__name__).setLevel(level)
+    if verbosity < 3:
+        for name in _WIRE_LOGGERS:
+            logging.getLogger(name).setLevel(max(level, logging.INFO))
 
 
 def _error_message(exc: BaseException) -> str:

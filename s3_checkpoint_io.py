@@ -22,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import os
+import pickle
 import shutil
 import sys
 import tempfile
@@ -30,7 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +43,7 @@ else:  # installed (or copied) as top-level modules
     import s3_dirpath_utils as _urls
     import s3_utils as _s3
 
-__all__ = ["S3CheckpointIO", "register_with_lightning"]
+__all__ = ["NotACheckpointError", "S3CheckpointIO", "register_with_lightning", "snapshot_to_host"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,16 +82,25 @@ def register_with_lightning(cls: type) -> list[str]:
     return found
 
 
-@dataclass
+class NotACheckpointError(pickle.UnpicklingError):
+    """The object's bytes were downloaded and verified, but ``torch.load`` cannot read them as a checkpoint."""
+
+
+@dataclass(eq=False)
 class _PendingSave:
+    """A background save. `settled` is set once its outcome is recorded and the removals waiting on it are done:
+    waiting on the Future alone would race with that bookkeeping (done-callbacks run after waiters wake)."""
+
     path: str
-    future: Future[None]
+    future: Future[None] | None = None
+    settled: threading.Event = field(default_factory=threading.Event)
+    failed: bool = False
 
 
-@dataclass
+@dataclass(eq=False)
 class _DeferredRemoval:
     path: str
-    waits_for: list[Future[None]] = field(default_factory=list)
+    waits_for: list[_PendingSave]
 
 
 class S3CheckpointIO:
@@ -130,8 +141,11 @@ class S3CheckpointIO:
     ) -> None:
         _torch()
         register_with_lightning(type(self))
-        if chunk_size_MB * _s3.MB < _s3.MIN_PART_SIZE:
-            raise ValueError(f"chunk_size_MB must be at least 5 (S3's minimum part size), got {chunk_size_MB}")
+        if not (math.isfinite(chunk_size_MB) and chunk_size_MB * _s3.MB >= _s3.MIN_PART_SIZE):
+            raise ValueError(f"chunk_size_MB must be a number >= 5 (S3's minimum part size), got {chunk_size_MB}")
+        _s3.S3Utils._check_checksum_algorithm(checksum_algorithm)
+        if retry_policy is not None and not isinstance(retry_policy, _s3.RetryPolicy):
+            raise TypeError(f"retry_policy must be an s3_utils.RetryPolicy, got {type(retry_policy).__name__}")
         for name, value in [
             ("max_read_concurrency", max_read_concurrency),
             ("max_write_concurrency", max_write_concurrency),
@@ -207,16 +221,16 @@ class S3CheckpointIO:
             return
         snapshot = snapshot_to_host(checkpoint)
         with self._lock:
-            oldest = self._pending[0].future if len(self._pending) >= self.max_saves_in_flight else None
+            oldest = self._pending[0] if len(self._pending) >= self.max_saves_in_flight else None
         if oldest is not None:
-            with contextlib.suppress(BaseException):  # its error is recorded and raised below
-                oldest.result()
+            oldest.settled.wait()  # its error, if any, is recorded by then and raised below
             self._raise_background_errors()
         executor = self._get_executor()
+        pending = _PendingSave(path)
         with self._lock:
-            future = executor.submit(self._save_now, snapshot, path)
-            self._pending.append(_PendingSave(path, future))
-        future.add_done_callback(self._on_save_done)
+            self._pending.append(pending)
+            pending.future = executor.submit(self._save_now, snapshot, path)
+        pending.future.add_done_callback(lambda _, pending=pending: self._on_save_done(pending))
         self.last_save_blocked_s = time.perf_counter() - started
         logger.debug("Queued async save of %s (blocked %.3f s)", path, self.last_save_blocked_s)
 
@@ -227,7 +241,13 @@ class S3CheckpointIO:
             with self.s3.open_writer(
                 path, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm
             ) as writer:
-                torch.save(checkpoint, writer)
+                try:
+                    torch.save(checkpoint, writer)
+                except Exception as exc:
+                    # torch.save turns a failed write into its own RuntimeError without the URL: raise the S3 error
+                    if writer.error is not None and writer.error is not exc:
+                        raise writer.error from exc
+                    raise
             size = writer.info.size if writer.info else 0
             _invalidate_fsspec_cache(path)
             self._remove_conflicting_last_checkpoints(path)
@@ -277,11 +297,20 @@ class S3CheckpointIO:
         with self.s3.download_to_memory(path, self.chunk_size_MB, self.max_read_concurrency) as downloaded:
             downloaded_s = time.perf_counter() - started
             try:
-                checkpoint = torch.load(downloaded.path, mmap=True, **load_kwargs)
-            except RuntimeError as exc:
-                if "mmap" not in str(exc):
+                try:
+                    checkpoint = torch.load(downloaded.path, mmap=True, **load_kwargs)
+                except RuntimeError as exc:
+                    if "mmap" not in str(exc):
+                        raise
+                    checkpoint = torch.load(downloaded.path, **load_kwargs)  # legacy (non-zip) format: no mmap
+            except Exception as exc:
+                if isinstance(exc, pickle.UnpicklingError) and "eights only load failed" in str(exc):
+                    exc.add_note(f"while loading {path}")
                     raise
-                checkpoint = torch.load(downloaded.path, **load_kwargs)  # legacy (non-zip) format cannot be mapped
+                raise NotACheckpointError(
+                    f"{path} ({downloaded.size} bytes{', empty' if not downloaded.size else ''}) is not a loadable "
+                    f"torch checkpoint: {type(exc).__name__}: {exc}"
+                ) from exc
         logger.info(
             "Loaded %s (%.1f MiB) in %.2f s (download %.2f s)",
             path,
@@ -299,7 +328,7 @@ class S3CheckpointIO:
         path = _urls.as_path_or_s3_url(path)
         self._raise_background_errors()
         with self._lock:
-            waits_for = [pending.future for pending in self._pending if not pending.future.done()]
+            waits_for = list(self._pending)  # every save not yet settled, including one that has just failed
             if waits_for:
                 self._deferred.append(_DeferredRemoval(path, waits_for))
                 logger.debug("Deferred removal of %s until %d pending save(s) finish", path, len(waits_for))
@@ -324,29 +353,32 @@ class S3CheckpointIO:
                 self._executor = ThreadPoolExecutor(self.max_saves_in_flight, thread_name_prefix="s3ckpt-save")
             return self._executor
 
-    def _on_save_done(self, future: Future[None]) -> None:
-        with self._lock:
-            for pending in list(self._pending):
-                if pending.future is future:
-                    self._pending.remove(pending)
-                    exc = future.exception() if not future.cancelled() else None
-                    if exc is not None:
-                        exc.add_note(f"raised by the background save of {pending.path}")
-                        logger.error("Background save of %s failed: %r", pending.path, exc)
-                        self._errors.append(exc)
-            ready = [d for d in self._deferred if all(f.done() for f in d.waits_for)]
-            self._deferred = [d for d in self._deferred if d not in ready]
-        for removal in ready:
-            failed = [f for f in removal.waits_for if f.cancelled() or f.exception() is not None]
-            if failed:
-                logger.warning("Not removing %s: a save issued before its removal failed", removal.path)
-                continue
-            try:
-                self._remove_now(removal.path)
-            except Exception as exc:
-                exc.add_note(f"raised by the deferred removal of {removal.path}")
-                with self._lock:
+    def _on_save_done(self, pending: _PendingSave) -> None:
+        """Record a finished save, then run the removals that were waiting for it (or drop them if it failed)."""
+        try:
+            assert pending.future is not None
+            exc = pending.future.exception() if not pending.future.cancelled() else CancelledError()
+            with self._lock:
+                self._pending.remove(pending)
+                if exc is not None:
+                    pending.failed = True
+                    exc.add_note(f"raised by the background save of {pending.path}")
+                    logger.error("Background save of %s failed: %r", pending.path, exc)
                     self._errors.append(exc)
+                ready = [d for d in self._deferred if not any(p in self._pending for p in d.waits_for)]
+                self._deferred = [d for d in self._deferred if d not in ready]
+            for removal in ready:
+                if any(p.failed for p in removal.waits_for):
+                    logger.warning("Not removing %s: a save issued before its removal failed", removal.path)
+                    continue
+                try:
+                    self._remove_now(removal.path)
+                except Exception as error:
+                    error.add_note(f"raised by the deferred removal of {removal.path}")
+                    with self._lock:
+                        self._errors.append(error)
+        finally:
+            pending.settled.set()
 
     def _raise_background_errors(self) -> None:
         with self._lock:
@@ -360,19 +392,17 @@ class S3CheckpointIO:
 
     def _wait_for_saves_of(self, path: str) -> None:
         with self._lock:
-            futures = [pending.future for pending in self._pending if pending.path == path]
-        for future in futures:
-            with contextlib.suppress(BaseException):
-                future.result()
+            saves = [pending for pending in self._pending if pending.path == path]
+        for pending in saves:
+            pending.settled.wait()
         self._raise_background_errors()
 
     def wait_for_pending_saves(self) -> None:
         """Block until every background save (and the removals waiting on them) finished; raise the first failure."""
         with self._lock:
-            futures = [pending.future for pending in self._pending]
-        for future in futures:
-            with contextlib.suppress(BaseException):
-                future.result()
+            saves = list(self._pending)
+        for pending in saves:
+            pending.settled.wait()
         self._raise_background_errors()
 
     def teardown(self) -> None:

@@ -111,10 +111,22 @@ def normalize_s3_url(path: str | os.PathLike[str]) -> str:
     raise ValueError(f"{path!r} is not an S3 URL: its text {text!r} does not start with {S3_PATH_PREFIX!r}")
 
 
+_URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
 def as_path_or_s3_url(path: str | os.PathLike[str]) -> str:
     """A str for a path that may be local or S3: the canonical ``s3://`` URL for S3 (pathlib collapse repaired),
-    else ``os.fspath(path)``. Use it wherever a path is handed on, so an S3 URL is never turned into a local path."""
-    return normalize_s3_url(path) if is_s3_url(path) else os.fspath(path)
+    else ``os.fspath(path)``. Use it wherever a path is handed on, so an S3 URL is never turned into a local path.
+
+    Raises ValueError for text that looks like a URL but is not a valid ``s3://`` one (``s3:/b/k``, ``S3://b/k``,
+    ``http://...``, ``gs://...``): taking it as a local path would silently write to the local disk.
+    """
+    if is_s3_url(path):
+        return normalize_s3_url(path)
+    text = _path_text(path)
+    if text.lower().startswith("s3:") or _URL_SCHEME.match(text):
+        raise ValueError(f"{path!r} is neither an s3://bucket/key URL nor a local path")
+    return text
 
 
 # ---- bucket names and keys ----------------------------------------------------------------------------------------

@@ -571,6 +571,11 @@ class S3Utils:
     def _new_pool(self, workers: int, name: str) -> ThreadPoolExecutor:
         return ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix=f"s3ckpt-{name}")
 
+    @staticmethod
+    def _check_checksum_algorithm(name: str | None) -> None:
+        """Raise ValueError (or MissingOptionalDependencyError) now for an algorithm a save could not use."""
+        _checksum_algorithm(name)
+
     # ---- NeMo-compatible URL helpers ------------------------------------------------------------------------------
 
     @staticmethod
@@ -599,6 +604,8 @@ class S3Utils:
         """Size, ETag, modification time and stored checksums of one object; FileNotFoundError if there is none."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
+        if not key or key.endswith("/"):
+            raise IsADirectoryError(f"{url} names a directory (or bucket), not an object; give the object's key")
         response = self.call("head_object", url, Bucket=bucket, Key=key, ChecksumMode="ENABLED")
         return S3ObjectInfo(
             bucket=bucket,
@@ -952,12 +959,22 @@ class S3Utils:
         sidecar = self._read_sidecar(info)
         if sidecar is None:
             return None
-        if sidecar.get("etag") != info.etag or sidecar.get("size") != info.size:
+        fields = {"algorithm": str, "checksum": str, "size": int, "etag": str}
+        if not isinstance(sidecar, dict) or any(not isinstance(sidecar.get(k), t) for k, t in fields.items()):
+            raise ChecksumMismatchError(
+                f"The checksum record of {info.url} ({info.key}{CHECKSUM_SIDECAR_SUFFIX}) is malformed: "
+                "refusing to load an unverified object; delete the record only if you trust the object"
+            )
+        if sidecar["etag"] != info.etag or sidecar["size"] != info.size:
             raise ChecksumMismatchError(
                 f"{info.url} was replaced after its checksum was recorded (size/ETag {info.size}/{info.etag}, "
-                f"recorded {sidecar.get('size')}/{sidecar.get('etag')}): refusing to load an unverified object"
+                f"recorded {sidecar['size']}/{sidecar['etag']}): refusing to load an unverified object"
             )
-        return _RecordedChecksum(_checksum_algorithm(sidecar["algorithm"]), sidecar["checksum"], "sidecar")
+        try:
+            algorithm = _checksum_algorithm(sidecar["algorithm"])
+        except ValueError as exc:
+            raise ChecksumMismatchError(f"The checksum record of {info.url} names an unknown algorithm: {exc}") from exc
+        return _RecordedChecksum(algorithm, sidecar["checksum"], "sidecar")
 
     def _read_sidecar(self, info: S3ObjectInfo) -> dict[str, Any] | None:
         key = info.key + CHECKSUM_SIDECAR_SUFFIX
@@ -967,7 +984,16 @@ class S3Utils:
         except FileNotFoundError:
             return None
         with body:
-            return json.loads(body.read())
+            raw = body.read()
+        try:
+            record = json.loads(raw)
+            if not isinstance(record, dict):
+                raise ValueError(f"a JSON {type(record).__name__}, not an object")
+            return record
+        except ValueError as exc:  # includes undecodable bytes
+            raise ChecksumMismatchError(
+                f"The checksum record of {info.url} ({key}) is malformed: refusing to load an unverified object"
+            ) from exc
 
     def _write_sidecar(self, bucket: str, key: str, record: dict[str, Any]) -> None:
         sidecar_key = key + CHECKSUM_SIDECAR_SUFFIX
@@ -1027,7 +1053,9 @@ def _annotate(exc: BaseException, operation: str, url: str) -> None:
         hint = "check the credentials and that their policy allows this action on this bucket and key"
     elif code in {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "NoCredentialsError"}:
         hint = "check the AWS credentials (environment, profile or role) used by this process"
-    elif code in {"AuthorizationHeaderMalformed", "PermanentRedirect", "IllegalLocationConstraintException"}:
+    elif code == "400":  # a HEAD has no error body: expired credentials and a wrong region both look like this
+        hint = "the request was refused (400): check the AWS credentials (expired?) and the region of the bucket"
+    elif code in {"AuthorizationHeaderMalformed", "PermanentRedirect", "IllegalLocationConstraintException", "301"}:
         hint = "the bucket may be in another region: set the region (AWS_REGION or region_name)"
     else:
         hint = ""
@@ -1110,6 +1138,11 @@ class S3MultipartWriter(io.RawIOBase):
         self.bucket, self.key = _urls.parse_s3_url(self.url)
         if not self.key or self.key.endswith("/"):
             raise IsADirectoryError(f"Cannot write an object at {self.url}: the URL names a directory, not a key")
+        room = 1024 - len(CHECKSUM_SIDECAR_SUFFIX)
+        if len(self.key.encode("utf-8")) > room:
+            raise ValueError(
+                f"Key too long for {self.url}: at most {room} bytes (S3's 1024 less room for the checksum record)"
+            )
         self._utils = utils
         self._part_size = part_size
         self._max_concurrency = max_concurrency
@@ -1127,6 +1160,8 @@ class S3MultipartWriter(io.RawIOBase):
         self._finished = False
         self.info: S3ObjectInfo | None = None
         """Set by `close()`: the committed object's size, ETag and checksum."""
+        self.error: BaseException | None = None
+        """The exception a `write` raised, kept because ``torch.save`` re-raises it as its own RuntimeError."""
 
     # ---- io.RawIOBase ---------------------------------------------------------------------------------------------
 
@@ -1136,6 +1171,13 @@ class S3MultipartWriter(io.RawIOBase):
     def write(self, data: Any) -> int:
         if self.closed or self._finished:
             raise ValueError(f"write to a closed S3 writer ({self.url})")
+        try:
+            return self._write(data)
+        except BaseException as exc:
+            self.error = exc  # callers such as torch.save may replace it with an error of their own
+            raise
+
+    def _write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         total = len(view)
         while view:

@@ -19,6 +19,7 @@ import contextlib
 import fcntl
 import gc
 import glob
+import json
 import os
 import random
 import shutil
@@ -29,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -354,18 +356,35 @@ def start_seaweedfs(
 WEED_LOCK_PATH = "/tmp/s3ckpt-weed.lock"
 
 
+_lock_depth = 0  # how many weed_machine_lock() blocks this process is inside (the flock is taken once)
+
+
 @contextlib.contextmanager
 def weed_machine_lock() -> Iterator[None]:
-    """Hold the exclusive machine-wide SeaweedFS lock (blocking), so test runs, benchmarks and demos take turns."""
+    """Hold the exclusive machine-wide SeaweedFS lock (blocking), so test runs, benchmarks and demos take turns.
+
+    Re-entrant within a process: a test that starts a second weed while the session's one runs must reach weed's own
+    "ports in use" error instead of waiting for itself.
+    """
+    global _lock_depth
+    if _lock_depth:
+        _lock_depth += 1
+        try:
+            yield
+        finally:
+            _lock_depth -= 1
+        return
     with open(WEED_LOCK_PATH, "a+b") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             print(f"waiting for {WEED_LOCK_PATH} (another SeaweedFS user is running) ...", file=sys.stderr)
             fcntl.flock(handle, fcntl.LOCK_EX)
+        _lock_depth = 1
         try:
             yield
         finally:
+            _lock_depth = 0
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
@@ -390,17 +409,7 @@ def _run_seaweedfs(
         s3_port = port if port is not None else free_port(20000, 45000, also_free=(SEAWEEDFS_GRPC_OFFSET,))
         endpoint = S3Endpoint("seaweedfs", f"http://127.0.0.1:{s3_port}", access_key, secret_key)
         log_offset = log_path.stat().st_size if log_path.exists() else 0
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
-                seaweedfs_command(weed, data, s3_port),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=data,
-                env=env,
-                start_new_session=True,
-            )
-        _LIVE_WEEDS[proc] = s3_port
+        proc = _spawn_weed(weed, data, s3_port, env, log_path)
         try:
             wait_until_ready(endpoint, startup_timeout, is_alive=lambda p=proc: p.poll() is None)
             break
@@ -413,10 +422,108 @@ def _run_seaweedfs(
             if isinstance(exc, (TimeoutError, RuntimeError)):
                 raise RuntimeError(f"SeaweedFS failed to start: {exc}\n--- tail of {log_path} ---\n{tail}") from exc
             raise
+    handle = SeaweedFSProcess(endpoint, weed, data, s3_port, env, startup_timeout, proc)
+    _SEAWEEDFS_PROCESSES[endpoint.endpoint_url] = handle
     try:
         yield endpoint
     finally:
-        _shutdown_seaweedfs(proc, s3_port)
+        _SEAWEEDFS_PROCESSES.pop(endpoint.endpoint_url, None)
+        _shutdown_seaweedfs(handle.proc, s3_port)  # the current process: a test may have restarted it
+
+
+def _spawn_weed(weed: str, data: Path, s3_port: int, env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    """Start ``weed mini`` in its own session, output appended to `log_path`, and track it for clean-up."""
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            seaweedfs_command(weed, data, s3_port),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=data,
+            env=env,
+            start_new_session=True,
+        )
+    _LIVE_WEEDS[proc] = s3_port
+    return proc
+
+
+@dataclass
+class SeaweedFSProcess:
+    """The ``weed mini`` behind an endpoint from `start_seaweedfs`, for crash tests: `kill` it with SIGKILL (no
+    shutdown, no flush, like an OOM kill) and `restart` it on the same port and data directory, keeping its data."""
+
+    endpoint: S3Endpoint
+    weed: str
+    data_dir: Path
+    port: int
+    env: dict[str, str]
+    startup_timeout: float
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def alive(self) -> bool:
+        """True while the current weed process runs."""
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the server's process group and wait for it; remove the sockets it leaves behind."""
+        _kill_pid_group(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        _LIVE_WEEDS.pop(self.proc, None)
+        _remove_sockets(self.port)
+        for name in ("s3.sock", "filer.sock"):
+            with contextlib.suppress(OSError):
+                os.unlink(self.data_dir / name)
+
+    def restart(self) -> None:
+        """Start weed again with the same command line and wait until it answers S3 requests."""
+        if self.alive:
+            raise RuntimeError("SeaweedFS is still running: kill() it first")
+        _wait_for_fixed_ports()
+        log_path = self.data_dir / "weed.log"
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        self.proc = _spawn_weed(self.weed, self.data_dir, self.port, self.env, log_path)
+        try:
+            wait_until_ready(self.endpoint, self.startup_timeout, is_alive=lambda p=self.proc: p.poll() is None)
+            self._wait_until_volumes_registered()
+        except Exception as exc:
+            raise RuntimeError(
+                f"SeaweedFS did not come back: {exc}\n--- tail of {log_path} ---\n{_log_tail(log_path, offset=offset)}"
+            ) from exc
+
+    def _wait_until_volumes_registered(self) -> None:
+        """S3 answers before the volume server has re-registered its volumes with the master (its first heartbeat
+        can fail with "Not current leader"); until then reads of existing objects fail with 500. Wait until the
+        master knows as many volumes as there are ``*.dat`` files in the data directory."""
+        on_disk = len(list(self.data_dir.glob("*.dat")))
+        deadline = time.monotonic() + self.startup_timeout
+        registered = -1
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                url = f"http://127.0.0.1:{SEAWEEDFS_FIXED_PORTS[0]}/dir/status"
+                with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url, timeout=2) as response:
+                    topology = json.load(response)["Topology"]
+                registered = sum(
+                    node.get("Volumes", 0)
+                    for center in topology.get("DataCenters") or []
+                    for rack in center.get("Racks") or []
+                    for node in rack.get("DataNodes") or []
+                )
+                if registered >= on_disk:
+                    return
+            time.sleep(0.05)
+        raise TimeoutError(f"the master knows {registered} of the {on_disk} volumes on disk")
+
+
+_SEAWEEDFS_PROCESSES: dict[str, SeaweedFSProcess] = {}
+
+
+def seaweedfs_process(endpoint: S3Endpoint) -> SeaweedFSProcess:
+    """The running `SeaweedFSProcess` behind `endpoint` (started by `start_seaweedfs` in this interpreter).
+
+    Raises KeyError for any other endpoint (moto, external, or a server that has stopped).
+    """
+    return _SEAWEEDFS_PROCESSES[endpoint.endpoint_url]
 
 
 def _shutdown_seaweedfs(proc: subprocess.Popen[bytes], s3_port: int) -> None:

@@ -234,7 +234,7 @@ class TestAsyncSafety:
         gate.release.set()
         async_plugin.save_checkpoint(make_checkpoint(), f"s3://{bucket}/ckpts/a.ckpt")
         while async_plugin._pending:
-            async_plugin._pending[0].future.exception()
+            async_plugin._pending[0].settled.wait()
         calls = {
             "save": lambda: async_plugin.save_checkpoint(make_checkpoint(), f"s3://{bucket}/ckpts/b.ckpt"),
             "load": lambda: async_plugin.load_checkpoint(f"s3://{bucket}/ckpts/a.ckpt"),

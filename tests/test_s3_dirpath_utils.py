@@ -875,3 +875,9 @@ def test_pathlib_collapse_premise() -> None:
 )
 def test_as_path_or_s3_url_keeps_s3_urls_and_local_paths_apart(given, expected: str) -> None:
     assert u.as_path_or_s3_url(given) == expected
+
+
+@pytest.mark.parametrize("given", ["s3:/bkt/k", "S3://bkt/k", "http://host/k", "gs://bkt/k", "s3:bkt"])
+def test_as_path_or_s3_url_refuses_urls_that_are_not_s3(given: str) -> None:
+    with pytest.raises(ValueError, match="neither"):
+        u.as_path_or_s3_url(given)
