@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import s3_checkpoint_cli
+
 DEFAULT_ACCESS_KEY = "s3ckpt-test-access"
 DEFAULT_SECRET_KEY = "s3ckpt-test-secret-key"
 
@@ -257,23 +259,9 @@ def _log_tail(path: Path, n_lines: int = 40, offset: int = 0) -> str:
 
 
 def seaweedfs_command(weed: str, data_dir: Path, port: int) -> list[str]:
-    """The exact ``weed mini`` command line: loopback only, telemetry/admin UI/WebDAV/extra S3 ports off."""
-    return [
-        weed,
-        "-logtostderr=true",
-        "mini",
-        f"-dir={data_dir}",
-        "-ip=127.0.0.1",
-        "-ip.bind=127.0.0.1",
-        "-master.telemetry=false",
-        "-admin.ui=false",
-        "-webdav=false",
-        "-s3.port.iceberg=0",
-        "-s3.port.lance=0",
-        f"-s3.port={port}",
-        f"-s3.localSocket={data_dir / 's3.sock'}",
-        f"-filer.localSocket={data_dir / 'filer.sock'}",
-    ]
+    """The exact ``weed mini`` command line (loopback only, telemetry/admin UI/WebDAV/extra S3 ports off): the one
+    the installed CLI's demo uses, so the safety flags are defined once."""
+    return s3_checkpoint_cli._weed_command(weed, str(data_dir), port)
 
 
 def _stop_process(proc: subprocess.Popen[bytes], term_timeout: float = 10.0) -> None:
