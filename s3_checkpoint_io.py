@@ -246,7 +246,7 @@ class S3CheckpointIO:
                 except Exception as exc:
                     # torch.save turns a failed write into its own RuntimeError without the URL: raise the S3 error
                     if writer.error is not None and writer.error is not exc:
-                        raise writer.error from exc
+                        raise writer.error from None
                     raise
             size = writer.info.size if writer.info else 0
             _invalidate_fsspec_cache(path)

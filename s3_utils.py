@@ -286,9 +286,19 @@ def get_s3_client(settings: S3ClientSettings | None = None) -> Any:
             client = session.client(
                 "s3", endpoint_url=settings.endpoint_url, region_name=settings.region_name, config=config
             )
+            if settings.endpoint_url:
+                client.meta.events.register("before-call.s3", _no_region_redirects)
             _clients[key] = client
             logger.debug("Created S3 client (endpoint=%s, region=%s)", settings.endpoint_url, client.meta.region_name)
     return client
+
+
+def _no_region_redirects(params: dict[str, Any], **_: Any) -> None:
+    """botocore re-sends an S3 request to the region a 301/400 names; when none is named it asks HEAD bucket, which a
+    redirecting endpoint answers with 301 again: unbounded recursion. A custom endpoint has no other region to go to."""
+    redirect = params.get("context", {}).get("s3_redirect")
+    if isinstance(redirect, dict):
+        redirect["redirected"] = True
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -759,10 +759,6 @@ HINTS = {
     "wrong-region-400": r"region",
     "bare-301-redirect": r"region|endpoint|redirect",
 }
-REDIRECT_RECURSION = (
-    "known defect, not fixed yet: botocore's S3 region redirector answers a 301 that names no region with HEAD "
-    "bucket, which is redirected again: ~80 requests, then RecursionError"
-)
 
 
 def _auth_case(name: str, operation: str, *marks: Any) -> Any:
@@ -782,8 +778,8 @@ def _auth_case(name: str, operation: str, *marks: Any) -> Any:
         _auth_case("wrong-region-301", "load"),
         _auth_case("wrong-region-400", "save"),
         _auth_case("wrong-region-400", "load"),
-        _auth_case("bare-301-redirect", "save", pytest.mark.xfail(strict=True, reason=REDIRECT_RECURSION)),
-        _auth_case("bare-301-redirect", "load", pytest.mark.xfail(strict=True, reason=REDIRECT_RECURSION)),
+        _auth_case("bare-301-redirect", "save"),
+        _auth_case("bare-301-redirect", "load"),
     ],
 )
 def test_auth_and_region_errors_fail_once_and_clearly(

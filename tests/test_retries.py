@@ -77,18 +77,18 @@ def test_total_time_bounds_the_retries(fault_proxy, bucket: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("operation", "rule"),
+    ("operation", "make_rule"),  # factories: a rule counts what it fired, so each test run needs a fresh one
     [
-        ("list", FaultRule(Fault.status(500, "InternalError"), method="GET", query="list-type=2", times=2)),
-        ("head", FaultRule(Fault.slow_down(), method="HEAD", times=2)),
-        ("delete", FaultRule(Fault.slow_down(), method="POST", query="delete", times=2)),
-        ("put", FaultRule(Fault.reset_before_response(), method="PUT", times=2)),
-        ("get", FaultRule(Fault.reset_mid_response(after_bytes=100), method="GET", query_regex="^$", times=2)),
+        ("list", lambda: FaultRule(Fault.status(500, "InternalError"), method="GET", query="list-type=2", times=2)),
+        ("head", lambda: FaultRule(Fault.slow_down(), method="HEAD", times=2)),
+        ("delete", lambda: FaultRule(Fault.slow_down(), method="POST", query="delete", times=2)),
+        ("put", lambda: FaultRule(Fault.reset_before_response(), method="PUT", times=2)),
+        ("get", lambda: FaultRule(Fault.reset_mid_response(after_bytes=100), method="GET", query_regex="^$", times=2)),
     ],
 )
-def test_every_kind_of_call_is_retried(utils, fault_proxy, s3_client, bucket: str, operation: str, rule) -> None:
+def test_every_kind_of_call_is_retried(utils, fault_proxy, s3_client, bucket: str, operation: str, make_rule) -> None:
     s3_client.put_object(Bucket=bucket, Key="dir/k", Body=b"v" * 1000)
-    fault_proxy.add_rule(rule)
+    rule = fault_proxy.add_rule(make_rule())
     url = f"s3://{bucket}/dir/k"
     calls = {
         "list": lambda: [o.key for o in utils.list_objects(f"s3://{bucket}/dir")] == ["dir/k"],
