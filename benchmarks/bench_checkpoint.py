@@ -88,12 +88,23 @@ def knob_groups(spec: str) -> dict[str, list[tuple[str, str, dict[str, Any], str
 
 
 def _load_s3_servers() -> Any:
+    if str(REPO) not in sys.path:  # the harness uses the CLI module's weed command line
+        sys.path.insert(0, str(REPO))
     spec = importlib.util.spec_from_file_location("s3_servers_bench", REPO / "tests" / "s3_servers.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def _package_default_chunk_mib() -> float:
+    """The part size the "ours" rows ran with (the package default), for the memory target."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    import s3_utils
+
+    return s3_utils.DEFAULT_CHUNK_SIZE_MB
 
 
 def _weed_pid() -> int:
@@ -516,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": _machine(),
         "versions": _versions(),
         "reps": args.reps,
+        "ours_chunk_mib": _package_default_chunk_mib(),
         "tensor_mib": args.tensor_mib,
         "sizes": sizes,
         "runs": runs,

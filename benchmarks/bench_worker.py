@@ -297,11 +297,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     elif method in ("ours-save", "ours-async-save"):
         sys.path.insert(0, spec["repo"])
         from s3_checkpoint_io import S3CheckpointIO
+        from s3_utils import DEFAULT_CHUNK_SIZE_MB
 
         ckpt = make_checkpoint(size, tmib)
         cio = S3CheckpointIO(
             f"s3://{bucket}/",
-            chunk_size_MB=p.get("chunk", 64),
+            chunk_size_MB=p.get("chunk", DEFAULT_CHUNK_SIZE_MB),
             max_write_concurrency=p.get("wc", 10),
             max_read_concurrency=p.get("rc", 15),
             async_checkpointing=method == "ours-async-save",
@@ -318,10 +319,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     elif method == "ours-load":
         sys.path.insert(0, spec["repo"])
         from s3_checkpoint_io import S3CheckpointIO
+        from s3_utils import DEFAULT_CHUNK_SIZE_MB
 
         cio = S3CheckpointIO(
             f"s3://{bucket}/",
-            chunk_size_MB=p.get("chunk", 64),
+            chunk_size_MB=p.get("chunk", DEFAULT_CHUNK_SIZE_MB),
             max_read_concurrency=p.get("rc", 15),
             endpoint_url=endpoint,
         )

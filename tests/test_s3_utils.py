@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import threading
+import tracemalloc
 
 import pytest
 from fault_proxy import Fault, FaultRule
@@ -14,6 +16,7 @@ from s3_utils import (
     RetryPolicy,
     S3ClientSettings,
     S3Utils,
+    _BufferReader,
     get_s3_client,
 )
 
@@ -248,3 +251,102 @@ def test_download_progress_counts_every_byte_once(s3_client, bucket: str, fault_
         assert downloaded.read_all() == data
     assert sorted(seen) == [2 * MiB, 5 * MiB, 5 * MiB]
     assert utils.retries == 1
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class TestPartUploadsOnTheWire:
+    """Headers of the part uploads as botocore hands them to the socket, against the real server."""
+
+    @staticmethod
+    def upload_and_capture(settings: S3ClientSettings, url: str, data: bytes) -> list[dict[str, str]]:
+        utils = S3Utils(settings)
+        seen: list[dict[str, str]] = []
+
+        def capture(request, **_) -> None:
+            seen.append({name.lower(): _text(value) for name, value in request.headers.items()})
+
+        utils.client.meta.events.register("before-send.s3.UploadPart", capture)
+        try:
+            with utils.open_writer(url, chunk_size_MB=5, max_concurrency=2) as writer:
+                writer.write(data)
+        finally:
+            utils.client.meta.events.unregister("before-send.s3.UploadPart", capture)
+        assert S3Utils(settings).download_to_memory(url, chunk_size_MB=5).read_all() == data
+        return seen
+
+    def test_parts_carry_a_crc_and_are_not_sha256_signed_by_default(self, s3_server, bucket: str) -> None:
+        data = os.urandom(11 * MiB)
+        settings = S3ClientSettings(endpoint_url=s3_server.endpoint_url, user_agent_extra="wire-unsigned")
+        seen = self.upload_and_capture(settings, f"s3://{bucket}/wire/unsigned", data)
+        assert len(seen) == 3
+        assert {headers["x-amz-content-sha256"] for headers in seen} == {"UNSIGNED-PAYLOAD"}
+        assert all(headers.get("x-amz-checksum-crc32c") for headers in seen)
+
+    def test_sign_payloads_signs_every_part(self, s3_server, bucket: str) -> None:
+        data = os.urandom(11 * MiB)
+        settings = S3ClientSettings(endpoint_url=s3_server.endpoint_url, sign_payloads=True)
+        seen = self.upload_and_capture(settings, f"s3://{bucket}/wire/signed", data)
+        parts = [data[: 5 * MiB], data[5 * MiB : 10 * MiB], data[10 * MiB :]]
+        assert sorted(headers["x-amz-content-sha256"] for headers in seen) == sorted(
+            hashlib.sha256(part).hexdigest() for part in parts
+        )
+
+
+def test_writer_copies_written_bytes_once(bucket: str) -> None:
+    """Each written byte is copied into a part buffer and nowhere else: a write allocates no temporary of its size."""
+    chunk, tail = memoryview(os.urandom(4 * MiB)), bytearray(os.urandom(MiB // 2))
+    with S3Utils().open_writer(f"s3://{bucket}/copies", chunk_size_MB=5, max_concurrency=1) as writer:
+        writer.write(b"x")  # the first part buffer exists from here on
+        tracemalloc.start()
+        try:
+            writer.write(chunk)
+            writer.write(tail)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert peak < MiB // 4, f"a write allocated {peak} bytes"
+
+
+def test_part_body_reader_hands_out_views_of_the_part() -> None:
+    part = bytearray(os.urandom(100))
+    reader = _BufferReader(memoryview(part))
+    first = reader.read(30)
+    assert isinstance(first, memoryview) and first.obj is part and bytes(first) == part[:30]
+    assert reader.tell() == 30
+    target = bytearray(50)
+    assert reader.readinto(target) == 50 and target == part[30:80]
+    assert bytes(reader.read()) == part[80:] and reader.read(10) == b""
+    reader.seek(0)
+    assert bytes(reader.read(-1)) == part
+    reader.seek(-10, io.SEEK_END)
+    assert bytes(reader.read(None)) == part[90:]
+
+
+def test_part_size_doubles_so_objects_can_outgrow_ten_thousand_parts(s3_server, bucket: str) -> None:
+    """S3 allows 10,000 parts; a streamed object's size is unknown up front, so the writer grows its part size."""
+    settings = S3ClientSettings(endpoint_url=s3_server.endpoint_url, user_agent_extra="grow-parts")
+    utils = S3Utils(settings)
+    sizes: list[int] = []
+
+    def capture(request, **_) -> None:
+        sizes.append(int(request.headers["Content-Length"]))
+
+    data = os.urandom(33 * MiB)
+    url = f"s3://{bucket}/grown"
+    utils.client.meta.events.register("before-send.s3.UploadPart", capture)
+    try:
+        writer = utils.open_writer(url, chunk_size_MB=5, max_concurrency=2)
+        writer.parts_per_size = 2
+        assert [writer.part_size_of(n) // MiB for n in (1, 2, 3, 4, 5, 7)] == [5, 5, 10, 10, 20, 40]
+        with writer:
+            for start in range(0, len(data), 3 * MiB):
+                writer.write(data[start : start + 3 * MiB])
+    finally:
+        utils.client.meta.events.unregister("before-send.s3.UploadPart", capture)
+    assert sorted(sizes) == sorted([5 * MiB, 5 * MiB, 10 * MiB, 10 * MiB, 3 * MiB])
+    assert writer._buffers_made <= 3  # max_concurrency + 1 buffers alive at any time
+    with utils.download_to_memory(url) as downloaded:  # verifies the combined full-object checksum
+        assert downloaded.read_all() == data
