@@ -456,6 +456,8 @@ class FaultProxy:
         self._stop = threading.Event()
         self._sockets: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
+        self.connections_accepted = 0
+        """Client connections opened so far (keep-alive reuse keeps this low)."""
 
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -555,6 +557,7 @@ class FaultProxy:
             with self._lock:
                 self._sockets.add(conn)
                 self._threads.add(thread)
+                self.connections_accepted += 1
             thread.start()
 
     def _track(self, sock: socket.socket) -> None:

@@ -350,3 +350,27 @@ def test_part_size_doubles_so_objects_can_outgrow_ten_thousand_parts(s3_server, 
     assert writer._buffers_made <= 3  # max_concurrency + 1 buffers alive at any time
     with utils.download_to_memory(url) as downloaded:  # verifies the combined full-object checksum
         assert downloaded.read_all() == data
+
+
+def test_ranged_reads_go_straight_into_the_target_and_reuse_connections(s3_server, fault_proxy, bucket: str) -> None:
+    """A load copies each byte once, socket to target (no per-range temporaries), and a range read to its end
+    hands its connection back for the next request. Both checks need SeaweedFS: moto's server runs in this process
+    (its allocations would count) and closes every connection."""
+    utils = S3Utils(S3ClientSettings(endpoint_url=fault_proxy.endpoint_url, user_agent_extra="direct-reads"))
+    data = os.urandom(20 * MiB)
+    url = f"s3://{bucket}/direct"
+    utils.upload_file_stream_to_s3(io.BytesIO(data), url, chunk_size_MB=5)
+    before = fault_proxy.connections_accepted
+    for _ in range(3):
+        tracemalloc.start()
+        try:
+            downloaded = utils.download_to_memory(url, chunk_size_MB=5, max_concurrency=1)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        with downloaded:
+            assert downloaded.read_all() == data
+        if s3_server.name != "moto":
+            assert peak < MiB, f"a 5 MiB range read allocated {peak} bytes"
+    if s3_server.name != "moto":  # moto's server closes every connection after one response
+        assert fault_proxy.connections_accepted - before <= 1  # 3 HEADs + 12 GETs over one kept-alive connection
