@@ -12,6 +12,7 @@ import pytest
 from fault_proxy import Fault, FaultRule
 
 from s3_utils import (
+    _STAGING_BYTES,
     CHECKSUM_SIDECAR_SUFFIX,
     RetryPolicy,
     S3ClientSettings,
@@ -352,10 +353,10 @@ def test_part_size_doubles_so_objects_can_outgrow_ten_thousand_parts(s3_server, 
         assert downloaded.read_all() == data
 
 
-def test_ranged_reads_go_straight_into_the_target_and_reuse_connections(s3_server, fault_proxy, bucket: str) -> None:
-    """A load copies each byte once, socket to target (no per-range temporaries), and a range read to its end
-    hands its connection back for the next request. Both checks need SeaweedFS: moto's server runs in this process
-    (its allocations would count) and closes every connection."""
+def test_ranged_reads_stream_through_a_small_staging_buffer(s3_server, fault_proxy, bucket: str) -> None:
+    """A load streams each range through one small per-thread staging buffer (no range-sized temporaries), and a
+    range read to its end hands its connection back for the next request. Both checks need SeaweedFS: moto's server
+    runs in this process (its allocations would count) and closes every connection."""
     utils = S3Utils(S3ClientSettings(endpoint_url=fault_proxy.endpoint_url, user_agent_extra="direct-reads"))
     data = os.urandom(20 * MiB)
     url = f"s3://{bucket}/direct"
@@ -371,6 +372,6 @@ def test_ranged_reads_go_straight_into_the_target_and_reuse_connections(s3_serve
         with downloaded:
             assert downloaded.read_all() == data
         if s3_server.name != "moto":
-            assert peak < MiB, f"a 5 MiB range read allocated {peak} bytes"
+            assert peak < _STAGING_BYTES + MiB, f"four 5 MiB range reads allocated {peak} bytes"
     if s3_server.name != "moto":  # moto's server closes every connection after one response
         assert fault_proxy.connections_accepted - before <= 1  # 3 HEADs + 12 GETs over one kept-alive connection
