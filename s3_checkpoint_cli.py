@@ -594,10 +594,14 @@ def embedded_moto() -> Iterator[EmbeddedS3]:
 
 
 # SeaweedFS ("weed mini") listens on these fixed ports besides the S3 port and its gRPC port (S3 port + 10000),
-# so one instance can run per machine; the lock file serialises the instances this CLI starts.
+# so one instance can run per machine; the lock file serialises the instances this CLI starts. Every port stays
+# below Linux's ephemeral range (32768-60999): a port in it can be taken at any moment as the local end of an
+# outgoing connection, and weed then fails to start. weed's own admin gRPC default (33646) is in it, so it is moved.
 WEED_LOCK_PATH = "/tmp/s3ckpt-weed.lock"
-_WEED_FIXED_PORTS = (9333, 19333, 9340, 19340, 8888, 18888, 23646, 33646)
+_WEED_ADMIN_GRPC_PORT = 13646
+_WEED_FIXED_PORTS = (9333, 19333, 9340, 19340, 8888, 18888, 23646, _WEED_ADMIN_GRPC_PORT)
 _WEED_GRPC_OFFSET = 10000
+_WEED_S3_PORTS = (20000, 32767 - _WEED_GRPC_OFFSET)  # so the S3 port's gRPC companion is below 32768 too
 
 
 def _port_is_free(port: int) -> bool:
@@ -613,15 +617,16 @@ def _port_is_free(port: int) -> bool:
 
 
 def _free_weed_port() -> int:
-    """A free S3 port in 20000-45000 whose gRPC companion (port + 10000) is free too."""
+    """A free S3 port in `_WEED_S3_PORTS` whose gRPC companion (port + 10000) is free too."""
     import random
 
-    candidates = list(range(20000, 45001))
+    lo, hi = _WEED_S3_PORTS
+    candidates = list(range(lo, hi + 1))
     random.shuffle(candidates)
     for port in candidates[:2000]:
         if _port_is_free(port) and _port_is_free(port + _WEED_GRPC_OFFSET):
             return port
-    raise CliError(EXIT_S3_ERROR, "no free TCP port pair for SeaweedFS in 20000-45000 on 127.0.0.1")
+    raise CliError(EXIT_S3_ERROR, f"no free TCP port pair for SeaweedFS in {lo}-{hi} on 127.0.0.1")
 
 
 def _find_weed() -> str:
@@ -654,6 +659,7 @@ def _weed_command(weed: str, data_dir: str, port: int) -> list[str]:
         "-ip.bind=127.0.0.1",
         "-master.telemetry=false",
         "-admin.ui=false",
+        f"-admin.port.grpc={_WEED_ADMIN_GRPC_PORT}",
         "-webdav=false",
         "-s3.port.iceberg=0",
         "-s3.port.lance=0",

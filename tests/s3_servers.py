@@ -41,9 +41,9 @@ import s3_checkpoint_cli
 DEFAULT_ACCESS_KEY = "s3ckpt-test-access"
 DEFAULT_SECRET_KEY = "s3ckpt-test-secret-key"
 
-# SeaweedFS "weed mini" listens on these fixed ports besides the S3 port (HTTP + gRPC):
-# master 9333/19333, volume 9340/19340, filer 8888/18888, admin 23646/33646.
-SEAWEEDFS_FIXED_PORTS: tuple[int, ...] = (9333, 19333, 9340, 19340, 8888, 18888, 23646, 33646)
+# SeaweedFS "weed mini" listens on these fixed ports besides the S3 port (HTTP + gRPC): master 9333/19333,
+# volume 9340/19340, filer 8888/18888, admin 23646 (UI off) and its gRPC port, moved out of the ephemeral range.
+SEAWEEDFS_FIXED_PORTS: tuple[int, ...] = s3_checkpoint_cli._WEED_FIXED_PORTS
 # gRPC port = HTTP port + 10000, and weed refuses ports above 65535, so the S3 port must stay below this.
 SEAWEEDFS_GRPC_OFFSET = 10000
 SEAWEEDFS_MAX_S3_PORT = 55535
@@ -289,9 +289,10 @@ def _has_listener(port: int) -> bool:
 def _wait_for_fixed_ports(timeout: float = 20.0) -> None:
     """Make sure SeaweedFS's fixed ports are free; fail fast if another server listens on them.
 
-    A port can also be held briefly by an outgoing client connection: Linux picks local ports from
-    32768-60999, which contains the fixed admin gRPC port 33646. Such holders go away (garbage-collected
-    boto3 pools, closed connections), so wait for them for up to ``timeout`` seconds.
+    A port can also be held by the local end of an outgoing connection if it lies in Linux's ephemeral range
+    (32768-60999, or whatever the machine sets). The fixed ports are kept below it; if a machine's range
+    includes them anyway, such holders usually go away (garbage-collected boto3 pools, closed connections),
+    so wait for them for up to ``timeout`` seconds.
     """
     deadline = time.monotonic() + timeout
     while True:
@@ -323,7 +324,8 @@ def start_seaweedfs(
     startup_timeout: float = 60.0,
     lock: bool = True,
 ) -> Iterator[S3Endpoint]:
-    """Run ``weed mini`` on 127.0.0.1 with S3 on ``port`` (free port in 20000-45000 if None).
+    """Run ``weed mini`` on 127.0.0.1 with S3 on ``port`` (if None, a free port whose gRPC companion stays below
+    the ephemeral port range).
 
     SeaweedFS's other ports are fixed, so only one instance can run per machine: with `lock` (the default) this
     waits for the machine-wide lock `WEED_LOCK_PATH` that the benchmarks and the demo also take, and holds it while
@@ -394,7 +396,11 @@ def _run_seaweedfs(
     attempts = 3
     for attempt in range(1, attempts + 1):
         _wait_for_fixed_ports()
-        s3_port = port if port is not None else free_port(20000, 45000, also_free=(SEAWEEDFS_GRPC_OFFSET,))
+        s3_port = (
+            port
+            if port is not None
+            else free_port(*s3_checkpoint_cli._WEED_S3_PORTS, also_free=(SEAWEEDFS_GRPC_OFFSET,))
+        )
         endpoint = S3Endpoint("seaweedfs", f"http://127.0.0.1:{s3_port}", access_key, secret_key)
         log_offset = log_path.stat().st_size if log_path.exists() else 0
         proc = _spawn_weed(weed, data, s3_port, env, log_path)

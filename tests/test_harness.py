@@ -32,7 +32,7 @@ from botocore.exceptions import (
     ResponseStreamingError,
 )
 from fault_proxy import Fault, FaultProxy, FaultRule
-from s3_servers import S3Endpoint, S3ServerUnavailableError, free_port, start_seaweedfs
+from s3_servers import S3Endpoint, S3ServerUnavailableError, free_port, seaweedfs_process, start_seaweedfs
 
 MiB = 1024 * 1024
 
@@ -136,6 +136,27 @@ def test_busy_seaweedfs_ports_are_refused_clearly(tmp_path: Any, monkeypatch: py
         with pytest.raises(S3ServerUnavailableError, match="another 'weed' running"), start_seaweedfs(tmp_path):
             pass
     assert not (tmp_path / "weed.log").exists()
+
+
+def test_seaweedfs_listens_below_the_ephemeral_port_range(s3_server: S3Endpoint) -> None:
+    """A port in Linux's ephemeral range (32768-60999 by default) can be taken as the local end of an outgoing
+    connection just before weed binds it, and weed then fails to start (CI saw it on weed's default admin gRPC
+    port 33646). Every port weed listens on must be below the range."""
+    import psutil
+
+    try:
+        weed = seaweedfs_process(s3_server)
+    except KeyError:
+        pytest.skip("only SeaweedFS listens on fixed ports")
+    process = psutil.Process(weed.proc.pid)
+    ports = {
+        conn.laddr.port
+        for proc in [process, *process.children(recursive=True)]
+        for conn in proc.net_connections(kind="inet")
+        if conn.status == psutil.CONN_LISTEN
+    }
+    assert len(ports) >= 8, f"weed listens on {sorted(ports)}: the check would prove little"
+    assert max(ports) < 32768, sorted(ports)
 
 
 def test_free_port_in_range() -> None:
