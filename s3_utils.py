@@ -446,6 +446,9 @@ def _object_url(bucket: str, key: str) -> str:
     return f"{_urls.S3_PATH_PREFIX}{bucket}/{key}"
 
 
+_HAS_PWRITE = hasattr(os, "pwrite")
+
+
 class DownloadedObject:
     """An object downloaded into an anonymous in-memory file (Linux ``memfd``; a temporary file elsewhere).
 
@@ -468,11 +471,11 @@ class DownloadedObject:
         """Store `data` at `offset` (callable from several threads for disjoint ranges).
 
         Written with ``pwrite``, not through a mapping: the kernel then fills fresh pages directly, whereas a store
-        through a mapping costs a page fault and a zeroed page per 4 KiB first (a quarter of a load's CPU).
+        through a mapping costs a page fault and a zeroed page per 4 KiB first (about 0.15 CPU-s per GiB).
         """
         view = memoryview(data).cast("B")
         while view:
-            if hasattr(os, "pwrite"):
+            if _HAS_PWRITE:
                 written = os.pwrite(self._fd, view, offset)
             else:  # pragma: no cover - Windows has no pwrite
                 with self._seek_lock:

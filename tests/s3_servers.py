@@ -45,7 +45,7 @@ DEFAULT_SECRET_KEY = "s3ckpt-test-secret-key"
 # volume 9340/19340, filer 8888/18888, admin 23646 (UI off) and its gRPC port, moved out of the ephemeral range.
 SEAWEEDFS_FIXED_PORTS: tuple[int, ...] = s3_checkpoint_cli._WEED_FIXED_PORTS
 # gRPC port = HTTP port + 10000, and weed refuses ports above 65535, so the S3 port must stay below this.
-SEAWEEDFS_GRPC_OFFSET = 10000
+SEAWEEDFS_GRPC_OFFSET = s3_checkpoint_cli._WEED_GRPC_OFFSET
 SEAWEEDFS_MAX_S3_PORT = 55535
 
 
