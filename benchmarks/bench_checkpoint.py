@@ -87,9 +87,14 @@ def knob_groups(spec: str) -> dict[str, list[tuple[str, str, dict[str, Any], str
     return groups
 
 
-def _load_s3_servers() -> Any:
-    if str(REPO) not in sys.path:  # the harness uses the CLI module's weed command line
+def _repo_on_path() -> None:
+    """Make the package's modules importable (the test harness also imports the CLI module's weed command line)."""
+    if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
+
+
+def _load_s3_servers() -> Any:
+    _repo_on_path()
     spec = importlib.util.spec_from_file_location("s3_servers_bench", REPO / "tests" / "s3_servers.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
@@ -100,8 +105,7 @@ def _load_s3_servers() -> Any:
 
 def _package_default_chunk_mib() -> float:
     """The part size the "ours" rows ran with (the package default), for the memory target."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
+    _repo_on_path()
     import s3_utils
 
     return s3_utils.DEFAULT_CHUNK_SIZE_MB

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
 import threading
 import tracemalloc
+from collections.abc import Iterator
 
 import pytest
 from fault_proxy import Fault, FaultRule
@@ -258,23 +260,29 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+@contextlib.contextmanager
+def part_upload_headers(utils: S3Utils) -> Iterator[list[dict[str, str]]]:
+    """The headers of every UploadPart request `utils` sends inside the block, as botocore hands them to the socket."""
+    seen: list[dict[str, str]] = []
+
+    def capture(request, **_) -> None:
+        seen.append({name.lower(): _text(value) for name, value in request.headers.items()})
+
+    utils.client.meta.events.register("before-send.s3.UploadPart", capture)
+    try:
+        yield seen
+    finally:
+        utils.client.meta.events.unregister("before-send.s3.UploadPart", capture)
+
+
 class TestPartUploadsOnTheWire:
     """Headers of the part uploads as botocore hands them to the socket, against the real server."""
 
     @staticmethod
     def upload_and_capture(settings: S3ClientSettings, url: str, data: bytes) -> list[dict[str, str]]:
         utils = S3Utils(settings)
-        seen: list[dict[str, str]] = []
-
-        def capture(request, **_) -> None:
-            seen.append({name.lower(): _text(value) for name, value in request.headers.items()})
-
-        utils.client.meta.events.register("before-send.s3.UploadPart", capture)
-        try:
-            with utils.open_writer(url, chunk_size_MB=5, max_concurrency=2) as writer:
-                writer.write(data)
-        finally:
-            utils.client.meta.events.unregister("before-send.s3.UploadPart", capture)
+        with part_upload_headers(utils) as seen, utils.open_writer(url, chunk_size_MB=5, max_concurrency=2) as writer:
+            writer.write(data)
         assert S3Utils(settings).download_to_memory(url, chunk_size_MB=5).read_all() == data
         return seen
 
@@ -330,23 +338,16 @@ def test_part_size_doubles_so_objects_can_outgrow_ten_thousand_parts(s3_server, 
     """S3 allows 10,000 parts; a streamed object's size is unknown up front, so the writer grows its part size."""
     settings = S3ClientSettings(endpoint_url=s3_server.endpoint_url, user_agent_extra="grow-parts")
     utils = S3Utils(settings)
-    sizes: list[int] = []
-
-    def capture(request, **_) -> None:
-        sizes.append(int(request.headers["Content-Length"]))
-
     data = os.urandom(33 * MiB)
     url = f"s3://{bucket}/grown"
-    utils.client.meta.events.register("before-send.s3.UploadPart", capture)
-    try:
+    with part_upload_headers(utils) as seen:
         writer = utils.open_writer(url, chunk_size_MB=5, max_concurrency=2)
         writer.parts_per_size = 2
         assert [writer.part_size_of(n) // MiB for n in (1, 2, 3, 4, 5, 7)] == [5, 5, 10, 10, 20, 40]
         with writer:
             for start in range(0, len(data), 3 * MiB):
                 writer.write(data[start : start + 3 * MiB])
-    finally:
-        utils.client.meta.events.unregister("before-send.s3.UploadPart", capture)
+    sizes = [int(headers["content-length"]) for headers in seen]
     assert sorted(sizes) == sorted([5 * MiB, 5 * MiB, 10 * MiB, 10 * MiB, 3 * MiB])
     assert writer._buffers_made <= 3  # max_concurrency + 1 buffers alive at any time
     with utils.download_to_memory(url) as downloaded:  # verifies the combined full-object checksum
