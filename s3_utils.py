@@ -465,23 +465,25 @@ class DownloadedObject:
             self._fd, self.path = tempfile.mkstemp(prefix="s3-checkpoint-")
         os.ftruncate(self._fd, size)
         self._map: mmap.mmap | None = None
-        self._seek_lock = threading.Lock()
+        self._write_lock = threading.Lock()
 
     def write_at(self, offset: int, data: Any) -> None:
         """Store `data` at `offset` (callable from several threads for disjoint ranges).
 
         Written with ``pwrite``, not through a mapping: the kernel then fills fresh pages directly, whereas a store
-        through a mapping costs a page fault and a zeroed page per 4 KiB first (about 0.15 CPU-s per GiB).
+        through a mapping costs a page fault and a zeroed page per 4 KiB first (about 0.15 CPU-s per GiB). Writers
+        take turns on a lock: the kernel serialises writes to one file anyway, and a writer waiting in the kernel
+        spins on the CPU the store and the other downloads need (about 0.06 CPU-s per GiB on 2 cores).
         """
         view = memoryview(data).cast("B")
-        while view:
-            if _HAS_PWRITE:
-                written = os.pwrite(self._fd, view, offset)
-            else:  # pragma: no cover - Windows has no pwrite
-                with self._seek_lock:
+        with self._write_lock:
+            while view:
+                if _HAS_PWRITE:
+                    written = os.pwrite(self._fd, view, offset)
+                else:  # pragma: no cover - Windows has no pwrite
                     os.lseek(self._fd, offset, os.SEEK_SET)
                     written = os.write(self._fd, view)
-            view, offset = view[written:], offset + written
+                view, offset = view[written:], offset + written
 
     def _mapping(self) -> mmap.mmap:
         if self._map is None:

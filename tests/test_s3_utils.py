@@ -16,6 +16,7 @@ from fault_proxy import Fault, FaultRule
 from s3_utils import (
     _STAGING_BYTES,
     CHECKSUM_SIDECAR_SUFFIX,
+    DownloadedObject,
     RetryPolicy,
     S3ClientSettings,
     S3Utils,
@@ -332,6 +333,37 @@ def test_part_body_reader_hands_out_views_of_the_part() -> None:
     assert bytes(reader.read(-1)) == part
     reader.seek(-10, io.SEEK_END)
     assert bytes(reader.read(None)) == part[90:]
+
+
+@pytest.mark.skipif(not hasattr(os, "pwrite"), reason="pwrite is what the writers take turns on")
+def test_download_threads_take_turns_writing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Range threads write one at a time (a writer waiting inside the kernel for the file's lock would spin on a CPU
+    the store needs), each range lands where it belongs, and a short write is resumed where it stopped."""
+    real_pwrite, active, most_active, guard = os.pwrite, [0], [0], threading.Lock()
+
+    def slow_short_pwrite(fd: int, data, offset: int) -> int:
+        with guard:
+            active[0] += 1
+            most_active[0] = max(most_active[0], active[0])
+        try:
+            threading.Event().wait(0.002)  # long enough for every other writer to arrive
+            return real_pwrite(fd, memoryview(data)[: 40 * 1024], offset)  # at most 40 KiB per call
+        finally:
+            with guard:
+                active[0] -= 1
+
+    monkeypatch.setattr(os, "pwrite", slow_short_pwrite)
+    ranges = [os.urandom(100 * 1024) for _ in range(6)]
+    with DownloadedObject(sum(map(len, ranges))) as target:
+        threads = [
+            threading.Thread(target=target.write_at, args=(n * 100 * 1024, data)) for n, data in enumerate(ranges)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert target.read_all() == b"".join(ranges)
+    assert most_active[0] == 1
 
 
 def test_part_size_doubles_so_objects_can_outgrow_ten_thousand_parts(s3_server, bucket: str) -> None:
