@@ -36,39 +36,15 @@ def main() -> None:
     world_size = int(os.environ["WORLD_SIZE"])
 
     import lightning.pytorch as pl
-    import torch
+    from tiny_lightning import tiny_module_class
 
     import connector
     from s3_checkpoint_io import S3CheckpointIO
     from s3_utils import S3ClientSettings
 
-    class TinyModule(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(1234 + rank)  # different on every rank: only a real restore makes them agree
-            self.layer = torch.nn.Linear(4, 2)
-            self.report: dict = {}
-
-        def training_step(self, batch, batch_idx):
-            self.log("gstep", float(self.global_step))
-            return self.layer(batch[0]).pow(2).mean()
-
-        def on_train_start(self) -> None:
-            optimizer = self.trainer.optimizers[0].state_dict()["state"]
-            self.report["start"] = {
-                "global_step": self.global_step,
-                "ckpt_path": self.trainer.ckpt_path,
-                "weights": {k: v.tolist() for k, v in self.state_dict().items()},
-                "exp_avg": {str(k): s["exp_avg"].tolist() for k, s in optimizer.items() if "exp_avg" in s},
-            }
-
-        def configure_optimizers(self):
-            return torch.optim.Adam(self.parameters(), lr=0.01)
-
-        def train_dataloader(self):
-            # 16+ batches per rank and epoch: no epoch ends within 6 steps, whatever the world size.
-            data = torch.utils.data.TensorDataset(torch.randn(256, 4, generator=torch.Generator().manual_seed(7)))
-            return torch.utils.data.DataLoader(data, batch_size=4)
+    # Weights differ on every rank (only a real restore makes them agree); 256 rows give 16+ batches per rank and
+    # epoch, so no epoch ends within 6 steps whatever the world size.
+    TinyModule = tiny_module_class(pl, outputs=2, seed=1234 + rank, samples=256, data_seed=7)
 
     config = {
         "s3_checkpointing": {
@@ -114,9 +90,19 @@ def main() -> None:
 
     model = TinyModule()
     trainer.fit(model, ckpt_path=ckpt_path)
-    model.report["end"] = {"global_step": trainer.global_step, "rank": trainer.global_rank}
-    model.report["connector"] = type(trainer._checkpoint_connector).__name__
-    Path(args.out, f"rank{rank}.json").write_text(json.dumps(model.report))
+    report: dict = {
+        "end": {"global_step": trainer.global_step, "rank": trainer.global_rank},
+        "connector": type(trainer._checkpoint_connector).__name__,
+    }
+    start = model.started_at
+    if start is not None:  # training ran
+        report["start"] = {
+            "global_step": start["global_step"],
+            "ckpt_path": start["ckpt_path"],
+            "weights": {name: tensor.tolist() for name, tensor in start["weights"].items()},
+            "exp_avg": {str(k): state["exp_avg"].tolist() for k, state in start["optimizer_state"].items()},
+        }
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -9,13 +9,13 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from tiny_lightning import FAMILIES, lightning_family, tiny_module_class
 
 import connector
 from s3_checkpoint_io import S3CheckpointIO
 
 pytestmark = pytest.mark.lightning
 
-FAMILIES = ["lightning.pytorch", "pytorch_lightning"]
 LAUNCHER_VARIABLES = (
     "RANK",
     "SLURM_PROCID",
@@ -44,33 +44,8 @@ def _fresh_s3fs() -> Iterator[None]:
     s3fs.S3FileSystem.clear_instance_cache()
 
 
-def lightning_family(name: str):
-    return pytest.importorskip(name)
-
-
 def make_module(pl):
-    class TinyModule(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.layer = torch.nn.Linear(4, 1)
-            self.started_at_step: int | None = None
-
-        def training_step(self, batch, batch_idx):
-            self.log("gstep", float(self.global_step))
-            return self.layer(batch[0]).pow(2).mean()
-
-        def on_train_start(self) -> None:
-            self.started_at_step = self.global_step
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-        def train_dataloader(self):
-            data = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=torch.Generator().manual_seed(1)))
-            return torch.utils.data.DataLoader(data, batch_size=4)
-
-    return TinyModule()
+    return tiny_module_class(pl, optimizer="sgd")()
 
 
 def make_trainer(pl, max_steps: int, **kwargs):
@@ -216,7 +191,7 @@ def test_config_wiring_trains_then_resumes_and_keeps_top_k(family: str, s3_clien
     assert second.resume_path == resumed.ckpt_path == f"{dirpath}/tiny--step=6-last.ckpt"
     module = make_module(pl)
     resumed.fit(module)
-    assert module.started_at_step == 6
+    assert module.started_at["global_step"] == 6
     callback = second.checkpoint_callback
     assert set(callback.best_k_models) == {f"{dirpath}/tiny--step=8.ckpt", f"{dirpath}/tiny--step=10.ckpt"}
     # The first run's top-k entries were restored and evicted through S3, not orphaned (NeMo wiped them).
@@ -244,7 +219,7 @@ def test_ckpt_path_last_keeps_the_s3_url(family: str, s3_client, bucket: str) ->
     resumed = trainer_for(6)
     module = make_module(pl)
     resumed.fit(module, ckpt_path="last")
-    assert module.started_at_step == 4
+    assert module.started_at["global_step"] == 4
     assert resumed.ckpt_path == f"{dirpath}/last.ckpt"  # not "s3:/..." (Lightning #18261)
 
 
@@ -404,7 +379,7 @@ def test_s3_traffic_goes_through_the_plugin_client_not_s3fs(
     module = make_module(pl)
     with pytest.warns(UserWarning, match="exists and is not empty"):
         resumed.fit(module, ckpt_path="last")
-    assert module.started_at_step == 4 and resumed.ckpt_path == f"{dirpath}/last.ckpt"
+    assert module.started_at["global_step"] == 4 and resumed.ckpt_path == f"{dirpath}/last.ckpt"
     keys = sorted(o["Key"] for o in s3_client.list_objects_v2(Bucket=bucket)["Contents"] if o["Key"].endswith("ckpt"))
     assert keys == ["run/epoch=0-step=6.ckpt", "run/last.ckpt"]
     assert fault_proxy.requests and not [r for r in fault_proxy.requests if "aiobotocore" in r.user_agent]

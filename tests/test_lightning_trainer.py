@@ -6,47 +6,11 @@ import importlib
 
 import pytest
 import torch
+from tiny_lightning import FAMILIES, lightning_family, tiny_module_class
 
 from s3_checkpoint_io import S3CheckpointIO
 
 pytestmark = pytest.mark.lightning
-
-FAMILIES = ["lightning.pytorch", "pytorch_lightning"]
-
-
-def lightning_family(name: str):
-    return pytest.importorskip(name)
-
-
-def make_module_class(pl):
-    class TinyModule(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.layer = torch.nn.Linear(8, 2)
-            self.started_at: dict | None = None
-
-        def training_step(self, batch, batch_idx):
-            loss = self.layer(batch[0]).pow(2).mean()
-            self.log("gstep", float(self.global_step))
-            return loss
-
-        def on_train_start(self) -> None:
-            optimizer_state = self.trainer.optimizers[0].state_dict()["state"]
-            self.started_at = {
-                "global_step": self.global_step,
-                "weights": {k: v.clone() for k, v in self.state_dict().items()},
-                "optimizer_state": {k: {n: t.clone() for n, t in s.items()} for k, s in optimizer_state.items()},
-            }
-
-        def configure_optimizers(self):
-            return torch.optim.Adam(self.parameters(), lr=0.01)
-
-        def train_dataloader(self):
-            data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=torch.Generator().manual_seed(1)))
-            return torch.utils.data.DataLoader(data, batch_size=4)
-
-    return TinyModule
 
 
 def make_trainer(pl, plugin, dirpath: str, max_steps: int):
@@ -76,7 +40,7 @@ def make_trainer(pl, plugin, dirpath: str, max_steps: int):
 @pytest.mark.parametrize("async_checkpointing", [False, True], ids=["sync", "async"])
 def test_fit_checkpoints_to_s3_and_resumes(family: str, async_checkpointing: bool, s3_client, bucket: str) -> None:
     pl = lightning_family(family)
-    module_class = make_module_class(pl)
+    module_class = tiny_module_class(pl, features=8, outputs=2)
     dirpath = f"s3://{bucket}/run"
     plugin = S3CheckpointIO(dirpath, chunk_size_MB=5, async_checkpointing=async_checkpointing)
 

@@ -1,0 +1,73 @@
+"""The tiny LightningModule the Lightning tests train, in one place: small, deterministic, and it records the state
+training (re)started from, so a test can tell a real restore from a fresh start."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+FAMILIES = ["lightning.pytorch", "pytorch_lightning"]
+"""Both import names Lightning ships under; the Lightning tests run once with each that is installed."""
+
+
+def lightning_family(name: str) -> Any:
+    """The Lightning family `name`, or skip the test where it is not installed."""
+    return pytest.importorskip(name)
+
+
+def tiny_module_class(
+    pl: Any,
+    *,
+    features: int = 4,
+    outputs: int = 1,
+    seed: int = 0,
+    optimizer: str = "adam",
+    samples: int = 64,
+    data_seed: int = 1,
+) -> type:
+    """A LightningModule class for the Lightning family `pl` (``lightning.pytorch`` or ``pytorch_lightning``).
+
+    It logs ``gstep`` (the global step, for ``monitor="gstep"``), trains on `samples` fixed random rows in batches of
+    4, and sets ``started_at`` when training starts: the global step, the checkpoint it resumed from, and clones of
+    its weights and optimizer state.
+    """
+
+    class TinyModule(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(seed)
+            self.layer = torch.nn.Linear(features, outputs)
+            self.started_at: dict[str, Any] | None = None
+
+        def training_step(self, batch, batch_idx):
+            self.log("gstep", float(self.global_step))
+            return self.layer(batch[0]).pow(2).mean()
+
+        def on_train_start(self) -> None:
+            optimizer_state = self.trainer.optimizers[0].state_dict()["state"]
+            self.started_at = {
+                "global_step": self.global_step,
+                "ckpt_path": self.trainer.ckpt_path,
+                "weights": {name: tensor.clone() for name, tensor in self.state_dict().items()},
+                "optimizer_state": {
+                    index: {name: _clone(value) for name, value in state.items()}
+                    for index, state in optimizer_state.items()
+                },
+            }
+
+        def configure_optimizers(self):
+            if optimizer == "sgd":
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            rows = torch.randn(samples, features, generator=torch.Generator().manual_seed(data_seed))
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(rows), batch_size=4)
+
+    return TinyModule
+
+
+def _clone(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
