@@ -322,26 +322,19 @@ def targets(rows: list[dict[str, Any]], chunk_mib: int = 64, wc: int = 10) -> st
         def v(name: str, key: str = "mib_s", by: dict[str, Any] = by) -> float | None:
             return by.get(name, {}).get(key)
 
-        def paired(ours: str, *others: str, by: dict[str, Any] = by) -> float | None:
-            """The throughput ratio within each rep (vs the fastest of `others` in that rep), median over reps:
-            scenarios of one rep run minutes apart, so this cancels the machine's drift across a run."""
-            walls = [{r["rep"]: r["wall_s"] for r in by[name]["runs"]} for name in (ours, *others) if name in by]
-            if len(walls) < 2:
-                return None
+        def versus(ours: str, *others: str, by: dict[str, Any] = by) -> tuple[float | None, float | None]:
+            """Throughput of `ours` against the fastest of `others`: the ratio of the medians, and the ratio within
+            each rep (vs that rep's fastest), median over reps. Scenarios of one rep run minutes apart, so the
+            second cancels the machine's drift across a run."""
+            theirs = [name for name in others if name in by]
+            if ours not in by or not theirs:
+                return None, None
+            measured = by[ours]["mib_s"] / max(by[name]["mib_s"] for name in theirs)
+            walls = [{r["rep"]: r["wall_s"] for r in by[name]["runs"]} for name in (ours, *theirs)]
             reps = set(walls[0]).intersection(*walls[1:])
-            return _median([min(w[rep] for w in walls[1:]) / walls[0][rep] for rep in reps]) if reps else None
+            per_rep = _median([min(w[rep] for w in walls[1:]) / walls[0][rep] for rep in reps]) if reps else None
+            return measured, per_rep
 
-        ours_s, ours_l = v("ours: sync save"), v("ours: load")
-        put = max(filter(None, [v("raw: boto3 put_object (single PUT)"), v("raw: curl PUT (single)")]), default=None)
-        get = max(
-            filter(None, [v("raw: boto3 get_object (single GET)"), v("raw: curl GET (single, to /dev/null)")]),
-            default=None,
-        )
-        nemo_s, nemo_l = (
-            v("NeMo: torch.save->BytesIO->upload_fileobj"),
-            v("NeMo: download_fileobj->BytesIO->torch.load"),
-        )
-        s3tc_s = v("s3torchconnector: torch.save->S3Writer (8MiB parts)")
         ckpt_bytes = size
         checks = []
 
@@ -366,38 +359,35 @@ def targets(rows: list[dict[str, Any]], chunk_mib: int = 64, wc: int = 10) -> st
                 f"| {'>=' if higher_better else '<='} {target:.2f}{unit} | {'MET' if ok else 'MISSED'} |"
             )
 
-        add(
+        def add_versus(name: str, target: float, ours: str, *others: str) -> None:
+            measured, per_rep = versus(ours, *others)
+            add(name, measured, target, per_rep=per_rep)
+
+        ours_save, ours_load = "ours: sync save", "ours: load"
+        add_versus(
             "save vs raw single-stream PUT (best of boto3/curl)",
-            ratio(ours_s, put),
             0.85,
-            per_rep=paired("ours: sync save", "raw: boto3 put_object (single PUT)", "raw: curl PUT (single)"),
+            ours_save,
+            "raw: boto3 put_object (single PUT)",
+            "raw: curl PUT (single)",
         )
-        add(
-            "save vs NeMo save",
-            ratio(ours_s, nemo_s),
-            1.4,
-            per_rep=paired("ours: sync save", "NeMo: torch.save->BytesIO->upload_fileobj"),
-        )
-        add(
+        add_versus("save vs NeMo save", 1.4, ours_save, "NeMo: torch.save->BytesIO->upload_fileobj")
+        add_versus(
             "save vs s3torchconnector streaming save",
-            ratio(ours_s, s3tc_s),
             1.0,
-            per_rep=paired("ours: sync save", "s3torchconnector: torch.save->S3Writer (8MiB parts)"),
+            ours_save,
+            "s3torchconnector: torch.save->S3Writer (8MiB parts)",
         )
-        add("save peak extra RSS MiB", v("ours: sync save", "peak_extra_mib"), (wc + 1) * chunk_mib + 64, False, " MiB")
-        add(
-            "load vs NeMo load",
-            ratio(ours_l, nemo_l),
-            2.0,
-            per_rep=paired("ours: load", "NeMo: download_fileobj->BytesIO->torch.load"),
-        )
-        add(
+        add("save peak extra RSS MiB", v(ours_save, "peak_extra_mib"), (wc + 1) * chunk_mib + 64, False, " MiB")
+        add_versus("load vs NeMo load", 2.0, ours_load, "NeMo: download_fileobj->BytesIO->torch.load")
+        add_versus(
             "load vs raw single GET (best of boto3/curl)",
-            ratio(ours_l, get),
             0.7,
-            per_rep=paired("ours: load", "raw: boto3 get_object (single GET)", "raw: curl GET (single, to /dev/null)"),
+            ours_load,
+            "raw: boto3 get_object (single GET)",
+            "raw: curl GET (single, to /dev/null)",
         )
-        add("load peak extra RSS / checkpoint size", ratio(v("ours: load", "peak_extra_mib"), ckpt_bytes), 1.15, False)
+        add("load peak extra RSS / checkpoint size", ratio(v(ours_load, "peak_extra_mib"), ckpt_bytes), 1.15, False)
         add(
             "async blocked / host copy",
             ratio(v("ours: async save", "blocked_s"), v("host copy (tensor.clone of all)", "wall_s")),
@@ -408,8 +398,8 @@ def targets(rows: list[dict[str, Any]], chunk_mib: int = 64, wc: int = 10) -> st
         peers_save = [r for r in by.values() if r["scenario"].startswith(PEER_PREFIXES) and r["direction"] == "save"]
         peers_load = [r for r in by.values() if r["scenario"].startswith(PEER_PREFIXES) and r["direction"] == "load"]
         for direction, ours_name, peers in (
-            ("save", "ours: sync save", peers_save),
-            ("load", "ours: load", peers_load),
+            ("save", ours_save, peers_save),
+            ("load", ours_load, peers_load),
         ):
             best = min(peers, key=lambda r: r["client_cpu_s"], default=None)
             ours_cpu = v(ours_name, "client_cpu_s")
