@@ -111,7 +111,7 @@ class _PendingSave:
     waiting on the Future alone would race with that bookkeeping (done-callbacks run after waiters wake)."""
 
     path: str
-    future: Future[None] | None = None
+    future: Future[TransferRecord | None] | None = None
     settled: threading.Event = field(default_factory=threading.Event)
     failed: bool = False
     blocked_s: float = 0.0

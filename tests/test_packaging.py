@@ -170,3 +170,12 @@ def test_every_package_of_the_user_extras_has_its_modules_hidden_by_the_import_t
     names = [name for name in optional_dependencies() if name != "test"]
     assert set(CORE_OPTIONAL_MODULES) <= set(modules_of(*names))
     assert {"boto3", "awscrt", "s3fs", "lightning", "pytorch_lightning", "torch"} <= set(CORE_OPTIONAL_MODULES)
+
+
+def test_every_module_at_the_repo_root_is_installed() -> None:
+    """``pip install`` ships the flat modules listed in ``py-modules``: a new one left out would be missing for users
+    (and only there: the tests import the working tree)."""
+    import tomllib
+
+    listed = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["py-modules"]
+    assert sorted(listed) == sorted(path.stem for path in REPO.glob("*.py"))
