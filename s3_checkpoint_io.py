@@ -33,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 if __package__:
@@ -43,7 +43,7 @@ else:  # installed (or copied) as top-level modules
     import s3_dirpath_utils as _urls
     import s3_utils as _s3
 
-__all__ = ["NotACheckpointError", "S3CheckpointIO", "register_with_lightning", "snapshot_to_host"]
+__all__ = ["NotACheckpointError", "S3CheckpointIO", "TransferRecord", "register_with_lightning", "snapshot_to_host"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ _LIGHTNING_CHECKPOINT_IO_BASES = (
     "lightning.fabric.plugins.io.checkpoint_io",
     "lightning_fabric.plugins.io.checkpoint_io",
 )
+_RECORDS_KEPT = 1000
 _registration_lock = threading.Lock()
 _registered: set[tuple[str, type]] = set()
 
@@ -86,15 +87,34 @@ class NotACheckpointError(pickle.UnpicklingError):
     """The object's bytes were downloaded and verified, but ``torch.load`` cannot read them as a checkpoint."""
 
 
+@dataclass(frozen=True)
+class TransferRecord:
+    """One finished save or load of `S3CheckpointIO`, kept in `S3CheckpointIO.records` (for logs and reports).
+
+    `seconds` is the whole transfer (serialise and upload, or download, verify and ``torch.load``); `blocked_seconds`
+    is how long the caller waited for it: the same for loads and sync saves, the snapshot and back-pressure for async
+    saves. `checksum` is the full-object checksum a save recorded with an S3 object, as ``"<ALGORITHM> <base64>"``
+    (e.g. ``"CRC32C 3Jz0Jg=="``); None for loads and local files.
+    """
+
+    kind: str  # "save" or "load"
+    url: str  # s3:// URL or local path
+    size: int  # bytes
+    seconds: float
+    checksum: str | None
+    blocked_seconds: float
+
+
 @dataclass(eq=False)
 class _PendingSave:
     """A background save. `settled` is set once its outcome is recorded and the removals waiting on it are done:
     waiting on the Future alone would race with that bookkeeping (done-callbacks run after waiters wake)."""
 
     path: str
-    future: Future[None] | None = None
+    future: Future[TransferRecord | None] | None = None
     settled: threading.Event = field(default_factory=threading.Event)
     failed: bool = False
+    blocked_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -176,6 +196,8 @@ class S3CheckpointIO:
         self._errors: list[BaseException] = []
         self.last_save_blocked_s = 0.0
         """How long the last `save_checkpoint` call kept the caller waiting (snapshot plus back-pressure)."""
+        self.records: deque[TransferRecord] = deque(maxlen=_RECORDS_KEPT)
+        """The latest finished saves and loads, oldest first (at most 1,000; failed transfers leave none)."""
 
     @property
     def async_checkpointing(self) -> bool:
@@ -190,7 +212,7 @@ class S3CheckpointIO:
             if self._pending or self._deferred:
                 raise RuntimeError("cannot pickle S3CheckpointIO while background saves are pending; call teardown()")
         state = self.__dict__.copy()
-        for live in ("_lock", "_executor", "_pending", "_deferred", "_errors"):
+        for live in ("_lock", "_executor", "_pending", "_deferred", "_errors", "records"):
             del state[live]
         state["s3"] = (self.s3.settings, self.s3.retry_policy)
         return state
@@ -204,6 +226,7 @@ class S3CheckpointIO:
         self._pending = deque()
         self._deferred = []
         self._errors = []
+        self.records = deque(maxlen=_RECORDS_KEPT)
 
     # ---- save -----------------------------------------------------------------------------------------------------
 
@@ -217,8 +240,9 @@ class S3CheckpointIO:
         path = _urls.as_path_or_s3_url(path)
         self._raise_background_errors()
         if not self._async_checkpointing:
-            self._save_now(checkpoint, path)
+            record = self._save_now(checkpoint, path)
             self.last_save_blocked_s = time.perf_counter() - started
+            self._record(record, self.last_save_blocked_s)
             return
         snapshot = snapshot_to_host(checkpoint)
         with self._lock:
@@ -231,13 +255,15 @@ class S3CheckpointIO:
         with self._lock:
             self._pending.append(pending)
             pending.future = executor.submit(self._save_now, snapshot, path)
+        self.last_save_blocked_s = pending.blocked_s = time.perf_counter() - started
         pending.future.add_done_callback(lambda _, pending=pending: self._on_save_done(pending))
-        self.last_save_blocked_s = time.perf_counter() - started
         logger.debug("Queued async save of %s (blocked %.3f s)", path, self.last_save_blocked_s)
 
-    def _save_now(self, checkpoint: dict[str, Any], path: str) -> None:
+    def _save_now(self, checkpoint: dict[str, Any], path: str) -> TransferRecord:
+        """Save and return its record (the caller adds the time it was blocked and keeps it)."""
         torch = _torch()
         started = time.perf_counter()
+        checksum = None
         if _urls.is_s3_url(path):
             with self.s3.open_writer(
                 path, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm
@@ -250,6 +276,8 @@ class S3CheckpointIO:
                         raise writer.error from None
                     raise
             size = writer.info.size if writer.info else 0
+            if writer.info and writer.info.checksums:
+                checksum = " ".join(f"{k.removeprefix('Checksum')} {v}" for k, v in writer.info.checksums.items())
             _invalidate_fsspec_cache(path)
             self._remove_conflicting_last_checkpoints(path)
         else:
@@ -257,6 +285,17 @@ class S3CheckpointIO:
             size = os.path.getsize(path)
         elapsed = time.perf_counter() - started
         logger.info("Saved %s (%.1f MiB) in %.2f s", path, size / _s3.MB, elapsed)
+        return TransferRecord("save", path, size, elapsed, checksum, elapsed)
+
+    def _record(self, record: TransferRecord | None, blocked_s: float | None = None) -> None:
+        """Keep `record` (with the caller's blocked time, if given). Tolerates a None from a wrapped `_save_now`:
+        bookkeeping must never break a save."""
+        if not isinstance(record, TransferRecord):
+            return
+        if blocked_s is not None:
+            record = replace(record, blocked_seconds=blocked_s)
+        with self._lock:
+            self.records.append(record)
 
     def _remove_conflicting_last_checkpoints(self, path: str) -> None:
         """Keep one ``...step=N-...last.ckpt`` per step: once `path` is durable, remove its older siblings.
@@ -294,7 +333,10 @@ class S3CheckpointIO:
         if not _urls.is_s3_url(path):
             if not os.path.exists(path):
                 raise FileNotFoundError(f"Checkpoint file not found: {path}")
-            return torch.load(path, **load_kwargs)
+            checkpoint = torch.load(path, **load_kwargs)
+            elapsed = time.perf_counter() - started
+            self._record(TransferRecord("load", path, os.path.getsize(path), elapsed, None, elapsed))
+            return checkpoint
         with self.s3.download_to_memory(path, self.chunk_size_MB, self.max_read_concurrency) as downloaded:
             downloaded_s = time.perf_counter() - started
             try:
@@ -312,13 +354,11 @@ class S3CheckpointIO:
                     f"{path} ({downloaded.size} bytes{', empty' if not downloaded.size else ''}) is not a loadable "
                     f"torch checkpoint: {type(exc).__name__}: {exc}"
                 ) from exc
+        elapsed = time.perf_counter() - started
         logger.info(
-            "Loaded %s (%.1f MiB) in %.2f s (download %.2f s)",
-            path,
-            downloaded.size / _s3.MB,
-            time.perf_counter() - started,
-            downloaded_s,
+            "Loaded %s (%.1f MiB) in %.2f s (download %.2f s)", path, downloaded.size / _s3.MB, elapsed, downloaded_s
         )
+        self._record(TransferRecord("load", path, downloaded.size, elapsed, None, elapsed))
         return checkpoint
 
     # ---- remove ---------------------------------------------------------------------------------------------------
@@ -359,6 +399,8 @@ class S3CheckpointIO:
         try:
             assert pending.future is not None
             exc = pending.future.exception() if not pending.future.cancelled() else CancelledError()
+            if exc is None:
+                self._record(pending.future.result(), pending.blocked_s)
             with self._lock:
                 self._pending.remove(pending)
                 if exc is not None:
