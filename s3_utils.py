@@ -130,10 +130,11 @@ def _botocore_exceptions() -> types.ModuleType:
 # Retries
 # --------------------------------------------------------------------------------------------------------------------
 
-# botocore's own lists (botocore/retries/standard.py: ThrottlingErrorDetector._THROTTLED_ERROR_CODES and
-# StandardRetryConditions._TRANSIENT_ERROR_CODES) less the DynamoDB-only codes, plus S3's 5xx codes. Kept here rather
-# than imported: those names are private, and this layer also retries reading a response body, which botocore does
-# not. tests/test_private_surface.py checks that botocore's lists have not grown past this one.
+# botocore's own lists (botocore/retries/standard.py: ThrottledRetryableChecker._THROTTLED_ERROR_CODES and
+# TransientRetryableChecker._TRANSIENT_ERROR_CODES; IDPCommunicationError from retries/special.py) less the
+# DynamoDB-only codes, plus S3's 5xx codes. Kept here rather than imported: those names are private, and this layer
+# also retries reading a response body, which botocore does not. tests/test_private_surface.py checks that botocore's
+# lists have not grown past this one.
 RETRIABLE_ERROR_CODES = frozenset(
     {
         "SlowDown",
