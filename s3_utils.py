@@ -7,7 +7,8 @@
 4. Checksums: the CRC algorithms S3 knows, combining part checksums into the object's, and the checksum records
    (`RecordedChecksum`: the value S3 stores, or the sidecar object this package writes where a store does not).
 5. Objects: `S3ObjectInfo` and `DownloadedObject` (an in-memory file ``torch.load(mmap=True)`` can map).
-6. `S3Utils`: the facade with NeMo's names and signatures (``nemo.utils.s3_utils.S3Utils``).
+6. `S3Utils`: the facade with NeMo's names and signatures (``nemo.utils.s3_utils.S3Utils``), then how its errors
+   become the exceptions Python code expects (FileNotFoundError; a note naming the URL and what to do).
 7. The ranged reader: parallel ranged GETs copied from the socket into a download (`_RangedDownload`).
 8. The streaming writer: `S3MultipartWriter`, a binary stream that uploads while it is written.
 9. s3fs caches: `invalidate_fsspec_cache` and `forget_s3fs_instances`, for code that also goes through fsspec.
@@ -342,12 +343,13 @@ def _awscrt_checksums() -> types.ModuleType | None:
 class _ChecksumAlgorithm:
     """One of S3's full-object CRCs: how to compute it, combine it and spell it in S3 requests and responses."""
 
-    def __init__(self, name: str, nbytes: int, polynomial: int, zlib_update: Callable[[Any, int], int] | None = None):
+    def __init__(
+        self, name: str, nbytes: int, polynomial: int, zlib_update: Callable[[Any, int], int] | None = None
+    ) -> None:
         self.name = name  # S3's spelling, e.g. "CRC32C"
         self.nbytes = nbytes
         self.polynomial = polynomial  # reflected form, for the GF(2) fallback of `combine`
-        self._zlib_update = zlib_update  # CRC32 only: zlib needs no awscrt
-        self._update: Callable[[Any, int], int] | None = zlib_update
+        self._update: Callable[[Any, int], int] | None = zlib_update  # CRC32 needs no awscrt; others resolve on use
         self._combine: Callable[[int, int, int], int] | None = None
 
     def __repr__(self) -> str:
@@ -1124,6 +1126,13 @@ class S3Utils:
                 raise
             body = response["Body"]
             expected = int(response.get("ContentLength", len(view)))
+            content_range = response.get("ContentRange") or ""
+            if not content_range.startswith(f"bytes {start}-") and (start or expected > len(view)):
+                body.close()
+                raise OSError(
+                    f"Asked {url} for bytes from {start}, the store answered {content_range or 'the whole object'}: "
+                    "it ignores Range requests; use another store or download the object whole"
+                )
             try:
                 filled = _read_body_into(body, view[:expected])
             finally:
