@@ -13,6 +13,7 @@ from tiny_lightning import FAMILIES, lightning_family, tiny_module_class, tiny_t
 
 import connector
 from s3_checkpoint_io import S3CheckpointIO
+from s3_utils import forget_s3fs_instances
 
 pytestmark = pytest.mark.lightning
 
@@ -38,10 +39,10 @@ def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
 def _fresh_s3fs() -> Iterator[None]:
     """s3fs keeps one filesystem per constructor arguments for the whole process, with the endpoint it read from the
     environment when it was made: drop them so each test (and backend) gets one for its own server."""
-    s3fs = pytest.importorskip("s3fs")
-    s3fs.S3FileSystem.clear_instance_cache()
+    pytest.importorskip("s3fs")
+    forget_s3fs_instances()
     yield
-    s3fs.S3FileSystem.clear_instance_cache()
+    forget_s3fs_instances()
 
 
 def make_module(pl):
