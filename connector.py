@@ -944,6 +944,7 @@ _S3_KEYS = {
     "max_saves_in_flight": "max_saves_in_flight",
     "endpoint_url": "endpoint_url",
     "region_name": "region_name",
+    "request_options": "request_options",  # a mapping of s3_utils.S3RequestOptions fields (S3's parameter names)
 }
 # NeMoModelCheckpoint-only keys of checkpoint_callback_params: accepted, logged, not used.
 _NEMO_ONLY_CALLBACK_KEYS = frozenset(
