@@ -52,8 +52,9 @@ $(VENV)/.stamp-torch: Makefile
 	$(PIP) install -q $(TORCH)
 	touch $@
 
-$(VENV)/.stamp-demo: $(VENV)/.stamp-torch pyproject.toml
-	$(PIP) install -q -e ".[demo]"
+# The demo is installed as a user would (not editable), again whenever a module changes.
+$(VENV)/.stamp-demo: $(VENV)/.stamp-torch pyproject.toml $(wildcard *.py)
+	$(PIP) install -q ".[demo]"
 	touch $@
 
 $(VENV)/.stamp-test: $(VENV)/.stamp-torch pyproject.toml
