@@ -120,6 +120,21 @@ def test_cli_refuses_a_bad_option_as_a_usage_error(capsys: pytest.CaptureFixture
     assert "ExpectedBucketOwner must be a 12-digit AWS account id" in capsys.readouterr().err
 
 
+def test_cli_cp_uploads_with_the_object_options(s3_server, s3_client, bucket: str, tmp_path, capsys) -> None:
+    source = tmp_path / "model.ckpt"
+    source.write_bytes(os.urandom(1000))
+    url = f"s3://{bucket}/run/model.ckpt"
+    flags = ["--sse", "AES256", "--storage-class", "STANDARD_IA", "--tagging", "team=nlp"]
+    assert cli.main(["cp", str(source), url, "--no-progress", *flags, "--expected-bucket-owner", OWNER]) == 0
+    head = s3_client.head_object(Bucket=bucket, Key="run/model.ckpt")
+    assert (head["ServerSideEncryption"], head["StorageClass"]) == ("AES256", "STANDARD_IA")
+    tags = s3_client.get_object_tagging(Bucket=bucket, Key="run/model.ckpt")["TagSet"]
+    assert tags == [{"Key": "team", "Value": "nlp"}]
+    capsys.readouterr()
+    assert cli.main(["ls", f"s3://{bucket}/run", "--request-payer", "requester"]) == 0
+    assert url in capsys.readouterr().out
+
+
 # ---- what the stores do with each option ---------------------------------------------------------------------------
 
 # "recorded": the object carries it (head_object / get_object_tagging); "refused": the upload fails (nothing left
