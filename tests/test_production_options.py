@@ -11,8 +11,6 @@ import os
 from typing import Any
 
 import botocore.parsers
-import lightning
-import lightning.pytorch  # the plugin reports the Lightning family the program imported
 import pytest
 import torch
 from botocore.exceptions import ClientError
@@ -106,6 +104,7 @@ def _config(request_options: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+@pytest.mark.lightning
 def test_config_key_request_options_reaches_the_client() -> None:
     parts = connector.build_s3_checkpointing(_config({"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": "alias/k"}))
     plugin = parts.checkpoint_io
@@ -292,7 +291,10 @@ def test_response_parser_errors_are_retriable() -> None:
 # ---- user agent -----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.lightning
 def test_every_request_names_the_package_and_the_lightning_family(s3_server, fault_proxy, bucket: str) -> None:
+    lightning = pytest.importorskip("lightning")
+    pytest.importorskip("lightning.pytorch")  # the plugin reports the Lightning family the program imported
     plugin = S3CheckpointIO(f"s3://{bucket}/run", endpoint_url=fault_proxy.endpoint_url)
     url = f"s3://{bucket}/run/model.ckpt"
     plugin.save_checkpoint({"w": torch.ones(4)}, url)
