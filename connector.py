@@ -1001,10 +1001,11 @@ def build_s3_checkpointing(
 
     `cfg` (dict or OmegaConf) holds ``s3_checkpointing`` (``max_write_concurrency``, ``max_read_concurrency``,
     ``chunk_size_MB``, ``enable_async_checkpointing``; optionally ``max_saves_in_flight``, ``endpoint_url``,
-    ``region_name``, ``request_options``) and ``exp_manager`` with ``checkpoint_callback_params`` (``dirpath`` required; the other keys
-    are ``ModelCheckpoint`` arguments) and NeMo's ``resume_*`` keys. ``cfg`` may also be the ``exp_manager`` node
-    itself with ``s3_checkpointing`` inside it. As in NeMo, a ``filename`` makes the last checkpoint
-    ``{filename}-last``. NeMoModelCheckpoint-only keys (``save_nemo_on_train_end``...) are ignored with a warning.
+    ``region_name``, ``request_options``) and ``exp_manager`` with ``checkpoint_callback_params`` (``dirpath``
+    required; the other keys are ``ModelCheckpoint`` arguments) and NeMo's ``resume_*`` keys. ``cfg`` may also be
+    the ``exp_manager`` node itself with ``s3_checkpointing`` inside it. As in NeMo, a ``filename`` makes the last
+    checkpoint ``{filename}-last``. NeMoModelCheckpoint-only keys (``save_nemo_on_train_end``...) are ignored with
+    a warning.
     """
     top = _plain(cfg, "cfg")
     exp = _plain(top["exp_manager"], "exp_manager") if "exp_manager" in top else top
