@@ -1462,12 +1462,20 @@ def _request_option_flags(parser: argparse.ArgumentParser, *, uploads: bool) -> 
     )
     if not uploads:
         return
-    group.add_argument("--sse", dest="ServerSideEncryption", choices=_s3.SERVER_SIDE_ENCRYPTIONS, help="encryption")
-    group.add_argument("--sse-kms-key-id", dest="SSEKMSKeyId", metavar="KEY", help="KMS key id or ARN (aws:kms*)")
     group.add_argument(
-        "--bucket-key-enabled", dest="BucketKeyEnabled", action="store_true", default=None, help="S3 Bucket Key"
+        "--sse", dest="ServerSideEncryption", choices=_s3.SERVER_SIDE_ENCRYPTIONS, help="server-side encryption"
     )
-    group.add_argument("--storage-class", dest="StorageClass", metavar="CLASS", help="e.g. STANDARD_IA")
+    group.add_argument(
+        "--sse-kms-key-id", dest="SSEKMSKeyId", metavar="KEY", help="KMS key id, alias or ARN (with aws:kms*)"
+    )
+    group.add_argument(
+        "--bucket-key-enabled",
+        dest="BucketKeyEnabled",
+        action="store_true",
+        default=None,
+        help="S3 Bucket Key (aws:kms)",
+    )
+    group.add_argument("--storage-class", dest="StorageClass", metavar="CLASS", help="storage class, e.g. STANDARD_IA")
     group.add_argument("--tagging", dest="Tagging", metavar="K=V[&K=V]", help="object tags, URL-encoded")
 
 
