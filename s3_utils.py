@@ -305,8 +305,11 @@ class S3RequestOptions:
             if not isinstance(self.Tagging, str) or not pairs or any(not key for key, _ in pairs):
                 problems.append(f"Tagging must be key=value pairs joined by '&' (or a mapping), got {self.Tagging!r}")
         owner = self.ExpectedBucketOwner
+        if isinstance(owner, int) and not isinstance(owner, bool) and len(str(owner)) == 12:  # unquoted in YAML
+            owner = str(owner)
+            object.__setattr__(self, "ExpectedBucketOwner", owner)
         if owner is not None and not (isinstance(owner, str) and re.fullmatch(r"[0-9]{12}", owner)):
-            problems.append(f"ExpectedBucketOwner must be a 12-digit AWS account id, got {owner!r}")
+            problems.append(f"ExpectedBucketOwner must be a 12-digit AWS account id (quoted in YAML), got {owner!r}")
         if self.RequestPayer is not None and self.RequestPayer != "requester":
             problems.append(f"RequestPayer must be 'requester', got {self.RequestPayer!r}")
         for name in ("ServerSideEncryption", "SSEKMSKeyId", "StorageClass"):

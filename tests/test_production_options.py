@@ -69,10 +69,14 @@ def test_bad_values_are_refused_up_front(options: dict[str, Any], message: str) 
         S3RequestOptions.from_mapping(options)
 
 
-def test_tags_given_as_a_mapping_are_url_encoded() -> None:
+def test_tags_as_a_mapping_and_account_ids_as_ints_are_normalised() -> None:
     options = S3RequestOptions(Tagging={"run": "gpt 7b", "team": "a&b"})
     assert options.Tagging == "run=gpt+7b&team=a%26b"
     assert S3RequestOptions.from_mapping({}) is None
+    # An account id left unquoted in YAML arrives as an int; one that lost a leading zero is refused.
+    assert S3RequestOptions(ExpectedBucketOwner=111122223333).ExpectedBucketOwner == "111122223333"
+    with pytest.raises(ValueError, match="quoted in YAML"):
+        S3RequestOptions(ExpectedBucketOwner=11122223333)
 
 
 def test_object_options_go_on_uploads_and_bucket_checks_on_every_operation() -> None:
