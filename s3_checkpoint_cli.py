@@ -347,8 +347,19 @@ def _retry_policy(args: argparse.Namespace) -> _s3.RetryPolicy | None:
 
 
 def _make_s3(args: argparse.Namespace) -> _s3.S3Utils:
-    settings = _s3.S3ClientSettings(endpoint_url=args.endpoint_url, region_name=args.region)
+    settings = _s3.S3ClientSettings(
+        endpoint_url=args.endpoint_url, region_name=args.region, request_options=_request_options(args)
+    )
     return _s3.S3Utils(settings, _retry_policy(args))
+
+
+def _request_options(args: argparse.Namespace) -> _s3.S3RequestOptions | None:
+    """The S3 request options given as flags (their dests are S3RequestOptions' field names)."""
+    names = [field.name for field in dataclasses.fields(_s3.S3RequestOptions)]
+    try:
+        return _s3.S3RequestOptions.from_mapping({name: getattr(args, name, None) for name in names})
+    except ValueError as exc:
+        raise CliError(EXIT_USAGE, str(exc)) from None
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -553,6 +564,38 @@ def _global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
     parser.add_argument("-v", "--verbose", action="count", default=default(0), help="log more (-v: info, -vv: debug)")
 
 
+def _request_option_flags(parser: argparse.ArgumentParser, *, uploads: bool) -> None:
+    """Flags for `s3_utils.S3RequestOptions`: the bucket checks for every command that talks to S3, the object
+    options (encryption, storage class, tags) for the commands that upload."""
+    group = parser.add_argument_group("S3 request options")
+    group.add_argument(
+        "--expected-bucket-owner",
+        dest="ExpectedBucketOwner",
+        metavar="ACCOUNT_ID",
+        help="fail (403) unless this 12-digit AWS account owns the bucket",
+    )
+    group.add_argument(
+        "--request-payer", dest="RequestPayer", choices=("requester",), help="access a Requester Pays bucket"
+    )
+    if not uploads:
+        return
+    group.add_argument(
+        "--sse", dest="ServerSideEncryption", choices=_s3.SERVER_SIDE_ENCRYPTIONS, help="server-side encryption"
+    )
+    group.add_argument(
+        "--sse-kms-key-id", dest="SSEKMSKeyId", metavar="KEY", help="KMS key id, alias or ARN (with aws:kms*)"
+    )
+    group.add_argument(
+        "--bucket-key-enabled",
+        dest="BucketKeyEnabled",
+        action="store_true",
+        default=None,
+        help="S3 Bucket Key (aws:kms)",
+    )
+    group.add_argument("--storage-class", dest="StorageClass", metavar="CLASS", help="storage class, e.g. STANDARD_IA")
+    group.add_argument("--tagging", dest="Tagging", metavar="K=V[&K=V]", help="object tags, URL-encoded")
+
+
 def _progress_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--progress",
@@ -608,6 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = commands.add_parser("ls", help="list checkpoints: step, size, last-modified, kind")
     _global_options(ls, suppress=True)
+    _request_option_flags(ls, uploads=False)
     ls.add_argument("url", metavar="s3://BUCKET/PREFIX")
     ls.add_argument("-r", "--recursive", action="store_true", help="include checkpoints in sub-prefixes")
     ls.add_argument("-a", "--all", action="store_true", help="list every object, not only *.ckpt")
@@ -616,6 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = commands.add_parser("verify", help="download checkpoints and check their recorded checksums")
     _global_options(verify, suppress=True)
+    _request_option_flags(verify, uploads=False)
     verify.add_argument("url", metavar="s3://BUCKET/KEY_OR_PREFIX", help="one checkpoint, or a prefix holding some")
     verify.add_argument("-r", "--recursive", action="store_true", help="include checkpoints in sub-prefixes")
     verify.add_argument(
@@ -628,6 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cp = commands.add_parser("cp", help="copy one object between a local path and S3")
     _global_options(cp, suppress=True)
+    _request_option_flags(cp, uploads=True)
     cp.add_argument("src", metavar="SRC", help="local file or s3://BUCKET/KEY")
     cp.add_argument("dst", metavar="DST", help="s3://BUCKET/KEY (or .../ for SRC's name) or a local path/directory")
     _progress_option(cp)
@@ -641,6 +687,7 @@ def build_parser() -> argparse.ArgumentParser:
         "their name, are never deleted.",
     )
     _global_options(rm, suppress=True)
+    _request_option_flags(rm, uploads=False)
     rm.add_argument("url", metavar="s3://BUCKET/PREFIX")
     rm.add_argument("--keep-last", type=int, required=True, metavar="N", help="how many top-k checkpoints to keep")
     rm.add_argument("-n", "--dry-run", action="store_true", help="print what would be deleted, delete nothing")

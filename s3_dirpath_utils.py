@@ -22,6 +22,7 @@ trailing ``/``) for an empty key and never produces ``//`` after the bucket.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 
@@ -40,6 +41,26 @@ __all__ = [
     "s3_url_parent",
     "validate_bucket_name",
 ]
+
+# ---- version (shared by every module of the package; this is the lowest one) ----------------------------------------
+
+_FALLBACK_VERSION = "0.1.0"
+"""The version where no distribution metadata describes these files (copies inside a fork's package); kept equal
+to pyproject.toml's by tests/test_build.py."""
+
+
+def _package_version() -> str:
+    """The installed distribution's version. Copies inside another package (``nemo/utils/s3_dirpath_utils.py``)
+    report the constant: that environment may hold an unrelated install of the distribution."""
+    if __package__:
+        return _FALLBACK_VERSION
+    try:
+        return importlib.metadata.version("s3-checkpoint-io")
+    except importlib.metadata.PackageNotFoundError:
+        return _FALLBACK_VERSION
+
+
+__version__ = _package_version()
 
 S3_PATH_PREFIX = "s3://"
 #: Environment variable that, set to 1/true/yes/on, relaxes bucket-name checks (read at every call).

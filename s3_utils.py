@@ -36,10 +36,11 @@ import tempfile
 import threading
 import time
 import types
+import urllib.parse
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import IO, Any, BinaryIO, TypeVar
 
 if __package__:
@@ -61,6 +62,7 @@ __all__ = [
     "S3ClientSettings",
     "S3MultipartWriter",
     "S3ObjectInfo",
+    "S3RequestOptions",
     "S3Utils",
     "forget_s3fs_instances",
     "get_s3_client",
@@ -68,9 +70,11 @@ __all__ = [
     "invalidate_fsspec_cache",
     "is_retriable_error",
     "validate_checksum_algorithm",
+    "user_agent",
 ]
 
 logger = logging.getLogger(__name__)
+__version__ = _urls.__version__
 
 MB = 1024**2
 GB = 1024**3
@@ -189,7 +193,8 @@ class RetryPolicy:
 
 
 def is_retriable_error(exc: BaseException) -> bool:
-    """True for throttling, 5xx, request timeouts, connection resets and read/connect timeouts; False otherwise.
+    """True for throttling, 5xx, request timeouts, connection resets, read/connect timeouts and replies whose body
+    cannot be parsed; False otherwise.
 
     Authentication, authorisation, missing buckets or keys and malformed requests fail at once: retrying them only
     delays the error and adds load.
@@ -218,6 +223,9 @@ def is_retriable_error(exc: BaseException) -> bool:
         ),
     ):
         return True
+    parsers = _optional_module("botocore.parsers")
+    if parsers is not None and isinstance(exc, parsers.ResponseParserError):
+        return True  # a reply whose XML is cut or garbled (a throttled store, a proxy in between): botocore says so
     urllib3_exceptions = _optional_module("urllib3.exceptions")
     return urllib3_exceptions is not None and isinstance(
         exc, (urllib3_exceptions.ProtocolError, urllib3_exceptions.ReadTimeoutError)
@@ -236,6 +244,128 @@ def _error_code(exc: BaseException) -> str:
     if isinstance(response, dict):
         return str(response.get("Error", {}).get("Code", ""))
     return type(exc).__name__
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Request options: encryption, storage class, tags, bucket owner, requester pays
+# --------------------------------------------------------------------------------------------------------------------
+
+SERVER_SIDE_ENCRYPTIONS = ("AES256", "aws:kms", "aws:kms:dsse")
+STORAGE_CLASSES = (
+    "STANDARD",
+    "REDUCED_REDUNDANCY",
+    "STANDARD_IA",
+    "ONEZONE_IA",
+    "INTELLIGENT_TIERING",
+    "GLACIER_IR",
+    "EXPRESS_ONEZONE",
+    "OUTPOSTS",
+    "SNOW",
+)
+"""Storage classes a checkpoint can be written in. GLACIER and DEEP_ARCHIVE are refused: their objects cannot be
+read without a restore, so a resume from them would fail (a lifecycle rule can move old checkpoints there)."""
+_UPLOAD_OPERATIONS = frozenset({"PutObject", "CreateMultipartUpload"})
+
+
+@dataclass(frozen=True)
+class S3RequestOptions:
+    """S3 parameters added to the requests this package makes, named as in S3's API (and boto3's ``ExtraArgs``).
+
+    The fields are the allow-list (as s3transfer's ``ALLOWED_UPLOAD_ARGS``): `from_mapping` refuses any other name,
+    and each value is checked up front, so a typo fails before a checkpoint is written rather than at the first save
+    or never. The object-level options (encryption, storage class, tags) go on every upload (single PUT and
+    multipart); `ExpectedBucketOwner` and `RequestPayer` on every request whose S3 operation takes them (head,
+    list, get, put, multipart, delete). A parameter a call sets itself wins.
+    """
+
+    ServerSideEncryption: str | None = None
+    """``AES256`` (SSE-S3), ``aws:kms`` (SSE-KMS) or ``aws:kms:dsse`` (dual-layer SSE-KMS)."""
+    SSEKMSKeyId: str | None = None
+    """KMS key id or ARN for ``aws:kms`` / ``aws:kms:dsse``; else the account's default ``aws/s3`` key."""
+    BucketKeyEnabled: bool | None = None
+    """S3 Bucket Key for SSE-KMS (fewer KMS requests); not available with ``aws:kms:dsse``."""
+    StorageClass: str | None = None
+    """One of `STORAGE_CLASSES`."""
+    Tagging: str | None = None
+    """Object tags as a URL-encoded query (``project=gpt&team=nlp``); a mapping is accepted and encoded."""
+    ExpectedBucketOwner: str | None = None
+    """The 12-digit AWS account id that must own the bucket; S3 answers 403 AccessDenied otherwise."""
+    RequestPayer: str | None = None
+    """``requester`` to read and write a Requester Pays bucket."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.Tagging, Mapping):
+            encoded = urllib.parse.urlencode({str(key): str(value) for key, value in self.Tagging.items()})
+            object.__setattr__(self, "Tagging", encoded)
+        problems = []
+        sse = self.ServerSideEncryption
+        if sse is not None and sse not in SERVER_SIDE_ENCRYPTIONS:
+            problems.append(f"ServerSideEncryption must be one of {list(SERVER_SIDE_ENCRYPTIONS)}, got {sse!r}")
+        kms = sse in ("aws:kms", "aws:kms:dsse")
+        if self.SSEKMSKeyId is not None and not kms:
+            problems.append("SSEKMSKeyId needs ServerSideEncryption 'aws:kms' or 'aws:kms:dsse'")
+        if self.BucketKeyEnabled is not None:
+            if not isinstance(self.BucketKeyEnabled, bool):
+                problems.append(f"BucketKeyEnabled must be true or false, got {self.BucketKeyEnabled!r}")
+            elif sse != "aws:kms":
+                problems.append("BucketKeyEnabled needs ServerSideEncryption 'aws:kms'")
+        if self.StorageClass is not None and self.StorageClass not in STORAGE_CLASSES:
+            archived = self.StorageClass in ("GLACIER", "DEEP_ARCHIVE")
+            extra = " (objects there need a restore before a load)" if archived else ""
+            problems.append(f"StorageClass must be one of {list(STORAGE_CLASSES)}, got {self.StorageClass!r}{extra}")
+        if self.Tagging is not None:
+            pairs = urllib.parse.parse_qsl(self.Tagging, keep_blank_values=True)
+            if not isinstance(self.Tagging, str) or not pairs or any(not key for key, _ in pairs):
+                problems.append(f"Tagging must be key=value pairs joined by '&' (or a mapping), got {self.Tagging!r}")
+        owner = self.ExpectedBucketOwner
+        if isinstance(owner, int) and not isinstance(owner, bool) and len(str(owner)) == 12:  # unquoted in YAML
+            owner = str(owner)
+            object.__setattr__(self, "ExpectedBucketOwner", owner)
+        if owner is not None and not (isinstance(owner, str) and re.fullmatch(r"[0-9]{12}", owner)):
+            problems.append(f"ExpectedBucketOwner must be a 12-digit AWS account id (quoted in YAML), got {owner!r}")
+        if self.RequestPayer is not None and self.RequestPayer != "requester":
+            problems.append(f"RequestPayer must be 'requester', got {self.RequestPayer!r}")
+        for name in ("ServerSideEncryption", "SSEKMSKeyId", "StorageClass"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                problems.append(f"{name} must be a non-empty string, got {value!r}")
+        if problems:
+            raise ValueError("Invalid S3 request options: " + "; ".join(problems))
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any] | S3RequestOptions | None) -> S3RequestOptions | None:
+        """Options from a mapping of S3 parameter names (a config block, CLI flags); None or empty gives None.
+
+        Raises ValueError naming any key outside the allow-list (and the S3 spelling of a snake_case one).
+        """
+        if options is None or isinstance(options, S3RequestOptions):
+            return options
+        if not isinstance(options, Mapping):
+            raise TypeError(f"S3 request options must be a mapping or S3RequestOptions, got {type(options).__name__}")
+        allowed = [f.name for f in fields(cls)]
+        by_folded = {name.lower(): name for name in allowed}
+        unknown = []
+        for key in options:
+            if key not in allowed:
+                spelling = by_folded.get(str(key).replace("_", "").replace("-", "").lower())
+                unknown.append(f"{key!r} (did you mean {spelling!r}?)" if spelling else repr(key))
+        if unknown:
+            raise ValueError(f"Unknown S3 request option(s) {', '.join(unknown)}; allowed: {allowed}")
+        given = {key: value for key, value in options.items() if value is not None}
+        return cls(**given) if given else None
+
+    def parameters(self, operation_name: str, members: Collection[str]) -> dict[str, Any]:
+        """The parameters to add to S3 operation `operation_name` (e.g. ``"PutObject"``), whose input takes
+        `members`."""
+        chosen = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        if operation_name not in _UPLOAD_OPERATIONS:
+            chosen = {k: v for k, v in chosen.items() if k in ("ExpectedBucketOwner", "RequestPayer")}
+        return {k: v for k, v in chosen.items() if k in members}
+
+    def add_to_request(self, params: dict[str, Any], model: Any, **_: Any) -> None:
+        """botocore ``before-parameter-build.s3`` handler: fill in the options a call did not set itself."""
+        for name, value in self.parameters(model.name, model.input_shape.members if model.input_shape else ()).items():
+            params.setdefault(name, value)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -265,6 +395,8 @@ class S3ClientSettings:
     """SHA-256-sign request bodies even over plain http. Off by default: every body this package uploads carries a
     CRC checksum that the store verifies, which is what botocore itself relies on over https and what
     s3torchconnector does; signing costs a SHA-256 pass over every byte on both the client and the store."""
+    request_options: S3RequestOptions | None = None
+    """Encryption, storage class, tags, bucket owner, requester pays: added to the requests of this client."""
 
     def resolved(self) -> S3ClientSettings:
         """The same settings with the endpoint and addressing style filled in from the environment."""
@@ -298,7 +430,7 @@ def get_s3_client(settings: S3ClientSettings | None = None) -> Any:
                 read_timeout=settings.read_timeout_s,
                 retries={"total_max_attempts": 1},  # RetryPolicy is the single retry layer
                 s3=_s3_config(settings),
-                user_agent_extra=settings.user_agent_extra,
+                user_agent_extra=user_agent(settings.user_agent_extra),
                 # This module sends and verifies full-object checksums itself.
                 request_checksum_calculation="when_required",
                 response_checksum_validation="when_required",
@@ -309,9 +441,21 @@ def get_s3_client(settings: S3ClientSettings | None = None) -> Any:
             )
             if settings.endpoint_url:
                 client.meta.events.register("before-call.s3", _no_region_redirects)
+            _add_request_options(client, settings.request_options)
             _clients[key] = client
             logger.debug("Created S3 client (endpoint=%s, region=%s)", settings.endpoint_url, client.meta.region_name)
     return client
+
+
+def _add_request_options(client: Any, options: S3RequestOptions | None) -> None:
+    if options is not None:
+        client.meta.events.register("before-parameter-build.s3", options.add_to_request)
+
+
+def user_agent(extra: str | None = None) -> str:
+    """What this package adds to botocore's User-Agent on every request: ``s3-checkpoint-io/<version>`` and then
+    `extra` (e.g. ``(lightning; 2.6.6)``), so that S3 access logs and CloudTrail show who made a request."""
+    return f"s3-checkpoint-io/{__version__}" + (f" {extra}" if extra else "")
 
 
 def _s3_config(settings: S3ClientSettings) -> dict[str, Any]:
@@ -787,7 +931,7 @@ class S3Utils:
             not_found = _not_found_error(exc, operation, url)
             if not_found is not None:
                 raise not_found from exc
-            _annotate(exc, operation, url)
+            _annotate(exc, operation, url, self.settings.request_options)
             raise
 
     @property
@@ -931,6 +1075,7 @@ class S3Utils:
             region_name=self.settings.region_name,
             config=get_s3_client(self.settings).meta.config,
         )
+        _add_request_options(client, self.settings.request_options)
         return S3Utils(self.settings, self.retry_policy, client=client)
 
     # ---- removal --------------------------------------------------------------------------------------------------
@@ -1212,12 +1357,15 @@ def _not_found_error(exc: BaseException, operation: str, url: str) -> FileNotFou
     return FileNotFoundError(f"No such {what}: {url} (S3 {operation} answered {code})")
 
 
-def _annotate(exc: BaseException, operation: str, url: str) -> None:
-    """Add the URL and, for common mistakes, what to do, to an exception that is re-raised unchanged (callers that
-    match on botocore's ``ClientError`` codes keep working)."""
+def _annotate(exc: BaseException, operation: str, url: str, options: S3RequestOptions | None = None) -> None:
+    """Add the URL, what S3 said (HTTP status, request id, host id: what AWS support asks for) and, for common
+    mistakes, what to do, to an exception that is re-raised unchanged (callers that match on botocore's
+    ``ClientError`` codes keep working)."""
     code = _error_code(exc)
     if code in {"AccessDenied", "403", "Forbidden"}:
         hint = "check the credentials and that their policy allows this action on this bucket and key"
+        if options is not None and options.ExpectedBucketOwner:
+            hint += f", and that account {options.ExpectedBucketOwner} (ExpectedBucketOwner) owns the bucket"
     elif code in {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "NoCredentialsError"}:
         hint = "check the AWS credentials (environment, profile or role) used by this process"
     elif code == "400":  # a HEAD has no error body: expired credentials and a wrong region both look like this
@@ -1227,7 +1375,25 @@ def _annotate(exc: BaseException, operation: str, url: str) -> None:
     else:
         hint = ""
     if not any(url in note for note in getattr(exc, "__notes__", [])):
-        exc.add_note(f"while running S3 {operation} on {url}" + (f": {hint}" if hint else ""))
+        exc.add_note(f"while running S3 {operation} on {url}{_response_ids(exc)}" + (f": {hint}" if hint else ""))
+
+
+def _response_ids(exc: BaseException) -> str:
+    """`` (HTTP 403, request id ..., host id ...)`` from a botocore error's response, or empty."""
+    response = getattr(exc, "response", None)
+    metadata = response.get("ResponseMetadata", {}) if isinstance(response, dict) else {}
+    headers = metadata.get("HTTPHeaders", {})
+    parts = []
+    status = metadata.get("HTTPStatusCode")
+    if status:
+        parts.append(f"HTTP {status}")
+    request_id = metadata.get("RequestId") or headers.get("x-amz-request-id")
+    if request_id:
+        parts.append(f"request id {request_id}")
+    host_id = metadata.get("HostId") or headers.get("x-amz-id-2")
+    if host_id:
+        parts.append(f"host id {host_id}")
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@
 
 Starts SeaweedFS itself (data dir on /dev/shm, holding the exclusive lock /tmp/s3ckpt-weed.lock for as long as
 it runs), then runs every measurement in a fresh ``bench_worker.py`` process and writes
-``benchmarks/results/<timestamp>.json`` plus ``latest.json`` / ``latest.md``.
+``benchmarks/results/<timestamp>.json`` / ``.md`` / ``.png`` (the chart; needs the ``bench`` extra) plus
+``latest.json`` / ``latest.md`` / ``latest.png``. ``--render FILE.json`` redraws the table and chart of a result.
 """
 
 from __future__ import annotations
@@ -438,6 +439,69 @@ def render(doc: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# chart
+# ---------------------------------------------------------------------------------------------------------------
+
+CHART_METRICS = (("mib_s", "MiB/s (higher is better)"), ("peak_extra_mib", "peak extra RSS, MiB (lower is better)"))
+
+
+def chart(doc: dict[str, Any], path: Path) -> bool:
+    """Write a PNG beside the table: per size, save and load rows; MiB/s and peak extra RSS of every client side by
+    side, all from this one run (medians over its reps). False (with a note) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print('NOTE: no chart: matplotlib is missing (pip install ".[bench]")', flush=True)
+        return False
+    rows = [r for r in doc["summary"] if r["direction"] in ("save", "load") and "mib_s" in r]
+    panels = [(size, d) for size in sorted({r["size_mib"] for r in rows}) for d in ("save", "load")]
+    panels = [(size, d) for size, d in panels if any(r["size_mib"] == size and r["direction"] == d for r in rows)]
+    heights = [len([r for r in rows if r["size_mib"] == size and r["direction"] == d]) for size, d in panels]
+    fig, axes = plt.subplots(
+        len(panels),
+        len(CHART_METRICS),
+        figsize=(12, 1.2 + 0.32 * sum(heights) + 0.6 * len(panels)),
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
+    )
+    for (size, direction), line in zip(panels, axes, strict=True):
+        chosen = sorted(
+            (r for r in rows if r["size_mib"] == size and r["direction"] == direction),
+            key=lambda r: ORDER.get(r["scenario"], 999),
+        )
+        labels = [r["scenario"] for r in chosen]
+        colours = [
+            "tab:orange"
+            if r["scenario"].startswith("ours")
+            else ("tab:gray" if r["scenario"].startswith("raw") else "tab:blue")
+            for r in chosen
+        ]
+        for col, (ax, (metric, title)) in enumerate(zip(line, CHART_METRICS, strict=True)):
+            values = [r[metric] for r in chosen]
+            ax.barh(range(len(chosen)), values, color=colours)
+            ax.set_yticks(range(len(chosen)), labels if col == 0 else [""] * len(chosen), fontsize=8)
+            ax.invert_yaxis()
+            ax.set_title(f"{size} MiB {direction}: {title}", fontsize=9, loc="left")
+            ax.tick_params(axis="x", labelsize=8)
+            for i, value in enumerate(values):
+                ax.text(value, i, f" {value:.0f}", va="center", fontsize=7)
+            ax.set_xlim(0, max(values) * 1.15 if values else 1)
+    machine = doc.get("machine", {})
+    fig.suptitle(
+        f"s3-checkpoint-io benchmark {doc['timestamp']} (SeaweedFS on 127.0.0.1, median of {doc.get('reps')} reps; "
+        f"{machine.get('nproc', '?')} CPUs). Orange: this package; grey: raw transfers; blue: other clients",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -468,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
         doc["markdown"] = render(doc)
         Path(args.render).write_text(json.dumps(doc, indent=1, default=str))
         Path(args.render).with_suffix(".md").write_text(doc["markdown"])
+        if chart(doc, Path(args.render).with_suffix(".png")):
+            print(f"wrote {Path(args.render).with_suffix('.png')}")
         print(doc["markdown"])
         return 0
 
@@ -564,9 +630,12 @@ def main(argv: list[str] | None = None) -> int:
     name = f"{stamp}{'-' + args.tag if args.tag else ''}"
     (RESULTS / f"{name}.json").write_text(json.dumps(doc, indent=1, default=str))
     (RESULTS / f"{name}.md").write_text(md)
+    charted = chart(doc, RESULTS / f"{name}.png")
     if not args.no_latest:
         (RESULTS / "latest.json").write_text(json.dumps(doc, indent=1, default=str))
         (RESULTS / "latest.md").write_text(md)
+        if charted:
+            shutil.copyfile(RESULTS / f"{name}.png", RESULTS / "latest.png")
     print(md)
     print(f"wrote {RESULTS / (name + '.json')}")
     return 0
