@@ -19,6 +19,8 @@ _MODULES_OF = {
     "tqdm": ("tqdm",),
     "lightning": ("lightning", "pytorch_lightning", "lightning_fabric"),
     "moto": ("moto",),
+    "matplotlib": ("matplotlib",),
+    "psutil": ("psutil",),
 }
 
 
