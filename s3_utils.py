@@ -668,23 +668,39 @@ class S3Utils:
 
     @_class_or_instance
     def list_objects(self, s3_path: str | os.PathLike[str], *, include_sidecars: bool = False) -> list[S3ObjectInfo]:
-        """Every object under the "directory" `s3_path` (key + ``/``), all pages; the bucket root lists everything."""
+        """Every object under the "directory" `s3_path` (key + ``/``), all pages, sorted by key; the bucket root lists
+        everything. Directory buckets list in no particular order; sorting here keeps results the same everywhere."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, prefix = _urls.s3_dir_prefix(url)
-        return list(self._iter_objects(bucket, prefix, url, include_sidecars))
+        return sorted(self._iter_objects(bucket, prefix, url, include_sidecars), key=lambda info: info.key)
 
     @_class_or_instance
     def list_objects_with_key_prefix(self, s3_path: str | os.PathLike[str]) -> list[S3ObjectInfo]:
         """Every object whose key starts with the key of `s3_path` as a plain string (no ``/`` boundary added),
-        e.g. ``s3://b/ckpt/model--step=10-`` for all checkpoints of step 10."""
+        e.g. ``s3://b/ckpt/model--step=10-`` for all checkpoints of step 10, sorted by key.
+
+        S3 is asked for the enclosing "directory" (``ckpt/``) and the names are filtered here: directory buckets
+        refuse a listing prefix that does not end in ``/``.
+        """
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
-        return list(self._iter_objects(bucket, key, url, include_sidecars=False))
+        directory = key[: key.rfind("/") + 1]  # "" when the key has no "/": the bucket root
+        matches = (info for info in self._iter_objects(bucket, directory, url, False) if info.key.startswith(key))
+        return sorted(matches, key=lambda info: info.key)
 
-    def _iter_objects(self, bucket: str, prefix: str, url: str, include_sidecars: bool) -> Iterator[S3ObjectInfo]:
+    def _iter_objects(
+        self, bucket: str, prefix: str, url: str, include_sidecars: bool, page_size: int | None = None
+    ) -> Iterator[S3ObjectInfo]:
+        """The objects under `prefix` (``""`` or ending in ``/``) in listing order, page by page.
+
+        Only ``Contents`` are read: in-progress multipart uploads, which directory buckets report as
+        ``CommonPrefixes``, never count as objects. Pages may be empty yet truncated; the token is followed anyway.
+        """
+        if prefix and not prefix.endswith("/"):
+            raise ValueError(f"listing prefix {prefix!r} for {url} must be empty or end in '/' (directory buckets)")
         token: str | None = None
         while True:
-            kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": self.list_page_size}
+            kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": page_size or self.list_page_size}
             if token:
                 kwargs["ContinuationToken"] = token
             page = self.call("list_objects_v2", url, **kwargs)
@@ -718,8 +734,7 @@ class S3Utils:
                 self.call("head_bucket", url, Bucket=bucket)
                 return True
             _, prefix = _urls.s3_dir_prefix(url)
-            page = self.call("list_objects_v2", url, Bucket=bucket, Prefix=prefix, MaxKeys=1)
-            return bool(page.get("Contents"))
+            return next(self._iter_objects(bucket, prefix, url, include_sidecars=True, page_size=1), None) is not None
         except FileNotFoundError:
             return False
 
