@@ -1154,7 +1154,7 @@ class _BucketKindRewriter:
                 f"</SecretAccessKey><AccessKeyId>{self.access_key}</AccessKeyId><Expiration>{expires}</Expiration>"
                 "</Credentials></CreateSessionResult>",
             )
-            routed.local_status, routed.label = 200, "directory:create-session"
+            routed.local_status = 200
         elif routed.method == "GET" and not routed.key and routed.query.get("list-type") == ["2"]:
             prefix = routed.query.get("prefix", [""])[0]
             delimiter = routed.query.get("delimiter", [""])[0]
