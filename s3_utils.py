@@ -242,7 +242,10 @@ class S3ClientSettings:
     """Explicit endpoint; else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, else AWS."""
     region_name: str | None = None
     addressing_style: str | None = None
-    """``"path"``, ``"virtual"`` or ``"auto"``; defaults to ``"path"`` for a custom endpoint (MinIO, SeaweedFS...)."""
+    """``"path"``, ``"virtual"`` or ``"auto"``; defaults to ``"path"`` for a custom endpoint (MinIO, SeaweedFS...).
+    Directory buckets and access point ARNs are always addressed virtual-hosted style (botocore does so whatever
+    this says, except for a directory bucket behind an IP-address endpoint); an explicit ``"path"`` therefore
+    refuses them with a clear error instead of letting requests go to a host the setting did not expect."""
     profile_name: str | None = None
     max_pool_connections: int = 32
     connect_timeout_s: float = 10.0
@@ -253,11 +256,18 @@ class S3ClientSettings:
     CRC checksum that the store verifies, which is what botocore itself relies on over https and what
     s3torchconnector does; signing costs a SHA-256 pass over every byte on both the client and the store."""
 
+    path_style_by_default: bool = field(default=False, repr=False)
+    """Set by `resolved` when ``"path"`` was filled in for a custom endpoint rather than asked for."""
+
     def resolved(self) -> S3ClientSettings:
         """The same settings with the endpoint and addressing style filled in from the environment."""
         endpoint = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        style = self.addressing_style or ("path" if endpoint else None)
-        return replace(self, endpoint_url=endpoint or None, addressing_style=style)
+        if self.addressing_style:
+            return replace(self, endpoint_url=endpoint or None)
+        style = "path" if endpoint else None
+        return replace(
+            self, endpoint_url=endpoint or None, addressing_style=style, path_style_by_default=bool(endpoint)
+        )
 
 
 _clients: dict[tuple[int, S3ClientSettings], Any] = {}
@@ -296,6 +306,8 @@ def get_s3_client(settings: S3ClientSettings | None = None) -> Any:
             )
             if settings.endpoint_url:
                 client.meta.events.register("before-call.s3", _no_region_redirects)
+            if settings.addressing_style == "path" and not settings.path_style_by_default:
+                client.meta.events.register("before-parameter-build.s3", _refuse_virtual_only_buckets)
             _clients[key] = client
             logger.debug("Created S3 client (endpoint=%s, region=%s)", settings.endpoint_url, client.meta.region_name)
     return client
@@ -306,6 +318,32 @@ def _s3_config(settings: S3ClientSettings) -> dict[str, Any]:
     if settings.addressing_style:
         config["addressing_style"] = settings.addressing_style
     return config
+
+
+def _refuse_virtual_only_buckets(params: dict[str, Any], model: Any = None, **_: Any) -> None:
+    """With ``addressing_style="path"`` asked for explicitly: refuse the buckets S3 serves virtual-hosted only."""
+    bucket = params.get("Bucket")
+    if not isinstance(bucket, str):
+        return
+    try:
+        kind = _urls.bucket_kind(bucket, strict=False)
+    except ValueError:
+        return
+    if kind in _VIRTUAL_HOSTED_ONLY:
+        operation = getattr(model, "name", "S3 request")
+        raise ValueError(
+            f"{operation} on {_urls.build_s3_url(bucket, str(params.get('Key', '')), strict_bucket_names=False)}: "
+            f"a {_VIRTUAL_HOSTED_ONLY[kind]} is only reachable with virtual-hosted-style requests, but "
+            "S3ClientSettings(addressing_style='path') asks for path style. Leave addressing_style unset (path "
+            "style is then still used for other buckets on a custom endpoint) or set it to 'virtual' or 'auto'."
+        )
+
+
+_VIRTUAL_HOSTED_ONLY = {
+    "directory": "directory bucket (S3 Express One Zone)",
+    "access_point_arn": "bucket given as an access point ARN",
+    "outposts_access_point_arn": "bucket given as an S3 on Outposts access point ARN",
+}
 
 
 def _no_region_redirects(params: dict[str, Any], **_: Any) -> None:
