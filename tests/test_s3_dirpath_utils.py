@@ -893,6 +893,8 @@ def test_public_api() -> None:
         "s3_url_parent",
         "s3_url_name",
         "s3_dir_prefix",
+        "bucket_kind",
+        "BUCKET_KINDS",
     }
     assert expected <= set(u.__all__)
     assert u.S3_PATH_PREFIX == "s3://"
