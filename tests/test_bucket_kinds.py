@@ -158,3 +158,45 @@ def test_checkpoints_through_an_access_point(
     assert access_point_proxy.count() > 0
     if base.endswith(ARN):
         assert all(r.path.startswith(f"/{bucket}") for r in access_point_proxy.requests)
+
+
+def test_cli_lists_and_verifies_through_an_arn(
+    access_point_proxy: FaultProxy, bucket: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import s3_checkpoint_cli as cli
+
+    plugin = S3CheckpointIO(f"s3://{ARN}/run", endpoint_url=access_point_proxy.endpoint_url)
+    try:
+        plugin.save_checkpoint(small_checkpoint(2), f"s3://{ARN}/run/tiny--step=2.ckpt")
+    finally:
+        plugin.teardown()
+    capsys.readouterr()
+    assert cli.main(["ls", f"s3://{ARN}/run", "--endpoint-url", access_point_proxy.endpoint_url]) == 0
+    assert f"s3://{ARN}/run/tiny--step=2.ckpt" in capsys.readouterr().out
+    assert cli.main(["verify", f"s3://{ARN}/run", "--endpoint-url", access_point_proxy.endpoint_url]) == 0
+    assert "OK " in capsys.readouterr().out
+
+
+# ---- the directory-bucket proxy's ETags (what the directory tests rely on) ----------------------------------------
+
+
+@pytest.mark.parametrize("bucket", ["directory"], indirect=True)
+def test_proxy_etags_are_per_object_and_conditions_are_translated(s3_client: Any, bucket: str) -> None:
+    import hashlib
+
+    botocore_exceptions = pytest.importorskip("botocore.exceptions")
+    body = b"same bytes"
+    first = s3_client.put_object(Bucket=bucket, Key="a", Body=body)["ETag"]
+    second = s3_client.put_object(Bucket=bucket, Key="b", Body=body)["ETag"]
+    assert first != second  # same content, two objects: two ETags (S3 Express ETags are not content digests)
+    assert s3_client.head_object(Bucket=bucket, Key="a")["ETag"] == first
+    assert s3_client.get_object(Bucket=bucket, Key="a", IfMatch=first)["Body"].read() == body
+    with pytest.raises(botocore_exceptions.ClientError, match=r"304|Not Modified"):
+        s3_client.get_object(Bucket=bucket, Key="a", IfNoneMatch=first)
+    md5 = f'"{hashlib.md5(body).hexdigest()}"'
+    with pytest.raises(botocore_exceptions.ClientError, match=r"PreconditionFailed|412"):
+        s3_client.get_object(Bucket=bucket, Key="a", IfMatch=md5)  # the store's own ETag is not the client's
+    rewritten = s3_client.put_object(Bucket=bucket, Key="a", Body=b"new bytes")["ETag"]
+    assert rewritten not in (first, second)
+    with pytest.raises(botocore_exceptions.ClientError, match=r"PreconditionFailed|412"):
+        s3_client.get_object(Bucket=bucket, Key="a", IfMatch=first)  # replaced: the old ETag no longer matches
