@@ -35,6 +35,10 @@ Bucket kinds (``credentials=`` the upstream's keys, which every forwarded reques
   names to buckets: the virtual host label boto3 builds from an ARN (``{name}-{account}``) or an alias in the path.
   Clients reach a virtual host such as ``my-ap-123456789012.127.0.0.1`` by using the proxy as their HTTP proxy
   (``HTTP_PROXY=proxy.endpoint_url``): requests then arrive in absolute form, which the proxy accepts too.
+
+In these modes rules match, and ``requests`` record, the upstream's path-style path (``/bucket/key``). Re-signing
+keeps the client's ``x-amz-content-sha256`` (a body hash or ``UNSIGNED-PAYLOAD``), so bodies are forwarded as they
+come; chunk-signed ``STREAMING-AWS4-HMAC-SHA256-PAYLOAD`` bodies (which boto3 does not send) would not verify.
 """
 
 from __future__ import annotations
