@@ -385,7 +385,10 @@ class S3ClientSettings:
     """Explicit endpoint; else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, else AWS."""
     region_name: str | None = None
     addressing_style: str | None = None
-    """``"path"``, ``"virtual"`` or ``"auto"``; defaults to ``"path"`` for a custom endpoint (MinIO, SeaweedFS...)."""
+    """``"path"``, ``"virtual"`` or ``"auto"``; defaults to ``"path"`` for a custom endpoint (MinIO, SeaweedFS...).
+    Directory buckets and access point ARNs are always addressed virtual-hosted style (botocore does so whatever
+    this says, except for a directory bucket behind an IP-address endpoint); an explicit ``"path"`` therefore
+    refuses them with a clear error instead of letting requests go to a host the setting did not expect."""
     profile_name: str | None = None
     max_pool_connections: int = 32
     connect_timeout_s: float = 10.0
@@ -398,11 +401,18 @@ class S3ClientSettings:
     request_options: S3RequestOptions | None = None
     """Encryption, storage class, tags, bucket owner, requester pays: added to the requests of this client."""
 
+    path_style_by_default: bool = field(default=False, repr=False)
+    """Set by `resolved` when ``"path"`` was filled in for a custom endpoint rather than asked for."""
+
     def resolved(self) -> S3ClientSettings:
         """The same settings with the endpoint and addressing style filled in from the environment."""
         endpoint = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        style = self.addressing_style or ("path" if endpoint else None)
-        return replace(self, endpoint_url=endpoint or None, addressing_style=style)
+        if self.addressing_style:
+            return replace(self, endpoint_url=endpoint or None)
+        style = "path" if endpoint else None
+        return replace(
+            self, endpoint_url=endpoint or None, addressing_style=style, path_style_by_default=bool(endpoint)
+        )
 
 
 _clients: dict[tuple[int, S3ClientSettings], Any] = {}
@@ -442,6 +452,8 @@ def get_s3_client(settings: S3ClientSettings | None = None) -> Any:
             if settings.endpoint_url:
                 client.meta.events.register("before-call.s3", _no_region_redirects)
             _add_request_options(client, settings.request_options)
+            if settings.addressing_style == "path" and not settings.path_style_by_default:
+                client.meta.events.register("before-parameter-build.s3", _refuse_virtual_only_buckets)
             _clients[key] = client
             logger.debug("Created S3 client (endpoint=%s, region=%s)", settings.endpoint_url, client.meta.region_name)
     return client
@@ -463,6 +475,32 @@ def _s3_config(settings: S3ClientSettings) -> dict[str, Any]:
     if settings.addressing_style:
         config["addressing_style"] = settings.addressing_style
     return config
+
+
+def _refuse_virtual_only_buckets(params: dict[str, Any], model: Any = None, **_: Any) -> None:
+    """With ``addressing_style="path"`` asked for explicitly: refuse the buckets S3 serves virtual-hosted only."""
+    bucket = params.get("Bucket")
+    if not isinstance(bucket, str):
+        return
+    try:
+        kind = _urls.bucket_kind(bucket, strict=False)
+    except ValueError:
+        return
+    if kind in _VIRTUAL_HOSTED_ONLY:
+        operation = getattr(model, "name", "S3 request")
+        raise ValueError(
+            f"{operation} on {_urls.build_s3_url(bucket, str(params.get('Key', '')), strict_bucket_names=False)}: "
+            f"a {_VIRTUAL_HOSTED_ONLY[kind]} is only reachable with virtual-hosted-style requests, but "
+            "S3ClientSettings(addressing_style='path') asks for path style. Leave addressing_style unset (path "
+            "style is then still used for other buckets on a custom endpoint) or set it to 'virtual' or 'auto'."
+        )
+
+
+_VIRTUAL_HOSTED_ONLY = {
+    "directory": "directory bucket (S3 Express One Zone)",
+    "access_point_arn": "bucket given as an access point ARN",
+    "outposts_access_point_arn": "bucket given as an S3 on Outposts access point ARN",
+}
 
 
 def _no_region_redirects(params: dict[str, Any], **_: Any) -> None:
@@ -983,23 +1021,39 @@ class S3Utils:
 
     @_class_or_instance
     def list_objects(self, s3_path: str | os.PathLike[str], *, include_sidecars: bool = False) -> list[S3ObjectInfo]:
-        """Every object under the "directory" `s3_path` (key + ``/``), all pages; the bucket root lists everything."""
+        """Every object under the "directory" `s3_path` (key + ``/``), all pages, sorted by key; the bucket root lists
+        everything. Directory buckets list in no particular order; sorting here keeps results the same everywhere."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, prefix = _urls.s3_dir_prefix(url)
-        return list(self._iter_objects(bucket, prefix, url, include_sidecars))
+        return sorted(self._iter_objects(bucket, prefix, url, include_sidecars), key=lambda info: info.key)
 
     @_class_or_instance
     def list_objects_with_key_prefix(self, s3_path: str | os.PathLike[str]) -> list[S3ObjectInfo]:
         """Every object whose key starts with the key of `s3_path` as a plain string (no ``/`` boundary added),
-        e.g. ``s3://b/ckpt/model--step=10-`` for all checkpoints of step 10."""
+        e.g. ``s3://b/ckpt/model--step=10-`` for all checkpoints of step 10, sorted by key.
+
+        S3 is asked for the enclosing "directory" (``ckpt/``) and the names are filtered here: directory buckets
+        refuse a listing prefix that does not end in ``/``.
+        """
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
-        return list(self._iter_objects(bucket, key, url, include_sidecars=False))
+        directory = key[: key.rfind("/") + 1]  # "" when the key has no "/": the bucket root
+        matches = (info for info in self._iter_objects(bucket, directory, url, False) if info.key.startswith(key))
+        return sorted(matches, key=lambda info: info.key)
 
-    def _iter_objects(self, bucket: str, prefix: str, url: str, include_sidecars: bool) -> Iterator[S3ObjectInfo]:
+    def _iter_objects(
+        self, bucket: str, prefix: str, url: str, include_sidecars: bool, page_size: int | None = None
+    ) -> Iterator[S3ObjectInfo]:
+        """The objects under `prefix` (``""`` or ending in ``/``) in listing order, page by page.
+
+        Only ``Contents`` are read: in-progress multipart uploads, which directory buckets report as
+        ``CommonPrefixes``, never count as objects. Pages may be empty yet truncated; the token is followed anyway.
+        """
+        if prefix and not prefix.endswith("/"):
+            raise ValueError(f"listing prefix {prefix!r} for {url} must be empty or end in '/' (directory buckets)")
         token: str | None = None
         while True:
-            kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": self.list_page_size}
+            kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": page_size or self.list_page_size}
             if token:
                 kwargs["ContinuationToken"] = token
             page = self.call("list_objects_v2", url, **kwargs)
@@ -1033,8 +1087,7 @@ class S3Utils:
                 self.call("head_bucket", url, Bucket=bucket)
                 return True
             _, prefix = _urls.s3_dir_prefix(url)
-            page = self.call("list_objects_v2", url, Bucket=bucket, Prefix=prefix, MaxKeys=1)
-            return bool(page.get("Contents"))
+            return next(self._iter_objects(bucket, prefix, url, include_sidecars=True, page_size=1), None) is not None
         except FileNotFoundError:
             return False
 

@@ -22,6 +22,8 @@ import s3_checkpoint_cli as cli
 from s3_utils import CHECKSUM_SIDECAR_SUFFIX, S3Utils
 
 REPO = Path(__file__).resolve().parent.parent
+BOTH_BUCKET_KINDS = pytest.mark.parametrize("bucket", ["general_purpose", "directory"], indirect=True)
+"""Run a test on a general purpose bucket and on a directory bucket behind the directory-bucket proxy."""
 HAVE_TQDM = importlib.util.find_spec("tqdm") is not None
 
 # name -> size; written through S3Utils so that checksums are recorded as in real use.
@@ -142,6 +144,7 @@ def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]
 # ---- ls -------------------------------------------------------------------------------------------------------------
 
 
+@BOTH_BUCKET_KINDS
 def test_ls_lists_checkpoints_with_step_size_time_and_kind(run_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "ls", run_url)
     assert code == 0, err
@@ -166,6 +169,7 @@ def test_ls_lists_checkpoints_with_step_size_time_and_kind(run_url: str, capsys:
     assert lines[-1].startswith("7 checkpoint(s), ")
 
 
+@BOTH_BUCKET_KINDS
 def test_ls_json_recursive_and_all(run_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "ls", "--json", run_url)
     assert code == 0, err
@@ -188,6 +192,7 @@ def test_ls_json_recursive_and_all(run_url: str, capsys: pytest.CaptureFixture[s
     assert not any("run_old" in e["url"] for e in json.loads(out))
 
 
+@BOTH_BUCKET_KINDS
 def test_ls_kinds_agree_with_resume_discovery(run_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     """What ``ls`` calls last/end is exactly what the connector may resume from (or stop at)."""
     import connector
@@ -225,6 +230,7 @@ def test_missing_bucket_exits_3(s3_server: Any, capsys: pytest.CaptureFixture[st
 # ---- verify ---------------------------------------------------------------------------------------------------------
 
 
+@BOTH_BUCKET_KINDS
 def test_verify_one_checkpoint_and_a_prefix(run_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "verify", f"{run_url}/demo-step=10.ckpt")
     assert code == 0, (out, err)
@@ -274,6 +280,7 @@ def test_verify_object_without_recorded_checksum(
 # ---- cp -------------------------------------------------------------------------------------------------------------
 
 
+@BOTH_BUCKET_KINDS
 def test_cp_upload_and_download_round_trip_with_progress_bar(
     bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -350,6 +357,7 @@ def test_cp_download_of_corrupted_bytes_exits_1_and_writes_nothing(
 # ---- rm -------------------------------------------------------------------------------------------------------------
 
 
+@BOTH_BUCKET_KINDS
 def test_rm_keep_last_dry_run_then_prune(
     run_url: str, bucket: str, s3_client: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -382,6 +390,7 @@ def test_rm_keep_last_dry_run_then_prune(
     assert remaining == protected | {"run/sub/demo-step=99.ckpt"}
 
 
+@BOTH_BUCKET_KINDS
 def test_rm_breaks_step_ties_by_modification_time(
     bucket: str, s3_client: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -15,6 +15,9 @@ import connector
 from s3_checkpoint_io import S3CheckpointIO
 from s3_utils import forget_s3fs_instances
 
+BOTH_BUCKET_KINDS = pytest.mark.parametrize("bucket", ["general_purpose", "directory"], indirect=True)
+"""Run a test on a general purpose bucket and on a directory bucket behind the directory-bucket proxy."""
+
 pytestmark = pytest.mark.lightning
 
 LAUNCHER_VARIABLES = (
@@ -84,6 +87,7 @@ def nemo_style_config(dirpath: str, **exp_manager) -> dict:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@BOTH_BUCKET_KINDS
 @pytest.mark.parametrize(
     ("family", "callback"),
     [
@@ -156,6 +160,7 @@ def test_existence_checks_ignore_a_stale_s3fs_listing_cache(s3_client, bucket: s
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@BOTH_BUCKET_KINDS
 @pytest.mark.parametrize("family", FAMILIES)
 def test_config_wiring_trains_then_resumes_and_keeps_top_k(family: str, s3_client, bucket: str) -> None:
     pl = lightning_family(family)
@@ -191,6 +196,7 @@ def test_config_wiring_trains_then_resumes_and_keeps_top_k(family: str, s3_clien
     ]
 
 
+@BOTH_BUCKET_KINDS
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ckpt_path_last_keeps_the_s3_url(family: str, s3_client, bucket: str) -> None:
     pl = lightning_family(family)
@@ -345,6 +351,7 @@ def test_rank_zero_failure_is_raised_on_every_rank() -> None:
         connector._on_rank_zero_then_broadcast(rank1, failing, "checking")
 
 
+@BOTH_BUCKET_KINDS
 @pytest.mark.parametrize("family", FAMILIES)
 def test_s3_traffic_goes_through_the_plugin_client_not_s3fs(
     family: str, bucket: str, s3_client, fault_proxy, monkeypatch: pytest.MonkeyPatch

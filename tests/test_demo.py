@@ -82,12 +82,14 @@ def test_demo_with_embedded_moto(capsys: pytest.CaptureFixture[str]) -> None:
     assert "IDENTICAL" in out
 
 
+@pytest.mark.parametrize("bucket", ["general_purpose", "directory"], indirect=True)
 def test_demo_with_dirpath_on_an_existing_server_leaves_checkpoints_the_cli_can_read(
     s3_server: Any, bucket: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     dirpath = f"s3://{bucket}/demo"
+    endpoint = os.environ["AWS_ENDPOINT_URL_S3"]  # the server, or the directory-bucket proxy in front of it
     code, out, err = run_demo(
-        capsys, "--dirpath", dirpath, "--endpoint-url", s3_server.endpoint_url, "--steps", "40", "--size-mb", "0.25"
+        capsys, "--dirpath", dirpath, "--endpoint-url", endpoint, "--steps", "40", "--size-mb", "0.25"
     )
     assert code == 0, out + err
     assert "server    started" not in out  # no embedded server
@@ -101,7 +103,7 @@ def test_demo_with_dirpath_on_an_existing_server_leaves_checkpoints_the_cli_can_
     assert cli.main(["verify", dirpath]) == 0
     assert capsys.readouterr().out.count("OK ") == 3
 
-    code, out, err = run_demo(capsys, "--dirpath", dirpath, "--endpoint-url", s3_server.endpoint_url)
+    code, out, err = run_demo(capsys, "--dirpath", dirpath, "--endpoint-url", endpoint)
     assert code == cli.EXIT_USAGE
     assert "already holds" in err
     assert out == ""
