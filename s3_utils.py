@@ -1182,8 +1182,10 @@ class S3Utils:
         max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY,
         *,
         progress: Callable[[int], None] | None = None,
-    ) -> None:
-        """Download and verify `s3_path` into `file_path`, which appears only once it is complete."""
+    ) -> RecordedChecksum | None:
+        """Download and verify `s3_path` into `file_path`, which appears only once it is complete; return the record
+        the bytes matched (`DownloadedObject.verified_against`; None: nothing was recorded, the size was checked).
+        `progress` as for `download_to_memory`."""
         directory = os.path.dirname(os.path.abspath(file_path))
         with self.download_to_memory(s3_path, chunk_size_MB, max_concurrency, progress=progress) as downloaded:
             fd, partial = tempfile.mkstemp(dir=directory, prefix=".s3ckpt-partial-")
@@ -1196,6 +1198,7 @@ class S3Utils:
                 if os.path.exists(partial):
                     os.unlink(partial)
                 raise
+            return downloaded.verified_against
 
 
 # --------------------------------------------------------------------------------------------------------------------
