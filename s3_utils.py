@@ -11,7 +11,8 @@
    become the exceptions Python code expects (FileNotFoundError; a note naming the URL and what to do).
 7. The ranged reader: parallel ranged GETs copied from the socket into a download (`_RangedDownload`).
 8. The streaming writer: `S3MultipartWriter`, a binary stream that uploads while it is written.
-9. s3fs caches: `invalidate_fsspec_cache` and `forget_s3fs_instances`, for code that also goes through fsspec.
+9. s3fs caches: `invalidate_fsspec_cache`, `forget_s3fs_instances` and `fresh_s3fs_instances`, for code that also
+   goes through fsspec.
 
 README.md lists what this fixes in NeMo's version.
 """
@@ -63,6 +64,7 @@ __all__ = [
     "S3ObjectInfo",
     "S3Utils",
     "forget_s3fs_instances",
+    "fresh_s3fs_instances",
     "get_s3_client",
     "import_optional_dependency",
     "invalidate_fsspec_cache",
@@ -1792,3 +1794,14 @@ def forget_s3fs_instances() -> None:
     s3fs = sys.modules.get("s3fs")
     if s3fs is not None:
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+@contextlib.contextmanager
+def fresh_s3fs_instances() -> Iterator[None]:
+    """`forget_s3fs_instances` on entry and on exit: what runs inside gets filesystems for the endpoint of the moment,
+    and none of them outlives it (e.g. a local server that is about to stop)."""
+    forget_s3fs_instances()
+    try:
+        yield
+    finally:
+        forget_s3fs_instances()

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from fault_proxy import Fault, FaultProxy, FaultRule
-from optional_imports import DEMO_OPTIONAL_MODULES, HIDE_PREAMBLE
+from optional_imports import DEMO_OPTIONAL_MODULES, HIDE_PREAMBLE, LIGHTNING_MODULES
 
 import s3_checkpoint_cli as cli
 from s3_utils import CHECKSUM_SIDECAR_SUFFIX, S3Utils
@@ -520,7 +520,7 @@ ALL_EXTRAS = DEMO_OPTIONAL_MODULES
         (ALL_EXTRAS, ["ls", "s3://bucket/run"], 'pip install "s3-checkpoint-io[s3]"'),
         (ALL_EXTRAS, ["verify", "s3://bucket/run/x.ckpt"], 'pip install "s3-checkpoint-io[s3]"'),
         (ALL_EXTRAS, ["demo"], "pip install torch"),
-        (("lightning", "pytorch_lightning", "lightning_fabric"), ["demo"], 'pip install "s3-checkpoint-io[lightning]"'),
+        (LIGHTNING_MODULES, ["demo"], 'pip install "s3-checkpoint-io[lightning]"'),
         (("moto",), ["demo"], "moto[server]"),
     ],
     ids=["ls", "verify", "demo-torch", "demo-lightning", "demo-moto"],
