@@ -410,7 +410,9 @@ def _download(s3: _s3.S3Utils, src: str, dst: str, progress: bool | None) -> int
     directory = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(directory):
         raise CliError(EXIT_NOT_FOUND, f"destination directory does not exist: {directory}")
-    started = time.perf_counter()  # the HEAD above gave the bar its total and the error its hint; nothing else
+    # The HEAD above sized the bar and let a missing object fail before anything was written; the download finds
+    # and checks the recorded checksum itself.
+    started = time.perf_counter()
     with _Progress(info.size, _urls.s3_url_name(src), progress) as bar:
         verified = s3.download_s3_file_to_path(src, dst, progress=bar.update)
     elapsed = time.perf_counter() - started
