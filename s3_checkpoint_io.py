@@ -103,8 +103,10 @@ class TransferRecord:
 
     `seconds` is the whole transfer (serialise and upload, or download, verify and ``torch.load``); `blocked_seconds`
     is how long the caller waited for it: the same for loads and sync saves, the snapshot and back-pressure for async
-    saves. `checksum` is the full-object checksum a save recorded with an S3 object, as ``"<ALGORITHM> <base64>"``
-    (e.g. ``"CRC32C 3Jz0Jg=="``); None for loads and local files.
+    saves. `checksum` is the full-object checksum of an S3 object as ``"<ALGORITHM> <base64>"`` (e.g.
+    ``"CRC32C 3Jz0Jg=="``): the one a save recorded, the one a load was verified against
+    (`DownloadedObject.verified_against`), so a load's record equals the record of the save it read; None for local
+    files and for objects with no recorded checksum (another tool wrote them: only their size was checked).
     """
 
     kind: str  # "save" or "load"
@@ -369,6 +371,7 @@ class S3CheckpointIO:
             return checkpoint
         with self.s3.download_to_memory(path, self.chunk_size_MB, self.max_read_concurrency) as downloaded:
             downloaded_s = time.perf_counter() - started
+            verified = downloaded.verified_against
             try:
                 # torch maps only its zip format; the legacy format (and anything else) is read without mmap
                 checkpoint = torch.load(downloaded.path, mmap=_is_torch_zip(downloaded), **load_kwargs)
@@ -384,7 +387,8 @@ class S3CheckpointIO:
         logger.info(
             "Loaded %s (%.1f MiB) in %.2f s (download %.2f s)", path, downloaded.size / _s3.MB, elapsed, downloaded_s
         )
-        self._record(TransferRecord("load", path, downloaded.size, elapsed, None, elapsed))
+        checksum = f"{verified.algorithm} {verified.value}" if verified else None
+        self._record(TransferRecord("load", path, downloaded.size, elapsed, checksum, elapsed))
         return checkpoint
 
     # ---- remove ---------------------------------------------------------------------------------------------------

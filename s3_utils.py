@@ -11,7 +11,8 @@
    become the exceptions Python code expects (FileNotFoundError; a note naming the URL and what to do).
 7. The ranged reader: parallel ranged GETs copied from the socket into a download (`_RangedDownload`).
 8. The streaming writer: `S3MultipartWriter`, a binary stream that uploads while it is written.
-9. s3fs caches: `invalidate_fsspec_cache` and `forget_s3fs_instances`, for code that also goes through fsspec.
+9. s3fs caches: `invalidate_fsspec_cache`, `forget_s3fs_instances` and `fresh_s3fs_instances`, for code that also
+   goes through fsspec.
 
 README.md lists what this fixes in NeMo's version.
 """
@@ -65,6 +66,7 @@ __all__ = [
     "S3RequestOptions",
     "S3Utils",
     "forget_s3fs_instances",
+    "fresh_s3fs_instances",
     "get_s3_client",
     "import_optional_dependency",
     "invalidate_fsspec_cache",
@@ -1380,8 +1382,10 @@ class S3Utils:
         max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY,
         *,
         progress: Callable[[int], None] | None = None,
-    ) -> None:
-        """Download and verify `s3_path` into `file_path`, which appears only once it is complete."""
+    ) -> RecordedChecksum | None:
+        """Download and verify `s3_path` into `file_path`, which appears only once it is complete; return the record
+        the bytes matched (`DownloadedObject.verified_against`; None: nothing was recorded, the size was checked).
+        `progress` as for `download_to_memory`."""
         directory = os.path.dirname(os.path.abspath(file_path))
         with self.download_to_memory(s3_path, chunk_size_MB, max_concurrency, progress=progress) as downloaded:
             fd, partial = tempfile.mkstemp(dir=directory, prefix=".s3ckpt-partial-")
@@ -1394,6 +1398,7 @@ class S3Utils:
                 if os.path.exists(partial):
                     os.unlink(partial)
                 raise
+            return downloaded.verified_against
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -2008,3 +2013,14 @@ def forget_s3fs_instances() -> None:
     s3fs = sys.modules.get("s3fs")
     if s3fs is not None:
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+@contextlib.contextmanager
+def fresh_s3fs_instances() -> Iterator[None]:
+    """`forget_s3fs_instances` on entry and on exit: what runs inside gets filesystems for the endpoint of the moment,
+    and none of them outlives it (e.g. a local server that is about to stop)."""
+    forget_s3fs_instances()
+    try:
+        yield
+    finally:
+        forget_s3fs_instances()

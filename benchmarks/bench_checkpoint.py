@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,27 +108,17 @@ def _package_default_chunk_mib() -> float:
     return s3_utils.DEFAULT_CHUNK_SIZE_MB
 
 
-def _weed_pid() -> int:
-    import psutil
-
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if child.name() == "weed":
-                return child.pid
-    raise RuntimeError("weed process not found among my children")
-
-
-def _wait_for_foreign_weed(servers: Any, timeout: float = 1800) -> None:
-    """Another weed (e.g. a test run that does not take the lock yet) holds the fixed ports: wait for it."""
-    deadline = time.monotonic() + timeout
-    announced = False
-    while any(servers.has_listener(p) for p in servers.WEED_FIXED_PORTS):
-        if time.monotonic() > deadline:
-            raise SystemExit("another SeaweedFS kept the fixed ports busy; giving up")
-        if not announced:
-            print("another weed is listening on the fixed ports; waiting for it to stop", flush=True)
-            announced = True
-        time.sleep(2)
+@contextlib.contextmanager
+def benchmark_seaweedfs(data_root: str) -> Iterator[tuple[Any, int]]:
+    """SeaweedFS for a benchmark run (`s3_local_servers.seaweedfs_server`, which waits its turn for the machine-wide
+    lock), and weed's PID, whose CPU time the workers measure; `data_root` is removed afterwards."""
+    servers = _local_servers()
+    print("starting SeaweedFS in", data_root, "(after any other SeaweedFS user releases the lock)", flush=True)
+    try:
+        with servers.seaweedfs_server(data_root, lock="wait") as endpoint:
+            yield endpoint, servers.weed_process(endpoint).proc.pid
+    finally:
+        shutil.rmtree(data_root, ignore_errors=True)
 
 
 def _empty_bucket(client: Any) -> None:
@@ -554,64 +545,55 @@ def main(argv: list[str] | None = None) -> int:
         if shm_free > need
         else tempfile.mkdtemp(prefix="s3ckpt-bench-")
     )
-    servers = _local_servers()
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     runs: list[dict[str, Any]] = []
     RESULTS.mkdir(exist_ok=True)
 
-    print(f"waiting for {servers.WEED_LOCK_PATH} ...", flush=True)
-    with servers.weed_lock("wait"):
-        print("lock held; starting SeaweedFS in", data_root, flush=True)
-        _wait_for_foreign_weed(servers)
-        try:
-            with servers.seaweedfs_server(data_root, lock="wait") as ep:  # re-entrant: the lock above
-                weed_pid = _weed_pid()
-                client = ep.client()
-                client.create_bucket(Bucket=BUCKET)
-                client.put_object(Bucket=BUCKET, Key="warmup", Body=os.urandom(8 * 1024**2))  # grow the first volumes
-                _empty_bucket(client)
-                env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-                env.update(ep.env())
-                env["PYTHONDONTWRITEBYTECODE"] = "1"
-                for size in sizes:
-                    for rep in range(args.reps):
-                        for gname, items in groups.items():
-                            key = f"ckpt/{gname.replace('@', '_').replace('=', '').replace(',', '_')}-{size}.ckpt"
-                            for label, method, params, kind, direction in items:
-                                spec = {
-                                    "method": method,
-                                    "size_mib": size,
-                                    "tensor_mib": args.tensor_mib,
-                                    "bucket": BUCKET,
-                                    "key": key,
-                                    "params": params,
-                                    "weed_pid": weed_pid,
-                                    "repo": str(REPO),
-                                }
-                                res = _run_worker(kind, spec, env, args.timeout)
-                                res.update(
-                                    scenario=label,
-                                    size_mib=size,
-                                    rep=rep,
-                                    direction=direction,
-                                    method=method,
-                                    params=params,
-                                )
-                                runs.append(res)
-                                if "error" in res:
-                                    print(f"[{size} MiB rep {rep}] {label}: ERROR {res['error']}", flush=True)
-                                else:
-                                    extra = f" blocked {res['blocked_s']:.3f}s" if "blocked_s" in res else ""
-                                    print(
-                                        f"[{size} MiB rep {rep}] {label}: {res['wall_s']:.2f}s {size / res['wall_s']:.0f} MiB/s "
-                                        f"cpu {res['client_cpu_s']:.1f}/{res['server_cpu_s']:.1f} peak+{res['peak_extra_mib']:.0f} MiB other-cpu {res['other_cpu_s']:.1f}{extra}",
-                                        flush=True,
-                                    )
-                                time.sleep(0.5)
-                            _empty_bucket(client)
-                            _vacuum()
-        finally:
-            shutil.rmtree(data_root, ignore_errors=True)
+    with benchmark_seaweedfs(data_root) as (ep, weed_pid):
+        client = ep.client()
+        client.create_bucket(Bucket=BUCKET)
+        client.put_object(Bucket=BUCKET, Key="warmup", Body=os.urandom(8 * 1024**2))  # grow the first volumes
+        _empty_bucket(client)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        env.update(ep.env())
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        for size in sizes:
+            for rep in range(args.reps):
+                for gname, items in groups.items():
+                    key = f"ckpt/{gname.replace('@', '_').replace('=', '').replace(',', '_')}-{size}.ckpt"
+                    for label, method, params, kind, direction in items:
+                        spec = {
+                            "method": method,
+                            "size_mib": size,
+                            "tensor_mib": args.tensor_mib,
+                            "bucket": BUCKET,
+                            "key": key,
+                            "params": params,
+                            "weed_pid": weed_pid,
+                            "repo": str(REPO),
+                        }
+                        res = _run_worker(kind, spec, env, args.timeout)
+                        res.update(
+                            scenario=label,
+                            size_mib=size,
+                            rep=rep,
+                            direction=direction,
+                            method=method,
+                            params=params,
+                        )
+                        runs.append(res)
+                        if "error" in res:
+                            print(f"[{size} MiB rep {rep}] {label}: ERROR {res['error']}", flush=True)
+                        else:
+                            extra = f" blocked {res['blocked_s']:.3f}s" if "blocked_s" in res else ""
+                            print(
+                                f"[{size} MiB rep {rep}] {label}: {res['wall_s']:.2f}s {size / res['wall_s']:.0f} MiB/s "
+                                f"cpu {res['client_cpu_s']:.1f}/{res['server_cpu_s']:.1f} peak+{res['peak_extra_mib']:.0f} MiB other-cpu {res['other_cpu_s']:.1f}{extra}",
+                                flush=True,
+                            )
+                        time.sleep(0.5)
+                    _empty_bucket(client)
+                    _vacuum()
 
     doc = {
         "timestamp": stamp,

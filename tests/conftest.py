@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -21,6 +20,8 @@ from typing import Any
 import pytest
 from fault_proxy import FaultProxy
 from s3_servers import S3Endpoint, S3ServerUnavailableError, ServerNotInstalledError, start_moto, start_seaweedfs
+
+from s3_utils import fresh_s3fs_instances
 
 KNOWN_BACKENDS = ("moto", "seaweedfs", "external")
 
@@ -94,17 +95,8 @@ def s3_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
                 pytest.skip(f"{backend} unavailable: {exc}")
             for key, value in endpoint.env().items():
                 mp.setenv(key, value)
-            _forget_s3fs_filesystems()  # s3fs keeps one instance per process, bound to the endpoint it first saw
-            try:
+            with fresh_s3fs_instances():  # s3fs keeps one instance per process, bound to the endpoint it first saw
                 yield endpoint
-            finally:
-                _forget_s3fs_filesystems()
-
-
-def _forget_s3fs_filesystems() -> None:
-    s3fs = sys.modules.get("s3fs")
-    if s3fs is not None:
-        s3fs.S3FileSystem.clear_instance_cache()
 
 
 @pytest.fixture

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from tiny_lightning import FAMILIES, lightning_family, tiny_module_class, tiny_trainer
+from tiny_lightning import FAMILIES, TOP_K_CHECKPOINT, lightning_family, tiny_module_class, tiny_trainer
 
 import connector
 from s3_checkpoint_io import S3CheckpointIO
-from s3_utils import forget_s3fs_instances
+from s3_utils import fresh_s3fs_instances
 
 BOTH_BUCKET_KINDS = pytest.mark.parametrize("bucket", ["general_purpose", "directory"], indirect=True)
 """Run a test on a general purpose bucket and on a directory bucket behind the directory-bucket proxy."""
@@ -43,9 +43,8 @@ def _fresh_s3fs() -> Iterator[None]:
     """s3fs keeps one filesystem per constructor arguments for the whole process, with the endpoint it read from the
     environment when it was made: drop them so each test (and backend) gets one for its own server."""
     pytest.importorskip("s3fs")
-    forget_s3fs_instances()
-    yield
-    forget_s3fs_instances()
+    with fresh_s3fs_instances():
+        yield
 
 
 def make_module(pl):
@@ -68,13 +67,9 @@ def nemo_style_config(dirpath: str, **exp_manager) -> dict:
         },
         "exp_manager": {
             "checkpoint_callback_params": {
+                **TOP_K_CHECKPOINT,
                 "dirpath": dirpath,
                 "filename": "tiny--{step}",
-                "monitor": "gstep",
-                "mode": "max",
-                "save_top_k": 2,
-                "save_last": True,
-                "every_n_train_steps": 2,
                 "save_nemo_on_train_end": False,  # NeMoModelCheckpoint-only: ignored with a warning
             },
             **exp_manager,
@@ -105,15 +100,7 @@ def test_second_fit_into_the_same_dirpath_writes_v1_names(family: str, callback:
     )
 
     def fit() -> None:
-        callback = callback_class(
-            dirpath=dirpath,
-            filename="tiny-{step}",
-            monitor="gstep",
-            mode="max",
-            save_top_k=2,
-            save_last=True,
-            every_n_train_steps=2,
-        )
+        callback = callback_class(dirpath=dirpath, **TOP_K_CHECKPOINT)
         trainer = tiny_trainer(pl, 4, plugins=[S3CheckpointIO(dirpath, chunk_size_MB=5)], callbacks=[callback])
         trainer.fit(make_module(pl))
 
@@ -142,10 +129,7 @@ def test_existence_checks_ignore_a_stale_s3fs_listing_cache(s3_client, bucket: s
     assert not filesystem.exists(f"{dirpath}/last.ckpt"), "precondition: the s3fs cache is stale"
     before = objects(s3_client, bucket)
 
-    callback = connector.S3ModelCheckpoint(
-        dirpath=dirpath, filename="tiny-{step}", monitor="gstep", mode="max", save_top_k=2, save_last=True,
-        every_n_train_steps=2,
-    )  # fmt: skip
+    callback = connector.S3ModelCheckpoint(dirpath=dirpath, **TOP_K_CHECKPOINT)
     trainer = tiny_trainer(pl, 4, plugins=[S3CheckpointIO(dirpath, chunk_size_MB=5)], callbacks=[callback])
     trainer.fit(make_module(pl))
 

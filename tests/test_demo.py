@@ -167,6 +167,8 @@ def test_server_processes_are_stopped_by_pid_with_escalation(ignore_sigterm: boo
 
 @contextlib.contextmanager
 def weed_lock_held() -> Iterator[None]:
+    """Hold the SeaweedFS lock as another process would: on a descriptor of its own, not through
+    `s3_local_servers.weed_lock`, which is re-entrant within a process (the demo here would then not see it held)."""
     fd = os.open(servers.WEED_LOCK_PATH, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         try:
