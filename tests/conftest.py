@@ -21,7 +21,7 @@ import pytest
 from fault_proxy import FaultProxy
 from s3_servers import S3Endpoint, S3ServerUnavailableError, ServerNotInstalledError, start_moto, start_seaweedfs
 
-from s3_utils import fresh_s3fs_instances
+from s3_utils import forget_s3fs_instances, fresh_s3fs_instances
 
 KNOWN_BACKENDS = ("moto", "seaweedfs", "external")
 
@@ -142,7 +142,7 @@ def bucket(s3_server: S3Endpoint, request: pytest.FixtureRequest) -> Iterator[st
     if _bucket_kind(request) == "directory":
         proxy = request.getfixturevalue("directory_bucket_proxy")
         request.getfixturevalue("monkeypatch").setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint_url)
-        _forget_s3fs_filesystems()
+        forget_s3fs_instances()
         client = s3_server.client(endpoint_url=proxy.endpoint_url)
         name += DIRECTORY_ZONE_SUFFIX
     client.create_bucket(Bucket=name)
