@@ -589,6 +589,8 @@ class BroadcastResumeConnectorMixin:
     * ``resume_start``: rank 0 loads what Lightning selected on rank 0; every other rank loads rank 0's choice,
       received by broadcast, whatever Lightning passed in there (None when only rank 0 ran discovery). NeMo's version
       ignored its argument on every rank, so ``fit(ckpt_path=...)`` was dropped when ``trainer.ckpt_path`` was unset.
+      The load is collective (`s3_checkpoint_io.collective_resume`): one download per node by default, see the
+      plugin's ``load_sharing``.
     * ``ckpt_path="last"`` with an ``s3://`` checkpoint directory: resolved on global rank 0 only (the other ranks
       would each list the bucket), from one listing per `S3ModelCheckpoint` (newest modification time, Lightning's
       rule); the answer reaches the other ranks through ``resume_start``. If some candidate lives elsewhere (a local
@@ -606,7 +608,8 @@ class BroadcastResumeConnectorMixin:
         elif chosen:
             logger.info("Rank %d: resuming from checkpoint %s", rank, chosen)
         started = time.perf_counter()
-        super().resume_start(chosen, *args, **kwargs)  # type: ignore[misc]
+        with _ckpt_io.collective_resume(trainer):  # every rank loads `chosen` now: one download per node or job
+            super().resume_start(chosen, *args, **kwargs)  # type: ignore[misc]
         if chosen:
             logger.info("Rank %d: loaded %s in %.2f s", rank, chosen, time.perf_counter() - started)
 
@@ -935,7 +938,7 @@ def install_checkpoint_connector(trainer: Any) -> Any:
 # One-call wiring from a NeMo-style config
 # --------------------------------------------------------------------------------------------------------------------
 
-# `s3_checkpointing:` keys (NeMo's megatron_gpt_config.yaml) -> S3CheckpointIO arguments; the last three are ours.
+# `s3_checkpointing:` keys (NeMo's megatron_gpt_config.yaml) -> S3CheckpointIO arguments; the last four are ours.
 _S3_KEYS = {
     "max_write_concurrency": "max_write_concurrency",
     "max_read_concurrency": "max_read_concurrency",
@@ -944,6 +947,7 @@ _S3_KEYS = {
     "max_saves_in_flight": "max_saves_in_flight",
     "endpoint_url": "endpoint_url",
     "region_name": "region_name",
+    "load_sharing": "load_sharing",
 }
 # NeMoModelCheckpoint-only keys of checkpoint_callback_params: accepted, logged, not used.
 _NEMO_ONLY_CALLBACK_KEYS = frozenset(
@@ -1004,6 +1008,7 @@ def build_s3_checkpointing(
     are ``ModelCheckpoint`` arguments) and NeMo's ``resume_*`` keys. ``cfg`` may also be the ``exp_manager`` node
     itself with ``s3_checkpointing`` inside it. As in NeMo, a ``filename`` makes the last checkpoint
     ``{filename}-last``. NeMoModelCheckpoint-only keys (``save_nemo_on_train_end``...) are ignored with a warning.
+    ``s3_checkpointing.load_sharing`` (``"node"``, ``"job"`` or ``"rank"``) says who downloads on a resume.
     """
     top = _plain(cfg, "cfg")
     exp = _plain(top["exp_manager"], "exp_manager") if "exp_manager" in top else top

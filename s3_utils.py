@@ -456,9 +456,13 @@ class DownloadedObject:
     loading needs no second copy of the checkpoint. Close it when done (the mapping torch made stays valid).
     """
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, fd: int | None = None) -> None:
+        """`fd`: an open, writable file to download into instead of a fresh ``memfd`` (e.g. a node-shared file in
+        ``/dev/shm``); it is resized to `size` and owned (closed) by this object from now on."""
         self.size = size
-        if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
+        if fd is not None:
+            self._fd, self.path = fd, f"/proc/self/fd/{fd}"
+        elif hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
             self._fd = os.memfd_create("s3-checkpoint", getattr(os, "MFD_CLOEXEC", 0))
             self.path = f"/proc/self/fd/{self._fd}"
         else:  # pragma: no cover - non-Linux fallback
@@ -871,18 +875,25 @@ class S3Utils:
         *,
         verify: bool = True,
         progress: Callable[[int], None] | None = None,
+        into_fd: int | None = None,
     ) -> DownloadedObject:
         """Download with parallel ranged GETs into a `DownloadedObject` and verify the recorded checksum.
 
         Every range is read with ``If-Match`` on the ETag seen first, so an object replaced during the download fails
         instead of mixing two versions. Raises FileNotFoundError if there is no object, ChecksumMismatchError if the
         bytes do not match what was recorded at upload. `progress`, if given, is called with the byte count of each
-        range once it has arrived (from worker threads).
+        range once it has arrived (from worker threads). `into_fd`: download into this open file (see
+        `DownloadedObject`) rather than a new in-memory one; it is closed with the result, or on failure.
         """
         url = _urls.normalize_s3_url(s3_path)
-        info = self.head_object(url)
-        expected = self._expected_checksum(info) if verify else None
-        target = DownloadedObject(info.size)
+        try:
+            info = self.head_object(url)
+            expected = self._expected_checksum(info) if verify else None
+        except BaseException:
+            if into_fd is not None:
+                os.close(into_fd)
+            raise
+        target = DownloadedObject(info.size, fd=into_fd)
         try:
             part_size = max(int(chunk_size_MB * MB), MIN_PART_SIZE)
             algorithm = expected.algorithm if expected else None
