@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import math
+import mmap
 import os
 import pickle
 import secrets
@@ -886,22 +887,18 @@ class _SharedLoad:
         return message[0]
 
     def _broadcast_bytes(self, group: Any, size: int) -> None:
-        """Send (rank 0) or receive (the other nodes' downloaders) the data file in bounded broadcasts."""
+        """Send (rank 0) or receive (the other nodes' downloaders) the data file in bounded broadcasts, straight
+        from and into the file's pages through a mapping of one chunk at a time (no staging copy)."""
         torch = _torch()
-        staging = bytearray(min(_BROADCAST_CHUNK_BYTES, max(size, 1)))
-        view = memoryview(staging)
-        tensor = torch.frombuffer(staging, dtype=torch.uint8)
-        for offset in range(0, size, len(staging)):
-            length = min(len(staging), size - offset)
-            if self.rank == 0:
-                filled = 0
-                while filled < length:
-                    filled += os.preadv(self.files.data_fd, [view[filled:length]], offset + filled)
-            self.dist.broadcast(tensor[:length], src=0, group=group)
-            if self.rank != 0:
-                written = 0
-                while written < length:
-                    written += os.pwrite(self.files.data_fd, view[written:length], offset + written)
+        for offset in range(0, size, _BROADCAST_CHUNK_BYTES):
+            length = min(_BROADCAST_CHUNK_BYTES, size - offset)
+            window = mmap.mmap(self.files.data_fd, length, offset=offset)
+            try:
+                chunk = torch.frombuffer(window, dtype=torch.uint8)
+                self.dist.broadcast(chunk, src=0, group=group)
+                del chunk
+            finally:
+                window.close()
 
     def _receive(self, group: Any) -> None:
         try:
