@@ -6,7 +6,8 @@ MASTER_PORT): GROUP_RANK is the "node", so 2 nodes x 2 local ranks run on one ma
 ``rank/<N>`` in its User-Agent, so the fault proxy can attribute it.
 
 Modes (``--mode``):
-  load     init gloo, then ``with io.collective_load(): io.load_checkpoint(url)`` (the explicit collective call)
+  load     init gloo, then ``with io.collective_load(): io.load_checkpoint(url)`` (the explicit collective call),
+           once per ``--scenarios`` entry
   trainer  a Lightning DDP Trainer resumes from ``--url`` through the connector (``configure_s3_checkpointing``)
   nemo     NeMo's load: download_fileobj into a BytesIO, then torch.load from it (no sharing); benchmark only
   save     one process trains ``--max-steps`` and saves a Lightning checkpoint with a ``--payload-mib`` tensor
@@ -69,55 +70,69 @@ def count_gets(client: Any, counters: dict[str, int]) -> None:
     client.meta.events.register("after-call.s3.GetObject", after_call)
 
 
-def make_io(args: argparse.Namespace, rank: int) -> Any:
+def make_io(args: argparse.Namespace, rank: int, sharing: str, endpoint_url: str | None = None) -> Any:
     from s3_checkpoint_io import S3CheckpointIO
-    from s3_utils import RetryPolicy, S3ClientSettings
+    from s3_utils import RetryPolicy, S3ClientSettings, S3Utils
 
-    settings = S3ClientSettings(
-        user_agent_extra=f"rank/{rank}", read_timeout_s=args.read_timeout, connect_timeout_s=2, max_pool_connections=8
-    )
-    policy = RetryPolicy(max_attempts=args.attempts, max_elapsed_s=args.retry_s, initial_backoff_s=0.2)
+    key = endpoint_url
+    if key not in _S3_UTILS:  # one client per endpoint: building one costs a second of CPU
+        settings = S3ClientSettings(
+            endpoint_url=endpoint_url,
+            user_agent_extra=f"rank/{rank}",
+            read_timeout_s=args.read_timeout,
+            connect_timeout_s=2,
+            max_pool_connections=8,
+        )
+        policy = RetryPolicy(max_attempts=args.attempts, max_elapsed_s=args.retry_s, initial_backoff_s=0.2)
+        _S3_UTILS[key] = S3Utils(settings, policy)
     return S3CheckpointIO(
-        chunk_size_MB=args.chunk,
-        max_read_concurrency=args.concurrency,
-        load_sharing=args.sharing,
-        client_settings=settings,
-        retry_policy=policy,
+        chunk_size_MB=args.chunk, max_read_concurrency=args.concurrency, load_sharing=sharing, s3_utils=_S3_UTILS[key]
     )
+
+
+_S3_UTILS: dict[str | None, Any] = {}
 
 
 def run_load(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> None:
+    """Each scenario of ``--scenarios`` (a JSON list of ``{"name", "sharing"[, "url"][, "endpoint"][, "solo_rank"]}``)
+    in turn, in one process group: the ranks that fail report why and go on to the next scenario."""
     import torch.distributed as dist
 
-    io = make_io(args, rank)
+    scenarios = json.loads(args.scenarios) if args.scenarios else [{"name": "load", "sharing": args.sharing}]
     counters = {"gets": 0, "bytes": 0}
-    count_gets(io.s3.client, counters)  # also builds the client now, so its memory is not counted as the load's
+    count_gets(make_io(args, rank, "rank").s3.client, counters)  # built now: its memory is not the load's
     dist.init_process_group("gloo")
-    dist.barrier()
-    report["pss_before"] = pss()
-    report["started"] = time.time()
-    started = time.perf_counter()
-    checkpoint = None
-    try:
-        if args.solo_rank is None:
-            with io.collective_load():
-                checkpoint = io.load_checkpoint(args.url, weights_only=False)
-        elif rank == args.solo_rank:  # a load on one rank alone, e.g. from a callback: must not wait for others
-            checkpoint = io.load_checkpoint(args.url, weights_only=False)
-    except Exception as exc:
-        notes = getattr(exc, "__notes__", [])
-        message = " ".join([str(exc), *notes])
-        report["error"] = {"type": type(exc).__name__, "message": message, "trace": traceback.format_exc()}
-    report["load_s"] = time.perf_counter() - started
-    report["loaded_at"] = time.time()
-    if checkpoint is not None:
-        report["fingerprint"] = fingerprint(checkpoint)  # reads every page
-        report["pss_during"] = pss()
-    report.update(counters)
-    Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
-    if "error" in report:
-        return  # its peers may be gone or failed too: no more collectives
-    dist.barrier()  # the others' PSS is read while this rank still holds the state
+    report["scenarios"] = {}
+    for scenario in scenarios:
+        io = make_io(args, rank, scenario["sharing"], scenario.get("endpoint"))
+        url = scenario.get("url", args.url)
+        solo_rank = scenario.get("solo_rank")
+        outcome: dict[str, Any] = {}
+        dist.barrier()
+        counters.update(gets=0, bytes=0)
+        outcome["pss_before"] = pss()
+        outcome["started"] = time.time()
+        started = time.perf_counter()
+        checkpoint = None
+        try:
+            if solo_rank is None:
+                with io.collective_load():
+                    checkpoint = io.load_checkpoint(url, weights_only=False)
+            elif rank == solo_rank:  # a load on one rank alone, e.g. from a callback: must not wait for others
+                checkpoint = io.load_checkpoint(url, weights_only=False)
+        except Exception as exc:
+            message = " ".join([str(exc), *getattr(exc, "__notes__", [])])
+            outcome["error"] = {"type": type(exc).__name__, "message": message, "trace": traceback.format_exc()}
+        outcome["load_s"] = time.perf_counter() - started
+        outcome["loaded_at"] = time.time()
+        if checkpoint is not None:
+            outcome["fingerprint"] = fingerprint(checkpoint)  # reads every page
+            outcome["pss_during"] = pss()
+        outcome.update(counters)
+        report["scenarios"][scenario["name"]] = outcome
+        Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
+        dist.barrier()  # the others' PSS is read while this rank still holds the state
+        del checkpoint
     dist.destroy_process_group()
 
 
@@ -259,7 +274,7 @@ def main() -> None:
     parser.add_argument("--read-timeout", type=float, default=20.0)
     parser.add_argument("--max-steps", type=int, default=1)
     parser.add_argument("--payload-mib", type=float, default=64)
-    parser.add_argument("--solo-rank", type=int, help="load mode: only this rank loads, outside collective_load")
+    parser.add_argument("--scenarios", help="load mode: JSON list of loads to make in turn (see run_load)")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     report: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "node": int(os.environ["GROUP_RANK"])}

@@ -168,8 +168,9 @@ def test_trainer_resume_downloads_once_per_node_or_job(
 # --------------------------------------------------------------------------------------------------------------------
 
 SMALL_KEY = "faults/ckpt.ckpt"
+RETRY_S = 3.0
 FAULT_BOUND_S = 20.0
-"""How much longer than the retry budget (``--retry-s``) a rank may take to raise: process group set-up, polling."""
+"""How much longer than the retry budget a rank may take to raise: process group set-up, polling."""
 
 
 @pytest.fixture
@@ -181,57 +182,93 @@ def small_checkpoint(s3_server: S3Endpoint, bucket: str) -> tuple[str, dict]:
     return url, state
 
 
-def load_args(sharing: str, *extra: str) -> tuple[str, ...]:
-    return ("--sharing", sharing, "--chunk", "5", "--retry-s", "3", "--attempts", "4", *extra)
+def load_args(scenarios: list[dict]) -> tuple[str, ...]:
+    return ("--chunk", "5", "--retry-s", str(RETRY_S), "--attempts", "4", "--scenarios", json.dumps(scenarios))
 
 
-def reports_of(out: Path) -> list[dict]:
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+def scenario_reports(out: Path, name: str) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text())["scenarios"][name] for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("fault", ["403-node", "403-job", "dead-server-node"])
-def test_downloader_failure_reaches_every_rank(
-    s3_server: S3Endpoint, small_checkpoint: tuple[str, dict], fault_proxy: FaultProxy, tmp_path: Path, fault: str
+def save_copy(state: dict, bucket: str, name: str) -> str:
+    """The small checkpoint saved again under `name`, so each scenario has its own key (a server-side copy would
+    not match the checksum record of the original)."""
+    url = f"s3://{bucket}/faults/{name}.ckpt"
+    S3CheckpointIO(chunk_size_MB=5).save_checkpoint(state, url)
+    return url
+
+
+def test_explicit_collective_loads_and_downloader_failures(
+    s3_server: S3Endpoint,
+    bucket: str,
+    small_checkpoint: tuple[str, dict],
+    fault_proxy: FaultProxy,
+    tmp_path: Path,
 ) -> None:
-    """Every rank raises, within the retry budget plus a bound, naming the URL and the cause; nothing is left in
-    /dev/shm. The node case also finds a stale file of a dead job, which the downloader removes."""
-    url, _ = small_checkpoint
-    kind, sharing = fault.rsplit("-", 1)
-    endpoint = fault_proxy.endpoint_url
-    if kind == "403":
-        fault_proxy.add_rule(FaultRule(Fault.status(403), path_regex=re.escape(SMALL_KEY) + "$"))
-    else:
-        endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    """One job of 4 ranks (2 nodes x 2) makes these loads in turn:
+
+    * a persistent 403 on the object, node and job mode, and a dead server (node mode): every rank raises within
+      the retry budget plus a bound, naming the URL and the cause; only the downloaders asked S3;
+    * a load on one rank alone (outside a collective call): it downloads on that rank, nobody waits;
+    * good node and job mode loads: every rank holds the checkpoint, downloaded by ranks 0 and 2 (node) or 0 (job).
+
+    Nothing is left in /dev/shm, and a stale file of a dead job is removed by the first node-mode load.
+    """
+    url, state = small_checkpoint
+    urls = {name: save_copy(state, bucket, name) for name in ("denied", "solo", "node", "job")}
+    fault_proxy.add_rule(FaultRule(Fault.status(403), path_regex=r"/faults/denied\.ckpt$"))
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    scenarios = [
+        {"name": "403-node", "sharing": "node", "url": urls["denied"]},
+        {"name": "403-job", "sharing": "job", "url": urls["denied"]},
+        {"name": "dead-server-node", "sharing": "node", "endpoint": dead},
+        {"name": "solo", "sharing": "node", "url": urls["solo"], "solo_rank": 3},
+        {"name": "node", "sharing": "node", "url": urls["node"]},
+        {"name": "job", "sharing": "job", "url": urls["job"]},
+    ]
     stale = os.path.join(s3_checkpoint_io.SHARED_FILE_DIR, f"s3ckpt-load-deadjob-{os.getpid()}-node0-x.data")
-    fd = os.open(stale, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.close(fd)
+    os.close(os.open(stale, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
     before = shared_files()
     try:
-        codes = wait_ranks(start_ranks(s3_server, endpoint, "load", url, tmp_path, *load_args(sharing)), 120)
-        assert codes == [0] * WORLD, logs(tmp_path)
-        reports = reports_of(tmp_path)
-        for report in reports:
-            error = report.get("error")
-            assert error, f"rank {report['rank']} loaded despite the fault"
-            assert url in error["message"], error
-            assert report["load_s"] < 3 + FAULT_BOUND_S, (report["rank"], report["load_s"])
-            cause = "(403)" if kind == "403" else "Could not connect"
-            assert cause in error["message"] or cause in error["trace"], error
-        waiters = [r for r in reports if r["rank"] not in ({0, 2} if sharing == "node" else {0})]
-        assert all(r["error"]["type"] == "SharedLoadError" for r in waiters), [r["error"] for r in waiters]
-        if kind == "403":
-            gets = gets_by_rank(fault_proxy, SMALL_KEY)
-            heads = Counter(re.search(r"rank/(\d+)", r.user_agent).group(1) for r in fault_proxy.requests)
-            assert not gets and set(heads) <= {"0", "2"}, (gets, heads)  # only the downloaders asked S3
-        outcomes = [f"rank {r['rank']} {r['load_s']:.1f} s: {r['error']['message']}" for r in reports]
-        print(f"\n{fault}: " + "; ".join(outcomes))
-        assert shared_files() <= before, shared_files() - before
-        if sharing == "node":
-            assert not os.path.exists(stale), "the stale file of a dead job was not cleaned"
+        procs = start_ranks(s3_server, fault_proxy.endpoint_url, "load", url, tmp_path, *load_args(scenarios))
+        assert wait_ranks(procs, 180) == [0] * WORLD, logs(tmp_path)
+        assert not os.path.exists(stale), "the stale file of a dead job was not removed"
     finally:
         if os.path.exists(stale):
             os.unlink(stale)
+    assert shared_files() <= before, shared_files() - before
+
+    for name, failing_url, cause, downloaders in (
+        ("403-node", urls["denied"], "(403)", {0, 2}),
+        ("403-job", urls["denied"], "(403)", {0}),
+        ("dead-server-node", url, "Could not connect", {0, 2}),
+    ):
+        reports = scenario_reports(tmp_path, name)
+        print(f"\n{name}: " + "; ".join(f"rank {r}: {o['load_s']:.2f} s" for r, o in enumerate(reports)))
+        print(f"  a waiting rank's error: {reports[1]['error']['message']}")
+        for rank, outcome in enumerate(reports):
+            error = outcome.get("error")
+            assert error, f"{name}: rank {rank} loaded despite the fault"
+            assert failing_url in error["message"] and cause in error["trace"], (name, rank, error)
+            assert outcome["load_s"] < RETRY_S + FAULT_BOUND_S, (name, rank, outcome["load_s"])
+            if rank not in downloaders:
+                assert error["type"] == "SharedLoadError", (name, rank, error)
+    denied = [r for r in fault_proxy.requests if "/faults/denied.ckpt" in r.path]
+    assert denied and {re.search(r"rank/(\d+)", r.user_agent).group(1) for r in denied} == {"0", "2"}
+
+    solo = scenario_reports(tmp_path, "solo")
+    assert solo[3]["fingerprint"]["/step"] == 7.0 and "error" not in solo[3]
+    assert all("fingerprint" not in solo[r] for r in range(3))
+    assert dict(gets_by_rank(fault_proxy, "faults/solo.ckpt")) == {3: 4}
+
+    expected = {"/w": float(state["w"].double().sum()), "/step": 7.0}
+    for name, downloaders in (("node", {0: 4, 2: 4}), ("job", {0: 4})):
+        for rank, outcome in enumerate(scenario_reports(tmp_path, name)):
+            assert "error" not in outcome, (name, rank, outcome["error"])
+            assert outcome["fingerprint"]["/step"] == 7.0
+            assert outcome["fingerprint"]["/w"] == pytest.approx(expected["/w"], rel=1e-9)
+        assert dict(gets_by_rank(fault_proxy, f"faults/{name}.ckpt")) == downloaders
 
 
 def test_killed_downloader_fails_its_node_cleanly(
@@ -243,7 +280,8 @@ def test_killed_downloader_fails_its_node_cleanly(
     stall = FaultRule(Fault.stall(60), method="GET", path_regex=re.escape(SMALL_KEY) + "$", user_agent="rank/0")
     fault_proxy.add_rule(stall)
     before = shared_files()
-    procs = start_ranks(s3_server, fault_proxy.endpoint_url, "load", url, tmp_path, *load_args("node"))
+    args = load_args([{"name": "node", "sharing": "node"}])
+    procs = start_ranks(s3_server, fault_proxy.endpoint_url, "load", url, tmp_path, *args)
     try:
         deadline = time.monotonic() + 120
         while not gets_by_rank(fault_proxy, SMALL_KEY)[0]:
@@ -251,39 +289,25 @@ def test_killed_downloader_fails_its_node_cleanly(
             time.sleep(0.05)
         procs[0].kill()
         killed = time.monotonic()
-        assert procs[1].wait(timeout=30) == 0, logs(tmp_path, [1])
-        waited_s = time.monotonic() - killed
-        for rank in (2, 3):
+        for rank in (1, 2, 3):
             deadline = time.monotonic() + 60
             while not (tmp_path / f"rank{rank}.json").exists():
                 assert time.monotonic() < deadline, logs(tmp_path, [rank])
-                time.sleep(0.1)
+                time.sleep(0.05)
+            if rank == 1:
+                waited_s = time.monotonic() - killed
     finally:
-        wait_ranks(procs, 0.1)
-    waiter = json.loads((tmp_path / "rank1.json").read_text())
+        wait_ranks(procs, 0.1)  # the survivors wait for the dead rank in the job's next barrier: stop them
+    waiter = json.loads((tmp_path / "rank1.json").read_text())["scenarios"]["node"]
     assert waiter["error"]["type"] == "SharedLoadError" and "exited before finishing" in waiter["error"]["message"]
     assert url in waiter["error"]["message"]
     assert waited_s < 10, waited_s
-    expected = {"/w": float(state["w"].double().sum()), "/step": 7.0}
     for rank in (2, 3):
-        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert "error" not in report, report
-        assert report["fingerprint"].keys() == expected.keys() and report["fingerprint"]["/step"] == 7.0
+        outcome = json.loads((tmp_path / f"rank{rank}.json").read_text())["scenarios"]["node"]
+        assert "error" not in outcome, outcome
+        assert outcome["fingerprint"]["/w"] == pytest.approx(float(state["w"].double().sum()), rel=1e-9)
     print(f"\nkilled downloader: its node's other rank raised {waited_s:.2f} s later: {waiter['error']['message']}")
     assert shared_files() <= before, shared_files() - before
-
-
-def test_load_on_one_rank_alone_does_not_wait(
-    s3_server: S3Endpoint, small_checkpoint: tuple[str, dict], fault_proxy: FaultProxy, tmp_path: Path
-) -> None:
-    """Outside a collective call, a load on one rank (here a non-downloader) downloads on that rank alone."""
-    url, _ = small_checkpoint
-    args = load_args("node", "--solo-rank", "3")
-    codes = wait_ranks(start_ranks(s3_server, fault_proxy.endpoint_url, "load", url, tmp_path, *args), 120)
-    assert codes == [0] * WORLD, logs(tmp_path)
-    solo = reports_of(tmp_path)[3]
-    assert "error" not in solo and solo["fingerprint"]["/step"] == 7.0
-    assert dict(gets_by_rank(fault_proxy, SMALL_KEY)) == {3: 4}
 
 
 # --------------------------------------------------------------------------------------------------------------------
