@@ -127,6 +127,8 @@ def run_load(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> Non
         outcome["loaded_at"] = time.time()
         if checkpoint is not None:
             outcome["fingerprint"] = fingerprint(checkpoint)  # reads every page
+        if solo_rank is None and "error" not in outcome:
+            dist.barrier()  # PSS splits shared pages among the processes mapping them: read it once all have
             outcome["pss_during"] = pss()
         outcome.update(counters)
         report["scenarios"][scenario["name"]] = outcome
@@ -191,6 +193,7 @@ def run_trainer(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> 
         def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
             report["loaded_at"] = time.time()
             report["payload_sha256"] = hashlib.sha256(checkpoint["payload"].numpy()).hexdigest()  # reads every page
+            self.trainer.strategy.barrier()  # PSS splits shared pages among the processes mapping them: all have now
             report["pss_during"] = pss()  # Lightning holds the whole loaded checkpoint here
 
     config = {

@@ -70,21 +70,32 @@ def start_ranks(
 
 
 def wait_ranks(procs: list[subprocess.Popen[bytes]], timeout: float = JOB_TIMEOUT_S) -> list[int | None]:
-    """Exit codes (None: killed here after `timeout`)."""
+    """Exit codes (None: killed here after `timeout`, or a few seconds after another rank crashed)."""
     deadline = time.monotonic() + timeout
-    codes: list[int | None] = []
     try:
-        for proc in procs:
-            try:
-                codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
+        while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
+            if any(proc.poll() not in (None, 0) for proc in procs):  # a crash: the others would wait for it
+                deadline = min(deadline, time.monotonic() + 5)
+            time.sleep(0.1)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return codes
+    return [proc.returncode if proc.returncode >= 0 else None for proc in procs]
+
+
+def run_ranks(
+    server: S3Endpoint, endpoint_url: str, mode: str, url: str, out: Path, *args: str, world: int = WORLD
+) -> list[int | None]:
+    """`start_ranks` then `wait_ranks`; once more if the rendezvous port was taken meanwhile (shared machine)."""
+    for attempt in range(2):
+        codes = wait_ranks(start_ranks(server, endpoint_url, mode, url, out, *args, world=world))
+        if codes == [0] * world or attempt or "EADDRINUSE" not in (out / "rank0.log").read_text():
+            return codes
+        for stale in out.glob("rank*.json"):
+            stale.unlink()
+    raise AssertionError("unreachable")
 
 
 def logs(out: Path, ranks: range | list[int] = range(WORLD)) -> str:
@@ -92,7 +103,7 @@ def logs(out: Path, ranks: range | list[int] = range(WORLD)) -> str:
 
 
 def run_job(server: S3Endpoint, endpoint_url: str, mode: str, url: str, out: Path, *args: str) -> list[dict]:
-    codes = wait_ranks(start_ranks(server, endpoint_url, mode, url, out, *args))
+    codes = run_ranks(server, endpoint_url, mode, url, out, *args)
     if any(code != 0 for code in codes):
         pytest.fail(f"{mode} {args} exited {codes}:\n{logs(out)}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
@@ -120,8 +131,8 @@ def test_trainer_resume_downloads_once_per_node_or_job(
     s3_server: S3Endpoint, s3_client, bucket: str, fault_proxy: FaultProxy, tmp_path: Path
 ) -> None:
     url = f"s3://{bucket}/run/big-last.ckpt"
-    save = start_ranks(s3_server, s3_server.endpoint_url, "save", url, tmp_path / "save", "--max-steps", "2", world=1)
-    assert wait_ranks(save) == [0], logs(tmp_path / "save", [0])
+    save = run_ranks(s3_server, s3_server.endpoint_url, "save", url, tmp_path / "save", "--max-steps", "2", world=1)
+    assert save == [0], logs(tmp_path / "save", [0])
     size = s3_client.head_object(Bucket=bucket, Key="run/big-last.ckpt")["ContentLength"]
     saved = S3CheckpointIO().load_checkpoint(url, weights_only=False)  # verified (moto's own checksum is wrong)
     assert size >= 64 * 2**20 and saved["global_step"] == 2
@@ -231,8 +242,8 @@ def test_explicit_collective_loads_and_downloader_failures(
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
     before = shared_files()
     try:
-        procs = start_ranks(s3_server, fault_proxy.endpoint_url, "load", url, tmp_path, *load_args(scenarios))
-        assert wait_ranks(procs, 180) == [0] * WORLD, logs(tmp_path)
+        codes = run_ranks(s3_server, fault_proxy.endpoint_url, "load", url, tmp_path, *load_args(scenarios))
+        assert codes == [0] * WORLD, logs(tmp_path)
         assert not os.path.exists(stale), "the stale file of a dead job was not removed"
     finally:
         if os.path.exists(stale):
