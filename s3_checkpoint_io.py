@@ -616,7 +616,8 @@ def collective_resume(trainer: Any) -> Any:
     """
     strategy = getattr(trainer, "strategy", None)
     plugin = _s3_checkpoint_io_of(strategy)
-    loads_on_every_rank = getattr(type(strategy).load_checkpoint, "__qualname__", "") == "Strategy.load_checkpoint"
+    load = getattr(type(strategy), "load_checkpoint", None)
+    loads_on_every_rank = getattr(load, "__qualname__", "") == "Strategy.load_checkpoint"
     if plugin is None or not loads_on_every_rank or getattr(trainer, "world_size", 1) <= 1:
         yield
         return
@@ -777,12 +778,18 @@ class _SharedLoad:
         created: Any = None
         if self.rank == self.leader:
             created = self._create_files(base)
-        reports = self._all_gather(created)
-        problems = [report for rank, report in enumerate(reports) if rank in self.leaders and isinstance(report, str)]
-        opened: str | None = None
-        if not problems and self.rank != self.leader:
-            opened = self._open_files(base, reports[self.leader])
-        outcomes = self._all_gather(opened)
+        try:
+            reports = self._all_gather(created)
+            problems = [r for rank, r in enumerate(reports) if rank in self.leaders and isinstance(r, str)]
+            opened: str | None = None
+            if not problems and self.rank != self.leader:
+                opened = self._open_files(base, reports[self.leader])
+            outcomes = self._all_gather(opened)
+        except BaseException:  # a collective failed (a rank died): whoever is left removes the node's names
+            self.files.names = (base + ".status", base + ".data")
+            self.files.unlink()
+            self.files.close()
+            raise
         self.files.unlink()  # every rank has the files open, or nobody will use them
         problems += [outcome for outcome in outcomes if outcome]
         if problems:
@@ -867,9 +874,9 @@ class _SharedLoad:
         io = self.io
         try:
             downloaded = io.s3.download_to_memory(
-                self.url, io.chunk_size_MB, io.max_read_concurrency, into_fd=os.dup(self.files.data_fd)
+                self.url, io.chunk_size_MB, io.max_read_concurrency, into_fd=self.files.data_fd
             )
-            downloaded.close()  # the pages stay in the node's file
+            downloaded.close()  # the pages stay in the node's file, which stays open
         except BaseException as exc:
             self._set_status(exc)
             if group is not None:

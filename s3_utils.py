@@ -458,8 +458,9 @@ class DownloadedObject:
 
     def __init__(self, size: int, fd: int | None = None) -> None:
         """`fd`: an open, writable file to download into instead of a fresh ``memfd`` (e.g. a node-shared file in
-        ``/dev/shm``); it is resized to `size` and owned (closed) by this object from now on."""
+        ``/dev/shm``); it is resized to `size` and stays the caller's (`close` leaves it open)."""
         self.size = size
+        self._owns_fd = fd is None
         if fd is not None:
             self._fd, self.path = fd, f"/proc/self/fd/{fd}"
         elif hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
@@ -514,7 +515,7 @@ class DownloadedObject:
             with contextlib.suppress(BufferError):  # a view still referenced (e.g. by a traceback): GC unmaps it
                 self._map.close()
             self._map = None
-        if self._fd >= 0:
+        if self._fd >= 0 and self._owns_fd:
             os.close(self._fd)
             if not self.path.startswith("/proc/"):  # pragma: no cover - non-Linux fallback
                 os.unlink(self.path)
@@ -883,16 +884,11 @@ class S3Utils:
         instead of mixing two versions. Raises FileNotFoundError if there is no object, ChecksumMismatchError if the
         bytes do not match what was recorded at upload. `progress`, if given, is called with the byte count of each
         range once it has arrived (from worker threads). `into_fd`: download into this open file (see
-        `DownloadedObject`) rather than a new in-memory one; it is closed with the result, or on failure.
+        `DownloadedObject`) rather than a new in-memory one.
         """
         url = _urls.normalize_s3_url(s3_path)
-        try:
-            info = self.head_object(url)
-            expected = self._expected_checksum(info) if verify else None
-        except BaseException:
-            if into_fd is not None:
-                os.close(into_fd)
-            raise
+        info = self.head_object(url)
+        expected = self._expected_checksum(info) if verify else None
         target = DownloadedObject(info.size, fd=into_fd)
         try:
             part_size = max(int(chunk_size_MB * MB), MIN_PART_SIZE)

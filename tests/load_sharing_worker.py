@@ -28,8 +28,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+for _folder in (Path(__file__).resolve().parent, Path(__file__).resolve().parent / "helpers"):
+    sys.path.insert(0, str(_folder))  # tiny_lightning, wherever the test helpers live
 
 
 def pss() -> int:

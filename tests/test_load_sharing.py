@@ -29,7 +29,11 @@ import s3_checkpoint_io
 from s3_checkpoint_io import S3CheckpointIO
 
 REPO = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "load_sharing_worker.py"
+WORKER = next(
+    path
+    for path in (Path(__file__).resolve().parent / d / "load_sharing_worker.py" for d in ("helpers", "."))
+    if path.exists()
+)
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
 CHUNK_MIB = 16
