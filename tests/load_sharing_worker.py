@@ -60,6 +60,13 @@ def fingerprint(checkpoint: Any) -> dict[str, float]:
     return out
 
 
+def write_report(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> None:
+    """``<out>/rank<N>.json``, replaced whole: the test may read it while this rank is being killed."""
+    partial = Path(args.out, f".rank{rank}.json.partial")
+    partial.write_text(json.dumps(report))
+    os.replace(partial, Path(args.out, f"rank{rank}.json"))
+
+
 def count_gets(client: Any, counters: dict[str, int]) -> None:
     """Count this process's GetObject calls and body bytes (client side, for the benchmark)."""
 
@@ -127,12 +134,13 @@ def run_load(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> Non
         outcome["loaded_at"] = time.time()
         if checkpoint is not None:
             outcome["fingerprint"] = fingerprint(checkpoint)  # reads every page
+        outcome.update(counters)
+        report["scenarios"][scenario["name"]] = outcome
+        write_report(args, rank, report)  # before a collective a dead rank fails
         if solo_rank is None and "error" not in outcome:
             dist.barrier()  # PSS splits shared pages among the processes mapping them: read it once all have
             outcome["pss_during"] = pss()
-        outcome.update(counters)
-        report["scenarios"][scenario["name"]] = outcome
-        Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
+            write_report(args, rank, report)
         dist.barrier()  # the others' PSS is read while this rank still holds the state
         del checkpoint
     dist.destroy_process_group()
@@ -168,7 +176,7 @@ def run_nemo(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> Non
     report["pss_during"] = pss()
     report["fingerprint"] = fingerprint(checkpoint)
     report.update(counters)
-    Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
+    write_report(args, rank, report)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -232,7 +240,7 @@ def run_trainer(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> 
         "exp_avg": {str(k): state["exp_avg"].tolist() for k, state in start["optimizer_state"].items()},
     }
     report["node_rank"] = trainer.node_rank
-    Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
+    write_report(args, rank, report)
 
 
 def run_save(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> None:
