@@ -330,7 +330,21 @@ class S3CheckpointIO:
                 return shared
         with self.s3.download_to_memory(path, self.chunk_size_MB, self.max_read_concurrency) as downloaded:
             downloaded_s = time.perf_counter() - started
-            checkpoint = _torch_load_file(torch, path, downloaded.path, downloaded.size, load_kwargs)
+            try:
+                try:
+                    checkpoint = torch.load(downloaded.path, mmap=True, **load_kwargs)
+                except RuntimeError as exc:
+                    if "mmap" not in str(exc):
+                        raise
+                    checkpoint = torch.load(downloaded.path, **load_kwargs)  # legacy (non-zip) format: no mmap
+            except Exception as exc:
+                if isinstance(exc, pickle.UnpicklingError) and "eights only load failed" in str(exc):
+                    exc.add_note(f"while loading {path}")
+                    raise
+                raise NotACheckpointError(
+                    f"{path} ({downloaded.size} bytes{', empty' if not downloaded.size else ''}) is not a loadable "
+                    f"torch checkpoint: {type(exc).__name__}: {exc}"
+                ) from exc
         logger.info(
             "Loaded %s (%.1f MiB) in %.2f s (download %.2f s)",
             path,
@@ -484,26 +498,6 @@ def _atomic_local_save(torch: Any, checkpoint: dict[str, Any], path: str) -> Non
         with contextlib.suppress(FileNotFoundError):
             os.unlink(partial)
         raise
-
-
-def _torch_load_file(torch: Any, url: str, file_path: str, size: int, load_kwargs: dict[str, Any]) -> Any:
-    """``torch.load`` a downloaded checkpoint, mapping its pages (``mmap=True``) where the format allows; anything
-    that is not a checkpoint raises `NotACheckpointError` naming `url`."""
-    try:
-        try:
-            return torch.load(file_path, mmap=True, **load_kwargs)
-        except RuntimeError as exc:
-            if "mmap" not in str(exc):
-                raise
-            return torch.load(file_path, **load_kwargs)  # legacy (non-zip) format: no mmap
-    except Exception as exc:
-        if isinstance(exc, pickle.UnpicklingError) and "eights only load failed" in str(exc):
-            exc.add_note(f"while loading {url}")
-            raise
-        raise NotACheckpointError(
-            f"{url} ({size} bytes{', empty' if not size else ''}) is not a loadable torch checkpoint: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
 
 
 def _invalidate_fsspec_cache(url: str) -> None:
@@ -954,6 +948,27 @@ class _SharedLoad:
                     f"{_SLOWEST_TRANSFER_BYTES_PER_S // _s3.MB} MiB/s); giving up"
                 )
             time.sleep(_POLL_INTERVAL_S)
+
+
+def _torch_load_file(torch: Any, url: str, file_path: str, size: int, load_kwargs: dict[str, Any]) -> Any:
+    """``torch.load`` a downloaded checkpoint as `S3CheckpointIO.load_checkpoint` does (mapping its pages where the
+    format allows; `NotACheckpointError` naming `url` for anything else). Kept beside it for an easy merge: the two
+    should become one."""
+    try:
+        try:
+            return torch.load(file_path, mmap=True, **load_kwargs)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            return torch.load(file_path, **load_kwargs)  # legacy (non-zip) format: no mmap
+    except Exception as exc:
+        if isinstance(exc, pickle.UnpicklingError) and "eights only load failed" in str(exc):
+            exc.add_note(f"while loading {url}")
+            raise
+        raise NotACheckpointError(
+            f"{url} ({size} bytes{', empty' if not size else ''}) is not a loadable torch checkpoint: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _shared_load(io: S3CheckpointIO, url: str, load_kwargs: dict[str, Any], armed: _CollectiveLoad) -> Any:
