@@ -648,7 +648,7 @@ def _wait_budget_s(io: S3CheckpointIO, size: int) -> float:
     return 2 * per_call + _WAIT_SLACK_S + size / _SLOWEST_TRANSFER_BYTES_PER_S
 
 
-def _remove_stale_shared_files(directory: str = SHARED_FILE_DIR, older_than_s: float = _STALE_AFTER_S) -> list[str]:
+def _remove_stale_shared_files(directory: str, older_than_s: float = _STALE_AFTER_S) -> list[str]:
     """Unlink this user's shared-load files in `directory` that are older than `older_than_s` and that no process
     holds (every process of a live load keeps a lock on them); returns their paths."""
     removed = []
@@ -729,6 +729,7 @@ class _SharedLoad:
         self.rank = self.dist.get_rank()
         self.files = _NodeFiles()
         self.size: int | None = None
+        self.head_error: Exception | None = None
 
     def _all_gather(self, value: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.dist.get_world_size()
@@ -798,7 +799,20 @@ class _SharedLoad:
         return True
 
     def _create_files(self, base: str) -> Any:
-        _remove_stale_shared_files()
+        if self.size is None:  # node mode: this node's downloader asks (its failure is reported once sharing is set)
+            try:
+                self.size = self.io.s3.head_object(self.url).size
+            except Exception as exc:
+                self.head_error = exc
+        if self.size is not None:
+            shm = os.statvfs(SHARED_FILE_DIR) if os.path.isdir(SHARED_FILE_DIR) else None
+            free = shm.f_bavail * shm.f_frsize if shm else 0
+            if free < self.size:  # e.g. a container's default 64 MiB /dev/shm: a per-rank memfd still works
+                return (
+                    f"{SHARED_FILE_DIR} has {free / _s3.MB:.0f} MiB free on global rank {self.rank}'s node, "
+                    f"{self.url} needs {self.size / _s3.MB:.0f} MiB (enlarge it, e.g. docker run --shm-size)"
+                )
+        _remove_stale_shared_files(SHARED_FILE_DIR)
         names = (base + ".status", base + ".data")
         try:
             self.files.status_fd = _create_exclusive(names[0])
@@ -867,6 +881,8 @@ class _SharedLoad:
     def _download(self, group: Any) -> None:
         io = self.io
         try:
+            if self.head_error is not None:
+                raise self.head_error
             downloaded = io.s3.download_to_memory(
                 self.url, io.chunk_size_MB, io.max_read_concurrency, into_fd=self.files.data_fd
             )

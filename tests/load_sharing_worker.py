@@ -101,9 +101,11 @@ _S3_UTILS: dict[str | None, Any] = {}
 
 
 def run_load(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> None:
-    """Each scenario of ``--scenarios`` (a JSON list of ``{"name", "sharing"[, "url"][, "endpoint"][, "solo_rank"]}``)
-    in turn, in one process group: the ranks that fail report why and go on to the next scenario."""
+    """Each scenario of ``--scenarios`` (a JSON list of ``{"name", "sharing"[, "url"][, "endpoint"][, "solo_rank"]
+    [, "shared_dir"]}``) in turn, in one process group: the ranks that fail report why and go on to the next one."""
     import torch.distributed as dist
+
+    import s3_checkpoint_io
 
     scenarios = json.loads(args.scenarios) if args.scenarios else [{"name": "load", "sharing": args.sharing}]
     counters = {"gets": 0, "bytes": 0}
@@ -112,6 +114,7 @@ def run_load(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> Non
     report["scenarios"] = {}
     for scenario in scenarios:
         io = make_io(args, rank, scenario["sharing"], scenario.get("endpoint"))
+        s3_checkpoint_io.SHARED_FILE_DIR = scenario.get("shared_dir", "/dev/shm")
         url = scenario.get("url", args.url)
         solo_rank = scenario.get("solo_rank")
         outcome: dict[str, Any] = {}

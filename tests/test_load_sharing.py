@@ -225,12 +225,13 @@ def test_explicit_collective_loads_and_downloader_failures(
     * a persistent 403 on the object, node and job mode, and a dead server (node mode): every rank raises within
       the retry budget plus a bound, naming the URL and the cause; only the downloaders asked S3;
     * a load on one rank alone (outside a collective call): it downloads on that rank, nobody waits;
-    * good node and job mode loads: every rank holds the checkpoint, downloaded by ranks 0 and 2 (node) or 0 (job).
+    * good node and job mode loads: every rank holds the checkpoint, downloaded by ranks 0 and 2 (node) or 0 (job);
+    * node mode without a usable shared directory: every rank downloads its own copy (with a warning), no error.
 
     Nothing is left in /dev/shm, and a stale file of a dead job is removed by the first node-mode load.
     """
     url, state = small_checkpoint
-    urls = {name: save_copy(state, bucket, name) for name in ("denied", "solo", "node", "job")}
+    urls = {name: save_copy(state, bucket, name) for name in ("denied", "solo", "node", "job", "no-shm")}
     fault_proxy.add_rule(FaultRule(Fault.status(403), path_regex=r"/faults/denied\.ckpt$"))
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     scenarios = [
@@ -240,6 +241,7 @@ def test_explicit_collective_loads_and_downloader_failures(
         {"name": "solo", "sharing": "node", "url": urls["solo"], "solo_rank": 3},
         {"name": "node", "sharing": "node", "url": urls["node"]},
         {"name": "job", "sharing": "job", "url": urls["job"]},
+        {"name": "no-shm", "sharing": "node", "url": urls["no-shm"], "shared_dir": str(tmp_path / "missing")},
     ]
     stale = os.path.join(s3_checkpoint_io.SHARED_FILE_DIR, f"s3ckpt-load-deadjob-{os.getpid()}-node0-x.data")
     os.close(os.open(stale, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
@@ -278,7 +280,8 @@ def test_explicit_collective_loads_and_downloader_failures(
     assert dict(gets_by_rank(fault_proxy, "faults/solo.ckpt")) == {3: 4}
 
     expected = {"/w": float(state["w"].double().sum()), "/step": 7.0}
-    for name, downloaders in (("node", {0: 4, 2: 4}), ("job", {0: 4})):
+    every_rank = {rank: 4 for rank in range(WORLD)}  # no usable shared directory: each rank downloads, no error
+    for name, downloaders in (("node", {0: 4, 2: 4}), ("job", {0: 4}), ("no-shm", every_rank)):
         for rank, outcome in enumerate(scenario_reports(tmp_path, name)):
             assert "error" not in outcome, (name, rank, outcome["error"])
             assert outcome["fingerprint"]["/step"] == 7.0
