@@ -607,6 +607,8 @@ class BroadcastResumeConnectorMixin:
     * ``resume_start``: rank 0 loads what Lightning selected on rank 0; every other rank loads rank 0's choice,
       received by broadcast, whatever Lightning passed in there (None when only rank 0 ran discovery). NeMo's version
       ignored its argument on every rank, so ``fit(ckpt_path=...)`` was dropped when ``trainer.ckpt_path`` was unset.
+      The load is collective (`s3_checkpoint_io.collective_resume`): one download per node by default, see the
+      plugin's ``load_sharing``.
     * ``ckpt_path="last"`` with an ``s3://`` checkpoint directory: resolved on global rank 0 only (the other ranks
       would each list the bucket), from one listing per `S3ModelCheckpoint` (newest modification time, Lightning's
       rule); the answer reaches the other ranks through ``resume_start``. If some candidate lives elsewhere (a local
@@ -624,7 +626,8 @@ class BroadcastResumeConnectorMixin:
         elif chosen:
             logger.info("Rank %d: resuming from checkpoint %s", rank, chosen)
         started = time.perf_counter()
-        super().resume_start(chosen, *args, **kwargs)  # type: ignore[misc]
+        with _ckpt_io.collective_resume(trainer):  # every rank loads `chosen` now: one download per node or job
+            super().resume_start(chosen, *args, **kwargs)  # type: ignore[misc]
         if chosen:
             logger.info("Rank %d: loaded %s in %.2f s", rank, chosen, time.perf_counter() - started)
 
@@ -964,6 +967,7 @@ _S3_CONFIG_TO_IO_KWARGS = {
     "endpoint_url": "endpoint_url",
     "region_name": "region_name",
     "request_options": "request_options",  # a mapping of s3_utils.S3RequestOptions fields (S3's parameter names)
+    "load_sharing": "load_sharing",
 }
 # NeMoModelCheckpoint-only keys of checkpoint_callback_params: accepted, logged, not used.
 _NEMO_ONLY_CALLBACK_KEYS = frozenset(
@@ -1025,6 +1029,7 @@ def build_s3_checkpointing(
     the ``exp_manager`` node itself with ``s3_checkpointing`` inside it. As in NeMo, a ``filename`` makes the last
     checkpoint ``{filename}-last``. NeMoModelCheckpoint-only keys (``save_nemo_on_train_end``...) are ignored with
     a warning.
+    ``s3_checkpointing.load_sharing`` (``"node"``, ``"job"`` or ``"rank"``) says who downloads on a resume.
     """
     top = _as_dict(cfg, "cfg")
     exp = _as_dict(top["exp_manager"], "exp_manager") if "exp_manager" in top else top

@@ -19,11 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
+import hashlib
+import json
 import logging
 import math
+import mmap
 import os
 import pickle
+import secrets
 import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -34,6 +40,11 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no load sharing
+    fcntl = None  # type: ignore[assignment]
+
 if __package__:
     from . import s3_dirpath_utils as _urls
     from . import s3_utils as _s3
@@ -41,7 +52,16 @@ else:  # installed (or copied) as top-level modules
     import s3_dirpath_utils as _urls
     import s3_utils as _s3
 
-__all__ = ["NotACheckpointError", "S3CheckpointIO", "TransferRecord", "register_with_lightning", "snapshot_to_host"]
+__all__ = [
+    "LOAD_SHARING_MODES",
+    "NotACheckpointError",
+    "S3CheckpointIO",
+    "SharedLoadError",
+    "TransferRecord",
+    "collective_resume",
+    "register_with_lightning",
+    "snapshot_to_host",
+]
 __version__ = _s3.__version__
 
 logger = logging.getLogger(__name__)
@@ -153,6 +173,10 @@ class S3CheckpointIO:
             `s3_utils.S3RequestOptions` or a mapping of its fields (S3's parameter names, e.g.
             ``{"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": "alias/ckpt"}``); checked here, added to every
             request (see `S3RequestOptions`).
+        load_sharing: who downloads when every rank loads the same checkpoint together (Lightning's resume through
+            the connector, or `collective_load`): ``"node"`` (default) one rank per node, the others map its pages;
+            ``"job"`` global rank 0 only, the bytes travel over the process group; ``"rank"`` every rank. A load
+            on one rank alone always downloads on that rank. See the "Load sharing" block below.
 
     Arguments that would be ignored raise ValueError: `endpoint_url` / `region_name` together with `client_settings`
     (put them in the settings) or with `s3_utils`, and `client_settings` / `retry_policy` together with `s3_utils`
@@ -175,6 +199,7 @@ class S3CheckpointIO:
         retry_policy: _s3.RetryPolicy | None = None,
         s3_utils: _s3.S3Utils | None = None,
         request_options: _s3.S3RequestOptions | Mapping[str, Any] | None = None,
+        load_sharing: str = "node",
     ) -> None:
         lightning_agent = _lightning_user_agent()  # before registering, which imports every installed family
         options = _s3.S3RequestOptions.from_mapping(request_options)  # an unknown or bad option fails here
@@ -201,6 +226,10 @@ class S3CheckpointIO:
         ]:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if load_sharing not in LOAD_SHARING_MODES:
+            raise ValueError(f"load_sharing must be one of {LOAD_SHARING_MODES}, got {load_sharing!r}")
+        self.load_sharing = load_sharing
+        self._collective: _CollectiveLoad | None = None
         self.dirpath = _urls.as_path_or_s3_url(dirpath) if dirpath is not None else None
         self.chunk_size_MB = chunk_size_MB
         self.max_read_concurrency = max_read_concurrency
@@ -362,6 +391,7 @@ class S3CheckpointIO:
         if weights_only is not None:
             load_kwargs["weights_only"] = weights_only
         started = time.perf_counter()
+        armed = _take_collective(self)
         if not _urls.is_s3_url(path):
             if not os.path.exists(path):
                 raise FileNotFoundError(f"Checkpoint file not found: {path}")
@@ -369,20 +399,19 @@ class S3CheckpointIO:
             elapsed = time.perf_counter() - started
             self._record(TransferRecord("load", path, os.path.getsize(path), elapsed, None, elapsed))
             return checkpoint
+        if armed is not None:
+            shared = _shared_load(self, path, load_kwargs, armed)
+            if shared is not None:
+                checkpoint, size = shared
+                elapsed = time.perf_counter() - started
+                self._record(TransferRecord("load", path, size, elapsed, None, elapsed))
+                return checkpoint
         with self.s3.download_to_memory(path, self.chunk_size_MB, self.max_read_concurrency) as downloaded:
             downloaded_s = time.perf_counter() - started
             verified = downloaded.verified_against
-            try:
-                # torch maps only its zip format; the legacy format (and anything else) is read without mmap
-                checkpoint = torch.load(downloaded.path, mmap=_is_torch_zip(downloaded), **load_kwargs)
-            except Exception as exc:
-                if isinstance(exc, pickle.UnpicklingError) and _WEIGHTS_ONLY_REFUSAL in str(exc).lower():
-                    exc.add_note(f"while loading {path}")  # a real checkpoint that weights_only=True refuses
-                    raise
-                raise NotACheckpointError(
-                    f"{path} ({downloaded.size} bytes{', empty' if not downloaded.size else ''}) is not a loadable "
-                    f"torch checkpoint: {type(exc).__name__}: {exc}"
-                ) from exc
+            checkpoint = _torch_load_checkpoint(
+                torch, path, downloaded.path, downloaded.size, _is_torch_zip(downloaded), load_kwargs
+            )
         elapsed = time.perf_counter() - started
         logger.info(
             "Loaded %s (%.1f MiB) in %.2f s (download %.2f s)", path, downloaded.size / _s3.MB, elapsed, downloaded_s
@@ -390,6 +419,13 @@ class S3CheckpointIO:
         checksum = f"{verified.algorithm} {verified.value}" if verified else None
         self._record(TransferRecord("load", path, downloaded.size, elapsed, checksum, elapsed))
         return checkpoint
+
+    def collective_load(self, *, node_rank: int | None = None) -> contextlib.AbstractContextManager[None]:
+        """Within this block the next `load_checkpoint` of an ``s3://`` URL (on this thread) is a collective call:
+        every rank of the default ``torch.distributed`` process group must make it, with the same URL, and it is
+        shared as `load_sharing` says. `node_rank`: this rank's node (default: the launcher's environment, else the
+        host). Lightning's resume enters this through `collective_resume`; call it yourself to share other loads."""
+        return _collective_load_context(self, node_rank)
 
     # ---- remove ---------------------------------------------------------------------------------------------------
 
@@ -556,3 +592,491 @@ _WEIGHTS_ONLY_REFUSAL = "weights only load failed"
 def _is_torch_zip(downloaded: _s3.DownloadedObject) -> bool:
     with downloaded.view() as view:
         return bytes(view[: len(_TORCH_ZIP_MAGIC)]) == _TORCH_ZIP_MAGIC
+
+
+def _torch_load_checkpoint(
+    torch: Any, url: str, file_path: str, size: int, is_zip: bool, load_kwargs: dict[str, Any]
+) -> Any:
+    """``torch.load`` the downloaded checkpoint of `url`, mapping its pages where the format allows (torch maps only
+    its zip format; the legacy format is read without mmap). Anything that is not a checkpoint raises
+    `NotACheckpointError` naming `url`; a real checkpoint that ``weights_only=True`` refuses keeps torch's error."""
+    try:
+        return torch.load(file_path, mmap=is_zip, **load_kwargs)
+    except Exception as exc:
+        if isinstance(exc, pickle.UnpicklingError) and _WEIGHTS_ONLY_REFUSAL in str(exc).lower():
+            exc.add_note(f"while loading {url}")
+            raise
+        raise NotACheckpointError(
+            f"{url} ({size} bytes{', empty' if not size else ''}) is not a loadable torch checkpoint: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Load sharing: on a collective resume, one download per node (or per job) instead of one per rank
+# --------------------------------------------------------------------------------------------------------------------
+#
+# Why: Lightning's resume_start loads the checkpoint on every rank, so N ranks made N full downloads of one object
+# (about ranks x size / chunk GETs of one key, against S3's 5,500 GET/s per prefix) and held N copies per node.
+#
+# How (``load_sharing="node"``), when every rank of the default process group loads the same s3:// URL inside
+# `S3CheckpointIO.collective_load` (the connector's resume_start enters it, see `collective_resume`):
+#   1. three quick all-gathers (no download inside any collective): who is on which node (from the cluster
+#      environment, else a host id), then the lowest rank of each node creates two files in /dev/shm (exclusively,
+#      O_EXCL | O_NOFOLLOW, mode 0600: data and status), then the node's other ranks open them by name and check that
+#      they are those very files (owner, mode, device and inode). Then the names are unlinked: from here on the files
+#      live only as long as some rank holds them, so nothing is left in /dev/shm whatever happens later. If any of
+#      this fails anywhere (no /dev/shm, ranks that are not really on one host) every rank falls back to its own
+#      download, with a warning.
+#   2. the node's downloader fetches the object as usual (parallel ranged GETs, checksum verified) into the data file
+#      while holding an exclusive flock on it, writes the outcome into the status file, and releases the lock.
+#   3. the other ranks of the node poll the status file (no collective, so a long download cannot hit the process
+#      group's timeout). A status is the downloader's success or its error (raised on every rank of the node, naming
+#      the URL and the cause); a lock they can take while no status was written means the downloader died; a wait
+#      longer than the retry policy's budget plus the transfer at a slow rate gives up. All raise instead of hanging.
+#   4. every rank torch.load(mmap=True)s the same pages: node RAM holds one copy.
+# ``load_sharing="job"``: only global rank 0 downloads; the other nodes' downloaders receive the bytes from it over a
+# gloo process group (64 MiB broadcasts, whatever the default backend: NCCL would need each chunk staged on the GPU)
+# into their node's file, then steps 3-4 as above. ``"rank"``: every rank downloads (the behaviour without sharing).
+# Stale files (a job killed in the milliseconds between creating and unlinking them) are removed by the next
+# shared load on that host: files of this prefix, owned by this user, older than a minute, that no process holds.
+
+LOAD_SHARING_MODES = ("node", "job", "rank")
+"""`S3CheckpointIO(load_sharing=...)`: who downloads on a collective load (see the block comment above)."""
+SHARED_FILE_DIR = "/dev/shm"
+_SHARED_FILE_PREFIX = "s3ckpt-load-"
+_BROADCAST_CHUNK_BYTES = 64 * _s3.MB
+_POLL_INTERVAL_S = 0.05
+_STALE_AFTER_S = 60.0
+_SLOWEST_TRANSFER_BYTES_PER_S = 10 * _s3.MB
+_WAIT_SLACK_S = 30.0
+_NODE_ENV_VARS = ("GROUP_RANK", "SLURM_NODEID", "NODE_RANK")
+
+
+class SharedLoadError(RuntimeError):
+    """The rank that downloads a shared checkpoint for this rank failed, died or took too long; the message names
+    the URL and the cause."""
+
+
+@dataclass(frozen=True)
+class _CollectiveLoad:
+    """An armed collective load: the next `load_checkpoint` of an s3:// URL on `thread` is a collective call."""
+
+    thread: int
+    node_rank: int | None
+
+
+def _collective_load_context(io: S3CheckpointIO, node_rank: int | None) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def armed() -> Any:
+        previous = io._collective
+        io._collective = _CollectiveLoad(threading.get_ident(), node_rank)
+        try:
+            yield
+        finally:
+            io._collective = previous
+
+    return armed()
+
+
+def _take_collective(io: S3CheckpointIO) -> _CollectiveLoad | None:
+    """The armed collective load for this thread, disarmed (one load per arming), or None."""
+    armed = getattr(io, "_collective", None)
+    if armed is None or armed.thread != threading.get_ident():
+        return None
+    io._collective = None
+    return armed
+
+
+def _s3_checkpoint_io_of(strategy: Any) -> S3CheckpointIO | None:
+    plugin = getattr(strategy, "_checkpoint_io", None)  # not the property: it would create a default plugin
+    for _ in range(3):  # also inside Lightning's AsyncCheckpointIO and other wrappers
+        if isinstance(plugin, S3CheckpointIO):
+            return plugin
+        plugin = getattr(plugin, "checkpoint_io", None)
+    return None
+
+
+@contextlib.contextmanager
+def collective_resume(trainer: Any) -> Any:
+    """Make the trainer's restore (``resume_start``, which every rank runs) share one download per node or job.
+
+    Applies when the trainer's plugin is an `S3CheckpointIO`, the job has more than one rank and the strategy loads
+    through Lightning's own ``Strategy.load_checkpoint`` (DDP and its relatives: every rank calls it with the same
+    path); strategies with their own loading (FSDP, DeepSpeed, ModelParallel) keep theirs. The node of each rank is
+    the strategy's ``node_rank`` (Lightning's cluster environment: torchrun, SLURM, ...). The connector's
+    ``resume_start`` runs inside this.
+    """
+    strategy = getattr(trainer, "strategy", None)
+    plugin = _s3_checkpoint_io_of(strategy)
+    load = getattr(type(strategy), "load_checkpoint", None)
+    loads_on_every_rank = getattr(load, "__qualname__", "") == "Strategy.load_checkpoint"
+    if plugin is None or not loads_on_every_rank or getattr(trainer, "world_size", 1) <= 1:
+        yield
+        return
+    with plugin.collective_load(node_rank=getattr(strategy, "node_rank", None)):
+        yield
+
+
+def _node_key(node_rank: int | None) -> str:
+    """Which node this process is on: the given node rank, else the launcher's (torchrun GROUP_RANK, SLURM_NODEID,
+    Lightning's NODE_RANK), else this host's boot id and name (ranks that share it share /dev/shm). A wrong answer
+    cannot hang or mix up ranks: step 1 checks that a node's ranks really see the same file."""
+    if node_rank is not None:
+        return f"node {node_rank}"
+    for name in _NODE_ENV_VARS:
+        value = os.environ.get(name, "").strip()
+        if value:
+            return f"node {value} ({name})"
+    boot_id = ""
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as stream:
+        boot_id = stream.read().strip()
+    return f"host {os.uname().nodename} {boot_id}"
+
+
+def _describe(exc: BaseException) -> str:
+    notes = "; ".join(getattr(exc, "__notes__", []))
+    return f"{type(exc).__name__}: {exc}" + (f" ({notes})" if notes else "")
+
+
+def _wait_budget_s(io: S3CheckpointIO, size: int) -> float:
+    """How long a rank waits for its node's downloader: two S3 calls at the retry policy's limit (HEAD, then the
+    ranges), each attempt up to the client's timeouts, plus the transfer at a slow rate."""
+    settings = io.s3.settings
+    per_call = io.s3.retry_policy.max_elapsed_s + settings.read_timeout_s + settings.connect_timeout_s
+    return 2 * per_call + _WAIT_SLACK_S + size / _SLOWEST_TRANSFER_BYTES_PER_S
+
+
+def _remove_stale_shared_files(directory: str, older_than_s: float = _STALE_AFTER_S) -> list[str]:
+    """Unlink this user's shared-load files in `directory` that are older than `older_than_s` and that no process
+    holds (every process of a live load keeps a lock on them); returns their paths."""
+    removed = []
+    uid, now = os.geteuid(), time.time()
+    try:
+        entries = [entry for entry in os.scandir(directory) if entry.name.startswith(_SHARED_FILE_PREFIX)]
+    except OSError:
+        return removed
+    for entry in entries:
+        try:
+            seen = entry.stat(follow_symlinks=False)
+            if not stat.S_ISREG(seen.st_mode) or seen.st_uid != uid or now - seen.st_mtime < older_than_s:
+                continue
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            opened = os.fstat(fd)
+            if (opened.st_dev, opened.st_ino) == (seen.st_dev, seen.st_ino):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while a live load holds it
+                os.unlink(entry.path)
+                removed.append(entry.path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    if removed:
+        logger.info("Removed %d stale shared checkpoint file(s) of dead jobs from %s", len(removed), directory)
+    return removed
+
+
+@dataclass
+class _NodeFiles:
+    """This rank's handles on its node's shared files (their names are unlinked once every rank has opened them)."""
+
+    data_fd: int = -1
+    status_fd: int = -1
+    names: tuple[str, ...] = ()
+
+    def close(self) -> None:
+        for fd in (self.data_fd, self.status_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.data_fd = self.status_fd = -1
+
+    def unlink(self) -> None:
+        for name in self.names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
+        self.names = ()
+
+
+def _create_exclusive(path: str) -> int:
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+def _open_checked(path: str, identity: tuple[int, int]) -> int:
+    """Open a file the node's downloader created, refusing links and anything but that very file of this user."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    found = os.fstat(fd)
+    if (
+        not stat.S_ISREG(found.st_mode)
+        or found.st_uid != os.geteuid()
+        or found.st_mode & 0o077
+        or (found.st_dev, found.st_ino) != identity
+    ):
+        os.close(fd)
+        raise PermissionError(f"{path} is not the file this node's downloader created")
+    return fd
+
+
+class _SharedLoad:
+    """One collective load of `url` by every rank of the default process group (see the block comment)."""
+
+    def __init__(self, io: S3CheckpointIO, url: str, node_rank: int | None) -> None:
+        self.io, self.url, self.node_rank = io, url, node_rank
+        self.dist = _torch().distributed
+        self.rank = self.dist.get_rank()
+        self.files = _NodeFiles()
+        self.size: int | None = None
+        self.head_error: Exception | None = None
+
+    def _all_gather(self, value: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.dist.get_world_size()
+        self.dist.all_gather_object(gathered, value)
+        return gathered
+
+    # ---- step 1: agree on nodes and files (quick collectives) -----------------------------------------------------
+
+    def setup(self) -> bool:
+        """Agree who downloads and open the node's files; False (on every rank alike) to fall back to per-rank."""
+        head_error = None
+        if self.io.load_sharing == "job" and self.rank == 0:
+            try:
+                self.size = self.io.s3.head_object(self.url).size  # sizes the transfer group's timeout
+            except Exception as exc:
+                head_error = exc
+        head_problem = None if head_error is None else _describe(head_error)
+        identities = self._all_gather((_node_key(self.node_rank), secrets.token_hex(8), self.size, head_problem))
+        if head_error is not None:
+            raise head_error
+        if identities[0][3] is not None:
+            problem = identities[0][3]
+            raise SharedLoadError(f"Could not load {self.url}: global rank 0, which downloads it, failed: {problem}")
+        self.size = identities[0][2]
+        nodes: dict[str, list[int]] = {}
+        for rank, (key, *_) in enumerate(identities):
+            nodes.setdefault(key, []).append(rank)
+        self.node_ranks = nodes[identities[self.rank][0]]
+        self.node_index = list(nodes).index(identities[self.rank][0])
+        self.leader = self.node_ranks[0]
+        self.leaders = [ranks[0] for ranks in nodes.values()]
+        self.mode = "job" if self.io.load_sharing == "job" and len(nodes) > 1 else "node"
+        if self.mode == "node" and all(len(ranks) == 1 for ranks in nodes.values()):
+            return False  # one rank per node: nothing to share
+
+        digest = hashlib.sha256(self.url.encode()).hexdigest()[:12]
+        job_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or ""
+        job = "".join(c for c in job_id if c.isalnum())
+        base = os.path.join(SHARED_FILE_DIR, f"{_SHARED_FILE_PREFIX}{job[:24] or 'job'}-{identities[0][1]}")
+        base += f"-node{self.node_index}-{digest}"
+        created: Any = None
+        if self.rank == self.leader:
+            created = self._create_files(base)
+        try:
+            reports = self._all_gather(created)
+            problems = [r for rank, r in enumerate(reports) if rank in self.leaders and isinstance(r, str)]
+            opened: str | None = None
+            if not problems and self.rank != self.leader:
+                opened = self._open_files(base, reports[self.leader])
+            outcomes = self._all_gather(opened)
+        except BaseException:  # a collective failed (a rank died): whoever is left removes the node's names
+            self.files.names = (base + ".status", base + ".data")
+            self.files.unlink()
+            self.files.close()
+            raise
+        self.files.unlink()  # every rank has the files open, or nobody will use them
+        problems += [outcome for outcome in outcomes if outcome]
+        if problems:
+            self.files.close()
+            logger.warning(
+                "Loading %s with one download per rank: sharing it through %s failed (%s)",
+                self.url,
+                SHARED_FILE_DIR,
+                problems[0],
+            )
+            return False
+        return True
+
+    def _create_files(self, base: str) -> Any:
+        if self.size is None:  # node mode: this node's downloader asks (its failure is reported once sharing is set)
+            try:
+                self.size = self.io.s3.head_object(self.url).size
+            except Exception as exc:
+                self.head_error = exc
+        if self.size is not None:
+            shm = os.statvfs(SHARED_FILE_DIR) if os.path.isdir(SHARED_FILE_DIR) else None
+            free = shm.f_bavail * shm.f_frsize if shm else 0
+            if free < self.size:  # e.g. a container's default 64 MiB /dev/shm: a per-rank memfd still works
+                return (
+                    f"{SHARED_FILE_DIR} has {free / _s3.MB:.0f} MiB free on global rank {self.rank}'s node, "
+                    f"{self.url} needs {self.size / _s3.MB:.0f} MiB (enlarge it, e.g. docker run --shm-size)"
+                )
+        _remove_stale_shared_files(SHARED_FILE_DIR)
+        names = (base + ".status", base + ".data")
+        try:
+            self.files.status_fd = _create_exclusive(names[0])
+            self.files.names = names[:1]
+            fcntl.flock(self.files.status_fd, fcntl.LOCK_SH)  # "in use" for `_remove_stale_shared_files`
+            self.files.data_fd = _create_exclusive(names[1])
+            self.files.names = names
+            fcntl.flock(self.files.data_fd, fcntl.LOCK_EX)  # released once the status is written: death shows
+            found = [os.fstat(fd) for fd in (self.files.status_fd, self.files.data_fd)]
+        except OSError as exc:
+            self.files.unlink()
+            self.files.close()
+            return f"global rank {self.rank} could not create {names[0]}: {exc}"
+        return [(st.st_dev, st.st_ino) for st in found]
+
+    def _open_files(self, base: str, identities: list[tuple[int, int]]) -> str | None:
+        try:
+            self.files.status_fd = _open_checked(base + ".status", tuple(identities[0]))  # type: ignore[arg-type]
+            self.files.data_fd = _open_checked(base + ".data", tuple(identities[1]))  # type: ignore[arg-type]
+        except OSError as exc:
+            self.files.close()
+            return f"global rank {self.rank} could not open the file global rank {self.leader} created: {exc}"
+        return None
+
+    # ---- steps 2-4 ------------------------------------------------------------------------------------------------
+
+    def run(self, load_kwargs: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        started = time.perf_counter()
+        group = None
+        try:
+            if self.mode == "job":
+                timeout = datetime.timedelta(seconds=_wait_budget_s(self.io, self.size or 0))
+                group = self.dist.new_group(ranks=self.leaders, timeout=timeout, backend="gloo")
+            if self.rank == 0 or (self.mode == "node" and self.rank == self.leader):
+                self._download(group)
+                source = "downloaded"
+            elif self.rank == self.leader:
+                self._receive(group)
+                source = "received from global rank 0"
+            else:
+                self._wait_for_leader()
+                source = f"shared by global rank {self.leader}"
+            size = os.fstat(self.files.data_fd).st_size
+            is_zip = os.pread(self.files.data_fd, len(_TORCH_ZIP_MAGIC), 0) == _TORCH_ZIP_MAGIC
+            checkpoint = _torch_load_checkpoint(
+                _torch(), self.url, f"/proc/self/fd/{self.files.data_fd}", size, is_zip, load_kwargs
+            )
+        finally:
+            self.files.close()
+            if group is not None:
+                self.dist.destroy_process_group(group)
+        logger.info(
+            "Loaded %s (%.1f MiB, %s, node of %d ranks) in %.2f s",
+            self.url,
+            size / _s3.MB,
+            source,
+            len(self.node_ranks),
+            time.perf_counter() - started,
+        )
+        return checkpoint, size
+
+    def _set_status(self, error: BaseException | None) -> None:
+        """Tell the node's waiting ranks the outcome, then drop the lock whose release alone would mean "died"."""
+        status = {"ok": True} if error is None else {"ok": False, "error": _describe(error)}
+        payload = (json.dumps(status) + "\n").encode()
+        os.pwrite(self.files.status_fd, payload, 0)
+        fcntl.flock(self.files.data_fd, fcntl.LOCK_UN)
+
+    def _download(self, group: Any) -> None:
+        io = self.io
+        try:
+            if self.head_error is not None:
+                raise self.head_error
+            downloaded = io.s3.download_to_memory(
+                self.url, io.chunk_size_MB, io.max_read_concurrency, into_fd=self.files.data_fd
+            )
+            downloaded.close()  # the pages stay in the node's file, which stays open
+        except BaseException as exc:
+            self._set_status(exc)
+            if group is not None:
+                self._broadcast_header(group, ("error", _describe(exc)))
+            raise
+        self._set_status(None)
+        if group is not None:
+            size = os.fstat(self.files.data_fd).st_size
+            self._broadcast_header(group, ("ok", size))
+            self._broadcast_bytes(group, size)
+
+    def _broadcast_header(self, group: Any, header: Any) -> Any:
+        message = [header]
+        self.dist.broadcast_object_list(message, src=0, group=group)
+        return message[0]
+
+    def _broadcast_bytes(self, group: Any, size: int) -> None:
+        """Send (rank 0) or receive (the other nodes' downloaders) the data file in bounded broadcasts, straight
+        from and into the file's pages through a mapping of one chunk at a time (no staging copy)."""
+        torch = _torch()
+        for offset in range(0, size, _BROADCAST_CHUNK_BYTES):
+            length = min(_BROADCAST_CHUNK_BYTES, size - offset)
+            window = mmap.mmap(self.files.data_fd, length, offset=offset)
+            try:
+                chunk = torch.frombuffer(window, dtype=torch.uint8)
+                self.dist.broadcast(chunk, src=0, group=group)
+                del chunk
+            finally:
+                window.close()
+
+    def _receive(self, group: Any) -> None:
+        try:
+            kind, detail = self._broadcast_header(group, None)
+            if kind != "ok":
+                raise SharedLoadError(f"Could not load {self.url}: global rank 0, which downloads it, failed: {detail}")
+            os.ftruncate(self.files.data_fd, detail)
+            self._broadcast_bytes(group, detail)
+        except BaseException as exc:
+            if not isinstance(exc, SharedLoadError):
+                exc.add_note(f"while receiving {self.url} from global rank 0 (load_sharing='job')")
+            self._set_status(exc)
+            raise
+        self._set_status(None)
+
+    def _wait_for_leader(self) -> None:
+        """Poll the status file until the node's downloader reports, dies, or overruns its budget."""
+        started = time.monotonic()
+        while True:
+            raw = os.pread(self.files.status_fd, 1 << 16, 0)
+            if raw.endswith(b"\n"):
+                status = json.loads(raw)
+                if status["ok"]:
+                    return
+                raise SharedLoadError(
+                    f"Could not load {self.url}: global rank {self.leader}, which downloads it for this node, "
+                    f"failed: {status['error']}"
+                )
+            try:
+                fcntl.flock(self.files.data_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pass
+            else:  # the downloader's lock is gone: a status written just before counts, else it died
+                fcntl.flock(self.files.data_fd, fcntl.LOCK_UN)
+                if not os.pread(self.files.status_fd, 1, 0):
+                    raise SharedLoadError(
+                        f"Could not load {self.url}: global rank {self.leader}, which was downloading it for this "
+                        "node, exited before finishing (killed?). Check that rank's log; restart the job."
+                    )
+                continue
+            budget = _wait_budget_s(self.io, self.size or os.fstat(self.files.data_fd).st_size)
+            if time.monotonic() - started > budget:
+                raise SharedLoadError(
+                    f"Could not load {self.url}: global rank {self.leader} has not finished downloading it for this "
+                    f"node within {budget:.0f} s (the retry policy's budget plus the transfer at "
+                    f"{_SLOWEST_TRANSFER_BYTES_PER_S // _s3.MB} MiB/s); giving up"
+                )
+            time.sleep(_POLL_INTERVAL_S)
+
+
+def _shared_load(io: S3CheckpointIO, url: str, load_kwargs: dict[str, Any], armed: _CollectiveLoad) -> Any:
+    """The checkpoint and its size, loaded with one download per node or job; None where every rank should download
+    its own."""
+    if io.load_sharing == "rank" or fcntl is None:
+        return None
+    dist = _torch().distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return None
+    shared = _SharedLoad(io, url, armed.node_rank)
+    if not shared.setup():
+        return None
+    return shared.run(load_kwargs)

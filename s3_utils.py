@@ -808,9 +808,14 @@ class DownloadedObject:
     loading needs no second copy of the checkpoint. Close it when done (the mapping torch made stays valid).
     """
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, fd: int | None = None) -> None:
+        """`fd`: an open, writable file to download into instead of a fresh ``memfd`` (e.g. a node-shared file in
+        ``/dev/shm``); it is resized to `size` and stays the caller's (`close` leaves it open)."""
         self.size = size
-        if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
+        self._owns_fd = fd is None
+        if fd is not None:
+            self._fd, self.path = fd, f"/proc/self/fd/{fd}"
+        elif hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
             self._fd = os.memfd_create("s3-checkpoint", getattr(os, "MFD_CLOEXEC", 0))
             self.path = f"/proc/self/fd/{self._fd}"
         else:  # pragma: no cover - non-Linux fallback
@@ -865,7 +870,7 @@ class DownloadedObject:
             with contextlib.suppress(BufferError):  # a view still referenced (e.g. by a traceback): GC unmaps it
                 self._map.close()
             self._map = None
-        if self._fd >= 0:
+        if self._fd >= 0 and self._owns_fd:
             os.close(self._fd)
             if not self.path.startswith("/proc/"):  # pragma: no cover - non-Linux fallback
                 os.unlink(self.path)
@@ -1257,6 +1262,7 @@ class S3Utils:
         *,
         verify: bool = True,
         progress: Callable[[int], None] | None = None,
+        into_fd: int | None = None,
     ) -> DownloadedObject:
         """Download with parallel ranged GETs into a `DownloadedObject` and verify the recorded checksum.
 
@@ -1264,12 +1270,13 @@ class S3Utils:
         instead of mixing two versions. Raises FileNotFoundError if there is no object, ChecksumMismatchError if the
         bytes do not match what was recorded at upload. The result's `verified_against` says which record matched.
         `progress`, if given, is called with the byte count of each range once it has arrived (from worker threads).
+        `into_fd`: download into this open file (see `DownloadedObject`) rather than a new in-memory one.
         """
         url = _urls.normalize_s3_url(s3_path)
         info = self.head_object(url)
         records = self._checksum_records
         expected = records.expected(info) if verify else None
-        target = DownloadedObject(info.size)
+        target = DownloadedObject(info.size, fd=into_fd)
         try:
             part_size = max(int(chunk_size_MB * MB), MIN_PART_SIZE)
             algorithm = _checksum_algorithm(expected.algorithm) if expected else None
