@@ -1477,3 +1477,22 @@ class S3MultipartWriter(io.RawIOBase):
             self.bucket, self.key, self._size, etag, checksums={self._algorithm.response_field: checksum}
         )
         logger.debug("Wrote %s (%d bytes, %s %s)", self.url, self._size, self._algorithm.name, checksum)
+
+
+# ====================================================================================================================
+# DCP support (used by s3_dcp): public wrappers over this module's checksum internals, kept apart from them
+# ====================================================================================================================
+
+
+def dcp_checksum_algorithm(name: str | None = "auto") -> Any:
+    """The checksum algorithm `name` names (``"auto"``: CRC32C with awscrt, else CRC32), as an object with ``name``,
+    ``update(data, previous) -> int``, ``combine(first, second, second_length) -> int`` and ``encode(value) -> str``
+    (S3's base64 spelling)."""
+    return _checksum_algorithm(name)
+
+
+def dcp_recorded_checksum(utils: S3Utils, info: S3ObjectInfo) -> tuple[Any, str] | None:
+    """``(algorithm, base64 value)`` of the full-object checksum recorded for `info` (by S3, else in this package's
+    sidecar), or None when none was recorded (an object uploaded by another tool)."""
+    recorded = utils._expected_checksum(info)
+    return None if recorded is None else (recorded.algorithm, recorded.value)
