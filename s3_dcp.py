@@ -34,6 +34,7 @@ import logging
 import os
 import pickle
 import threading
+import traceback
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -55,6 +56,7 @@ __all__ = [
     "ITEM_CHECKSUMS_NAME",
     "METADATA_NAME",
     "CheckpointIncompleteError",
+    "CheckpointWriteError",
     "S3StorageReader",
     "S3StorageWriter",
     "UnsafeCheckpointMetadataError",
@@ -87,6 +89,10 @@ def item_checksums_name(rank: int | None = None) -> str:
 
 class CheckpointIncompleteError(FileNotFoundError):
     """The prefix holds no ``.metadata``: the checkpoint was never completed (or never existed)."""
+
+
+class CheckpointWriteError(OSError):
+    """A shard could not be uploaded; its upload was aborted and the checkpoint was not committed."""
 
 
 class UnsafeCheckpointMetadataError(pickle.UnpicklingError):
@@ -443,6 +449,15 @@ class _S3StorageWriterImpl(_S3Settings):
         ) as writer:
             writer.write(body)
 
+    def _upload_error(self, url: str, cause: BaseException) -> CheckpointWriteError:
+        """An error that names the shard in its message: DCP sends failures to the coordinator pickled, and botocore's
+        errors lose the notes that name the URL on the way."""
+        detail = "".join(traceback.format_exception_only(cause)).strip().replace("\n", "; ")
+        return CheckpointWriteError(
+            f"Could not upload {url} ({detail}). Its upload was aborted and no .metadata was written: the checkpoint "
+            f"at {self.path} is incomplete and will not be loaded. Check the store and save again."
+        )
+
     def _write_file(self, name: str, items: list[Any], planner: Any, cancelled: threading.Event) -> list[Any]:
         torch = _torch()
         types = _dcp_types()
@@ -465,14 +480,17 @@ class _S3StorageWriterImpl(_S3Settings):
                         tensor = tensor.clone()  # a view: save its elements only, not the storage behind it
                     torch.save(tensor, stream)
                 written.append((item, *stream.end_item()))
-            raw.close()  # completes the upload: the file is durable from here on
         except BaseException as exc:
             raw.abort()
             cancelled.set()
-            original = stream.error
-            if original is not None and original is not exc:
-                raise original from exc
-            raise
+            if stream.error is None or isinstance(stream.error, _SaveCancelledError):
+                raise  # the planner or the caller failed, not the upload
+            raise self._upload_error(url, stream.error) from exc
+        try:
+            raw.close()  # completes the upload: the file is durable from here on
+        except BaseException as exc:
+            cancelled.set()
+            raise self._upload_error(url, exc) from exc
         info = raw.info
         assert info is not None
         obj = _ObjectRecord(info.size, info.etag, next(iter(info.checksums.values()), ""))

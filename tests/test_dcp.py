@@ -21,10 +21,11 @@ import pytest
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
-import s3_dcp  # noqa: E402
-import s3_utils  # noqa: E402
 from fault_proxy import Fault, FaultRule  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+
+import s3_dcp  # noqa: E402
+import s3_utils  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -174,9 +175,7 @@ def test_validate_checkpoint_id() -> None:
 
 
 @pytest.mark.parametrize("thread_count", [1, 2])
-def test_round_trip_tensors_and_bytes_no_dist(
-    bucket: str, s3_client: Any, tmp_path: Path, thread_count: int
-) -> None:
+def test_round_trip_tensors_and_bytes_no_dist(bucket: str, s3_client: Any, tmp_path: Path, thread_count: int) -> None:
     url = f"s3://{bucket}/ckpt"
     state = _state()
     _save(state, url, thread_count=thread_count)
@@ -402,7 +401,8 @@ def test_shard_replaced_after_save_is_refused(bucket: str, s3_client: Any) -> No
     url = f"s3://{bucket}/ckpt"
     _save(_state(), url)
     body = s3_client.get_object(Bucket=bucket, Key="ckpt/__0_0.distcp")["Body"].read()
-    s3_client.put_object(Bucket=bucket, Key="ckpt/__0_0.distcp", Body=body[:100] + bytes([body[100] ^ 0xFF]) + body[101:])
+    tampered = body[:100] + bytes([body[100] ^ 0xFF]) + body[101:]
+    s3_client.put_object(Bucket=bucket, Key="ckpt/__0_0.distcp", Body=tampered)
     with pytest.raises(CheckpointException) as caught:
         _load(_empty_like(_state()), url)
     assert isinstance(_failure(caught), s3_utils.ChecksumMismatchError)
