@@ -490,3 +490,47 @@ def test_load_fails_cleanly_at_each_contract_step(bucket: str, step: str) -> Non
         dcp.load(_empty_like(_state(0)), storage_reader=reader, checkpoint_id=url, no_dist=True)
     message = str(caught.value)
     assert "injected failure" in message
+
+
+def test_server_restart_within_the_retry_budget_save_completes(s3_server: Any, bucket: str, fault_proxy: Any) -> None:
+    """SeaweedFS is killed (SIGKILL) while a shard's parts upload and comes back on the same port: retries carry the
+    save through, and the checkpoint loads bit-identical."""
+    import threading
+    import time
+
+    from s3_servers import seaweedfs_process
+
+    try:
+        server = seaweedfs_process(s3_server)
+    except KeyError:
+        pytest.skip("only the SeaweedFS harness can kill and restart its server")
+    patient = s3_utils.RetryPolicy(max_attempts=30, max_elapsed_s=90, initial_backoff_s=0.2, max_backoff_s=1.0)
+    settings = s3_utils.S3ClientSettings(endpoint_url=fault_proxy.endpoint_url, connect_timeout_s=2, read_timeout_s=10)
+    state = {f"layer{n}": torch.randn(1024 * 1024, generator=torch.Generator().manual_seed(n)) for n in range(12)}
+    url = f"s3://{bucket}/restarted"
+    outcome: dict[str, Any] = {}
+
+    def save() -> None:
+        try:
+            writer = _writer(url, client_settings=settings, retry_policy=patient, max_write_concurrency=1)
+            outcome["writer"] = writer
+            dcp.save(state, storage_writer=writer, no_dist=True)
+            outcome["ok"] = True
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=save)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while fault_proxy.count(method="PUT") < 2 and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(0.01)
+    assert thread.is_alive(), f"the save ended before the server could be killed: {outcome}"
+    server.kill()
+    time.sleep(1.0)
+    server.restart()
+    thread.join(timeout=120)
+    assert outcome.get("ok"), outcome.get("error")
+    assert outcome["writer"].s3.retries > 0  # the outage was seen and ridden out
+    loaded = {key: torch.zeros_like(value) for key, value in state.items()}
+    _load(loaded, url)
+    assert all(torch.equal(loaded[key], state[key]) for key in state)
