@@ -40,7 +40,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 if __package__:
     from . import s3_checkpoint_io as _ckpt_io
@@ -54,14 +54,20 @@ else:  # installed (or copied) as top-level modules
 __all__ = [
     "DCP_SHARD_SUFFIX",
     "ITEM_CHECKSUMS_NAME",
+    "LIGHTNING_META_NAME",
     "METADATA_NAME",
     "CheckpointIncompleteError",
     "CheckpointWriteError",
+    "S3FSDPStrategy",
+    "S3ModelParallelStrategy",
+    "S3ShardedStrategyMixin",
     "S3StorageReader",
     "S3StorageWriter",
     "UnsafeCheckpointMetadataError",
     "item_checksums_name",
+    "load_metadata_bytes",
     "metadata_name",
+    "sharded_strategy_class",
 ]
 
 logger = logging.getLogger(__name__)
@@ -995,6 +1001,287 @@ def _checksum(algorithm: Any, view: memoryview) -> int:
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# Lightning's sharded strategies
+# --------------------------------------------------------------------------------------------------------------------
+
+LIGHTNING_META_NAME = "meta.pt"
+"""The file Lightning's sharded strategies write beside the DCP files: the checkpoint minus model and optimizer
+states (loops, callbacks, hyper-parameters)."""
+_LIGHTNING_FAMILIES = ("lightning.pytorch", "pytorch_lightning")
+_FABRIC_OF = {"lightning.pytorch": "lightning.fabric", "pytorch_lightning": "lightning_fabric"}
+_STRATEGY_SUFFIX = {"lightning.pytorch": "", "pytorch_lightning": "PL"}
+_STRATEGY_BASES = {"model_parallel": "ModelParallelStrategy", "fsdp": "FSDPStrategy"}
+_STRATEGY_NAMES = {"model_parallel": "S3ModelParallelStrategy", "fsdp": "S3FSDPStrategy"}
+
+
+class S3ShardedStrategyMixin:
+    """Makes a Lightning sharded strategy (``ModelParallelStrategy``, ``FSDPStrategy``) save, load and remove
+    checkpoints at ``s3://`` paths; local paths go to Lightning's own code unchanged.
+
+    * Sharded checkpoints (``ModelParallelStrategy``'s default, ``FSDPStrategy(state_dict_type="sharded")``) are
+      DCP checkpoints written by `S3StorageWriter`: a prefix
+      ``<path>/`` holding ``__{rank}_{n}.distcp``, ``meta.pt`` (written first, by rank 0) and ``.metadata`` (written
+      last: the checkpoint is complete once it exists). Loads go through `S3StorageReader`.
+    * Full (consolidated) checkpoints are one object written by `S3CheckpointIO` on rank 0.
+    * Removal deletes the object at the path and everything under ``<path>/`` (never ``<path>-old/...``).
+
+    Lightning (2.4-2.6) would otherwise turn ``s3://bucket/x`` into the local directory ``s3:/bucket/x``.
+    Extra keyword arguments (all optional): chunk_size_MB, max_read_concurrency, max_write_concurrency, thread_count,
+    checksum_algorithm, endpoint_url, region_name, client_settings, retry_policy (as `S3CheckpointIO`).
+    """
+
+    lightning_base: type
+    _s3_kind: str
+    _S3_OPTIONS: ClassVar[dict[str, Any]] = {
+        "chunk_size_MB": _s3.DEFAULT_CHUNK_SIZE_MB,
+        "max_read_concurrency": _s3.DEFAULT_MAX_READ_CONCURRENCY,
+        "max_write_concurrency": _s3.DEFAULT_MAX_WRITE_CONCURRENCY,
+        "thread_count": 1,
+        "checksum_algorithm": "auto",
+        "endpoint_url": None,
+        "region_name": None,
+        "client_settings": None,
+        "retry_policy": None,
+    }
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        options = {name: kwargs.pop(name, default) for name, default in self._S3_OPTIONS.items()}
+        _validate_sizes(options["chunk_size_MB"], options["max_write_concurrency"], "max_write_concurrency")
+        _validate_sizes(options["chunk_size_MB"], options["max_read_concurrency"], "max_read_concurrency")
+        _s3.S3Utils._check_checksum_algorithm(options["checksum_algorithm"])
+        super().__init__(*args, **kwargs)
+        self.s3_options = options
+        self._s3_io: Any = None
+
+    # ---- helpers --------------------------------------------------------------------------------------------------
+
+    def _s3_settings(self) -> tuple[_s3.S3ClientSettings, _s3.RetryPolicy | None]:
+        o = self.s3_options
+        connections = max(o["max_read_concurrency"], o["thread_count"] * o["max_write_concurrency"])
+        settings = o["client_settings"] or _s3.S3ClientSettings(
+            endpoint_url=o["endpoint_url"], region_name=o["region_name"], max_pool_connections=max(32, connections + 4)
+        )
+        return settings, o["retry_policy"]
+
+    @property
+    def s3_checkpoint_io(self) -> Any:
+        """The `S3CheckpointIO` that writes full checkpoints and ``meta.pt`` (built on first use)."""
+        if self._s3_io is None:
+            settings, policy = self._s3_settings()
+            o = self.s3_options
+            self._s3_io = _ckpt_io.S3CheckpointIO(
+                chunk_size_MB=o["chunk_size_MB"],
+                max_read_concurrency=o["max_read_concurrency"],
+                max_write_concurrency=o["max_write_concurrency"],
+                checksum_algorithm=o["checksum_algorithm"],
+                client_settings=settings,
+                retry_policy=policy,
+            )
+        return self._s3_io
+
+    def s3_storage_writer(self, path: str) -> Any:
+        settings, policy = self._s3_settings()
+        o = self.s3_options
+        return _build_writer_class()(
+            path,
+            chunk_size_MB=o["chunk_size_MB"],
+            max_write_concurrency=o["max_write_concurrency"],
+            thread_count=o["thread_count"],
+            checksum_algorithm=o["checksum_algorithm"],
+            client_settings=settings,
+            retry_policy=policy,
+        )
+
+    def s3_storage_reader(self, path: str) -> Any:
+        settings, policy = self._s3_settings()
+        o = self.s3_options
+        return _build_reader_class()(
+            path,
+            chunk_size_MB=o["chunk_size_MB"],
+            max_read_concurrency=o["max_read_concurrency"],
+            client_settings=settings,
+            retry_policy=policy,
+        )
+
+    def _s3(self) -> _s3.S3Utils:
+        return self.s3_checkpoint_io.s3
+
+    def _saves_sharded(self) -> bool:
+        if self._s3_kind == "fsdp":
+            return getattr(self, "_state_dict_type", "sharded") == "sharded"
+        return bool(getattr(self, "_save_distributed_checkpoint", True))
+
+    def _is_s3_sharded_checkpoint(self, url: str) -> bool:
+        """Whether `url` is a complete DCP checkpoint (rank 0 asks, every rank gets the answer)."""
+        found = None
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            found = self._s3().s3_path_exists(_join(url, METADATA_NAME))
+        return bool(self.broadcast(found))  # type: ignore[attr-defined]
+
+    # ---- save / load / remove -------------------------------------------------------------------------------------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if not _urls.is_s3_url(filepath):
+            return super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported: pass the S3 "
+                "options to the strategy's constructor"
+            )
+        url = _checkpoint_url(self.broadcast(_urls.normalize_s3_url(filepath)))  # type: ignore[attr-defined]
+        if not self._saves_sharded():
+            if self.is_global_zero:  # type: ignore[attr-defined]
+                self._s3().remove_objects_with_prefix(url + "/")  # a sharded checkpoint of the same name
+                self.s3_checkpoint_io.save_checkpoint(checkpoint, url)
+            self.barrier("S3 full checkpoint")  # type: ignore[attr-defined]
+            return None
+        model_key = "model" if self._s3_kind == "fsdp" else "state_dict"
+        converted = {model_key: checkpoint.pop("state_dict")}
+        converted.update({f"optimizer_{n}": state for n, state in enumerate(checkpoint.pop("optimizer_states", []))})
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            utils = self._s3()
+            utils.remove_object(url)  # a full checkpoint of the same name
+            utils.remove_object(_join(url, METADATA_NAME))  # an older checkpoint here is no longer complete
+            self.s3_checkpoint_io.save_checkpoint(checkpoint, _join(url, LIGHTNING_META_NAME))
+            self.s3_checkpoint_io.wait_for_pending_saves()
+        self.barrier("S3 sharded checkpoint: meta.pt")  # type: ignore[attr-defined]
+        dcp = _s3.import_optional_dependency("torch.distributed.checkpoint", "distributed checkpoints")
+        dcp.save(converted, storage_writer=self.s3_storage_writer(url))
+        return None
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if not _urls.is_s3_url(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        url = _checkpoint_url(self.broadcast(_urls.normalize_s3_url(checkpoint_path)))  # type: ignore[attr-defined]
+        if not self._is_s3_sharded_checkpoint(url):
+            return self._load_full_s3_checkpoint(url, weights_only)
+        if self._s3_kind == "fsdp":
+            self._load_sharded_fsdp1(url)
+        else:
+            self._load_sharded_dtensor(url)
+        return self.s3_checkpoint_io.load_checkpoint(_join(url, LIGHTNING_META_NAME), weights_only=weights_only)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if not _urls.is_s3_url(filepath):
+            return super().remove_checkpoint(filepath)  # type: ignore[misc]
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            url = _checkpoint_url(filepath)
+            self.s3_checkpoint_io.remove_checkpoint(url)
+            self.s3_checkpoint_io.wait_for_pending_saves()
+            self._s3().remove_objects_with_prefix(url)
+        return None
+
+    def teardown(self) -> None:
+        try:
+            if self._s3_io is not None:
+                self._s3_io.teardown()
+        finally:
+            super().teardown()  # type: ignore[misc]
+
+    # ---- internals ------------------------------------------------------------------------------------------------
+
+    def _load_sharded_dtensor(self, url: str) -> None:
+        """ModelParallelStrategy (FSDP2 / DTensor): what Lightning's ``_load_checkpoint`` does, reading from S3."""
+        dcp = _s3.import_optional_dependency("torch.distributed.checkpoint", "distributed checkpoints")
+        helpers = _s3.import_optional_dependency("torch.distributed.checkpoint.state_dict", "distributed checkpoints")
+        module = self.model  # type: ignore[attr-defined]
+        strict = self.lightning_module.strict_loading  # type: ignore[attr-defined]
+        module_state = {"state_dict": helpers.get_model_state_dict(module)}
+        dcp.load(module_state, storage_reader=self.s3_storage_reader(url))
+        module.load_state_dict(module_state["state_dict"], strict=strict)
+        options = helpers.StateDictOptions(cpu_offload=True)
+        for index, optimizer in enumerate(self.optimizers):  # type: ignore[attr-defined]
+            key = f"optimizer_{index}"
+            optimizer_state = {key: helpers.get_optimizer_state_dict(module, optimizer)}
+            dcp.load(optimizer_state, storage_reader=self.s3_storage_reader(url))
+            helpers.set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state[key], options=options)
+
+    def _load_sharded_fsdp1(self, url: str) -> None:
+        """FSDPStrategy (FSDP1): what Lightning's ``FSDPStrategy.load_checkpoint`` does, reading from S3."""
+        dcp = _s3.import_optional_dependency("torch.distributed.checkpoint", "distributed checkpoints")
+        optimizer_helpers = _s3.import_optional_dependency(
+            "torch.distributed.checkpoint.optimizer", "distributed checkpoints"
+        )
+        fsdp = _s3.import_optional_dependency("torch.distributed.fsdp", "FSDP checkpoints")
+        fabric_fsdp = _s3.import_optional_dependency(f"{_FABRIC_OF[self._s3_family]}.strategies.fsdp", "FSDP")
+        module = self.model  # type: ignore[attr-defined]
+        with fabric_fsdp._get_sharded_state_dict_context(module):
+            module_state = {"model": module.state_dict()}
+            dcp.load(module_state, storage_reader=self.s3_storage_reader(url))
+            module.load_state_dict(module_state["model"], strict=self.lightning_module.strict_loading)  # type: ignore[attr-defined]
+            for index, optimizer in enumerate(self.optimizers):  # type: ignore[attr-defined]
+                key = f"optimizer_{index}"
+                state = optimizer_helpers.load_sharded_optimizer_state_dict(
+                    model_state_dict=module_state["model"],
+                    optimizer_key=key,
+                    storage_reader=self.s3_storage_reader(url),
+                )
+                flattened = fsdp.FullyShardedDataParallel.optim_state_dict_to_load(
+                    optim_state_dict=state[key], model=module, optim=optimizer
+                )
+                optimizer.load_state_dict(flattened)
+
+    def _load_full_s3_checkpoint(self, url: str, weights_only: bool | None) -> dict[str, Any]:
+        """A consolidated checkpoint: every rank downloads the one object (verified) and Lightning's own
+        full-checkpoint code restores it from the in-memory file. That code broadcasts its path from rank 0, and each
+        rank's in-memory file has a path of its own, so the broadcast is skipped for that call (the URL was
+        broadcast already)."""
+        utils = self._s3()
+        o = self.s3_options
+        with utils.download_to_memory(url, o["chunk_size_MB"], o["max_read_concurrency"]) as downloaded:
+            self.broadcast = _no_broadcast  # type: ignore[method-assign]
+            try:
+                return super().load_checkpoint(downloaded.path, weights_only=weights_only)  # type: ignore[misc]
+            finally:
+                del self.broadcast
+
+    _s3_family: str
+
+
+def _no_broadcast(obj: Any, src: int = 0) -> Any:
+    return obj
+
+
+def sharded_strategy_class(kind: str = "model_parallel", family: str | None = None) -> type:
+    """`S3ModelParallelStrategy` (`kind` ``"model_parallel"``) or `S3FSDPStrategy` (``"fsdp"``) for a Lightning family
+    (``"lightning.pytorch"`` or ``"pytorch_lightning"``; default: ``lightning.pytorch`` if installed). Cached."""
+    if kind not in _STRATEGY_BASES:
+        raise ValueError(f"kind must be one of {sorted(_STRATEGY_BASES)}, got {kind!r}")
+    if family is None:
+        family = next((f for f in _LIGHTNING_FAMILIES if _installed(f)), None)
+        if family is None:
+            _s3.import_optional_dependency("lightning", "the S3 sharded strategies")
+    if family not in _LIGHTNING_FAMILIES:
+        raise ValueError(f"family must be one of {_LIGHTNING_FAMILIES}, got {family!r}")
+    return _build_strategy_class(kind, family)
+
+
+def _installed(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _build_strategy_class(kind: str, family: str) -> type:
+    strategies = _s3.import_optional_dependency(f"{family}.strategies", f"{family} support")
+    base = getattr(strategies, _STRATEGY_BASES[kind])
+    name = _STRATEGY_NAMES[kind] + _STRATEGY_SUFFIX[family]
+    doc = f"Lightning's ``{base.__name__}`` ({family}) for ``s3://`` checkpoints. {S3ShardedStrategyMixin.__doc__}"
+    namespace = {
+        "__module__": __name__,
+        "__qualname__": name,
+        "__doc__": doc,
+        "lightning_base": base,
+        "_s3_kind": kind,
+        "_s3_family": family,
+    }
+    return type(name, (S3ShardedStrategyMixin, base), namespace)
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # Lazily built public classes
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -1081,6 +1368,10 @@ def _build_reader_class() -> type:
 S3StorageWriter: type
 """Built on first access (torch imported then); see `_WRITER_DOC`."""
 S3StorageReader: type
+S3ModelParallelStrategy: type
+"""`sharded_strategy_class("model_parallel")`; ``S3ModelParallelStrategyPL`` for ``pytorch_lightning``."""
+S3FSDPStrategy: type
+"""`sharded_strategy_class("fsdp")`; ``S3FSDPStrategyPL`` for ``pytorch_lightning``."""
 
 
 def __getattr__(name: str) -> Any:
@@ -1093,7 +1384,9 @@ def __getattr__(name: str) -> Any:
         cls = builders[name]()
         globals()[name] = cls
         return cls
+    for kind, base_name in _STRATEGY_NAMES.items():
+        if name == base_name:
+            return sharded_strategy_class(kind)
+        if name == base_name + _STRATEGY_SUFFIX["pytorch_lightning"]:
+            return sharded_strategy_class(kind, "pytorch_lightning")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-_ = _ckpt_io  # imported for the layering (the Lightning strategies use it)

@@ -37,6 +37,16 @@ TWO_RANK_SCENARIOS = [
 ]
 
 
+MULTIRANK_BACKENDS = os.environ.get("S3CKPT_DCP_MULTIRANK_BACKENDS", "moto").split(",")
+"""Backends the multi-process DCP tests run on (they start 2-4 ranks per case, which dominates their time; the
+single-process tests in test_dcp.py cover every backend). ``S3CKPT_DCP_MULTIRANK_BACKENDS=moto,seaweedfs`` for more."""
+
+
+def skip_unless_multirank_backend(s3_server: Any) -> None:
+    if s3_server.name not in MULTIRANK_BACKENDS:
+        pytest.skip(f"multi-rank DCP tests run on {MULTIRANK_BACKENDS} (S3CKPT_DCP_MULTIRANK_BACKENDS)")
+
+
 def _run_ranks(world_size: int, scenarios: list[str], base: str, endpoint: str, out: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HELPERS), *sys.path])}
     command = [sys.executable, "-m", "dcp_worker", "--world-size", str(world_size), "--scenarios", ",".join(scenarios)]
@@ -58,6 +68,7 @@ def _assert_loaded_identical(out: Path, scenario: str, world_size: int) -> None:
 @pytest.fixture(scope="module")
 def dcp_run(s3_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """Runs every scenario once: 2 ranks save and load, then 1 and 4 ranks load what 2 saved."""
+    skip_unless_multirank_backend(s3_server)
     client = s3_server.client()
     bucket = f"dcp-{uuid.uuid4().hex[:8]}"
     client.create_bucket(Bucket=bucket)
