@@ -32,6 +32,7 @@ the ``pytorch_lightning`` ones. The behaviour lives in two plain mixins, `Broadc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -55,6 +56,11 @@ else:  # installed (or copied) as top-level modules
     import s3_utils as _s3
 
 __all__ = [
+    "CHECKPOINT_SUFFIX",
+    "END_FILE_SUFFIX",
+    "LAST_DIRECTORY_PATTERN",
+    "LAST_FILE_PATTERN",
+    "STEP_PATTERN",
     "BroadcastResumeConnectorMixin",
     "CheckpointAlreadyCompletedError",
     "CheckpointNotFoundError",
@@ -67,6 +73,8 @@ __all__ = [
     "build_s3_checkpointing",
     "check_resume",
     "checkpoint_connector_class",
+    "checkpoint_step",
+    "classify_checkpoint_name",
     "configure_s3_checkpointing",
     "find_resume_checkpoint",
     "global_rank",
@@ -156,9 +164,17 @@ _RANK_FOLDER = re.compile(
     r"(?:mp_rank_(?P<mp>\d+)|tp_rank_(?P<tp>\d+)_pp_rank_(?P<pp>\d+))(?:_fsdp_shard_(?P<fsdp>\d+))?"
     r"|fsdp_shard_(?P<fsdp_only>\d+)"
 )
-_STEP = re.compile(r"(?<![A-Za-z0-9_])step=(\d+)")
-_LAST_FILE = re.compile(r"last(?:-v\d+)?\.ckpt$")  # NeMo's *last.ckpt, plus Lightning's versioned last-v1.ckpt
-_LAST_DIR = re.compile(r"last(?:-v\d+)?$")  # distributed (directory) checkpoints: NeMo's "*last"
+# Checkpoint names (after NeMo's ``*last.ckpt`` / ``*end.ckpt`` globs). Public so that tools (the CLI) apply the
+# same rules as resume discovery.
+CHECKPOINT_SUFFIX = ".ckpt"
+STEP_PATTERN = re.compile(r"(?<![A-Za-z0-9_])step=(\d+)")
+"""``step=N`` in a checkpoint name (not ``mystep=N``); the last one counts."""
+LAST_FILE_PATTERN = re.compile(r"last(?:-v\d+)?\.ckpt$")
+"""NeMo's ``*last.ckpt``, plus Lightning's versioned ``*last-v1.ckpt``."""
+LAST_DIRECTORY_PATTERN = re.compile(r"last(?:-v\d+)?$")
+"""Distributed (directory) checkpoints: NeMo's ``*last``."""
+END_FILE_SUFFIX = "end.ckpt"
+"""NeMo's ``*end.ckpt``: the run finished (``*end`` for a directory)."""
 _UNFINISHED_SUFFIX = "-unfinished"  # NeMo's unfinished-checkpoint marker (NeMoModelCheckpoint)
 
 
@@ -238,21 +254,23 @@ class ResumeCandidate:
     """Why it cannot be used (incomplete shards, unfinished marker), or None."""
 
 
-def _name_kind(name: str, is_directory: bool) -> str | None:
-    """``"end"`` for NeMo's ``*end.ckpt`` (``*end`` for a directory), ``"last"`` for ``*last.ckpt`` / ``*last-vN.ckpt``
-    (``*last`` / ``*last-vN`` for a directory), else None."""
+def classify_checkpoint_name(name: str, is_directory: bool = False) -> str | None:
+    """The kind of checkpoint a file (or directory) name denotes for resuming: ``"end"`` for NeMo's ``*end.ckpt``
+    (``*end`` for a directory: the run finished), ``"last"`` for ``*last.ckpt`` / ``*last-vN.ckpt`` (``*last`` /
+    ``*last-vN`` for a directory), else None (top-k checkpoints and other files are not resumed from)."""
     if is_directory:
-        name = name.removesuffix(".ckpt")
-        if name.endswith("end"):
+        name = name.removesuffix(CHECKPOINT_SUFFIX)
+        if name.endswith(END_FILE_SUFFIX.removesuffix(CHECKPOINT_SUFFIX)):
             return "end"
-        return "last" if _LAST_DIR.search(name) else None
-    if name.endswith("end.ckpt"):
+        return "last" if LAST_DIRECTORY_PATTERN.search(name) else None
+    if name.endswith(END_FILE_SUFFIX):
         return "end"
-    return "last" if _LAST_FILE.search(name) else None
+    return "last" if LAST_FILE_PATTERN.search(name) else None
 
 
-def _step_of(name: str) -> int | None:
-    steps = _STEP.findall(name)
+def checkpoint_step(name: str) -> int | None:
+    """The ``N`` of the last ``step=N`` in a checkpoint name (``mystep=N`` does not count), or None."""
+    steps = STEP_PATTERN.findall(name)
     return int(steps[-1]) if steps else None
 
 
@@ -276,12 +294,12 @@ def _candidates_from_entries(base: str, entries: Iterable[tuple[str, float]]) ->
         parts = relative.split("/")
         if len(parts) == 1:
             top_level.add(parts[0])
-            if _name_kind(parts[0], False):
+            if classify_checkpoint_name(parts[0], False):
                 files.setdefault(parts[0], {})[""] = modified
         elif len(parts) == 2 and _RANK_FOLDER.fullmatch(parts[0]):
-            if parts[1] and _name_kind(parts[1], False):
+            if parts[1] and classify_checkpoint_name(parts[1], False):
                 files.setdefault(parts[1], {})[parts[0]] = modified
-        elif parts[0] and not _RANK_FOLDER.fullmatch(parts[0]) and _name_kind(parts[0], True):
+        elif parts[0] and not _RANK_FOLDER.fullmatch(parts[0]) and classify_checkpoint_name(parts[0], True):
             directories[parts[0]] = max(modified, directories.get(parts[0], modified))
     separator = "" if base.endswith("/") else "/"
     candidates = []
@@ -293,8 +311,8 @@ def _candidates_from_entries(base: str, entries: Iterable[tuple[str, float]]) ->
             ResumeCandidate(
                 name=name,
                 url=f"{base}{separator}{name}",
-                kind=_name_kind(name, False) or "",
-                step=_step_of(name),
+                kind=classify_checkpoint_name(name, False) or "",
+                step=checkpoint_step(name),
                 modified=max(shards.values()),
                 shards=tuple(sorted(shards)),
                 problem=problem,
@@ -306,8 +324,8 @@ def _candidates_from_entries(base: str, entries: Iterable[tuple[str, float]]) ->
             ResumeCandidate(
                 name=name,
                 url=f"{base}{separator}{name}",
-                kind=_name_kind(name, True) or "",
-                step=_step_of(name),
+                kind=classify_checkpoint_name(name, True) or "",
+                step=checkpoint_step(name),
                 modified=modified,
                 is_directory=True,
                 problem=f"its unfinished marker {marker} exists" if marker in top_level else None,
@@ -338,7 +356,7 @@ def _local_entries(directory: str) -> list[tuple[str, float]]:
                     entries.extend(
                         (f"{entry.name}/{item.name}", item.stat().st_mtime) for item in shard if item.is_file()
                     )
-            elif entry.is_dir() and _name_kind(entry.name, True):
+            elif entry.is_dir() and classify_checkpoint_name(entry.name, True):
                 newest = entry.stat().st_mtime
                 for root, _, names in os.walk(entry.path):
                     for name in names:
@@ -651,7 +669,7 @@ def _newest_last_checkpoint(trainer: Any, sources: list[S3ModelCheckpointMixin],
             stacklevel=2,
         )
         return None
-    return max(times, key=lambda url: (times[url], _step_of(url.rpartition("/")[2]) or -1, url))
+    return max(times, key=lambda url: (times[url], checkpoint_step(url.rpartition("/")[2]) or -1, url))
 
 
 def _normalize_dirpath(dirpath: Any) -> Any:
@@ -711,7 +729,7 @@ class S3ModelCheckpointMixin:
 
     # ---- S3 access ------------------------------------------------------------------------------------------------
 
-    def _s3(self, trainer: Any = None) -> _s3.S3Utils:
+    def _s3_utils(self, trainer: Any = None) -> _s3.S3Utils:
         """The S3Utils to use: the one given, else the trainer's S3CheckpointIO's, else one from default settings."""
         if self.s3_utils is None:
             self.s3_utils = (_s3_utils_of_trainer(trainer) if trainer is not None else None) or _s3.S3Utils()
@@ -725,11 +743,11 @@ class S3ModelCheckpointMixin:
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         install_checkpoint_connector(trainer)
         if self._is_s3_dir():
-            self._s3(trainer)  # bind the plugin's client before Lightning's setup asks S3 anything
+            self._s3_utils(trainer)  # bind the plugin's client before Lightning's setup asks S3 anything
         super().setup(trainer, pl_module, stage)  # type: ignore[misc]
         self.dirpath = _normalize_dirpath(self.dirpath)
         if self._is_s3_dir():
-            self._s3(trainer)
+            self._s3_utils(trainer)
         connector = trainer._checkpoint_connector
         state = (getattr(connector, "_ckpt_path", None), getattr(connector, "_user_managed", False))
         (ckpt_path, user_managed), last_model_path = _broadcast_from_rank_zero(trainer, (state, self.last_model_path))
@@ -743,8 +761,8 @@ class S3ModelCheckpointMixin:
         url = _urls.normalize_s3_url(filepath)
 
         def head() -> bool:
-            _ckpt_io._invalidate_fsspec_cache(url)
-            return self._s3(trainer).s3_path_exists(url)
+            _s3.invalidate_fsspec_cache(url)
+            return self._s3_utils(trainer).s3_path_exists(url)
 
         return bool(_on_rank_zero_then_broadcast(trainer, head, f"checking whether {url} exists"))
 
@@ -758,7 +776,7 @@ class S3ModelCheckpointMixin:
         url = self.dirpath
         pattern = self._last_name_pattern()
         try:
-            entries = _s3_entries(url, self._s3(trainer))
+            entries = _s3_entries(url, self._s3_utils(trainer))
         except FileNotFoundError:
             return {}
         return {f"{url}/{name}": modified for name, modified in entries if "/" not in name and pattern.fullmatch(name)}
@@ -768,7 +786,7 @@ class S3ModelCheckpointMixin:
         fsspec about each URL): the ``s3://`` URLs, not Lightning's ``s3:/`` (#18261)."""
         if not self._is_s3_dir():
             return super()._find_last_checkpoints(trainer)  # type: ignore[misc]
-        _ckpt_io._invalidate_fsspec_cache(self.dirpath)  # Lightning asks fsspec about each candidate next
+        _s3.invalidate_fsspec_cache(self.dirpath)  # Lightning asks fsspec about each candidate next
         return set(self.last_checkpoint_times(trainer))
 
     # Overrides ModelCheckpoint's private (name-mangled) __warn_if_dir_not_empty; if Lightning renames it, its own runs.
@@ -777,7 +795,7 @@ class S3ModelCheckpointMixin:
         (one LIST, same endpoint and credentials as the saves) instead of s3fs, for an S3 dirpath."""
         if not (isinstance(dirpath, (str, os.PathLike)) and _urls.is_s3_url(dirpath)):
             return super()._ModelCheckpoint__warn_if_dir_not_empty(dirpath)  # type: ignore[misc]
-        if getattr(self, "save_top_k", 1) != 0 and self._s3().s3_path_exists(dirpath, match_directory=True):
+        if getattr(self, "save_top_k", 1) != 0 and self._s3_utils().s3_path_exists(dirpath, match_directory=True):
             warnings.warn(f"Checkpoint directory {dirpath} exists and is not empty.", UserWarning, stacklevel=2)
         return None
 
@@ -807,12 +825,12 @@ class S3ModelCheckpointMixin:
     def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
         super()._save_checkpoint(trainer, filepath)  # type: ignore[misc]
         if _urls.is_s3_url(filepath):
-            _ckpt_io._invalidate_fsspec_cache(_urls.normalize_s3_url(filepath))
+            _s3.invalidate_fsspec_cache(_urls.normalize_s3_url(filepath))
 
     def _remove_checkpoint(self, trainer: Any, filepath: str, *args: Any, **kwargs: Any) -> None:
         super()._remove_checkpoint(trainer, filepath, *args, **kwargs)  # type: ignore[misc]
         if _urls.is_s3_url(filepath):
-            _ckpt_io._invalidate_fsspec_cache(_urls.normalize_s3_url(filepath))
+            _s3.invalidate_fsspec_cache(_urls.normalize_s3_url(filepath))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -858,22 +876,23 @@ def s3_model_checkpoint_class(family: str | None = None) -> type:
     return _build_callback_class(_family_of(family))
 
 
-@functools.cache
 def _build_connector_class(family: str) -> type:
     base = _lightning_module(family, "trainer.connectors.checkpoint_connector")._CheckpointConnector
-    name = _CONNECTOR_NAME + _CLASS_SUFFIX[family]
-    doc = f"Lightning's ``_CheckpointConnector`` ({family}) with rank-0 resume. {BroadcastResumeConnectorMixin.__doc__}"
-    namespace = {"__module__": __name__, "__qualname__": name, "__doc__": doc, "lightning_base": base}
-    return type(name, (BroadcastResumeConnectorMixin, base), namespace)
+    return _lightning_subclass(_CONNECTOR_NAME, family, BroadcastResumeConnectorMixin, base, "with rank-0 resume")
+
+
+def _build_callback_class(family: str) -> type:
+    base = _lightning_module(family, "callbacks").ModelCheckpoint
+    return _lightning_subclass(_CALLBACK_NAME, family, S3ModelCheckpointMixin, base, "S3-aware")
 
 
 @functools.cache
-def _build_callback_class(family: str) -> type:
-    base = _lightning_module(family, "callbacks").ModelCheckpoint
-    name = _CALLBACK_NAME + _CLASS_SUFFIX[family]
-    doc = f"Lightning's ``ModelCheckpoint`` ({family}), S3-aware. {S3ModelCheckpointMixin.__doc__}"
+def _lightning_subclass(base_name: str, family: str, mixin: type, base: type, what: str) -> type:
+    """``class <base_name>[PL](mixin, base)``, built once per family; `lightning_base` names the Lightning class."""
+    name = base_name + _CLASS_SUFFIX[family]
+    doc = f"Lightning's ``{base.__name__}`` ({family}), {what}. {mixin.__doc__}"
     namespace = {"__module__": __name__, "__qualname__": name, "__doc__": doc, "lightning_base": base}
-    return type(name, (S3ModelCheckpointMixin, base), namespace)
+    return type(name, (mixin, base), namespace)
 
 
 NeMoCheckpointConnector: type
@@ -936,7 +955,7 @@ def install_checkpoint_connector(trainer: Any) -> Any:
 # --------------------------------------------------------------------------------------------------------------------
 
 # `s3_checkpointing:` keys (NeMo's megatron_gpt_config.yaml) -> S3CheckpointIO arguments; the last three are ours.
-_S3_KEYS = {
+_S3_CONFIG_TO_IO_KWARGS = {
     "max_write_concurrency": "max_write_concurrency",
     "max_read_concurrency": "max_read_concurrency",
     "chunk_size_MB": "chunk_size_MB",
@@ -962,7 +981,7 @@ _NEMO_ONLY_CALLBACK_KEYS = frozenset(
 )
 
 
-def _plain(node: Any, what: str) -> dict[str, Any]:
+def _as_dict(node: Any, what: str) -> dict[str, Any]:
     """A plain dict from a Mapping or an OmegaConf node (resolved), so callers may pass either."""
     if node is None:
         return {}
@@ -1005,13 +1024,13 @@ def build_s3_checkpointing(
     itself with ``s3_checkpointing`` inside it. As in NeMo, a ``filename`` makes the last checkpoint
     ``{filename}-last``. NeMoModelCheckpoint-only keys (``save_nemo_on_train_end``...) are ignored with a warning.
     """
-    top = _plain(cfg, "cfg")
-    exp = _plain(top["exp_manager"], "exp_manager") if "exp_manager" in top else top
-    s3_cfg = _plain(top.get("s3_checkpointing", exp.get("s3_checkpointing")), "s3_checkpointing")
-    unknown = sorted(set(s3_cfg) - set(_S3_KEYS))
+    top = _as_dict(cfg, "cfg")
+    exp = _as_dict(top["exp_manager"], "exp_manager") if "exp_manager" in top else top
+    s3_cfg = _as_dict(top.get("s3_checkpointing", exp.get("s3_checkpointing")), "s3_checkpointing")
+    unknown = sorted(set(s3_cfg) - set(_S3_CONFIG_TO_IO_KWARGS))
     if unknown:
-        raise ValueError(f"s3_checkpointing: unknown key(s) {unknown}; known: {sorted(_S3_KEYS)}")
-    params = _plain(exp.get("checkpoint_callback_params"), "checkpoint_callback_params")
+        raise ValueError(f"s3_checkpointing: unknown key(s) {unknown}; known: {sorted(_S3_CONFIG_TO_IO_KWARGS)}")
+    params = _as_dict(exp.get("checkpoint_callback_params"), "checkpoint_callback_params")
     dirpath = params.get("dirpath")
     if not dirpath:
         raise ValueError(
@@ -1019,9 +1038,9 @@ def build_s3_checkpointing(
         )
     dirpath = _normalize_dirpath(dirpath)
 
-    io_kwargs = {_S3_KEYS[key]: value for key, value in s3_cfg.items() if value is not None}
+    io_kwargs = {_S3_CONFIG_TO_IO_KWARGS[key]: value for key, value in s3_cfg.items() if value is not None}
     if client_settings is not None:
-        io_kwargs["client_settings"] = client_settings
+        io_kwargs["client_settings"] = _settings_with_config(client_settings, io_kwargs)
     checkpoint_io = _ckpt_io.S3CheckpointIO(dirpath, **io_kwargs)
 
     family = _family_of(family)
@@ -1047,6 +1066,20 @@ def build_s3_checkpointing(
         if exp.get(key) is not None
     }
     return S3Checkpointing(checkpoint_io, callback, resume=resume)
+
+
+def _settings_with_config(settings: _s3.S3ClientSettings, io_kwargs: dict[str, Any]) -> _s3.S3ClientSettings:
+    """`settings` with the config's ``endpoint_url`` / ``region_name`` (popped from `io_kwargs`) filled in, since
+    S3CheckpointIO refuses them next to explicit settings; a value that contradicts the settings is an error."""
+    changes = {}
+    for name in ("endpoint_url", "region_name"):
+        value = io_kwargs.pop(name, None)
+        current = getattr(settings, name)
+        if value is not None and current is not None and value != current:
+            raise ValueError(f"s3_checkpointing.{name}={value!r} contradicts client_settings.{name}={current!r}")
+        if value is not None:
+            changes[name] = value
+    return dataclasses.replace(settings, **changes) if changes else settings
 
 
 def _is_default_model_checkpoint(callback: Any, base: type) -> bool:

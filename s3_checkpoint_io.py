@@ -1,20 +1,18 @@
 """`S3CheckpointIO`: a Lightning checkpoint plugin that streams ``torch.save`` to S3 and loads it back in parallel.
 
-Same name, arguments and defaults as NeMo's ``nemo.utils.callbacks.s3_checkpoint_io.S3CheckpointIO``, with NeMo's
-defects fixed:
+It has the name, arguments and defaults of NeMo's ``nemo.utils.callbacks.s3_checkpoint_io.S3CheckpointIO``. The
+module holds the torch side of checkpointing; everything that talks to S3 is in `s3_utils`:
 
-* a save streams into a multipart upload while ``torch.save`` runs: no ``/dev/shm`` file, no full in-memory copy;
-  memory stays below about ``(max_write_concurrency + 1) * chunk_size_MB`` whatever the checkpoint size;
-* the object appears only when complete, carries a full-object checksum, and a failed save leaves nothing behind;
-* a load fetches ranges in parallel into an in-memory file that ``torch.load(mmap=True)`` maps, so the tensors use
-  the downloaded pages and no second copy is made; the checksum is verified first;
-* async saves snapshot the tensors before returning, and removing an older checkpoint waits until every save issued
-  before it is durable (and is dropped if one failed), so the last good checkpoint is never deleted too early;
-* background failures are raised at the next call and at `teardown`, never dropped;
-* no ``torch.distributed`` needed, local paths work like Lightning's ``TorchCheckpointIO``.
+* saving: ``torch.save`` writes into an `s3_utils.S3MultipartWriter` (a multipart upload that commits only when
+  complete); local paths are saved atomically beside their target, as Lightning's ``TorchCheckpointIO`` would;
+* loading: the object is downloaded and verified into an in-memory file that ``torch.load(mmap=True)`` maps, so the
+  tensors use the downloaded pages; bytes that are not a torch checkpoint raise `NotACheckpointError`;
+* async saves: tensors are snapshotted to host memory (`snapshot_to_host`), uploaded in the background, and a
+  removal waits until every save issued before it is durable; background failures are raised at the next call;
+* `register_with_lightning`: the class is a ``CheckpointIO`` of every installed Lightning family (``lightning`` and
+  ``pytorch_lightning``), so both Trainers accept it; torch and Lightning are imported on first use.
 
-torch and Lightning are imported on first use; the class registers itself as a ``CheckpointIO`` of every installed
-Lightning family (``lightning`` and ``pytorch_lightning``), so both Trainers accept it.
+README.md ("Use with Lightning") lists the guarantees and what NeMo's version got wrong.
 """
 
 from __future__ import annotations
@@ -26,14 +24,12 @@ import math
 import os
 import pickle
 import shutil
-import sys
 import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 if __package__:
@@ -43,7 +39,7 @@ else:  # installed (or copied) as top-level modules
     import s3_dirpath_utils as _urls
     import s3_utils as _s3
 
-__all__ = ["NotACheckpointError", "S3CheckpointIO", "register_with_lightning", "snapshot_to_host"]
+__all__ = ["NotACheckpointError", "S3CheckpointIO", "TransferRecord", "register_with_lightning", "snapshot_to_host"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +47,7 @@ _LIGHTNING_CHECKPOINT_IO_BASES = (
     "lightning.fabric.plugins.io.checkpoint_io",
     "lightning_fabric.plugins.io.checkpoint_io",
 )
+_RECORDS_KEPT = 1000
 _registration_lock = threading.Lock()
 _registered: set[tuple[str, type]] = set()
 
@@ -86,15 +83,34 @@ class NotACheckpointError(pickle.UnpicklingError):
     """The object's bytes were downloaded and verified, but ``torch.load`` cannot read them as a checkpoint."""
 
 
+@dataclass(frozen=True)
+class TransferRecord:
+    """One finished save or load of `S3CheckpointIO`, kept in `S3CheckpointIO.records` (for logs and reports).
+
+    `seconds` is the whole transfer (serialise and upload, or download, verify and ``torch.load``); `blocked_seconds`
+    is how long the caller waited for it: the same for loads and sync saves, the snapshot and back-pressure for async
+    saves. `checksum` is the full-object checksum a save recorded with an S3 object, as ``"<ALGORITHM> <base64>"``
+    (e.g. ``"CRC32C 3Jz0Jg=="``); None for loads and local files.
+    """
+
+    kind: str  # "save" or "load"
+    url: str  # s3:// URL or local path
+    size: int  # bytes
+    seconds: float
+    checksum: str | None
+    blocked_seconds: float
+
+
 @dataclass(eq=False)
 class _PendingSave:
     """A background save. `settled` is set once its outcome is recorded and the removals waiting on it are done:
     waiting on the Future alone would race with that bookkeeping (done-callbacks run after waiters wake)."""
 
     path: str
-    future: Future[None] | None = None
+    future: Future[TransferRecord | None] | None = None
     settled: threading.Event = field(default_factory=threading.Event)
     failed: bool = False
+    blocked_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -117,12 +133,11 @@ class S3CheckpointIO:
         checksum_algorithm: ``"auto"`` (CRC32C with awscrt, else CRC32), ``"CRC32C"``, ``"CRC64NVME"`` or ``"CRC32"``.
         endpoint_url, region_name, client_settings, retry_policy: how to reach S3 (see `s3_utils.S3ClientSettings`).
         s3_utils: a ready `S3Utils` to use instead of building one from the settings above.
-    """
 
-    # Attributes newer Lightning versions read from a CheckpointIO.
-    requires_cpu_collectives = False
-    requires_state_on_load = False
-    _restore_after_setup = False
+    Arguments that would be ignored raise ValueError: `endpoint_url` / `region_name` together with `client_settings`
+    (put them in the settings) or with `s3_utils`, and `client_settings` / `retry_policy` together with `s3_utils`
+    (which has its own).
+    """
 
     def __init__(
         self,
@@ -144,9 +159,16 @@ class S3CheckpointIO:
         register_with_lightning(type(self))
         if not (math.isfinite(chunk_size_MB) and chunk_size_MB * _s3.MB >= _s3.MIN_PART_SIZE):
             raise ValueError(f"chunk_size_MB must be a number >= 5 (S3's minimum part size), got {chunk_size_MB}")
-        _s3.S3Utils._check_checksum_algorithm(checksum_algorithm)
+        _s3.validate_checksum_algorithm(checksum_algorithm)
         if retry_policy is not None and not isinstance(retry_policy, _s3.RetryPolicy):
             raise TypeError(f"retry_policy must be an s3_utils.RetryPolicy, got {type(retry_policy).__name__}")
+        _check_client_arguments(
+            endpoint_url=endpoint_url,
+            region_name=region_name,
+            client_settings=client_settings,
+            retry_policy=retry_policy,
+            s3_utils=s3_utils,
+        )
         for name, value in [
             ("max_read_concurrency", max_read_concurrency),
             ("max_write_concurrency", max_write_concurrency),
@@ -176,6 +198,8 @@ class S3CheckpointIO:
         self._errors: list[BaseException] = []
         self.last_save_blocked_s = 0.0
         """How long the last `save_checkpoint` call kept the caller waiting (snapshot plus back-pressure)."""
+        self.records: deque[TransferRecord] = deque(maxlen=_RECORDS_KEPT)
+        """The latest finished saves and loads, oldest first (at most 1,000; failed transfers leave none)."""
 
     @property
     def async_checkpointing(self) -> bool:
@@ -190,7 +214,7 @@ class S3CheckpointIO:
             if self._pending or self._deferred:
                 raise RuntimeError("cannot pickle S3CheckpointIO while background saves are pending; call teardown()")
         state = self.__dict__.copy()
-        for live in ("_lock", "_executor", "_pending", "_deferred", "_errors"):
+        for live in ("_lock", "_executor", "_pending", "_deferred", "_errors", "records"):
             del state[live]
         state["s3"] = (self.s3.settings, self.s3.retry_policy)
         return state
@@ -204,6 +228,7 @@ class S3CheckpointIO:
         self._pending = deque()
         self._deferred = []
         self._errors = []
+        self.records = deque(maxlen=_RECORDS_KEPT)
 
     # ---- save -----------------------------------------------------------------------------------------------------
 
@@ -217,8 +242,9 @@ class S3CheckpointIO:
         path = _urls.as_path_or_s3_url(path)
         self._raise_background_errors()
         if not self._async_checkpointing:
-            self._save_now(checkpoint, path)
+            record = self._save_now(checkpoint, path)
             self.last_save_blocked_s = time.perf_counter() - started
+            self._record(record, self.last_save_blocked_s)
             return
         snapshot = snapshot_to_host(checkpoint)
         with self._lock:
@@ -231,13 +257,15 @@ class S3CheckpointIO:
         with self._lock:
             self._pending.append(pending)
             pending.future = executor.submit(self._save_now, snapshot, path)
+        self.last_save_blocked_s = pending.blocked_s = time.perf_counter() - started
         pending.future.add_done_callback(lambda _, pending=pending: self._on_save_done(pending))
-        self.last_save_blocked_s = time.perf_counter() - started
         logger.debug("Queued async save of %s (blocked %.3f s)", path, self.last_save_blocked_s)
 
-    def _save_now(self, checkpoint: dict[str, Any], path: str) -> None:
+    def _save_now(self, checkpoint: dict[str, Any], path: str) -> TransferRecord:
+        """Save and return its record (the caller adds the time it was blocked and keeps it)."""
         torch = _torch()
         started = time.perf_counter()
+        checksum = None
         if _urls.is_s3_url(path):
             with self.s3.open_writer(
                 path, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm
@@ -250,13 +278,26 @@ class S3CheckpointIO:
                         raise writer.error from None
                     raise
             size = writer.info.size if writer.info else 0
-            _invalidate_fsspec_cache(path)
+            if writer.info and writer.info.checksums:
+                checksum = " ".join(f"{k.removeprefix('Checksum')} {v}" for k, v in writer.info.checksums.items())
+            _s3.invalidate_fsspec_cache(path)
             self._remove_conflicting_last_checkpoints(path)
         else:
             _atomic_local_save(torch, checkpoint, path)
             size = os.path.getsize(path)
         elapsed = time.perf_counter() - started
         logger.info("Saved %s (%.1f MiB) in %.2f s", path, size / _s3.MB, elapsed)
+        return TransferRecord("save", path, size, elapsed, checksum, elapsed)
+
+    def _record(self, record: TransferRecord | None, blocked_s: float | None = None) -> None:
+        """Keep `record` (with the caller's blocked time, if given). Tolerates a None from a wrapped `_save_now`:
+        bookkeeping must never break a save."""
+        if not isinstance(record, TransferRecord):
+            return
+        if blocked_s is not None:
+            record = replace(record, blocked_seconds=blocked_s)
+        with self._lock:
+            self.records.append(record)
 
     def _remove_conflicting_last_checkpoints(self, path: str) -> None:
         """Keep one ``...step=N-...last.ckpt`` per step: once `path` is durable, remove its older siblings.
@@ -294,31 +335,28 @@ class S3CheckpointIO:
         if not _urls.is_s3_url(path):
             if not os.path.exists(path):
                 raise FileNotFoundError(f"Checkpoint file not found: {path}")
-            return torch.load(path, **load_kwargs)
+            checkpoint = torch.load(path, **load_kwargs)
+            elapsed = time.perf_counter() - started
+            self._record(TransferRecord("load", path, os.path.getsize(path), elapsed, None, elapsed))
+            return checkpoint
         with self.s3.download_to_memory(path, self.chunk_size_MB, self.max_read_concurrency) as downloaded:
             downloaded_s = time.perf_counter() - started
             try:
-                try:
-                    checkpoint = torch.load(downloaded.path, mmap=True, **load_kwargs)
-                except RuntimeError as exc:
-                    if "mmap" not in str(exc):
-                        raise
-                    checkpoint = torch.load(downloaded.path, **load_kwargs)  # legacy (non-zip) format: no mmap
+                # torch maps only its zip format; the legacy format (and anything else) is read without mmap
+                checkpoint = torch.load(downloaded.path, mmap=_is_torch_zip(downloaded), **load_kwargs)
             except Exception as exc:
-                if isinstance(exc, pickle.UnpicklingError) and "eights only load failed" in str(exc):
-                    exc.add_note(f"while loading {path}")
+                if isinstance(exc, pickle.UnpicklingError) and _WEIGHTS_ONLY_REFUSAL in str(exc).lower():
+                    exc.add_note(f"while loading {path}")  # a real checkpoint that weights_only=True refuses
                     raise
                 raise NotACheckpointError(
                     f"{path} ({downloaded.size} bytes{', empty' if not downloaded.size else ''}) is not a loadable "
                     f"torch checkpoint: {type(exc).__name__}: {exc}"
                 ) from exc
+        elapsed = time.perf_counter() - started
         logger.info(
-            "Loaded %s (%.1f MiB) in %.2f s (download %.2f s)",
-            path,
-            downloaded.size / _s3.MB,
-            time.perf_counter() - started,
-            downloaded_s,
+            "Loaded %s (%.1f MiB) in %.2f s (download %.2f s)", path, downloaded.size / _s3.MB, elapsed, downloaded_s
         )
+        self._record(TransferRecord("load", path, downloaded.size, elapsed, None, elapsed))
         return checkpoint
 
     # ---- remove ---------------------------------------------------------------------------------------------------
@@ -339,7 +377,7 @@ class S3CheckpointIO:
     def _remove_now(self, path: str) -> None:
         if _urls.is_s3_url(path):
             self.s3.remove_object(path)
-            _invalidate_fsspec_cache(path)
+            _s3.invalidate_fsspec_cache(path)
         elif os.path.isdir(path):
             shutil.rmtree(path)
         elif os.path.lexists(path):
@@ -359,6 +397,8 @@ class S3CheckpointIO:
         try:
             assert pending.future is not None
             exc = pending.future.exception() if not pending.future.cancelled() else CancelledError()
+            if exc is None:
+                self._record(pending.future.result(), pending.blocked_s)
             with self._lock:
                 self._pending.remove(pending)
                 if exc is not None:
@@ -391,20 +431,18 @@ class S3CheckpointIO:
             logger.error("Another background checkpoint operation also failed: %r", other)
         raise first
 
-    def _wait_for_saves_of(self, path: str) -> None:
+    def _wait_for_saves_of(self, path: str | None) -> None:
+        """Block until the background saves of `path` (all of them for None) and the removals waiting on them have
+        finished; raise the first background failure."""
         with self._lock:
-            saves = [pending for pending in self._pending if pending.path == path]
+            saves = [pending for pending in self._pending if path is None or pending.path == path]
         for pending in saves:
             pending.settled.wait()
         self._raise_background_errors()
 
     def wait_for_pending_saves(self) -> None:
         """Block until every background save (and the removals waiting on them) finished; raise the first failure."""
-        with self._lock:
-            saves = list(self._pending)
-        for pending in saves:
-            pending.settled.wait()
-        self._raise_background_errors()
+        self._wait_for_saves_of(None)
 
     def teardown(self) -> None:
         """Wait for all background saves, shut the worker down, and raise if any save or removal failed."""
@@ -460,14 +498,29 @@ def _atomic_local_save(torch: Any, checkpoint: dict[str, Any], path: str) -> Non
         raise
 
 
-def _invalidate_fsspec_cache(url: str) -> None:
-    """Tell live s3fs filesystems that `url` changed: they cache listings per process, and Lightning's
-    ModelCheckpoint asks them whether files exist (e.g. to pick ``-v1`` names)."""
-    s3fs = sys.modules.get("s3fs")
-    if s3fs is None:
-        return
-    bucket_and_key = url[len(_urls.S3_PATH_PREFIX) :]
-    instances: Callable[[], Any] = getattr(s3fs.S3FileSystem, "_cache", {}).values
-    for filesystem in list(instances()):
-        with contextlib.suppress(Exception):
-            filesystem.invalidate_cache(bucket_and_key)
+def _check_client_arguments(**given: Any) -> None:
+    """Refuse S3 client arguments that another one given with them would silently override."""
+    overridden_by = {
+        "s3_utils": ("endpoint_url", "region_name", "client_settings", "retry_policy"),
+        "client_settings": ("endpoint_url", "region_name"),
+    }
+    for winner, losers in overridden_by.items():
+        if given[winner] is None:
+            continue
+        ignored = [name for name in losers if given[name] is not None]
+        if ignored:
+            raise ValueError(
+                f"S3CheckpointIO: {', '.join(ignored)} would be ignored because {winner} is given; "
+                f"configure them in {winner} instead (or pass only the separate arguments)"
+            )
+
+
+_TORCH_ZIP_MAGIC = b"PK\x03\x04"
+"""The first bytes of torch's zip checkpoint format (torch.serialization's ``_is_zipfile`` checks the same)."""
+_WEIGHTS_ONLY_REFUSAL = "weights only load failed"
+"""Lower-cased start of torch's message when ``weights_only=True`` refuses a checkpoint (its case varies)."""
+
+
+def _is_torch_zip(downloaded: _s3.DownloadedObject) -> bool:
+    with downloaded.view() as view:
+        return bytes(view[: len(_TORCH_ZIP_MAGIC)]) == _TORCH_ZIP_MAGIC

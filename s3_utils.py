@@ -1,23 +1,26 @@
-"""Everything that talks to S3: client, retries, checksums, streaming writer, parallel reader.
+"""Everything that talks to S3: one module, in parts that build on each other (read it top to bottom).
 
-`S3Utils` keeps the names and arguments of NeMo's ``nemo.utils.s3_utils.S3Utils`` so NeMo code keeps working,
-and fixes what NeMo got wrong:
+1. Optional dependencies: boto3, botocore, s3transfer, tenacity and awscrt are imported on first use, so importing
+   this module never fails; a missing one raises `MissingOptionalDependencyError` with the ``pip install`` line.
+2. Retries: `RetryPolicy` and `is_retriable_error`, the single retry layer of every S3 request.
+3. Client: `S3ClientSettings` and `get_s3_client`, one thread-safe client per process and settings.
+4. Checksums: the CRC algorithms S3 knows, combining part checksums into the object's, and the checksum records
+   (`RecordedChecksum`: the value S3 stores, or the sidecar object this package writes where a store does not).
+5. Objects: `S3ObjectInfo` and `DownloadedObject` (an in-memory file ``torch.load(mmap=True)`` can map).
+6. `S3Utils`: the facade with NeMo's names and signatures (``nemo.utils.s3_utils.S3Utils``), then how its errors
+   become the exceptions Python code expects (FileNotFoundError; a note naming the URL and what to do).
+7. The ranged reader: parallel ranged GETs copied from the socket into a download (`_RangedDownload`).
+8. The streaming writer: `S3MultipartWriter`, a binary stream that uploads while it is written.
+9. s3fs caches: `invalidate_fsspec_cache` and `forget_s3fs_instances`, for code that also goes through fsspec.
 
-* retries really fire (NeMo's tenacity hook crashed on its own logger), cover every S3 call, stop after a bounded
-  number of attempts and time, and re-raise the *original* exception rather than ``tenacity.RetryError``;
-* "directory" operations respect the ``/`` boundary (``s3://b/ckpt`` never matches ``s3://b/ckpt_old/x``);
-* endpoint, region and addressing style are configurable (argument, else ``AWS_ENDPOINT_URL_S3`` /
-  ``AWS_ENDPOINT_URL``, else AWS defaults), and one thread-safe client is shared per process and settings;
-* uploads carry a full-object checksum and downloads verify it.
-
-Heavy dependencies (boto3, botocore, s3transfer, tenacity, awscrt) are imported on first use, so importing this
-module never fails; a missing one raises `MissingOptionalDependencyError` with the ``pip install`` line that fixes it.
+README.md lists what this fixes in NeMo's version.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import enum
 import functools
 import http.client
 import importlib
@@ -28,12 +31,13 @@ import mmap
 import os
 import queue
 import re
+import sys
 import tempfile
 import threading
 import time
 import types
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import IO, Any, BinaryIO, TypeVar
@@ -52,14 +56,18 @@ __all__ = [
     "ChecksumMismatchError",
     "DownloadedObject",
     "MissingOptionalDependencyError",
+    "RecordedChecksum",
     "RetryPolicy",
     "S3ClientSettings",
     "S3MultipartWriter",
     "S3ObjectInfo",
     "S3Utils",
+    "forget_s3fs_instances",
     "get_s3_client",
     "import_optional_dependency",
+    "invalidate_fsspec_cache",
     "is_retriable_error",
+    "validate_checksum_algorithm",
 ]
 
 logger = logging.getLogger(__name__)
@@ -67,8 +75,8 @@ logger = logging.getLogger(__name__)
 MB = 1024**2
 GB = 1024**3
 DEFAULT_CHUNK_SIZE_MB = 16
-"""Part size of uploads and range size of downloads. NeMo used 64 MB; 16 MiB parts are as fast on S3 (AWS's CRT
-uses 8 MiB) and, measured on SeaweedFS, 1.2x faster with a quarter of the memory (benchmarks/README.md)."""
+"""Part size of uploads and range size of downloads. NeMo used 64 MB; smaller parts hold less memory and measured at
+least as fast (benchmarks/README.md, "Part size")."""
 DEFAULT_MAX_READ_CONCURRENCY = 15
 DEFAULT_MAX_WRITE_CONCURRENCY = 10
 MIN_PART_SIZE = 5 * MB  # S3's minimum for every part but the last
@@ -123,6 +131,11 @@ def _botocore_exceptions() -> types.ModuleType:
 # Retries
 # --------------------------------------------------------------------------------------------------------------------
 
+# botocore's own lists (botocore/retries/standard.py: ThrottledRetryableChecker._THROTTLED_ERROR_CODES and
+# TransientRetryableChecker._TRANSIENT_ERROR_CODES; IDPCommunicationError from retries/special.py) less the
+# DynamoDB-only codes, plus S3's 5xx codes. Kept here rather than imported: those names are private, and this layer
+# also retries reading a response body, which botocore does not. tests/test_private_surface.py checks that botocore's
+# lists have not grown past this one.
 RETRIABLE_ERROR_CODES = frozenset(
     {
         "SlowDown",
@@ -317,27 +330,58 @@ def _no_region_redirects(params: dict[str, Any], **_: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Checksums
+# Checksums: algorithms, combining part checksums, and the records a load is verified against
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@functools.cache
+def _awscrt_checksums() -> types.ModuleType | None:
+    """awscrt's checksum module, or None: imported once per process, not per block."""
+    return _optional_module("awscrt.checksums")
+
+
 class _ChecksumAlgorithm:
-    name: str  # S3's spelling, e.g. "CRC32C"
-    nbytes: int
-    update: Callable[[Any, int], int]
-    polynomial: int  # reflected form
+    """One of S3's full-object CRCs: how to compute it, combine it and spell it in S3 requests and responses."""
+
+    def __init__(
+        self, name: str, nbytes: int, polynomial: int, zlib_update: Callable[[Any, int], int] | None = None
+    ) -> None:
+        self.name = name  # S3's spelling, e.g. "CRC32C"
+        self.nbytes = nbytes
+        self.polynomial = polynomial  # reflected form, for the GF(2) fallback of `combine`
+        self._update: Callable[[Any, int], int] | None = zlib_update  # CRC32 needs no awscrt; others resolve on use
+        self._combine: Callable[[int, int, int], int] | None = None
+
+    def __repr__(self) -> str:
+        return f"<checksum {self.name}>"
 
     @property
     def response_field(self) -> str:
         return f"Checksum{self.name}"
 
     def encode(self, value: int) -> str:
+        """S3's spelling of a checksum: base64 of its big-endian bytes."""
         return base64.b64encode(value.to_bytes(self.nbytes, "big")).decode("ascii")
 
+    def update(self, data: Any, previous: int) -> int:
+        """The checksum of everything before `data` (whose checksum is `previous`) followed by `data`."""
+        update = self._update
+        if update is None:
+            checksums = _awscrt_checksums() or import_optional_dependency("awscrt.checksums", f"{self.name} checksums")
+            update = self._update = getattr(checksums, self.name.lower())
+        return update(data, previous)
+
     def combine(self, first: int, second: int, second_length: int) -> int:
-        """The checksum of A + B from those of A and B, so parts can be checksummed in parallel (zlib's
-        ``crc32_combine``, valid for every reflected CRC with all-ones init and final XOR, as these three are)."""
+        """The checksum of A + B from those of A and B, so parts can be checksummed in parallel."""
+        combine = self._combine
+        if combine is None:
+            crt_combine = getattr(_awscrt_checksums(), f"combine_{self.name.lower()}", None)  # awscrt >= 0.31
+            combine = self._combine = crt_combine or self.combine_gf2
+        return combine(first, second, second_length)
+
+    def combine_gf2(self, first: int, second: int, second_length: int) -> int:
+        """`combine` without awscrt (zlib's ``crc32_combine``, valid for every reflected CRC whose initial value and
+        final XOR are all ones, as these three are). Used when awscrt is missing or older than 0.31."""
         return _gf2_times(_zeros_operator(self.polynomial, self.nbytes * 8, second_length), first) ^ second
 
 
@@ -371,25 +415,17 @@ def _zeros_operator(polynomial: int, width: int, length: int) -> tuple[int, ...]
     return result
 
 
-def _crt_checksum(function_name: str) -> Callable[[Any, int], int]:
-    def update(data: Any, previous: int) -> int:
-        checksums = import_optional_dependency("awscrt.checksums", f"{function_name} checksums")
-        return getattr(checksums, function_name)(data, previous)
-
-    return update
-
-
 _CHECKSUMS = {
-    "CRC32": _ChecksumAlgorithm("CRC32", 4, zlib.crc32, 0xEDB88320),
-    "CRC32C": _ChecksumAlgorithm("CRC32C", 4, _crt_checksum("crc32c"), 0x82F63B78),
-    "CRC64NVME": _ChecksumAlgorithm("CRC64NVME", 8, _crt_checksum("crc64nvme"), 0x9A6C9329AC4BC9B5),
+    "CRC32": _ChecksumAlgorithm("CRC32", 4, 0xEDB88320, zlib.crc32),
+    "CRC32C": _ChecksumAlgorithm("CRC32C", 4, 0x82F63B78),
+    "CRC64NVME": _ChecksumAlgorithm("CRC64NVME", 8, 0x9A6C9329AC4BC9B5),
 }
 
 
 def _checksum_algorithm(name: str | None) -> _ChecksumAlgorithm:
     """`name` (any case) or, for None/"auto", CRC32C where awscrt is installed and CRC32 (zlib) otherwise."""
     if name is None or name.lower() == "auto":
-        return _CHECKSUMS["CRC32C"] if _optional_module("awscrt.checksums") else _CHECKSUMS["CRC32"]
+        return _CHECKSUMS["CRC32C"] if _awscrt_checksums() else _CHECKSUMS["CRC32"]
     try:
         algorithm = _CHECKSUMS[name.upper()]
     except KeyError:
@@ -397,6 +433,15 @@ def _checksum_algorithm(name: str | None) -> _ChecksumAlgorithm:
     if algorithm.name != "CRC32":
         import_optional_dependency("awscrt.checksums", f"{algorithm.name} checksums")
     return algorithm
+
+
+def validate_checksum_algorithm(name: str | None) -> str:
+    """S3's name of the algorithm a save with `name` would use (``"auto"``/None: CRC32C with awscrt, else CRC32).
+
+    Raises ValueError for an unknown name and MissingOptionalDependencyError when it needs awscrt and awscrt is
+    missing, so a misconfiguration fails when the plugin is built, not at the first save.
+    """
+    return _checksum_algorithm(name).name
 
 
 def _checksum_of(algorithm: _ChecksumAlgorithm, data: Any, block: int = 64 * MB) -> int:
@@ -408,15 +453,138 @@ def _checksum_of(algorithm: _ChecksumAlgorithm, data: Any, block: int = 64 * MB)
     return value
 
 
+def _fold(algorithm: _ChecksumAlgorithm, parts: Iterable[tuple[int, int]]) -> int:
+    """The checksum of consecutive pieces from their ``(checksum, length)`` pairs, in order (0 for no pieces: the
+    checksum of nothing, which combining leaves unchanged)."""
+    total = 0
+    for checksum, length in parts:
+        total = algorithm.combine(total, checksum, length)
+    return total
+
+
 class ChecksumMismatchError(IOError):
     """The bytes read from S3 do not match the checksum recorded when the object was written."""
 
 
+CHECKSUM_SOURCES = ("s3", "sidecar")
+"""Where a checksum can be recorded: by the store itself ("s3"), or by this package in a sidecar object."""
+
+
 @dataclass(frozen=True)
-class _RecordedChecksum:
-    algorithm: _ChecksumAlgorithm
-    value: str  # base64, as S3 encodes it
-    source: str  # "s3" (stored by the service) or "sidecar" (stored by this package)
+class RecordedChecksum:
+    """A full-object checksum recorded when an object was written, and where it is recorded."""
+
+    algorithm: str
+    """S3's name of the algorithm: ``"CRC32C"``, ``"CRC64NVME"`` or ``"CRC32"``."""
+    value: str
+    """The checksum as S3 spells it (base64 of the big-endian bytes)."""
+    source: str
+    """``"s3"``: the store keeps it with the object (a HEAD returns it); ``"sidecar"``: the store ignored it, so this
+    package recorded it in ``<key>.s3ckpt-checksum.json`` beside the object, bound to the object's size and ETag."""
+
+    def __str__(self) -> str:
+        return f"{self.algorithm} {self.value} ({self.source})"
+
+
+class _ChecksumRecords:
+    """Reads, writes and checks the checksum records of objects, through the calls (and retries) of an `S3Utils`.
+
+    The store's own full-object checksum is preferred. Where it has none, the sidecar this package wrote counts.
+    Where the two disagree with the bytes, the sidecar settles it: some stores (moto) report a full-object checksum
+    they never verified, and a sidecar is written exactly for those stores.
+    """
+
+    def __init__(self, utils: S3Utils) -> None:
+        self._utils = utils
+
+    def expected(self, info: S3ObjectInfo) -> RecordedChecksum | None:
+        """The record a download of `info` is verified against: the store's, else the sidecar, else None."""
+        return self.native(info) or self.sidecar(info)
+
+    @staticmethod
+    def native(info: S3ObjectInfo) -> RecordedChecksum | None:
+        """The full-object checksum the store reported in `info` (one this process can compute), if any."""
+        if info.checksum_type not in (None, "FULL_OBJECT"):
+            return None
+        for algorithm in _CHECKSUMS.values():
+            value = info.checksums.get(algorithm.response_field)
+            if value and "-" not in value:  # "xxx-N" is a composite (per-part) checksum, not the object's
+                with contextlib.suppress(MissingOptionalDependencyError):
+                    return RecordedChecksum(_checksum_algorithm(algorithm.name).name, value, "s3")
+        return None
+
+    def sidecar(self, info: S3ObjectInfo) -> RecordedChecksum | None:
+        """The checksum recorded beside the object, if any; ChecksumMismatchError if that record is unusable or
+        belongs to an older object at the same key (a record is never silently ignored)."""
+        sidecar = self._read_sidecar(info)
+        if sidecar is None:
+            return None
+        fields = {"algorithm": str, "checksum": str, "size": int, "etag": str}
+        if any(not isinstance(sidecar.get(k), t) for k, t in fields.items()):
+            raise ChecksumMismatchError(
+                f"The checksum record of {info.url} ({info.key}{CHECKSUM_SIDECAR_SUFFIX}) is malformed: "
+                "refusing to load an unverified object; delete the record only if you trust the object"
+            )
+        if sidecar["etag"] != info.etag or sidecar["size"] != info.size:
+            raise ChecksumMismatchError(
+                f"{info.url} was replaced after its checksum was recorded (size/ETag {info.size}/{info.etag}, "
+                f"recorded {sidecar['size']}/{sidecar['etag']}): refusing to load an unverified object"
+            )
+        try:
+            algorithm = _checksum_algorithm(sidecar["algorithm"])
+        except ValueError as exc:
+            raise ChecksumMismatchError(f"The checksum record of {info.url} names an unknown algorithm: {exc}") from exc
+        return RecordedChecksum(algorithm.name, sidecar["checksum"], "sidecar")
+
+    def check(
+        self, info: S3ObjectInfo, target: DownloadedObject, expected: RecordedChecksum, actual: int
+    ) -> RecordedChecksum:
+        """Compare the downloaded bytes' checksum `actual` with `expected`; return the record that matched, or raise
+        ChecksumMismatchError naming the URL."""
+        algorithm = _checksum_algorithm(expected.algorithm)
+        actual_text = algorithm.encode(actual)
+        if actual_text == expected.value:
+            return expected
+        mismatch = f"its {expected.algorithm} is {actual_text}, but {expected.value} was recorded ({expected.source})"
+        if expected.source == "s3":
+            sidecar = self.sidecar(info)
+            if sidecar is not None:
+                sidecar_algorithm = _checksum_algorithm(sidecar.algorithm)
+                with target.view() as view:
+                    sidecar_actual = sidecar_algorithm.encode(_checksum_of(sidecar_algorithm, view))
+                if sidecar_actual == sidecar.value:
+                    return sidecar
+                mismatch = f"its {sidecar.algorithm} is {sidecar_actual}, but {sidecar.value} was recorded"
+        raise ChecksumMismatchError(
+            f"{info.url} is corrupt: {mismatch}. Do not use it; restore it from another copy or use an older one."
+        )
+
+    def write_sidecar(self, bucket: str, key: str, record: dict[str, Any]) -> None:
+        """Record a checksum beside ``bucket/key``, for a store that did not keep it."""
+        sidecar_key = key + CHECKSUM_SIDECAR_SUFFIX
+        body = json.dumps(record, sort_keys=True).encode()
+        self._utils.call(
+            "put_object", _urls.build_s3_url(bucket, sidecar_key), Bucket=bucket, Key=sidecar_key, Body=body
+        )
+
+    def _read_sidecar(self, info: S3ObjectInfo) -> dict[str, Any] | None:
+        key = info.key + CHECKSUM_SIDECAR_SUFFIX
+        url = _urls.build_s3_url(info.bucket, key)
+        try:
+            body = self._utils.call("get_object", url, Bucket=info.bucket, Key=key)["Body"]
+        except FileNotFoundError:
+            return None
+        with body:
+            raw = body.read()
+        try:
+            record = json.loads(raw)
+            if not isinstance(record, dict):
+                raise ValueError(f"a JSON {type(record).__name__}, not an object")
+            return record
+        except ValueError as exc:  # includes undecodable bytes
+            raise ChecksumMismatchError(
+                f"The checksum record of {info.url} ({key}) is malformed: refusing to load an unverified object"
+            ) from exc
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -466,14 +634,17 @@ class DownloadedObject:
         os.ftruncate(self._fd, size)
         self._map: mmap.mmap | None = None
         self._write_lock = threading.Lock()
+        self.verified_against: RecordedChecksum | None = None
+        """Set by `S3Utils.download_to_memory`: the record the bytes matched (None: nothing recorded, or not
+        verified)."""
 
     def write_at(self, offset: int, data: Any) -> None:
         """Store `data` at `offset` (callable from several threads for disjoint ranges).
 
         Written with ``pwrite``, not through a mapping: the kernel then fills fresh pages directly, whereas a store
-        through a mapping costs a page fault and a zeroed page per 4 KiB first (about 0.15 CPU-s per GiB). Writers
-        take turns on a lock: the kernel serialises writes to one file anyway, and a writer waiting in the kernel
-        spins on the CPU the store and the other downloads need (about 0.06 CPU-s per GiB on 2 cores).
+        through a mapping costs a page fault and a zeroed page per 4 KiB first. Writers take turns on a lock: the
+        kernel serialises writes to one file anyway, and a writer waiting in the kernel spins on the CPU the store
+        and the other downloads need (benchmarks/README.md, "Loads").
         """
         view = memoryview(data).cast("B")
         with self._write_lock:
@@ -530,7 +701,11 @@ class DownloadedObject:
 
 class _ClassOrInstanceMethod:
     """A method that NeMo code may call on the class (``S3Utils.remove_object(url)``): it then runs on an instance
-    built from default settings, the way NeMo's static methods behaved; called on an instance it uses that instance."""
+    built from default settings, the way NeMo's static methods behaved; called on an instance it uses that instance.
+
+    Not a ``@staticmethod``: an instance carries the endpoint, retry policy and client that a static method could not
+    see. Building the throwaway instance is cheap (the client is shared per process and settings).
+    """
 
     def __init__(self, function: Callable[..., Any]) -> None:
         self.__func__ = function
@@ -615,13 +790,9 @@ class S3Utils:
             _annotate(exc, operation, url)
             raise
 
-    def _new_pool(self, workers: int, name: str) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix=f"s3ckpt-{name}")
-
-    @staticmethod
-    def _check_checksum_algorithm(name: str | None) -> None:
-        """Raise ValueError (or MissingOptionalDependencyError) now for an algorithm a save could not use."""
-        _checksum_algorithm(name)
+    @property
+    def _checksum_records(self) -> _ChecksumRecords:
+        return _ChecksumRecords(self)
 
     # ---- NeMo-compatible URL helpers ------------------------------------------------------------------------------
 
@@ -837,19 +1008,30 @@ class S3Utils:
         chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
         max_concurrency: int = DEFAULT_MAX_WRITE_CONCURRENCY,
         remove_file: bool = False,
-    ) -> None:
-        """Upload a local file (empty files included); with `remove_file`, delete it once the upload succeeded."""
+        *,
+        progress: Callable[[int], None] | None = None,
+    ) -> S3ObjectInfo:
+        """Upload a local file (empty files included) and return what was written (size, ETag, checksum); with
+        `remove_file`, delete it once the upload succeeded. `progress`, if given, is called with the byte count of
+        each block the writer has taken (the writer runs at most ``max_concurrency + 1`` parts ahead of S3)."""
         started = time.monotonic()
         with open(file_path, "rb") as stream:
-            self._upload_stream(stream, s3_path, chunk_size_MB, max_concurrency)
-        size = os.path.getsize(file_path)
-        logger.info("Uploaded %s (%.3f GB) to %s in %.2f s", file_path, size / GB, s3_path, time.monotonic() - started)
+            info = self._upload_stream(stream, s3_path, chunk_size_MB, max_concurrency, progress)
+        logger.info(
+            "Uploaded %s (%.3f GB) to %s in %.2f s", file_path, info.size / GB, info.url, time.monotonic() - started
+        )
         if remove_file:
             os.remove(file_path)
+        return info
 
     def _upload_stream(
-        self, stream: IO[bytes], s3_path: str | os.PathLike[str], chunk_size_MB: float, max_concurrency: int
-    ) -> None:
+        self,
+        stream: IO[bytes],
+        s3_path: str | os.PathLike[str],
+        chunk_size_MB: float,
+        max_concurrency: int,
+        progress: Callable[[int], None] | None = None,
+    ) -> S3ObjectInfo:
         chunk = int(chunk_size_MB * MB)
         with self.open_writer(s3_path, chunk_size_MB, max_concurrency) as writer:
             if stream.seekable():
@@ -859,6 +1041,10 @@ class S3Utils:
                 if not data:
                     break
                 writer.write(data)
+                if progress is not None:
+                    progress(len(data))
+        assert writer.info is not None  # set by a successful close
+        return writer.info
 
     # ---- download -------------------------------------------------------------------------------------------------
 
@@ -876,19 +1062,21 @@ class S3Utils:
 
         Every range is read with ``If-Match`` on the ETag seen first, so an object replaced during the download fails
         instead of mixing two versions. Raises FileNotFoundError if there is no object, ChecksumMismatchError if the
-        bytes do not match what was recorded at upload. `progress`, if given, is called with the byte count of each
-        range once it has arrived (from worker threads).
+        bytes do not match what was recorded at upload. The result's `verified_against` says which record matched.
+        `progress`, if given, is called with the byte count of each range once it has arrived (from worker threads).
         """
         url = _urls.normalize_s3_url(s3_path)
         info = self.head_object(url)
-        expected = self._expected_checksum(info) if verify else None
+        records = self._checksum_records
+        expected = records.expected(info) if verify else None
         target = DownloadedObject(info.size)
         try:
             part_size = max(int(chunk_size_MB * MB), MIN_PART_SIZE)
-            algorithm = expected.algorithm if expected else None
-            actual = self._download_ranges(info, target, part_size, max_concurrency, algorithm, progress)
+            algorithm = _checksum_algorithm(expected.algorithm) if expected else None
+            actual = _RangedDownload(self, info, target, algorithm, progress).run(part_size, max_concurrency)
             if expected is not None:
-                self._check(info, target, expected, actual)
+                assert actual is not None
+                target.verified_against = records.check(info, target, expected, actual)
             elif verify:
                 logger.warning("%s has no recorded checksum (written by another tool?); checked its size only", url)
         except BaseException:
@@ -896,150 +1084,83 @@ class S3Utils:
             raise
         return target
 
-    def _download_ranges(
-        self,
-        info: S3ObjectInfo,
-        target: DownloadedObject,
-        part_size: int,
-        workers: int,
-        algorithm: _ChecksumAlgorithm | None,
-        progress: Callable[[int], None] | None = None,
-    ) -> int | None:
-        """Fetch every range (in parallel) and return the whole object's checksum, combined from the ranges'."""
-        ranges = [(start, min(start + part_size, info.size)) for start in range(0, info.size, part_size)]
-        if len(ranges) <= 1:
-            checksums = [
-                self._download_range(info, target, s, e, len(ranges) == 1, algorithm, progress) for s, e in ranges
-            ]
-        else:
-            with self._new_pool(min(workers, len(ranges)), "get") as pool:
-                futures = [
-                    pool.submit(self._download_range, info, target, s, e, False, algorithm, progress) for s, e in ranges
-                ]
-                done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-                for future in pending:
-                    future.cancel()
-                for future in done:
-                    future.result()
-                checksums = [future.result() for future in futures]
-        if algorithm is None:
-            return None
-        total = algorithm.update(b"", 0)
-        for (start, end), checksum in zip(ranges, checksums, strict=True):
-            total = algorithm.combine(total, checksum, end - start) if start else checksum
-        return total
+    @_class_or_instance
+    def recorded_checksum(self, info: S3ObjectInfo) -> RecordedChecksum | None:
+        """The checksum a download of the object `info` (from `head_object`) is verified against, or None.
 
-    def _download_range(
-        self,
-        info: S3ObjectInfo,
-        target: DownloadedObject,
-        start: int,
-        end: int,
-        whole: bool,
-        algorithm: _ChecksumAlgorithm | None,
-        progress: Callable[[int], None] | None = None,
+        The store's own full-object checksum where it keeps one (source ``"s3"``; no request), else the record this
+        package wrote beside the object (``"sidecar"``; one GET). Raises ChecksumMismatchError if that record is
+        malformed or belongs to an older object at the key. After a download, the matching record is also in
+        `DownloadedObject.verified_against`, at no extra request.
+        """
+        return self._checksum_records.expected(info)
+
+    @_class_or_instance
+    def read_range_into(
+        self, s3_path: str | os.PathLike[str], start: int, target: Any, *, etag: str | None = None
     ) -> int:
-        """GET bytes ``[start, end)`` into the target, checksumming them on the way."""
-        kwargs: dict[str, Any] = {"Bucket": info.bucket, "Key": info.key}
-        if info.etag:
-            kwargs["IfMatch"] = info.etag
-        if not whole:
-            kwargs["Range"] = f"bytes={start}-{end - 1}"
+        """Read bytes ``[start, start + len(target))`` of an object into the writable buffer `target`; return how
+        many arrived (fewer only at the end of the object, 0 at or past it).
+
+        Retried under the retry policy (each attempt refills `target` from its start). With `etag`, a replaced
+        object fails (S3's ``PreconditionFailed``) instead of mixing two versions. Nothing is verified here: the
+        caller checks what it read (e.g. against a checksum it stored). FileNotFoundError if there is no object.
+        """
+        url = _urls.normalize_s3_url(s3_path)
+        bucket, key = _urls.parse_s3_url(url)
+        view = memoryview(target).cast("B")
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start} (reading {url})")
+        if not len(view):
+            return 0
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{start + len(view) - 1}"}
+        if etag:
+            kwargs["IfMatch"] = etag
 
         def attempt() -> int:
-            body = self.client.get_object(**kwargs)["Body"]
             try:
-                filled, checksum = _copy_body(body, target, start, end - start, algorithm)
+                response = self.client.get_object(**kwargs)
+            except Exception as exc:
+                if _error_code(exc) == "InvalidRange":  # the range starts at or past the end of the object
+                    return 0
+                raise
+            body = response["Body"]
+            expected = int(response.get("ContentLength", len(view)))
+            content_range = response.get("ContentRange") or ""
+            if not content_range.startswith(f"bytes {start}-") and (start or expected > len(view)):
+                body.close()
+                raise OSError(
+                    f"Asked {url} for bytes from {start}, the store answered {content_range or 'the whole object'}: "
+                    "it ignores Range requests; use another store or download the object whole"
+                )
+            try:
+                filled = _read_body_into(body, view[:expected])
             finally:
                 body.close()
-            if filled != end - start:
-                raise TransientTransferError(f"got {filled} of {end - start} bytes of {info.url}")
-            return checksum
+            if filled != expected:
+                raise TransientTransferError(f"got {filled} of {expected} bytes of {url} from offset {start}")
+            return filled
 
-        checksum = self.with_retries(attempt, "get_object", info.url)
-        if progress is not None:
-            progress(end - start)  # after success only, so retried bytes are not counted twice
-        return checksum
+        return self.with_retries(attempt, "get_object", url)
 
-    def _expected_checksum(self, info: S3ObjectInfo) -> _RecordedChecksum | None:
-        """The full-object checksum S3 stored, else the one this package recorded beside the object, else None."""
-        return self._native_checksum(info) or self._sidecar_checksum(info)
-
-    def _check(self, info: S3ObjectInfo, target: DownloadedObject, expected: _RecordedChecksum, actual: int) -> None:
-        """Compare; on disagreement with the store's own value, let a matching sidecar settle it: some stores (moto)
-        report a checksum they never verified, and this package writes a sidecar for exactly those stores."""
-        actual_text = expected.algorithm.encode(actual)
-        if actual_text == expected.value:
-            return
-        name = expected.algorithm.name
-        mismatch = f"its {name} is {actual_text}, but {expected.value} was recorded ({expected.source})"
-        if expected.source == "s3":
-            sidecar = self._sidecar_checksum(info)
-            if sidecar is not None:
-                with target.view() as view:
-                    sidecar_actual = sidecar.algorithm.encode(_checksum_of(sidecar.algorithm, view))
-                if sidecar_actual == sidecar.value:
-                    return
-                mismatch = f"its {sidecar.algorithm.name} is {sidecar_actual}, but {sidecar.value} was recorded"
-        raise ChecksumMismatchError(
-            f"{info.url} is corrupt: {mismatch}. Do not use it; restore it from another copy or use an older one."
-        )
-
-    @staticmethod
-    def _native_checksum(info: S3ObjectInfo) -> _RecordedChecksum | None:
-        if info.checksum_type not in (None, "FULL_OBJECT"):
-            return None
-        for algorithm in _CHECKSUMS.values():
-            value = info.checksums.get(algorithm.response_field)
-            if value and "-" not in value:  # "xxx-N" is a composite (per-part) checksum, not the object's
-                with contextlib.suppress(MissingOptionalDependencyError):
-                    return _RecordedChecksum(_checksum_algorithm(algorithm.name), value, "s3")
-        return None
-
-    def _sidecar_checksum(self, info: S3ObjectInfo) -> _RecordedChecksum | None:
-        sidecar = self._read_sidecar(info)
-        if sidecar is None:
-            return None
-        fields = {"algorithm": str, "checksum": str, "size": int, "etag": str}
-        if not isinstance(sidecar, dict) or any(not isinstance(sidecar.get(k), t) for k, t in fields.items()):
-            raise ChecksumMismatchError(
-                f"The checksum record of {info.url} ({info.key}{CHECKSUM_SIDECAR_SUFFIX}) is malformed: "
-                "refusing to load an unverified object; delete the record only if you trust the object"
-            )
-        if sidecar["etag"] != info.etag or sidecar["size"] != info.size:
-            raise ChecksumMismatchError(
-                f"{info.url} was replaced after its checksum was recorded (size/ETag {info.size}/{info.etag}, "
-                f"recorded {sidecar['size']}/{sidecar['etag']}): refusing to load an unverified object"
-            )
-        try:
-            algorithm = _checksum_algorithm(sidecar["algorithm"])
-        except ValueError as exc:
-            raise ChecksumMismatchError(f"The checksum record of {info.url} names an unknown algorithm: {exc}") from exc
-        return _RecordedChecksum(algorithm, sidecar["checksum"], "sidecar")
-
-    def _read_sidecar(self, info: S3ObjectInfo) -> dict[str, Any] | None:
-        key = info.key + CHECKSUM_SIDECAR_SUFFIX
-        url = _urls.build_s3_url(info.bucket, key)
-        try:
-            body = self.call("get_object", url, Bucket=info.bucket, Key=key)["Body"]
-        except FileNotFoundError:
-            return None
-        with body:
-            raw = body.read()
-        try:
-            record = json.loads(raw)
-            if not isinstance(record, dict):
-                raise ValueError(f"a JSON {type(record).__name__}, not an object")
-            return record
-        except ValueError as exc:  # includes undecodable bytes
-            raise ChecksumMismatchError(
-                f"The checksum record of {info.url} ({key}) is malformed: refusing to load an unverified object"
-            ) from exc
-
-    def _write_sidecar(self, bucket: str, key: str, record: dict[str, Any]) -> None:
-        sidecar_key = key + CHECKSUM_SIDECAR_SUFFIX
-        body = json.dumps(record, sort_keys=True).encode()
-        self.call("put_object", _urls.build_s3_url(bucket, sidecar_key), Bucket=bucket, Key=sidecar_key, Body=body)
+    @_class_or_instance
+    def read_ranges_into(
+        self,
+        s3_path: str | os.PathLike[str],
+        ranges: Iterable[tuple[int, Any]],
+        *,
+        etag: str | None = None,
+        max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY,
+    ) -> list[int]:
+        """`read_range_into` for many ``(start, target)`` pairs of one object, up to `max_concurrency` at a time;
+        returns the byte counts in the same order. The first failure cancels the reads not yet started and is
+        raised."""
+        ranges = list(ranges)
+        if len(ranges) <= 1:
+            return [self.read_range_into(s3_path, start, target, etag=etag) for start, target in ranges]
+        with _thread_pool(min(max_concurrency, len(ranges)), "get") as pool:
+            futures = [pool.submit(self.read_range_into, s3_path, s, t, etag=etag) for s, t in ranges]
+            return _results_or_first_error(futures)
 
     @_class_or_instance
     def download_s3_file_to_stream(
@@ -1077,49 +1198,9 @@ class S3Utils:
                 raise
 
 
-_STAGING_BYTES = 1 * MB
-"""Response bodies pass through a buffer this size per download thread: small enough to stay in CPU cache while it
-is checksummed and written on, big enough that a GiB costs only a thousand trips through Python."""
-
-_staging = threading.local()
-
-
-def _staging_buffer() -> memoryview:
-    buffer = getattr(_staging, "buffer", None)
-    if buffer is None:
-        buffer = _staging.buffer = memoryview(bytearray(_STAGING_BYTES))
-    return buffer
-
-
-def _copy_body(
-    body: Any, target: DownloadedObject, offset: int, length: int, algorithm: _ChecksumAlgorithm | None
-) -> tuple[int, int]:
-    """Copy up to `length` bytes of a botocore response body into `target` at `offset`; return how many came and
-    their checksum (0 without an algorithm).
-
-    botocore's body sits on urllib3, whose ``readinto`` reads into a temporary and copies (http.client adds a second
-    copy). Reading from the http.client response underneath puts the bytes from the socket straight into the
-    staging buffer. botocore never decodes S3 bodies, so the bytes are the same; any other body type takes the
-    public path.
-    """
-    raw = getattr(body, "_raw_stream", None)
-    socket_response = getattr(raw, "_fp", None)
-    direct = isinstance(socket_response, http.client.HTTPResponse) and hasattr(raw, "release_conn")
-    read_into = socket_response.readinto if direct else body.readinto
-    staging = _staging_buffer()
-    filled = checksum = 0
-    while filled < length:
-        count = read_into(staging[: min(len(staging), length - filled)])
-        if not count:
-            break
-        chunk = staging[:count]
-        if algorithm is not None:
-            checksum = algorithm.update(chunk, checksum)
-        target.write_at(offset + filled, chunk)
-        filled += count
-    if direct and socket_response.isclosed():  # read to its end: the connection can serve the next request
-        raw.release_conn()
-    return filled, checksum
+# --------------------------------------------------------------------------------------------------------------------
+# Errors: S3's answers as the exceptions Python code expects, annotated with the URL and what to do
+# --------------------------------------------------------------------------------------------------------------------
 
 
 def _not_found_error(exc: BaseException, operation: str, url: str) -> FileNotFoundError | None:
@@ -1147,6 +1228,161 @@ def _annotate(exc: BaseException, operation: str, url: str) -> None:
         hint = ""
     if not any(url in note for note in getattr(exc, "__notes__", [])):
         exc.add_note(f"while running S3 {operation} on {url}" + (f": {hint}" if hint else ""))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The ranged reader: parallel ranged GETs, copied from the socket into a download
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _thread_pool(workers: int, name: str) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix=f"s3ckpt-{name}")
+
+
+def _results_or_first_error(futures: list[Future[_T]]) -> list[_T]:
+    """The futures' results in order; on the first failure, cancel those not started and raise it."""
+    done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+    for future in pending:
+        future.cancel()
+    for future in done:
+        future.result()
+    return [future.result() for future in futures]
+
+
+class _RangedDownload:
+    """One object fetched into a `DownloadedObject` by parallel ranged GETs, each checksummed on its way in; the
+    object's checksum is combined from the ranges' (`_fold`), so the bytes are read once."""
+
+    def __init__(
+        self,
+        utils: S3Utils,
+        info: S3ObjectInfo,
+        target: DownloadedObject,
+        algorithm: _ChecksumAlgorithm | None,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        self.utils = utils
+        self.info = info
+        self.target = target
+        self.algorithm = algorithm
+        self.progress = progress
+
+    def run(self, part_size: int, workers: int) -> int | None:
+        """Fetch every range, up to `workers` at a time; the whole object's checksum (None without an algorithm)."""
+        size = self.info.size
+        ranges = [(start, min(start + part_size, size)) for start in range(0, size, part_size)]
+        if len(ranges) <= 1:
+            checksums = [self._download_range(start, end, whole=True) for start, end in ranges]
+        else:
+            with _thread_pool(min(workers, len(ranges)), "get") as pool:
+                futures = [pool.submit(self._download_range, start, end, False) for start, end in ranges]
+                checksums = _results_or_first_error(futures)
+        if self.algorithm is None:
+            return None
+        return _fold(self.algorithm, [(crc, end - start) for (start, end), crc in zip(ranges, checksums, strict=True)])
+
+    def _download_range(self, start: int, end: int, whole: bool) -> int:
+        """GET bytes ``[start, end)`` (the whole object without a Range header if `whole`) into the target, checksummed
+        on the way; retried from the range's start."""
+        info = self.info
+        kwargs: dict[str, Any] = {"Bucket": info.bucket, "Key": info.key}
+        if info.etag:
+            kwargs["IfMatch"] = info.etag
+        if not whole:
+            kwargs["Range"] = f"bytes={start}-{end - 1}"
+
+        def attempt() -> int:
+            body = self.utils.client.get_object(**kwargs)["Body"]
+            try:
+                filled, checksum = _copy_body(body, self.target, start, end - start, self.algorithm)
+            finally:
+                body.close()
+            if filled != end - start:
+                raise TransientTransferError(f"got {filled} of {end - start} bytes of {info.url}")
+            return checksum
+
+        checksum = self.utils.with_retries(attempt, "get_object", info.url)
+        if self.progress is not None:
+            self.progress(end - start)  # after success only, so retried bytes are not counted twice
+        return checksum
+
+
+_STAGING_BYTES = 1 * MB
+"""Response bodies pass through a buffer this size per download thread: small enough to stay in CPU cache while it
+is checksummed and written on, big enough that a range costs few trips through Python."""
+
+_staging = threading.local()
+
+
+def _staging_buffer() -> memoryview:
+    buffer = getattr(_staging, "buffer", None)
+    if buffer is None:
+        buffer = _staging.buffer = memoryview(bytearray(_STAGING_BYTES))
+    return buffer
+
+
+_body_reads = {"direct": 0, "fallback": 0}
+"""How many response bodies were read straight from the socket, and how many through botocore's public path (a
+fallback that stays correct but costs extra copies; tests/test_private_surface.py asserts it is not taken)."""
+_body_reads_lock = threading.Lock()
+
+
+def _socket_reader(body: Any) -> tuple[Callable[[Any], int], Callable[[], None]]:
+    """``(readinto, finish)`` for a botocore response body: straight from the http.client response when possible.
+
+    botocore's body sits on urllib3, whose ``readinto`` reads into a temporary and copies (http.client adds a second
+    copy). Reading from the http.client response underneath (botocore's ``_raw_stream``, urllib3's ``_fp``) puts the
+    bytes from the socket straight into the caller's buffer. botocore never decodes S3 bodies, so the bytes are the
+    same. `finish` hands a connection read to its end back to urllib3's pool (which the bypassed urllib3 would have
+    done). Any other body type takes the public path.
+    """
+    raw = getattr(body, "_raw_stream", None)
+    socket_response = getattr(raw, "_fp", None)
+    direct = isinstance(socket_response, http.client.HTTPResponse) and hasattr(raw, "release_conn")
+    with _body_reads_lock:
+        _body_reads["direct" if direct else "fallback"] += 1
+    if not direct:
+        return body.readinto, lambda: None
+
+    def finish() -> None:
+        if socket_response.isclosed():  # read to its end: the connection can serve the next request
+            raw.release_conn()
+
+    return socket_response.readinto, finish
+
+
+def _copy_body(
+    body: Any, target: DownloadedObject, offset: int, length: int, algorithm: _ChecksumAlgorithm | None
+) -> tuple[int, int]:
+    """Copy up to `length` bytes of a botocore response body into `target` at `offset` through the staging buffer;
+    return how many came and their checksum (0 without an algorithm)."""
+    read_into, finish = _socket_reader(body)
+    staging = _staging_buffer()
+    filled = checksum = 0
+    while filled < length:
+        count = read_into(staging[: min(len(staging), length - filled)])
+        if not count:
+            break
+        chunk = staging[:count]
+        if algorithm is not None:
+            checksum = algorithm.update(chunk, checksum)
+        target.write_at(offset + filled, chunk)
+        filled += count
+    finish()
+    return filled, checksum
+
+
+def _read_body_into(body: Any, view: memoryview) -> int:
+    """Read a botocore response body into `view` until it is full or the body ends; return the byte count."""
+    read_into, finish = _socket_reader(body)
+    filled = 0
+    while filled < len(view):
+        count = read_into(view[filled:])
+        if not count:
+            break
+        filled += count
+    finish()
+    return filled
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1199,20 +1435,30 @@ class _UploadedPart:
     length: int
 
 
+class _WriterState(enum.Enum):
+    """Where a writer is in its life. Only OPEN accepts writes; COMMITTED and ABORTED are final."""
+
+    OPEN = "open"
+    COMPLETING = "completing"  # close() is uploading the last part and completing the object
+    COMMITTED = "committed"  # the object is visible at the URL
+    ABORTED = "aborted"  # nothing became visible; the multipart upload, if any, was aborted
+
+
 class S3MultipartWriter(io.RawIOBase):
     """A binary stream whose bytes go to one S3 object while they are written (``torch.save(obj, writer)``).
 
     * Parts of `part_size` bytes are uploaded by up to `max_concurrency` threads while the caller keeps writing. The
       part buffers come from a pool of ``max_concurrency + 1``, reused as uploads finish: extra memory stays at about
-      ``(max_concurrency + 1) * part_size`` for objects up to ``parts_per_size * part_size`` (15.6 GiB with 16 MiB
-      parts), and a full pool makes the writer wait. Past that the part size doubles every `parts_per_size` parts
-      (see `part_size_of`), and the pool's buffers with it.
+      ``(max_concurrency + 1) * part_size`` for objects up to ``parts_per_size * part_size``, and a full pool makes
+      the writer wait. Past that the part size doubles every `parts_per_size` parts (see `part_size_of`), and the
+      pool's buffers with it.
     * Objects smaller than one part go up in a single PUT.
     * Each part's checksum is computed by its upload thread; the full-object checksum is combined from them and sent
       with the upload, so S3 verifies and keeps it. Where a store does not keep it, a small sidecar object records it
       for `S3Utils.download_to_memory`.
     * The object appears only when `close()` completes the upload. If anything fails, or the writer is left through
       an exception, the multipart upload is aborted: no partial object, no stray parts, an older object untouched.
+      `_finish` is the one place that decides between the two.
     * Each part is retried on its own under the `S3Utils` retry policy.
     """
 
@@ -1228,6 +1474,7 @@ class S3MultipartWriter(io.RawIOBase):
         checksum_algorithm: str | None = "auto",
     ) -> None:
         super().__init__()
+        self._state = _WriterState.ABORTED  # until validated: an invalid writer has nothing to abort at GC
         if part_size < MIN_PART_SIZE:
             raise ValueError(f"part size must be at least {MIN_PART_SIZE // MB} MiB (S3's minimum), got {part_size}")
         if max_concurrency < 1:
@@ -1242,6 +1489,7 @@ class S3MultipartWriter(io.RawIOBase):
                 f"Key too long for {self.url}: at most {room} bytes (S3's 1024 less room for the checksum record)"
             )
         self._utils = utils
+        self._records = _ChecksumRecords(utils)
         self._part_size = part_size
         self._max_concurrency = max_concurrency
         self._algorithm = _checksum_algorithm(checksum_algorithm)
@@ -1250,25 +1498,40 @@ class S3MultipartWriter(io.RawIOBase):
         self._buffers_made = 0
         self._buffer: bytearray | None = None  # the part being filled
         self._filled = 0
-        self._upload_id: str | None = None
+        self._upload_id: str | None = None  # set while a multipart upload is open on S3
         self._native_checksums = True
         self._parts: list[Future[_UploadedPart]] = []
         self._failed_part: Future[_UploadedPart] | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._finished = False
+        self._state = _WriterState.OPEN
         self.info: S3ObjectInfo | None = None
         """Set by `close()`: the committed object's size, ETag and checksum."""
         self.error: BaseException | None = None
         """The exception a `write` raised, kept because ``torch.save`` re-raises it as its own RuntimeError."""
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} {self.url} {self._state.value}, {self._size} bytes written, "
+            f"{len(self._parts)} part(s) of {self._part_size // MB} MiB>"
+        )
+
+    @property
+    def state(self) -> str:
+        """``"open"``, ``"completing"``, ``"committed"`` or ``"aborted"``."""
+        return self._state.value
 
     # ---- io.RawIOBase ---------------------------------------------------------------------------------------------
 
     def writable(self) -> bool:
         return True
 
+    def tell(self) -> int:
+        """Bytes written so far (the stream's position: it only appends)."""
+        return self._size
+
     def write(self, data: Any) -> int:
-        if self.closed or self._finished:
-            raise ValueError(f"write to a closed S3 writer ({self.url})")
+        if self._state is not _WriterState.OPEN:
+            raise ValueError(f"write to a closed S3 writer ({self.url}, {self._state.value})")
         try:
             return self._write(data)
         except BaseException as exc:
@@ -1294,21 +1557,48 @@ class S3MultipartWriter(io.RawIOBase):
 
     def close(self) -> None:
         """Upload what is left and complete the object; on failure abort the upload and re-raise."""
-        if self.closed:
-            return
-        try:
-            if not self._finished:
-                self._finished = True
-                self._complete()
-        except BaseException:
-            self.abort()
-            raise
-        finally:
-            super().close()
+        self._finish(commit=True)
 
     def abort(self) -> None:
         """Give up: stop uploading, abort the multipart upload. Nothing becomes visible at the URL."""
-        self._finished = True
+        self._finish(commit=False)
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._finish(commit=exc_type is None)
+
+    def __del__(self) -> None:
+        # Never commit here. A writer that is garbage-collected while open was abandoned: the exception that stopped
+        # torch.save was swallowed, or close() was forgotten. Its bytes are a prefix of what the caller meant to
+        # write, and committing them would publish a truncated checkpoint at the URL, replacing a good one. That is
+        # also why IOBase.__del__ (which calls close(), i.e. commits) is not called: abort, so no multipart upload
+        # is left behind either.
+        if getattr(self, "_state", None) is _WriterState.OPEN:
+            self._finish(commit=False)
+
+    # ---- commit or abort ------------------------------------------------------------------------------------------
+
+    def _finish(self, commit: bool) -> None:
+        """The one place that ends a writer: complete the object (`commit`) or abort the upload. Once the writer has
+        ended, further calls do nothing; a failed commit aborts before its error propagates."""
+        if self._state is not _WriterState.OPEN:
+            return
+        try:
+            if commit:
+                self._state = _WriterState.COMPLETING
+                try:
+                    self._complete()
+                except BaseException:
+                    self._abort_upload()
+                    raise
+                self._state = _WriterState.COMMITTED
+            else:
+                self._abort_upload()
+        finally:
+            self._buffer = None
+            super().close()
+
+    def _abort_upload(self) -> None:
+        self._state = _WriterState.ABORTED
         for future in self._parts:
             future.cancel()
         if self._pool is not None:
@@ -1322,21 +1612,8 @@ class S3MultipartWriter(io.RawIOBase):
                 logger.info("Aborted the multipart upload to %s", self.url)
             except Exception:
                 logger.exception("Could not abort the multipart upload %s to %s", upload_id, self.url)
-        self._buffer = None
-        if not self.closed:
-            super().close()
 
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is not None:
-            self.abort()
-        else:
-            self.close()
-
-    def __del__(self) -> None:  # an abandoned writer must not leave a multipart upload behind
-        if not self.closed and getattr(self, "_upload_id", None) is not None:
-            self.abort()
-
-    # ---- internals ------------------------------------------------------------------------------------------------
+    # ---- parts ----------------------------------------------------------------------------------------------------
 
     def part_size_of(self, number: int) -> int:
         """Size of part `number` (1-based): `part_size`, doubled after every `parts_per_size` parts, so that an
@@ -1377,7 +1654,7 @@ class S3MultipartWriter(io.RawIOBase):
             self._native_checksums = False
             response = self._utils.call("create_multipart_upload", self.url, Bucket=self.bucket, Key=self.key)
         self._upload_id = response["UploadId"]
-        self._pool = self._utils._new_pool(self._max_concurrency, "put")
+        self._pool = _thread_pool(self._max_concurrency, "put")
 
     def _send_part(self, buffer: bytearray, length: int) -> None:
         """Queue one part for upload; the buffer belongs to the upload until it is given back to the pool."""
@@ -1417,58 +1694,20 @@ class S3MultipartWriter(io.RawIOBase):
         finally:
             self._free_buffers.put(buffer)
 
+    # ---- completion -----------------------------------------------------------------------------------------------
+
     def _complete(self) -> None:
-        if self._upload_id is None:  # small object: one PUT
-            body = memoryview(self._buffer)[: self._filled] if self._buffer is not None else memoryview(b"")
-            checksum = self._algorithm.encode(_checksum_of(self._algorithm, body))
-            response = self._utils.with_retries(  # each attempt reads the body from its start
-                lambda: self._utils.client.put_object(
-                    Bucket=self.bucket,
-                    Key=self.key,
-                    Body=_BufferReader(body) if body else b"",
-                    ChecksumAlgorithm=self._algorithm.name,
-                    **{self._algorithm.response_field: checksum},
-                ),
-                "put_object",
-                self.url,
-            )
+        """Send what is left, make the object visible, and check (or record) its checksum; sets `info`."""
+        if self._upload_id is None:
+            response, checksum = self._put_whole()
         else:
-            if self._buffer is not None and self._filled:
-                self._send_part(self._buffer, self._filled)
-            self._buffer = None
-            wait(self._parts, return_when=FIRST_EXCEPTION)
-            parts = [future.result() for future in self._parts]
-            combined = parts[0].checksum
-            for part in parts[1:]:
-                combined = self._algorithm.combine(combined, part.checksum, part.length)
-            checksum = self._algorithm.encode(combined)
-            listed = []
-            for part in parts:
-                entry = {"PartNumber": part.number, "ETag": part.etag}
-                if self._native_checksums:
-                    entry[self._algorithm.response_field] = self._algorithm.encode(part.checksum)
-                listed.append(entry)
-            extra: dict[str, Any] = {}
-            if self._native_checksums:
-                extra = {self._algorithm.response_field: checksum, "ChecksumType": "FULL_OBJECT"}
-            response = self._utils.call(
-                "complete_multipart_upload",
-                self.url,
-                Bucket=self.bucket,
-                Key=self.key,
-                UploadId=self._upload_id,
-                MultipartUpload={"Parts": listed},
-                **extra,
-            )
-            self._upload_id = None
-            assert self._pool is not None
-            self._pool.shutdown(wait=False)
+            response, checksum = self._complete_multipart()
         etag = response.get("ETag", "")
         stored = response.get(self._algorithm.response_field)
         if stored is not None and stored != checksum:
             raise ChecksumMismatchError(f"S3 stored checksum {stored} for {self.url}, but {checksum} was uploaded")
         if stored is None:  # the store ignored the checksum: record it ourselves, bound to this exact object
-            self._utils._write_sidecar(
+            self._records.write_sidecar(
                 self.bucket,
                 self.key,
                 {"algorithm": self._algorithm.name, "checksum": checksum, "size": self._size, "etag": etag},
@@ -1478,21 +1717,75 @@ class S3MultipartWriter(io.RawIOBase):
         )
         logger.debug("Wrote %s (%d bytes, %s %s)", self.url, self._size, self._algorithm.name, checksum)
 
+    def _put_whole(self) -> tuple[dict[str, Any], str]:
+        """A small object (less than one part): one PUT."""
+        body = memoryview(self._buffer)[: self._filled] if self._buffer is not None else memoryview(b"")
+        checksum = self._algorithm.encode(_checksum_of(self._algorithm, body))
+        response = self._utils.with_retries(  # each attempt reads the body from its start
+            lambda: self._utils.client.put_object(
+                Bucket=self.bucket,
+                Key=self.key,
+                Body=_BufferReader(body) if body else b"",
+                ChecksumAlgorithm=self._algorithm.name,
+                **{self._algorithm.response_field: checksum},
+            ),
+            "put_object",
+            self.url,
+        )
+        return response, checksum
 
-# ====================================================================================================================
-# DCP support (used by s3_dcp): public wrappers over this module's checksum internals, kept apart from them
-# ====================================================================================================================
+    def _complete_multipart(self) -> tuple[dict[str, Any], str]:
+        if self._buffer is not None and self._filled:
+            self._send_part(self._buffer, self._filled)
+        self._buffer = None
+        parts = _results_or_first_error(self._parts)
+        checksum = self._algorithm.encode(_fold(self._algorithm, [(part.checksum, part.length) for part in parts]))
+        listed = []
+        for part in parts:
+            entry = {"PartNumber": part.number, "ETag": part.etag}
+            if self._native_checksums:
+                entry[self._algorithm.response_field] = self._algorithm.encode(part.checksum)
+            listed.append(entry)
+        extra: dict[str, Any] = {}
+        if self._native_checksums:
+            extra = {self._algorithm.response_field: checksum, "ChecksumType": "FULL_OBJECT"}
+        response = self._utils.call(
+            "complete_multipart_upload",
+            self.url,
+            Bucket=self.bucket,
+            Key=self.key,
+            UploadId=self._upload_id,
+            MultipartUpload={"Parts": listed},
+            **extra,
+        )
+        self._upload_id = None
+        assert self._pool is not None
+        self._pool.shutdown(wait=False)
+        return response, checksum
 
 
-def dcp_checksum_algorithm(name: str | None = "auto") -> Any:
-    """The checksum algorithm `name` names (``"auto"``: CRC32C with awscrt, else CRC32), as an object with ``name``,
-    ``update(data, previous) -> int``, ``combine(first, second, second_length) -> int`` and ``encode(value) -> str``
-    (S3's base64 spelling)."""
-    return _checksum_algorithm(name)
+# --------------------------------------------------------------------------------------------------------------------
+# s3fs caches: for code that also reaches S3 through fsspec (Lightning's ModelCheckpoint does)
+# --------------------------------------------------------------------------------------------------------------------
 
 
-def dcp_recorded_checksum(utils: S3Utils, info: S3ObjectInfo) -> tuple[Any, str] | None:
-    """``(algorithm, base64 value)`` of the full-object checksum recorded for `info` (by S3, else in this package's
-    sidecar), or None when none was recorded (an object uploaded by another tool)."""
-    recorded = utils._expected_checksum(info)
-    return None if recorded is None else (recorded.algorithm, recorded.value)
+def invalidate_fsspec_cache(url: str) -> None:
+    """Tell live s3fs filesystems that `url` changed: they cache listings per process, and Lightning's
+    ModelCheckpoint asks them whether files exist (e.g. to pick ``-v1`` names). Nothing to do if s3fs is not
+    imported."""
+    s3fs = sys.modules.get("s3fs")
+    if s3fs is None:
+        return
+    bucket_and_key = _urls.normalize_s3_url(url)[len(_urls.S3_PATH_PREFIX) :]
+    instances: Callable[[], Any] = getattr(s3fs.S3FileSystem, "_cache", {}).values
+    for filesystem in list(instances()):
+        with contextlib.suppress(Exception):
+            filesystem.invalidate_cache(bucket_and_key)
+
+
+def forget_s3fs_instances() -> None:
+    """Drop the s3fs filesystems cached in this process. fsspec keeps one per set of arguments, bound to the endpoint
+    and credentials of the moment, so a process that switches endpoints (a test, the demo) would reuse a stale one."""
+    s3fs = sys.modules.get("s3fs")
+    if s3fs is not None:
+        s3fs.S3FileSystem.clear_instance_cache()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Checkpoint save/load benchmark against a local SeaweedFS (``weed mini``) — see benchmarks/README.md.
 
-    .venv/bin/python benchmarks/bench_checkpoint.py --sizes 256,1024 --reps 3
+    python benchmarks/bench_checkpoint.py --sizes 256,1024 --reps 3
 
 Starts SeaweedFS itself (data dir on /dev/shm, holding the exclusive lock /tmp/s3ckpt-weed.lock for as long as
 it runs), then runs every measurement in a fresh ``bench_worker.py`` process and writes
@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import fcntl
-import importlib.util
 import json
 import os
 import platform
@@ -31,7 +29,6 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
-LOCK_PATH = "/tmp/s3ckpt-weed.lock"
 BUCKET = "bench"
 PEERS_PY = HERE / ".venv-peers" / "bin" / "python"
 MAIN_PY = Path(sys.executable)
@@ -88,19 +85,17 @@ def knob_groups(spec: str) -> dict[str, list[tuple[str, str, dict[str, Any], str
 
 
 def _repo_on_path() -> None:
-    """Make the package's modules importable (the test harness also imports the CLI module's weed command line)."""
+    """Make the package's modules importable when it is not installed (``pip install -e .`` makes this a no-op)."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
 
 
-def _load_s3_servers() -> Any:
+def _local_servers() -> Any:
+    """`s3_local_servers`, which starts weed (the same command line, lock and stop rule as the demo and tests)."""
     _repo_on_path()
-    spec = importlib.util.spec_from_file_location("s3_servers_bench", REPO / "tests" / "s3_servers.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    import s3_local_servers
+
+    return s3_local_servers
 
 
 def _package_default_chunk_mib() -> float:
@@ -125,7 +120,7 @@ def _wait_for_foreign_weed(servers: Any, timeout: float = 1800) -> None:
     """Another weed (e.g. a test run that does not take the lock yet) holds the fixed ports: wait for it."""
     deadline = time.monotonic() + timeout
     announced = False
-    while any(servers._has_listener(p) for p in servers.SEAWEEDFS_FIXED_PORTS):
+    while any(servers.has_listener(p) for p in servers.WEED_FIXED_PORTS):
         if time.monotonic() > deadline:
             raise SystemExit("another SeaweedFS kept the fixed ports busy; giving up")
         if not announced:
@@ -493,18 +488,17 @@ def main(argv: list[str] | None = None) -> int:
         if shm_free > need
         else tempfile.mkdtemp(prefix="s3ckpt-bench-")
     )
-    servers = _load_s3_servers()
+    servers = _local_servers()
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     runs: list[dict[str, Any]] = []
     RESULTS.mkdir(exist_ok=True)
 
-    print(f"waiting for {LOCK_PATH} ...", flush=True)
-    with open(LOCK_PATH, "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    print(f"waiting for {servers.WEED_LOCK_PATH} ...", flush=True)
+    with servers.weed_lock("wait"):
         print("lock held; starting SeaweedFS in", data_root, flush=True)
         _wait_for_foreign_weed(servers)
         try:
-            with servers.start_seaweedfs(data_root, lock=False) as ep:
+            with servers.seaweedfs_server(data_root, lock="wait") as ep:  # re-entrant: the lock above
                 weed_pid = _weed_pid()
                 client = ep.client()
                 client.create_bucket(Bucket=BUCKET)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Profile this package's save and load with py-spy (function level), against the same local SeaweedFS setup.
 
-    .venv/bin/python benchmarks/profile_ours.py --size 1024 [--params '{"chunk": 64}']
+    python benchmarks/profile_ours.py --size 1024 [--params '{"chunk": 64}']
 
 Needs py-spy (``benchmarks/.venv-peers/bin/pip install py-spy``). Takes the weed lock, starts weed on /dev/shm,
 runs ``bench_worker.py`` ours-save then ours-load under ``py-spy record --format raw`` (CPU samples, and with
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import fcntl
 import json
 import os
 import shutil
@@ -61,13 +60,12 @@ def main() -> int:
     args = ap.parse_args()
     out_dir = HERE / "profiles"
     out_dir.mkdir(exist_ok=True)
-    servers = bc._load_s3_servers()
+    servers = bc._local_servers()
     data_root = tempfile.mkdtemp(prefix="s3ckpt-prof-", dir="/dev/shm")
-    with open(bc.LOCK_PATH, "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with servers.weed_lock("wait"):
         bc._wait_for_foreign_weed(servers)
         try:
-            with servers.start_seaweedfs(data_root, lock=False) as ep:
+            with servers.seaweedfs_server(data_root, lock="wait") as ep:  # re-entrant: the lock above
                 weed_pid = bc._weed_pid()
                 client = ep.client()
                 client.create_bucket(Bucket=bc.BUCKET)

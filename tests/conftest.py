@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from fault_proxy import FaultProxy
-from s3_servers import S3Endpoint, S3ServerUnavailableError, start_moto, start_seaweedfs
+from s3_servers import S3Endpoint, S3ServerUnavailableError, ServerNotInstalledError, start_moto, start_seaweedfs
 
 KNOWN_BACKENDS = ("moto", "seaweedfs", "external")
 
@@ -88,7 +88,7 @@ def s3_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
                     endpoint = stack.enter_context(start_seaweedfs(tmp_path_factory.mktemp("seaweedfs")))
                 else:
                     endpoint = _external_endpoint()
-            except S3ServerUnavailableError as exc:
+            except (S3ServerUnavailableError, ServerNotInstalledError) as exc:
                 if os.environ.get("S3CKPT_TEST_REQUIRE_BACKENDS") == "1":
                     pytest.fail(f"{backend} unavailable (S3CKPT_TEST_REQUIRE_BACKENDS=1): {exc}", pytrace=False)
                 pytest.skip(f"{backend} unavailable: {exc}")

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from s3_utils import _CHECKSUMS
+from s3_utils import _CHECKSUMS, _fold
 
 ALGORITHMS = sorted(_CHECKSUMS)
 
@@ -42,3 +42,40 @@ def test_catalogue_check_values_and_s3_encoding(name: str, check: int, nbytes: i
     algorithm = _CHECKSUMS[name]
     assert algorithm.update(b"123456789", 0) == check
     assert algorithm.encode(check) == base64.b64encode(check.to_bytes(nbytes, "big")).decode()
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+@given(
+    first=st.integers(min_value=0),
+    second=st.integers(min_value=0),
+    second_length=st.integers(min_value=1, max_value=2**40),  # checksums of real pieces: only b"" has length 0
+)
+@settings(max_examples=200, deadline=None)
+def test_gf2_fallback_agrees_with_awscrt_combine(name: str, first: int, second: int, second_length: int) -> None:
+    """The GF(2) code serves where awscrt (>= 0.31, with ``combine_*``) is missing; both must give the same value."""
+    checksums = pytest.importorskip("awscrt.checksums")
+    crt_combine = getattr(checksums, f"combine_{name.lower()}", None)
+    if crt_combine is None:
+        pytest.skip(f"awscrt {getattr(checksums, '__version__', '')} has no combine_{name.lower()} (needs >= 0.31)")
+    algorithm = _CHECKSUMS[name]
+    mask = (1 << (8 * algorithm.nbytes)) - 1
+    first, second = first & mask, second & mask
+    assert algorithm.combine_gf2(first, second, second_length) == crt_combine(first, second, second_length)
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+@given(pieces=st.lists(st.binary(max_size=2000), max_size=6))
+@settings(max_examples=50, deadline=None)
+def test_fold_of_piece_checksums_is_the_checksum_of_the_whole(name: str, pieces: list[bytes]) -> None:
+    algorithm = _CHECKSUMS[name]
+    folded = _fold(algorithm, [(algorithm.update(piece, 0), len(piece)) for piece in pieces])
+    assert folded == algorithm.update(b"".join(pieces), 0)
+
+
+def test_awscrt_functions_are_resolved_once() -> None:
+    checksums = pytest.importorskip("awscrt.checksums")
+    algorithm = _CHECKSUMS["CRC32C"]
+    algorithm.update(b"x", 0)
+    algorithm.combine(1, 2, 3)
+    assert algorithm._update is checksums.crc32c  # later blocks call awscrt directly, no import per block
+    assert algorithm._combine is getattr(checksums, "combine_crc32c", algorithm.combine_gf2)

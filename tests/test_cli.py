@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from fault_proxy import Fault, FaultProxy, FaultRule
+from optional_imports import DEMO_OPTIONAL_MODULES, HIDE_PREAMBLE
 
 import s3_checkpoint_cli as cli
 from s3_utils import CHECKSUM_SIDECAR_SUFFIX, S3Utils
@@ -467,20 +468,7 @@ def test_console_script(run_url: str, s3_server: Any, tmp_path: Path) -> None:
     assert "demo-step=15.ckpt" in result.stdout
 
 
-ALL_EXTRAS = (
-    "boto3",
-    "botocore",
-    "s3transfer",
-    "awscrt",
-    "s3fs",
-    "tenacity",
-    "torch",
-    "lightning",
-    "pytorch_lightning",
-    "lightning_fabric",
-    "moto",
-    "tqdm",
-)
+ALL_EXTRAS = DEMO_OPTIONAL_MODULES
 
 
 @pytest.mark.parametrize(
@@ -497,16 +485,8 @@ ALL_EXTRAS = (
 def test_import_needs_no_extra_and_a_missing_one_exits_5(
     hidden: tuple[str, ...], argv: list[str], expected: str, tmp_path: Path
 ) -> None:
-    script = textwrap.dedent(
-        f"""
-        import importlib.abc, sys
-        HIDDEN = {set(hidden)!r}
-        class _Hide(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in HIDDEN:
-                    raise ModuleNotFoundError(f"No module named {{name!r}} (hidden by the test)", name=name)
-                return None
-        sys.meta_path.insert(0, _Hide())
+    script = HIDE_PREAMBLE.format(hidden=set(hidden)) + textwrap.dedent(
+        """
         import s3_checkpoint_cli
         assert s3_checkpoint_cli.main(["--help"]) == 0
         sys.exit(s3_checkpoint_cli.main(sys.argv[1:]))

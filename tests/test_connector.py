@@ -215,7 +215,7 @@ class TestSelectionS3(SelectionRules):
 def candidate(name: str, modified: float, **kwargs) -> ResumeCandidate:
     kind = "end" if name.endswith("end.ckpt") else "last"
     return ResumeCandidate(
-        name=name, url=f"s3://b/c/{name}", kind=kind, step=connector._step_of(name), modified=modified, **kwargs
+        name=name, url=f"s3://b/c/{name}", kind=kind, step=connector.checkpoint_step(name), modified=modified, **kwargs
     )
 
 
@@ -232,9 +232,9 @@ def test_without_steps_everywhere_the_newest_by_time_wins() -> None:
 
 
 def test_step_parsing_takes_the_last_step_field() -> None:
-    assert connector._step_of("gpt--val_loss=1.20-step=1200-consumed_samples=9600.0-last.ckpt") == 1200
-    assert connector._step_of("mystep=3-last.ckpt") is None
-    assert connector._step_of("last.ckpt") is None
+    assert connector.checkpoint_step("gpt--val_loss=1.20-step=1200-consumed_samples=9600.0-last.ckpt") == 1200
+    assert connector.checkpoint_step("mystep=3-last.ckpt") is None
+    assert connector.checkpoint_step("last.ckpt") is None
 
 
 def test_fewer_shards_than_another_checkpoint_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:

@@ -27,7 +27,7 @@ from s3_servers import S3Endpoint, free_port
 pytestmark = [pytest.mark.lightning, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
+HELPERS = Path(__file__).resolve().parent / "helpers"  # ddp_worker and the tiny model it trains
 JOB_TIMEOUT_S = 300
 # Variables that would make Lightning or the rank detection believe in another launcher.
 _LAUNCHER_VARIABLES = re.compile(
@@ -61,7 +61,7 @@ def run_job(
     base.update(server.env())
     base.update(
         AWS_ENDPOINT_URL_S3=proxy.endpoint_url,
-        PYTHONPATH=os.pathsep.join([str(REPO), base.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        PYTHONPATH=os.pathsep.join([str(REPO), str(HELPERS), base.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
         WORLD_SIZE=str(world_size),
@@ -72,7 +72,7 @@ def run_job(
     procs = []
     for rank in range(world_size):
         env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "AWS_SDK_UA_APP_ID": f"rank-{rank}"}
-        command = [sys.executable, str(WORKER), "--mode", mode, "--dirpath", dirpath]
+        command = [sys.executable, "-m", "ddp_worker", "--mode", mode, "--dirpath", dirpath]
         command += ["--max-steps", str(max_steps), "--out", str(out)]
         log = open(out / f"rank{rank}.log", "wb")  # closed in the finally below
         procs.append((subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO), log))

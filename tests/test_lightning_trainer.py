@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 import torch
-from tiny_lightning import FAMILIES, lightning_family, tiny_module_class
+from tiny_lightning import FAMILIES, TOP_K_CHECKPOINT, lightning_family, tiny_module_class, tiny_trainer
 
 from s3_checkpoint_io import S3CheckpointIO
 
@@ -14,25 +14,8 @@ pytestmark = pytest.mark.lightning
 
 
 def make_trainer(pl, plugin, dirpath: str, max_steps: int):
-    checkpoint = pl.callbacks.ModelCheckpoint(
-        dirpath=dirpath,
-        filename="tiny-{step}",
-        monitor="gstep",
-        mode="max",
-        save_top_k=2,
-        save_last=True,
-        every_n_train_steps=2,
-    )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        plugins=[plugin],
-        callbacks=[checkpoint],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=dirpath, **TOP_K_CHECKPOINT)
+    trainer = tiny_trainer(pl, max_steps, plugins=[plugin], callbacks=[checkpoint])
     return trainer, checkpoint
 
 

@@ -11,43 +11,23 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from optional_imports import CORE_OPTIONAL_MODULES, HIDE_PREAMBLE, modules_of
+from optional_imports import extras as optional_dependencies
 
 REPO = Path(__file__).resolve().parent.parent
 CORE_MODULES = ["s3_dirpath_utils", "s3_utils", "s3_checkpoint_io", "connector"]
 
-# Hides every module named in HIDDEN (and its submodules) from the import system, as if it were not installed.
-_HIDE = """
-import importlib.abc, sys
-HIDDEN = {hidden!r}
-class _Hide(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in HIDDEN:
-            raise ModuleNotFoundError(f"No module named {{name!r}} (hidden by the test)", name=name)
-        return None
-sys.meta_path.insert(0, _Hide())
-"""
 
 
 def run_python(code: str, *, hidden: tuple[str, ...] = (), cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    script = _HIDE.format(hidden=set(hidden)) + textwrap.dedent(code)
+    script = HIDE_PREAMBLE.format(hidden=set(hidden)) + textwrap.dedent(code)
     return subprocess.run(
         [sys.executable, "-c", script], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
     )
 
 
 def test_core_modules_import_with_every_extra_hidden() -> None:
-    hidden = (
-        "boto3",
-        "botocore",
-        "s3transfer",
-        "awscrt",
-        "s3fs",
-        "tenacity",
-        "torch",
-        "lightning",
-        "pytorch_lightning",
-        "lightning_fabric",
-    )
+    hidden = CORE_OPTIONAL_MODULES
     result = run_python(
         """
         import s3_dirpath_utils, s3_utils, s3_checkpoint_io, connector
@@ -177,11 +157,25 @@ def test_dirpath_utils_needs_only_the_standard_library() -> None:
 def test_aggregate_extras_contain_what_they_promise() -> None:
     """`all`, `cli` and `demo` list packages instead of naming other extras (pip resolves self-references slowly),
     so check by hand that they stay supersets of the extras they stand for."""
-    import tomllib
-
-    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = optional_dependencies()
     assert set(extras["s3"]) | set(extras["lightning"]) <= set(extras["all"])
     assert set(extras["s3"]) <= set(extras["cli"]) <= set(extras["all"])
     assert set(extras["cli"]) | set(extras["lightning"]) <= set(extras["demo"])
     assert not any("s3-checkpoint-io" in requirement for values in extras.values() for requirement in values)
     assert not any(requirement.startswith("torch") for values in extras.values() for requirement in values)
+
+
+def test_every_package_of_the_user_extras_has_its_modules_hidden_by_the_import_tests() -> None:
+    """The import tests hide the modules behind the extras; a package added to an extra must be known there too."""
+    names = [name for name in optional_dependencies() if name != "test"]
+    assert set(CORE_OPTIONAL_MODULES) <= set(modules_of(*names))
+    assert {"boto3", "awscrt", "s3fs", "lightning", "pytorch_lightning", "torch"} <= set(CORE_OPTIONAL_MODULES)
+
+
+def test_every_module_at_the_repo_root_is_installed() -> None:
+    """``pip install`` ships the flat modules listed in ``py-modules``: a new one left out would be missing for users
+    (and only there: the tests import the working tree)."""
+    import tomllib
+
+    listed = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["py-modules"]
+    assert sorted(listed) == sorted(path.stem for path in REPO.glob("*.py"))

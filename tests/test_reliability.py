@@ -2,7 +2,7 @@
 last good checkpoint.
 
 Every scenario runs `S3CheckpointIO` against the real local S3 server (moto or SeaweedFS) through the fault-injecting
-proxy of ``tests/fault_proxy.py``, with synchronous and asynchronous saves, a fast `RetryPolicy` and 5 MiB parts. What
+proxy of ``fault_proxy``, with synchronous and asynchronous saves, a fast `RetryPolicy` and 5 MiB parts. What
 "nothing lost" means in each test: the previous checkpoint (at the same key, or a different one that was scheduled for
 removal) is still there byte for byte and loads to identical tensors, and no multipart upload is left open.
 

@@ -29,15 +29,24 @@ import psutil
 import pytest
 import torch
 from fault_proxy import Fault, FaultProxy, FaultRule
-from s3_servers import S3Endpoint, seaweedfs_command, seaweedfs_process
+from s3_servers import S3Endpoint, seaweedfs_process
 
 import connector
 import s3_checkpoint_cli as cli
 from s3_checkpoint_io import S3CheckpointIO
+from s3_local_servers import moto_server, weed_command
 from s3_utils import RetryPolicy, S3ClientSettings
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGE_MODULES = ["s3_dirpath_utils.py", "s3_utils.py", "s3_checkpoint_io.py", "connector.py", "s3_checkpoint_cli.py"]
+PACKAGE_MODULES = [
+    "s3_dirpath_utils.py",
+    "s3_utils.py",
+    "s3_checkpoint_io.py",
+    "connector.py",
+    "s3_local_servers.py",
+    "s3_checkpoint_cli.py",
+    "s3_checkpoint_demo.py",
+]
 OUR_LOGGERS = ("s3_utils", "s3_checkpoint_io", "connector", "s3_checkpoint_cli", "s3_dirpath_utils")
 FAST = RetryPolicy(max_attempts=3, max_elapsed_s=5.0, initial_backoff_s=0.01, max_backoff_s=0.05)
 MiB = 1024 * 1024
@@ -254,12 +263,9 @@ def test_package_binds_nothing_to_all_interfaces(module: str) -> None:
         assert literal not in text, f"{module} mentions {literal}"
 
 
-@pytest.mark.parametrize(
-    "command",
-    [cli._weed_command("weed", "/data", 23456), seaweedfs_command("weed", Path("/data"), 23456)],
-    ids=["cli-demo", "test-harness"],
-)
-def test_weed_command_lines_bind_loopback_only(command: list[str]) -> None:
+def test_weed_command_line_binds_loopback_only() -> None:
+    """The one weed command line, shared by the demo, the tests and the benchmarks."""
+    command = weed_command("weed", Path("/data"), 23456)
     assert "-ip.bind=127.0.0.1" in command and "-ip=127.0.0.1" in command
     assert "-master.telemetry=false" in command
     assert not any("0.0.0.0" in arg for arg in command)
@@ -270,8 +276,8 @@ def _listening_addresses(process: psutil.Process) -> set[str]:
 
 
 def test_every_server_we_start_listens_on_loopback_only(s3_server: S3Endpoint, fault_proxy: FaultProxy) -> None:
-    """This process (session moto server, fault proxy, the CLI's embedded moto) and, on SeaweedFS, weed itself."""
-    with cli.embedded_moto() as embedded:
+    """This process (session moto server, fault proxy, the demo's embedded moto) and, on SeaweedFS, weed itself."""
+    with moto_server() as embedded:
         assert embedded.endpoint_url.startswith("http://127.0.0.1:")
         addresses = _listening_addresses(psutil.Process())
     assert addresses, "no listening socket found: the check proves nothing"

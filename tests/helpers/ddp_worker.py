@@ -36,7 +36,7 @@ def main() -> None:
     world_size = int(os.environ["WORLD_SIZE"])
 
     import lightning.pytorch as pl
-    from tiny_lightning import tiny_module_class
+    from tiny_lightning import TOP_K_CHECKPOINT, tiny_module_class, tiny_trainer
 
     import connector
     from s3_checkpoint_io import S3CheckpointIO
@@ -55,37 +55,20 @@ def main() -> None:
         },
         "exp_manager": {
             "resume_if_exists": args.mode == "check_resume",
-            "checkpoint_callback_params": {
-                "dirpath": args.dirpath,
-                "filename": "tiny--{step}",
-                "monitor": "gstep",
-                "mode": "max",
-                "save_top_k": 2,
-                "save_last": True,
-                "every_n_train_steps": 2,
-            },
+            "checkpoint_callback_params": {**TOP_K_CHECKPOINT, "dirpath": args.dirpath, "filename": "tiny--{step}"},
         },
     }
     settings = S3ClientSettings(user_agent_extra=f"rank/{rank}", max_pool_connections=8)
-    trainer_kwargs = dict(
-        strategy="ddp",
-        accelerator="cpu",
-        devices=world_size,
-        num_nodes=1,
-        max_steps=args.max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer_kwargs = dict(strategy="ddp", devices=world_size, num_nodes=1)
     ckpt_path = "last" if args.mode in ("last", "stock_last") else None
     if args.mode == "stock_last":
         callback = pl.callbacks.ModelCheckpoint(
             dirpath=args.dirpath, filename="tiny--{step}", save_last=True, every_n_train_steps=2
         )
         checkpoint_io = S3CheckpointIO(args.dirpath, chunk_size_MB=5, client_settings=settings)
-        trainer = pl.Trainer(plugins=[checkpoint_io], callbacks=[callback], **trainer_kwargs)
+        trainer = tiny_trainer(pl, args.max_steps, plugins=[checkpoint_io], callbacks=[callback], **trainer_kwargs)
     else:
-        trainer = pl.Trainer(**trainer_kwargs)
+        trainer = tiny_trainer(pl, args.max_steps, **trainer_kwargs)
         connector.configure_s3_checkpointing(trainer, config, client_settings=settings)
 
     model = TinyModule()

@@ -8,8 +8,24 @@ from typing import Any
 import pytest
 import torch
 
+from s3_checkpoint_demo import build_trainer as tiny_trainer
+
+__all__ = ["FAMILIES", "TOP_K_CHECKPOINT", "lightning_family", "tiny_module_class", "tiny_trainer"]
+
 FAMILIES = ["lightning.pytorch", "pytorch_lightning"]
 """Both import names Lightning ships under; the Lightning tests run once with each that is installed."""
+
+
+TOP_K_CHECKPOINT: dict[str, Any] = {
+    "filename": "tiny-{step}",
+    "monitor": "gstep",
+    "mode": "max",
+    "save_top_k": 2,
+    "save_last": True,
+    "every_n_train_steps": 2,
+}
+"""The ModelCheckpoint the Lightning tests save with: the two highest steps and last.ckpt, every 2 steps.
+`tiny_trainer` (the demo's `build_trainer`) builds their quiet single-process CPU Trainers."""
 
 
 def lightning_family(name: str) -> Any:

@@ -1,0 +1,228 @@
+"""Every private name of another library this package relies on, pinned (run in every CI environment).
+
+When one of them moves, the package does not crash: it quietly takes a slower or less exact path (a download copies
+twice, ``ckpt_path="last"`` lists on every rank, s3fs answers from a stale cache). These tests make the move loud.
+Each test says where the package relies on the name.
+"""
+
+from __future__ import annotations
+
+import http.client
+import importlib
+import inspect
+import io
+import os
+import pickle
+from typing import Any
+
+import pytest
+import torch
+from tiny_lightning import FAMILIES, lightning_family
+
+import connector
+import s3_checkpoint_io
+import s3_utils
+from s3_utils import S3ClientSettings, S3Utils
+
+MiB = 1024 * 1024
+
+
+# ---- botocore and urllib3: the direct socket path of downloads (s3_utils._socket_reader) ---------------------------
+
+
+def test_a_response_body_exposes_the_socket_response_under_urllib3(s3_client, bucket: str) -> None:
+    s3_client.put_object(Bucket=bucket, Key="body", Body=b"x" * 100)
+    body = S3Utils().client.get_object(Bucket=bucket, Key="body")["Body"]
+    try:
+        raw = body._raw_stream  # botocore StreamingBody -> urllib3 HTTPResponse
+        assert isinstance(raw._fp, http.client.HTTPResponse)  # urllib3 -> http.client
+        assert callable(raw.release_conn)
+        assert raw._fp.readinto(bytearray(100)) == 100
+        assert raw._fp.isclosed()  # read to its end: what decides that the connection goes back to the pool
+    finally:
+        body.close()
+
+
+def test_real_downloads_take_the_direct_socket_path(bucket: str) -> None:
+    utils = S3Utils()
+    url = f"s3://{bucket}/direct"
+    data = os.urandom(11 * MiB)
+    utils.upload_file_stream_to_s3(io.BytesIO(data), url, chunk_size_MB=5)
+    before = dict(s3_utils._body_reads)
+    with utils.download_to_memory(url, chunk_size_MB=5) as downloaded:
+        assert downloaded.read_all() == data
+    target = bytearray(1000)
+    assert utils.read_range_into(url, 5, target) == 1000 and bytes(target) == data[5:1005]
+    assert s3_utils._body_reads["fallback"] == before["fallback"], "a body was read through the slow public path"
+    assert s3_utils._body_reads["direct"] - before["direct"] == 3 + 1  # three ranges and one ranged read
+
+
+# ---- botocore: the region redirector's context key (s3_utils._no_region_redirects) ---------------------------------
+
+
+def test_the_redirect_context_is_marked_before_every_call(s3_server, bucket: str) -> None:
+    client = S3Utils(S3ClientSettings(endpoint_url=s3_server.endpoint_url, user_agent_extra="redirect-pin")).client
+    seen: list[Any] = []
+    client.meta.events.register("before-call.s3", lambda params, **_: seen.append(params["context"].get("s3_redirect")))
+    client.head_bucket(Bucket=bucket)
+    assert seen and isinstance(seen[-1], dict), "botocore no longer puts 's3_redirect' in the request context"
+    assert seen[-1]["redirected"] is True  # set by _no_region_redirects, registered before this handler
+
+
+def test_the_redirector_honours_the_redirected_flag() -> None:
+    botocore_utils = pytest.importorskip("botocore.utils")
+    redirector_class = botocore_utils.S3RegionRedirectorv2
+    client = S3Utils(S3ClientSettings(endpoint_url="http://127.0.0.1:9", region_name="us-east-1")).client
+    operation = client.meta.service_model.operation_model("HeadObject")
+    request = {"context": {"s3_redirect": {"redirected": True, "bucket": "b", "params": {"Bucket": "b"}}}}
+    response = (None, {"Error": {"Code": "PermanentRedirect"}, "ResponseMetadata": {"HTTPHeaders": {}}})
+    assert redirector_class(None, client).redirect_from_error(request, response, operation) is None
+    source = inspect.getsource(redirector_class.redirect_from_error)
+    assert "'s3_redirect'" in source and "'redirected'" in source
+
+
+def test_botocore_retry_codes_are_all_retried_here() -> None:
+    standard = pytest.importorskip("botocore.retries.standard")
+    special = pytest.importorskip("botocore.retries.special")
+    dynamodb_only = {"ProvisionedThroughputExceededException", "TransactionInProgressException"}
+    not_s3 = dynamodb_only | {"LimitExceededException"}
+    codes = set(standard.ThrottledRetryableChecker._THROTTLED_ERROR_CODES)
+    codes |= set(standard.TransientRetryableChecker._TRANSIENT_ERROR_CODES)
+    assert "IDPCommunicationError" in inspect.getsource(special.RetryIDPCommunicationError)
+    assert codes - not_s3 <= s3_utils.RETRIABLE_ERROR_CODES
+    assert set(standard.TransientRetryableChecker._TRANSIENT_STATUS_CODES) <= s3_utils.RETRIABLE_HTTP_STATUSES
+
+
+# ---- s3fs: its instance cache and listings cache (s3_utils.invalidate_fsspec_cache, forget_s3fs_instances) ---------
+
+
+def test_s3fs_instances_are_cached_where_the_helpers_look(s3_server, s3_client, bucket: str) -> None:
+    s3fs = pytest.importorskip("s3fs")
+    s3_utils.forget_s3fs_instances()
+    assert not s3fs.S3FileSystem._cache
+    fs = s3fs.S3FileSystem(
+        key=s3_server.access_key,
+        secret=s3_server.secret_key,
+        client_kwargs={"endpoint_url": s3_server.endpoint_url, "region_name": s3_server.region},
+    )
+    assert fs in s3fs.S3FileSystem._cache.values()
+    s3_client.put_object(Bucket=bucket, Key="dir/a.ckpt", Body=b"a")
+    assert fs.ls(f"{bucket}/dir") == [f"{bucket}/dir/a.ckpt"]  # now cached
+    s3_client.put_object(Bucket=bucket, Key="dir/b.ckpt", Body=b"b")
+    assert not fs.exists(f"{bucket}/dir/b.ckpt"), "s3fs no longer answers from its listings cache (fine, but look)"
+    s3_utils.invalidate_fsspec_cache(f"s3://{bucket}/dir/b.ckpt")
+    assert fs.exists(f"{bucket}/dir/b.ckpt")
+    s3_utils.forget_s3fs_instances()
+    assert not s3fs.S3FileSystem._cache
+
+
+# ---- torch: the checkpoint format checks of S3CheckpointIO.load_checkpoint ------------------------------------------
+
+
+def test_torch_zip_magic_and_weights_only_message(tmp_path) -> None:
+    zip_path, legacy_path = tmp_path / "new.pt", tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(2)}, zip_path)
+    torch.save({"w": torch.ones(2)}, legacy_path, _use_new_zipfile_serialization=False)
+    magic = s3_checkpoint_io._TORCH_ZIP_MAGIC
+    assert zip_path.read_bytes().startswith(magic) and not legacy_path.read_bytes().startswith(magic)
+    with open(zip_path, "rb") as stream:
+        assert torch.serialization._is_zipfile(stream)  # the rule _is_torch_zip copies
+    unsafe = tmp_path / "unsafe.pt"
+    torch.save({"w": pickle.loads(pickle.dumps(_Unsafe()))}, unsafe)
+    with pytest.raises(pickle.UnpicklingError) as refused:
+        torch.load(unsafe, weights_only=True)
+    assert s3_checkpoint_io._WEIGHTS_ONLY_REFUSAL in str(refused.value).lower()
+
+
+class _Unsafe:
+    """A class weights_only=True refuses to unpickle."""
+
+
+# ---- Lightning (both families): the names connector.py overrides or reads -------------------------------------------
+
+
+@pytest.fixture(params=FAMILIES)
+def pl(request: pytest.FixtureRequest) -> Any:
+    return lightning_family(request.param)
+
+
+def _family(pl: Any) -> str:
+    return pl.__name__
+
+
+def test_checkpoint_connector_names(pl: Any) -> None:
+    module = importlib.import_module(f"{_family(pl)}.trainer.connectors.checkpoint_connector")
+    base = module._CheckpointConnector  # subclassed by NeMoCheckpointConnector
+    parameters = list(inspect.signature(base._parse_ckpt_path).parameters)
+    assert parameters[:5] == ["self", "state_fn", "ckpt_path", "model_provided", "model_connected"], parameters
+    assert "checkpoint_path" in inspect.signature(base.resume_start).parameters
+    source = inspect.getsource(module)
+    assert "self._parse_ckpt_path(" in source  # Lightning still routes ckpt_path through the overridden hook
+    assert "._find_last_checkpoints(" in source  # and asks ModelCheckpoint for the "last" candidates this way
+
+
+def test_trainer_connector_and_strategy_attributes(pl: Any) -> None:
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    base = importlib.import_module(f"{_family(pl)}.trainer.connectors.checkpoint_connector")._CheckpointConnector
+    current = trainer._checkpoint_connector
+    assert isinstance(current, base)
+    assert {"_ckpt_path", "_user_managed"} <= set(vars(current))  # install_checkpoint_connector copies vars()
+    trainer.ckpt_path = "s3://bucket/run/last.ckpt"
+    assert (current._ckpt_path, current._user_managed) == ("s3://bucket/run/last.ckpt", True)
+    assert hasattr(trainer.strategy, "_checkpoint_io")  # read without creating Lightning's default plugin
+    installed = connector.install_checkpoint_connector(trainer)
+    assert trainer._checkpoint_connector is installed and installed._ckpt_path == "s3://bucket/run/last.ckpt"
+
+
+def test_model_checkpoint_hooks(pl: Any) -> None:
+    model_checkpoint = pl.callbacks.ModelCheckpoint
+    source = inspect.getsource(importlib.import_module(model_checkpoint.__module__))
+    for hook, arguments, called_from_model_checkpoint in [
+        ("_find_last_checkpoints", ["self", "trainer"], False),  # called by the connector (test above)
+        ("_ModelCheckpoint__warn_if_dir_not_empty", ["self", "dirpath"], True),
+        ("_save_checkpoint", ["self", "trainer", "filepath"], True),
+        ("_remove_checkpoint", ["self", "trainer", "filepath"], True),
+        ("file_exists", ["self", "filepath", "trainer"], True),
+    ]:
+        function = getattr(model_checkpoint, hook, None)
+        assert function is not None, f"{model_checkpoint.__module__}.ModelCheckpoint has no {hook} any more"
+        assert list(inspect.signature(function).parameters)[: len(arguments)] == arguments, hook
+        called = hook.replace("_ModelCheckpoint", "")  # a mangled name is called as self.__name inside the class
+        assert not called_from_model_checkpoint or f"self.{called}(" in source, (
+            f"ModelCheckpoint no longer calls {hook}"
+        )
+    for attribute in ("best_k_models", "kth_best_model_path", "kth_value", "best_model_path", "best_model_score"):
+        assert hasattr(model_checkpoint(), attribute), attribute
+    assert isinstance(model_checkpoint.CHECKPOINT_NAME_LAST, str) and model_checkpoint.FILE_EXTENSION == ".ckpt"
+    assert pl.callbacks.OnExceptionCheckpoint.__name__ == "OnExceptionCheckpoint"  # matched by name in connector
+
+
+def test_checkpoint_io_bases_and_the_async_wrapper(pl: Any) -> None:
+    plugin = s3_checkpoint_io.S3CheckpointIO("s3://bucket/run", chunk_size_MB=5)
+    registered = s3_checkpoint_io.register_with_lightning(type(plugin))
+    assert set(registered) <= set(s3_checkpoint_io._LIGHTNING_CHECKPOINT_IO_BASES) and registered
+    assert isinstance(plugin, pl.plugins.io.CheckpointIO)
+    wrapped = pl.plugins.io.AsyncCheckpointIO(plugin)
+    assert wrapped.checkpoint_io is plugin  # connector._s3_utils_of_trainer unwraps it this way
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, plugins=[wrapped])
+    assert connector._s3_utils_of_trainer(trainer) is plugin.s3
+
+
+def test_no_released_lightning_needs_the_removed_checkpoint_io_attributes(pl: Any) -> None:
+    """``requires_cpu_collectives``, ``requires_state_on_load`` and ``_restore_after_setup`` were set for a Lightning
+    that never shipped them; if an installed Lightning reads one, this fails and they must come back."""
+    root = os.path.dirname(importlib.import_module(_family(pl).split(".")[0]).__file__ or "")
+    names = ("requires_cpu_collectives", "requires_state_on_load", "_restore_after_setup")
+    readers = []
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), encoding="utf-8") as source:
+                    text = source.read()
+                readers += [f"{name}: {attribute}" for attribute in names if attribute in text]
+    assert not readers, readers
+
+
+def test_nemo_topk_hook_when_nemo_is_installed() -> None:
+    nemo_checkpoint = pytest.importorskip("nemo.utils.callbacks.nemo_model_checkpoint")
+    assert hasattr(nemo_checkpoint.NeMoModelCheckpoint, "_remove_invalid_entries_from_topk")

@@ -1,0 +1,336 @@
+"""The public S3Utils API that tools build on: checksum provenance, ranged reads, uploads with progress, the writer's
+stream surface and its commit-or-abort rule, and the plugin's refusal of arguments it would ignore."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import io
+import os
+import sys
+import types
+from typing import ClassVar
+
+import pytest
+from fault_proxy import Fault, FaultRule
+
+import connector
+import s3_utils
+from s3_checkpoint_io import S3CheckpointIO
+from s3_utils import (
+    CHECKSUM_SIDECAR_SUFFIX,
+    RecordedChecksum,
+    RetryPolicy,
+    S3ClientSettings,
+    S3Utils,
+    _checksum_of,
+    _ChecksumRecords,
+    forget_s3fs_instances,
+    invalidate_fsspec_cache,
+    validate_checksum_algorithm,
+)
+
+MiB = 1024 * 1024
+FAST = RetryPolicy(initial_backoff_s=0.01, max_backoff_s=0.05)
+
+
+def open_uploads(s3_client, bucket: str) -> list[str]:
+    return [u["Key"] for u in s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+
+
+def keys(s3_client, bucket: str) -> list[str]:
+    return sorted(obj["Key"] for obj in s3_client.list_objects_v2(Bucket=bucket).get("Contents", []))
+
+
+# ---- checksum provenance --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [100, 12 * MiB], ids=["single-put", "multipart"])
+def test_recorded_checksum_names_what_a_download_is_verified_against(bucket: str, size: int) -> None:
+    utils = S3Utils()
+    url = f"s3://{bucket}/obj"
+    data = os.urandom(size)
+    utils.upload_file_stream_to_s3(io.BytesIO(data), url, chunk_size_MB=5)
+    info = utils.head_object(url)
+    recorded = utils.recorded_checksum(info)
+    assert isinstance(recorded, RecordedChecksum)
+    assert recorded.source in s3_utils.CHECKSUM_SOURCES
+    assert recorded.algorithm == validate_checksum_algorithm("auto")
+    assert str(recorded) == f"{recorded.algorithm} {recorded.value} ({recorded.source})"
+    with utils.download_to_memory(url, chunk_size_MB=5) as downloaded:
+        assert downloaded.read_all() == data
+        verified = downloaded.verified_against
+    assert verified is not None and verified.algorithm == recorded.algorithm
+    algorithm = s3_utils._checksum_algorithm(verified.algorithm)
+    assert verified.value == algorithm.encode(_checksum_of(algorithm, data))  # the record matches the bytes
+    # the download verified against the record recorded_checksum names, or (a store that reports a checksum it never
+    # checked, as moto does for multipart uploads) against the sidecar this package wrote for that store
+    assert verified == recorded or (recorded.source, verified.source) == ("s3", "sidecar")
+
+
+def test_a_sidecar_record_is_reported_and_verified(s3_client, bucket: str) -> None:
+    """An object whose store keeps no checksum: the sidecar this package wrote is the record (source "sidecar")."""
+    utils = S3Utils()
+    data = b"recorded beside the object"
+    s3_client.put_object(Bucket=bucket, Key="side", Body=data)
+    info = utils.head_object(f"s3://{bucket}/side")
+    bare = s3_utils.S3ObjectInfo(info.bucket, info.key, info.size, info.etag)  # as if the store reported no checksum
+    algorithm = s3_utils._checksum_algorithm("CRC32")
+    value = algorithm.encode(algorithm.update(data, 0))
+    record = {"algorithm": "CRC32", "checksum": value, "size": info.size, "etag": info.etag}
+    _ChecksumRecords(utils).write_sidecar(bucket, "side", record)
+    assert utils.recorded_checksum(bare) == RecordedChecksum("CRC32", value, "sidecar")
+    assert "side" + CHECKSUM_SIDECAR_SUFFIX in keys(s3_client, bucket)
+
+
+def test_no_record_and_unverified_downloads_say_so(s3_client, bucket: str) -> None:
+    utils = S3Utils()
+    s3_client.put_object(Bucket=bucket, Key="raw", Body=b"abc")
+    bare = s3_utils.S3ObjectInfo(bucket, "raw", 3, utils.head_object(f"s3://{bucket}/raw").etag)
+    assert utils.recorded_checksum(bare) is None
+    with utils.download_to_memory(f"s3://{bucket}/raw", verify=False) as downloaded:
+        assert downloaded.read_all() == b"abc"
+        assert downloaded.verified_against is None
+
+
+# ---- ranged reads ---------------------------------------------------------------------------------------------------
+
+
+def test_read_range_into_fills_a_buffer_and_stops_at_the_end(bucket: str) -> None:
+    utils = S3Utils()
+    url = f"s3://{bucket}/ranges"
+    data = os.urandom(3 * MiB + 17)
+    utils.upload_file_stream_to_s3(io.BytesIO(data), url, chunk_size_MB=5)
+    target = bytearray(1000)
+    assert utils.read_range_into(url, 12345, target) == 1000
+    assert bytes(target) == data[12345:13345]
+    tail = memoryview(bytearray(100))
+    assert utils.read_range_into(url, len(data) - 40, tail) == 40  # the object ends first
+    assert bytes(tail[:40]) == data[-40:]
+    assert utils.read_range_into(url, len(data), bytearray(10)) == 0
+    assert utils.read_range_into(url, len(data) + 5, bytearray(10)) == 0
+    assert utils.read_range_into(url, 0, bytearray(0)) == 0
+    with pytest.raises(ValueError, match="start"):
+        utils.read_range_into(url, -1, bytearray(10))
+    with pytest.raises(FileNotFoundError, match="ranges-missing"):
+        utils.read_range_into(f"{url}-missing", 0, bytearray(10))
+
+
+def test_read_range_into_refuses_a_replaced_object(bucket: str) -> None:
+    utils = S3Utils()
+    url = f"s3://{bucket}/etag"
+    utils.upload_file_stream_to_s3(io.BytesIO(b"first version"), url)
+    etag = utils.head_object(url).etag
+    target = bytearray(5)
+    assert utils.read_range_into(url, 0, target, etag=etag) == 5 and target == b"first"
+    utils.upload_file_stream_to_s3(io.BytesIO(b"second version"), url)
+    botocore_exceptions = pytest.importorskip("botocore.exceptions")
+    with pytest.raises(botocore_exceptions.ClientError, match=r"PreconditionFailed|412") as caught:
+        utils.read_range_into(url, 0, target, etag=etag)
+    assert any(url in note for note in caught.value.__notes__)
+
+
+def test_read_range_into_retries_a_cut_response(s3_client, bucket: str, fault_proxy) -> None:
+    data = os.urandom(2 * MiB)
+    s3_client.put_object(Bucket=bucket, Key="cut", Body=data)
+    fault_proxy.add_rule(FaultRule(Fault.reset_mid_response(after_bytes=1000), method="GET", times=1))
+    utils = S3Utils(S3ClientSettings(endpoint_url=fault_proxy.endpoint_url), FAST)
+    target = bytearray(MiB)
+    assert utils.read_range_into(f"s3://{bucket}/cut", MiB, target) == MiB
+    assert bytes(target) == data[MiB:]
+    assert utils.retries == 1
+
+
+def test_read_ranges_into_reads_many_ranges_in_parallel(bucket: str) -> None:
+    utils = S3Utils()
+    url = f"s3://{bucket}/many"
+    data = os.urandom(2 * MiB)
+    utils.upload_file_stream_to_s3(io.BytesIO(data), url)
+    starts = [0, 7, 100_000, MiB, 2 * MiB - 3]
+    buffers = [bytearray(4096) for _ in starts]
+    counts = utils.read_ranges_into(url, zip(starts, buffers, strict=True), max_concurrency=3)
+    assert counts == [4096, 4096, 4096, 4096, 3]
+    for start, buffer, count in zip(starts, buffers, counts, strict=True):
+        assert bytes(buffer[:count]) == data[start : start + count]
+    with pytest.raises(FileNotFoundError):
+        utils.read_ranges_into(f"{url}-missing", [(0, bytearray(1)), (1, bytearray(1))])
+
+
+# ---- uploads --------------------------------------------------------------------------------------------------------
+
+
+def test_upload_file_reports_progress_and_returns_what_it_wrote(tmp_path, bucket: str) -> None:
+    utils = S3Utils()
+    path = tmp_path / "model.ckpt"
+    data = os.urandom(11 * MiB + 3)
+    path.write_bytes(data)
+    seen: list[int] = []
+    info = utils.upload_file(path, f"s3://{bucket}/up/model.ckpt", chunk_size_MB=5, progress=seen.append)
+    assert sum(seen) == len(data) and len(seen) == 3
+    assert (info.url, info.size) == (f"s3://{bucket}/up/model.ckpt", len(data))
+    head = utils.head_object(info.url)
+    assert head.etag == info.etag
+    recorded = utils.recorded_checksum(head)
+    assert recorded is not None
+    assert info.checksums == {f"Checksum{recorded.algorithm}": info.checksums[f"Checksum{recorded.algorithm}"]}
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    assert utils.upload_file(empty, f"s3://{bucket}/up/empty").size == 0
+
+
+# ---- the writer -----------------------------------------------------------------------------------------------------
+
+
+def test_writer_tells_its_position_and_names_its_url(s3_client, bucket: str) -> None:
+    url = f"s3://{bucket}/told"
+    writer = S3Utils().open_writer(url, chunk_size_MB=5, max_concurrency=2)
+    assert writer.tell() == 0 and writer.state == "open"
+    writer.write(b"x" * 3)
+    writer.write(memoryview(os.urandom(6 * MiB)))
+    assert writer.tell() == 6 * MiB + 3
+    assert url in repr(writer) and "open" in repr(writer)
+    writer.close()
+    assert writer.state == "committed" and writer.closed and "committed" in repr(writer)
+    writer.close()  # ending twice is harmless
+    writer.abort()  # and cannot undo a commit
+    assert s3_client.head_object(Bucket=bucket, Key="told")["ContentLength"] == 6 * MiB + 3
+    with pytest.raises(ValueError, match=url):
+        writer.write(b"more")
+
+
+@pytest.mark.parametrize("size", [10, 7 * MiB], ids=["single-put", "multipart"])
+def test_an_abandoned_writer_never_commits(s3_client, bucket: str, size: int) -> None:
+    writer = S3Utils().open_writer(f"s3://{bucket}/abandoned", chunk_size_MB=5, max_concurrency=2)
+    writer.write(os.urandom(size))
+    concurrent.futures.wait(writer._parts)  # an upload thread in flight still holds the writer
+    del writer
+    gc.collect()
+    assert keys(s3_client, bucket) == []
+    assert open_uploads(s3_client, bucket) == []
+
+
+def test_a_failed_commit_aborts(s3_client, bucket: str, fault_proxy) -> None:
+    utils = S3Utils(S3ClientSettings(endpoint_url=fault_proxy.endpoint_url), RetryPolicy(max_attempts=1))
+    fault_proxy.add_rule(FaultRule(Fault.status(500, "InternalError"), method="POST", query="uploadId="))
+    writer = utils.open_writer(f"s3://{bucket}/failed", chunk_size_MB=5)
+    writer.write(os.urandom(6 * MiB))
+    with pytest.raises(Exception, match="InternalError"):
+        writer.close()
+    assert writer.state == "aborted" and writer.closed
+    fault_proxy.clear_rules()
+    assert keys(s3_client, bucket) == []
+    assert open_uploads(s3_client, bucket) == []
+
+
+# ---- small public helpers -------------------------------------------------------------------------------------------
+
+
+def test_validate_checksum_algorithm() -> None:
+    assert validate_checksum_algorithm("crc32") == "CRC32"
+    assert validate_checksum_algorithm(None) == validate_checksum_algorithm("auto")
+    assert validate_checksum_algorithm("auto") in {"CRC32C", "CRC32"}
+    with pytest.raises(ValueError, match="MD5"):
+        validate_checksum_algorithm("MD5")
+
+
+class _RecordingFilesystem:
+    def __init__(self) -> None:
+        self.invalidated: list[str] = []
+
+    def invalidate_cache(self, path: str) -> None:
+        self.invalidated.append(path)
+
+
+def test_fsspec_cache_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both helpers act on live s3fs state only, and only where s3fs is imported."""
+    monkeypatch.delitem(sys.modules, "s3fs", raising=False)
+    invalidate_fsspec_cache("s3://b/k")  # no s3fs: nothing to do, no import
+    forget_s3fs_instances()
+    assert "s3fs" not in sys.modules
+    filesystem = _RecordingFilesystem()
+    cleared: list[bool] = []
+
+    class FakeS3FileSystem:
+        _cache: ClassVar[dict[str, _RecordingFilesystem]] = {"token": filesystem}
+
+        @classmethod
+        def clear_instance_cache(cls) -> None:
+            cleared.append(True)
+
+    monkeypatch.setitem(sys.modules, "s3fs", types.SimpleNamespace(S3FileSystem=FakeS3FileSystem))
+    invalidate_fsspec_cache("s3://bucket/dir/x.ckpt")
+    assert filesystem.invalidated == ["bucket/dir/x.ckpt"]
+    forget_s3fs_instances()
+    assert cleared == [True]
+
+
+# ---- S3CheckpointIO refuses arguments it would ignore ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "ignored"),
+    [
+        ({"endpoint_url": "http://127.0.0.1:1", "client_settings": S3ClientSettings()}, "endpoint_url"),
+        ({"region_name": "eu-west-1", "client_settings": S3ClientSettings()}, "region_name"),
+        ({"endpoint_url": "http://127.0.0.1:1", "s3_utils": S3Utils()}, "endpoint_url"),
+        ({"region_name": "eu-west-1", "s3_utils": S3Utils()}, "region_name"),
+        ({"client_settings": S3ClientSettings(), "s3_utils": S3Utils()}, "client_settings"),
+        ({"retry_policy": RetryPolicy(), "s3_utils": S3Utils()}, "retry_policy"),
+    ],
+)
+def test_checkpoint_io_refuses_arguments_it_would_ignore(kwargs: dict, ignored: str) -> None:
+    with pytest.raises(ValueError, match=ignored):
+        S3CheckpointIO("s3://bucket/run", **kwargs)
+
+
+def test_checkpoint_io_accepts_each_way_of_configuring_the_client() -> None:
+    settings = S3ClientSettings(endpoint_url="http://127.0.0.1:1", region_name="eu-west-1")
+    assert S3CheckpointIO(client_settings=settings, retry_policy=FAST).s3.settings.endpoint_url == settings.endpoint_url
+    assert S3CheckpointIO(endpoint_url="http://127.0.0.1:2", region_name="x", retry_policy=FAST).s3.retry_policy == FAST
+    utils = S3Utils(settings)
+    assert S3CheckpointIO(s3_utils=utils).s3 is utils
+
+
+def test_config_endpoint_goes_into_explicit_client_settings() -> None:
+    """build_s3_checkpointing passes the config's endpoint and region inside the settings, not beside them."""
+    config = {
+        "s3_checkpointing": {"endpoint_url": "http://127.0.0.1:3", "region_name": "eu-west-1"},
+        "exp_manager": {"checkpoint_callback_params": {"dirpath": "s3://bucket/run"}},
+    }
+    pytest.importorskip("lightning")
+    parts = connector.build_s3_checkpointing(config, client_settings=S3ClientSettings(max_pool_connections=7))
+    settings = parts.checkpoint_io.s3.settings
+    assert (settings.endpoint_url, settings.region_name, settings.max_pool_connections) == (
+        "http://127.0.0.1:3",
+        "eu-west-1",
+        7,
+    )
+    contradicting = S3ClientSettings(endpoint_url="http://127.0.0.1:4")
+    with pytest.raises(ValueError, match="contradicts"):
+        connector.build_s3_checkpointing(config, client_settings=contradicting)
+
+
+# ---- checkpoint-name rules ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "is_directory", "kind", "step"),
+    [
+        ("gpt--step=100-last.ckpt", False, "last", 100),
+        ("last-v2.ckpt", False, "last", None),
+        ("gpt--step=9-end.ckpt", False, "end", 9),
+        ("gpt--val=1.0-step=12.ckpt", False, None, 12),
+        ("mystep=3-last.ckpt", False, "last", None),
+        ("model.txt", False, None, None),
+        ("gpt--step=5-last", True, "last", 5),
+        ("gpt--step=5-end", True, "end", 5),
+        ("gpt--step=5", True, None, 5),
+    ],
+)
+def test_checkpoint_name_rules(name: str, is_directory: bool, kind: str | None, step: int | None) -> None:
+    assert connector.classify_checkpoint_name(name, is_directory) == kind
+    assert connector.checkpoint_step(name) == step
+    assert bool(connector.STEP_PATTERN.search(name)) == (step is not None)
+    if not is_directory:
+        assert (kind == "last") == bool(connector.LAST_FILE_PATTERN.search(name))
+        assert (kind == "end") == name.endswith(connector.END_FILE_SUFFIX)
