@@ -25,7 +25,6 @@ this module never needs them.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import io
@@ -308,7 +307,7 @@ class _S3StorageWriterImpl(_S3Settings):
         _validate_sizes(chunk_size_MB, max_write_concurrency, "max_write_concurrency")
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be an int >= 1, got {thread_count!r}")
-        _s3.S3Utils._check_checksum_algorithm(checksum_algorithm)
+        _s3.validate_checksum_algorithm(checksum_algorithm)
         super().__init__()
         _init_stager(self, cache_staged_state_dict)
         self.path = _checkpoint_url(path)
@@ -468,7 +467,7 @@ class _S3StorageWriterImpl(_S3Settings):
         torch = _torch()
         types = _dcp_types()
         url = _join(self.path, name)
-        algorithm = _s3.dcp_checksum_algorithm(self.checksum_algorithm)
+        algorithm = _s3.checksum_algorithm(self.checksum_algorithm)
         raw = self.s3.open_writer(url, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm)
         stream = _ItemStream(raw, algorithm, cancelled)
         ordered = [i for i in items if i.type == types.WriteItemType.BYTE_IO]
@@ -734,7 +733,7 @@ class _S3StorageReaderImpl(_S3Settings):
         budget = (self.max_read_concurrency + 1) * chunk
         pending: deque[_Group] = deque()
         in_flight = 0
-        with self.s3._new_pool(self.max_read_concurrency, "dcp-get") as pool:
+        with ThreadPoolExecutor(self.max_read_concurrency, thread_name_prefix="s3ckpt-dcp-get") as pool:
             try:
                 for group in groups:
                     while pending and in_flight + (group.end - group.start) > budget:
@@ -835,7 +834,8 @@ class _S3StorageReaderImpl(_S3Settings):
         """A file without item checksums (written by another writer): read it whole and check its full-object
         checksum when one is recorded; otherwise read what is needed, unverified, with a warning."""
         info = self.s3.head_object(url)
-        expected = _s3.dcp_recorded_checksum(self.s3, info)
+        recorded = self.s3.recorded_checksum(info)
+        expected = None if recorded is None else (_s3.checksum_algorithm(recorded.algorithm), recorded.value)
         if expected is None:
             logger.warning("%s has no recorded checksum (written by another tool?): loading it unverified", url)
             return self._coalesce(url, relative_path, items, gap, limit, info.etag or None)
@@ -865,29 +865,8 @@ class _S3StorageReaderImpl(_S3Settings):
     def _fetch(self, group: _Group, start: int, end: int, segments: list[tuple[int, int]], algorithm: Any) -> list[int]:
         assert group.buffer is not None
         view = memoryview(group.buffer)[start - group.start : end - group.start]
-        bucket, key = _urls.parse_s3_url(group.url)
-        kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
-        if group.etag:
-            kwargs["IfMatch"] = group.etag
-        if end > start:
-            kwargs["Range"] = f"bytes={start}-{end - 1}"
-
-        def attempt() -> None:
-            if end == start:
-                return
-            body = self.s3.client.get_object(**kwargs)["Body"]
-            with contextlib.closing(body):
-                filled = 0
-                while filled < len(view):
-                    count = body.readinto(view[filled:])
-                    if not count:
-                        break
-                    filled += count
-            if filled != len(view):
-                raise _s3.TransientTransferError(f"got {filled} of {len(view)} bytes of {group.url} at {start}")
-
         try:
-            self.s3.with_retries(attempt, "get_object", group.url)
+            filled = self.s3.read_range_into(group.url, start, view, etag=group.etag) if len(view) else 0
         except Exception as exc:
             if _error_code(exc) in {"PreconditionFailed", "412"}:
                 raise _s3.ChecksumMismatchError(
@@ -895,6 +874,11 @@ class _S3StorageReaderImpl(_S3Settings):
                     f"{group.etag}): do not use this checkpoint"
                 ) from exc
             raise
+        if filled != len(view):
+            raise _s3.ChecksumMismatchError(
+                f"{group.url} ends at byte {start + filled}, but the checkpoint's metadata needs bytes up to {end}: "
+                "the shard was truncated or replaced; do not use this checkpoint"
+            )
         with self._stats_lock:
             self.stats["requests"] += 1 if end > start else 0
             self.stats["bytes"] += end - start
@@ -987,7 +971,7 @@ def _error_code(exc: BaseException) -> str:
 
 def _algorithm_of(records: dict[str, Any] | None, relative_path: str) -> Any:
     if records and relative_path in records:
-        return _s3.dcp_checksum_algorithm(records[relative_path]["algorithm"])
+        return _s3.checksum_algorithm(records[relative_path]["algorithm"])
     return None
 
 
@@ -1048,7 +1032,7 @@ class S3ShardedStrategyMixin:
         options = {name: kwargs.pop(name, default) for name, default in self._S3_OPTIONS.items()}
         _validate_sizes(options["chunk_size_MB"], options["max_write_concurrency"], "max_write_concurrency")
         _validate_sizes(options["chunk_size_MB"], options["max_read_concurrency"], "max_read_concurrency")
-        _s3.S3Utils._check_checksum_algorithm(options["checksum_algorithm"])
+        _s3.validate_checksum_algorithm(options["checksum_algorithm"])
         super().__init__(*args, **kwargs)
         self.s3_options = options
         self._s3_io: Any = None

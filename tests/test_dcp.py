@@ -119,11 +119,9 @@ def _download_prefix(client: Any, bucket: str, prefix: str, directory: Path) -> 
 
 def test_private_torch_names_it_relies_on_are_still_there() -> None:
     """s3_dcp uses DCP's private ``_StorageInfo`` (so torch's FileSystemReader reads our metadata), its version
-    constant, ``narrow_tensor_by_index``, the ``torch.serialization._get_layout`` its pickles reference, and
-    botocore's ``StreamingBody.readinto``."""
+    constant, ``narrow_tensor_by_index`` and the ``torch.serialization._get_layout`` its pickles reference."""
     import dataclasses
 
-    from botocore.response import StreamingBody
     from torch.distributed.checkpoint import filesystem
 
     types = s3_dcp._dcp_types()
@@ -137,7 +135,6 @@ def test_private_torch_names_it_relies_on_are_still_there() -> None:
     assert types.CURRENT_DCP_VERSION == "1.0.0"
     assert torch.equal(types.narrow_tensor_by_index(torch.arange(10), [2], [3]), torch.tensor([2, 3, 4]))
     assert torch.serialization._get_layout("torch.strided") is torch.strided
-    assert callable(StreamingBody.readinto)
     # The item-checksum record travels inside WriteResult.storage_data, which DCP passes through untouched.
     assert "storage_data" in {f.name for f in dataclasses.fields(types.WriteResult)}
 
