@@ -1,6 +1,7 @@
 """`S3ModelParallelStrategy` at 2 CPU ranks (gloo, FSDP2 ``fully_shard``): ``fit`` with a ``ModelCheckpoint`` on an
 ``s3://`` dirpath (top-k and last), then a fresh Trainer resumes from ``s3://.../last.ckpt`` with the same global
-step, weights and optimizer state; nothing lands in a local ``s3:`` directory. FSDP1 (`S3FSDPStrategy`) needs a GPU.
+step, weights and optimizer state; a full (consolidated) checkpoint goes to S3 and comes back too; nothing lands in
+a local ``s3:`` directory. FSDP1 (`S3FSDPStrategy`) needs a GPU.
 The ranks run tests/helpers/dcp_lightning_worker.py, started the way a launcher starts them.
 """
 
@@ -63,6 +64,13 @@ def _run_two_ranks(family: str, phase: str, dirpath: str, out: Path, cwd: Path) 
         assert proc.returncode == 0, f"{phase} rank {rank} failed:\n{output[-6000:]}"
 
 
+SIDECAR = ".s3ckpt-checksum.json"
+
+
+def keys_now(client: Any, bucket: str) -> set[str]:
+    return {obj["Key"] for obj in client.list_objects_v2(Bucket=bucket).get("Contents", [])}
+
+
 def _equal(a: Any, b: Any) -> bool:
     if isinstance(b, dict):
         return isinstance(a, dict) and set(a) == set(b) and all(_equal(a[k], b[k]) for k in b)
@@ -85,7 +93,7 @@ def test_model_parallel_fit_checkpoints_to_s3_and_resumes(
     cwd.mkdir()
 
     _run_two_ranks(family, "fit", dirpath, out, cwd)
-    keys = {obj["Key"] for obj in s3_client.list_objects_v2(Bucket=bucket).get("Contents", [])}
+    keys = {k for k in keys_now(s3_client, bucket) if k.startswith("run/checkpoints/")}
     prefixes = {key.split("/")[2] for key in keys}
     assert prefixes == {"step=4.ckpt", "step=6.ckpt", "last.ckpt"}  # top 2 by step, step=2 removed whole
     for name in prefixes:
@@ -101,6 +109,14 @@ def test_model_parallel_fit_checkpoints_to_s3_and_resumes(
     assert _equal(start["model"], end["model"])
     assert _equal(start["optim"], end["optim"])
     assert (out / "resume-done-rank0").read_text() == "8"  # and training went on from there
+
+    # the full (consolidated) checkpoint: one object written by rank 0, loaded on every rank
+    full_keys = {k for k in keys_now(s3_client, bucket) if k.startswith("run/checkpoints-full/")}
+    assert full_keys <= {"run/checkpoints-full/consolidated.ckpt", "run/checkpoints-full/consolidated.ckpt" + SIDECAR}
+    assert "run/checkpoints-full/consolidated.ckpt" in full_keys
+    assert (out / "full-loaded-step").read_text() == "6"
+    full = torch.load(out / "full-loaded.pt", weights_only=True)
+    assert _equal(full["model"], end["model"]) and _equal(full["optim"], end["optim"])
 
     assert list(cwd.iterdir()) == [], f"something was written locally: {list(cwd.iterdir())}"
     assert not Path("s3:").exists()

@@ -18,7 +18,6 @@ REPO = Path(__file__).resolve().parent.parent
 CORE_MODULES = ["s3_dirpath_utils", "s3_utils", "s3_checkpoint_io", "connector"]
 
 
-
 def run_python(code: str, *, hidden: tuple[str, ...] = (), cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     script = HIDE_PREAMBLE.format(hidden=set(hidden)) + textwrap.dedent(code)
     return subprocess.run(

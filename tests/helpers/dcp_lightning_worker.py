@@ -3,8 +3,9 @@
 The test starts one process per rank with ``LOCAL_RANK``/``NODE_RANK``/``WORLD_SIZE``/``MASTER_*`` set, as a
 launcher would, so Lightning does not re-launch the script. Phase ``fit`` trains an FSDP2 (``fully_shard``) module
 with `S3ModelParallelStrategy` and a ``ModelCheckpoint`` on an ``s3://`` dirpath; phase ``resume`` starts a fresh
-Trainer from ``<dirpath>/last.ckpt``. Rank 0 writes the full (unsharded) state at the end of ``fit`` and at the start
-of ``resume`` to ``<out>/<phase>.pt`` for the test to compare.
+Trainer from ``<dirpath>/last.ckpt``. Rank 0 writes the full (unsharded) state at the start and end of each phase to
+``<out>/<phase>-start.pt`` / ``-end.pt`` for the test to compare. ``fit`` also saves a full (consolidated)
+checkpoint; ``resume`` loads it back after training on (``full-loaded.pt``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def build_module_class(pl: Any, out: Path) -> type:
             return DataLoader(TensorDataset(data), batch_size=4)
 
         def _record(self, name: str) -> None:
+            """Rank 0 saves the full state as ``<out>/<name>.pt`` (every rank takes part in gathering it)."""
             state = _full_state(self, self.trainer.optimizers[0])  # collective: every rank takes part
             if self.global_rank == 0:
                 torch.save({"global_step": self.global_step, **state}, out / f"{name}.pt")
@@ -122,6 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     trainer.fit(module, ckpt_path=ckpt_path)
     if trainer.global_rank == 0:
         (out / f"{args.phase}-done-rank0").write_text(str(trainer.global_step))
+    full_url = f"{args.dirpath}-full/consolidated.ckpt"
+    if args.phase == "fit":  # also a full (consolidated) checkpoint of the final state, through S3CheckpointIO
+        strategy._save_distributed_checkpoint = False
+        trainer.save_checkpoint(full_url)
+    else:  # after training on, the full checkpoint brings the end-of-fit state back
+        checkpoint = strategy.load_checkpoint(full_url)
+        module._record("full-loaded")
+        if trainer.global_rank == 0:
+            (out / "full-loaded-step").write_text(str(checkpoint["global_step"]))
     return 0
 
 
