@@ -14,7 +14,8 @@ The state is ``--size`` MiB of float32 DTensors sharded row-wise over the 2 rank
 from fixed seeds so every load is checked bit-identical (after the clock stops). Per operation: aggregate MiB/s
 (global bytes over the slowest rank's wall time between two barriers), client CPU seconds per GiB (both ranks, all
 threads, ``getrusage``), and peak extra RSS per rank (``VmHWM`` after resetting it through ``/proc/self/clear_refs``,
-minus ``VmRSS`` before). Load targets are allocated and touched before the clock starts.
+minus ``VmRSS`` before). Load targets are allocated and touched before the clock starts, and each method first saves
+and loads a tiny state with the same writer and reader (clients, connections and DCP's code paths warm).
 
     python benchmarks/bench_dcp.py --size 1024 --reps 3
 
@@ -136,7 +137,7 @@ def _raw_put(spec: dict[str, Any], rank: int, tensors: list[Any]) -> dict[str, A
 
     client = s3_utils.get_s3_client(s3_utils.S3ClientSettings(endpoint_url=spec["endpoint"]))
     payload = b"".join(t.numpy().tobytes() for t in tensors)
-    client.head_bucket(Bucket=BUCKET)  # connection up before the clock starts
+    client.put_object(Bucket=BUCKET, Key=f"raw/warmup-rank{rank}", Body=b"x" * 1024)  # connection up first
     key = f"raw/rank{rank}-{spec['rep']}"
     result = _measure(lambda: client.put_object(Bucket=BUCKET, Key=key, Body=payload))
     return {"save": result}
@@ -159,12 +160,16 @@ def _rank_main(rank: int, spec: dict[str, Any], port: int) -> None:
             mesh = init_device_mesh("cpu", (WORLD_SIZE,))
             url = f"s3://{BUCKET}/{spec['method']}/rep{spec['rep']}"
             writer, reader = _writer_and_reader(spec, url)
+            # warm-up on a tiny state: clients, connections and DCP's code paths are ready before the clock starts
+            warm = {"warm": _state(mesh, [torch.ones(4, 4)])["layer0.weight"]}
+            dcp.save(warm, storage_writer=writer, checkpoint_id=f"{url}-warmup")
+            dcp.load(warm, storage_reader=reader, checkpoint_id=f"{url}-warmup")
             state = _state(mesh, tensors)
-            outcome = {"save": _measure(lambda: dcp.save(state, storage_writer=writer))}
+            outcome = {"save": _measure(lambda: dcp.save(state, storage_writer=writer, checkpoint_id=url))}
             del state
             targets = _local_tensors(rank, spec["size_mib"], fill=False)
             loaded = _state(mesh, targets)
-            outcome["load"] = _measure(lambda: dcp.load(loaded, storage_reader=reader))
+            outcome["load"] = _measure(lambda: dcp.load(loaded, storage_reader=reader, checkpoint_id=url))
             outcome["load"]["identical"] = all(torch.equal(t, e) for t, e in zip(targets, tensors, strict=True))
         Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(outcome))
     finally:
