@@ -52,6 +52,7 @@ else:  # installed (or copied) as top-level modules
 
 __all__ = [
     "DCP_SHARD_SUFFIX",
+    "DEFAULT_DCP_MAX_WRITE_CONCURRENCY",
     "ITEM_CHECKSUMS_NAME",
     "LIGHTNING_META_NAME",
     "METADATA_NAME",
@@ -77,6 +78,9 @@ DCP_SHARD_SUFFIX = ".distcp"
 ITEM_CHECKSUMS_NAME = ".s3ckpt-items.json"
 """Per-item checksums recorded by `S3StorageWriter`, written just before ``.metadata``
 (``__{rank}.s3ckpt-items.json`` without collectives). DCP itself never reads it."""
+DEFAULT_DCP_MAX_WRITE_CONCURRENCY = 4
+"""Part uploads in flight per rank. Lower than a single-process save's default: in a sharded save every rank of a
+node uploads at the same time, so the node has ranks x this many parts in flight (benchmarks/README.md)."""
 DEFAULT_COALESCE_GAP_MB = 4.0
 """Items of one file closer than this are fetched by one ranged GET (the bytes between are read and dropped)."""
 _ITEM_RECORD_VERSION = 1
@@ -293,7 +297,7 @@ class _S3StorageWriterImpl(_S3Settings):
         path: str | os.PathLike[str],
         *,
         chunk_size_MB: float = _s3.DEFAULT_CHUNK_SIZE_MB,
-        max_write_concurrency: int = _s3.DEFAULT_MAX_WRITE_CONCURRENCY,
+        max_write_concurrency: int = DEFAULT_DCP_MAX_WRITE_CONCURRENCY,
         thread_count: int = 1,
         checksum_algorithm: str = "auto",
         endpoint_url: str | None = None,
@@ -320,6 +324,7 @@ class _S3StorageWriterImpl(_S3Settings):
         self.rank: int | None = None
         self.is_coordinator = False
         self.use_collectives = True
+        self._replacing = False
         self._remember_utils(
             _make_utils(
                 s3_utils,
@@ -423,10 +428,14 @@ class _S3StorageWriterImpl(_S3Settings):
         metadata.version = types.CURRENT_DCP_VERSION
         metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()
-        rank = self.rank if not self.use_collectives and self.rank is not None else None
+        rank = self._metadata_rank()
         record = {"version": _ITEM_RECORD_VERSION, "save_id": self.save_id, "files": files}
         self._put(item_checksums_name(rank), json.dumps(record, sort_keys=True).encode())
         self._put(metadata_name(rank), pickle.dumps(metadata))
+        if self._replacing and rank is None:  # only the coordinator of a collective save knows every file
+            self._remove_stale_shards(set(files))
+        self._replacing = False
+        _s3.invalidate_fsspec_cache(self.path)  # Lightning's ModelCheckpoint asks s3fs what exists
         logger.info("Committed DCP checkpoint %s (%d files)", _join(self.path, metadata_name(rank)), len(files))
 
     # ---- internals ------------------------------------------------------------------------------------------------
@@ -436,17 +445,39 @@ class _S3StorageWriterImpl(_S3Settings):
 
     def _retire_existing_checkpoint(self) -> None:
         rank = self._metadata_rank()
-        marker = _join(self.path, metadata_name(rank))
-        if not self.s3.s3_path_exists(marker):
+        # Without collectives a global .metadata of an earlier save would still be what dcp.load reads first.
+        names = [metadata_name(rank)] + ([METADATA_NAME] if rank is not None else [])
+        existing = [name for name in names if self.s3.s3_path_exists(_join(self.path, name))]
+        if not existing:
             return
         if not self.overwrite:
             raise FileExistsError(
-                f"A checkpoint already exists at {self.path} ({marker}) and overwrite=False: nothing was written. "
-                "Save to another path, remove that checkpoint first, or pass overwrite=True."
+                f"A checkpoint already exists at {self.path} ({_join(self.path, existing[0])}) and overwrite=False: "
+                "nothing was written. Save to another path, remove that checkpoint first, or pass overwrite=True."
             )
-        logger.warning("Overwriting the DCP checkpoint at %s: its %s is removed first", self.path, metadata_name(rank))
-        self.s3.remove_object(marker)
-        self.s3.remove_object(_join(self.path, item_checksums_name(rank)))
+        logger.warning("Overwriting the DCP checkpoint at %s: its %s is removed first", self.path, ", ".join(existing))
+        for name in existing:
+            self.s3.remove_object(_join(self.path, name))
+            self.s3.remove_object(_join(self.path, item_checksums_name(None if name == METADATA_NAME else rank)))
+        self._replacing = True
+        _s3.invalidate_fsspec_cache(self.path)
+
+    def _remove_stale_shards(self, kept: set[str]) -> None:
+        """After replacing a checkpoint saved by more ranks or threads: delete its shards the new one does not use."""
+        prefix = self.path + "/"
+        stale = []
+        for obj in self.s3.list_objects(self.path):
+            name = obj.url[len(prefix) :]
+            if "/" not in name and name.endswith(DCP_SHARD_SUFFIX) and name not in kept:
+                stale.append(obj.url)
+        for url in stale:
+            self.s3.remove_object(url)  # and the checksum record this package may keep beside it
+        if stale:
+            logger.info(
+                "Removed %d shard(s) of the replaced checkpoint at %s that the new one does not use",
+                len(stale),
+                self.path,
+            )
 
     def _put(self, name: str, body: bytes) -> None:
         with self.s3.open_writer(
@@ -1019,7 +1050,7 @@ class S3ShardedStrategyMixin:
     _S3_OPTIONS: ClassVar[dict[str, Any]] = {
         "chunk_size_MB": _s3.DEFAULT_CHUNK_SIZE_MB,
         "max_read_concurrency": _s3.DEFAULT_MAX_READ_CONCURRENCY,
-        "max_write_concurrency": _s3.DEFAULT_MAX_WRITE_CONCURRENCY,
+        "max_write_concurrency": DEFAULT_DCP_MAX_WRITE_CONCURRENCY,
         "thread_count": 1,
         "checksum_algorithm": "auto",
         "endpoint_url": None,
@@ -1153,6 +1184,7 @@ class S3ShardedStrategyMixin:
             self.s3_checkpoint_io.remove_checkpoint(url)
             self.s3_checkpoint_io.wait_for_pending_saves()
             self._s3().remove_objects_with_prefix(url)
+            _s3.invalidate_fsspec_cache(url)
         return None
 
     def teardown(self) -> None:
@@ -1309,7 +1341,7 @@ _WRITER_DOC = """A ``torch.distributed.checkpoint`` StorageWriter for ``s3://`` 
     Args:
         path: ``s3://bucket/prefix`` of the checkpoint; ``dcp.save(checkpoint_id=...)`` replaces it.
         chunk_size_MB: multipart part size, in MiB.
-        max_write_concurrency: parallel part uploads per file.
+        max_write_concurrency: parallel part uploads per file (`DEFAULT_DCP_MAX_WRITE_CONCURRENCY`).
         thread_count: files per rank, written concurrently (``__{rank}_0.distcp`` ...), as in torch's writer.
         checksum_algorithm: ``"auto"`` (CRC32C with awscrt, else CRC32), ``"CRC32C"``, ``"CRC64NVME"`` or ``"CRC32"``.
         endpoint_url, region_name, client_settings, retry_policy, s3_utils: how to reach S3 (as `S3CheckpointIO`).

@@ -94,7 +94,10 @@ def _writer_and_reader(spec: dict[str, Any], url: str) -> tuple[Any, Any]:
         sys.path.insert(0, str(REPO))
         import s3_dcp
 
-        return s3_dcp.S3StorageWriter(url), s3_dcp.S3StorageReader(url)
+        options = spec.get("ours_options") or {}
+        writer_options = {k: v for k, v in options.items() if k != "max_read_concurrency"}
+        reader_options = {k: v for k, v in options.items() if k in ("chunk_size_MB", "max_read_concurrency")}
+        return s3_dcp.S3StorageWriter(url, **writer_options), s3_dcp.S3StorageReader(url, **reader_options)
     if method == "fsspec":
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
@@ -212,10 +215,13 @@ def _peers_ready() -> str | None:
     return None if check.returncode == 0 else f"s3torchconnector does not import there: {check.stderr[-300:]}"
 
 
-def _run(method: str, rep: int, size_mib: int, endpoint: str, env: dict[str, str], timeout: float) -> dict[str, Any]:
+def _run(
+    method: str, rep: int, size_mib: int, endpoint: str, env: dict[str, str], timeout: float, ours: dict[str, Any]
+) -> dict[str, Any]:
     python = str(PEERS_PYTHON) if method == "s3tc" else sys.executable
     with tempfile.TemporaryDirectory(prefix="bench-dcp-") as out:
         spec = {"method": method, "rep": rep, "size_mib": size_mib, "endpoint": endpoint, "out": out}
+        spec["ours_options"] = ours
         done = subprocess.run(
             [python, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
             env=env,
@@ -275,7 +281,8 @@ def _markdown(report: dict[str, Any]) -> str:
         f"# DCP benchmark {report['stamp']}",
         "",
         f"{report['size_mib']} MiB sharded over {WORLD_SIZE} gloo ranks on SeaweedFS (`weed mini`), "
-        f"{report['reps']} reps, medians (peak RSS: the largest). Machine: {report['machine']}.",
+        f"{report['reps']} reps, medians (peak RSS: the largest). Machine: {report['machine']}. "
+        f"Our options: {report.get('ours_options') or 'package defaults'}.",
         "",
         "| method | save MiB/s | save CPU s/GiB | save peak extra RSS/rank MiB | load MiB/s | load CPU s/GiB "
         "| load peak extra RSS/rank MiB | loads identical |",
@@ -315,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--methods", default="ours,s3tc,fsspec,raw-put")
     parser.add_argument("--tag", default="")
+    parser.add_argument(
+        "--ours",
+        default="{}",
+        help="JSON keyword arguments for our writer/reader, e.g. '{\"max_write_concurrency\": 4}'",
+    )
     parser.add_argument("--timeout", type=float, default=600)
     args = parser.parse_args(argv)
     if args.worker:
@@ -339,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.reps):
             for method in methods:
                 print(f"rep {rep} {method} ...", flush=True)
-                run = _run(method, rep, args.size, endpoint.endpoint_url, env, args.timeout)
+                run = _run(method, rep, args.size, endpoint.endpoint_url, env, args.timeout, json.loads(args.ours))
                 print(json.dumps(run)[:400], flush=True)
                 runs.append(run)
     report = {
@@ -348,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         "reps": args.reps,
         "machine": f"{os.cpu_count()} CPUs",
         "methods": methods,
+        "ours_options": json.loads(args.ours),
         "notes": [*notes, "the two ranks and SeaweedFS share this machine's CPUs: all numbers compete for them"],
         "runs": runs,
         "medians": _summary([r for r in runs if "error" not in r]),

@@ -157,7 +157,7 @@ def test_validate_checkpoint_id() -> None:
         assert cls.validate_checkpoint_id("s3://bucket/ckpt")
         assert not cls.validate_checkpoint_id("/local/dir")
         assert not cls.validate_checkpoint_id("s3://bucket")  # a checkpoint needs a prefix
-        assert not cls.validate_checkpoint_id(Path("s3:/bucket/ckpt")) or True  # pathlib collapse is repaired
+        assert cls.validate_checkpoint_id(Path("s3://bucket/ckpt"))  # the '//' pathlib collapses is repaired
     with pytest.raises(ValueError, match="chunk_size_MB"):
         s3_dcp.S3StorageWriter("s3://bucket/ckpt", chunk_size_MB=1)
     with pytest.raises(ValueError, match="thread_count"):
@@ -256,6 +256,19 @@ def test_overwrite_replaces_the_previous_checkpoint(bucket: str) -> None:
     loaded = _empty_like(new)
     _load(loaded, url)
     _assert_same(loaded, new)
+
+
+def test_overwrite_with_fewer_files_removes_the_stale_shards(bucket: str, s3_client: Any) -> None:
+    url = f"s3://{bucket}/ckpt"
+    _save(_state(0), url, thread_count=3)
+    assert "__0_2.distcp" in _keys(s3_client, bucket, "ckpt")
+    _save(_state(5), url, thread_count=1)
+    shards = [n for n in _keys(s3_client, bucket, "ckpt") if ".distcp" in n]
+    assert [n for n in shards if n.endswith(".distcp")] == ["__0_0.distcp"]
+    assert all(n.startswith("__0_0.distcp") for n in shards)  # their checksum records went with them
+    loaded = _empty_like(_state(5))
+    _load(loaded, url)
+    _assert_same(loaded, _state(5))
 
 
 def test_overwrite_false_refuses_before_anything_is_written(bucket: str, s3_client: Any) -> None:
