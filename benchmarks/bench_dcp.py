@@ -6,7 +6,7 @@ Methods, each run in fresh processes (2 ranks spawned per run), interleaved rep 
 * ``fsspec``: torch's ``FsspecWriter`` / ``FsspecReader`` over s3fs (``sync_files=False``: with True every file
   ends in ``os.sync()``);
 * ``s3tc``: s3torchconnector's ``S3StorageWriter`` / ``S3StorageReader`` (DCP-optimised reader, its default), run in
-  the peers venv ``/work/venv-peers`` (skipped with a note when that venv or the package is missing);
+  the peers venv (``benchmarks/.venv-peers`` or ``/work/venv-peers``; skipped with a note when neither has it);
 * ``raw-put``: each rank sends its shard's bytes in one ``put_object`` at the same time: the store's ceiling for
   uploads on this machine, measured in the same run.
 
@@ -41,7 +41,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-PEERS_PYTHON = Path("/work/venv-peers/bin/python")
+PEERS_PYTHONS = [REPO / "benchmarks" / ".venv-peers" / "bin" / "python", Path("/work/venv-peers/bin/python")]
+PEERS_PYTHON = next((p for p in PEERS_PYTHONS if p.exists()), PEERS_PYTHONS[0])
+"""The peers venv with s3torchconnector (see benchmarks/README.md); either location works."""
 BUCKET = "bench-dcp"
 MiB = 1024**2
 TENSORS = 16
