@@ -544,3 +544,29 @@ def test_server_restart_within_the_retry_budget_save_completes(s3_server: Any, b
     loaded = {key: torch.zeros_like(value) for key, value in state.items()}
     _load(loaded, url)
     assert all(torch.equal(loaded[key], state[key]) for key in state)
+
+
+def test_works_copied_into_a_package_folder(tmp_path: Path) -> None:
+    """NeMo forks copy the core modules into a package folder: s3_dcp imports its siblings from there."""
+    import shutil
+
+    repo = Path(s3_dcp.__file__).resolve().parent
+    package = tmp_path / "nemo_fork" / "utils"
+    package.mkdir(parents=True)
+    (tmp_path / "nemo_fork" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    for module in ("s3_dirpath_utils", "s3_utils", "s3_checkpoint_io", "s3_dcp"):
+        shutil.copy(repo / f"{module}.py", package / f"{module}.py")
+    code = (
+        "import sys\n"
+        f"sys.path = [p for p in sys.path if p not in ('', {str(repo)!r})]\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "from nemo_fork.utils.s3_dcp import S3StorageWriter, S3StorageReader, S3ModelParallelStrategy\n"
+        "assert 's3_utils' not in sys.modules and 's3_dcp' not in sys.modules, 'imported the top-level copies'\n"
+        "writer = S3StorageWriter('s3://bucket/ckpt')\n"
+        "assert type(writer.s3).__module__ == 'nemo_fork.utils.s3_utils'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
