@@ -954,7 +954,7 @@ def install_checkpoint_connector(trainer: Any) -> Any:
 # One-call wiring from a NeMo-style config
 # --------------------------------------------------------------------------------------------------------------------
 
-# `s3_checkpointing:` keys (NeMo's megatron_gpt_config.yaml) -> S3CheckpointIO arguments; the last three are ours.
+# `s3_checkpointing:` keys (NeMo's megatron_gpt_config.yaml) -> S3CheckpointIO arguments; the last four are ours.
 _S3_CONFIG_TO_IO_KWARGS = {
     "max_write_concurrency": "max_write_concurrency",
     "max_read_concurrency": "max_read_concurrency",
@@ -963,6 +963,7 @@ _S3_CONFIG_TO_IO_KWARGS = {
     "max_saves_in_flight": "max_saves_in_flight",
     "endpoint_url": "endpoint_url",
     "region_name": "region_name",
+    "request_options": "request_options",  # a mapping of s3_utils.S3RequestOptions fields (S3's parameter names)
 }
 # NeMoModelCheckpoint-only keys of checkpoint_callback_params: accepted, logged, not used.
 _NEMO_ONLY_CALLBACK_KEYS = frozenset(
@@ -1019,10 +1020,11 @@ def build_s3_checkpointing(
 
     `cfg` (dict or OmegaConf) holds ``s3_checkpointing`` (``max_write_concurrency``, ``max_read_concurrency``,
     ``chunk_size_MB``, ``enable_async_checkpointing``; optionally ``max_saves_in_flight``, ``endpoint_url``,
-    ``region_name``) and ``exp_manager`` with ``checkpoint_callback_params`` (``dirpath`` required; the other keys
-    are ``ModelCheckpoint`` arguments) and NeMo's ``resume_*`` keys. ``cfg`` may also be the ``exp_manager`` node
-    itself with ``s3_checkpointing`` inside it. As in NeMo, a ``filename`` makes the last checkpoint
-    ``{filename}-last``. NeMoModelCheckpoint-only keys (``save_nemo_on_train_end``...) are ignored with a warning.
+    ``region_name``, ``request_options``) and ``exp_manager`` with ``checkpoint_callback_params`` (``dirpath``
+    required; the other keys are ``ModelCheckpoint`` arguments) and NeMo's ``resume_*`` keys. ``cfg`` may also be
+    the ``exp_manager`` node itself with ``s3_checkpointing`` inside it. As in NeMo, a ``filename`` makes the last
+    checkpoint ``{filename}-last``. NeMoModelCheckpoint-only keys (``save_nemo_on_train_end``...) are ignored with
+    a warning.
     """
     top = _as_dict(cfg, "cfg")
     exp = _as_dict(top["exp_manager"], "exp_manager") if "exp_manager" in top else top

@@ -32,9 +32,10 @@ rm --keep-last N: keeps the N top-k checkpoints with the highest step (ties: the
   next job would silently train past the end) or checkpoints without a step in their name (they cannot be
   ordered). --dry-run prints the plan and deletes nothing.
 
-verify: downloads each checkpoint and checks it against the full-object checksum recorded when it was written
-  (the one S3 stores, or the <key>.s3ckpt-checksum.json record this package writes for stores that keep none).
-  An object without a recorded checksum fails, unless --allow-unverified (then only its size is checked).
+verify: downloads each checkpoint and checks it against the full-object checksum recorded when it was written,
+  and prints the one it matched: "(s3)" the store keeps it, "(sidecar)" the <key>.s3ckpt-checksum.json record this
+  package writes for stores that keep none. An object without a recorded checksum fails, unless --allow-unverified
+  (then only its size is checked).
 
 cp: copies one object. Local to S3 streams a checksummed multipart upload; S3 to local downloads, verifies, and
   only then moves the file into place. A destination ending in "/" (or an existing local directory) receives the
@@ -61,22 +62,22 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import inspect
 import json
 import logging
 import os
-import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 if __package__:
+    from . import connector as _connector
     from . import s3_dirpath_utils as _urls
     from . import s3_local_servers as _servers
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
+    import connector as _connector
     import s3_dirpath_utils as _urls
     import s3_local_servers as _servers
     import s3_utils as _s3
@@ -114,11 +115,7 @@ EXIT_INTERNAL = 70
 EXIT_INTERRUPTED = 130
 
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "404", "NotFound"})
-_CKPT_SUFFIX = ".ckpt"
-# The same rules as resume discovery (connector.py, after NeMo's *last.ckpt / *end.ckpt globs).
-_STEP = re.compile(r"(?<![A-Za-z0-9_])step=(\d+)")
-_LAST = re.compile(r"last(?:-v\d+)?\.ckpt$")
-_END_SUFFIX = "end.ckpt"
+_CKPT_SUFFIX = _connector.CHECKPOINT_SUFFIX
 
 
 class CliError(Exception):
@@ -157,18 +154,14 @@ class CheckpointEntry:
 
 def classify_checkpoint(name: str) -> tuple[int | None, str]:
     """``(step, kind)`` of a checkpoint from its file name: the number in the last ``step=N`` (None if there is
-    none), and ``"end"`` (``*end.ckpt``), ``"last"`` (``*last.ckpt``, ``*last-vN.ckpt``) or ``"top-k"``, the rules
-    resume discovery (`connector.find_resume_checkpoint`) applies; ``"other"`` for names not ending in ``.ckpt``."""
+    none), and ``"end"`` (``*end.ckpt``), ``"last"`` (``*last.ckpt``, ``*last-vN.ckpt``) or ``"top-k"``: resume
+    discovery's own rules (`connector.checkpoint_step`, `connector.classify_checkpoint_name`), so what ``ls`` calls
+    last or end is what a job resumes from or stops at; ``"other"`` for names not ending in ``.ckpt``."""
     base = name.rpartition("/")[2]
-    steps = _STEP.findall(base)
-    step = int(steps[-1]) if steps else None
+    step = _connector.checkpoint_step(base)
     if not base.endswith(_CKPT_SUFFIX):
         return step, "other"
-    if base.endswith(_END_SUFFIX):
-        return step, "end"
-    if _LAST.search(base):
-        return step, "last"
-    return step, "top-k"
+    return step, _connector.classify_checkpoint_name(base) or "top-k"
 
 
 def _age_key(entry: CheckpointEntry) -> tuple[int, datetime.datetime]:
@@ -255,30 +248,6 @@ def _timestamp(value: datetime.datetime | None) -> str:
     return value.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _recorded_checksum(s3: _s3.S3Utils, info: _s3.S3ObjectInfo) -> tuple[str, str, str] | None:
-    """``(algorithm, base64 value, source)`` recorded for an object at upload, or None if nothing was recorded.
-
-    Mirrors what `S3Utils.download_to_memory` verifies against: the ``<key>.s3ckpt-checksum.json`` record this
-    package writes where a store does not keep S3 checksums (it wins, as in the core), else the full-object S3
-    checksum (``CRC64NVME``, ``CRC32C`` or ``CRC32``; composite per-part values do not describe the object).
-    """
-    sidecar = info.url + _s3.CHECKSUM_SIDECAR_SUFFIX
-    try:
-        with s3.download_to_memory(sidecar, verify=False) as downloaded:
-            record = json.loads(downloaded.read_all())
-        return str(record["algorithm"]), str(record["checksum"]), "record"
-    except FileNotFoundError:
-        pass
-    except (ValueError, KeyError, TypeError):
-        logger.warning("%s: unreadable checksum record %s", info.url, sidecar)
-    if info.checksum_type in (None, "FULL_OBJECT"):
-        for algorithm in ("CRC64NVME", "CRC32C", "CRC32"):
-            value = info.checksums.get(f"Checksum{algorithm}")
-            if value and "-" not in value:
-                return algorithm, value, "s3"
-    return None
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # Progress bars (tqdm if installed, else nothing)
 # --------------------------------------------------------------------------------------------------------------------
@@ -328,15 +297,6 @@ class _Progress:
         self.close()
 
 
-def _progress_kwargs(method: Callable[..., Any], bar: _Progress) -> dict[str, Any]:
-    """``{"progress": bar.update}`` if the S3 method reports progress (a per-range byte-count callback), else {}."""
-    try:
-        parameters = inspect.signature(method).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {"progress": bar.update} if "progress" in parameters else {}
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # Operator commands
 # --------------------------------------------------------------------------------------------------------------------
@@ -347,8 +307,19 @@ def _retry_policy(args: argparse.Namespace) -> _s3.RetryPolicy | None:
 
 
 def _make_s3(args: argparse.Namespace) -> _s3.S3Utils:
-    settings = _s3.S3ClientSettings(endpoint_url=args.endpoint_url, region_name=args.region)
+    settings = _s3.S3ClientSettings(
+        endpoint_url=args.endpoint_url, region_name=args.region, request_options=_request_options(args)
+    )
     return _s3.S3Utils(settings, _retry_policy(args))
+
+
+def _request_options(args: argparse.Namespace) -> _s3.S3RequestOptions | None:
+    """The S3 request options given as flags (their dests are S3RequestOptions' field names)."""
+    names = [field.name for field in dataclasses.fields(_s3.S3RequestOptions)]
+    try:
+        return _s3.S3RequestOptions.from_mapping({name: getattr(args, name, None) for name in names})
+    except ValueError as exc:
+        raise CliError(EXIT_USAGE, str(exc)) from None
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -378,31 +349,26 @@ def cmd_verify(args: argparse.Namespace) -> int:
     entries = [single] if single is not None else _targets(s3, url, recursive=args.recursive)
     failed = 0
     for entry in entries:
-        try:
-            info = s3.head_object(entry.url)
-        except FileNotFoundError:
-            if single is not None:
-                raise
-            print(f"GONE      {entry.url}: deleted while verifying (pruned by the training job?)")
-            continue
-        recorded = _recorded_checksum(s3, info)
-        if recorded is None and not args.allow_unverified:
-            print(f"FAILED    {entry.url}: no checksum was recorded for it (written by another tool?)")
-            failed += 1
-            continue
-        with _Progress(info.size, f"verify {entry.name}", args.progress) as bar:
-            kwargs = _progress_kwargs(s3.download_to_memory, bar)
+        # One verified download per checkpoint: it finds the recorded checksum itself and says which one matched.
+        with _Progress(entry.size, f"verify {entry.name}", args.progress) as bar:
             try:
-                with s3.download_to_memory(entry.url, **kwargs):
-                    pass
+                with s3.download_to_memory(entry.url, progress=bar.update) as downloaded:
+                    verified, size = downloaded.verified_against, downloaded.size
+            except FileNotFoundError:
+                if single is not None:
+                    raise
+                print(f"GONE      {entry.url}: deleted while verifying (pruned by the training job?)")
+                continue
             except _s3.ChecksumMismatchError as exc:
                 print(f"FAILED    {entry.url}: {exc}")
                 failed += 1
                 continue
-            if not kwargs:
-                bar.update(info.size)
-        checksum = f"{recorded[0]} {recorded[1]} ({recorded[2]})" if recorded else "size only (no checksum recorded)"
-        print(f"OK        {entry.url}  {_human_size(info.size)}  {checksum}")
+        if verified is None and not args.allow_unverified:
+            print(f"FAILED    {entry.url}: no checksum was recorded for it (written by another tool?)")
+            failed += 1
+            continue
+        checksum = str(verified) if verified else "size only (no checksum recorded)"
+        print(f"OK        {entry.url}  {_human_size(size)}  {checksum}")
     if failed:
         print(f"{PROG}: error: {failed} of {len(entries)} checkpoint(s) failed verification", file=sys.stderr)
         return EXIT_VERIFY_FAILED
@@ -429,16 +395,12 @@ def _upload(s3: _s3.S3Utils, src: str, dst: str, progress: bool | None) -> int:
     if not key or key.endswith("/"):
         dst = _urls.join_s3_url(dst, os.path.basename(os.path.abspath(src)))
     size = os.path.getsize(src)
-    chunk_MB = _s3.DEFAULT_CHUNK_SIZE_MB
     started = time.perf_counter()
-    with _Progress(size, os.path.basename(src), progress) as bar, open(src, "rb") as stream:
-        with s3.open_writer(dst, chunk_MB, _s3.DEFAULT_MAX_WRITE_CONCURRENCY) as writer:
-            while data := stream.read(int(chunk_MB * _s3.MB)):
-                writer.write(data)
-                bar.update(len(data))
+    with _Progress(size, os.path.basename(src), progress) as bar:
+        info = s3.upload_file(src, dst, progress=bar.update)
     elapsed = time.perf_counter() - started
-    checksum = " ".join(f"{name.removeprefix('Checksum')} {value}" for name, value in (writer.info.checksums.items()))
-    print(f"{src} -> {dst}  {_human_size(size)} in {elapsed:.2f} s  {checksum}".rstrip())
+    checksum = " ".join(f"{name.removeprefix('Checksum')} {value}" for name, value in info.checksums.items())
+    print(f"{src} -> {info.url}  {_human_size(info.size)} in {elapsed:.2f} s  {checksum}".rstrip())
     return EXIT_OK
 
 
@@ -459,15 +421,13 @@ def _download(s3: _s3.S3Utils, src: str, dst: str, progress: bool | None) -> int
     directory = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(directory):
         raise CliError(EXIT_NOT_FOUND, f"destination directory does not exist: {directory}")
-    recorded = _recorded_checksum(s3, info)
+    # The HEAD above sized the bar and let a missing object fail before anything was written; the download finds
+    # and checks the recorded checksum itself.
     started = time.perf_counter()
     with _Progress(info.size, _urls.s3_url_name(src), progress) as bar:
-        kwargs = _progress_kwargs(s3.download_s3_file_to_path, bar)
-        s3.download_s3_file_to_path(src, dst, **kwargs)
-        if not kwargs:
-            bar.update(info.size)
+        verified = s3.download_s3_file_to_path(src, dst, progress=bar.update)
     elapsed = time.perf_counter() - started
-    checksum = f"{recorded[0]} {recorded[1]} verified" if recorded else "no checksum recorded: size checked only"
+    checksum = f"{verified} verified" if verified else "no checksum recorded: size checked only"
     print(f"{src} -> {dst}  {_human_size(info.size)} in {elapsed:.2f} s  {checksum}")
     return EXIT_OK
 
@@ -553,6 +513,38 @@ def _global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
     parser.add_argument("-v", "--verbose", action="count", default=default(0), help="log more (-v: info, -vv: debug)")
 
 
+def _request_option_flags(parser: argparse.ArgumentParser, *, uploads: bool) -> None:
+    """Flags for `s3_utils.S3RequestOptions`: the bucket checks for every command that talks to S3, the object
+    options (encryption, storage class, tags) for the commands that upload."""
+    group = parser.add_argument_group("S3 request options")
+    group.add_argument(
+        "--expected-bucket-owner",
+        dest="ExpectedBucketOwner",
+        metavar="ACCOUNT_ID",
+        help="fail (403) unless this 12-digit AWS account owns the bucket",
+    )
+    group.add_argument(
+        "--request-payer", dest="RequestPayer", choices=("requester",), help="access a Requester Pays bucket"
+    )
+    if not uploads:
+        return
+    group.add_argument(
+        "--sse", dest="ServerSideEncryption", choices=_s3.SERVER_SIDE_ENCRYPTIONS, help="server-side encryption"
+    )
+    group.add_argument(
+        "--sse-kms-key-id", dest="SSEKMSKeyId", metavar="KEY", help="KMS key id, alias or ARN (with aws:kms*)"
+    )
+    group.add_argument(
+        "--bucket-key-enabled",
+        dest="BucketKeyEnabled",
+        action="store_true",
+        default=None,
+        help="S3 Bucket Key (aws:kms)",
+    )
+    group.add_argument("--storage-class", dest="StorageClass", metavar="CLASS", help="storage class, e.g. STANDARD_IA")
+    group.add_argument("--tagging", dest="Tagging", metavar="K=V[&K=V]", help="object tags, URL-encoded")
+
+
 def _progress_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--progress",
@@ -608,6 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = commands.add_parser("ls", help="list checkpoints: step, size, last-modified, kind")
     _global_options(ls, suppress=True)
+    _request_option_flags(ls, uploads=False)
     ls.add_argument("url", metavar="s3://BUCKET/PREFIX")
     ls.add_argument("-r", "--recursive", action="store_true", help="include checkpoints in sub-prefixes")
     ls.add_argument("-a", "--all", action="store_true", help="list every object, not only *.ckpt")
@@ -616,6 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = commands.add_parser("verify", help="download checkpoints and check their recorded checksums")
     _global_options(verify, suppress=True)
+    _request_option_flags(verify, uploads=False)
     verify.add_argument("url", metavar="s3://BUCKET/KEY_OR_PREFIX", help="one checkpoint, or a prefix holding some")
     verify.add_argument("-r", "--recursive", action="store_true", help="include checkpoints in sub-prefixes")
     verify.add_argument(
@@ -628,6 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cp = commands.add_parser("cp", help="copy one object between a local path and S3")
     _global_options(cp, suppress=True)
+    _request_option_flags(cp, uploads=True)
     cp.add_argument("src", metavar="SRC", help="local file or s3://BUCKET/KEY")
     cp.add_argument("dst", metavar="DST", help="s3://BUCKET/KEY (or .../ for SRC's name) or a local path/directory")
     _progress_option(cp)
@@ -641,6 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
         "their name, are never deleted.",
     )
     _global_options(rm, suppress=True)
+    _request_option_flags(rm, uploads=False)
     rm.add_argument("url", metavar="s3://BUCKET/PREFIX")
     rm.add_argument("--keep-last", type=int, required=True, metavar="N", help="how many top-k checkpoints to keep")
     rm.add_argument("-n", "--dry-run", action="store_true", help="print what would be deleted, delete nothing")

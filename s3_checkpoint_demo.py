@@ -140,23 +140,6 @@ def _quiet_training_output(verbosity: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _fresh_s3fs_instances() -> Iterator[None]:
-    """Drop s3fs's cached filesystems before and after the demo: Lightning's ModelCheckpoint gets one through fsspec,
-    which caches it per process with the endpoint and keys of the moment, so the demo's would outlive its server."""
-
-    def clear() -> None:
-        s3fs = sys.modules.get("s3fs")
-        if s3fs is not None:
-            s3fs.S3FileSystem.clear_instance_cache()
-
-    clear()
-    try:
-        yield
-    finally:
-        clear()
-
-
-@contextlib.contextmanager
 def _sigterm_as_exit() -> Iterator[None]:
     """Turn SIGTERM into SystemExit while the demo runs, so the server it started is stopped on `kill` too."""
     if threading.current_thread() is not threading.main_thread():
@@ -533,7 +516,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         stack.enter_context(_sigterm_as_exit())
         stack.enter_context(_quiet_training_output(args.verbose))
-        stack.enter_context(_fresh_s3fs_instances())
+        # Lightning's ModelCheckpoint gets an s3fs filesystem through fsspec, cached per process with the endpoint
+        # and keys of the moment: the demo's must neither be a stale one nor outlive the demo's server.
+        stack.enter_context(_s3.fresh_s3fs_instances())
         endpoint_url, region = args.endpoint_url, args.region
         if dirpath is None:
             server_name = args.server or "moto"
@@ -608,5 +593,3 @@ def _prepare_bucket(s3: _s3.S3Utils, dirpath: str, *, create: bool) -> None:
             f"{dirpath}/ already holds {len(existing)} object(s); the demo needs an empty prefix, so that it "
             "resumes from its own checkpoints only: pick another --dirpath",
         )
-
-

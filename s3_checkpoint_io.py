@@ -24,10 +24,12 @@ import math
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -40,6 +42,7 @@ else:  # installed (or copied) as top-level modules
     import s3_utils as _s3
 
 __all__ = ["NotACheckpointError", "S3CheckpointIO", "TransferRecord", "register_with_lightning", "snapshot_to_host"]
+__version__ = _s3.__version__
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +82,17 @@ def register_with_lightning(cls: type) -> list[str]:
     return found
 
 
+def _lightning_user_agent() -> str | None:
+    """``(lightning; 2.6.6)`` for each Lightning family the program has imported, as s3torchconnector reports it in
+    its User-Agent; None without Lightning."""
+    comments = []
+    for family in ("lightning", "pytorch_lightning"):
+        version = getattr(sys.modules.get(family), "__version__", None)
+        if version:
+            comments.append(f"({family}; {version})")
+    return " ".join(comments) or None
+
+
 class NotACheckpointError(pickle.UnpicklingError):
     """The object's bytes were downloaded and verified, but ``torch.load`` cannot read them as a checkpoint."""
 
@@ -89,8 +103,10 @@ class TransferRecord:
 
     `seconds` is the whole transfer (serialise and upload, or download, verify and ``torch.load``); `blocked_seconds`
     is how long the caller waited for it: the same for loads and sync saves, the snapshot and back-pressure for async
-    saves. `checksum` is the full-object checksum a save recorded with an S3 object, as ``"<ALGORITHM> <base64>"``
-    (e.g. ``"CRC32C 3Jz0Jg=="``); None for loads and local files.
+    saves. `checksum` is the full-object checksum of an S3 object as ``"<ALGORITHM> <base64>"`` (e.g.
+    ``"CRC32C 3Jz0Jg=="``): the one a save recorded, the one a load was verified against
+    (`DownloadedObject.verified_against`), so a load's record equals the record of the save it read; None for local
+    files and for objects with no recorded checksum (another tool wrote them: only their size was checked).
     """
 
     kind: str  # "save" or "load"
@@ -133,6 +149,10 @@ class S3CheckpointIO:
         checksum_algorithm: ``"auto"`` (CRC32C with awscrt, else CRC32), ``"CRC32C"``, ``"CRC64NVME"`` or ``"CRC32"``.
         endpoint_url, region_name, client_settings, retry_policy: how to reach S3 (see `s3_utils.S3ClientSettings`).
         s3_utils: a ready `S3Utils` to use instead of building one from the settings above.
+        request_options: server-side encryption, storage class, tags, expected bucket owner, requester pays, as an
+            `s3_utils.S3RequestOptions` or a mapping of its fields (S3's parameter names, e.g.
+            ``{"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": "alias/ckpt"}``); checked here, added to every
+            request (see `S3RequestOptions`).
 
     Arguments that would be ignored raise ValueError: `endpoint_url` / `region_name` together with `client_settings`
     (put them in the settings) or with `s3_utils`, and `client_settings` / `retry_policy` together with `s3_utils`
@@ -154,7 +174,12 @@ class S3CheckpointIO:
         client_settings: _s3.S3ClientSettings | None = None,
         retry_policy: _s3.RetryPolicy | None = None,
         s3_utils: _s3.S3Utils | None = None,
+        request_options: _s3.S3RequestOptions | Mapping[str, Any] | None = None,
     ) -> None:
+        lightning_agent = _lightning_user_agent()  # before registering, which imports every installed family
+        options = _s3.S3RequestOptions.from_mapping(request_options)  # an unknown or bad option fails here
+        if options is not None and s3_utils is not None:
+            raise ValueError("request_options cannot apply to a given s3_utils: set S3ClientSettings(request_options=)")
         _torch()
         register_with_lightning(type(self))
         if not (math.isfinite(chunk_size_MB) and chunk_size_MB * _s3.MB >= _s3.MIN_PART_SIZE):
@@ -189,6 +214,11 @@ class S3CheckpointIO:
                 region_name=region_name,
                 max_pool_connections=max(32, max_read_concurrency, max_write_concurrency * max_saves_in_flight) + 4,
             )
+            if lightning_agent:
+                agent = " ".join(part for part in (settings.user_agent_extra, lightning_agent) if part)
+                settings = replace(settings, user_agent_extra=agent)
+            if options is not None:
+                settings = replace(settings, request_options=options)
             s3_utils = _s3.S3Utils(settings, retry_policy)
         self.s3 = s3_utils
         self._lock = threading.Lock()
@@ -341,6 +371,7 @@ class S3CheckpointIO:
             return checkpoint
         with self.s3.download_to_memory(path, self.chunk_size_MB, self.max_read_concurrency) as downloaded:
             downloaded_s = time.perf_counter() - started
+            verified = downloaded.verified_against
             try:
                 # torch maps only its zip format; the legacy format (and anything else) is read without mmap
                 checkpoint = torch.load(downloaded.path, mmap=_is_torch_zip(downloaded), **load_kwargs)
@@ -356,7 +387,8 @@ class S3CheckpointIO:
         logger.info(
             "Loaded %s (%.1f MiB) in %.2f s (download %.2f s)", path, downloaded.size / _s3.MB, elapsed, downloaded_s
         )
-        self._record(TransferRecord("load", path, downloaded.size, elapsed, None, elapsed))
+        checksum = f"{verified.algorithm} {verified.value}" if verified else None
+        self._record(TransferRecord("load", path, downloaded.size, elapsed, checksum, elapsed))
         return checkpoint
 
     # ---- remove ---------------------------------------------------------------------------------------------------

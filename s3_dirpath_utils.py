@@ -13,6 +13,13 @@ Conventions:
   a trailing ``/`` of the key, which cannot be repaired: pass such URLs as ``str``.
 * Bucket names follow the Amazon S3 general-purpose naming rules unless relaxed for S3-compatible stores (MinIO,
   Ceph, SeaweedFS...) with ``strict_bucket_names=False`` or ``S3_CHECKPOINT_IO_RELAXED_BUCKET_NAMES=1``.
+* What Amazon S3 accepts in place of a bucket name is accepted too, whatever the mode (:func:`bucket_kind` says
+  which it is): S3 Express One Zone directory buckets (``base--usw2-az1--x-s3``), access point aliases
+  (``...-s3alias``), Object Lambda access point aliases (``...--ol-s3``) and access point ARNs, general purpose
+  (``arn:aws:s3:us-west-2:123456789012:accesspoint/my-ap``) or on Outposts
+  (``arn:aws:s3-outposts:us-west-2:123456789012:outpost/op-01ac5d28a6a232904/accesspoint/my-ap``), in the
+  ``aws``, ``aws-cn`` and ``aws-us-gov`` partitions. An ARN contains ``/``: ``s3://ARN/key`` parses to
+  ``(ARN, key)`` and :func:`build_s3_url` rebuilds it.
 
 Deliberate differences from NeMo's ``S3Utils``: :func:`parse_s3_url` raises ``ValueError`` instead of returning
 ``(None, None)``; :func:`is_s3_url` recognises ``Path`` objects holding a (collapsed) S3 URL instead of returning
@@ -22,6 +29,7 @@ trailing ``/``) for an empty key and never produces ``//`` after the bucket.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 
@@ -29,7 +37,9 @@ __all__ = [
     "MAX_KEY_BYTES",
     "RELAXED_BUCKET_NAMES_ENV",
     "S3_PATH_PREFIX",
+    "BUCKET_KINDS",
     "as_path_or_s3_url",
+    "bucket_kind",
     "build_s3_url",
     "is_s3_url",
     "join_s3_url",
@@ -41,6 +51,26 @@ __all__ = [
     "validate_bucket_name",
 ]
 
+# ---- version (shared by every module of the package; this is the lowest one) ----------------------------------------
+
+_FALLBACK_VERSION = "0.1.0"
+"""The version where no distribution metadata describes these files (copies inside a fork's package); kept equal
+to pyproject.toml's by tests/test_build.py."""
+
+
+def _package_version() -> str:
+    """The installed distribution's version. Copies inside another package (``nemo/utils/s3_dirpath_utils.py``)
+    report the constant: that environment may hold an unrelated install of the distribution."""
+    if __package__:
+        return _FALLBACK_VERSION
+    try:
+        return importlib.metadata.version("s3-checkpoint-io")
+    except importlib.metadata.PackageNotFoundError:
+        return _FALLBACK_VERSION
+
+
+__version__ = _package_version()
+
 S3_PATH_PREFIX = "s3://"
 #: Environment variable that, set to 1/true/yes/on, relaxes bucket-name checks (read at every call).
 RELAXED_BUCKET_NAMES_ENV = "S3_CHECKPOINT_IO_RELAXED_BUCKET_NAMES"
@@ -51,7 +81,39 @@ _COLLAPSED_PREFIX = "s3:/"
 _STRICT_CHARSET = re.compile(r"[a-z0-9.-]+")
 _IPV4_LIKE = re.compile(r"[0-9]{1,3}(\.[0-9]{1,3}){3}")
 _RESERVED_PREFIXES = ("xn--", "sthree-", "amzn-s3-demo-")
-_RESERVED_SUFFIXES = ("-s3alias", "--ol-s3", ".mrap")
+_RESERVED_SUFFIXES = (".mrap",)  # a multi-Region access point is addressed by its ARN, never by this alias
+_ACCESS_POINT_ALIAS_SUFFIX = "-s3alias"
+_OBJECT_LAMBDA_ALIAS_SUFFIX = "--ol-s3"
+_DIRECTORY_SUFFIX = "--x-s3"
+# base name, zone id (an Availability Zone such as usw2-az1, or a Local Zone such as usw2-lax1-az1), suffix
+_DIRECTORY_BUCKET = re.compile(
+    r"(?P<base>[a-z0-9](?:[a-z0-9-]*[a-z0-9])?)--(?P<zone>[a-z0-9]+(?:-[a-z0-9]+)*-az[0-9]+)--x-s3"
+)
+_PARTITIONS = "aws|aws-cn|aws-us-gov"
+_REGION = r"[a-z]{2}(?:-[a-z]+)+-[0-9]+"
+_ACCOUNT = r"[0-9]{12}"
+_ACCESS_POINT_NAME = r"[a-z0-9](?:[a-z0-9-]{1,48}[a-z0-9])"  # 3-50 characters, no '.', no trailing '-'
+_ACCESS_POINT_ARN = re.compile(
+    rf"arn:(?:{_PARTITIONS}):s3:{_REGION}:{_ACCOUNT}:accesspoint/{_ACCESS_POINT_NAME}(?=/|$)"
+)
+_OUTPOSTS_ACCESS_POINT_ARN = re.compile(
+    rf"arn:(?:{_PARTITIONS}):s3-outposts:{_REGION}:{_ACCOUNT}:outpost/op-[0-9a-f]{{17}}/accesspoint/"
+    rf"{_ACCESS_POINT_NAME}(?=/|$)"
+)
+_ARN_FORMS = (
+    "arn:PARTITION:s3:REGION:ACCOUNT-ID:accesspoint/NAME or "
+    "arn:PARTITION:s3-outposts:REGION:ACCOUNT-ID:outpost/OUTPOST-ID/accesspoint/NAME "
+    "(PARTITION aws, aws-cn or aws-us-gov; a 12-digit account id; NAME of 3-50 lowercase letters, digits and '-')"
+)
+#: What :func:`bucket_kind` can answer.
+BUCKET_KINDS = (
+    "general_purpose",
+    "directory",
+    "access_point_alias",
+    "object_lambda_alias",
+    "access_point_arn",
+    "outposts_access_point_arn",
+)
 _TRUE_WORDS = ("1", "true", "yes", "on")
 _FALSE_WORDS = ("", "0", "false", "no", "off")
 _OPT_OUT_HINT = (
@@ -152,10 +214,23 @@ def _is_space_or_control(char: str) -> bool:
     return char.isspace() or code < 0x20 or 0x7F <= code <= 0x9F or 0xD800 <= code <= 0xDFFF
 
 
+def _arn_at_start(text: str) -> str | None:
+    """The access point ARN that `text` starts with (followed by ``/`` or the end), or None."""
+    for form in (_ACCESS_POINT_ARN, _OUTPOSTS_ACCESS_POINT_ARN):
+        match = form.match(text)
+        if match:
+            return match.group(0)
+    return None
+
+
 def _bucket_problem(bucket: str, strict: bool) -> str | None:
     """Which naming rule `bucket` breaks, or None if it is valid."""
     if not bucket:
         return "the bucket name is empty"
+    if bucket.startswith("arn:"):
+        if _arn_at_start(bucket) == bucket:
+            return None
+        return f"it is not an access point ARN of the form {_ARN_FORMS}"  # in relaxed mode too: never a name
     if not strict:
         if len(bucket) > 255:
             return f"it has {len(bucket)} characters (at most 255, even with relaxed names)"
@@ -182,13 +257,41 @@ def _bucket_problem(bucket: str, strict: bool) -> str | None:
     for suffix in _RESERVED_SUFFIXES:
         if bucket.endswith(suffix):
             return f"the suffix {suffix!r} is reserved by Amazon S3"
+    if bucket.endswith(_DIRECTORY_SUFFIX):
+        if "." in bucket:
+            return "it contains '.', which directory bucket names (ending in '--x-s3') may not"
+        if not _DIRECTORY_BUCKET.fullmatch(bucket):
+            return "a directory bucket name must have the form BASE--ZONE-ID--x-s3 (e.g. 'my-ckpt--usw2-az1--x-s3')"
     return None
+
+
+def bucket_kind(bucket: str, *, strict: bool | None = None) -> str:
+    """Which of `BUCKET_KINDS` `bucket` (as found in ``s3://BUCKET/key``) is; ValueError if it is not a valid name.
+
+    ``"directory"``: an S3 Express One Zone directory bucket (``base--usw2-az1--x-s3``): listings need ``/``-ending
+    prefixes and come unordered, ETags are not MD5 digests, requests must be virtual-hosted style.
+    ``"access_point_alias"`` / ``"object_lambda_alias"``: usable wherever a bucket name is. ``"access_point_arn"``
+    / ``"outposts_access_point_arn"``: an ARN, which boto3 accepts as ``Bucket=`` (virtual-hosted style only).
+    Anything else valid is ``"general_purpose"`` (including relaxed names of S3-compatible stores).
+    """
+    validate_bucket_name(bucket, strict=strict)
+    if bucket.startswith("arn:") and _arn_at_start(bucket) == bucket:
+        return "outposts_access_point_arn" if ":s3-outposts:" in bucket else "access_point_arn"
+    if _DIRECTORY_BUCKET.fullmatch(bucket):
+        return "directory"
+    if bucket.endswith(_OBJECT_LAMBDA_ALIAS_SUFFIX):
+        return "object_lambda_alias"
+    if bucket.endswith(_ACCESS_POINT_ALIAS_SUFFIX):
+        return "access_point_alias"
+    return "general_purpose"
 
 
 def validate_bucket_name(bucket: str, *, strict: bool | None = None) -> str:
     """Return `bucket` if it is a valid bucket name, else raise ValueError saying which rule it breaks.
 
-    Strict (default) applies the Amazon S3 general-purpose bucket rules (directory buckets ``...--x-s3`` pass).
+    Strict (default) applies the Amazon S3 general-purpose bucket rules; directory bucket names
+    (``base--zone-id--x-s3``), access point aliases (``...-s3alias``, ``...--ol-s3``) and access point ARNs pass in
+    both modes (see :func:`bucket_kind`).
     Relaxed (``strict=False``, or env ``S3_CHECKPOINT_IO_RELAXED_BUCKET_NAMES=1`` when `strict` is None) only
     requires 1-255 characters, no ``/``, no whitespace, control or surrogate characters.
     """
@@ -197,7 +300,8 @@ def validate_bucket_name(bucket: str, *, strict: bool | None = None) -> str:
     is_strict = _strict_mode(strict)
     problem = _bucket_problem(bucket, is_strict)
     if problem is not None:
-        raise ValueError(f"invalid S3 bucket name {bucket!r}: {problem}" + (_OPT_OUT_HINT if is_strict else ""))
+        hint = _OPT_OUT_HINT if is_strict and not bucket.startswith("arn:") else ""
+        raise ValueError(f"invalid S3 bucket name {bucket!r}: {problem}{hint}")
     return bucket
 
 
@@ -223,11 +327,16 @@ def parse_s3_url(url: str | os.PathLike[str], *, strict_bucket_names: bool | Non
     other than str / os.PathLike (None included). See :func:`validate_bucket_name` for `strict_bucket_names`.
     """
     normalized = normalize_s3_url(url)
-    bucket, _, key = normalized[len(S3_PATH_PREFIX) :].partition("/")
+    rest = normalized[len(S3_PATH_PREFIX) :]
+    arn = _arn_at_start(rest)
+    if arn is not None:
+        bucket, key = arn, rest[len(arn) + 1 :]
+    else:
+        bucket, _, key = rest.partition("/")
     is_strict = _strict_mode(strict_bucket_names)
     problem = _bucket_problem(bucket, is_strict)
     if problem is not None:
-        hint = _OPT_OUT_HINT if is_strict and bucket else ""
+        hint = _OPT_OUT_HINT if is_strict and bucket and not bucket.startswith("arn:") else ""
         raise ValueError(f"{url!r} is not a valid S3 URL: bucket {bucket!r}: {problem}{hint}")
     problem = _key_problem(key)
     if problem is not None:

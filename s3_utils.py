@@ -11,7 +11,8 @@
    become the exceptions Python code expects (FileNotFoundError; a note naming the URL and what to do).
 7. The ranged reader: parallel ranged GETs copied from the socket into a download (`_RangedDownload`).
 8. The streaming writer: `S3MultipartWriter`, a binary stream that uploads while it is written.
-9. s3fs caches: `invalidate_fsspec_cache` and `forget_s3fs_instances`, for code that also goes through fsspec.
+9. s3fs caches: `invalidate_fsspec_cache`, `forget_s3fs_instances` and `fresh_s3fs_instances`, for code that also
+   goes through fsspec.
 
 README.md lists what this fixes in NeMo's version.
 """
@@ -36,10 +37,11 @@ import tempfile
 import threading
 import time
 import types
+import urllib.parse
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import IO, Any, BinaryIO, TypeVar
 
 if __package__:
@@ -61,16 +63,20 @@ __all__ = [
     "S3ClientSettings",
     "S3MultipartWriter",
     "S3ObjectInfo",
+    "S3RequestOptions",
     "S3Utils",
     "forget_s3fs_instances",
+    "fresh_s3fs_instances",
     "get_s3_client",
     "import_optional_dependency",
     "invalidate_fsspec_cache",
     "is_retriable_error",
     "validate_checksum_algorithm",
+    "user_agent",
 ]
 
 logger = logging.getLogger(__name__)
+__version__ = _urls.__version__
 
 MB = 1024**2
 GB = 1024**3
@@ -189,7 +195,8 @@ class RetryPolicy:
 
 
 def is_retriable_error(exc: BaseException) -> bool:
-    """True for throttling, 5xx, request timeouts, connection resets and read/connect timeouts; False otherwise.
+    """True for throttling, 5xx, request timeouts, connection resets, read/connect timeouts and replies whose body
+    cannot be parsed; False otherwise.
 
     Authentication, authorisation, missing buckets or keys and malformed requests fail at once: retrying them only
     delays the error and adds load.
@@ -218,6 +225,9 @@ def is_retriable_error(exc: BaseException) -> bool:
         ),
     ):
         return True
+    parsers = _optional_module("botocore.parsers")
+    if parsers is not None and isinstance(exc, parsers.ResponseParserError):
+        return True  # a reply whose XML is cut or garbled (a throttled store, a proxy in between): botocore says so
     urllib3_exceptions = _optional_module("urllib3.exceptions")
     return urllib3_exceptions is not None and isinstance(
         exc, (urllib3_exceptions.ProtocolError, urllib3_exceptions.ReadTimeoutError)
@@ -239,6 +249,128 @@ def _error_code(exc: BaseException) -> str:
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# Request options: encryption, storage class, tags, bucket owner, requester pays
+# --------------------------------------------------------------------------------------------------------------------
+
+SERVER_SIDE_ENCRYPTIONS = ("AES256", "aws:kms", "aws:kms:dsse")
+STORAGE_CLASSES = (
+    "STANDARD",
+    "REDUCED_REDUNDANCY",
+    "STANDARD_IA",
+    "ONEZONE_IA",
+    "INTELLIGENT_TIERING",
+    "GLACIER_IR",
+    "EXPRESS_ONEZONE",
+    "OUTPOSTS",
+    "SNOW",
+)
+"""Storage classes a checkpoint can be written in. GLACIER and DEEP_ARCHIVE are refused: their objects cannot be
+read without a restore, so a resume from them would fail (a lifecycle rule can move old checkpoints there)."""
+_UPLOAD_OPERATIONS = frozenset({"PutObject", "CreateMultipartUpload"})
+
+
+@dataclass(frozen=True)
+class S3RequestOptions:
+    """S3 parameters added to the requests this package makes, named as in S3's API (and boto3's ``ExtraArgs``).
+
+    The fields are the allow-list (as s3transfer's ``ALLOWED_UPLOAD_ARGS``): `from_mapping` refuses any other name,
+    and each value is checked up front, so a typo fails before a checkpoint is written rather than at the first save
+    or never. The object-level options (encryption, storage class, tags) go on every upload (single PUT and
+    multipart); `ExpectedBucketOwner` and `RequestPayer` on every request whose S3 operation takes them (head,
+    list, get, put, multipart, delete). A parameter a call sets itself wins.
+    """
+
+    ServerSideEncryption: str | None = None
+    """``AES256`` (SSE-S3), ``aws:kms`` (SSE-KMS) or ``aws:kms:dsse`` (dual-layer SSE-KMS)."""
+    SSEKMSKeyId: str | None = None
+    """KMS key id or ARN for ``aws:kms`` / ``aws:kms:dsse``; else the account's default ``aws/s3`` key."""
+    BucketKeyEnabled: bool | None = None
+    """S3 Bucket Key for SSE-KMS (fewer KMS requests); not available with ``aws:kms:dsse``."""
+    StorageClass: str | None = None
+    """One of `STORAGE_CLASSES`."""
+    Tagging: str | None = None
+    """Object tags as a URL-encoded query (``project=gpt&team=nlp``); a mapping is accepted and encoded."""
+    ExpectedBucketOwner: str | None = None
+    """The 12-digit AWS account id that must own the bucket; S3 answers 403 AccessDenied otherwise."""
+    RequestPayer: str | None = None
+    """``requester`` to read and write a Requester Pays bucket."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.Tagging, Mapping):
+            encoded = urllib.parse.urlencode({str(key): str(value) for key, value in self.Tagging.items()})
+            object.__setattr__(self, "Tagging", encoded)
+        problems = []
+        sse = self.ServerSideEncryption
+        if sse is not None and sse not in SERVER_SIDE_ENCRYPTIONS:
+            problems.append(f"ServerSideEncryption must be one of {list(SERVER_SIDE_ENCRYPTIONS)}, got {sse!r}")
+        kms = sse in ("aws:kms", "aws:kms:dsse")
+        if self.SSEKMSKeyId is not None and not kms:
+            problems.append("SSEKMSKeyId needs ServerSideEncryption 'aws:kms' or 'aws:kms:dsse'")
+        if self.BucketKeyEnabled is not None:
+            if not isinstance(self.BucketKeyEnabled, bool):
+                problems.append(f"BucketKeyEnabled must be true or false, got {self.BucketKeyEnabled!r}")
+            elif sse != "aws:kms":
+                problems.append("BucketKeyEnabled needs ServerSideEncryption 'aws:kms'")
+        if self.StorageClass is not None and self.StorageClass not in STORAGE_CLASSES:
+            archived = self.StorageClass in ("GLACIER", "DEEP_ARCHIVE")
+            extra = " (objects there need a restore before a load)" if archived else ""
+            problems.append(f"StorageClass must be one of {list(STORAGE_CLASSES)}, got {self.StorageClass!r}{extra}")
+        if self.Tagging is not None:
+            pairs = urllib.parse.parse_qsl(self.Tagging, keep_blank_values=True)
+            if not isinstance(self.Tagging, str) or not pairs or any(not key for key, _ in pairs):
+                problems.append(f"Tagging must be key=value pairs joined by '&' (or a mapping), got {self.Tagging!r}")
+        owner = self.ExpectedBucketOwner
+        if isinstance(owner, int) and not isinstance(owner, bool) and len(str(owner)) == 12:  # unquoted in YAML
+            owner = str(owner)
+            object.__setattr__(self, "ExpectedBucketOwner", owner)
+        if owner is not None and not (isinstance(owner, str) and re.fullmatch(r"[0-9]{12}", owner)):
+            problems.append(f"ExpectedBucketOwner must be a 12-digit AWS account id (quoted in YAML), got {owner!r}")
+        if self.RequestPayer is not None and self.RequestPayer != "requester":
+            problems.append(f"RequestPayer must be 'requester', got {self.RequestPayer!r}")
+        for name in ("ServerSideEncryption", "SSEKMSKeyId", "StorageClass"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                problems.append(f"{name} must be a non-empty string, got {value!r}")
+        if problems:
+            raise ValueError("Invalid S3 request options: " + "; ".join(problems))
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any] | S3RequestOptions | None) -> S3RequestOptions | None:
+        """Options from a mapping of S3 parameter names (a config block, CLI flags); None or empty gives None.
+
+        Raises ValueError naming any key outside the allow-list (and the S3 spelling of a snake_case one).
+        """
+        if options is None or isinstance(options, S3RequestOptions):
+            return options
+        if not isinstance(options, Mapping):
+            raise TypeError(f"S3 request options must be a mapping or S3RequestOptions, got {type(options).__name__}")
+        allowed = [f.name for f in fields(cls)]
+        by_folded = {name.lower(): name for name in allowed}
+        unknown = []
+        for key in options:
+            if key not in allowed:
+                spelling = by_folded.get(str(key).replace("_", "").replace("-", "").lower())
+                unknown.append(f"{key!r} (did you mean {spelling!r}?)" if spelling else repr(key))
+        if unknown:
+            raise ValueError(f"Unknown S3 request option(s) {', '.join(unknown)}; allowed: {allowed}")
+        given = {key: value for key, value in options.items() if value is not None}
+        return cls(**given) if given else None
+
+    def parameters(self, operation_name: str, members: Collection[str]) -> dict[str, Any]:
+        """The parameters to add to S3 operation `operation_name` (e.g. ``"PutObject"``), whose input takes
+        `members`."""
+        chosen = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        if operation_name not in _UPLOAD_OPERATIONS:
+            chosen = {k: v for k, v in chosen.items() if k in ("ExpectedBucketOwner", "RequestPayer")}
+        return {k: v for k, v in chosen.items() if k in members}
+
+    def add_to_request(self, params: dict[str, Any], model: Any, **_: Any) -> None:
+        """botocore ``before-parameter-build.s3`` handler: fill in the options a call did not set itself."""
+        for name, value in self.parameters(model.name, model.input_shape.members if model.input_shape else ()).items():
+            params.setdefault(name, value)
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # Client
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -255,7 +387,10 @@ class S3ClientSettings:
     """Explicit endpoint; else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, else AWS."""
     region_name: str | None = None
     addressing_style: str | None = None
-    """``"path"``, ``"virtual"`` or ``"auto"``; defaults to ``"path"`` for a custom endpoint (MinIO, SeaweedFS...)."""
+    """``"path"``, ``"virtual"`` or ``"auto"``; defaults to ``"path"`` for a custom endpoint (MinIO, SeaweedFS...).
+    Directory buckets and access point ARNs are always addressed virtual-hosted style (botocore does so whatever
+    this says, except for a directory bucket behind an IP-address endpoint); an explicit ``"path"`` therefore
+    refuses them with a clear error instead of letting requests go to a host the setting did not expect."""
     profile_name: str | None = None
     max_pool_connections: int = 32
     connect_timeout_s: float = 10.0
@@ -265,12 +400,21 @@ class S3ClientSettings:
     """SHA-256-sign request bodies even over plain http. Off by default: every body this package uploads carries a
     CRC checksum that the store verifies, which is what botocore itself relies on over https and what
     s3torchconnector does; signing costs a SHA-256 pass over every byte on both the client and the store."""
+    request_options: S3RequestOptions | None = None
+    """Encryption, storage class, tags, bucket owner, requester pays: added to the requests of this client."""
+
+    path_style_by_default: bool = field(default=False, repr=False)
+    """Set by `resolved` when ``"path"`` was filled in for a custom endpoint rather than asked for."""
 
     def resolved(self) -> S3ClientSettings:
         """The same settings with the endpoint and addressing style filled in from the environment."""
         endpoint = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        style = self.addressing_style or ("path" if endpoint else None)
-        return replace(self, endpoint_url=endpoint or None, addressing_style=style)
+        if self.addressing_style:
+            return replace(self, endpoint_url=endpoint or None)
+        style = "path" if endpoint else None
+        return replace(
+            self, endpoint_url=endpoint or None, addressing_style=style, path_style_by_default=bool(endpoint)
+        )
 
 
 _clients: dict[tuple[int, S3ClientSettings], Any] = {}
@@ -298,7 +442,7 @@ def get_s3_client(settings: S3ClientSettings | None = None) -> Any:
                 read_timeout=settings.read_timeout_s,
                 retries={"total_max_attempts": 1},  # RetryPolicy is the single retry layer
                 s3=_s3_config(settings),
-                user_agent_extra=settings.user_agent_extra,
+                user_agent_extra=user_agent(settings.user_agent_extra),
                 # This module sends and verifies full-object checksums itself.
                 request_checksum_calculation="when_required",
                 response_checksum_validation="when_required",
@@ -309,9 +453,23 @@ def get_s3_client(settings: S3ClientSettings | None = None) -> Any:
             )
             if settings.endpoint_url:
                 client.meta.events.register("before-call.s3", _no_region_redirects)
+            _add_request_options(client, settings.request_options)
+            if settings.addressing_style == "path" and not settings.path_style_by_default:
+                client.meta.events.register("before-parameter-build.s3", _refuse_virtual_only_buckets)
             _clients[key] = client
             logger.debug("Created S3 client (endpoint=%s, region=%s)", settings.endpoint_url, client.meta.region_name)
     return client
+
+
+def _add_request_options(client: Any, options: S3RequestOptions | None) -> None:
+    if options is not None:
+        client.meta.events.register("before-parameter-build.s3", options.add_to_request)
+
+
+def user_agent(extra: str | None = None) -> str:
+    """What this package adds to botocore's User-Agent on every request: ``s3-checkpoint-io/<version>`` and then
+    `extra` (e.g. ``(lightning; 2.6.6)``), so that S3 access logs and CloudTrail show who made a request."""
+    return f"s3-checkpoint-io/{__version__}" + (f" {extra}" if extra else "")
 
 
 def _s3_config(settings: S3ClientSettings) -> dict[str, Any]:
@@ -319,6 +477,32 @@ def _s3_config(settings: S3ClientSettings) -> dict[str, Any]:
     if settings.addressing_style:
         config["addressing_style"] = settings.addressing_style
     return config
+
+
+def _refuse_virtual_only_buckets(params: dict[str, Any], model: Any = None, **_: Any) -> None:
+    """With ``addressing_style="path"`` asked for explicitly: refuse the buckets S3 serves virtual-hosted only."""
+    bucket = params.get("Bucket")
+    if not isinstance(bucket, str):
+        return
+    try:
+        kind = _urls.bucket_kind(bucket, strict=False)
+    except ValueError:
+        return
+    if kind in _VIRTUAL_HOSTED_ONLY:
+        operation = getattr(model, "name", "S3 request")
+        raise ValueError(
+            f"{operation} on {_urls.build_s3_url(bucket, str(params.get('Key', '')), strict_bucket_names=False)}: "
+            f"a {_VIRTUAL_HOSTED_ONLY[kind]} is only reachable with virtual-hosted-style requests, but "
+            "S3ClientSettings(addressing_style='path') asks for path style. Leave addressing_style unset (path "
+            "style is then still used for other buckets on a custom endpoint) or set it to 'virtual' or 'auto'."
+        )
+
+
+_VIRTUAL_HOSTED_ONLY = {
+    "directory": "directory bucket (S3 Express One Zone)",
+    "access_point_arn": "bucket given as an access point ARN",
+    "outposts_access_point_arn": "bucket given as an S3 on Outposts access point ARN",
+}
 
 
 def _no_region_redirects(params: dict[str, Any], **_: Any) -> None:
@@ -787,7 +971,7 @@ class S3Utils:
             not_found = _not_found_error(exc, operation, url)
             if not_found is not None:
                 raise not_found from exc
-            _annotate(exc, operation, url)
+            _annotate(exc, operation, url, self.settings.request_options)
             raise
 
     @property
@@ -839,23 +1023,39 @@ class S3Utils:
 
     @_class_or_instance
     def list_objects(self, s3_path: str | os.PathLike[str], *, include_sidecars: bool = False) -> list[S3ObjectInfo]:
-        """Every object under the "directory" `s3_path` (key + ``/``), all pages; the bucket root lists everything."""
+        """Every object under the "directory" `s3_path` (key + ``/``), all pages, sorted by key; the bucket root lists
+        everything. Directory buckets list in no particular order; sorting here keeps results the same everywhere."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, prefix = _urls.s3_dir_prefix(url)
-        return list(self._iter_objects(bucket, prefix, url, include_sidecars))
+        return sorted(self._iter_objects(bucket, prefix, url, include_sidecars), key=lambda info: info.key)
 
     @_class_or_instance
     def list_objects_with_key_prefix(self, s3_path: str | os.PathLike[str]) -> list[S3ObjectInfo]:
         """Every object whose key starts with the key of `s3_path` as a plain string (no ``/`` boundary added),
-        e.g. ``s3://b/ckpt/model--step=10-`` for all checkpoints of step 10."""
+        e.g. ``s3://b/ckpt/model--step=10-`` for all checkpoints of step 10, sorted by key.
+
+        S3 is asked for the enclosing "directory" (``ckpt/``) and the names are filtered here: directory buckets
+        refuse a listing prefix that does not end in ``/``.
+        """
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
-        return list(self._iter_objects(bucket, key, url, include_sidecars=False))
+        directory = key[: key.rfind("/") + 1]  # "" when the key has no "/": the bucket root
+        matches = (info for info in self._iter_objects(bucket, directory, url, False) if info.key.startswith(key))
+        return sorted(matches, key=lambda info: info.key)
 
-    def _iter_objects(self, bucket: str, prefix: str, url: str, include_sidecars: bool) -> Iterator[S3ObjectInfo]:
+    def _iter_objects(
+        self, bucket: str, prefix: str, url: str, include_sidecars: bool, page_size: int | None = None
+    ) -> Iterator[S3ObjectInfo]:
+        """The objects under `prefix` (``""`` or ending in ``/``) in listing order, page by page.
+
+        Only ``Contents`` are read: in-progress multipart uploads, which directory buckets report as
+        ``CommonPrefixes``, never count as objects. Pages may be empty yet truncated; the token is followed anyway.
+        """
+        if prefix and not prefix.endswith("/"):
+            raise ValueError(f"listing prefix {prefix!r} for {url} must be empty or end in '/' (directory buckets)")
         token: str | None = None
         while True:
-            kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": self.list_page_size}
+            kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": page_size or self.list_page_size}
             if token:
                 kwargs["ContinuationToken"] = token
             page = self.call("list_objects_v2", url, **kwargs)
@@ -889,8 +1089,7 @@ class S3Utils:
                 self.call("head_bucket", url, Bucket=bucket)
                 return True
             _, prefix = _urls.s3_dir_prefix(url)
-            page = self.call("list_objects_v2", url, Bucket=bucket, Prefix=prefix, MaxKeys=1)
-            return bool(page.get("Contents"))
+            return next(self._iter_objects(bucket, prefix, url, include_sidecars=True, page_size=1), None) is not None
         except FileNotFoundError:
             return False
 
@@ -931,6 +1130,7 @@ class S3Utils:
             region_name=self.settings.region_name,
             config=get_s3_client(self.settings).meta.config,
         )
+        _add_request_options(client, self.settings.request_options)
         return S3Utils(self.settings, self.retry_policy, client=client)
 
     # ---- removal --------------------------------------------------------------------------------------------------
@@ -1182,8 +1382,10 @@ class S3Utils:
         max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY,
         *,
         progress: Callable[[int], None] | None = None,
-    ) -> None:
-        """Download and verify `s3_path` into `file_path`, which appears only once it is complete."""
+    ) -> RecordedChecksum | None:
+        """Download and verify `s3_path` into `file_path`, which appears only once it is complete; return the record
+        the bytes matched (`DownloadedObject.verified_against`; None: nothing was recorded, the size was checked).
+        `progress` as for `download_to_memory`."""
         directory = os.path.dirname(os.path.abspath(file_path))
         with self.download_to_memory(s3_path, chunk_size_MB, max_concurrency, progress=progress) as downloaded:
             fd, partial = tempfile.mkstemp(dir=directory, prefix=".s3ckpt-partial-")
@@ -1196,6 +1398,7 @@ class S3Utils:
                 if os.path.exists(partial):
                     os.unlink(partial)
                 raise
+            return downloaded.verified_against
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1212,12 +1415,15 @@ def _not_found_error(exc: BaseException, operation: str, url: str) -> FileNotFou
     return FileNotFoundError(f"No such {what}: {url} (S3 {operation} answered {code})")
 
 
-def _annotate(exc: BaseException, operation: str, url: str) -> None:
-    """Add the URL and, for common mistakes, what to do, to an exception that is re-raised unchanged (callers that
-    match on botocore's ``ClientError`` codes keep working)."""
+def _annotate(exc: BaseException, operation: str, url: str, options: S3RequestOptions | None = None) -> None:
+    """Add the URL, what S3 said (HTTP status, request id, host id: what AWS support asks for) and, for common
+    mistakes, what to do, to an exception that is re-raised unchanged (callers that match on botocore's
+    ``ClientError`` codes keep working)."""
     code = _error_code(exc)
     if code in {"AccessDenied", "403", "Forbidden"}:
         hint = "check the credentials and that their policy allows this action on this bucket and key"
+        if options is not None and options.ExpectedBucketOwner:
+            hint += f", and that account {options.ExpectedBucketOwner} (ExpectedBucketOwner) owns the bucket"
     elif code in {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "NoCredentialsError"}:
         hint = "check the AWS credentials (environment, profile or role) used by this process"
     elif code == "400":  # a HEAD has no error body: expired credentials and a wrong region both look like this
@@ -1227,7 +1433,25 @@ def _annotate(exc: BaseException, operation: str, url: str) -> None:
     else:
         hint = ""
     if not any(url in note for note in getattr(exc, "__notes__", [])):
-        exc.add_note(f"while running S3 {operation} on {url}" + (f": {hint}" if hint else ""))
+        exc.add_note(f"while running S3 {operation} on {url}{_response_ids(exc)}" + (f": {hint}" if hint else ""))
+
+
+def _response_ids(exc: BaseException) -> str:
+    """`` (HTTP 403, request id ..., host id ...)`` from a botocore error's response, or empty."""
+    response = getattr(exc, "response", None)
+    metadata = response.get("ResponseMetadata", {}) if isinstance(response, dict) else {}
+    headers = metadata.get("HTTPHeaders", {})
+    parts = []
+    status = metadata.get("HTTPStatusCode")
+    if status:
+        parts.append(f"HTTP {status}")
+    request_id = metadata.get("RequestId") or headers.get("x-amz-request-id")
+    if request_id:
+        parts.append(f"request id {request_id}")
+    host_id = metadata.get("HostId") or headers.get("x-amz-id-2")
+    if host_id:
+        parts.append(f"host id {host_id}")
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1789,6 +2013,17 @@ def forget_s3fs_instances() -> None:
     s3fs = sys.modules.get("s3fs")
     if s3fs is not None:
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+@contextlib.contextmanager
+def fresh_s3fs_instances() -> Iterator[None]:
+    """`forget_s3fs_instances` on entry and on exit: what runs inside gets filesystems for the endpoint of the moment,
+    and none of them outlives it (e.g. a local server that is about to stop)."""
+    forget_s3fs_instances()
+    try:
+        yield
+    finally:
+        forget_s3fs_instances()
 
 
 # ====================================================================================================================

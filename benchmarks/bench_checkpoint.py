@@ -5,7 +5,8 @@
 
 Starts SeaweedFS itself (data dir on /dev/shm, holding the exclusive lock /tmp/s3ckpt-weed.lock for as long as
 it runs), then runs every measurement in a fresh ``bench_worker.py`` process and writes
-``benchmarks/results/<timestamp>.json`` plus ``latest.json`` / ``latest.md``.
+``benchmarks/results/<timestamp>.json`` / ``.md`` / ``.png`` (the chart; needs the ``bench`` extra) plus
+``latest.json`` / ``latest.md`` / ``latest.png``. ``--render FILE.json`` redraws the table and chart of a result.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,27 +108,17 @@ def _package_default_chunk_mib() -> float:
     return s3_utils.DEFAULT_CHUNK_SIZE_MB
 
 
-def _weed_pid() -> int:
-    import psutil
-
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if child.name() == "weed":
-                return child.pid
-    raise RuntimeError("weed process not found among my children")
-
-
-def _wait_for_foreign_weed(servers: Any, timeout: float = 1800) -> None:
-    """Another weed (e.g. a test run that does not take the lock yet) holds the fixed ports: wait for it."""
-    deadline = time.monotonic() + timeout
-    announced = False
-    while any(servers.has_listener(p) for p in servers.WEED_FIXED_PORTS):
-        if time.monotonic() > deadline:
-            raise SystemExit("another SeaweedFS kept the fixed ports busy; giving up")
-        if not announced:
-            print("another weed is listening on the fixed ports; waiting for it to stop", flush=True)
-            announced = True
-        time.sleep(2)
+@contextlib.contextmanager
+def benchmark_seaweedfs(data_root: str) -> Iterator[tuple[Any, int]]:
+    """SeaweedFS for a benchmark run (`s3_local_servers.seaweedfs_server`, which waits its turn for the machine-wide
+    lock), and weed's PID, whose CPU time the workers measure; `data_root` is removed afterwards."""
+    servers = _local_servers()
+    print("starting SeaweedFS in", data_root, "(after any other SeaweedFS user releases the lock)", flush=True)
+    try:
+        with servers.seaweedfs_server(data_root, lock="wait") as endpoint:
+            yield endpoint, servers.weed_process(endpoint).proc.pid
+    finally:
+        shutil.rmtree(data_root, ignore_errors=True)
 
 
 def _empty_bucket(client: Any) -> None:
@@ -438,6 +430,69 @@ def render(doc: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# chart
+# ---------------------------------------------------------------------------------------------------------------
+
+CHART_METRICS = (("mib_s", "MiB/s (higher is better)"), ("peak_extra_mib", "peak extra RSS, MiB (lower is better)"))
+
+
+def chart(doc: dict[str, Any], path: Path) -> bool:
+    """Write a PNG beside the table: per size, save and load rows; MiB/s and peak extra RSS of every client side by
+    side, all from this one run (medians over its reps). False (with a note) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print('NOTE: no chart: matplotlib is missing (pip install ".[bench]")', flush=True)
+        return False
+    rows = [r for r in doc["summary"] if r["direction"] in ("save", "load") and "mib_s" in r]
+    panels = [(size, d) for size in sorted({r["size_mib"] for r in rows}) for d in ("save", "load")]
+    panels = [(size, d) for size, d in panels if any(r["size_mib"] == size and r["direction"] == d for r in rows)]
+    heights = [len([r for r in rows if r["size_mib"] == size and r["direction"] == d]) for size, d in panels]
+    fig, axes = plt.subplots(
+        len(panels),
+        len(CHART_METRICS),
+        figsize=(12, 1.2 + 0.32 * sum(heights) + 0.6 * len(panels)),
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
+    )
+    for (size, direction), line in zip(panels, axes, strict=True):
+        chosen = sorted(
+            (r for r in rows if r["size_mib"] == size and r["direction"] == direction),
+            key=lambda r: ORDER.get(r["scenario"], 999),
+        )
+        labels = [r["scenario"] for r in chosen]
+        colours = [
+            "tab:orange"
+            if r["scenario"].startswith("ours")
+            else ("tab:gray" if r["scenario"].startswith("raw") else "tab:blue")
+            for r in chosen
+        ]
+        for col, (ax, (metric, title)) in enumerate(zip(line, CHART_METRICS, strict=True)):
+            values = [r[metric] for r in chosen]
+            ax.barh(range(len(chosen)), values, color=colours)
+            ax.set_yticks(range(len(chosen)), labels if col == 0 else [""] * len(chosen), fontsize=8)
+            ax.invert_yaxis()
+            ax.set_title(f"{size} MiB {direction}: {title}", fontsize=9, loc="left")
+            ax.tick_params(axis="x", labelsize=8)
+            for i, value in enumerate(values):
+                ax.text(value, i, f" {value:.0f}", va="center", fontsize=7)
+            ax.set_xlim(0, max(values) * 1.15 if values else 1)
+    machine = doc.get("machine", {})
+    fig.suptitle(
+        f"s3-checkpoint-io benchmark {doc['timestamp']} (SeaweedFS on 127.0.0.1, median of {doc.get('reps')} reps; "
+        f"{machine.get('nproc', '?')} CPUs). Orange: this package; grey: raw transfers; blue: other clients",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -468,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
         doc["markdown"] = render(doc)
         Path(args.render).write_text(json.dumps(doc, indent=1, default=str))
         Path(args.render).with_suffix(".md").write_text(doc["markdown"])
+        if chart(doc, Path(args.render).with_suffix(".png")):
+            print(f"wrote {Path(args.render).with_suffix('.png')}")
         print(doc["markdown"])
         return 0
 
@@ -488,64 +545,55 @@ def main(argv: list[str] | None = None) -> int:
         if shm_free > need
         else tempfile.mkdtemp(prefix="s3ckpt-bench-")
     )
-    servers = _local_servers()
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     runs: list[dict[str, Any]] = []
     RESULTS.mkdir(exist_ok=True)
 
-    print(f"waiting for {servers.WEED_LOCK_PATH} ...", flush=True)
-    with servers.weed_lock("wait"):
-        print("lock held; starting SeaweedFS in", data_root, flush=True)
-        _wait_for_foreign_weed(servers)
-        try:
-            with servers.seaweedfs_server(data_root, lock="wait") as ep:  # re-entrant: the lock above
-                weed_pid = _weed_pid()
-                client = ep.client()
-                client.create_bucket(Bucket=BUCKET)
-                client.put_object(Bucket=BUCKET, Key="warmup", Body=os.urandom(8 * 1024**2))  # grow the first volumes
-                _empty_bucket(client)
-                env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-                env.update(ep.env())
-                env["PYTHONDONTWRITEBYTECODE"] = "1"
-                for size in sizes:
-                    for rep in range(args.reps):
-                        for gname, items in groups.items():
-                            key = f"ckpt/{gname.replace('@', '_').replace('=', '').replace(',', '_')}-{size}.ckpt"
-                            for label, method, params, kind, direction in items:
-                                spec = {
-                                    "method": method,
-                                    "size_mib": size,
-                                    "tensor_mib": args.tensor_mib,
-                                    "bucket": BUCKET,
-                                    "key": key,
-                                    "params": params,
-                                    "weed_pid": weed_pid,
-                                    "repo": str(REPO),
-                                }
-                                res = _run_worker(kind, spec, env, args.timeout)
-                                res.update(
-                                    scenario=label,
-                                    size_mib=size,
-                                    rep=rep,
-                                    direction=direction,
-                                    method=method,
-                                    params=params,
-                                )
-                                runs.append(res)
-                                if "error" in res:
-                                    print(f"[{size} MiB rep {rep}] {label}: ERROR {res['error']}", flush=True)
-                                else:
-                                    extra = f" blocked {res['blocked_s']:.3f}s" if "blocked_s" in res else ""
-                                    print(
-                                        f"[{size} MiB rep {rep}] {label}: {res['wall_s']:.2f}s {size / res['wall_s']:.0f} MiB/s "
-                                        f"cpu {res['client_cpu_s']:.1f}/{res['server_cpu_s']:.1f} peak+{res['peak_extra_mib']:.0f} MiB other-cpu {res['other_cpu_s']:.1f}{extra}",
-                                        flush=True,
-                                    )
-                                time.sleep(0.5)
-                            _empty_bucket(client)
-                            _vacuum()
-        finally:
-            shutil.rmtree(data_root, ignore_errors=True)
+    with benchmark_seaweedfs(data_root) as (ep, weed_pid):
+        client = ep.client()
+        client.create_bucket(Bucket=BUCKET)
+        client.put_object(Bucket=BUCKET, Key="warmup", Body=os.urandom(8 * 1024**2))  # grow the first volumes
+        _empty_bucket(client)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        env.update(ep.env())
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        for size in sizes:
+            for rep in range(args.reps):
+                for gname, items in groups.items():
+                    key = f"ckpt/{gname.replace('@', '_').replace('=', '').replace(',', '_')}-{size}.ckpt"
+                    for label, method, params, kind, direction in items:
+                        spec = {
+                            "method": method,
+                            "size_mib": size,
+                            "tensor_mib": args.tensor_mib,
+                            "bucket": BUCKET,
+                            "key": key,
+                            "params": params,
+                            "weed_pid": weed_pid,
+                            "repo": str(REPO),
+                        }
+                        res = _run_worker(kind, spec, env, args.timeout)
+                        res.update(
+                            scenario=label,
+                            size_mib=size,
+                            rep=rep,
+                            direction=direction,
+                            method=method,
+                            params=params,
+                        )
+                        runs.append(res)
+                        if "error" in res:
+                            print(f"[{size} MiB rep {rep}] {label}: ERROR {res['error']}", flush=True)
+                        else:
+                            extra = f" blocked {res['blocked_s']:.3f}s" if "blocked_s" in res else ""
+                            print(
+                                f"[{size} MiB rep {rep}] {label}: {res['wall_s']:.2f}s {size / res['wall_s']:.0f} MiB/s "
+                                f"cpu {res['client_cpu_s']:.1f}/{res['server_cpu_s']:.1f} peak+{res['peak_extra_mib']:.0f} MiB other-cpu {res['other_cpu_s']:.1f}{extra}",
+                                flush=True,
+                            )
+                        time.sleep(0.5)
+                    _empty_bucket(client)
+                    _vacuum()
 
     doc = {
         "timestamp": stamp,
@@ -564,9 +612,12 @@ def main(argv: list[str] | None = None) -> int:
     name = f"{stamp}{'-' + args.tag if args.tag else ''}"
     (RESULTS / f"{name}.json").write_text(json.dumps(doc, indent=1, default=str))
     (RESULTS / f"{name}.md").write_text(md)
+    charted = chart(doc, RESULTS / f"{name}.png")
     if not args.no_latest:
         (RESULTS / "latest.json").write_text(json.dumps(doc, indent=1, default=str))
         (RESULTS / "latest.md").write_text(md)
+        if charted:
+            shutil.copyfile(RESULTS / f"{name}.png", RESULTS / "latest.png")
     print(md)
     print(f"wrote {RESULTS / (name + '.json')}")
     return 0

@@ -15,7 +15,6 @@ import argparse
 import collections
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,57 +59,50 @@ def main() -> int:
     args = ap.parse_args()
     out_dir = HERE / "profiles"
     out_dir.mkdir(exist_ok=True)
-    servers = bc._local_servers()
     data_root = tempfile.mkdtemp(prefix="s3ckpt-prof-", dir="/dev/shm")
-    with servers.weed_lock("wait"):
-        bc._wait_for_foreign_weed(servers)
-        try:
-            with servers.seaweedfs_server(data_root, lock="wait") as ep:  # re-entrant: the lock above
-                weed_pid = bc._weed_pid()
-                client = ep.client()
-                client.create_bucket(Bucket=bc.BUCKET)
-                env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-                env.update(ep.env())
-                params = json.loads(args.params)
-                tag = "_".join(f"{k}{v}" for k, v in params.items()) or "default"
-                for method, marker in (("ours-save", "save_checkpoint"), ("ours-load", "load_checkpoint")):
-                    for idle in (False, True):
-                        spec = {
-                            "method": method,
-                            "size_mib": args.size,
-                            "tensor_mib": 64,
-                            "bucket": bc.BUCKET,
-                            "key": "prof/ckpt",
-                            "params": params,
-                            "weed_pid": weed_pid,
-                            "repo": str(bc.REPO),
-                        }
-                        if method == "ours-save" and idle:
-                            continue  # one save is enough for wall-clock view of the load; saves: CPU view
-                        raw = out_dir / f"{method}-{args.size}-{tag}{'-wall' if idle else '-cpu'}.raw"
-                        cmd = [
-                            str(PYSPY),
-                            "record",
-                            "-r",
-                            str(args.rate),
-                            "-f",
-                            "raw",
-                            "-o",
-                            str(raw),
-                            "--threads",
-                            "-n",
-                        ]
-                        if idle:
-                            cmd.append("--idle")
-                        cmd += ["--", sys.executable, str(HERE / "bench_worker.py"), json.dumps(spec)]
-                        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-                        result = [line for line in proc.stdout.splitlines() if line.startswith("BENCH_RESULT")]
-                        print(
-                            f"== {method} {'wall (--idle)' if idle else 'cpu'}: {result[0][13:300] if result else proc.stderr[-800:]}"
-                        )
-                        print(summarise(raw, marker), flush=True)
-        finally:
-            shutil.rmtree(data_root, ignore_errors=True)
+    with bc.benchmark_seaweedfs(data_root) as (ep, weed_pid):
+        client = ep.client()
+        client.create_bucket(Bucket=bc.BUCKET)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        env.update(ep.env())
+        params = json.loads(args.params)
+        tag = "_".join(f"{k}{v}" for k, v in params.items()) or "default"
+        for method, marker in (("ours-save", "save_checkpoint"), ("ours-load", "load_checkpoint")):
+            for idle in (False, True):
+                spec = {
+                    "method": method,
+                    "size_mib": args.size,
+                    "tensor_mib": 64,
+                    "bucket": bc.BUCKET,
+                    "key": "prof/ckpt",
+                    "params": params,
+                    "weed_pid": weed_pid,
+                    "repo": str(bc.REPO),
+                }
+                if method == "ours-save" and idle:
+                    continue  # one save is enough for wall-clock view of the load; saves: CPU view
+                raw = out_dir / f"{method}-{args.size}-{tag}{'-wall' if idle else '-cpu'}.raw"
+                cmd = [
+                    str(PYSPY),
+                    "record",
+                    "-r",
+                    str(args.rate),
+                    "-f",
+                    "raw",
+                    "-o",
+                    str(raw),
+                    "--threads",
+                    "-n",
+                ]
+                if idle:
+                    cmd.append("--idle")
+                cmd += ["--", sys.executable, str(HERE / "bench_worker.py"), json.dumps(spec)]
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                result = [line for line in proc.stdout.splitlines() if line.startswith("BENCH_RESULT")]
+                print(
+                    f"== {method} {'wall (--idle)' if idle else 'cpu'}: {result[0][13:300] if result else proc.stderr[-800:]}"
+                )
+                print(summarise(raw, marker), flush=True)
     return 0
 
 

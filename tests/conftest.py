@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -21,6 +20,8 @@ from typing import Any
 import pytest
 from fault_proxy import FaultProxy
 from s3_servers import S3Endpoint, S3ServerUnavailableError, ServerNotInstalledError, start_moto, start_seaweedfs
+
+from s3_utils import forget_s3fs_instances, fresh_s3fs_instances
 
 KNOWN_BACKENDS = ("moto", "seaweedfs", "external")
 
@@ -94,22 +95,16 @@ def s3_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
                 pytest.skip(f"{backend} unavailable: {exc}")
             for key, value in endpoint.env().items():
                 mp.setenv(key, value)
-            _forget_s3fs_filesystems()  # s3fs keeps one instance per process, bound to the endpoint it first saw
-            try:
+            with fresh_s3fs_instances():  # s3fs keeps one instance per process, bound to the endpoint it first saw
                 yield endpoint
-            finally:
-                _forget_s3fs_filesystems()
-
-
-def _forget_s3fs_filesystems() -> None:
-    s3fs = sys.modules.get("s3fs")
-    if s3fs is not None:
-        s3fs.S3FileSystem.clear_instance_cache()
 
 
 @pytest.fixture
-def s3_client(s3_server: S3Endpoint) -> Any:
-    """A boto3 S3 client for assertions: path-style, retries off, explicit keys."""
+def s3_client(s3_server: S3Endpoint, request: pytest.FixtureRequest) -> Any:
+    """A boto3 S3 client for assertions: path-style, retries off, explicit keys (through `directory_bucket_proxy`
+    when the test's `bucket` is a directory bucket)."""
+    if _bucket_kind(request) == "directory":
+        return s3_server.client(endpoint_url=request.getfixturevalue("directory_bucket_proxy").endpoint_url)
     return s3_server.client()
 
 
@@ -125,11 +120,31 @@ def _empty_and_delete_bucket(client: Any, bucket: str) -> None:
     client.delete_bucket(Bucket=bucket)
 
 
+DIRECTORY_ZONE_SUFFIX = "--use1-az4--x-s3"
+
+
+def _bucket_kind(request: pytest.FixtureRequest) -> str:
+    """``"directory"`` when the test parametrizes `bucket` with it (indirectly), else ``"general_purpose"``."""
+    callspec = getattr(request.node, "callspec", None)
+    return callspec.params.get("bucket", "general_purpose") if callspec is not None else "general_purpose"
+
+
 @pytest.fixture
-def bucket(s3_server: S3Endpoint) -> Iterator[str]:
-    """A fresh, empty bucket ``test-<uuid8>``; emptied and deleted afterwards (best effort)."""
+def bucket(s3_server: S3Endpoint, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh, empty bucket ``test-<uuid8>``; emptied and deleted afterwards (best effort).
+
+    ``@pytest.mark.parametrize("bucket", ["general_purpose", "directory"], indirect=True)`` also runs a test on a
+    directory bucket ``test-<uuid8>--use1-az4--x-s3`` that is reached through `directory_bucket_proxy` only:
+    ``AWS_ENDPOINT_URL_S3``, `s3_client` and `fault_proxy` point at that proxy while the test runs.
+    """
     client = s3_server.client()
     name = f"test-{uuid.uuid4().hex[:8]}"
+    if _bucket_kind(request) == "directory":
+        proxy = request.getfixturevalue("directory_bucket_proxy")
+        request.getfixturevalue("monkeypatch").setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint_url)
+        forget_s3fs_instances()
+        client = s3_server.client(endpoint_url=proxy.endpoint_url)
+        name += DIRECTORY_ZONE_SUFFIX
     client.create_bucket(Bucket=name)
     yield name
     try:
@@ -139,9 +154,24 @@ def bucket(s3_server: S3Endpoint) -> Iterator[str]:
 
 
 @pytest.fixture
-def fault_proxy(s3_server: S3Endpoint) -> Iterator[FaultProxy]:
-    """A FaultProxy on 127.0.0.1 in front of the current server; closed afterwards."""
+def directory_bucket_proxy(s3_server: S3Endpoint) -> Iterator[FaultProxy]:
+    """A FaultProxy in directory-bucket mode (S3 Express One Zone's listing, ETag and upload behaviour) in front of
+    the current server, re-signing with its keys; closed afterwards."""
     if not s3_server.endpoint_url.startswith("http://"):
         pytest.skip("FaultProxy forwards plain http:// endpoints only")
-    with FaultProxy(s3_server.endpoint_url) as proxy:
+    credentials = (s3_server.access_key, s3_server.secret_key)
+    with FaultProxy(s3_server.endpoint_url, directory_buckets=True, credentials=credentials) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def fault_proxy(s3_server: S3Endpoint, request: pytest.FixtureRequest) -> Iterator[FaultProxy]:
+    """A FaultProxy on 127.0.0.1 in front of the current server (of `directory_bucket_proxy` for a directory
+    bucket); closed afterwards."""
+    if not s3_server.endpoint_url.startswith("http://"):
+        pytest.skip("FaultProxy forwards plain http:// endpoints only")
+    upstream = s3_server.endpoint_url
+    if _bucket_kind(request) == "directory":
+        upstream = request.getfixturevalue("directory_bucket_proxy").endpoint_url
+    with FaultProxy(upstream) as proxy:
         yield proxy

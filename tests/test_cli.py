@@ -11,17 +11,20 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fault_proxy import Fault, FaultProxy, FaultRule
-from optional_imports import DEMO_OPTIONAL_MODULES, HIDE_PREAMBLE
+from optional_imports import DEMO_OPTIONAL_MODULES, HIDE_PREAMBLE, LIGHTNING_MODULES
 
 import s3_checkpoint_cli as cli
 from s3_utils import CHECKSUM_SIDECAR_SUFFIX, S3Utils
 
 REPO = Path(__file__).resolve().parent.parent
+BOTH_BUCKET_KINDS = pytest.mark.parametrize("bucket", ["general_purpose", "directory"], indirect=True)
+"""Run a test on a general purpose bucket and on a directory bucket behind the directory-bucket proxy."""
 HAVE_TQDM = importlib.util.find_spec("tqdm") is not None
 
 # name -> size; written through S3Utils so that checksums are recorded as in real use.
@@ -91,21 +94,6 @@ def test_classify_checkpoint(name: str, expected: tuple[int | None, str]) -> Non
     assert cli.classify_checkpoint(name) == expected
 
 
-def test_progress_callback_is_passed_only_to_s3_methods_that_take_one() -> None:
-    """Downloads report progress once the S3 layer offers a ``progress`` callback; until then the bar completes at
-    the end, and nothing breaks."""
-    bar = cli._Progress(10, "x", enabled=False)
-
-    def with_progress(url: str, *, progress: Any = None) -> None: ...
-
-    def without_progress(url: str) -> None: ...
-
-    assert cli._progress_kwargs(with_progress, bar) == {"progress": bar.update}
-    assert cli._progress_kwargs(without_progress, bar) == {}
-    bar.update(5)  # a hidden bar accepts updates
-    bar.close()
-
-
 def test_help_documents_commands_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(capsys, "--help")
     assert code == 0
@@ -142,6 +130,7 @@ def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]
 # ---- ls -------------------------------------------------------------------------------------------------------------
 
 
+@BOTH_BUCKET_KINDS
 def test_ls_lists_checkpoints_with_step_size_time_and_kind(run_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "ls", run_url)
     assert code == 0, err
@@ -166,6 +155,7 @@ def test_ls_lists_checkpoints_with_step_size_time_and_kind(run_url: str, capsys:
     assert lines[-1].startswith("7 checkpoint(s), ")
 
 
+@BOTH_BUCKET_KINDS
 def test_ls_json_recursive_and_all(run_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "ls", "--json", run_url)
     assert code == 0, err
@@ -188,6 +178,7 @@ def test_ls_json_recursive_and_all(run_url: str, capsys: pytest.CaptureFixture[s
     assert not any("run_old" in e["url"] for e in json.loads(out))
 
 
+@BOTH_BUCKET_KINDS
 def test_ls_kinds_agree_with_resume_discovery(run_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     """What ``ls`` calls last/end is exactly what the connector may resume from (or stop at)."""
     import connector
@@ -225,6 +216,7 @@ def test_missing_bucket_exits_3(s3_server: Any, capsys: pytest.CaptureFixture[st
 # ---- verify ---------------------------------------------------------------------------------------------------------
 
 
+@BOTH_BUCKET_KINDS
 def test_verify_one_checkpoint_and_a_prefix(run_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "verify", f"{run_url}/demo-step=10.ckpt")
     assert code == 0, (out, err)
@@ -233,6 +225,25 @@ def test_verify_one_checkpoint_and_a_prefix(run_url: str, capsys: pytest.Capture
     code, out, err = run_cli(capsys, "verify", run_url)
     assert code == 0, (out, err)
     assert len([line for line in out.splitlines() if line.startswith("OK ")]) == 7
+    assert all(line.endswith(("(s3)", "(sidecar)")) for line in out.splitlines() if line.startswith("OK "))
+
+
+def test_verify_asks_s3_once_per_checkpoint_for_its_record(
+    run_url: str, fault_proxy: FaultProxy, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Per checkpoint: one HEAD and its ranged GET; the sidecar record is read only where the store keeps no
+    checksum (the line then says "(sidecar)"). The download itself says which record it matched."""
+    code, out, err = run_cli(capsys, "--endpoint-url", fault_proxy.endpoint_url, "verify", run_url)
+    assert code == 0, (out, err)
+    lines = {line.split()[1]: line for line in out.splitlines() if line.startswith("OK ")}
+    assert len(lines) == 7
+    requests = [(r.method, urllib.parse.unquote(r.path)) for r in fault_proxy.requests]
+    for url, line in lines.items():
+        path = "/" + url.removeprefix("s3://")
+        assert requests.count(("HEAD", path)) == 1, (url, requests)
+        assert requests.count(("GET", path)) == 1, (url, requests)
+        sidecar_reads = requests.count(("GET", path + CHECKSUM_SIDECAR_SUFFIX))
+        assert sidecar_reads == (1 if line.endswith("(sidecar)") else 0), (line, requests)
 
 
 def test_verify_missing_object_exits_3(bucket: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -274,6 +285,7 @@ def test_verify_object_without_recorded_checksum(
 # ---- cp -------------------------------------------------------------------------------------------------------------
 
 
+@BOTH_BUCKET_KINDS
 def test_cp_upload_and_download_round_trip_with_progress_bar(
     bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -298,6 +310,44 @@ def test_cp_upload_and_download_round_trip_with_progress_bar(
     assert code == 0
     assert err == ""
     assert (tmp_path / "x").read_bytes() == data
+
+
+def test_progress_bars_count_the_bytes_the_s3_layer_reports(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The bars of cp (both ways) and verify are fed by the S3 layer's own progress callbacks, block by block and
+    range by range as the bytes move (not once at the end), and stop at exactly the object's size; a hidden bar
+    (``--no-progress``) takes the same updates and prints nothing."""
+    bars: list[Any] = []
+
+    class RecordingProgress(cli._Progress):
+        def __init__(self, total: int, description: str, enabled: bool | None) -> None:
+            super().__init__(total, description, enabled)
+            self.total, self.updates = total, []
+            bars.append(self)
+
+        def update(self, n: int) -> None:
+            self.updates.append(n)
+            super().update(n)
+
+    monkeypatch.setattr(cli, "_Progress", RecordingProgress)
+    source = tmp_path / "m-step=1.ckpt"
+    data = os.urandom(17 * 1024 * 1024 + 5)  # two 16 MiB blocks / ranges (the default chunk size)
+    source.write_bytes(data)
+    url = f"s3://{bucket}/p/m-step=1.ckpt"
+    for argv in (
+        ["cp", "--no-progress", str(source), url],
+        ["cp", "--no-progress", url, str(tmp_path / "back.ckpt")],
+        ["verify", "--no-progress", url],
+    ):
+        code, _, err = run_cli(capsys, *argv)
+        assert code == 0, err
+        assert err == ""
+    assert (tmp_path / "back.ckpt").read_bytes() == data
+    assert [bar.total for bar in bars] == [len(data)] * 3
+    for bar in bars:
+        assert sum(bar.updates) == len(data)
+        assert len(bar.updates) == 2
 
 
 def test_cp_works_without_tqdm(
@@ -350,6 +400,7 @@ def test_cp_download_of_corrupted_bytes_exits_1_and_writes_nothing(
 # ---- rm -------------------------------------------------------------------------------------------------------------
 
 
+@BOTH_BUCKET_KINDS
 def test_rm_keep_last_dry_run_then_prune(
     run_url: str, bucket: str, s3_client: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -382,6 +433,7 @@ def test_rm_keep_last_dry_run_then_prune(
     assert remaining == protected | {"run/sub/demo-step=99.ckpt"}
 
 
+@BOTH_BUCKET_KINDS
 def test_rm_breaks_step_ties_by_modification_time(
     bucket: str, s3_client: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -477,7 +529,7 @@ ALL_EXTRAS = DEMO_OPTIONAL_MODULES
         (ALL_EXTRAS, ["ls", "s3://bucket/run"], 'pip install "s3-checkpoint-io[s3]"'),
         (ALL_EXTRAS, ["verify", "s3://bucket/run/x.ckpt"], 'pip install "s3-checkpoint-io[s3]"'),
         (ALL_EXTRAS, ["demo"], "pip install torch"),
-        (("lightning", "pytorch_lightning", "lightning_fabric"), ["demo"], 'pip install "s3-checkpoint-io[lightning]"'),
+        (LIGHTNING_MODULES, ["demo"], 'pip install "s3-checkpoint-io[lightning]"'),
         (("moto",), ["demo"], "moto[server]"),
     ],
     ids=["ls", "verify", "demo-torch", "demo-lightning", "demo-moto"],

@@ -26,6 +26,9 @@ from connector import (
 )
 from s3_utils import S3ClientSettings, S3Utils
 
+BOTH_BUCKET_KINDS = pytest.mark.parametrize("bucket", ["general_purpose", "directory"], indirect=True)
+"""Run a test on a general purpose bucket and on a directory bucket behind the directory-bucket proxy."""
+
 # --------------------------------------------------------------------------------------------------------------------
 # Stores: the same layouts as files in a local directory and as objects in a bucket
 # --------------------------------------------------------------------------------------------------------------------
@@ -177,6 +180,7 @@ class TestSelectionLocal(SelectionRules):
         assert self.find() == self.store.url("ckpt/last-v2.ckpt")
 
 
+@BOTH_BUCKET_KINDS
 class TestSelectionS3(SelectionRules):
     @pytest.fixture(autouse=True)
     def _store(self, bucket: str, s3_client) -> None:
@@ -313,6 +317,7 @@ def rank_env(monkeypatch: pytest.MonkeyPatch):
     return set_rank
 
 
+@BOTH_BUCKET_KINDS
 @pytest.mark.parametrize("rank", [0, 1])
 def test_check_resume_lists_s3_on_rank_zero_only(rank: int, rank_env, bucket: str, s3_client, fault_proxy) -> None:
     s3_client.put_object(Bucket=bucket, Key="ckpt/gpt--step=4-last.ckpt", Body=b"x")

@@ -9,11 +9,14 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from tiny_lightning import FAMILIES, lightning_family, tiny_module_class, tiny_trainer
+from tiny_lightning import FAMILIES, TOP_K_CHECKPOINT, lightning_family, tiny_module_class, tiny_trainer
 
 import connector
 from s3_checkpoint_io import S3CheckpointIO
-from s3_utils import forget_s3fs_instances
+from s3_utils import fresh_s3fs_instances
+
+BOTH_BUCKET_KINDS = pytest.mark.parametrize("bucket", ["general_purpose", "directory"], indirect=True)
+"""Run a test on a general purpose bucket and on a directory bucket behind the directory-bucket proxy."""
 
 pytestmark = pytest.mark.lightning
 
@@ -40,9 +43,8 @@ def _fresh_s3fs() -> Iterator[None]:
     """s3fs keeps one filesystem per constructor arguments for the whole process, with the endpoint it read from the
     environment when it was made: drop them so each test (and backend) gets one for its own server."""
     pytest.importorskip("s3fs")
-    forget_s3fs_instances()
-    yield
-    forget_s3fs_instances()
+    with fresh_s3fs_instances():
+        yield
 
 
 def make_module(pl):
@@ -65,13 +67,9 @@ def nemo_style_config(dirpath: str, **exp_manager) -> dict:
         },
         "exp_manager": {
             "checkpoint_callback_params": {
+                **TOP_K_CHECKPOINT,
                 "dirpath": dirpath,
                 "filename": "tiny--{step}",
-                "monitor": "gstep",
-                "mode": "max",
-                "save_top_k": 2,
-                "save_last": True,
-                "every_n_train_steps": 2,
                 "save_nemo_on_train_end": False,  # NeMoModelCheckpoint-only: ignored with a warning
             },
             **exp_manager,
@@ -84,6 +82,7 @@ def nemo_style_config(dirpath: str, **exp_manager) -> dict:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@BOTH_BUCKET_KINDS
 @pytest.mark.parametrize(
     ("family", "callback"),
     [
@@ -101,15 +100,7 @@ def test_second_fit_into_the_same_dirpath_writes_v1_names(family: str, callback:
     )
 
     def fit() -> None:
-        callback = callback_class(
-            dirpath=dirpath,
-            filename="tiny-{step}",
-            monitor="gstep",
-            mode="max",
-            save_top_k=2,
-            save_last=True,
-            every_n_train_steps=2,
-        )
+        callback = callback_class(dirpath=dirpath, **TOP_K_CHECKPOINT)
         trainer = tiny_trainer(pl, 4, plugins=[S3CheckpointIO(dirpath, chunk_size_MB=5)], callbacks=[callback])
         trainer.fit(make_module(pl))
 
@@ -138,10 +129,7 @@ def test_existence_checks_ignore_a_stale_s3fs_listing_cache(s3_client, bucket: s
     assert not filesystem.exists(f"{dirpath}/last.ckpt"), "precondition: the s3fs cache is stale"
     before = objects(s3_client, bucket)
 
-    callback = connector.S3ModelCheckpoint(
-        dirpath=dirpath, filename="tiny-{step}", monitor="gstep", mode="max", save_top_k=2, save_last=True,
-        every_n_train_steps=2,
-    )  # fmt: skip
+    callback = connector.S3ModelCheckpoint(dirpath=dirpath, **TOP_K_CHECKPOINT)
     trainer = tiny_trainer(pl, 4, plugins=[S3CheckpointIO(dirpath, chunk_size_MB=5)], callbacks=[callback])
     trainer.fit(make_module(pl))
 
@@ -156,6 +144,7 @@ def test_existence_checks_ignore_a_stale_s3fs_listing_cache(s3_client, bucket: s
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@BOTH_BUCKET_KINDS
 @pytest.mark.parametrize("family", FAMILIES)
 def test_config_wiring_trains_then_resumes_and_keeps_top_k(family: str, s3_client, bucket: str) -> None:
     pl = lightning_family(family)
@@ -191,6 +180,7 @@ def test_config_wiring_trains_then_resumes_and_keeps_top_k(family: str, s3_clien
     ]
 
 
+@BOTH_BUCKET_KINDS
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ckpt_path_last_keeps_the_s3_url(family: str, s3_client, bucket: str) -> None:
     pl = lightning_family(family)
@@ -345,6 +335,7 @@ def test_rank_zero_failure_is_raised_on_every_rank() -> None:
         connector._on_rank_zero_then_broadcast(rank1, failing, "checking")
 
 
+@BOTH_BUCKET_KINDS
 @pytest.mark.parametrize("family", FAMILIES)
 def test_s3_traffic_goes_through_the_plugin_client_not_s3fs(
     family: str, bucket: str, s3_client, fault_proxy, monkeypatch: pytest.MonkeyPatch

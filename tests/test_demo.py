@@ -82,12 +82,14 @@ def test_demo_with_embedded_moto(capsys: pytest.CaptureFixture[str]) -> None:
     assert "IDENTICAL" in out
 
 
+@pytest.mark.parametrize("bucket", ["general_purpose", "directory"], indirect=True)
 def test_demo_with_dirpath_on_an_existing_server_leaves_checkpoints_the_cli_can_read(
     s3_server: Any, bucket: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     dirpath = f"s3://{bucket}/demo"
+    endpoint = os.environ["AWS_ENDPOINT_URL_S3"]  # the server, or the directory-bucket proxy in front of it
     code, out, err = run_demo(
-        capsys, "--dirpath", dirpath, "--endpoint-url", s3_server.endpoint_url, "--steps", "40", "--size-mb", "0.25"
+        capsys, "--dirpath", dirpath, "--endpoint-url", endpoint, "--steps", "40", "--size-mb", "0.25"
     )
     assert code == 0, out + err
     assert "server    started" not in out  # no embedded server
@@ -101,7 +103,7 @@ def test_demo_with_dirpath_on_an_existing_server_leaves_checkpoints_the_cli_can_
     assert cli.main(["verify", dirpath]) == 0
     assert capsys.readouterr().out.count("OK ") == 3
 
-    code, out, err = run_demo(capsys, "--dirpath", dirpath, "--endpoint-url", s3_server.endpoint_url)
+    code, out, err = run_demo(capsys, "--dirpath", dirpath, "--endpoint-url", endpoint)
     assert code == cli.EXIT_USAGE
     assert "already holds" in err
     assert out == ""
@@ -165,6 +167,8 @@ def test_server_processes_are_stopped_by_pid_with_escalation(ignore_sigterm: boo
 
 @contextlib.contextmanager
 def weed_lock_held() -> Iterator[None]:
+    """Hold the SeaweedFS lock as another process would: on a descriptor of its own, not through
+    `s3_local_servers.weed_lock`, which is re-entrant within a process (the demo here would then not see it held)."""
     fd = os.open(servers.WEED_LOCK_PATH, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         try:

@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from optional_imports import CORE_OPTIONAL_MODULES, HIDE_PREAMBLE, modules_of
+from optional_imports import CORE_OPTIONAL_MODULES, HIDE_PREAMBLE, LIGHTNING_MODULES, modules_of
 from optional_imports import extras as optional_dependencies
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,7 +57,7 @@ MISSING_EXTRA_CASES = {
         None,
     ),
     "lightning": (
-        ("lightning", "pytorch_lightning", "lightning_fabric"),
+        LIGHTNING_MODULES,
         "import s3_checkpoint_io; s3_checkpoint_io.S3CheckpointIO('s3://bucket/ckpt')",
         "lightning",
         "lightning",

@@ -13,6 +13,8 @@ import torch
 from s3_checkpoint_io import S3CheckpointIO, snapshot_to_host
 
 MiB = 1024 * 1024
+BOTH_BUCKET_KINDS = pytest.mark.parametrize("bucket", ["general_purpose", "directory"], indirect=True)
+"""Run a test on a general purpose bucket and on a directory bucket behind the directory-bucket proxy."""
 
 
 def make_checkpoint(seed: int = 0, mib: float = 1) -> dict:
@@ -59,6 +61,7 @@ def async_plugin(bucket: str):
     io.teardown()
 
 
+@BOTH_BUCKET_KINDS
 class TestRoundTrip:
     @pytest.mark.parametrize("mib", [0.01, 12.3])  # a single PUT and a multipart upload
     def test_sync_save_then_load(self, plugin: S3CheckpointIO, bucket: str, mib: float) -> None:
@@ -124,6 +127,7 @@ class _Unpicklable:
         raise RuntimeError("cannot pickle this")
 
 
+@BOTH_BUCKET_KINDS
 class TestAtomicity:
     def test_failed_save_leaves_no_object_and_keeps_the_older_one(
         self, plugin: S3CheckpointIO, s3_client, bucket: str
@@ -166,6 +170,19 @@ class TestAtomicity:
         assert object_keys(s3_client, bucket) == ["ckpts/m--step=5-a-last.ckpt"]
 
 
+@BOTH_BUCKET_KINDS
+def test_async_last_save_removes_the_conflicting_last_checkpoint(
+    async_plugin: S3CheckpointIO, s3_client, bucket: str
+) -> None:
+    base = f"s3://{bucket}/ckpts/m--step=7-"
+    async_plugin.save_checkpoint(make_checkpoint(1), f"{base}a-last.ckpt")
+    async_plugin.save_checkpoint(make_checkpoint(2), f"{base}b-last.ckpt")
+    async_plugin.save_checkpoint(make_checkpoint(3), f"s3://{bucket}/ckpts/m--step=70-last.ckpt")
+    async_plugin.teardown()  # waits for the background saves
+    assert object_keys(s3_client, bucket) == ["ckpts/m--step=7-b-last.ckpt", "ckpts/m--step=70-last.ckpt"]
+    assert_same_checkpoint(async_plugin.load_checkpoint(f"{base}b-last.ckpt"), make_checkpoint(2))
+
+
 class _GatedSaves:
     """Holds background saves until released, optionally failing them, to observe what happens meanwhile."""
 
@@ -182,6 +199,7 @@ class _GatedSaves:
         self._save_now(checkpoint, path)
 
 
+@BOTH_BUCKET_KINDS
 class TestAsyncSafety:
     def test_snapshot_is_taken_before_save_returns(self, async_plugin: S3CheckpointIO, bucket: str) -> None:
         gate = _GatedSaves(async_plugin)

@@ -256,7 +256,12 @@ STRICT_VALID = [
     "mrap.bucket",
     "bucket-mrap",
     "my-bucket--usw2-az1--x-s3",  # directory bucket
-    "x--x-s3",
+    "a--use1-az4--x-s3",
+    "ckpt--usw2-lax1-az1--x-s3",  # directory bucket in a Local Zone
+    "my-bucket-s3alias",  # access point alias
+    "my-ap-hrzrlukc5m36ft7okagglf3gmwluquse1b-s3alias",
+    "my-bucket--ol-s3",  # Object Lambda access point alias
+    "my-object-lambda-acc-1a4n8yjrb3kda96f67zwrwiiuse1a--ol-s3",
 ]
 
 STRICT_INVALID = [
@@ -282,9 +287,12 @@ STRICT_INVALID = [
     ("sthree-bucket", "'sthree-'"),
     ("sthree-configurator", "'sthree-'"),
     ("amzn-s3-demo-bucket", "'amzn-s3-demo-'"),
-    ("my-bucket-s3alias", "'-s3alias'"),
-    ("my-bucket--ol-s3", "'--ol-s3'"),
     ("my-bucket.mrap", "'.mrap'"),
+    ("x--x-s3", "BASE--ZONE-ID--x-s3"),  # the directory suffix without a zone id
+    ("my-bucket--x-s3", "BASE--ZONE-ID--x-s3"),
+    ("my.bucket--usw2-az1--x-s3", "'.'"),
+    ("-lead--usw2-az1--x-s3", "begin and end"),
+    ("my_ap-s3alias", "'_'"),  # aliases still follow the character rules
 ]
 
 RELAXED_VALID = [
@@ -295,7 +303,8 @@ RELAXED_VALID = [
     "x..y",
     "192.168.5.4",
     "xn--abc",
-    "bucket-s3alias",
+    "bucket.mrap",
+    "x--x-s3",
     "-lead",
     "bücket",
     "a" * 255,
@@ -659,7 +668,7 @@ def _follows_the_remaining_rules(name: str) -> bool:
         ".." not in name
         and not _IPV4.fullmatch(name)
         and not name.startswith(("xn--", "sthree-", "amzn-s3-demo-"))
-        and not name.endswith(("-s3alias", "--ol-s3", ".mrap"))
+        and not name.endswith((".mrap", "--x-s3"))
     )
 
 
@@ -672,6 +681,41 @@ valid_buckets = st.one_of(
     ).filter(_follows_the_remaining_rules),
     st.sampled_from(STRICT_VALID),
 )
+
+_partitions = st.sampled_from(["aws", "aws-cn", "aws-us-gov"])
+_regions = st.sampled_from(["us-west-2", "us-east-1", "eu-central-1", "cn-north-1", "us-gov-west-1", "ap-southeast-2"])
+_accounts = st.text(alphabet="0123456789", min_size=12, max_size=12)
+_access_point_names = st.builds(
+    lambda first, middle, last: first + middle + last,
+    st.sampled_from(_EDGE),
+    st.text(alphabet=_EDGE + "-", min_size=1, max_size=48),
+    st.sampled_from(_EDGE),
+)
+_outpost_ids = st.text(alphabet="0123456789abcdef", min_size=17, max_size=17).map(lambda h: "op-" + h)
+access_point_arns = st.one_of(
+    st.builds(
+        lambda p, r, a, n: f"arn:{p}:s3:{r}:{a}:accesspoint/{n}", _partitions, _regions, _accounts, _access_point_names
+    ),
+    st.builds(
+        lambda p, r, a, o, n: f"arn:{p}:s3-outposts:{r}:{a}:outpost/{o}/accesspoint/{n}",
+        _partitions,
+        _regions,
+        _accounts,
+        _outpost_ids,
+        _access_point_names,
+    ),
+)
+directory_buckets = st.builds(
+    lambda base, zone: f"{base}--{zone}--x-s3",
+    st.text(alphabet="abcdefghij0123456789", min_size=3, max_size=20),
+    st.sampled_from(["usw2-az1", "use1-az4", "apne1-az4", "usw2-lax1-az1", "euc1-az3"]),
+)
+aliases = st.builds(
+    lambda name, suffix: name + suffix,
+    st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789", min_size=3, max_size=40),
+    st.sampled_from(["-s3alias", "--ol-s3"]),
+)
+every_bucket_kind = st.one_of(valid_buckets, access_point_arns, directory_buckets, aliases)
 
 valid_keys = (
     st.text(alphabet=st.characters(blacklist_categories=("Cs",)))
@@ -706,7 +750,7 @@ def test_generated_buckets_are_valid(bucket: str) -> None:
     assert u.validate_bucket_name(bucket) == bucket
 
 
-@given(valid_buckets, valid_keys)
+@given(every_bucket_kind, valid_keys)
 def test_build_parse_round_trip(bucket: str, key: str) -> None:
     url = u.build_s3_url(bucket, key)
     assert url == (f"s3://{bucket}/{key}" if key else f"s3://{bucket}")
@@ -797,7 +841,7 @@ def test_join_then_parent_and_name(bucket: str, key: str, segment: str) -> None:
 
 
 @settings(deadline=None)
-@given(valid_buckets, st.lists(segments, min_size=1, max_size=5))
+@given(every_bucket_kind, st.lists(segments, min_size=1, max_size=5))
 def test_parent_of_name_rebuilds_the_url(bucket: str, parts: list[str]) -> None:
     url = u.join_s3_url(f"s3://{bucket}", *parts)
     assert u.join_s3_url(u.s3_url_parent(url), u.s3_url_name(url)) == url
@@ -849,6 +893,8 @@ def test_public_api() -> None:
         "s3_url_parent",
         "s3_url_name",
         "s3_dir_prefix",
+        "bucket_kind",
+        "BUCKET_KINDS",
     }
     assert expected <= set(u.__all__)
     assert u.S3_PATH_PREFIX == "s3://"
@@ -881,3 +927,143 @@ def test_as_path_or_s3_url_keeps_s3_urls_and_local_paths_apart(given, expected: 
 def test_as_path_or_s3_url_refuses_urls_that_are_not_s3(given: str) -> None:
     with pytest.raises(ValueError, match="neither"):
         u.as_path_or_s3_url(given)
+
+
+# ---- bucket kinds: directory buckets, access point aliases and ARNs ----------------------------------------------
+
+ARN = "arn:aws:s3:us-west-2:123456789012:accesspoint/my-ap"
+OUTPOSTS_ARN = "arn:aws:s3-outposts:us-west-2:123456789012:outpost/op-01ac5d28a6a232904/accesspoint/my-ap"
+
+
+@pytest.mark.parametrize(
+    ("bucket", "kind"),
+    [
+        ("bkt", "general_purpose"),
+        ("my.bucket-1", "general_purpose"),
+        ("a--b", "general_purpose"),
+        ("my-bucket--usw2-az1--x-s3", "directory"),
+        ("ckpt--usw2-lax1-az1--x-s3", "directory"),
+        ("my-ap-hrzrlukc5m36ft7okagglf3gmwluquse1b-s3alias", "access_point_alias"),
+        ("my-object-lambda-acc-1a4n8yjrb3kda96f67zwrwiiuse1a--ol-s3", "object_lambda_alias"),
+        (ARN, "access_point_arn"),
+        ("arn:aws-cn:s3:cn-north-1:123456789012:accesspoint/ap-1", "access_point_arn"),
+        ("arn:aws-us-gov:s3:us-gov-west-1:123456789012:accesspoint/ap-1", "access_point_arn"),
+        (OUTPOSTS_ARN, "outposts_access_point_arn"),
+        (
+            "arn:aws-us-gov:s3-outposts:us-gov-east-1:123456789012:outpost/op-0123456789abcdef0/accesspoint/x1y",
+            "outposts_access_point_arn",
+        ),
+    ],
+)
+def test_bucket_kind(bucket: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert kind in u.BUCKET_KINDS
+    assert u.bucket_kind(bucket) == kind
+    assert u.bucket_kind(bucket, strict=False) == kind
+    monkeypatch.setenv(ENV, "1")
+    assert u.bucket_kind(bucket) == kind  # relaxed mode accepts every kind too
+
+
+def test_bucket_kind_of_relaxed_names() -> None:
+    assert u.bucket_kind("My_Bucket", strict=False) == "general_purpose"
+    with pytest.raises(ValueError, match="'M'"):
+        u.bucket_kind("My_Bucket")
+
+
+@pytest.mark.parametrize("bad", ["", "ab", "x--x-s3", "arn:aws:s3:us-west-2:1:accesspoint/ap", "bkt/x"])
+def test_bucket_kind_rejects_invalid_names(bad: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(repr(bad))):
+        u.bucket_kind(bad)
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        (f"s3://{ARN}", (ARN, "")),
+        (f"s3://{ARN}/", (ARN, "")),
+        (f"s3://{ARN}/key", (ARN, "key")),
+        (f"s3://{ARN}/a/b/c.ckpt", (ARN, "a/b/c.ckpt")),
+        (f"s3://{ARN}/dir/", (ARN, "dir/")),
+        (f"s3://{ARN}//x", (ARN, "/x")),
+        (f"s3://{OUTPOSTS_ARN}/ckpt/last.ckpt", (OUTPOSTS_ARN, "ckpt/last.ckpt")),
+        (
+            "s3://my-ap-hrzrlukc5m36ft7okagglf3gmwluquse1b-s3alias/ckpt",
+            ("my-ap-hrzrlukc5m36ft7okagglf3gmwluquse1b-s3alias", "ckpt"),
+        ),
+        ("s3://my-bucket--ol-s3/k", ("my-bucket--ol-s3", "k")),
+        ("s3://my-ckpt--usw2-az1--x-s3/run/", ("my-ckpt--usw2-az1--x-s3", "run/")),
+        (PurePosixPath(f"s3://{ARN}/a/b.ckpt"), (ARN, "a/b.ckpt")),  # pathlib collapse repaired for ARNs too
+    ],
+)
+def test_parse_bucket_kinds(url: object, expected: tuple[str, str]) -> None:
+    assert u.parse_s3_url(url) == expected  # type: ignore[arg-type]
+    assert u.parse_s3_url(url, strict_bucket_names=False) == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "s3://arn:aws:s3:us-west-2:12345678901:accesspoint/my-ap/k",  # 11-digit account
+        "s3://arn:aws:s3:us-west-2:123456789012:accesspoint/My_AP/k",
+        "s3://arn:aws:s3:us-west-2:123456789012:accesspoint/ap/k",  # name under 3 characters
+        "s3://arn:aws:s3:us-west-2:123456789012:accesspoint/my-ap-/k",  # trailing '-'
+        "s3://arn:aws:s3:us-west-2:123456789012:accesspoint/" + "a" * 51 + "/k",
+        "s3://arn:aws-xx:s3:us-west-2:123456789012:accesspoint/my-ap/k",  # unknown partition
+        "s3://arn:aws:s3:uswest:123456789012:accesspoint/my-ap/k",
+        "s3://arn:aws:s3:us-west-2:123456789012:bucket/my-ap/k",
+        "s3://arn:aws:s3:us-west-2:123456789012:accesspoint/my-apx:y/k",
+        "s3://arn:aws:s3-outposts:us-west-2:123456789012:outpost/op-123/accesspoint/my-ap/k",
+        "s3://arn:aws:s3-outposts:us-west-2:123456789012:accesspoint/my-ap/k",
+        "s3://arn:aws:s3:::my-bucket/k",  # a bucket ARN: S3 takes the bucket name, not its ARN
+        "s3://arn:aws:s3::123456789012:accesspoint/mfzwi23gnjvgw.mrap/k",  # multi-Region access points: not supported
+    ],
+)
+def test_malformed_access_point_arns_are_rejected(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for relaxed in (False, True):
+        if relaxed:
+            monkeypatch.setenv(ENV, "1")
+        with pytest.raises(ValueError) as info:
+            u.parse_s3_url(url)
+        message = str(info.value)
+        assert repr(url) in message
+        assert "accesspoint/NAME" in message  # says what an ARN must look like
+        assert OPT_OUT not in message  # relaxing names does not help an ARN
+
+
+def test_access_point_arn_round_trips_and_helpers() -> None:
+    url = u.build_s3_url(ARN, "ckpt/last.ckpt")
+    assert url == f"s3://{ARN}/ckpt/last.ckpt"
+    assert u.parse_s3_url(url) == (ARN, "ckpt/last.ckpt")
+    assert u.build_s3_url(ARN) == f"s3://{ARN}"
+    assert u.build_s3_url(ARN, "/x") == f"s3://{ARN}/x"
+    assert u.join_s3_url(f"s3://{ARN}", "ckpt", "last.ckpt") == url
+    assert u.s3_url_parent(url) == f"s3://{ARN}/ckpt"
+    assert u.s3_url_parent(f"s3://{ARN}/ckpt") == f"s3://{ARN}"
+    assert u.s3_url_parent(f"s3://{ARN}") == f"s3://{ARN}"
+    assert u.s3_url_name(url) == "last.ckpt"
+    assert u.s3_url_name(f"s3://{ARN}") == ""
+    assert u.s3_dir_prefix(f"s3://{ARN}/ckpt") == (ARN, "ckpt/")
+    assert u.s3_dir_prefix(f"s3://{ARN}") == (ARN, "")
+    assert u.validate_bucket_name(OUTPOSTS_ARN) == OUTPOSTS_ARN
+    assert u.as_path_or_s3_url(url) == url
+
+
+def test_arn_is_not_a_bucket_name_with_a_slash() -> None:
+    """Only a complete ARN may contain '/': its prefix alone, or an ARN with more segments, is refused."""
+    with pytest.raises(ValueError, match="accesspoint/NAME"):
+        u.validate_bucket_name("arn:aws:s3:us-west-2:123456789012:accesspoint")
+    with pytest.raises(ValueError, match="accesspoint/NAME"):
+        u.validate_bucket_name(ARN + "/extra")
+    with pytest.raises(ValueError, match="accesspoint/NAME"):
+        u.build_s3_url(ARN + "x:y", "k")
+
+
+@given(access_point_arns, valid_keys)
+def test_access_point_arns_classify_and_round_trip(arn: str, key: str) -> None:
+    assert u.bucket_kind(arn) in ("access_point_arn", "outposts_access_point_arn")
+    assert u.parse_s3_url(u.build_s3_url(arn, key)) == (arn, key)
+
+
+@given(directory_buckets)
+def test_generated_directory_buckets(bucket: str) -> None:
+    assume(len(bucket) <= 63)
+    assert u.bucket_kind(bucket) == "directory"

@@ -25,6 +25,8 @@ from s3_utils import (
 )
 
 MiB = 1024 * 1024
+BOTH_BUCKET_KINDS = pytest.mark.parametrize("bucket", ["general_purpose", "directory"], indirect=True)
+"""Run a test on a general purpose bucket and on a directory bucket behind the directory-bucket proxy."""
 
 
 def put(s3_client, bucket: str, key: str, body: bytes = b"x") -> None:
@@ -39,6 +41,7 @@ def open_uploads(s3_client, bucket: str) -> list[str]:
     return [u["Key"] for u in s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
 
 
+@BOTH_BUCKET_KINDS
 class TestDirectorySemantics:
     def test_exists_respects_the_slash_boundary(self, s3_client, bucket: str) -> None:
         put(s3_client, bucket, "ckpt_old/a.ckpt")
@@ -91,6 +94,7 @@ class TestDirectorySemantics:
             S3Utils.remove_object(f"s3://{bucket}")
 
 
+@BOTH_BUCKET_KINDS
 class TestTransfers:
     @pytest.mark.parametrize("size", [0, 1, 5 * MiB - 1, 5 * MiB, 12 * MiB + 7])
     def test_stream_round_trip(self, bucket: str, size: int) -> None:
@@ -199,6 +203,7 @@ class TestClient:
         assert S3Utils.s3_path_exists(f"s3://{bucket}")
 
 
+@BOTH_BUCKET_KINDS
 class TestRequestsSent:
     """What goes over the wire, counted by the proxy between the client and the server."""
 
@@ -229,6 +234,7 @@ class TestRequestsSent:
         assert fault_proxy.count(method="GET", path_regex="/ranged$") == 4  # ceil(16 / 5) ranges
 
 
+@BOTH_BUCKET_KINDS
 @pytest.mark.parametrize("algorithm", ["CRC32", "CRC32C", "CRC64NVME"])
 def test_every_checksum_algorithm_round_trips(bucket: str, algorithm: str) -> None:
     url = f"s3://{bucket}/alg/{algorithm}"
@@ -245,10 +251,12 @@ def test_unknown_checksum_algorithm_is_rejected(bucket: str) -> None:
         S3Utils().open_writer(f"s3://{bucket}/x", checksum_algorithm="MD5")
 
 
+@BOTH_BUCKET_KINDS
 def test_download_progress_counts_every_byte_once(s3_client, bucket: str, fault_proxy) -> None:
     data = os.urandom(12 * MiB)
     s3_client.put_object(Bucket=bucket, Key="p.bin", Body=data)
-    fault_proxy.add_rule(FaultRule(Fault.reset_mid_response(after_bytes=1000), method="GET", times=1))
+    reset = Fault.reset_mid_response(after_bytes=1000)
+    fault_proxy.add_rule(FaultRule(reset, method="GET", path_regex=r"/p\.bin$", times=1))  # not CreateSession
     utils = S3Utils(S3ClientSettings(endpoint_url=fault_proxy.endpoint_url), RetryPolicy(initial_backoff_s=0.01))
     seen: list[int] = []
     with utils.download_to_memory(f"s3://{bucket}/p.bin", chunk_size_MB=5, progress=seen.append) as downloaded:
@@ -408,3 +416,72 @@ def test_ranged_reads_stream_through_a_small_staging_buffer(s3_server, fault_pro
             assert peak < _STAGING_BYTES + MiB, f"four 5 MiB range reads allocated {peak} bytes"
     if s3_server.name != "moto":  # moto's server closes every connection after one response
         assert fault_proxy.connections_accepted - before <= 1  # 3 HEADs + 12 GETs over one kept-alive connection
+
+
+# ---- directory buckets: what the directory-bucket proxy enforces, and that S3Utils copes ---------------------------
+
+DIRECTORY = pytest.mark.parametrize("bucket", ["directory"], indirect=True)
+
+
+@DIRECTORY
+def test_proxy_refuses_undelimited_prefixes_like_s3_express(s3_client, bucket: str, directory_bucket_proxy) -> None:
+    """The premise of the directory tests: a prefix that does not end in '/' is refused, as S3 Express does."""
+    put(s3_client, bucket, "ckpt/model--step=10-last.ckpt")
+    with pytest.raises(Exception, match="InvalidRequest") as info:
+        s3_client.list_objects_v2(Bucket=bucket, Prefix="ckpt/model--step=10-")
+    assert "does not end in a delimiter" in str(info.value)
+    assert directory_bucket_proxy.count(query_contains="list-type=2", faulted=True) == 1
+
+
+@DIRECTORY
+def test_key_prefix_listing_lists_the_directory_and_filters_names(
+    s3_client, bucket: str, directory_bucket_proxy
+) -> None:
+    for key in ["ckpt/m--step=10-a.ckpt", "ckpt/m--step=10-b.ckpt", "ckpt/m--step=11-a.ckpt", "ckpt/sub/x", "top"]:
+        put(s3_client, bucket, key)
+    directory_bucket_proxy.clear()
+    listed = S3Utils().list_objects_with_key_prefix(f"s3://{bucket}/ckpt/m--step=10-")
+    assert [info.key for info in listed] == ["ckpt/m--step=10-a.ckpt", "ckpt/m--step=10-b.ckpt"]
+    assert [info.key for info in S3Utils().list_objects_with_key_prefix(f"s3://{bucket}/to")] == ["top"]
+    assert directory_bucket_proxy.count(query_contains="list-type=2") == 2
+    assert directory_bucket_proxy.count(faulted=True) == 0  # no listing was refused
+
+
+@DIRECTORY
+def test_etags_are_opaque_and_conditional_reads_still_work(s3_client, bucket: str) -> None:
+    data = os.urandom(11 * MiB)
+    url = f"s3://{bucket}/etag/blob"
+    S3Utils.upload_file_stream_to_s3(io.BytesIO(data), url, chunk_size_MB=5)
+    info = S3Utils.head_object(url)
+    assert info.etag.strip('"') != hashlib.md5(data).hexdigest()
+    assert not all(char in "0123456789abcdef" for char in info.etag.strip('"'))  # not an MD5 digest at all
+    assert [obj.etag for obj in S3Utils.list_objects(f"s3://{bucket}/etag")] == [info.etag]  # one ETag per object
+    with S3Utils().download_to_memory(url, chunk_size_MB=5) as downloaded:  # every range carries If-Match
+        assert downloaded.read_all() == data
+
+
+@DIRECTORY
+def test_in_progress_uploads_are_not_objects(s3_client, bucket: str, directory_bucket_proxy) -> None:
+    writer = S3Utils().open_writer(f"s3://{bucket}/run/sub/big.ckpt", chunk_size_MB=5, max_concurrency=1)
+    try:
+        writer.write(os.urandom(6 * MiB))  # one part sent: the multipart upload is open
+        assert directory_bucket_proxy.open_uploads == [(bucket, "run/sub/big.ckpt")]
+        listed = s3_client.list_objects_v2(Bucket=bucket, Prefix="run/", Delimiter="/")
+        assert [p["Prefix"] for p in listed.get("CommonPrefixes", [])] == ["run/sub/"]  # what S3 Express reports
+        assert not S3Utils.s3_path_exists(f"s3://{bucket}/run", match_directory=True)
+        assert S3Utils.list_objects(f"s3://{bucket}/run") == []
+        assert S3Utils.find_files_with_suffix(f"s3://{bucket}", ".ckpt") == []
+    finally:
+        writer.close()
+    assert directory_bucket_proxy.open_uploads == []
+    assert S3Utils.s3_path_exists(f"s3://{bucket}/run", match_directory=True)
+
+
+@DIRECTORY
+def test_listings_come_back_shuffled_and_are_sorted_here(s3_client, bucket: str) -> None:
+    names = [f"many/{index:03d}" for index in range(40)]
+    for name in names:
+        put(s3_client, bucket, name)
+    raw = [obj["Key"] for obj in s3_client.list_objects_v2(Bucket=bucket, Prefix="many/")["Contents"]]
+    assert sorted(raw) == names and raw != names  # the premise: the store's order is not the key order
+    assert [info.key for info in S3Utils.list_objects(f"s3://{bucket}/many")] == names

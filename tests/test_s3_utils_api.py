@@ -26,6 +26,7 @@ from s3_utils import (
     _checksum_of,
     _ChecksumRecords,
     forget_s3fs_instances,
+    fresh_s3fs_instances,
     invalidate_fsspec_cache,
     validate_checksum_algorithm,
 )
@@ -262,6 +263,22 @@ def test_fsspec_cache_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
     assert filesystem.invalidated == ["bucket/dir/x.ckpt"]
     forget_s3fs_instances()
     assert cleared == [True]
+
+
+def test_fresh_s3fs_instances_forgets_before_and_after_even_on_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[str] = []
+
+    class FakeS3FileSystem:
+        @classmethod
+        def clear_instance_cache(cls) -> None:
+            events.append("cleared")
+
+    monkeypatch.setitem(sys.modules, "s3fs", types.SimpleNamespace(S3FileSystem=FakeS3FileSystem))
+    with pytest.raises(RuntimeError, match="inside"):
+        with fresh_s3fs_instances():
+            events.append("inside")
+            raise RuntimeError("inside")
+    assert events == ["cleared", "inside", "cleared"]
 
 
 # ---- S3CheckpointIO refuses arguments it would ignore ---------------------------------------------------------------

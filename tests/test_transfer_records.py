@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import pickle
 import threading
 from pathlib import Path
@@ -40,10 +41,28 @@ def test_saves_and_loads_leave_records_that_match_the_objects(
         assert 0 < record.blocked_seconds and 0 < record.seconds
         if not async_checkpointing:
             assert record.blocked_seconds >= record.seconds  # the caller waited for the whole save
-    assert loads[0].size == saves[0].size and loads[0].checksum is None
+    (saved,) = [record for record in saves if record.url == urls[1]]
+    assert loads[0].size == saved.size
+    assert loads[0].checksum == saved.checksum  # the load was verified against what the save recorded
     assert loads[0].blocked_seconds == loads[0].seconds > 0
     with pytest.raises(AttributeError):
         loads[0].size = 0  # type: ignore[misc]  # frozen: a record is a fact
+
+
+def test_a_load_of_an_object_nobody_recorded_a_checksum_for_has_none(bucket: str, s3_server) -> None:
+    """Another tool wrote the checkpoint without a checksum: the load checks its size only, and its record says so."""
+    client = s3_server.client(request_checksum_calculation="when_required")
+    buffer = io.BytesIO()
+    torch.save(checkpoint(3), buffer)
+    client.put_object(Bucket=bucket, Key="foreign.ckpt", Body=buffer.getvalue())
+    head = client.head_object(Bucket=bucket, Key="foreign.ckpt", ChecksumMode="ENABLED")
+    if any(name.startswith("Checksum") and name != "ChecksumType" for name in head):
+        pytest.skip(f"{s3_server.name} records a checksum for every object by itself")
+    plugin = S3CheckpointIO(f"s3://{bucket}")
+    loaded = plugin.load_checkpoint(f"s3://{bucket}/foreign.ckpt")
+    assert loaded["step"] == 3
+    (record,) = plugin.records
+    assert (record.kind, record.size, record.checksum) == ("load", len(buffer.getvalue()), None)
 
 
 def test_async_record_says_how_long_the_caller_was_blocked(bucket: str) -> None:

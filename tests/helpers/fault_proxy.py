@@ -20,10 +20,32 @@ Faults are added as rules, e.g.::
         assert proxy.count(method="PUT", faulted=True) == 2
 
 Every request is recorded in ``proxy.requests`` (method, path, query, status, user agent, fault).
+
+Bucket kinds (``credentials=`` the upstream's keys, which every forwarded request is then re-signed with):
+
+* ``directory_buckets=True`` behaves like S3 Express One Zone where that can be imitated locally: a ListObjectsV2
+  prefix that does not end in ``/`` (or a delimiter other than ``/``) gets S3 Express's 400 ``InvalidRequest``;
+  listings come back shuffled; ETags are random strings, consistent per object (listings, HEAD, GET, PUT and
+  CompleteMultipartUpload answers), and the ``If-Match`` / ``If-None-Match`` a client sends are translated back;
+  prefixes of in-progress multipart uploads appear in listings as ``CommonPrefixes`` (with a ``/`` delimiter: the
+  first level below the prefix; without one: every "directory" holding an upload); ``CreateSession`` (which boto3
+  sends first for a ``--x-s3`` bucket) is answered with session credentials. Requests may be path-style (boto3
+  uses path style for a directory bucket behind an IP endpoint) or virtual-hosted (``Host: bucket.localhost``).
+* ``access_points={"my-ap-123456789012": "real-bucket", "my-ap-abc-s3alias": "real-bucket"}`` maps access point
+  names to buckets: the virtual host label boto3 builds from an ARN (``{name}-{account}``) or an alias in the path.
+  Clients reach a virtual host such as ``my-ap-123456789012.127.0.0.1`` by using the proxy as their HTTP proxy
+  (``HTTP_PROXY=proxy.endpoint_url``): requests then arrive in absolute form, which the proxy accepts too.
+
+In these modes rules match, and ``requests`` record, the upstream's path-style path (``/bucket/key``). Re-signing
+keeps the client's ``x-amz-content-sha256`` (a body hash or ``UNSIGNED-PAYLOAD``), so bodies are forwarded as they
+come; chunk-signed ``STREAMING-AWS4-HMAC-SHA256-PAYLOAD`` bodies (which boto3 does not send) would not verify.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import html
 import logging
 import random
 import re
@@ -33,9 +55,9 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, unquote_plus, urlsplit
 
 log = logging.getLogger("fault_proxy")
 
@@ -442,10 +464,21 @@ class FaultProxy:
         port: int = 0,
         connect_timeout: float = 10.0,
         upstream_timeout: float = 300.0,
+        directory_buckets: bool = False,
+        access_points: dict[str, str] | None = None,
+        credentials: tuple[str, str] | None = None,
+        seed: int = 0,
     ) -> None:
         parts = urlsplit(upstream_url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"FaultProxy forwards plain http:// endpoints only, got {upstream_url!r}")
+        self._rewriter: _BucketKindRewriter | None = None
+        if directory_buckets or access_points:
+            if credentials is None:
+                raise ValueError("directory_buckets / access_points re-sign requests: pass credentials=(key, secret)")
+            self._rewriter = _BucketKindRewriter(
+                parts.netloc, credentials, directory_buckets, access_points or {}, seed
+            )
         self.upstream_url = upstream_url
         self._upstream_addr = (parts.hostname, parts.port or 80)
         self._connect_timeout = connect_timeout
@@ -515,6 +548,11 @@ class FaultProxy:
             and (path_regex is None or re.search(path_regex, r.path))
             and (faulted is None or (r.fault is not None) == faulted)
         )
+
+    @property
+    def open_uploads(self) -> list[tuple[str, str]]:
+        """``(bucket, key)`` of the multipart uploads started and not yet completed or aborted (directory mode)."""
+        return sorted(self._rewriter.uploads.values()) if self._rewriter is not None else []
 
     def clear(self) -> None:
         """Forget recorded requests (rules and their counters stay)."""
@@ -695,7 +733,11 @@ class _Connection:
         parts = urlsplit(target)
         path = unquote(parts.path)
         user_agent = head.headers.get("user-agent", "")
+        routed = self.proxy._rewriter.route(head, method, target) if self.proxy._rewriter is not None else None
+        if routed is not None:  # rules and records see the upstream's path-style path
+            path = unquote(urlsplit(routed.head.first_line.split(" ")[1]).path)
         fault = self.proxy._pick_fault(method, path, parts.query, user_agent)
+        label = fault.describe() if fault else (routed.label if routed is not None else None)
         self.entry = self.proxy._record(
             RecordedRequest(
                 method=method,
@@ -703,7 +745,7 @@ class _Connection:
                 query=parts.query,
                 status=None,
                 user_agent=user_agent,
-                fault=fault.describe() if fault else None,
+                fault=label,
                 started=time.monotonic(),
             )
         )
@@ -711,8 +753,13 @@ class _Connection:
         try:
             if fault is not None and not fault.needs_upstream:
                 status, keep = self._local_fault(fault, head, method, path, version)
+            elif routed is not None and routed.local is not None:
+                self._consume_request_body(head)
+                status, keep = routed.local_status, True
+                self._done(status)
+                _send(self.client, routed.local)
             else:
-                status, keep = self._forward(head, method, fault)
+                status, keep = self._forward(routed.head if routed else head, method, fault, routed)
         except (_GoneError, ValueError) as exc:  # ValueError: unparsable length/status from a peer
             log.debug("%s %s ended the connection: %s", method, target, exc)
             keep = False
@@ -768,7 +815,9 @@ class _Connection:
 
     # ---- forwarding -----------------------------------------------------------------------------
 
-    def _forward(self, head: _Head, method: str, fault: Fault | None) -> tuple[int | None, bool]:
+    def _forward(
+        self, head: _Head, method: str, fault: Fault | None, routed: _Routed | None = None
+    ) -> tuple[int | None, bool]:
         """Forward one request upstream and relay the response (applying a response fault)."""
         self._connect_upstream()
         assert self.upstream is not None and self.ureader is not None
@@ -781,7 +830,7 @@ class _Connection:
             if final is not None:
                 # Upstream answered before asking for the body: relay that answer; the client may or
                 # may not send the body now, so this connection cannot be reused safely.
-                status, _ = self._relay_response(final, method, fault)
+                status, _ = self._relay_response(final, method, fault, routed)
                 return status, False
         if has_body:
             try:
@@ -793,7 +842,7 @@ class _Connection:
                 if not self._upstream_has_data():
                     raise
         resp = self._read_final_response_head()
-        return self._relay_response(resp, method, fault)
+        return self._relay_response(resp, method, fault, routed)
 
     def _upstream_has_data(self) -> bool:
         assert self.upstream is not None and self.ureader is not None
@@ -844,11 +893,17 @@ class _Connection:
                 return resp
             _send(self.client, resp.raw)
 
-    def _relay_response(self, resp: _Head, method: str, fault: Fault | None) -> tuple[int, bool]:
+    def _relay_response(
+        self, resp: _Head, method: str, fault: Fault | None, routed: _Routed | None = None
+    ) -> tuple[int, bool]:
         """Send the final response head and body to the client; returns (status, keep_alive)."""
         assert self.ureader is not None
         status = _status_of(resp)
         framing = _response_framing(resp, status, method)
+        if routed is not None and self.proxy._rewriter is not None:
+            resp, transform = self.proxy._rewriter.response(routed, resp, status)
+            if transform is not None and method != "HEAD":
+                return self._relay_rewritten(resp, status, framing, transform)
         keep = not (
             resp.has_token("connection", "close")
             or framing[0] == "eof"
@@ -895,6 +950,22 @@ class _Connection:
             self._close_upstream()
         return status, keep
 
+    def _relay_rewritten(
+        self, resp: _Head, status: int, framing: _Framing, transform: Callable[[bytes], bytes]
+    ) -> tuple[int, bool]:
+        """Read the whole (small, XML) body, rewrite it and send it with its new length."""
+        assert self.ureader is not None
+        body = transform(b"".join(piece for piece, is_payload in _iter_body(self.ureader, framing) if is_payload))
+        first, pairs = _header_lines(resp.raw)
+        pairs = [(n, v) for n, v in pairs if n.lower() not in ("content-length", "transfer-encoding")]
+        pairs.append(("Content-Length", str(len(body))))
+        keep = framing[0] != "eof" and not resp.has_token("connection", "close")
+        self._done(status)
+        _send(self.client, _build_head(first, pairs).raw + body)
+        if not keep:
+            self._close_upstream()
+        return status, keep
+
     def _cut(self, status: int, reset: bool) -> tuple[int, bool]:
         """End a truncated response: RST (reset) or FIN (truncate) to the client; drop upstream."""
         self._close_upstream()
@@ -924,6 +995,305 @@ def _send_quietly(sock: socket.socket, data: bytes) -> None:
         sock.sendall(data)
     except OSError:
         pass
+
+
+# --------------------------------------------------------------------------------------------
+# Bucket kinds: directory-bucket behaviour, access point names, re-signing
+# --------------------------------------------------------------------------------------------
+
+_UNSIGNED_HEADERS = ("host", "authorization", "x-amz-s3session-token", "proxy-connection", "proxy-authorization")
+_ETAG_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+_UNKNOWN_ETAG = '"s3ckpt-proxy-unknown-etag"'
+_PREFIX_NOT_DELIMITED = (
+    "This bucket does not support a prefix that does not end in a delimiter. "
+    "Specify a prefix path ending with a delimiter and try again."
+)
+
+
+@dataclass
+class _Routed:
+    """Where a request goes upstream, as the rewriter decided; ``local`` is an answer given without the upstream."""
+
+    head: _Head
+    bucket: str
+    key: str
+    query: dict[str, list[str]]
+    method: str
+    local: bytes | None = None
+    local_status: int = 0
+    label: str | None = None  # recorded as the request's fault, e.g. "directory:prefix-not-delimited"
+
+
+def _header_lines(raw: bytes) -> tuple[str, list[tuple[str, str]]]:
+    lines = raw.decode("latin-1").split("\r\n")
+    pairs = []
+    for line in lines[1:]:
+        if line:
+            name, _, value = line.partition(":")
+            pairs.append((name.strip(), value.strip()))
+    return lines[0], pairs
+
+
+def _build_head(first_line: str, pairs: list[tuple[str, str]]) -> _Head:
+    raw = (first_line + "\r\n" + "".join(f"{name}: {value}\r\n" for name, value in pairs) + "\r\n").encode("latin-1")
+    return _Head.parse(raw)
+
+
+def _is_ip_or_localhost(hostname: str) -> bool:
+    return hostname == "localhost" or bool(re.fullmatch(r"[0-9.]+|\[[0-9a-fA-F:.]+\]", hostname))
+
+
+def _canonical_query(raw_query: str) -> str:
+    pairs = []
+    for item in raw_query.split("&") if raw_query else []:
+        name, _, value = item.partition("=")
+        pairs.append((quote(unquote(name), safe="-_.~"), quote(unquote(value), safe="-_.~")))
+    return "&".join(f"{name}={value}" for name, value in sorted(pairs))
+
+
+def _sigv4_authorization(
+    method: str,
+    raw_path: str,
+    raw_query: str,
+    headers: dict[str, str],
+    signed: list[str],
+    secret_key: str,
+    access_key: str,
+    region: str,
+) -> str:
+    """The ``Authorization`` value for a request, signed for service ``s3`` with the given keys (SigV4)."""
+    amz_date = headers["x-amz-date"]
+    scope = f"{amz_date[:8]}/{region}/s3/aws4_request"
+    canonical_headers = "".join(f"{name}:{' '.join(headers[name].split())}\n" for name in signed)
+    payload = headers.get("x-amz-content-sha256", "UNSIGNED-PAYLOAD")
+    canonical = "\n".join(
+        [method, raw_path or "/", _canonical_query(raw_query), canonical_headers, ";".join(signed), payload]
+    )
+    to_sign = "\n".join(["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()])
+    key = f"AWS4{secret_key}".encode()
+    for part in (amz_date[:8], region, "s3", "aws4_request"):
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+    return f"AWS4-HMAC-SHA256 Credential={access_key}/{scope}, SignedHeaders={';'.join(signed)}, Signature={signature}"
+
+
+class _BucketKindRewriter:
+    """Turns what a client sends for a directory bucket or an access point into path-style requests the upstream
+    serves, re-signed with the upstream's keys, and makes the answers look like S3 Express One Zone's."""
+
+    def __init__(
+        self,
+        upstream_host: str,
+        credentials: tuple[str, str],
+        directory_buckets: bool,
+        access_points: dict[str, str],
+        seed: int,
+    ) -> None:
+        self.upstream_host = upstream_host
+        self.access_key, self.secret_key = credentials
+        self.directory_buckets = directory_buckets
+        self.access_points = dict(access_points)
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self._fake_etags: dict[tuple[str, str, str], str] = {}  # (bucket, key, upstream ETag) -> the client's
+        self._real_etags: dict[str, str] = {}  # the client's ETag -> the upstream's
+        self.uploads: dict[str, tuple[str, str]] = {}  # in-progress multipart uploads: id -> (bucket, key)
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def route(self, head: _Head, method: str, target: str) -> _Routed:
+        parts = urlsplit(target)
+        host = parts.netloc or head.headers.get("host", "")
+        hostname = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+        raw_path = parts.path or "/"
+        if "." in hostname and not _is_ip_or_localhost(hostname):  # virtual-hosted: the bucket is the first label
+            bucket = hostname.split(".", 1)[0]
+            rest = "" if raw_path == "/" else raw_path
+        else:
+            bucket, _, tail = raw_path.lstrip("/").partition("/")
+            bucket = unquote(bucket)
+            rest = "/" + tail if (tail or raw_path.endswith(bucket + "/")) else ""
+        bucket = self.access_points.get(bucket, bucket)
+        key = unquote(rest.lstrip("/"))
+        query = parse_qs(parts.query, keep_blank_values=True)
+        upstream_path = f"/{quote(bucket)}{rest}" if bucket else (rest or "/")
+        _, pairs = _header_lines(head.raw)
+        signed_by_client: list[str] = []
+        region = "us-east-1"
+        kept: list[tuple[str, str]] = []
+        for name, value in pairs:
+            lower = name.lower()
+            if lower == "authorization":
+                match = re.search(r"Credential=[^/]+/\d{8}/([^/]+)/[^,]+, ?SignedHeaders=([^,]+)", value)
+                if match:
+                    region, signed_by_client = match.group(1), match.group(2).split(";")
+                continue
+            if lower in _UNSIGNED_HEADERS:
+                continue
+            if self.directory_buckets and lower in ("if-match", "if-none-match"):
+                value = ", ".join(self._upstream_etag(tag.strip()) for tag in value.split(","))
+            kept.append((name, value))
+        kept.insert(0, ("Host", self.upstream_host))
+        first = f"{method} {upstream_path}{'?' + parts.query if parts.query else ''} HTTP/1.1"
+        if signed_by_client:
+            values = {name.lower(): value for name, value in kept}
+            signed = sorted({n for n in signed_by_client if n in values and n not in _UNSIGNED_HEADERS} | {"host"})
+            authorization = _sigv4_authorization(
+                method, upstream_path, parts.query, values, signed, self.secret_key, self.access_key, region
+            )
+            kept.append(("Authorization", authorization))
+        routed = _Routed(_build_head(first, kept), bucket, key, query, method)
+        if self.directory_buckets:
+            self._answer_locally(routed)
+        return routed
+
+    def _answer_locally(self, routed: _Routed) -> None:
+        """What S3 Express answers without the store: CreateSession, and its refusal of undelimited listings."""
+        if routed.method == "GET" and not routed.key and "session" in routed.query:
+            expires = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 3600))
+            routed.local = _xml_response(
+                200,
+                "<CreateSessionResult><Credentials>"
+                f"<SessionToken>s3ckpt-proxy-session</SessionToken><SecretAccessKey>{self.secret_key}"
+                f"</SecretAccessKey><AccessKeyId>{self.access_key}</AccessKeyId><Expiration>{expires}</Expiration>"
+                "</Credentials></CreateSessionResult>",
+            )
+            routed.local_status = 200
+        elif routed.method == "GET" and not routed.key and routed.query.get("list-type") == ["2"]:
+            prefix = routed.query.get("prefix", [""])[0]
+            delimiter = routed.query.get("delimiter", [""])[0]
+            problem = None
+            if prefix and not prefix.endswith("/"):
+                problem = _PREFIX_NOT_DELIMITED
+            elif delimiter and delimiter != "/":
+                problem = "This bucket supports only '/' as a delimiter."
+            if problem:
+                body = f"<Error><Code>InvalidRequest</Code><Message>{_xml_escape(problem)}</Message></Error>"
+                routed.local = _xml_response(400, body)
+                routed.local_status, routed.label = 400, "directory:prefix-not-delimited"
+
+    # ---- ETags ----------------------------------------------------------------------------------
+
+    def _client_etag(self, bucket: str, key: str, upstream: str) -> str:
+        with self._lock:
+            identity = (bucket, key, upstream.strip('"'))
+            fake = self._fake_etags.get(identity)
+            if fake is None:
+                fake = '"' + "".join(self._rng.choice(_ETAG_ALPHABET) for _ in range(32)) + '"'
+                self._fake_etags[identity] = fake
+                self._real_etags[fake] = upstream if upstream.startswith('"') else f'"{upstream}"'
+            return fake
+
+    def _upstream_etag(self, tag: str) -> str:
+        if tag == "*":
+            return tag
+        with self._lock:
+            return self._real_etags.get(tag if tag.startswith('"') else f'"{tag}"', _UNKNOWN_ETAG)
+
+    # ---- responses ------------------------------------------------------------------------------
+
+    def response(self, routed: _Routed, resp: _Head, status: int) -> tuple[_Head, Callable[[bytes], bytes] | None]:
+        """The head to send the client, and how to rewrite the body (None: relay it as it comes)."""
+        if not self.directory_buckets or not 200 <= status < 300:
+            return resp, None
+        query, method = routed.query, routed.method
+        if method == "GET" and not routed.key and query.get("list-type") == ["2"]:
+            return resp, lambda body: self._listing(routed, body)
+        if method == "POST" and "uploads" in query:
+            return resp, lambda body: self._upload_started(routed, body)
+        if method == "POST" and "uploadId" in query:
+            return resp, lambda body: self._upload_completed(routed, body)
+        if method == "DELETE" and "uploadId" in query:
+            with self._lock:
+                self.uploads.pop(query["uploadId"][0], None)
+            return resp, None
+        if routed.key and method in ("GET", "HEAD", "PUT") and "uploadId" not in query and "etag" in resp.headers:
+            first, pairs = _header_lines(resp.raw)
+            pairs = [
+                (n, self._client_etag(routed.bucket, routed.key, v) if n.lower() == "etag" else v) for n, v in pairs
+            ]
+            return _build_head(first, pairs), None
+        return resp, None
+
+    def _upload_started(self, routed: _Routed, body: bytes) -> bytes:
+        text = body.decode()
+        upload = re.search(r"<UploadId>(.*?)</UploadId>", text)
+        if upload:
+            with self._lock:
+                self.uploads[html.unescape(upload.group(1))] = (routed.bucket, routed.key)
+        return body
+
+    def _upload_completed(self, routed: _Routed, body: bytes) -> bytes:
+        text = body.decode()
+        if "<CompleteMultipartUploadResult" not in text:
+            return body  # an error inside a 200: leave it to the client
+        with self._lock:
+            self.uploads.pop(routed.query["uploadId"][0], None)
+        return self._replace_etag(text, routed.bucket, routed.key).encode()
+
+    def _replace_etag(self, text: str, bucket: str, key: str) -> str:
+        def swap(match: re.Match[str]) -> str:
+            fake = self._client_etag(bucket, key, html.unescape(match.group(1)))
+            return f"<ETag>{_xml_escape(fake).replace(chr(34), '&quot;')}</ETag>"
+
+        return re.sub(r"<ETag>(.*?)</ETag>", swap, text, flags=re.S)
+
+    def _listing(self, routed: _Routed, body: bytes) -> bytes:
+        """Shuffle the objects, give them this proxy's ETags, add the prefixes of in-progress uploads."""
+        text = body.decode()
+        contents = re.findall(r"<Contents>.*?</Contents>", text, flags=re.S)
+        rewritten = []
+        url_encoded = routed.query.get("encoding-type") == ["url"]
+        for item in contents:
+            found = re.search(r"<Key>(.*?)</Key>", item, flags=re.S)
+            key = html.unescape(found.group(1)) if found else ""
+            rewritten.append(self._replace_etag(item, routed.bucket, unquote_plus(key) if url_encoded else key))
+        with self._lock:
+            self._rng.shuffle(rewritten)
+        if contents:
+            first = text.index(contents[0])
+            text = text[:first] + "\x00" + text[first:]
+            for item in contents:
+                text = text.replace(item, "", 1)
+            text = text.replace("\x00", "".join(rewritten), 1)
+        prefixes = self._upload_prefixes(routed)
+        existing = set(re.findall(r"<CommonPrefixes><Prefix>(.*?)</Prefix></CommonPrefixes>", text))
+        added = "".join(
+            f"<CommonPrefixes><Prefix>{_xml_escape(p)}</Prefix></CommonPrefixes>"
+            for p in sorted(prefixes)
+            if _xml_escape(p) not in existing
+        )
+        return text.replace("</ListBucketResult>", added + "</ListBucketResult>", 1).encode()
+
+    def _upload_prefixes(self, routed: _Routed) -> set[str]:
+        prefix = routed.query.get("prefix", [""])[0]
+        delimited = routed.query.get("delimiter", [""])[0] == "/"
+        with self._lock:
+            keys = [key for bucket, key in self.uploads.values() if bucket == routed.bucket]
+        found = set()
+        for key in keys:
+            if not key.startswith(prefix):
+                continue
+            if delimited:
+                head, sep, _ = key[len(prefix) :].partition("/")
+                if sep:
+                    found.add(prefix + head + "/")
+            else:  # every "directory" the upload is in, from the listed one down
+                parts = key.split("/")[:-1]
+                for depth in range(1, len(parts) + 1):
+                    candidate = "/".join(parts[:depth]) + "/"
+                    if candidate.startswith(prefix):
+                        found.add(candidate)
+        return found
+
+
+def _xml_response(status: int, body: str) -> bytes:
+    data = ('<?xml version="1.0" encoding="UTF-8"?>\n' + body).encode()
+    head = (
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'OK')}\r\nContent-Type: application/xml\r\n"
+        f"Content-Length: {len(data)}\r\nServer: s3ckpt-fault-proxy\r\n\r\n"
+    ).encode()
+    return head + data
 
 
 __all__ = ["Fault", "FaultProxy", "FaultRule", "RecordedRequest"]

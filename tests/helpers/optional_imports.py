@@ -19,6 +19,8 @@ _MODULES_OF = {
     "tqdm": ("tqdm",),
     "lightning": ("lightning", "pytorch_lightning", "lightning_fabric"),
     "moto": ("moto",),
+    "matplotlib": ("matplotlib",),
+    "psutil": ("psutil",),
 }
 
 
@@ -40,6 +42,9 @@ def modules_of(*extra_names: str) -> tuple[str, ...]:
                     modules.append(module)
     return (*modules, "torch")
 
+
+LIGHTNING_MODULES = _MODULES_OF["lightning"]
+"""The top-level modules the lightning extra installs (both Lightning families and fabric)."""
 
 CORE_OPTIONAL_MODULES = modules_of("s3", "lightning")
 """What the four core modules may import: the s3 and lightning extras, and torch."""
