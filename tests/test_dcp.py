@@ -171,6 +171,7 @@ def test_validate_checkpoint_id() -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("bucket", ["general_purpose", "directory"], indirect=True)
 @pytest.mark.parametrize("thread_count", [1, 2])
 def test_round_trip_tensors_and_bytes_no_dist(bucket: str, s3_client: Any, tmp_path: Path, thread_count: int) -> None:
     url = f"s3://{bucket}/ckpt"
