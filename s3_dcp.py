@@ -659,6 +659,7 @@ class _Group:
     etag: str | None
     whole_object: _s3.S3ObjectInfo | None = None  # set when the file is read whole and checked against this record
     expected: tuple[Any, str] | None = None
+    file_record: dict[str, Any] | None = None  # the writer's record of the whole file (ours only)
     buffer: bytearray | None = None
     futures: list[Future[list[int]]] = dataclasses.field(default_factory=list)
 
@@ -666,7 +667,7 @@ class _Group:
 class _S3StorageReaderImpl(_S3Settings):
     """`S3StorageReader`'s behaviour; the public class adds DCP's ``StorageReader`` base when first accessed."""
 
-    _live_attributes = ("storage_data", "_records")
+    _live_attributes = ("storage_data", "_records", "_file_progress")
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -759,6 +760,7 @@ class _S3StorageReaderImpl(_S3Settings):
     def read_data(self, plan: Any, planner: Any) -> Any:
         """Fetch the items of `plan` with parallel ranged GETs, verify them, and hand them to the planner."""
         torch = _torch()
+        self._file_progress: dict[str, list[Any]] = {}  # file: [groups not yet verified, (offset, length, crc)...]
         groups = self._plan_groups(plan.items)
         chunk = int(self.chunk_size_MB * _s3.MB)
         budget = (self.max_read_concurrency + 1) * chunk
@@ -842,7 +844,11 @@ class _S3StorageReaderImpl(_S3Settings):
                         "that .metadata points to: the checkpoint is inconsistent; do not use it"
                     )
                 item.checksum = int(recorded[1])
-            groups += self._coalesce(url, relative_path, items, gap, limit, record["etag"] or None)
+            file_groups = self._coalesce(url, relative_path, items, gap, limit, record["etag"] or None)
+            for group in file_groups:
+                group.file_record = record
+            self._file_progress[relative_path] = [len(file_groups), []]
+            groups += file_groups
         return groups
 
     def _coalesce(
@@ -953,10 +959,35 @@ class _S3StorageReaderImpl(_S3Settings):
                         f"{item.checksum:#x} was recorded when the checkpoint was written. "
                         "Do not use it; use an older checkpoint."
                     )
+                self._file_progress[group.relative_path][1].append((item.offset, item.length, actual))
+            self._check_whole_file(group, algorithm)
         view = memoryview(group.buffer)
         for item in group.items:
             self._load_item(view[item.offset - group.start : item.offset - group.start + item.length], item, planner)
         group.buffer = None
+
+    def _check_whole_file(self, group: _Group, algorithm: Any) -> None:
+        """Once every group of a file is verified item by item: if together they covered the whole file, its bytes
+        must also match the full-object checksum recorded at save time (S3 verified that one on upload)."""
+        progress = self._file_progress[group.relative_path]
+        progress[0] -= 1
+        record = group.file_record
+        if progress[0] or record is None or not record.get("checksum"):
+            return
+        pieces = sorted(progress[1])
+        position, total = 0, 0
+        for offset, length, checksum in pieces:
+            if offset != position:
+                return  # only part of the file was read: the item checksums cover it
+            total = algorithm.combine(total, checksum, length)
+            position += length
+        if position != record["size"]:
+            return
+        if algorithm.encode(total) != record["checksum"]:
+            raise _s3.ChecksumMismatchError(
+                f"{group.url} is corrupt or was replaced: its {algorithm.name} is {algorithm.encode(total)}, but "
+                f"{record['checksum']} was recorded when the checkpoint was written. Do not use it."
+            )
 
     def _load_item(self, data: memoryview, item: _Item, planner: Any) -> None:
         torch = _torch()

@@ -420,6 +420,31 @@ def test_shard_replaced_after_save_is_refused(bucket: str, s3_client: Any) -> No
     assert f"{url}/__0_0.distcp" in str(_failure(caught))
 
 
+def test_a_whole_file_read_is_also_checked_against_its_full_object_checksum(bucket: str, s3_client: Any) -> None:
+    """The items of a file are checked one by one; a rank that reads the whole file checks the file's checksum (the
+    one S3 verified on upload) too. Altering only that record shows the second check is made."""
+    import json
+
+    url = f"s3://{bucket}/ckpt"
+    state = _state()
+    _save(state, url)
+    key = "ckpt/.s3ckpt-items.json"
+    record = json.loads(s3_client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    assert set(record["files"]) == {"__0_0.distcp"}
+    entry = record["files"]["__0_0.distcp"]
+    assert entry["size"] == sum(length for length, _ in entry["items"].values())  # items tile the file
+    entry["checksum"] = "AAAAAA=="
+    s3_client.put_object(Bucket=bucket, Key=key, Body=json.dumps(record).encode())
+
+    with pytest.raises(CheckpointException) as caught:
+        _load(_empty_like(state), url)
+    assert isinstance(_failure(caught), s3_utils.ChecksumMismatchError)
+    assert f"{url}/__0_0.distcp" in str(_failure(caught)) and "AAAAAA==" in str(_failure(caught))
+    partial = {"weights": {"small": torch.zeros(17, dtype=torch.int64)}}  # part of the file: item checksums only
+    _load(partial, url)
+    assert torch.equal(partial["weights"]["small"], state["weights"]["small"])
+
+
 def test_transient_part_failures_are_retried(bucket: str, fault_proxy: Any) -> None:
     fault_proxy.add_rule(FaultRule(Fault.status(500), method="PUT", query="partNumber=", times=2))
     fault_proxy.add_rule(FaultRule(Fault.reset_mid_response(), method="GET", path_regex=r"distcp$", times=1))
