@@ -4,7 +4,7 @@
     /work/venv/bin/python benchmarks/bench_resume.py --size-mib 1024 --reps 3
 
 Scenarios, each a fresh job of 4 processes (the torchrun environment, GROUP_RANK being the node, gloo) started by
-``tests/load_sharing_worker.py``, every rank loading the same ``s3://`` checkpoint at once:
+``tests/helpers/load_sharing_worker.py``, every rank loading the same ``s3://`` checkpoint at once:
 
 * ``node``: `S3CheckpointIO(load_sharing="node")` in a collective load: one download per node into /dev/shm,
   every rank of the node maps those pages;
@@ -38,11 +38,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
-WORKER = next(
-    p
-    for p in (REPO / "tests" / "helpers" / "load_sharing_worker.py", REPO / "tests" / "load_sharing_worker.py")
-    if p.exists()
-)
+WORKER = REPO / "tests" / "helpers" / "load_sharing_worker.py"
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
 SCENARIOS = ("node", "job", "rank", "NeMo")
