@@ -2024,3 +2024,15 @@ def fresh_s3fs_instances() -> Iterator[None]:
         yield
     finally:
         forget_s3fs_instances()
+
+
+# ====================================================================================================================
+# DCP support (used by s3_dcp): a public handle on the checksum algorithms, kept apart from their internals
+# ====================================================================================================================
+
+
+def checksum_algorithm(name: str | None = "auto") -> Any:
+    """The checksum algorithm `name` names (``"auto"``/None: CRC32C with awscrt, else CRC32), as an object with
+    ``name``, ``update(data, previous) -> int``, ``combine(first, second, second_length) -> int`` and
+    ``encode(value) -> str`` (S3's base64 spelling). s3_dcp checksums each item of a DCP shard with it."""
+    return _checksum_algorithm(name)

@@ -1,0 +1,379 @@
+"""Sharded (DCP) checkpoint benchmark: 2 gloo ranks save and load a sharded state on SeaweedFS, side by side.
+
+Methods, each run in fresh processes (2 ranks spawned per run), interleaved rep by rep:
+
+* ``ours``: `s3_dcp.S3StorageWriter` / `S3StorageReader` (package defaults);
+* ``fsspec``: torch's ``FsspecWriter`` / ``FsspecReader`` over s3fs (``sync_files=False``: with True every file
+  ends in ``os.sync()``);
+* ``s3tc``: s3torchconnector's ``S3StorageWriter`` / ``S3StorageReader`` (DCP-optimised reader, its default), run in
+  the peers venv (``benchmarks/.venv-peers`` or ``/work/venv-peers``; skipped with a note when neither has it);
+* ``raw-put``: each rank sends its shard's bytes in one ``put_object`` at the same time: the store's ceiling for
+  uploads on this machine, measured in the same run.
+
+The state is ``--size`` MiB of float32 DTensors sharded row-wise over the 2 ranks (``DTensor.from_local``), filled
+from fixed seeds so every load is checked bit-identical (after the clock stops). Per operation: aggregate MiB/s
+(global bytes over the slowest rank's wall time between two barriers), client CPU seconds per GiB (both ranks, all
+threads, ``getrusage``), and peak extra RSS per rank (``VmHWM`` after resetting it through ``/proc/self/clear_refs``,
+minus ``VmRSS`` before). Load targets are allocated and touched before the clock starts, and each method first saves
+and loads a tiny state with the same writer and reader (clients, connections and DCP's code paths warm).
+
+    python benchmarks/bench_dcp.py --size 1024 --reps 3
+
+writes ``benchmarks/results/<stamp>-dcp.json`` and ``.md``. The machine has 2 cores shared by the two ranks and the
+store, so absolute numbers move with load; compare the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+PEERS_PYTHONS = [REPO / "benchmarks" / ".venv-peers" / "bin" / "python", Path("/work/venv-peers/bin/python")]
+PEERS_PYTHON = next((p for p in PEERS_PYTHONS if p.exists()), PEERS_PYTHONS[0])
+"""The peers venv with s3torchconnector (see benchmarks/README.md); either location works."""
+BUCKET = "bench-dcp"
+MiB = 1024**2
+TENSORS = 16
+WORLD_SIZE = 2
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Rank side (runs in the worker processes; imports torch and the clients lazily)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _status() -> dict[str, int]:
+    out: dict[str, int] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _local_tensors(rank: int, size_mib: int, fill: bool) -> list[Any]:
+    import torch
+
+    rows = size_mib * MiB // 4 // TENSORS // 1024 // WORLD_SIZE
+    tensors = []
+    for n in range(TENSORS):
+        if fill:
+            generator = torch.Generator().manual_seed(1000 * n + rank)
+            tensors.append(torch.rand(rows, 1024, generator=generator))
+        else:
+            tensors.append(torch.empty(rows, 1024).fill_(-1.0))  # touched: its pages are resident before the clock
+    return tensors
+
+
+def _state(mesh: Any, tensors: list[Any]) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor, Shard
+
+    return {f"layer{n}.weight": DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for n, t in enumerate(tensors)}
+
+
+def _writer_and_reader(spec: dict[str, Any], url: str) -> tuple[Any, Any]:
+    method = spec["method"]
+    if method == "ours":
+        sys.path.insert(0, str(REPO))
+        import s3_dcp
+
+        options = spec.get("ours_options") or {}
+        writer_options = {k: v for k, v in options.items() if k != "max_read_concurrency"}
+        reader_options = {k: v for k, v in options.items() if k in ("chunk_size_MB", "max_read_concurrency")}
+        return s3_dcp.S3StorageWriter(url, **writer_options), s3_dcp.S3StorageReader(url, **reader_options)
+    if method == "fsspec":
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+        options = {"endpoint_url": spec["endpoint"]}
+        return FsspecWriter(url, sync_files=False, **options), FsspecReader(url, **options)
+    if method == "s3tc":
+        from s3torchconnector import S3ClientConfig
+        from s3torchconnector._s3client import S3Client
+        from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+
+        config = S3ClientConfig(force_path_style=True)
+        writer = S3StorageWriter("us-east-1", url, s3client_config=config)
+        reader = S3StorageReader("us-east-1", url, s3client_config=config)
+        for storage in (writer, reader):  # its DCP classes take no endpoint; their client does
+            storage.fs._client = S3Client("us-east-1", endpoint=spec["endpoint"], s3client_config=config)
+        return writer, reader
+    raise ValueError(method)
+
+
+def _measure(operation: Any) -> dict[str, float]:
+    import torch.distributed as dist
+
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    before = _status()["VmRSS"]
+    cpu = _cpu_s()
+    started = time.perf_counter()
+    operation()
+    wall = time.perf_counter() - started
+    cpu = _cpu_s() - cpu
+    peak = _status()["VmHWM"] - before
+    dist.barrier()
+    return {"wall_s": wall, "cpu_s": cpu, "peak_extra_mib": peak / MiB}
+
+
+def _raw_put(spec: dict[str, Any], rank: int, tensors: list[Any]) -> dict[str, Any]:
+    sys.path.insert(0, str(REPO))
+    import s3_utils
+
+    client = s3_utils.get_s3_client(s3_utils.S3ClientSettings(endpoint_url=spec["endpoint"]))
+    payload = b"".join(t.numpy().tobytes() for t in tensors)
+    client.put_object(Bucket=BUCKET, Key=f"raw/warmup-rank{rank}", Body=b"x" * 1024)  # connection up first
+    key = f"raw/rank{rank}-{spec['rep']}"
+    result = _measure(lambda: client.put_object(Bucket=BUCKET, Key=key, Body=payload))
+    return {"save": result}
+
+
+def _rank_main(rank: int, spec: dict[str, Any], port: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    try:
+        tensors = _local_tensors(rank, spec["size_mib"], fill=True)
+        if spec["method"] == "raw-put":
+            outcome = _raw_put(spec, rank, tensors)
+        else:
+            mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+            url = f"s3://{BUCKET}/{spec['method']}/rep{spec['rep']}"
+            writer, reader = _writer_and_reader(spec, url)
+            # warm-up on a tiny state: clients, connections and DCP's code paths are ready before the clock starts
+            warm = {"warm": _state(mesh, [torch.ones(4, 4)])["layer0.weight"]}
+            dcp.save(warm, storage_writer=writer, checkpoint_id=f"{url}-warmup")
+            dcp.load(warm, storage_reader=reader, checkpoint_id=f"{url}-warmup")
+            state = _state(mesh, tensors)
+            outcome = {"save": _measure(lambda: dcp.save(state, storage_writer=writer, checkpoint_id=url))}
+            del state
+            targets = _local_tensors(rank, spec["size_mib"], fill=False)
+            loaded = _state(mesh, targets)
+            outcome["load"] = _measure(lambda: dcp.load(loaded, storage_reader=reader, checkpoint_id=url))
+            outcome["load"]["identical"] = all(torch.equal(t, e) for t, e in zip(targets, tensors, strict=True))
+        Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(outcome))
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker(spec_json: str) -> int:
+    import torch.multiprocessing as mp
+
+    spec = json.loads(spec_json)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_rank_main, args=(spec, port), nprocs=WORLD_SIZE, join=True)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Orchestrator
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _seaweedfs(data_dir: str) -> Any:
+    """The package's embedded SeaweedFS (waits for the machine-wide weed lock while another run holds it)."""
+    sys.path.insert(0, str(REPO))
+    import s3_local_servers
+
+    return s3_local_servers.seaweedfs_server(data_dir, lock="wait")
+
+
+def _peers_ready() -> str | None:
+    """None if s3torchconnector runs in the peers venv, else why not."""
+    if not PEERS_PYTHON.exists():
+        return f"{PEERS_PYTHON} does not exist"
+    check = subprocess.run(
+        [str(PEERS_PYTHON), "-c", "import s3torchconnector.dcp, torch; print(s3torchconnector.__version__)"],
+        capture_output=True,
+        text=True,
+    )
+    return None if check.returncode == 0 else f"s3torchconnector does not import there: {check.stderr[-300:]}"
+
+
+def _run(
+    method: str, rep: int, size_mib: int, endpoint: str, env: dict[str, str], timeout: float, ours: dict[str, Any]
+) -> dict[str, Any]:
+    python = str(PEERS_PYTHON) if method == "s3tc" else sys.executable
+    with tempfile.TemporaryDirectory(prefix="bench-dcp-") as out:
+        spec = {"method": method, "rep": rep, "size_mib": size_mib, "endpoint": endpoint, "out": out}
+        spec["ours_options"] = ours
+        done = subprocess.run(
+            [python, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if done.returncode != 0:
+            return {"method": method, "rep": rep, "error": done.stderr[-3000:]}
+        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    result: dict[str, Any] = {"method": method, "rep": rep}
+    gib = size_mib / 1024
+    for direction in ("save", "load"):
+        if direction not in ranks[0]:
+            continue
+        per_rank = [r[direction] for r in ranks]
+        wall = max(r["wall_s"] for r in per_rank)
+        result[direction] = {
+            "mib_s": size_mib / wall,
+            "wall_s": wall,
+            "cpu_s_per_gib": sum(r["cpu_s"] for r in per_rank) / gib,
+            "peak_extra_mib_per_rank": max(r["peak_extra_mib"] for r in per_rank),
+            "identical": all(r.get("identical", True) for r in per_rank),
+        }
+    return result
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for run in runs:
+        for direction in ("save", "load"):
+            if direction in run:
+                summary.setdefault(run["method"], {}).setdefault(direction, []).append(run[direction])
+    medians: dict[str, Any] = {}
+    for method, directions in summary.items():
+        for direction, rows in directions.items():
+            medians.setdefault(method, {})[direction] = {
+                "mib_s": statistics.median(r["mib_s"] for r in rows),
+                "cpu_s_per_gib": statistics.median(r["cpu_s_per_gib"] for r in rows),
+                "peak_extra_mib_per_rank": max(r["peak_extra_mib_per_rank"] for r in rows),
+                "identical": all(r["identical"] for r in rows),
+                "reps": len(rows),
+            }
+    return medians
+
+
+def _ratio(medians: dict[str, Any], a: str, b: str, direction: str) -> str:
+    try:
+        return f"{medians[a][direction]['mib_s'] / medians[b][direction]['mib_s']:.2f}x"
+    except KeyError:
+        return "n/a"
+
+
+def _markdown(report: dict[str, Any]) -> str:
+    medians = report["medians"]
+    lines = [
+        f"# DCP benchmark {report['stamp']}",
+        "",
+        f"{report['size_mib']} MiB sharded over {WORLD_SIZE} gloo ranks on SeaweedFS (`weed mini`), "
+        f"{report['reps']} reps, medians (peak RSS: the largest). Machine: {report['machine']}. "
+        f"Our options: {report.get('ours_options') or 'package defaults'}.",
+        "",
+        "| method | save MiB/s | save CPU s/GiB | save peak extra RSS/rank MiB | load MiB/s | load CPU s/GiB "
+        "| load peak extra RSS/rank MiB | loads identical |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for method in ("ours", "s3tc", "fsspec", "raw-put"):
+        if method not in medians:
+            continue
+        save, load = medians[method].get("save"), medians[method].get("load")
+        cells = [method]
+        for row in (save, load):
+            if row is None:
+                cells += ["-", "-", "-"]
+            else:
+                cells += [f"{row['mib_s']:.0f}", f"{row['cpu_s_per_gib']:.2f}", f"{row['peak_extra_mib_per_rank']:.0f}"]
+        cells.append("-" if load is None else ("yes" if load["identical"] else "**NO**"))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Ratios (aggregate MiB/s, medians): "
+        f"save ours/s3tc {_ratio(medians, 'ours', 's3tc', 'save')}, ours/fsspec {_ratio(medians, 'ours', 'fsspec', 'save')}, "
+        f"ours/raw-put {_ratio(medians, 'ours', 'raw-put', 'save')}; "
+        f"load ours/s3tc {_ratio(medians, 'ours', 's3tc', 'load')}, ours/fsspec {_ratio(medians, 'ours', 'fsspec', 'load')}.",
+    ]
+    for note in report["notes"]:
+        lines += ["", f"Note: {note}"]
+    errors = [r for r in report["runs"] if "error" in r]
+    for run in errors:
+        lines += ["", f"Error in {run['method']} rep {run['rep']}:", "```", run["error"][-1500:], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--size", type=int, default=1024, help="global state size in MiB")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--methods", default="ours,s3tc,fsspec,raw-put")
+    parser.add_argument("--tag", default="")
+    parser.add_argument(
+        "--ours",
+        default="{}",
+        help="JSON keyword arguments for our writer/reader, e.g. '{\"max_write_concurrency\": 4}'",
+    )
+    parser.add_argument("--timeout", type=float, default=600)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return _worker(args.worker)
+
+    methods = [m for m in args.methods.split(",") if m]
+    notes = []
+    if "s3tc" in methods:
+        why = _peers_ready()
+        if why:
+            methods.remove("s3tc")
+            notes.append(f"s3torchconnector skipped: {why}")
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    data_dir = tempfile.mkdtemp(prefix="bench-dcp-weed-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    runs = []
+    with _seaweedfs(data_dir) as endpoint:
+        client = endpoint.client()
+        client.create_bucket(Bucket=BUCKET)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        env.update(endpoint.env())
+        env["PYTHONPATH"] = str(REPO)
+        for rep in range(args.reps):
+            for method in methods:
+                print(f"rep {rep} {method} ...", flush=True)
+                run = _run(method, rep, args.size, endpoint.endpoint_url, env, args.timeout, json.loads(args.ours))
+                print(json.dumps(run)[:400], flush=True)
+                runs.append(run)
+    report = {
+        "stamp": stamp,
+        "size_mib": args.size,
+        "reps": args.reps,
+        "machine": f"{os.cpu_count()} CPUs",
+        "methods": methods,
+        "ours_options": json.loads(args.ours),
+        "notes": [*notes, "the two ranks and SeaweedFS share this machine's CPUs: all numbers compete for them"],
+        "runs": runs,
+        "medians": _summary([r for r in runs if "error" not in r]),
+    }
+    RESULTS.mkdir(exist_ok=True)
+    name = f"{stamp}-dcp{('-' + args.tag) if args.tag else ''}"
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
+    (RESULTS / f"{name}.md").write_text(_markdown(report))
+    print(_markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1408 @@
+"""Sharded checkpoints on S3: ``torch.distributed.checkpoint`` (DCP) storage and Lightning's sharded strategies.
+
+`S3StorageWriter` and `S3StorageReader` plug into ``dcp.save`` / ``dcp.async_save`` / ``dcp.load``::
+
+    dcp.save(state, storage_writer=S3StorageWriter("s3://bucket/run/step-100"))
+    dcp.load(state, storage_reader=S3StorageReader("s3://bucket/run/step-100"))
+
+The checkpoint keeps DCP's standard layout (``__{rank}_{n}.distcp`` files and a pickled ``.metadata``), so torch's
+own ``FileSystemReader`` loads it once the prefix is copied to a local directory. On top of that:
+
+* every shard streams into a checksummed multipart upload and appears only when complete; a failed save aborts its
+  uploads, so no partial object and no open multipart upload is left;
+* ``.metadata`` is the commit marker: the coordinator writes it with one PUT, and only after every rank reported its
+  files durable. No copy + delete "rename", no window without ``.metadata`` at the end of a save. Overwriting a
+  checkpoint deletes its old ``.metadata`` first, so a half-replaced checkpoint never looks complete;
+* per-item checksums are recorded at save time in a small JSON object beside ``.metadata`` (written before it), so
+  partial and resharded loads verify every byte they use;
+* loads fetch what a rank needs with parallel ranged GETs, adjacent items coalesced into one request;
+* ``.metadata`` is unpickled with an allow-list: a checkpoint prefix someone else can write cannot run code on the
+  ranks that load it.
+
+torch and Lightning are imported on first use: the DCP classes are built when first accessed (PEP 562), so importing
+this module never needs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+import json
+import logging
+import os
+import pickle
+import threading
+import traceback
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+if __package__:
+    from . import s3_checkpoint_io as _ckpt_io
+    from . import s3_dirpath_utils as _urls
+    from . import s3_utils as _s3
+else:  # installed (or copied) as top-level modules
+    import s3_checkpoint_io as _ckpt_io
+    import s3_dirpath_utils as _urls
+    import s3_utils as _s3
+
+__all__ = [
+    "DCP_SHARD_SUFFIX",
+    "DEFAULT_DCP_MAX_WRITE_CONCURRENCY",
+    "ITEM_CHECKSUMS_NAME",
+    "LIGHTNING_META_NAME",
+    "METADATA_NAME",
+    "CheckpointIncompleteError",
+    "CheckpointWriteError",
+    "S3FSDPStrategy",
+    "S3ModelParallelStrategy",
+    "S3ShardedStrategyMixin",
+    "S3StorageReader",
+    "S3StorageWriter",
+    "UnsafeCheckpointMetadataError",
+    "item_checksums_name",
+    "load_metadata_bytes",
+    "metadata_name",
+    "sharded_strategy_class",
+]
+
+logger = logging.getLogger(__name__)
+
+METADATA_NAME = ".metadata"
+"""DCP's commit marker, at the root of the checkpoint prefix (``__{rank}.metadata`` per rank without collectives)."""
+DCP_SHARD_SUFFIX = ".distcp"
+ITEM_CHECKSUMS_NAME = ".s3ckpt-items.json"
+"""Per-item checksums recorded by `S3StorageWriter`, written just before ``.metadata``
+(``__{rank}.s3ckpt-items.json`` without collectives). DCP itself never reads it."""
+DEFAULT_DCP_MAX_WRITE_CONCURRENCY = 4
+"""Part uploads in flight per rank. Lower than a single-process save's default: in a sharded save every rank of a
+node uploads at the same time, so the node has ranks x this many parts in flight (benchmarks/README.md)."""
+DEFAULT_COALESCE_GAP_MB = 4.0
+"""Items of one file closer than this are fetched by one ranged GET (the bytes between are read and dropped)."""
+_ITEM_RECORD_VERSION = 1
+
+
+def metadata_name(rank: int | None = None) -> str:
+    """``.metadata``, or ``__{rank}.metadata`` for a save made with ``use_collectives=False``."""
+    return METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+
+
+def item_checksums_name(rank: int | None = None) -> str:
+    """The item-checksum record that goes with `metadata_name(rank)`."""
+    return ITEM_CHECKSUMS_NAME if rank is None else f"__{rank}{ITEM_CHECKSUMS_NAME}"
+
+
+class CheckpointIncompleteError(FileNotFoundError):
+    """The prefix holds no ``.metadata``: the checkpoint was never completed (or never existed)."""
+
+
+class CheckpointWriteError(OSError):
+    """A shard could not be uploaded; its upload was aborted and the checkpoint was not committed."""
+
+
+class UnsafeCheckpointMetadataError(pickle.UnpicklingError):
+    """``.metadata`` references something other than DCP's metadata types; it was refused without running it."""
+
+
+def _torch() -> Any:
+    return _s3.import_optional_dependency("torch", "distributed checkpoints")
+
+
+def _join(base: str, name: str) -> str:
+    return base.rstrip("/") + "/" + name
+
+
+def _checkpoint_url(path: str | os.PathLike[str]) -> str:
+    url = _urls.normalize_s3_url(path).rstrip("/")
+    bucket, key = _urls.parse_s3_url(url)
+    if not key:
+        raise ValueError(f"{url}: a DCP checkpoint needs a key prefix inside the bucket, e.g. s3://{bucket}/ckpt")
+    return url
+
+
+def _make_utils(
+    s3_utils: _s3.S3Utils | None,
+    client_settings: _s3.S3ClientSettings | None,
+    endpoint_url: str | None,
+    region_name: str | None,
+    retry_policy: _s3.RetryPolicy | None,
+    connections: int,
+) -> _s3.S3Utils:
+    if s3_utils is not None:
+        return s3_utils
+    settings = client_settings or _s3.S3ClientSettings(
+        endpoint_url=endpoint_url, region_name=region_name, max_pool_connections=max(32, connections + 4)
+    )
+    return _s3.S3Utils(settings, retry_policy)
+
+
+class _S3Settings:
+    """What writer and reader share: how to reach S3, rebuilt lazily after unpickling (no live client travels)."""
+
+    _utils_factory: tuple[_s3.S3ClientSettings, _s3.RetryPolicy]
+    _utils_instance: _s3.S3Utils | None
+
+    @property
+    def s3(self) -> _s3.S3Utils:
+        if self._utils_instance is None:
+            settings, policy = self._utils_factory
+            self._utils_instance = _s3.S3Utils(settings, policy)
+        return self._utils_instance
+
+    def _remember_utils(self, utils: _s3.S3Utils) -> None:
+        self._utils_factory = (utils.settings, utils.retry_policy)
+        self._utils_instance = utils
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Settings travel (``async_save`` with the process executor pickles the writer); clients and caches do not."""
+        state = self.__dict__.copy()
+        state["_utils_instance"] = None
+        state.pop("_stats_lock", None)
+        for live in self._live_attributes:
+            state[live] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    _live_attributes: tuple[str, ...] = ()
+
+
+def _validate_sizes(chunk_size_MB: float, concurrency: int, concurrency_name: str) -> None:
+    if not (isinstance(chunk_size_MB, (int, float)) and chunk_size_MB * _s3.MB >= _s3.MIN_PART_SIZE):
+        raise ValueError(f"chunk_size_MB must be a number >= 5 (S3's minimum part size), got {chunk_size_MB!r}")
+    if not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"{concurrency_name} must be an int >= 1, got {concurrency!r}")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Writer
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _FilePrefix:
+    """The save plan's storage data: the file-name prefix of one rank (``__{rank}_``)."""
+
+    prefix: str
+
+
+@dataclass(frozen=True)
+class _ObjectRecord:
+    size: int
+    etag: str
+    checksum: str  # base64 of the full-object checksum
+
+
+@dataclass(frozen=True)
+class _ItemRecord:
+    """What `write_data` returns as a WriteResult's storage data: DCP's own ``_StorageInfo`` plus the item's checksum
+    and its file's identity. It travels to the coordinator only; `finish` stores the ``_StorageInfo`` in
+    ``.metadata`` (DCP's standard layout) and the rest in the item-checksum record."""
+
+    info: Any  # torch.distributed.checkpoint.filesystem._StorageInfo
+    checksum: int
+    algorithm: str
+    obj: _ObjectRecord
+
+
+class _SaveCancelledError(RuntimeError):
+    """Another file of the same rank failed; this one stops too (its upload is aborted)."""
+
+
+class _ItemStream(io.RawIOBase):
+    """The stream ``torch.save`` writes an item into: forwards to the multipart writer, counts the offset (DCP records
+    it) and checksums each item on the way."""
+
+    def __init__(self, raw: _s3.S3MultipartWriter, algorithm: Any, cancelled: threading.Event) -> None:
+        super().__init__()
+        self._raw = raw
+        self._algorithm = algorithm
+        self._cancelled = cancelled
+        self._position = 0
+        self._item_start = 0
+        self._item_checksum = 0
+        self.error: BaseException | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def begin_item(self) -> None:
+        self._item_start, self._item_checksum = self._position, 0
+
+    def end_item(self) -> tuple[int, int, int]:
+        """``(offset, length, checksum)`` of the bytes written since `begin_item`."""
+        return self._item_start, self._position - self._item_start, self._item_checksum
+
+    def write(self, data: Any) -> int:
+        try:
+            if self._cancelled.is_set():
+                raise _SaveCancelledError(f"save of {self._raw.url} stopped: another file of this rank failed")
+            view = memoryview(data).cast("B")
+            for start in range(0, len(view), 64 * _s3.MB):
+                self._item_checksum = self._algorithm.update(view[start : start + 64 * _s3.MB], self._item_checksum)
+            written = self._raw.write(view)
+            self._position += written
+            return written
+        except BaseException as exc:
+            self.error = self._raw.error or exc  # torch.save replaces it with a RuntimeError of its own
+            raise
+
+    def flush(self) -> None:  # the multipart writer uploads full parts by itself
+        pass
+
+    def close(self) -> None:  # closing the item must not complete the object; `_write_file` does
+        pass
+
+
+def _item_nbytes(item: Any) -> int:
+    size = 1
+    for dim in item.tensor_data.size:
+        size *= dim
+    return size * item.tensor_data.properties.dtype.itemsize
+
+
+def _split_items(bins: int, items: list[Any], byte_io: Any) -> list[list[Any]]:
+    """Items per file: byte items round-robin, tensors largest first onto the least-filled file (as DCP does)."""
+    if bins == 1:
+        return [list(items)]
+    buckets: list[list[Any]] = [[] for _ in range(bins)]
+    sizes = [0] * bins
+    blobs = [item for item in items if item.type == byte_io]
+    tensors = sorted((item for item in items if item.type != byte_io), key=_item_nbytes, reverse=True)
+    for n, item in enumerate(blobs):
+        buckets[n % bins].append(item)
+    for item in tensors:
+        target = sizes.index(min(sizes))
+        buckets[target].append(item)
+        sizes[target] += _item_nbytes(item)
+    return buckets
+
+
+class _S3StorageWriterImpl(_S3Settings):
+    """`S3StorageWriter`'s behaviour; the public class adds DCP's ``StorageWriter`` and ``BlockingAsyncStager`` bases
+    when first accessed (torch is imported only then)."""
+
+    _live_attributes = ("state_dict_cache",)
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        chunk_size_MB: float = _s3.DEFAULT_CHUNK_SIZE_MB,
+        max_write_concurrency: int = DEFAULT_DCP_MAX_WRITE_CONCURRENCY,
+        thread_count: int = 1,
+        checksum_algorithm: str = "auto",
+        endpoint_url: str | None = None,
+        region_name: str | None = None,
+        client_settings: _s3.S3ClientSettings | None = None,
+        retry_policy: _s3.RetryPolicy | None = None,
+        s3_utils: _s3.S3Utils | None = None,
+        overwrite: bool = True,
+        cache_staged_state_dict: bool = False,
+    ) -> None:
+        _validate_sizes(chunk_size_MB, max_write_concurrency, "max_write_concurrency")
+        if not isinstance(thread_count, int) or thread_count < 1:
+            raise ValueError(f"thread_count must be an int >= 1, got {thread_count!r}")
+        _s3.validate_checksum_algorithm(checksum_algorithm)
+        super().__init__()
+        _init_stager(self, cache_staged_state_dict)
+        self.path = _checkpoint_url(path)
+        self.chunk_size_MB = chunk_size_MB
+        self.max_write_concurrency = max_write_concurrency
+        self.thread_count = thread_count
+        self.checksum_algorithm = checksum_algorithm
+        self.overwrite = overwrite
+        self.save_id = str(uuid.uuid4())
+        self.rank: int | None = None
+        self.is_coordinator = False
+        self.use_collectives = True
+        self._replacing = False
+        self._remember_utils(
+            _make_utils(
+                s3_utils,
+                client_settings,
+                endpoint_url,
+                region_name,
+                retry_policy,
+                thread_count * max_write_concurrency,
+            )
+        )
+
+    # ---- StorageWriter --------------------------------------------------------------------------------------------
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint's ``s3://`` URL (DCP logs it and stores it in ``StorageMeta``)."""
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """True for ``s3://bucket/prefix`` URLs (str or path-like)."""
+        try:
+            _checkpoint_url(checkpoint_id)
+        except (ValueError, TypeError):
+            return False
+        return True
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self.path = _checkpoint_url(checkpoint_id)
+        self.save_id = str(uuid.uuid4())
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def storage_meta(self) -> Any:
+        return _dcp_types().StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        if self.rank is not None and not self.use_collectives:
+            plan = dataclasses.replace(plan, storage_data=_FilePrefix(f"__{self.rank}_"))
+        return plan
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        """Runs once before any rank writes (on the coordinator; on every rank without collectives): refuse an
+        existing checkpoint with ``overwrite=False``, else retire its ``.metadata`` so it reads as incomplete until
+        the new one lands; then give every rank its file prefix."""
+        self._retire_existing_checkpoint()
+        return [
+            dataclasses.replace(plan, storage_data=_FilePrefix(f"__{i}_")) if plan.storage_data is None else plan
+            for i, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        """Stream this rank's items into ``thread_count`` files, concurrently; every file is complete and durable when
+        the returned future is set. On failure no file of this rank appears and the error is raised."""
+        torch = _torch()
+        types = _dcp_types()
+        prefix: _FilePrefix = plan.storage_data
+        buckets = _split_items(self.thread_count, plan.items, types.WriteItemType.BYTE_IO)
+        files = [(f"{prefix.prefix}{n}{DCP_SHARD_SUFFIX}", bucket) for n, bucket in enumerate(buckets)]
+        cancelled = threading.Event()
+        results: list[Any] = []
+        if len(files) == 1:
+            results = self._write_file(files[0][0], files[0][1], planner, cancelled)
+        else:
+            with ThreadPoolExecutor(len(files), thread_name_prefix="s3ckpt-dcp-file") as pool:
+                futures = [pool.submit(self._write_file, name, items, planner, cancelled) for name, items in files]
+                errors = []
+                for future in futures:
+                    try:
+                        results += future.result()
+                    except BaseException as exc:
+                        cancelled.set()
+                        errors.append(exc)
+            if errors:
+                raise next((e for e in errors if not isinstance(e, _SaveCancelledError)), errors[0])
+        done = torch.futures.Future()
+        done.set_result(results)
+        return done
+
+    def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+        """Commit: record the item checksums, then write ``.metadata`` with one PUT. DCP calls this on the
+        coordinator only after every rank's `write_data` succeeded, i.e. once all files are durable."""
+        types = _dcp_types()
+        storage_data: dict[Any, Any] = {}
+        files: dict[str, dict[str, Any]] = {}
+        for result in (r for rank_results in results for r in rank_results):
+            record = result.storage_data
+            if not isinstance(record, _ItemRecord):  # a planner that writes storage data of its own
+                storage_data[result.index] = record
+                continue
+            storage_data[result.index] = record.info
+            entry = files.setdefault(
+                record.info.relative_path,
+                {**dataclasses.asdict(record.obj), "algorithm": record.algorithm, "items": {}},
+            )
+            entry["items"][str(record.info.offset)] = [record.info.length, record.checksum]
+        metadata.version = types.CURRENT_DCP_VERSION
+        metadata.storage_data = storage_data
+        metadata.storage_meta = self.storage_meta()
+        rank = self._metadata_rank()
+        record = {"version": _ITEM_RECORD_VERSION, "save_id": self.save_id, "files": files}
+        self._put(item_checksums_name(rank), json.dumps(record, sort_keys=True).encode())
+        self._put(metadata_name(rank), pickle.dumps(metadata))
+        if self._replacing and rank is None:  # only the coordinator of a collective save knows every file
+            self._remove_stale_shards(set(files))
+        self._replacing = False
+        _s3.invalidate_fsspec_cache(self.path)  # Lightning's ModelCheckpoint asks s3fs what exists
+        logger.info("Committed DCP checkpoint %s (%d files)", _join(self.path, metadata_name(rank)), len(files))
+
+    # ---- internals ------------------------------------------------------------------------------------------------
+
+    def _metadata_rank(self) -> int | None:
+        return self.rank if not self.use_collectives and self.rank is not None else None
+
+    def _retire_existing_checkpoint(self) -> None:
+        rank = self._metadata_rank()
+        # Without collectives a global .metadata of an earlier save would still be what dcp.load reads first.
+        names = [metadata_name(rank)] + ([METADATA_NAME] if rank is not None else [])
+        existing = [name for name in names if self.s3.s3_path_exists(_join(self.path, name))]
+        if not existing:
+            return
+        if not self.overwrite:
+            raise FileExistsError(
+                f"A checkpoint already exists at {self.path} ({_join(self.path, existing[0])}) and overwrite=False: "
+                "nothing was written. Save to another path, remove that checkpoint first, or pass overwrite=True."
+            )
+        logger.warning("Overwriting the DCP checkpoint at %s: its %s is removed first", self.path, ", ".join(existing))
+        for name in existing:
+            self.s3.remove_object(_join(self.path, name))
+            self.s3.remove_object(_join(self.path, item_checksums_name(None if name == METADATA_NAME else rank)))
+        self._replacing = True
+        _s3.invalidate_fsspec_cache(self.path)
+
+    def _remove_stale_shards(self, kept: set[str]) -> None:
+        """After replacing a checkpoint saved by more ranks or threads: delete its shards the new one does not use."""
+        prefix = self.path + "/"
+        stale = []
+        for obj in self.s3.list_objects(self.path):
+            name = obj.url[len(prefix) :]
+            if "/" not in name and name.endswith(DCP_SHARD_SUFFIX) and name not in kept:
+                stale.append(obj.url)
+        for url in stale:
+            self.s3.remove_object(url)  # and the checksum record this package may keep beside it
+        if stale:
+            logger.info(
+                "Removed %d shard(s) of the replaced checkpoint at %s that the new one does not use",
+                len(stale),
+                self.path,
+            )
+
+    def _put(self, name: str, body: bytes) -> None:
+        with self.s3.open_writer(
+            _join(self.path, name), max(self.chunk_size_MB, len(body) / _s3.MB + 1), 1, self.checksum_algorithm
+        ) as writer:
+            writer.write(body)
+
+    def _upload_error(self, url: str, cause: BaseException) -> CheckpointWriteError:
+        """An error that names the shard in its message: DCP sends failures to the coordinator pickled, and botocore's
+        errors lose the notes that name the URL on the way."""
+        detail = "".join(traceback.format_exception_only(cause)).strip().replace("\n", "; ")
+        return CheckpointWriteError(
+            f"Could not upload {url} ({detail}). Its upload was aborted and no .metadata was written: the checkpoint "
+            f"at {self.path} is incomplete and will not be loaded. Check the store and save again."
+        )
+
+    def _write_file(self, name: str, items: list[Any], planner: Any, cancelled: threading.Event) -> list[Any]:
+        torch = _torch()
+        types = _dcp_types()
+        url = _join(self.path, name)
+        algorithm = _s3.checksum_algorithm(self.checksum_algorithm)
+        raw = self.s3.open_writer(url, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm)
+        stream = _ItemStream(raw, algorithm, cancelled)
+        ordered = [i for i in items if i.type == types.WriteItemType.BYTE_IO]
+        ordered += [i for i in items if i.type != types.WriteItemType.BYTE_IO]
+        written: list[tuple[Any, int, int, int]] = []
+        try:
+            for item in ordered:
+                data = planner.resolve_data(item)
+                stream.begin_item()
+                if item.type == types.WriteItemType.BYTE_IO:
+                    stream.write(data.getbuffer())
+                else:
+                    tensor = data.detach().cpu()
+                    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+                        tensor = tensor.clone()  # a view: save its elements only, not the storage behind it
+                    torch.save(tensor, stream)
+                written.append((item, *stream.end_item()))
+        except BaseException as exc:
+            raw.abort()
+            cancelled.set()
+            if stream.error is None or isinstance(stream.error, _SaveCancelledError):
+                raise  # the planner or the caller failed, not the upload
+            raise self._upload_error(url, stream.error) from exc
+        try:
+            raw.close()  # completes the upload: the file is durable from here on
+        except BaseException as exc:
+            cancelled.set()
+            raise self._upload_error(url, exc) from exc
+        info = raw.info
+        assert info is not None
+        obj = _ObjectRecord(info.size, info.etag, next(iter(info.checksums.values()), ""))
+        return [
+            types.WriteResult(
+                index=item.index,
+                size_in_bytes=length,
+                storage_data=_ItemRecord(types.StorageInfo(name, offset, length), checksum, algorithm.name, obj),
+            )
+            for item, offset, length, checksum in written
+        ]
+
+
+def _init_stager(writer: Any, cache_staged_state_dict: bool) -> None:
+    staging = _s3.import_optional_dependency("torch.distributed.checkpoint.staging", "distributed checkpoints")
+    staging.BlockingAsyncStager.__init__(writer, cache_staged_state_dict=cache_staged_state_dict)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reader
+# --------------------------------------------------------------------------------------------------------------------
+
+
+_SAFE_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "tuple", "list", "dict", "bytearray", "complex", "object"},
+    "copyreg": {"_reconstructor"},
+}
+"""What ``.metadata`` written by torch's ``FileSystemWriter``/``FsspecWriter`` and by `S3StorageWriter` references,
+besides torch's dtypes, layouts and memory formats. Tensors (``torch._utils._rebuild_tensor*``) never appear there:
+their storages would need ``torch.storage._load_from_bytes``, which runs an unrestricted ``torch.load``."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, stream: Any, url: str) -> None:
+        super().__init__(stream)
+        self._url = url
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _SAFE_METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and "." not in name:
+            torch = _torch()
+            value = getattr(torch, name, None)
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                return value
+        raise UnsafeCheckpointMetadataError(
+            f"Refusing to load {self._url}: its pickle references {module}.{name}, which is not one of DCP's metadata "
+            "types (torch's writers and S3StorageWriter never put it there). Nothing in it was run. Do not load this "
+            "checkpoint unless you know who wrote it and why."
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeCheckpointMetadataError(f"Refusing to load {self._url}: its pickle uses persistent ids")
+
+
+def load_metadata_bytes(data: bytes, url: str) -> Any:
+    """Unpickle DCP ``.metadata`` bytes with the allow-list; anything else raises `UnsafeCheckpointMetadataError`."""
+    metadata = _MetadataUnpickler(io.BytesIO(data), url).load()
+    if type(metadata) is not _dcp_types().Metadata:
+        raise UnsafeCheckpointMetadataError(
+            f"{url} is not DCP metadata: it holds a {type(metadata).__name__}, not a Metadata object"
+        )
+    return metadata
+
+
+class _ViewReader(io.RawIOBase):
+    """A seekable read-only stream over a memoryview (``torch.load`` reads an item in place, no copy first)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, target: Any) -> int:
+        count = max(0, min(len(target), len(self._view) - self._position))
+        memoryview(target).cast("B")[:count] = self._view[self._position : self._position + count]
+        self._position += count
+        return count
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._view)}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+
+@dataclass
+class _Item:
+    """One stored item a rank needs, with the read requests it serves."""
+
+    offset: int
+    length: int
+    requests: list[Any]
+    checksum: int | None = None  # recorded at save time, None when the file is verified as a whole
+    pieces: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (piece index, checksum) in order
+
+
+@dataclass
+class _Group:
+    """Bytes [start, end) of one file, fetched by one or more ranged GETs into one buffer."""
+
+    relative_path: str
+    url: str
+    start: int
+    end: int
+    items: list[_Item]
+    etag: str | None
+    whole_object: _s3.S3ObjectInfo | None = None  # set when the file is read whole and checked against this record
+    expected: tuple[Any, str] | None = None
+    buffer: bytearray | None = None
+    futures: list[Future[list[int]]] = dataclasses.field(default_factory=list)
+
+
+class _S3StorageReaderImpl(_S3Settings):
+    """`S3StorageReader`'s behaviour; the public class adds DCP's ``StorageReader`` base when first accessed."""
+
+    _live_attributes = ("storage_data", "_records")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._stats_lock = threading.Lock()
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        chunk_size_MB: float = _s3.DEFAULT_CHUNK_SIZE_MB,
+        max_read_concurrency: int = _s3.DEFAULT_MAX_READ_CONCURRENCY,
+        coalesce_gap_MB: float = DEFAULT_COALESCE_GAP_MB,
+        endpoint_url: str | None = None,
+        region_name: str | None = None,
+        client_settings: _s3.S3ClientSettings | None = None,
+        retry_policy: _s3.RetryPolicy | None = None,
+        s3_utils: _s3.S3Utils | None = None,
+    ) -> None:
+        _validate_sizes(chunk_size_MB, max_read_concurrency, "max_read_concurrency")
+        if not coalesce_gap_MB >= 0:
+            raise ValueError(f"coalesce_gap_MB must be >= 0, got {coalesce_gap_MB!r}")
+        super().__init__()
+        self.path = _checkpoint_url(path)
+        self.chunk_size_MB = chunk_size_MB
+        self.max_read_concurrency = max_read_concurrency
+        self.coalesce_gap_MB = coalesce_gap_MB
+        self.load_id = str(uuid.uuid4())
+        self.rank: int | None = None
+        self.use_collectives = True
+        self.storage_data: dict[Any, Any] | None = None
+        self._records: dict[str, Any] | None = None
+        self._metadata_rank: int | None = None
+        self._save_id: str | None = None
+        self._stats_lock = threading.Lock()
+        self.stats = {"requests": 0, "bytes": 0}
+        """Ranged GETs and bytes fetched by `read_data` (for tests and benchmarks)."""
+        self._remember_utils(
+            _make_utils(s3_utils, client_settings, endpoint_url, region_name, retry_policy, max_read_concurrency)
+        )
+
+    # ---- StorageReader --------------------------------------------------------------------------------------------
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return _S3StorageWriterImpl.validate_checkpoint_id(checkpoint_id)
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.storage_data = None
+        self._records = None
+        if checkpoint_id:
+            self.path = _checkpoint_url(checkpoint_id)
+        self.load_id = str(uuid.uuid4())
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        """Download and verify ``.metadata`` (``__{rank}.metadata`` when DCP passes a rank) and unpickle it with the
+        allow-list."""
+        rank = kwargs.get("rank")
+        url = _join(self.path, metadata_name(rank))
+        try:
+            with self.s3.download_to_memory(url, self.chunk_size_MB, self.max_read_concurrency) as downloaded:
+                data = downloaded.read_all()
+        except FileNotFoundError as exc:
+            raise self._incomplete(url) from exc
+        metadata = load_metadata_bytes(data, url)
+        types = _dcp_types()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = types.StorageMeta()
+        self._save_id = metadata.storage_meta.save_id
+        metadata.storage_meta.load_id = self.load_id
+        self._metadata_rank = rank
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+        if self.storage_data is None:
+            raise ValueError(f"{_join(self.path, METADATA_NAME)} has no storage data: not a DCP checkpoint")
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return plans
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        """Fetch the items of `plan` with parallel ranged GETs, verify them, and hand them to the planner."""
+        torch = _torch()
+        groups = self._plan_groups(plan.items)
+        chunk = int(self.chunk_size_MB * _s3.MB)
+        budget = (self.max_read_concurrency + 1) * chunk
+        pending: deque[_Group] = deque()
+        in_flight = 0
+        with ThreadPoolExecutor(self.max_read_concurrency, thread_name_prefix="s3ckpt-dcp-get") as pool:
+            try:
+                for group in groups:
+                    while pending and in_flight + (group.end - group.start) > budget:
+                        done = pending.popleft()
+                        in_flight -= done.end - done.start
+                        self._consume(done, planner)
+                    self._submit(pool, group, chunk)
+                    pending.append(group)
+                    in_flight += group.end - group.start
+                while pending:
+                    self._consume(pending.popleft(), planner)
+            except BaseException:
+                for group in pending:
+                    for future in group.futures:
+                        future.cancel()
+                raise
+        done_future = torch.futures.Future()
+        done_future.set_result(None)
+        return done_future
+
+    # ---- planning -------------------------------------------------------------------------------------------------
+
+    def _item_records(self) -> dict[str, Any] | None:
+        """The item checksums `S3StorageWriter` recorded for this checkpoint (None for checkpoints from other
+        writers); refused if they belong to another save than ``.metadata``."""
+        if self._records is not None:
+            return self._records or None
+        url = _join(self.path, item_checksums_name(self._metadata_rank))
+        try:
+            with self.s3.download_to_memory(url, self.chunk_size_MB, self.max_read_concurrency) as downloaded:
+                record = json.loads(downloaded.read_all())
+        except FileNotFoundError:
+            self._records = {}
+            return None
+        except ValueError as exc:
+            raise _s3.ChecksumMismatchError(f"{url} is malformed ({exc}): cannot verify the checkpoint") from exc
+        if not isinstance(record, dict) or record.get("save_id") != self._save_id:
+            raise _s3.ChecksumMismatchError(
+                f"{url} belongs to another save than {_join(self.path, metadata_name(self._metadata_rank))} "
+                f"(save id {record.get('save_id') if isinstance(record, dict) else None!r}, expected "
+                f"{self._save_id!r}): the checkpoint was modified after it was written; do not use it"
+            )
+        self._records = record.get("files", {})
+        return self._records
+
+    def _plan_groups(self, requests: Iterable[Any]) -> list[_Group]:
+        assert self.storage_data is not None
+        per_file: dict[str, dict[tuple[int, int], _Item]] = {}
+        for request in requests:
+            info = self.storage_data[request.storage_index]
+            if getattr(info, "transform_descriptors", None):
+                raise NotImplementedError(
+                    f"{_join(self.path, info.relative_path)} was written with stream transforms "
+                    f"{list(info.transform_descriptors)}; S3StorageReader reads untransformed checkpoints only"
+                )
+            items = per_file.setdefault(info.relative_path, {})
+            key = (info.offset, info.length)
+            items.setdefault(key, _Item(info.offset, info.length, [])).requests.append(request)
+        records = self._item_records() if per_file else None
+        gap = int(self.coalesce_gap_MB * _s3.MB)
+        limit = max(int(self.chunk_size_MB * _s3.MB), 1)
+        groups: list[_Group] = []
+        for relative_path, by_range in per_file.items():
+            url = _join(self.path, relative_path)
+            items = sorted(by_range.values(), key=lambda item: item.offset)
+            record = records.get(relative_path) if records else None
+            if record is None:
+                groups += self._foreign_file_groups(url, relative_path, items, gap, limit)
+                continue
+            for item in items:
+                recorded = record["items"].get(str(item.offset))
+                if recorded is None or recorded[0] != item.length:
+                    raise _s3.ChecksumMismatchError(
+                        f"{url}: no checksum was recorded for bytes {item.offset}-{item.offset + item.length} "
+                        "that .metadata points to: the checkpoint is inconsistent; do not use it"
+                    )
+                item.checksum = int(recorded[1])
+            groups += self._coalesce(url, relative_path, items, gap, limit, record["etag"] or None)
+        return groups
+
+    def _coalesce(
+        self, url: str, relative_path: str, items: list[_Item], gap: int, limit: int, etag: str | None
+    ) -> list[_Group]:
+        groups: list[_Group] = []
+        for item in items:
+            last = groups[-1] if groups else None
+            end = item.offset + item.length
+            if last is not None and item.offset - last.end <= gap and max(end, last.end) - last.start <= limit:
+                last.items.append(item)
+                last.end = max(last.end, end)
+            else:
+                groups.append(_Group(relative_path, url, item.offset, end, [item], etag))
+        return groups
+
+    def _foreign_file_groups(
+        self, url: str, relative_path: str, items: list[_Item], gap: int, limit: int
+    ) -> list[_Group]:
+        """A file without item checksums (written by another writer): read it whole and check its full-object
+        checksum when one is recorded; otherwise read what is needed, unverified, with a warning."""
+        info = self.s3.head_object(url)
+        recorded = self.s3.recorded_checksum(info)
+        expected = None if recorded is None else (_s3.checksum_algorithm(recorded.algorithm), recorded.value)
+        if expected is None:
+            logger.warning("%s has no recorded checksum (written by another tool?): loading it unverified", url)
+            return self._coalesce(url, relative_path, items, gap, limit, info.etag or None)
+        return [_Group(relative_path, url, 0, info.size, items, info.etag or None, info, expected)]
+
+    # ---- fetching -------------------------------------------------------------------------------------------------
+
+    def _submit(self, pool: ThreadPoolExecutor, group: _Group, chunk: int) -> None:
+        group.buffer = bytearray(group.end - group.start)
+        pieces = [(s, min(s + chunk, group.end)) for s in range(group.start, group.end, chunk)] or [(group.start,) * 2]
+        if group.whole_object is not None:
+            segments = [[(s - group.start, e - group.start)] for s, e in pieces]
+        else:  # the parts of each item inside each piece, so that item checksums come from the fetching threads
+            segments = []
+            for index, (s, e) in enumerate(pieces):
+                inside = []
+                for item in group.items:
+                    lo, hi = max(s, item.offset), min(e, item.offset + item.length)
+                    if lo < hi or (item.length == 0 and s <= item.offset <= e and not item.pieces):
+                        inside.append((lo - group.start, hi - group.start))
+                        item.pieces.append((index, len(inside) - 1))
+                segments.append(inside)
+        algorithm = group.expected[0] if group.expected else _algorithm_of(self._records, group.relative_path)
+        for (start, end), wanted in zip(pieces, segments, strict=True):
+            group.futures.append(pool.submit(self._fetch, group, start, end, wanted, algorithm))
+
+    def _fetch(self, group: _Group, start: int, end: int, segments: list[tuple[int, int]], algorithm: Any) -> list[int]:
+        assert group.buffer is not None
+        view = memoryview(group.buffer)[start - group.start : end - group.start]
+        try:
+            filled = self.s3.read_range_into(group.url, start, view, etag=group.etag) if len(view) else 0
+        except Exception as exc:
+            if _error_code(exc) in {"PreconditionFailed", "412"}:
+                raise _s3.ChecksumMismatchError(
+                    f"{group.url} was replaced after the checkpoint was written (its ETag is no longer "
+                    f"{group.etag}): do not use this checkpoint"
+                ) from exc
+            raise
+        if filled != len(view):
+            raise _s3.ChecksumMismatchError(
+                f"{group.url} ends at byte {start + filled}, but the checkpoint's metadata needs bytes up to {end}: "
+                "the shard was truncated or replaced; do not use this checkpoint"
+            )
+        with self._stats_lock:
+            self.stats["requests"] += 1 if end > start else 0
+            self.stats["bytes"] += end - start
+        whole = memoryview(group.buffer)
+        return [_checksum(algorithm, whole[lo:hi]) for lo, hi in segments]
+
+    def _consume(self, group: _Group, planner: Any) -> None:
+        """Wait for a group's bytes, verify them, and load its items into the planner's tensors."""
+        piece_checksums = [future.result() for future in group.futures]
+        assert group.buffer is not None
+        chunk = int(self.chunk_size_MB * _s3.MB)
+        if group.whole_object is not None:
+            algorithm, expected = group.expected  # type: ignore[misc]
+            total = 0
+            for index, (checksums, start) in enumerate(
+                zip(piece_checksums, range(group.start, group.end, chunk), strict=False)
+            ):
+                length = min(chunk, group.end - start)
+                total = checksums[0] if index == 0 else algorithm.combine(total, checksums[0], length)
+            if algorithm.encode(total) != expected:
+                raise _s3.ChecksumMismatchError(
+                    f"{group.url} is corrupt: its {algorithm.name} is {algorithm.encode(total)}, but {expected} was "
+                    "recorded when it was written. Do not use it; restore it from another copy or use an older one."
+                )
+        else:
+            algorithm = _algorithm_of(self._records, group.relative_path)
+            for item in group.items:
+                actual = 0
+                for n, (piece, segment) in enumerate(item.pieces):
+                    value = piece_checksums[piece][segment]
+                    if n == 0:
+                        actual = value
+                    else:
+                        start = max(group.start + piece * chunk, item.offset)
+                        length = min(group.start + (piece + 1) * chunk, item.offset + item.length) - start
+                        actual = algorithm.combine(actual, value, length)
+                if actual != item.checksum:
+                    raise _s3.ChecksumMismatchError(
+                        f"{group.url} is corrupt: bytes {item.offset}-{item.offset + item.length} (item "
+                        f"{item.requests[0].storage_index.fqn}) have {algorithm.name} {actual:#x}, but "
+                        f"{item.checksum:#x} was recorded when the checkpoint was written. "
+                        "Do not use it; use an older checkpoint."
+                    )
+        view = memoryview(group.buffer)
+        for item in group.items:
+            self._load_item(view[item.offset - group.start : item.offset - group.start + item.length], item, planner)
+        group.buffer = None
+
+    def _load_item(self, data: memoryview, item: _Item, planner: Any) -> None:
+        torch = _torch()
+        types = _dcp_types()
+        tensor = None
+        for request in item.requests:
+            if request.type == types.LoadItemType.BYTE_IO:
+                planner.load_bytes(request, io.BytesIO(data))
+                continue
+            if tensor is None:
+                tensor = torch.load(_ViewReader(data), map_location="cpu", weights_only=True)
+            piece = types.narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths)
+            target = planner.resolve_tensor(request).detach()
+            if target.size() != piece.size():
+                raise ValueError(
+                    f"{_join(self.path, self.storage_data[request.storage_index].relative_path)}: item "  # type: ignore[index]
+                    f"{request.storage_index.fqn} has shape {tuple(piece.size())}, the target {tuple(target.size())}"
+                )
+            target.copy_(piece)
+            planner.commit_tensor(request, target)
+
+    def _incomplete(self, url: str) -> CheckpointIncompleteError:
+        try:
+            present = self.s3.s3_path_exists(self.path, match_directory=True)
+        except Exception:  # the error about .metadata is the one to report
+            present = True
+        if present:
+            return CheckpointIncompleteError(
+                f"The DCP checkpoint at {self.path} is incomplete: it has no {url.rsplit('/', 1)[-1]} (the commit "
+                "marker written last), so its save never finished. Load an older checkpoint or save it again."
+            )
+        return CheckpointIncompleteError(
+            f"No DCP checkpoint at {self.path}: {url} does not exist and nothing is stored under the prefix"
+        )
+
+
+def _error_code(exc: BaseException) -> str:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def _algorithm_of(records: dict[str, Any] | None, relative_path: str) -> Any:
+    if records and relative_path in records:
+        return _s3.checksum_algorithm(records[relative_path]["algorithm"])
+    return None
+
+
+def _checksum(algorithm: Any, view: memoryview) -> int:
+    if algorithm is None:
+        return 0
+    value = 0
+    for start in range(0, len(view), 64 * _s3.MB):
+        value = algorithm.update(view[start : start + 64 * _s3.MB], value)
+    return value
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Lightning's sharded strategies
+# --------------------------------------------------------------------------------------------------------------------
+
+LIGHTNING_META_NAME = "meta.pt"
+"""The file Lightning's sharded strategies write beside the DCP files: the checkpoint minus model and optimizer
+states (loops, callbacks, hyper-parameters)."""
+_LIGHTNING_FAMILIES = ("lightning.pytorch", "pytorch_lightning")
+_FABRIC_OF = {"lightning.pytorch": "lightning.fabric", "pytorch_lightning": "lightning_fabric"}
+_STRATEGY_SUFFIX = {"lightning.pytorch": "", "pytorch_lightning": "PL"}
+_STRATEGY_BASES = {"model_parallel": "ModelParallelStrategy", "fsdp": "FSDPStrategy"}
+_STRATEGY_NAMES = {"model_parallel": "S3ModelParallelStrategy", "fsdp": "S3FSDPStrategy"}
+
+
+class S3ShardedStrategyMixin:
+    """Makes a Lightning sharded strategy (``ModelParallelStrategy``, ``FSDPStrategy``) save, load and remove
+    checkpoints at ``s3://`` paths; local paths go to Lightning's own code unchanged.
+
+    * Sharded checkpoints (``ModelParallelStrategy``'s default, ``FSDPStrategy(state_dict_type="sharded")``) are
+      DCP checkpoints written by `S3StorageWriter`: a prefix
+      ``<path>/`` holding ``__{rank}_{n}.distcp``, ``meta.pt`` (written first, by rank 0) and ``.metadata`` (written
+      last: the checkpoint is complete once it exists). Loads go through `S3StorageReader`.
+    * Full (consolidated) checkpoints are one object written by `S3CheckpointIO` on rank 0.
+    * Removal deletes the object at the path and everything under ``<path>/`` (never ``<path>-old/...``).
+
+    Lightning (2.4-2.6) would otherwise turn ``s3://bucket/x`` into the local directory ``s3:/bucket/x``.
+    Extra keyword arguments (all optional): chunk_size_MB, max_read_concurrency, max_write_concurrency, thread_count,
+    checksum_algorithm, endpoint_url, region_name, client_settings, retry_policy (as `S3CheckpointIO`).
+    """
+
+    lightning_base: type
+    _s3_kind: str
+    _S3_OPTIONS: ClassVar[dict[str, Any]] = {
+        "chunk_size_MB": _s3.DEFAULT_CHUNK_SIZE_MB,
+        "max_read_concurrency": _s3.DEFAULT_MAX_READ_CONCURRENCY,
+        "max_write_concurrency": DEFAULT_DCP_MAX_WRITE_CONCURRENCY,
+        "thread_count": 1,
+        "checksum_algorithm": "auto",
+        "endpoint_url": None,
+        "region_name": None,
+        "client_settings": None,
+        "retry_policy": None,
+    }
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        options = {name: kwargs.pop(name, default) for name, default in self._S3_OPTIONS.items()}
+        _validate_sizes(options["chunk_size_MB"], options["max_write_concurrency"], "max_write_concurrency")
+        _validate_sizes(options["chunk_size_MB"], options["max_read_concurrency"], "max_read_concurrency")
+        _s3.validate_checksum_algorithm(options["checksum_algorithm"])
+        super().__init__(*args, **kwargs)
+        self.s3_options = options
+        self._s3_io: Any = None
+
+    # ---- helpers --------------------------------------------------------------------------------------------------
+
+    def _s3_settings(self) -> tuple[_s3.S3ClientSettings, _s3.RetryPolicy | None]:
+        o = self.s3_options
+        connections = max(o["max_read_concurrency"], o["thread_count"] * o["max_write_concurrency"])
+        settings = o["client_settings"] or _s3.S3ClientSettings(
+            endpoint_url=o["endpoint_url"], region_name=o["region_name"], max_pool_connections=max(32, connections + 4)
+        )
+        return settings, o["retry_policy"]
+
+    @property
+    def s3_checkpoint_io(self) -> Any:
+        """The `S3CheckpointIO` that writes full checkpoints and ``meta.pt`` (built on first use)."""
+        if self._s3_io is None:
+            settings, policy = self._s3_settings()
+            o = self.s3_options
+            self._s3_io = _ckpt_io.S3CheckpointIO(
+                chunk_size_MB=o["chunk_size_MB"],
+                max_read_concurrency=o["max_read_concurrency"],
+                max_write_concurrency=o["max_write_concurrency"],
+                checksum_algorithm=o["checksum_algorithm"],
+                client_settings=settings,
+                retry_policy=policy,
+            )
+        return self._s3_io
+
+    def s3_storage_writer(self, path: str) -> Any:
+        settings, policy = self._s3_settings()
+        o = self.s3_options
+        return _build_writer_class()(
+            path,
+            chunk_size_MB=o["chunk_size_MB"],
+            max_write_concurrency=o["max_write_concurrency"],
+            thread_count=o["thread_count"],
+            checksum_algorithm=o["checksum_algorithm"],
+            client_settings=settings,
+            retry_policy=policy,
+        )
+
+    def s3_storage_reader(self, path: str) -> Any:
+        settings, policy = self._s3_settings()
+        o = self.s3_options
+        return _build_reader_class()(
+            path,
+            chunk_size_MB=o["chunk_size_MB"],
+            max_read_concurrency=o["max_read_concurrency"],
+            client_settings=settings,
+            retry_policy=policy,
+        )
+
+    def _s3(self) -> _s3.S3Utils:
+        return self.s3_checkpoint_io.s3
+
+    def _saves_sharded(self) -> bool:
+        if self._s3_kind == "fsdp":
+            return getattr(self, "_state_dict_type", "sharded") == "sharded"
+        return bool(getattr(self, "_save_distributed_checkpoint", True))
+
+    def _is_s3_sharded_checkpoint(self, url: str) -> bool:
+        """Whether `url` is a complete DCP checkpoint (rank 0 asks, every rank gets the answer)."""
+        found = None
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            found = self._s3().s3_path_exists(_join(url, METADATA_NAME))
+        return bool(self.broadcast(found))  # type: ignore[attr-defined]
+
+    # ---- save / load / remove -------------------------------------------------------------------------------------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if not _urls.is_s3_url(filepath):
+            return super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported: pass the S3 "
+                "options to the strategy's constructor"
+            )
+        url = _checkpoint_url(self.broadcast(_urls.normalize_s3_url(filepath)))  # type: ignore[attr-defined]
+        if not self._saves_sharded():
+            if self.is_global_zero:  # type: ignore[attr-defined]
+                self._s3().remove_objects_with_prefix(url + "/")  # a sharded checkpoint of the same name
+                self.s3_checkpoint_io.save_checkpoint(checkpoint, url)
+            self.barrier("S3 full checkpoint")  # type: ignore[attr-defined]
+            return None
+        model_key = "model" if self._s3_kind == "fsdp" else "state_dict"
+        converted = {model_key: checkpoint.pop("state_dict")}
+        converted.update({f"optimizer_{n}": state for n, state in enumerate(checkpoint.pop("optimizer_states", []))})
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            utils = self._s3()
+            utils.remove_object(url)  # a full checkpoint of the same name
+            utils.remove_object(_join(url, METADATA_NAME))  # an older checkpoint here is no longer complete
+            self.s3_checkpoint_io.save_checkpoint(checkpoint, _join(url, LIGHTNING_META_NAME))
+            self.s3_checkpoint_io.wait_for_pending_saves()
+        self.barrier("S3 sharded checkpoint: meta.pt")  # type: ignore[attr-defined]
+        dcp = _s3.import_optional_dependency("torch.distributed.checkpoint", "distributed checkpoints")
+        dcp.save(converted, storage_writer=self.s3_storage_writer(url))
+        return None
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if not _urls.is_s3_url(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        url = _checkpoint_url(self.broadcast(_urls.normalize_s3_url(checkpoint_path)))  # type: ignore[attr-defined]
+        if not self._is_s3_sharded_checkpoint(url):
+            return self._load_full_s3_checkpoint(url, weights_only)
+        if self._s3_kind == "fsdp":
+            self._load_sharded_fsdp1(url)
+        else:
+            self._load_sharded_dtensor(url)
+        return self.s3_checkpoint_io.load_checkpoint(_join(url, LIGHTNING_META_NAME), weights_only=weights_only)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if not _urls.is_s3_url(filepath):
+            return super().remove_checkpoint(filepath)  # type: ignore[misc]
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            url = _checkpoint_url(filepath)
+            self.s3_checkpoint_io.remove_checkpoint(url)
+            self.s3_checkpoint_io.wait_for_pending_saves()
+            self._s3().remove_objects_with_prefix(url)
+            _s3.invalidate_fsspec_cache(url)
+        return None
+
+    def teardown(self) -> None:
+        try:
+            if self._s3_io is not None:
+                self._s3_io.teardown()
+        finally:
+            super().teardown()  # type: ignore[misc]
+
+    # ---- internals ------------------------------------------------------------------------------------------------
+
+    def _load_sharded_dtensor(self, url: str) -> None:
+        """ModelParallelStrategy (FSDP2 / DTensor): what Lightning's ``_load_checkpoint`` does, reading from S3."""
+        dcp = _s3.import_optional_dependency("torch.distributed.checkpoint", "distributed checkpoints")
+        helpers = _s3.import_optional_dependency("torch.distributed.checkpoint.state_dict", "distributed checkpoints")
+        module = self.model  # type: ignore[attr-defined]
+        strict = self.lightning_module.strict_loading  # type: ignore[attr-defined]
+        module_state = {"state_dict": helpers.get_model_state_dict(module)}
+        dcp.load(module_state, storage_reader=self.s3_storage_reader(url))
+        module.load_state_dict(module_state["state_dict"], strict=strict)
+        options = helpers.StateDictOptions(cpu_offload=True)
+        for index, optimizer in enumerate(self.optimizers):  # type: ignore[attr-defined]
+            key = f"optimizer_{index}"
+            optimizer_state = {key: helpers.get_optimizer_state_dict(module, optimizer)}
+            dcp.load(optimizer_state, storage_reader=self.s3_storage_reader(url))
+            helpers.set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state[key], options=options)
+
+    def _load_sharded_fsdp1(self, url: str) -> None:
+        """FSDPStrategy (FSDP1): what Lightning's ``FSDPStrategy.load_checkpoint`` does, reading from S3."""
+        dcp = _s3.import_optional_dependency("torch.distributed.checkpoint", "distributed checkpoints")
+        optimizer_helpers = _s3.import_optional_dependency(
+            "torch.distributed.checkpoint.optimizer", "distributed checkpoints"
+        )
+        fsdp = _s3.import_optional_dependency("torch.distributed.fsdp", "FSDP checkpoints")
+        fabric_fsdp = _s3.import_optional_dependency(f"{_FABRIC_OF[self._s3_family]}.strategies.fsdp", "FSDP")
+        module = self.model  # type: ignore[attr-defined]
+        with fabric_fsdp._get_sharded_state_dict_context(module):
+            module_state = {"model": module.state_dict()}
+            dcp.load(module_state, storage_reader=self.s3_storage_reader(url))
+            module.load_state_dict(module_state["model"], strict=self.lightning_module.strict_loading)  # type: ignore[attr-defined]
+            for index, optimizer in enumerate(self.optimizers):  # type: ignore[attr-defined]
+                key = f"optimizer_{index}"
+                state = optimizer_helpers.load_sharded_optimizer_state_dict(
+                    model_state_dict=module_state["model"],
+                    optimizer_key=key,
+                    storage_reader=self.s3_storage_reader(url),
+                )
+                flattened = fsdp.FullyShardedDataParallel.optim_state_dict_to_load(
+                    optim_state_dict=state[key], model=module, optim=optimizer
+                )
+                optimizer.load_state_dict(flattened)
+
+    def _load_full_s3_checkpoint(self, url: str, weights_only: bool | None) -> dict[str, Any]:
+        """A consolidated checkpoint: every rank downloads the one object (verified) and Lightning's own
+        full-checkpoint code restores it from the in-memory file. That code broadcasts its path from rank 0, and each
+        rank's in-memory file has a path of its own, so the broadcast is skipped for that call (the URL was
+        broadcast already)."""
+        utils = self._s3()
+        o = self.s3_options
+        with utils.download_to_memory(url, o["chunk_size_MB"], o["max_read_concurrency"]) as downloaded:
+            self.broadcast = _no_broadcast  # type: ignore[method-assign]
+            try:
+                return super().load_checkpoint(downloaded.path, weights_only=weights_only)  # type: ignore[misc]
+            finally:
+                del self.broadcast
+
+    _s3_family: str
+
+
+def _no_broadcast(obj: Any, src: int = 0) -> Any:
+    return obj
+
+
+def sharded_strategy_class(kind: str = "model_parallel", family: str | None = None) -> type:
+    """`S3ModelParallelStrategy` (`kind` ``"model_parallel"``) or `S3FSDPStrategy` (``"fsdp"``) for a Lightning family
+    (``"lightning.pytorch"`` or ``"pytorch_lightning"``; default: ``lightning.pytorch`` if installed). Cached."""
+    if kind not in _STRATEGY_BASES:
+        raise ValueError(f"kind must be one of {sorted(_STRATEGY_BASES)}, got {kind!r}")
+    if family is None:
+        family = next((f for f in _LIGHTNING_FAMILIES if _installed(f)), None)
+        if family is None:
+            _s3.import_optional_dependency("lightning", "the S3 sharded strategies")
+    if family not in _LIGHTNING_FAMILIES:
+        raise ValueError(f"family must be one of {_LIGHTNING_FAMILIES}, got {family!r}")
+    return _build_strategy_class(kind, family)
+
+
+def _installed(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _build_strategy_class(kind: str, family: str) -> type:
+    strategies = _s3.import_optional_dependency(f"{family}.strategies", f"{family} support")
+    base = getattr(strategies, _STRATEGY_BASES[kind])
+    name = _STRATEGY_NAMES[kind] + _STRATEGY_SUFFIX[family]
+    doc = f"Lightning's ``{base.__name__}`` ({family}) for ``s3://`` checkpoints. {S3ShardedStrategyMixin.__doc__}"
+    namespace = {
+        "__module__": __name__,
+        "__qualname__": name,
+        "__doc__": doc,
+        "lightning_base": base,
+        "_s3_kind": kind,
+        "_s3_family": family,
+    }
+    return type(name, (S3ShardedStrategyMixin, base), namespace)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Lazily built public classes
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _DcpTypes:
+    Metadata: Any
+    StorageMeta: Any
+    StorageInfo: Any
+    WriteResult: Any
+    WriteItemType: Any
+    LoadItemType: Any
+    CURRENT_DCP_VERSION: str
+    narrow_tensor_by_index: Callable[..., Any]
+
+
+@functools.cache
+def _dcp_types() -> _DcpTypes:
+    """The torch.distributed.checkpoint names this module uses; private ones are pinned by tests/test_dcp.py."""
+    _torch()
+    feature = "distributed checkpoints"
+    metadata = _s3.import_optional_dependency("torch.distributed.checkpoint.metadata", feature)
+    filesystem = _s3.import_optional_dependency("torch.distributed.checkpoint.filesystem", feature)
+    storage = _s3.import_optional_dependency("torch.distributed.checkpoint.storage", feature)
+    planner = _s3.import_optional_dependency("torch.distributed.checkpoint.planner", feature)
+    shard_utils = _s3.import_optional_dependency("torch.distributed._shard._utils", feature)
+    return _DcpTypes(
+        Metadata=metadata.Metadata,
+        StorageMeta=metadata.StorageMeta,
+        StorageInfo=filesystem._StorageInfo,
+        WriteResult=storage.WriteResult,
+        WriteItemType=planner.WriteItemType,
+        LoadItemType=planner.LoadItemType,
+        CURRENT_DCP_VERSION=filesystem.CURRENT_DCP_VERSION,
+        narrow_tensor_by_index=shard_utils.narrow_tensor_by_index,
+    )
+
+
+_WRITER_DOC = """A ``torch.distributed.checkpoint`` StorageWriter for ``s3://`` checkpoints (see the module docstring).
+
+    Args:
+        path: ``s3://bucket/prefix`` of the checkpoint; ``dcp.save(checkpoint_id=...)`` replaces it.
+        chunk_size_MB: multipart part size, in MiB.
+        max_write_concurrency: parallel part uploads per file (`DEFAULT_DCP_MAX_WRITE_CONCURRENCY`).
+        thread_count: files per rank, written concurrently (``__{rank}_0.distcp`` ...), as in torch's writer.
+        checksum_algorithm: ``"auto"`` (CRC32C with awscrt, else CRC32), ``"CRC32C"``, ``"CRC64NVME"`` or ``"CRC32"``.
+        endpoint_url, region_name, client_settings, retry_policy, s3_utils: how to reach S3 (as `S3CheckpointIO`).
+        overwrite: with False, a save to a prefix that holds a checkpoint fails before anything is written.
+        cache_staged_state_dict: ``async_save`` only: keep the staged host copy for the next save (torch's option).
+    """
+
+_READER_DOC = """A ``torch.distributed.checkpoint`` StorageReader for ``s3://`` checkpoints (see the module docstring).
+
+    Reads checkpoints written by `S3StorageWriter` and by torch's own writers (uploaded as files).
+
+    Args:
+        path: ``s3://bucket/prefix`` of the checkpoint; ``dcp.load(checkpoint_id=...)`` replaces it.
+        chunk_size_MB: the largest ranged GET, in MiB; bigger items are fetched as several ranges in parallel.
+        max_read_concurrency: parallel ranged GETs per rank.
+        coalesce_gap_MB: items of one file closer than this are fetched by one GET.
+        endpoint_url, region_name, client_settings, retry_policy, s3_utils: how to reach S3 (as `S3CheckpointIO`).
+    """
+
+
+@functools.cache
+def _build_writer_class() -> type:
+    _torch()
+    storage = _s3.import_optional_dependency("torch.distributed.checkpoint.storage", "distributed checkpoints")
+    staging = _s3.import_optional_dependency("torch.distributed.checkpoint.staging", "distributed checkpoints")
+    namespace = {"__module__": __name__, "__qualname__": "S3StorageWriter", "__doc__": _WRITER_DOC}
+    return type(
+        "S3StorageWriter", (_S3StorageWriterImpl, storage.StorageWriter, staging.BlockingAsyncStager), namespace
+    )
+
+
+@functools.cache
+def _build_reader_class() -> type:
+    _torch()
+    storage = _s3.import_optional_dependency("torch.distributed.checkpoint.storage", "distributed checkpoints")
+    namespace = {"__module__": __name__, "__qualname__": "S3StorageReader", "__doc__": _READER_DOC}
+    return type("S3StorageReader", (_S3StorageReaderImpl, storage.StorageReader), namespace)
+
+
+S3StorageWriter: type
+"""Built on first access (torch imported then); see `_WRITER_DOC`."""
+S3StorageReader: type
+S3ModelParallelStrategy: type
+"""`sharded_strategy_class("model_parallel")`; ``S3ModelParallelStrategyPL`` for ``pytorch_lightning``."""
+S3FSDPStrategy: type
+"""`sharded_strategy_class("fsdp")`; ``S3FSDPStrategyPL`` for ``pytorch_lightning``."""
+
+
+def __getattr__(name: str) -> Any:
+    """PEP 562: the DCP and Lightning classes are built on first access, so importing this module needs neither."""
+    builders: dict[str, Callable[[], type]] = {
+        "S3StorageWriter": _build_writer_class,
+        "S3StorageReader": _build_reader_class,
+    }
+    if name in builders:
+        cls = builders[name]()
+        globals()[name] = cls
+        return cls
+    for kind, base_name in _STRATEGY_NAMES.items():
+        if name == base_name:
+            return sharded_strategy_class(kind)
+        if name == base_name + _STRATEGY_SUFFIX["pytorch_lightning"]:
+            return sharded_strategy_class(kind, "pytorch_lightning")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,141 @@
+"""One rank of a 2-rank Lightning run for tests/test_dcp_lightning.py (``python -m dcp_lightning_worker ...``).
+
+The test starts one process per rank with ``LOCAL_RANK``/``NODE_RANK``/``WORLD_SIZE``/``MASTER_*`` set, as a
+launcher would, so Lightning does not re-launch the script. Phase ``fit`` trains an FSDP2 (``fully_shard``) module
+with `S3ModelParallelStrategy` and a ``ModelCheckpoint`` on an ``s3://`` dirpath; phase ``resume`` starts a fresh
+Trainer from ``<dirpath>/last.ckpt``. Rank 0 writes the full (unsharded) state at the start and end of each phase to
+``<out>/<phase>-start.pt`` / ``-end.pt`` for the test to compare. ``fit`` also saves a full (consolidated)
+checkpoint; ``resume`` loads it back after training on (``full-loaded.pt``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+warnings.filterwarnings("ignore")
+
+
+def _full_state(module: Any, optimizer: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state, optim_state = get_state_dict(module, optimizer, options=options)
+    return {"model": model_state, "optim": optim_state}
+
+
+def build_module_class(pl: Any, out: Path) -> type:
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class ShardedModule(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            self.log("gstep", float(self.global_step))
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+
+        def train_dataloader(self) -> Any:
+            data = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+            return DataLoader(TensorDataset(data), batch_size=4)
+
+        def _record(self, name: str) -> None:
+            """Rank 0 saves the full state as ``<out>/<name>.pt`` (every rank takes part in gathering it)."""
+            state = _full_state(self, self.trainer.optimizers[0])  # collective: every rank takes part
+            if self.global_rank == 0:
+                torch.save({"global_step": self.global_step, **state}, out / f"{name}.pt")
+
+        def on_train_start(self) -> None:
+            self._record(f"{self.trainer.s3_phase}-start")
+
+        def on_train_end(self) -> None:
+            self._record(f"{self.trainer.s3_phase}-end")
+
+    return ShardedModule
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--family", required=True, choices=["lightning.pytorch", "pytorch_lightning"])
+    parser.add_argument("--phase", required=True, choices=["fit", "resume"])
+    parser.add_argument("--dirpath", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+
+    import torch
+
+    import s3_dcp
+    import s3_utils
+
+    torch.set_num_threads(1)
+    pl = importlib.import_module(args.family)
+    strategy = s3_dcp.sharded_strategy_class("model_parallel", args.family)(
+        data_parallel_size=2,
+        tensor_parallel_size=1,
+        chunk_size_MB=5,
+        max_write_concurrency=2,
+        max_read_concurrency=2,
+        retry_policy=s3_utils.RetryPolicy(max_attempts=3, initial_backoff_s=0.05, max_backoff_s=0.2),
+    )
+    checkpoint = pl.callbacks.ModelCheckpoint(
+        dirpath=args.dirpath,
+        filename="{step}",
+        every_n_train_steps=2,
+        save_top_k=2,
+        monitor="gstep",
+        mode="max",
+        save_last=True,
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=6 if args.phase == "fit" else 8,
+        callbacks=[checkpoint],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    trainer.s3_phase = args.phase
+    module = build_module_class(pl, out)()
+    ckpt_path = f"{args.dirpath}/last.ckpt" if args.phase == "resume" else None
+    trainer.fit(module, ckpt_path=ckpt_path)
+    if trainer.global_rank == 0:
+        (out / f"{args.phase}-done-rank0").write_text(str(trainer.global_step))
+    full_url = f"{args.dirpath}-full/consolidated.ckpt"
+    if args.phase == "fit":  # also a full (consolidated) checkpoint of the final state, through S3CheckpointIO
+        strategy._save_distributed_checkpoint = False
+        trainer.save_checkpoint(full_url)
+    else:  # after training on, the full checkpoint brings the end-of-fit state back
+        checkpoint = strategy.load_checkpoint(full_url)
+        module._record("full-loaded")
+        if trainer.global_rank == 0:
+            (out / "full-loaded-step").write_text(str(checkpoint["global_step"]))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PL_DISABLE_FORK", "1")
+    sys.exit(main())

@@ -1,0 +1,546 @@
+"""S3StorageWriter / S3StorageReader in one process (``no_dist``): layout, interop with torch's own file-system
+writer and reader, verification, the ``.metadata`` allow-list, and failures injected at each step of DCP's storage
+contract (adapted from torch's ``test_file_system_checkpoint_cpu.py`` and ``test_checkpoint.py``).
+
+Multi-rank behaviour (FSDP2, resharding, async executors, per-rank faults) is in test_dcp_dist.py.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+from fault_proxy import Fault, FaultRule  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+
+import s3_dcp  # noqa: E402
+import s3_utils  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+FAST_RETRIES = s3_utils.RetryPolicy(max_attempts=3, max_elapsed_s=10, initial_backoff_s=0.01, max_backoff_s=0.05)
+
+
+def _state(seed: int = 0) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(seed)
+    big = torch.randn(600, 1000, generator=generator)  # 2.3 MiB
+    return {
+        "weights": {
+            "big": big,
+            "small": torch.arange(17, dtype=torch.int64) + seed,
+            "half": torch.randn(33, 5, generator=generator).to(torch.bfloat16),
+            "view": big[:3, :4],  # a view of a larger storage: only its elements are saved
+            "flag": torch.tensor([True, False]),
+        },
+        "step": 7 + seed,
+        "name": f"run-{seed}",
+        "blob": io.BytesIO(b"opaque bytes %d" % seed),
+    }
+
+
+def _empty_like(state: dict[str, Any]) -> dict[str, Any]:
+    def empty(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: empty(v) for k, v in value.items()}
+        if isinstance(value, torch.Tensor):
+            return torch.zeros_like(value)
+        if isinstance(value, io.BytesIO):
+            return io.BytesIO()
+        return None
+
+    return empty(state)
+
+
+def _assert_same(loaded: Any, expected: Any, where: str = "") -> None:
+    if isinstance(expected, dict):
+        assert set(loaded) == set(expected), where
+        for key in expected:
+            _assert_same(loaded[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, torch.Tensor):
+        assert loaded.dtype == expected.dtype and torch.equal(loaded, expected), where
+    elif isinstance(expected, io.BytesIO):
+        data = loaded.getvalue() if isinstance(loaded, io.BytesIO) else loaded
+        assert data == expected.getvalue(), where
+    else:
+        assert loaded == expected, where
+
+
+def _keys(client: Any, bucket: str, prefix: str) -> list[str]:
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix.rstrip("/") + "/")
+    return sorted(obj["Key"][len(prefix.rstrip("/")) + 1 :] for page in pages for obj in page.get("Contents", []))
+
+
+def _open_uploads(client: Any, bucket: str) -> list[str]:
+    return [u["Key"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+
+
+def _writer(url: str, **kwargs: Any) -> Any:
+    kwargs.setdefault("chunk_size_MB", 5)
+    kwargs.setdefault("max_write_concurrency", 2)
+    return s3_dcp.S3StorageWriter(url, **kwargs)
+
+
+def _reader(url: str, **kwargs: Any) -> Any:
+    kwargs.setdefault("chunk_size_MB", 5)
+    kwargs.setdefault("max_read_concurrency", 4)
+    return s3_dcp.S3StorageReader(url, **kwargs)
+
+
+def _save(state: dict[str, Any], url: str, **kwargs: Any) -> Any:
+    return dcp.save(state, storage_writer=_writer(url, **kwargs), no_dist=True)
+
+
+def _load(state: dict[str, Any], url: str, **kwargs: Any) -> Any:
+    reader = _reader(url, **kwargs)
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return reader
+
+
+def _download_prefix(client: Any, bucket: str, prefix: str, directory: Path) -> None:
+    for name in _keys(client, bucket, prefix):
+        client.download_file(bucket, f"{prefix}/{name}", str(directory / name))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Pins on the torch names s3_dcp relies on, and lazy imports
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_private_torch_names_it_relies_on_are_still_there() -> None:
+    """s3_dcp uses DCP's private ``_StorageInfo`` (so torch's FileSystemReader reads our metadata), its version
+    constant, ``narrow_tensor_by_index`` and the ``torch.serialization._get_layout`` its pickles reference."""
+    import dataclasses
+
+    from torch.distributed.checkpoint import filesystem
+
+    types = s3_dcp._dcp_types()
+    assert [f.name for f in dataclasses.fields(types.StorageInfo)] == [
+        "relative_path",
+        "offset",
+        "length",
+        "transform_descriptors",
+    ]
+    assert types.StorageInfo is filesystem._StorageInfo
+    assert types.CURRENT_DCP_VERSION == "1.0.0"
+    assert torch.equal(types.narrow_tensor_by_index(torch.arange(10), [2], [3]), torch.tensor([2, 3, 4]))
+    assert torch.serialization._get_layout("torch.strided") is torch.strided
+    # The item-checksum record travels inside WriteResult.storage_data, which DCP passes through untouched.
+    assert "storage_data" in {f.name for f in dataclasses.fields(types.WriteResult)}
+
+
+def test_importing_needs_no_torch_and_using_it_names_the_fix(tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import s3_dcp\n"
+        "try:\n    s3_dcp.S3StorageWriter\nexcept ImportError as exc:\n    print('ERR', exc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "ERR" in out.stdout and "pip install torch" in out.stdout
+
+
+def test_validate_checkpoint_id() -> None:
+    writer_cls, reader_cls = s3_dcp.S3StorageWriter, s3_dcp.S3StorageReader
+    for cls in (writer_cls, reader_cls):
+        assert cls.validate_checkpoint_id("s3://bucket/ckpt")
+        assert not cls.validate_checkpoint_id("/local/dir")
+        assert not cls.validate_checkpoint_id("s3://bucket")  # a checkpoint needs a prefix
+        assert cls.validate_checkpoint_id(Path("s3://bucket/ckpt"))  # the '//' pathlib collapses is repaired
+    with pytest.raises(ValueError, match="chunk_size_MB"):
+        s3_dcp.S3StorageWriter("s3://bucket/ckpt", chunk_size_MB=1)
+    with pytest.raises(ValueError, match="thread_count"):
+        s3_dcp.S3StorageWriter("s3://bucket/ckpt", thread_count=0)
+    with pytest.raises(ValueError, match="max_read_concurrency"):
+        s3_dcp.S3StorageReader("s3://bucket/ckpt", max_read_concurrency=0)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Round trips and interop
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("thread_count", [1, 2])
+def test_round_trip_tensors_and_bytes_no_dist(bucket: str, s3_client: Any, tmp_path: Path, thread_count: int) -> None:
+    url = f"s3://{bucket}/ckpt"
+    state = _state()
+    _save(state, url, thread_count=thread_count)
+
+    names = [n for n in _keys(s3_client, bucket, "ckpt") if not n.endswith(s3_utils.CHECKSUM_SIDECAR_SUFFIX)]
+    shards = [f"__0_{n}.distcp" for n in range(thread_count)]
+    assert names == sorted([".metadata", ".s3ckpt-items.json", *shards])
+    assert _open_uploads(s3_client, bucket) == []
+
+    loaded = _empty_like(state)
+    _load(loaded, url)
+    _assert_same(loaded, state)
+
+    # torch's own reader loads the same checkpoint once the prefix is copied to a local directory
+    _download_prefix(s3_client, bucket, "ckpt", tmp_path)
+    local = _empty_like(state)
+    dcp.load(local, storage_reader=dcp.FileSystemReader(str(tmp_path)), no_dist=True)
+    _assert_same(local, state)
+
+
+def test_checkpoint_id_url_resets_the_writer_and_reader(bucket: str) -> None:
+    writer = _writer(f"s3://{bucket}/placeholder")
+    state = _state(1)
+    dcp.save(state, storage_writer=writer, checkpoint_id=f"s3://{bucket}/by-id", no_dist=True)
+    assert writer.checkpoint_id == f"s3://{bucket}/by-id"
+    loaded = _empty_like(state)
+    dcp.load(loaded, storage_reader=_reader(f"s3://{bucket}/other"), checkpoint_id=f"s3://{bucket}/by-id", no_dist=True)
+    _assert_same(loaded, state)
+    metadata = _reader(f"s3://{bucket}/by-id").read_metadata()
+    assert metadata.storage_meta.checkpoint_id == f"s3://{bucket}/by-id"
+    assert metadata.storage_meta.save_id == writer.save_id
+
+
+@pytest.mark.parametrize("thread_count", [1, 2])
+def test_loads_a_checkpoint_torch_wrote_and_that_was_uploaded(bucket: str, tmp_path: Path, thread_count: int) -> None:
+    state = _state(2)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path), thread_count=thread_count), no_dist=True)
+    utils = s3_utils.S3Utils()
+    for path in tmp_path.iterdir():
+        utils.upload_file(path, f"s3://{bucket}/from-torch/{path.name}")
+
+    loaded = _empty_like(state)
+    _load(loaded, f"s3://{bucket}/from-torch")
+    _assert_same(loaded, state)
+
+    # a partial load of a foreign file still verifies the whole file it reads
+    partial = {"weights": {"small": torch.zeros(17, dtype=torch.int64)}}
+    dcp.load(partial, storage_reader=_reader(f"s3://{bucket}/from-torch"), no_dist=True)
+    assert torch.equal(partial["weights"]["small"], state["weights"]["small"])
+
+
+def test_partial_load_coalesces_adjacent_items(bucket: str) -> None:
+    state = {f"t{n:02d}": torch.full((1000,), float(n)) for n in range(40)}  # ~4 KiB each, one file
+    _save(state, f"s3://{bucket}/many")
+    everything = {key: torch.zeros(1000) for key in state}
+    reader = _load(everything, f"s3://{bucket}/many")
+    _assert_same(everything, state)
+    assert reader.stats["requests"] == 1  # 40 adjacent items, one ranged GET
+
+    some = {key: torch.zeros(1000) for key in ("t03", "t30")}
+    reader = _load(some, f"s3://{bucket}/many", coalesce_gap_MB=0)
+    assert torch.equal(some["t03"], state["t03"]) and torch.equal(some["t30"], state["t30"])
+    assert reader.stats["requests"] == 2
+    assert reader.stats["bytes"] < 20_000  # only what the two items occupy
+
+
+def test_large_item_is_fetched_as_parallel_ranges(bucket: str) -> None:
+    state = {"huge": torch.randn(3 * 1024 * 1024)}  # 12 MiB
+    _save(state, f"s3://{bucket}/huge")
+    loaded = {"huge": torch.zeros(3 * 1024 * 1024)}
+    reader = _load(loaded, f"s3://{bucket}/huge", chunk_size_MB=5)
+    assert torch.equal(loaded["huge"], state["huge"])
+    assert reader.stats["requests"] == 3
+
+
+def test_overwrite_replaces_the_previous_checkpoint(bucket: str) -> None:
+    url = f"s3://{bucket}/ckpt"
+    _save(_state(0), url)
+    new = _state(3)
+    _save(new, url)
+    loaded = _empty_like(new)
+    _load(loaded, url)
+    _assert_same(loaded, new)
+
+
+def test_overwrite_with_fewer_files_removes_the_stale_shards(bucket: str, s3_client: Any) -> None:
+    url = f"s3://{bucket}/ckpt"
+    _save(_state(0), url, thread_count=3)
+    assert "__0_2.distcp" in _keys(s3_client, bucket, "ckpt")
+    _save(_state(5), url, thread_count=1)
+    shards = [n for n in _keys(s3_client, bucket, "ckpt") if ".distcp" in n]
+    assert [n for n in shards if n.endswith(".distcp")] == ["__0_0.distcp"]
+    assert all(n.startswith("__0_0.distcp") for n in shards)  # their checksum records went with them
+    loaded = _empty_like(_state(5))
+    _load(loaded, url)
+    _assert_same(loaded, _state(5))
+
+
+def test_overwrite_false_refuses_before_anything_is_written(bucket: str, s3_client: Any) -> None:
+    url = f"s3://{bucket}/ckpt"
+    _save(_state(0), url)
+    before = {o["Key"]: o["ETag"] for o in s3_client.list_objects_v2(Bucket=bucket)["Contents"]}
+    with pytest.raises(CheckpointException) as caught:
+        _save(_state(1), url, overwrite=False)
+    failure = caught.value.failures[0][0]
+    assert isinstance(failure, FileExistsError)
+    assert url in str(failure) and "overwrite=False" in str(failure)
+    after = {o["Key"]: o["ETag"] for o in s3_client.list_objects_v2(Bucket=bucket)["Contents"]}
+    assert after == before and _open_uploads(s3_client, bucket) == []
+    loaded = _empty_like(_state(0))
+    _load(loaded, url)
+    _assert_same(loaded, _state(0))
+    _save(_state(1), f"s3://{bucket}/fresh", overwrite=False)  # a new prefix is fine
+
+
+def test_writer_pickles_without_live_clients(bucket: str) -> None:
+    writer = _writer(f"s3://{bucket}/pickled", thread_count=2)
+    _ = writer.s3.client  # a live client exists now
+    state = pickle.dumps(writer)
+    assert b"botocore" not in state
+    copy = pickle.loads(state)
+    assert copy.s3 is not writer.s3 and copy.s3.settings == writer.s3.settings
+    dcp.save(_state(4), storage_writer=copy, no_dist=True)
+    loaded = _empty_like(_state(4))
+    reader = pickle.loads(pickle.dumps(_reader(f"s3://{bucket}/pickled")))
+    dcp.load(loaded, storage_reader=reader, no_dist=True)
+    _assert_same(loaded, _state(4))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Incomplete checkpoints and hostile metadata
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_prefix_without_metadata_is_an_incomplete_checkpoint(bucket: str, s3_client: Any) -> None:
+    url = f"s3://{bucket}/ckpt"
+    _save(_state(), url)
+    s3_client.delete_object(Bucket=bucket, Key="ckpt/.metadata")
+    with pytest.raises(s3_dcp.CheckpointIncompleteError, match="incomplete") as caught:
+        _reader(url).read_metadata()
+    assert isinstance(caught.value, FileNotFoundError) and url in str(caught.value)
+    with pytest.raises(CheckpointException, match="incomplete"):
+        dcp.load(_empty_like(_state()), storage_reader=_reader(url), no_dist=True)
+
+    with pytest.raises(s3_dcp.CheckpointIncompleteError, match="No DCP checkpoint"):
+        _reader(f"s3://{bucket}/nothing-here").read_metadata()
+
+
+class _RunsCode:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.mkdir, (str(self.marker),))
+
+
+def test_metadata_that_would_run_code_is_refused_and_does_not_run(bucket: str, tmp_path: Path) -> None:
+    url = f"s3://{bucket}/ckpt"
+    _save(_state(), url)
+    utils = s3_utils.S3Utils()
+    genuine = _reader(url).read_metadata()
+
+    marker = tmp_path / "pwned"
+    genuine.planner_data = {"innocent": [1, 2, _RunsCode(marker)]}  # hidden deep inside real metadata
+    for payload in (pickle.dumps(_RunsCode(marker)), pickle.dumps(genuine)):
+        with utils.open_writer(f"{url}/.metadata") as writer:
+            writer.write(payload)
+        with pytest.raises(s3_dcp.UnsafeCheckpointMetadataError) as caught:
+            _reader(url).read_metadata()
+        assert f"{url}/.metadata" in str(caught.value) and "mkdir" in str(caught.value)
+        with pytest.raises(CheckpointException, match="Refusing to load"):
+            dcp.load(_empty_like(_state()), storage_reader=_reader(url), no_dist=True)
+        assert not marker.exists()
+    # the same bytes, loaded the way torch's FileSystemReader does (plain pickle), would have run the code
+    pickle.loads(pickle.dumps(_RunsCode(marker)))
+    assert marker.exists()
+
+
+def test_allow_list_accepts_what_torch_writers_produce(tmp_path: Path) -> None:
+    """Metadata of torch's FileSystemWriter (PosixPath checkpoint ids, dtypes, layouts, memory formats, sizes) and of
+    a save with every tensor property DCP records."""
+    state = {
+        "channels_last": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        "grad": torch.randn(3, requires_grad=True),
+        "dtypes": {str(d): torch.zeros(2, dtype=d) for d in (torch.float16, torch.int8, torch.complex64, torch.bool)},
+        "extra": {"tuple": (1, "a"), "none": None, "float": 1.5},
+    }
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    raw = (tmp_path / ".metadata").read_bytes()
+    metadata = s3_dcp.load_metadata_bytes(raw, "s3://bucket/x/.metadata")
+    assert metadata.state_dict_metadata.keys() == pickle.loads(raw).state_dict_metadata.keys()
+    assert metadata == pickle.loads(raw)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Verification
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _failure(caught: pytest.ExceptionInfo[CheckpointException]) -> BaseException:
+    (exc, _trace), *_ = caught.value.failures.values()
+    return exc
+
+
+def test_corrupted_shard_in_transit_raises_checksum_mismatch(bucket: str, fault_proxy: Any) -> None:
+    url = f"s3://{bucket}/ckpt"
+    state = _state()
+    _save(state, url)
+    fault_proxy.add_rule(FaultRule(Fault.corrupt_body(offset=5000), method="GET", path_regex=r"__0_0\.distcp$"))
+    settings = s3_utils.S3ClientSettings(endpoint_url=fault_proxy.endpoint_url)
+    loaded = _empty_like(state)
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load(loaded, storage_reader=_reader(url, client_settings=settings, retry_policy=FAST_RETRIES), no_dist=True)
+    failure = _failure(caught)
+    assert isinstance(failure, s3_utils.ChecksumMismatchError)
+    assert f"{url}/__0_0.distcp" in str(failure) and "corrupt" in str(failure)
+
+
+def test_corrupted_foreign_file_in_transit_raises_checksum_mismatch(
+    bucket: str, fault_proxy: Any, tmp_path: Path
+) -> None:
+    dcp.save(_state(), storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    utils = s3_utils.S3Utils()
+    for path in tmp_path.iterdir():
+        utils.upload_file(path, f"s3://{bucket}/torch/{path.name}")
+    fault_proxy.add_rule(FaultRule(Fault.corrupt_body(offset=100), method="GET", path_regex=r"__0_0\.distcp$"))
+    settings = s3_utils.S3ClientSettings(endpoint_url=fault_proxy.endpoint_url)
+    reader = _reader(f"s3://{bucket}/torch", client_settings=settings, retry_policy=FAST_RETRIES)
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load(_empty_like(_state()), storage_reader=reader, no_dist=True)
+    assert isinstance(_failure(caught), s3_utils.ChecksumMismatchError)
+    assert f"s3://{bucket}/torch/__0_0.distcp" in str(_failure(caught))
+
+
+def test_shard_replaced_after_save_is_refused(bucket: str, s3_client: Any) -> None:
+    url = f"s3://{bucket}/ckpt"
+    _save(_state(), url)
+    body = s3_client.get_object(Bucket=bucket, Key="ckpt/__0_0.distcp")["Body"].read()
+    tampered = body[:100] + bytes([body[100] ^ 0xFF]) + body[101:]
+    s3_client.put_object(Bucket=bucket, Key="ckpt/__0_0.distcp", Body=tampered)
+    with pytest.raises(CheckpointException) as caught:
+        _load(_empty_like(_state()), url)
+    assert isinstance(_failure(caught), s3_utils.ChecksumMismatchError)
+    assert f"{url}/__0_0.distcp" in str(_failure(caught))
+
+
+def test_transient_part_failures_are_retried(bucket: str, fault_proxy: Any) -> None:
+    fault_proxy.add_rule(FaultRule(Fault.status(500), method="PUT", query="partNumber=", times=2))
+    fault_proxy.add_rule(FaultRule(Fault.reset_mid_response(), method="GET", path_regex=r"distcp$", times=1))
+    settings = s3_utils.S3ClientSettings(endpoint_url=fault_proxy.endpoint_url)
+    state = {"big": torch.randn(4 * 1024 * 1024)}  # 16 MiB: parts of 5 MiB
+    url = f"s3://{bucket}/retried"
+    dcp.save(state, storage_writer=_writer(url, client_settings=settings, retry_policy=FAST_RETRIES), no_dist=True)
+    loaded = {"big": torch.zeros(4 * 1024 * 1024)}
+    dcp.load(loaded, storage_reader=_reader(url, client_settings=settings, retry_policy=FAST_RETRIES), no_dist=True)
+    assert torch.equal(loaded["big"], state["big"])
+    assert fault_proxy.count(faulted=True) == 3
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Failures at each step of the storage contract (torch's FaultyStorageWriter/Reader, adapted)
+# --------------------------------------------------------------------------------------------------------------------
+
+_WRITER_STEPS = ["reset", "set_up_storage_writer", "prepare_local_plan", "prepare_global_plan", "write_data", "finish"]
+_READER_STEPS = ["reset", "read_metadata", "set_up_storage_reader", "prepare_local_plan", "prepare_global_plan"]
+_READER_STEPS += ["read_data"]
+
+
+class _InjectedError(RuntimeError):
+    pass
+
+
+def _faulty(cls: type, step: str) -> Any:
+    def fail(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise _InjectedError(f"injected failure in {step}")
+
+    return type(f"Faulty{cls.__name__}", (cls,), {step: fail})
+
+
+@pytest.mark.parametrize("step", _WRITER_STEPS)
+def test_save_fails_cleanly_at_each_contract_step(bucket: str, s3_client: Any, step: str) -> None:
+    previous = f"s3://{bucket}/previous"
+    _save(_state(0), previous)
+    before = _keys(s3_client, bucket, "previous")
+    writer = _faulty(s3_dcp.S3StorageWriter, step)(f"s3://{bucket}/failing", chunk_size_MB=5)
+    with pytest.raises((CheckpointException, _InjectedError)) as caught:
+        dcp.save(_state(1), storage_writer=writer, checkpoint_id=f"s3://{bucket}/failing", no_dist=True)
+    if isinstance(caught.value, CheckpointException):
+        assert isinstance(_failure(caught), _InjectedError)
+    assert ".metadata" not in _keys(s3_client, bucket, "failing")
+    assert _open_uploads(s3_client, bucket) == []
+    assert _keys(s3_client, bucket, "previous") == before
+    loaded = _empty_like(_state(0))
+    _load(loaded, previous)
+    _assert_same(loaded, _state(0))
+
+
+def test_failure_while_a_shard_streams_aborts_its_upload(bucket: str, s3_client: Any) -> None:
+    """The planner fails on the second tensor while the first one's parts are uploading."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class FailingPlanner(DefaultSavePlanner):
+        calls = 0
+
+        def resolve_data(self, write_item: Any) -> Any:
+            FailingPlanner.calls += 1
+            if FailingPlanner.calls == 2:
+                raise _InjectedError("the second tensor cannot be staged")
+            return super().resolve_data(write_item)
+
+    state = {"a": torch.randn(3 * 1024 * 1024), "b": torch.randn(10)}  # 12 MiB first: two parts sent already
+    with pytest.raises(CheckpointException) as caught:
+        dcp.save(state, storage_writer=_writer(f"s3://{bucket}/torn"), planner=FailingPlanner(), no_dist=True)
+    assert isinstance(_failure(caught), _InjectedError)
+    assert _keys(s3_client, bucket, "torn") == [] and _open_uploads(s3_client, bucket) == []
+
+
+@pytest.mark.parametrize("step", _READER_STEPS)
+def test_load_fails_cleanly_at_each_contract_step(bucket: str, step: str) -> None:
+    url = f"s3://{bucket}/ckpt"
+    _save(_state(0), url)
+    reader = _faulty(s3_dcp.S3StorageReader, step)(url, chunk_size_MB=5)
+    with warnings.catch_warnings(), pytest.raises((CheckpointException, _InjectedError)) as caught:
+        warnings.simplefilter("ignore")
+        dcp.load(_empty_like(_state(0)), storage_reader=reader, checkpoint_id=url, no_dist=True)
+    message = str(caught.value)
+    assert "injected failure" in message
+
+
+def test_server_restart_within_the_retry_budget_save_completes(s3_server: Any, bucket: str, fault_proxy: Any) -> None:
+    """SeaweedFS is killed (SIGKILL) while a shard's parts upload and comes back on the same port: retries carry the
+    save through, and the checkpoint loads bit-identical."""
+    import threading
+    import time
+
+    from s3_servers import seaweedfs_process
+
+    try:
+        server = seaweedfs_process(s3_server)
+    except KeyError:
+        pytest.skip("only the SeaweedFS harness can kill and restart its server")
+    patient = s3_utils.RetryPolicy(max_attempts=30, max_elapsed_s=90, initial_backoff_s=0.2, max_backoff_s=1.0)
+    settings = s3_utils.S3ClientSettings(endpoint_url=fault_proxy.endpoint_url, connect_timeout_s=2, read_timeout_s=10)
+    state = {f"layer{n}": torch.randn(1024 * 1024, generator=torch.Generator().manual_seed(n)) for n in range(12)}
+    url = f"s3://{bucket}/restarted"
+    outcome: dict[str, Any] = {}
+
+    def save() -> None:
+        try:
+            writer = _writer(url, client_settings=settings, retry_policy=patient, max_write_concurrency=1)
+            outcome["writer"] = writer
+            dcp.save(state, storage_writer=writer, no_dist=True)
+            outcome["ok"] = True
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=save)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while fault_proxy.count(method="PUT") < 2 and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(0.01)
+    assert thread.is_alive(), f"the save ended before the server could be killed: {outcome}"
+    server.kill()
+    time.sleep(1.0)
+    server.restart()
+    thread.join(timeout=120)
+    assert outcome.get("ok"), outcome.get("error")
+    assert outcome["writer"].s3.retries > 0  # the outage was seen and ridden out
+    loaded = {key: torch.zeros_like(value) for key, value in state.items()}
+    _load(loaded, url)
+    assert all(torch.equal(loaded[key], state[key]) for key in state)

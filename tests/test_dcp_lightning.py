@@ -1,0 +1,156 @@
+"""`S3ModelParallelStrategy` at 2 CPU ranks (gloo, FSDP2 ``fully_shard``): ``fit`` with a ``ModelCheckpoint`` on an
+``s3://`` dirpath (top-k and last), then a fresh Trainer resumes from ``s3://.../last.ckpt`` with the same global
+step, weights and optimizer state; a full (consolidated) checkpoint goes to S3 and comes back too; nothing lands in
+a local ``s3:`` directory. FSDP1 (`S3FSDPStrategy`) needs a GPU.
+The ranks run tests/helpers/dcp_lightning_worker.py, started the way a launcher starts them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_dcp_dist import skip_unless_multirank_backend  # noqa: E402
+
+import s3_dcp  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.lightning]
+
+HELPERS = Path(__file__).resolve().parent / "helpers"
+FAMILIES = ["lightning.pytorch", "pytorch_lightning"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_two_ranks(family: str, phase: str, dirpath: str, out: Path, cwd: Path) -> None:
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(HELPERS), *sys.path]),
+            "LOCAL_RANK": str(rank),
+            "NODE_RANK": "0",
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        command = [sys.executable, "-m", "dcp_lightning_worker", "--family", family, "--phase", phase]
+        command += ["--dirpath", dirpath, "--out", str(out)]
+        procs.append(subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outputs = []
+    try:
+        for proc in procs:
+            output, _ = proc.communicate(timeout=300)
+            outputs.append(output.decode(errors="replace"))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, f"{phase} rank {rank} failed:\n{output[-6000:]}"
+
+
+SIDECAR = ".s3ckpt-checksum.json"
+
+
+def keys_now(client: Any, bucket: str) -> set[str]:
+    return {obj["Key"] for obj in client.list_objects_v2(Bucket=bucket).get("Contents", [])}
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(b, dict):
+        return isinstance(a, dict) and set(a) == set(b) and all(_equal(a[k], b[k]) for k in b)
+    if isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_model_parallel_fit_checkpoints_to_s3_and_resumes(
+    family: str, s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    pytest.importorskip(family)
+    skip_unless_multirank_backend(s3_server)
+    dirpath = f"s3://{bucket}/run/checkpoints"
+    out, cwd = tmp_path / "out", tmp_path / "cwd"
+    out.mkdir()
+    cwd.mkdir()
+
+    _run_two_ranks(family, "fit", dirpath, out, cwd)
+    keys = {k for k in keys_now(s3_client, bucket) if k.startswith("run/checkpoints/")}
+    prefixes = {key.split("/")[2] for key in keys}
+    assert prefixes == {"step=4.ckpt", "step=6.ckpt", "last.ckpt"}  # top 2 by step, step=2 removed whole
+    for name in prefixes:
+        base = f"run/checkpoints/{name}/"
+        assert {
+            base + n for n in (".metadata", ".s3ckpt-items.json", "meta.pt", "__0_0.distcp", "__1_0.distcp")
+        } <= keys
+
+    _run_two_ranks(family, "resume", dirpath, out, cwd)
+    end = torch.load(out / "fit-end.pt", weights_only=True)
+    start = torch.load(out / "resume-start.pt", weights_only=True)
+    assert end["global_step"] == 6 and start["global_step"] == 6
+    assert _equal(start["model"], end["model"])
+    assert _equal(start["optim"], end["optim"])
+    assert (out / "resume-done-rank0").read_text() == "8"  # and training went on from there
+
+    # the full (consolidated) checkpoint: one object written by rank 0, loaded on every rank
+    full_keys = {k for k in keys_now(s3_client, bucket) if k.startswith("run/checkpoints-full/")}
+    assert full_keys <= {"run/checkpoints-full/consolidated.ckpt", "run/checkpoints-full/consolidated.ckpt" + SIDECAR}
+    assert "run/checkpoints-full/consolidated.ckpt" in full_keys
+    assert (out / "full-loaded-step").read_text() == "6"
+    full = torch.load(out / "full-loaded.pt", weights_only=True)
+    assert _equal(full["model"], end["model"]) and _equal(full["optim"], end["optim"])
+
+    assert list(cwd.iterdir()) == [], f"something was written locally: {list(cwd.iterdir())}"
+    assert not Path("s3:").exists()
+
+
+def test_strategy_classes_for_both_families_and_their_options() -> None:
+    for family in FAMILIES:
+        pl = pytest.importorskip(family)
+        model_parallel = s3_dcp.sharded_strategy_class("model_parallel", family)
+        fsdp = s3_dcp.sharded_strategy_class("fsdp", family)
+        assert issubclass(model_parallel, pl.strategies.ModelParallelStrategy)
+        assert issubclass(fsdp, pl.strategies.FSDPStrategy)
+        strategy = model_parallel(data_parallel_size=1, tensor_parallel_size=1, chunk_size_MB=8, thread_count=2)
+        assert strategy.s3_options["chunk_size_MB"] == 8 and strategy.s3_options["thread_count"] == 2
+    assert s3_dcp.S3ModelParallelStrategy is s3_dcp.sharded_strategy_class("model_parallel", "lightning.pytorch")
+    assert s3_dcp.S3FSDPStrategyPL is s3_dcp.sharded_strategy_class("fsdp", "pytorch_lightning")
+    with pytest.raises(ValueError, match="chunk_size_MB"):
+        s3_dcp.S3ModelParallelStrategy(chunk_size_MB=1)
+    with pytest.raises(ValueError, match="kind"):
+        s3_dcp.sharded_strategy_class("ddp")
+
+
+def test_lightning_names_it_relies_on_are_still_there() -> None:
+    """Lightning's sharded strategies keep their non-model state in ``meta.pt`` and their switches under these
+    private names; the strategies read them."""
+    from lightning.fabric.strategies import fsdp as fabric_fsdp
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    assert fabric_fsdp._METADATA_FILENAME == s3_dcp.LIGHTNING_META_NAME
+    assert callable(fabric_fsdp._get_sharded_state_dict_context)
+    assert ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)._save_distributed_checkpoint is True
+    assert FSDPStrategy(state_dict_type="sharded")._state_dict_type == "sharded"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="FSDP1 needs 2 GPUs")
+def test_fsdp1_strategy_needs_gpus() -> None:  # pragma: no cover - no GPU here
+    pytest.skip("FSDP1 multi-GPU run not wired in this suite yet; the shared code runs in the ModelParallel test")
