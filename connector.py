@@ -78,11 +78,13 @@ __all__ = [
     "checkpoint_step",
     "classify_checkpoint_name",
     "configure_s3_checkpointing",
+    "distributed_checkpoint_problem",
     "find_resume_checkpoint",
     "global_rank",
     "install_checkpoint_connector",
     "is_global_rank_zero",
     "list_resume_candidates",
+    "looks_like_distributed_checkpoint",
     "s3_model_checkpoint_class",
     "select_resume_candidate",
     "uninject_model_parallel_rank",
@@ -287,7 +289,7 @@ def distributed_checkpoint_problem(names: Iterable[str]) -> str | None:
     ``.metadata`` is DCP's commit marker, written last. A save made with ``use_collectives=False`` commits one
     ``__{rank}.metadata`` per rank instead: complete when every rank holding shards has its own."""
     names = set(names)
-    if _dcp.METADATA_NAME in names or not _looks_like_dcp(names):
+    if _dcp.METADATA_NAME in names or not looks_like_distributed_checkpoint(names):
         return None
     shard_ranks = {int(m.group(1)) for m in map(_DCP_SHARD.fullmatch, names) if m}
     committed = {int(m.group(1)) for m in map(_DCP_RANK_METADATA.fullmatch, names) if m}
@@ -296,8 +298,10 @@ def distributed_checkpoint_problem(names: Iterable[str]) -> str | None:
     return f"it is a distributed (DCP) checkpoint without {_dcp.METADATA_NAME}: its save never finished"
 
 
-def _looks_like_dcp(names: set[str]) -> bool:
-    """Whether top-level `names` are those of a DCP checkpoint, complete or not."""
+def looks_like_distributed_checkpoint(names: Iterable[str]) -> bool:
+    """Whether the names at the top level of a directory are those of a DCP checkpoint, complete or not: a
+    ``__{rank}_{n}.distcp`` shard, ``.metadata`` / ``__{rank}.metadata``, the item record or Lightning's ``meta.pt``."""
+    names = set(names)
     markers = {_dcp.METADATA_NAME, _dcp.ITEM_CHECKSUMS_NAME, _dcp.LIGHTNING_META_NAME}
     return not names.isdisjoint(markers) or any(
         _DCP_SHARD.fullmatch(n) or _DCP_RANK_METADATA.fullmatch(n) for n in names
@@ -830,7 +834,7 @@ class S3ModelCheckpointMixin:
                     names.add(inner)
         for folder, (modified, names) in directories.items():
             problem = distributed_checkpoint_problem(names)
-            if problem is None and _looks_like_dcp(names):
+            if problem is None and looks_like_distributed_checkpoint(names):
                 times[f"{url}/{folder}"] = modified
             else:
                 logger.warning("Not resuming from %s/%s: %s", url, folder, problem or "it holds no DCP checkpoint")
