@@ -131,12 +131,18 @@ def _make_utils(
     region_name: str | None,
     retry_policy: _s3.RetryPolicy | None,
     connections: int,
+    request_options: _s3.S3RequestOptions | dict[str, Any] | None = None,
 ) -> _s3.S3Utils:
+    options = _s3.S3RequestOptions.from_mapping(request_options)  # an unknown or bad option fails here
+    if options is not None and s3_utils is not None:
+        raise ValueError("request_options cannot apply to a given s3_utils: set S3ClientSettings(request_options=)")
     if s3_utils is not None:
         return s3_utils
     settings = client_settings or _s3.S3ClientSettings(
         endpoint_url=endpoint_url, region_name=region_name, max_pool_connections=max(32, connections + 4)
     )
+    if options is not None:
+        settings = dataclasses.replace(settings, request_options=options)
     return _s3.S3Utils(settings, retry_policy)
 
 
@@ -307,6 +313,7 @@ class _S3StorageWriterImpl(_S3Settings):
         s3_utils: _s3.S3Utils | None = None,
         overwrite: bool = True,
         cache_staged_state_dict: bool = False,
+        request_options: _s3.S3RequestOptions | dict[str, Any] | None = None,
     ) -> None:
         _validate_sizes(chunk_size_MB, max_write_concurrency, "max_write_concurrency")
         if not isinstance(thread_count, int) or thread_count < 1:
@@ -333,6 +340,7 @@ class _S3StorageWriterImpl(_S3Settings):
                 region_name,
                 retry_policy,
                 thread_count * max_write_concurrency,
+                request_options,
             )
         )
 
@@ -684,6 +692,7 @@ class _S3StorageReaderImpl(_S3Settings):
         client_settings: _s3.S3ClientSettings | None = None,
         retry_policy: _s3.RetryPolicy | None = None,
         s3_utils: _s3.S3Utils | None = None,
+        request_options: _s3.S3RequestOptions | dict[str, Any] | None = None,
     ) -> None:
         _validate_sizes(chunk_size_MB, max_read_concurrency, "max_read_concurrency")
         if not coalesce_gap_MB >= 0:
@@ -704,7 +713,15 @@ class _S3StorageReaderImpl(_S3Settings):
         self.stats = {"requests": 0, "bytes": 0}
         """Ranged GETs and bytes fetched by `read_data` (for tests and benchmarks)."""
         self._remember_utils(
-            _make_utils(s3_utils, client_settings, endpoint_url, region_name, retry_policy, max_read_concurrency)
+            _make_utils(
+                s3_utils,
+                client_settings,
+                endpoint_url,
+                region_name,
+                retry_policy,
+                max_read_concurrency,
+                request_options,
+            )
         )
 
     # ---- StorageReader --------------------------------------------------------------------------------------------
@@ -1347,6 +1364,8 @@ _WRITER_DOC = """A ``torch.distributed.checkpoint`` StorageWriter for ``s3://`` 
         endpoint_url, region_name, client_settings, retry_policy, s3_utils: how to reach S3 (as `S3CheckpointIO`).
         overwrite: with False, a save to a prefix that holds a checkpoint fails before anything is written.
         cache_staged_state_dict: ``async_save`` only: keep the staged host copy for the next save (torch's option).
+        request_options: encryption, storage class, tags, expected bucket owner, requester pays for every object of
+            the checkpoint (`s3_utils.S3RequestOptions` or a mapping, as `S3CheckpointIO`); not with `s3_utils`.
     """
 
 _READER_DOC = """A ``torch.distributed.checkpoint`` StorageReader for ``s3://`` checkpoints (see the module docstring).
@@ -1359,6 +1378,7 @@ _READER_DOC = """A ``torch.distributed.checkpoint`` StorageReader for ``s3://`` 
         max_read_concurrency: parallel ranged GETs per rank.
         coalesce_gap_MB: items of one file closer than this are fetched by one GET.
         endpoint_url, region_name, client_settings, retry_policy, s3_utils: how to reach S3 (as `S3CheckpointIO`).
+        request_options: expected bucket owner, requester pays (`s3_utils.S3RequestOptions`); not with `s3_utils`.
     """
 
 
