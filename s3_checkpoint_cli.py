@@ -34,7 +34,8 @@ rm --keep-last N: keeps the N top-k checkpoints with the highest step (ties: the
   "last" checkpoints (resuming starts from them), "end" checkpoints (they mark a finished run: without one, the
   next job would silently train past the end) or checkpoints without a step in their name (they cannot be
   ordered). --dry-run prints the plan and deletes nothing. A DCP checkpoint counts as one checkpoint: deleting it
-  deletes everything under its prefix (x.ckpt/..., never x.ckpt_old/...).
+  deletes everything under its prefix (x.ckpt/..., never x.ckpt_old/...). One without .metadata is neither
+  deleted nor counted (its save may still be running).
 
 verify: downloads each checkpoint and checks it against the full-object checksum recorded when it was written,
   and prints the one it matched: "(s3)" the store keeps it, "(sidecar)" the <key>.s3ckpt-checksum.json record this
@@ -548,9 +549,10 @@ def cmd_rm(args: argparse.Namespace) -> int:
     entries = list_checkpoints(s3, url)
     if not entries:
         raise CliError(EXIT_NOT_FOUND, f"no checkpoints (*{_CKPT_SUFFIX}) under {url}")
-    ranked = sorted((e for e in entries if e.kind == "top-k" and e.step is not None), key=_age_key, reverse=True)
+    prunable = [e for e in entries if e.kind == "top-k" and e.step is not None and e.complete]
+    ranked = sorted(prunable, key=_age_key, reverse=True)
     keep, delete = ranked[: args.keep_last], ranked[args.keep_last :]
-    protected = [e for e in entries if e.kind != "top-k" or e.step is None]
+    protected = [e for e in entries if e not in prunable]
     for entry in sorted(delete, key=_age_key):
         if not args.dry_run:
             if entry.is_dcp:  # the whole /-bounded prefix: x.ckpt/..., never x.ckpt_old/...
@@ -563,7 +565,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     for entry in protected:
         reason = f"an {entry.kind} checkpoint" if entry.kind == "end" else f"a {entry.kind} checkpoint"
         if entry.kind == "top-k":
-            reason = "no step= in its name"
+            reason = "no step= in its name" if entry.complete else "no .metadata: its save may still be running"
         print(f"{'keep':12}  {entry.url}  ({reason})")
     kept = len(keep) + len(protected)
     if args.dry_run:

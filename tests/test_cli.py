@@ -473,6 +473,7 @@ def dcp_run_url(bucket: str, s3_client: Any) -> str:
     for seed, name in enumerate(("m-step=10.ckpt", "m-step=20.ckpt", "m-step=30-last.ckpt")):
         save_dcp(f"{base}/{name}", seed)
     s3_client.put_object(Bucket=bucket, Key="dcp/m-step=40-last.ckpt/__0_0.distcp", Body=b"x" * 100)
+    s3_client.put_object(Bucket=bucket, Key="dcp/m-step=50.ckpt/__0_0.distcp", Body=b"x" * 10)  # a save under way
     write_object(f"{base}/file-step=5.ckpt", 300)
     write_object(f"{base}/m-step=10.ckpt_old/keep.bin", 10)
     return base
@@ -497,6 +498,7 @@ def test_ls_shows_a_dcp_checkpoint_as_one_entry(
         "m-step=20.ckpt",
         "m-step=30-last.ckpt",
         "m-step=40-last.ckpt",
+        "m-step=50.ckpt",
         "file-step=5.ckpt",
     }  # no shard, .metadata or m-step=10.ckpt_old/ entries
     size, shards = dcp_sizes(s3_client, bucket, "dcp/m-step=20.ckpt/")
@@ -528,7 +530,7 @@ def test_ls_shows_a_dcp_checkpoint_as_one_entry(
     assert rows["m-step=20.ckpt"].split()[-4:-1] == ["2", "complete", "top-k"]
     assert rows["m-step=40-last.ckpt"].split()[-4:-1] == ["1", "incomplete", "last"]
     assert rows["file-step=5.ckpt"].split()[-4:-1] == ["-", "-", "top-k"]
-    assert lines[-1].startswith("5 checkpoint(s), ") and "1 incomplete" in lines[-1]
+    assert lines[-1].startswith("6 checkpoint(s), ") and "2 incomplete" in lines[-1]
 
     code, out, _ = run_cli(capsys, "ls", "--json", f"{dcp_run_url}/m-step=20.ckpt")  # the checkpoint itself
     assert code == 0
@@ -576,7 +578,7 @@ def test_verify_finds_a_corrupt_dcp_shard(
     failed = [line for line in out.splitlines() if line.startswith("FAILED")]
     assert any(f"{url}/__0_1.distcp is corrupt" in line for line in failed), out
     assert any(line.startswith(f"FAILED    {url}: DCP checkpoint, 2 shard(s)") for line in failed), out
-    assert "2 of 5 checkpoint(s) failed verification" in err  # step 20 and the incomplete step 40
+    assert "3 of 6 checkpoint(s) failed verification" in err  # step 20 and the incomplete steps 40 and 50
 
 
 def test_verify_finds_a_dcp_shard_replaced_after_the_save(
@@ -623,7 +625,9 @@ def test_rm_keep_last_removes_a_dcp_checkpoint_as_one(
     assert "dcp/m-step=10.ckpt_old/keep.bin" in after  # /-bounded
     assert "dcp/m-step=20.ckpt/.metadata" in after and "dcp/m-step=30-last.ckpt/.metadata" in after
     assert "dcp/m-step=40-last.ckpt/__0_0.distcp" in after  # a last checkpoint, even incomplete, is never pruned
-    assert out.splitlines()[-1] == f"deleted 2, kept 3 checkpoint(s) under {dcp_run_url}"
+    assert "dcp/m-step=50.ckpt/__0_0.distcp" in after  # the newest step, but incomplete: neither kept nor pruned
+    assert f"{dcp_run_url}/m-step=50.ckpt  (no .metadata: its save may still be running)" in out
+    assert out.splitlines()[-1] == f"deleted 2, kept 4 checkpoint(s) under {dcp_run_url}"
 
 
 # ---- S3 errors ------------------------------------------------------------------------------------------------------
