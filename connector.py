@@ -48,10 +48,12 @@ from typing import Any
 
 if __package__:
     from . import s3_checkpoint_io as _ckpt_io
+    from . import s3_dcp as _dcp
     from . import s3_dirpath_utils as _urls
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_checkpoint_io as _ckpt_io
+    import s3_dcp as _dcp
     import s3_dirpath_utils as _urls
     import s3_utils as _s3
 
@@ -76,11 +78,13 @@ __all__ = [
     "checkpoint_step",
     "classify_checkpoint_name",
     "configure_s3_checkpointing",
+    "distributed_checkpoint_problem",
     "find_resume_checkpoint",
     "global_rank",
     "install_checkpoint_connector",
     "is_global_rank_zero",
     "list_resume_candidates",
+    "looks_like_distributed_checkpoint",
     "s3_model_checkpoint_class",
     "select_resume_candidate",
     "uninject_model_parallel_rank",
@@ -274,6 +278,36 @@ def checkpoint_step(name: str) -> int | None:
     return int(steps[-1]) if steps else None
 
 
+_DCP_SHARD = re.compile(rf"__(\d+)_\d+{re.escape(_dcp.DCP_SHARD_SUFFIX)}")
+_DCP_RANK_METADATA = re.compile(rf"__(\d+){re.escape(_dcp.METADATA_NAME)}")
+
+
+def distributed_checkpoint_problem(names: Iterable[str]) -> str | None:
+    """Why a directory whose top level holds `names` is an incomplete DCP checkpoint, or None if it is complete or
+    not a DCP checkpoint at all (no ``.distcp`` shard, ``.metadata``, item record or Lightning ``meta.pt``).
+
+    ``.metadata`` is DCP's commit marker, written last. A save made with ``use_collectives=False`` commits one
+    ``__{rank}.metadata`` per rank instead: complete when every rank holding shards has its own."""
+    names = set(names)
+    if _dcp.METADATA_NAME in names or not looks_like_distributed_checkpoint(names):
+        return None
+    shard_ranks = {int(m.group(1)) for m in map(_DCP_SHARD.fullmatch, names) if m}
+    committed = {int(m.group(1)) for m in map(_DCP_RANK_METADATA.fullmatch, names) if m}
+    if committed and shard_ranks <= committed:
+        return None
+    return f"it is a distributed (DCP) checkpoint without {_dcp.METADATA_NAME}: its save never finished"
+
+
+def looks_like_distributed_checkpoint(names: Iterable[str]) -> bool:
+    """Whether the names at the top level of a directory are those of a DCP checkpoint, complete or not: a
+    ``__{rank}_{n}.distcp`` shard, ``.metadata`` / ``__{rank}.metadata``, the item record or Lightning's ``meta.pt``."""
+    names = set(names)
+    markers = {_dcp.METADATA_NAME, _dcp.ITEM_CHECKSUMS_NAME, _dcp.LIGHTNING_META_NAME}
+    return not names.isdisjoint(markers) or any(
+        _DCP_SHARD.fullmatch(n) or _DCP_RANK_METADATA.fullmatch(n) for n in names
+    )
+
+
 def _unfinished_marker_name(name: str) -> str:
     """NeMo's marker for a checkpoint: the name without ``.nemo``/``.ckpt``/``-EMA``, plus ``-unfinished``."""
     for suffix in (".nemo", ".ckpt", "-EMA"):
@@ -285,10 +319,13 @@ def _candidates_from_entries(base: str, entries: Iterable[tuple[str, float]]) ->
     """Build candidates from ``(path relative to the checkpoint directory, mtime)`` pairs of every file below it.
 
     Only names directly in the directory, in a shard folder directly below it, or in a distributed-checkpoint
-    directory directly below it count; anything nested deeper (other runs, backups) is ignored.
+    directory directly below it count; anything nested deeper (other runs, backups) is ignored. A DCP checkpoint
+    directory (``x-last.ckpt/`` holding ``.distcp`` shards) counts only once its ``.metadata`` is there (see
+    `distributed_checkpoint_problem`); that key is in the same listing, so no request per directory is made.
     """
     files: dict[str, dict[str, float]] = {}  # name -> shard folder -> mtime
     directories: dict[str, float] = {}  # distributed checkpoint directory -> newest mtime inside
+    directory_files: dict[str, set[str]] = {}  # distributed checkpoint directory -> names at its top level
     top_level: set[str] = set()
     for relative, modified in entries:
         parts = relative.split("/")
@@ -301,6 +338,8 @@ def _candidates_from_entries(base: str, entries: Iterable[tuple[str, float]]) ->
                 files.setdefault(parts[1], {})[parts[0]] = modified
         elif parts[0] and not _RANK_FOLDER.fullmatch(parts[0]) and classify_checkpoint_name(parts[0], True):
             directories[parts[0]] = max(modified, directories.get(parts[0], modified))
+            if len(parts) == 2 and parts[1]:
+                directory_files.setdefault(parts[0], set()).add(parts[1])
     separator = "" if base.endswith("/") else "/"
     candidates = []
     for name, shards in files.items():
@@ -320,6 +359,9 @@ def _candidates_from_entries(base: str, entries: Iterable[tuple[str, float]]) ->
         )
     for name, modified in directories.items():
         marker = _unfinished_marker_name(name)
+        problem = distributed_checkpoint_problem(directory_files.get(name, ()))
+        if problem is None and marker in top_level:
+            problem = f"its unfinished marker {marker} exists"
         candidates.append(
             ResumeCandidate(
                 name=name,
@@ -328,7 +370,7 @@ def _candidates_from_entries(base: str, entries: Iterable[tuple[str, float]]) ->
                 step=checkpoint_step(name),
                 modified=modified,
                 is_directory=True,
-                problem=f"its unfinished marker {marker} exists" if marker in top_level else None,
+                problem=problem,
             )
         )
     return sorted(candidates, key=lambda candidate: candidate.url)
@@ -362,6 +404,8 @@ def _local_entries(directory: str) -> list[tuple[str, float]]:
                     for name in names:
                         with contextlib.suppress(OSError):
                             newest = max(newest, os.stat(os.path.join(root, name)).st_mtime)
+                        if root == entry.path:  # its top-level names tell whether a DCP checkpoint is complete
+                            entries.append((f"{entry.name}/{name}", newest))
                 entries.append((f"{entry.name}/", newest))
     return entries
 
@@ -782,7 +826,22 @@ class S3ModelCheckpointMixin:
             entries = _s3_entries(url, self._s3_utils(trainer))
         except FileNotFoundError:
             return {}
-        return {f"{url}/{name}": modified for name, modified in entries if "/" not in name and pattern.fullmatch(name)}
+        times = {f"{url}/{name}": modified for name, modified in entries if "/" not in name and pattern.fullmatch(name)}
+        directories: dict[str, tuple[float, set[str]]] = {}  # sharded (DCP) last checkpoints: last.ckpt/...
+        for name, modified in entries:
+            folder, _, inner = name.partition("/")
+            if inner and pattern.fullmatch(folder):
+                newest, names = directories.setdefault(folder, (modified, set()))
+                directories[folder] = (max(newest, modified), names)
+                if "/" not in inner:
+                    names.add(inner)
+        for folder, (modified, names) in directories.items():
+            problem = distributed_checkpoint_problem(names)
+            if problem is None and looks_like_distributed_checkpoint(names):
+                times[f"{url}/{folder}"] = modified
+            else:
+                logger.warning("Not resuming from %s/%s: %s", url, folder, problem or "it holds no DCP checkpoint")
+        return times
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
         """Lightning's hook for ``ckpt_path="last"`` when `NeMoCheckpointConnector` is not installed (it then asks

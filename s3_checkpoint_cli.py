@@ -25,17 +25,24 @@ what the operator commands see: a checkpoint is an object named *.ckpt directly 
   also descend into sub-prefixes with --recursive; rm never does). Its step is N in "step=N" in its name. Its kind
   follows the rules resume discovery applies (NeMo's globs): "end" for *end.ckpt, "last" for *last.ckpt and
   *last-vN.ckpt, else "top-k" ("other" for the non-checkpoint objects "ls --all" shows).
+  A sharded (DCP) checkpoint - a sub-prefix such as x-last.ckpt/ holding __{rank}_{n}.distcp shards and, once its
+  save finished, .metadata - is one entry: its total size, its shard count and whether it is complete (resume
+  discovery skips an incomplete one).
 
 rm --keep-last N: keeps the N top-k checkpoints with the highest step (ties: the newest modification time) and
   deletes the other top-k checkpoints directly under the prefix, with their checksum records. It never deletes
   "last" checkpoints (resuming starts from them), "end" checkpoints (they mark a finished run: without one, the
   next job would silently train past the end) or checkpoints without a step in their name (they cannot be
-  ordered). --dry-run prints the plan and deletes nothing.
+  ordered). --dry-run prints the plan and deletes nothing. A DCP checkpoint counts as one checkpoint: deleting it
+  deletes everything under its prefix (x.ckpt/..., never x.ckpt_old/...). One without .metadata is neither
+  deleted nor counted (its save may still be running).
 
 verify: downloads each checkpoint and checks it against the full-object checksum recorded when it was written,
   and prints the one it matched: "(s3)" the store keeps it, "(sidecar)" the <key>.s3ckpt-checksum.json record this
   package writes for stores that keep none. An object without a recorded checksum fails, unless --allow-unverified
-  (then only its size is checked).
+  (then only its size is checked). For a DCP checkpoint every object under its prefix is checked this way, and each
+  item against the per-item checksums S3StorageWriter recorded (s3_dcp.verify_checkpoint); one without .metadata
+  fails as incomplete.
 
 cp: copies one object. Local to S3 streams a checksummed multipart upload; S3 to local downloads, verifies, and
   only then moves the file into place. A destination ending in "/" (or an existing local directory) receives the
@@ -53,7 +60,8 @@ exit codes (stable, for scripts):
   70   internal error (a bug: please report it with the traceback)
   130  interrupted (Ctrl-C)
 Errors go to stderr as "s3-checkpoint-io: error: <message>" (plus any hint the S3 layer adds); results go to
-stdout. "ls --json" prints a JSON array of {url, step, size, last_modified, kind}.
+stdout. "ls --json" prints a JSON array of {url, step, size, last_modified, kind, format, shards, complete}
+(format "file" or "dcp"; shards null and complete true for a file).
 """
 
 from __future__ import annotations
@@ -73,11 +81,13 @@ from typing import Any
 
 if __package__:
     from . import connector as _connector
+    from . import s3_dcp as _dcp
     from . import s3_dirpath_utils as _urls
     from . import s3_local_servers as _servers
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import connector as _connector
+    import s3_dcp as _dcp
     import s3_dirpath_utils as _urls
     import s3_local_servers as _servers
     import s3_utils as _s3
@@ -141,15 +151,48 @@ class CheckpointEntry:
     last_modified: datetime.datetime | None
     step: int | None
     kind: str  # "last", "end", "top-k", or "other" (not a *.ckpt, listed by ``ls --all``)
+    shards: int | None = None
+    """A DCP checkpoint's ``.distcp`` file count; None for a single-object checkpoint."""
+    complete: bool = True
+    """False for a DCP checkpoint without ``.metadata`` (its save never finished)."""
+
+    @property
+    def is_dcp(self) -> bool:
+        return self.shards is not None
 
     @classmethod
     def from_info(cls, info: _s3.S3ObjectInfo, name: str) -> CheckpointEntry:
         step, kind = classify_checkpoint(name)
         return cls(info.url, name, info.size, info.last_modified, step, kind)
 
+    @classmethod
+    def from_dcp(cls, url: str, name: str, objects: list[_s3.S3ObjectInfo], top_level: set[str]) -> CheckpointEntry:
+        """One entry for the DCP checkpoint at `url`: the objects under its prefix, `top_level` their names there."""
+        base = name.rpartition("/")[2]
+        modified = max((o.last_modified for o in objects if o.last_modified is not None), default=None)
+        return cls(
+            url,
+            name,
+            sum(o.size for o in objects),
+            modified,
+            _connector.checkpoint_step(base),
+            _connector.classify_checkpoint_name(base, True) or "top-k",
+            shards=sum(1 for n in top_level if n.endswith(_dcp.DCP_SHARD_SUFFIX)),
+            complete=_connector.distributed_checkpoint_problem(top_level) is None,
+        )
+
     def as_json(self) -> dict[str, Any]:
         modified = self.last_modified.astimezone(datetime.timezone.utc).isoformat() if self.last_modified else None
-        return {"url": self.url, "step": self.step, "size": self.size, "last_modified": modified, "kind": self.kind}
+        return {
+            "url": self.url,
+            "step": self.step,
+            "size": self.size,
+            "last_modified": modified,
+            "kind": self.kind,
+            "format": "dcp" if self.is_dcp else "file",
+            "shards": self.shards,
+            "complete": self.complete,
+        }
 
 
 def classify_checkpoint(name: str) -> tuple[int | None, str]:
@@ -193,16 +236,48 @@ def _looks_like_s3(text: str) -> bool:
 def list_checkpoints(
     s3: _s3.S3Utils, url: str, *, recursive: bool = False, all_objects: bool = False
 ) -> list[CheckpointEntry]:
-    """Checkpoints under the "directory" `url` in ``ls`` order. Raises FileNotFoundError for a missing bucket."""
-    _, prefix = _urls.s3_dir_prefix(url)
+    """Checkpoints under the "directory" `url` in ``ls`` order (one listing). Raises FileNotFoundError for a missing
+    bucket. A DCP checkpoint (a sub-prefix whose top level looks like one) is one entry; if `url` itself is one, it
+    is the only entry."""
+    bucket, prefix = _urls.s3_dir_prefix(url)
+    listed = [(info.key[len(prefix) :], info) for info in s3.list_objects(url)]
+    top_levels: dict[str, set[str]] = {}  # folder (relative) -> names directly in it
+    for name, _ in listed:
+        folder, _, base = name.rpartition("/")
+        top_levels.setdefault(folder, set()).add(base)
+    if _connector.looks_like_distributed_checkpoint(top_levels.get("", ())):
+        objects = [info for _, info in listed]
+        dcp_url = _urls.build_s3_url(bucket, prefix.rstrip("/"))
+        return [CheckpointEntry.from_dcp(dcp_url, _urls.s3_url_name(dcp_url), objects, top_levels[""])]
+    folders = {
+        folder
+        for folder, names in top_levels.items()
+        if folder and (recursive or "/" not in folder) and _connector.looks_like_distributed_checkpoint(names)
+    }
+    grouped: dict[str, list[_s3.S3ObjectInfo]] = {}
     entries = []
-    for info in s3.list_objects(url):
-        name = info.key[len(prefix) :]
+    for name, info in listed:
+        owner = next((f for f in _ancestors(name) if f in folders), None)
+        if owner is not None:
+            grouped.setdefault(owner, []).append(info)
+            continue
         if not name or name.endswith("/") or (not recursive and "/" in name):
             continue
         if all_objects or name.endswith(_CKPT_SUFFIX):
             entries.append(CheckpointEntry.from_info(info, name))
+    for folder, objects in grouped.items():
+        entries.append(
+            CheckpointEntry.from_dcp(
+                f"{_urls.build_s3_url(bucket, prefix)}{folder}", folder, objects, top_levels[folder]
+            )
+        )
     return sorted(entries, key=_display_key)
+
+
+def _ancestors(name: str) -> list[str]:
+    """``a/b/c`` -> ``["a", "a/b"]``: the folders holding a relative key, outermost first."""
+    parts = name.split("/")[:-1]
+    return ["/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
 def _single_object(s3: _s3.S3Utils, url: str) -> CheckpointEntry | None:
@@ -331,13 +406,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
         json.dump([entry.as_json() for entry in entries], sys.stdout, indent=1)
         print()
         return EXIT_OK
-    print(f"{'STEP':>8}  {'SIZE':>10}  {'LAST MODIFIED (UTC)':19}  {'KIND':5}  URL")
+    print(f"{'STEP':>8}  {'SIZE':>10}  {'LAST MODIFIED (UTC)':19}  {'SHARDS':>6}  {'STATE':10}  {'KIND':5}  URL")
     for entry in entries:
         step = str(entry.step) if entry.step is not None else "-"
         size, modified = _human_size(entry.size), _timestamp(entry.last_modified)
-        print(f"{step:>8}  {size:>10}  {modified:19}  {entry.kind:5}  {entry.url}")
+        shards = str(entry.shards) if entry.is_dcp else "-"
+        state = ("complete" if entry.complete else "incomplete") if entry.is_dcp else "-"
+        print(f"{step:>8}  {size:>10}  {modified:19}  {shards:>6}  {state:10}  {entry.kind:5}  {entry.url}")
     total = sum(entry.size for entry in entries)
-    print(f"{len(entries)} checkpoint(s), {_human_size(total)}")
+    incomplete = sum(1 for entry in entries if not entry.complete)
+    detail = f", {incomplete} incomplete (no .metadata: never resumed from)" if incomplete else ""
+    print(f"{len(entries)} checkpoint(s), {_human_size(total)}{detail}")
     return EXIT_OK
 
 
@@ -349,6 +428,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     entries = [single] if single is not None else _targets(s3, url, recursive=args.recursive)
     failed = 0
     for entry in entries:
+        if entry.is_dcp:
+            failed += not _verify_dcp(s3, entry, args)
+            continue
         # One verified download per checkpoint: it finds the recorded checksum itself and says which one matched.
         with _Progress(entry.size, f"verify {entry.name}", args.progress) as bar:
             try:
@@ -373,6 +455,31 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"{PROG}: error: {failed} of {len(entries)} checkpoint(s) failed verification", file=sys.stderr)
         return EXIT_VERIFY_FAILED
     return EXIT_OK
+
+
+def _verify_dcp(s3: _s3.S3Utils, entry: CheckpointEntry, args: argparse.Namespace) -> bool:
+    """Check every object of a DCP checkpoint (whole-file checksums and recorded item checksums); print a line per
+    object and one for the checkpoint; True if it passed."""
+    with _Progress(entry.size, f"verify {entry.name}", args.progress) as bar:
+        report = _dcp.verify_checkpoint(entry.url, s3, progress=bar.update)
+    problems = list(report.problems)
+    items = 0
+    for file in report.files:
+        items += file.items
+        if file.checksum is None and not file.items and not args.allow_unverified:
+            problems.append(f"{file.url}: no checksum was recorded for it (written by another tool?)")
+            continue
+        checksum = str(file.checksum) if file.checksum else "no full-object checksum recorded"
+        detail = f", {file.items} item(s)" if file.items else ""
+        print(f"OK        {file.url}  {_human_size(file.size)}  {checksum}{detail}")
+    for problem in problems:
+        print(f"FAILED    {problem}")
+    summary = f"DCP checkpoint, {entry.shards} shard(s), {len(report.files)} object(s), {items} item(s) checked"
+    if problems:
+        print(f"FAILED    {entry.url}: {summary}; {len(problems)} problem(s)")
+        return False
+    print(f"OK        {entry.url}  {_human_size(entry.size)}  {summary}")
+    return True
 
 
 def cmd_cp(args: argparse.Namespace) -> int:
@@ -442,19 +549,23 @@ def cmd_rm(args: argparse.Namespace) -> int:
     entries = list_checkpoints(s3, url)
     if not entries:
         raise CliError(EXIT_NOT_FOUND, f"no checkpoints (*{_CKPT_SUFFIX}) under {url}")
-    ranked = sorted((e for e in entries if e.kind == "top-k" and e.step is not None), key=_age_key, reverse=True)
+    prunable = [e for e in entries if e.kind == "top-k" and e.step is not None and e.complete]
+    ranked = sorted(prunable, key=_age_key, reverse=True)
     keep, delete = ranked[: args.keep_last], ranked[args.keep_last :]
-    protected = [e for e in entries if e.kind != "top-k" or e.step is None]
+    protected = [e for e in entries if e not in prunable]
     for entry in sorted(delete, key=_age_key):
         if not args.dry_run:
-            s3.remove_object(entry.url)
+            if entry.is_dcp:  # the whole /-bounded prefix: x.ckpt/..., never x.ckpt_old/...
+                s3.remove_objects_with_prefix(entry.url)
+            else:
+                s3.remove_object(entry.url)
         print(f"{'would delete' if args.dry_run else 'deleted':12}  {entry.url}", flush=True)
     for entry in keep:
         print(f"{'keep':12}  {entry.url}")
     for entry in protected:
         reason = f"an {entry.kind} checkpoint" if entry.kind == "end" else f"a {entry.kind} checkpoint"
         if entry.kind == "top-k":
-            reason = "no step= in its name"
+            reason = "no step= in its name" if entry.complete else "no .metadata: its save may still be running"
         print(f"{'keep':12}  {entry.url}  ({reason})")
     kept = len(keep) + len(protected)
     if args.dry_run:

@@ -131,12 +131,18 @@ def _make_utils(
     region_name: str | None,
     retry_policy: _s3.RetryPolicy | None,
     connections: int,
+    request_options: _s3.S3RequestOptions | dict[str, Any] | None = None,
 ) -> _s3.S3Utils:
+    options = _s3.S3RequestOptions.from_mapping(request_options)  # an unknown or bad option fails here
+    if options is not None and s3_utils is not None:
+        raise ValueError("request_options cannot apply to a given s3_utils: set S3ClientSettings(request_options=)")
     if s3_utils is not None:
         return s3_utils
     settings = client_settings or _s3.S3ClientSettings(
         endpoint_url=endpoint_url, region_name=region_name, max_pool_connections=max(32, connections + 4)
     )
+    if options is not None:
+        settings = dataclasses.replace(settings, request_options=options)
     return _s3.S3Utils(settings, retry_policy)
 
 
@@ -307,6 +313,7 @@ class _S3StorageWriterImpl(_S3Settings):
         s3_utils: _s3.S3Utils | None = None,
         overwrite: bool = True,
         cache_staged_state_dict: bool = False,
+        request_options: _s3.S3RequestOptions | dict[str, Any] | None = None,
     ) -> None:
         _validate_sizes(chunk_size_MB, max_write_concurrency, "max_write_concurrency")
         if not isinstance(thread_count, int) or thread_count < 1:
@@ -333,6 +340,7 @@ class _S3StorageWriterImpl(_S3Settings):
                 region_name,
                 retry_policy,
                 thread_count * max_write_concurrency,
+                request_options,
             )
         )
 
@@ -685,6 +693,7 @@ class _S3StorageReaderImpl(_S3Settings):
         client_settings: _s3.S3ClientSettings | None = None,
         retry_policy: _s3.RetryPolicy | None = None,
         s3_utils: _s3.S3Utils | None = None,
+        request_options: _s3.S3RequestOptions | dict[str, Any] | None = None,
     ) -> None:
         _validate_sizes(chunk_size_MB, max_read_concurrency, "max_read_concurrency")
         if not coalesce_gap_MB >= 0:
@@ -705,7 +714,15 @@ class _S3StorageReaderImpl(_S3Settings):
         self.stats = {"requests": 0, "bytes": 0}
         """Ranged GETs and bytes fetched by `read_data` (for tests and benchmarks)."""
         self._remember_utils(
-            _make_utils(s3_utils, client_settings, endpoint_url, region_name, retry_policy, max_read_concurrency)
+            _make_utils(
+                s3_utils,
+                client_settings,
+                endpoint_url,
+                region_name,
+                retry_policy,
+                max_read_concurrency,
+                request_options,
+            )
         )
 
     # ---- StorageReader --------------------------------------------------------------------------------------------
@@ -1378,6 +1395,8 @@ _WRITER_DOC = """A ``torch.distributed.checkpoint`` StorageWriter for ``s3://`` 
         endpoint_url, region_name, client_settings, retry_policy, s3_utils: how to reach S3 (as `S3CheckpointIO`).
         overwrite: with False, a save to a prefix that holds a checkpoint fails before anything is written.
         cache_staged_state_dict: ``async_save`` only: keep the staged host copy for the next save (torch's option).
+        request_options: encryption, storage class, tags, expected bucket owner, requester pays for every object of
+            the checkpoint (`s3_utils.S3RequestOptions` or a mapping, as `S3CheckpointIO`); not with `s3_utils`.
     """
 
 _READER_DOC = """A ``torch.distributed.checkpoint`` StorageReader for ``s3://`` checkpoints (see the module docstring).
@@ -1390,6 +1409,7 @@ _READER_DOC = """A ``torch.distributed.checkpoint`` StorageReader for ``s3://`` 
         max_read_concurrency: parallel ranged GETs per rank.
         coalesce_gap_MB: items of one file closer than this are fetched by one GET.
         endpoint_url, region_name, client_settings, retry_policy, s3_utils: how to reach S3 (as `S3CheckpointIO`).
+        request_options: expected bucket owner, requester pays (`s3_utils.S3RequestOptions`); not with `s3_utils`.
     """
 
 
@@ -1437,3 +1457,109 @@ def __getattr__(name: str) -> Any:
         if name == base_name + _STRATEGY_SUFFIX["pytorch_lightning"]:
             return sharded_strategy_class(kind, "pytorch_lightning")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Verifying a checkpoint in place (the CLI's ``verify``): every file whole, every recorded item
+# --------------------------------------------------------------------------------------------------------------------
+
+
+__all__ += ["CheckpointVerification", "VerifiedFile", "verify_checkpoint"]
+
+
+@dataclass(frozen=True)
+class VerifiedFile:
+    """One object of a DCP checkpoint as `verify_checkpoint` checked it."""
+
+    url: str
+    size: int
+    checksum: _s3.RecordedChecksum | None
+    """The full-object checksum the bytes matched; None when none was recorded (only the size was checked)."""
+    items: int
+    """Items checked against the item checksums `S3StorageWriter` recorded (0 for files without a record)."""
+
+
+@dataclass
+class CheckpointVerification:
+    """What `verify_checkpoint` found: `problems` is empty when every file and item matched what was recorded."""
+
+    url: str
+    complete: bool
+    """Whether the checkpoint's ``.metadata`` (or each rank's ``__{rank}.metadata``) exists."""
+    files: list[VerifiedFile] = dataclasses.field(default_factory=list)
+    problems: list[str] = dataclasses.field(default_factory=list)
+    """One line per failure, each naming the object's URL."""
+
+    @property
+    def ok(self) -> bool:
+        return self.complete and not self.problems
+
+
+def verify_checkpoint(
+    path: str | os.PathLike[str], s3_utils: _s3.S3Utils | None = None, *, progress: Callable[[int], None] | None = None
+) -> CheckpointVerification:
+    """Download every object under the DCP checkpoint prefix `path` and check it: the full-object checksum recorded
+    at upload (`S3Utils.download_to_memory`), and, for files `S3StorageWriter` wrote, the ETag and every item's
+    checksum in the item record (a shard replaced after the save has another ETag). Files the record names but
+    that are gone are problems too. Needs no torch: ``.metadata`` is checked as a file, never unpickled here.
+    `progress` is called with byte counts as downloads arrive. Raises FileNotFoundError for a missing bucket."""
+    url = _checkpoint_url(path)
+    s3 = s3_utils or _s3.S3Utils()
+    prefix = url + "/"
+    objects = {info.url[len(prefix) :]: info for info in s3.list_objects(url)}
+    ranks: list[int | None] = [None] if METADATA_NAME in objects else []
+    ranks += sorted(
+        int(name[2 : -len(METADATA_NAME)])
+        for name in objects
+        if name.startswith("__") and name.endswith(METADATA_NAME) and name[2 : -len(METADATA_NAME)].isdigit()
+    )
+    report = CheckpointVerification(url, complete=bool(ranks))
+    if not ranks:
+        report.problems.append(f"{_join(url, METADATA_NAME)} does not exist: the save never finished (incomplete)")
+    records: dict[str, dict[str, Any]] = {}
+    for rank in ranks if METADATA_NAME not in objects else [None]:
+        record_name = item_checksums_name(rank)
+        if record_name not in objects:
+            continue  # written by another tool: whole-file checksums only
+        try:
+            with s3.download_to_memory(_join(url, record_name)) as downloaded:
+                record = json.loads(downloaded.read_all())
+            records.update(record.get("files", {}))
+        except (_s3.ChecksumMismatchError, ValueError, AttributeError) as exc:
+            report.problems.append(f"{_join(url, record_name)} is unreadable or corrupt: {exc}")
+    for relative in sorted(set(records) - set(objects)):
+        report.problems.append(f"{_join(url, relative)} is missing: the checkpoint records it but it is gone")
+    for relative, info in sorted(objects.items()):
+        file_url = info.url
+        record = records.get(relative)
+        if record and record.get("etag") and record["etag"].strip('"') != info.etag.strip('"'):
+            report.problems.append(f"{file_url} was replaced after the checkpoint was saved (ETag {info.etag})")
+            continue
+        try:
+            with s3.download_to_memory(file_url, progress=progress) as downloaded:
+                items = _verify_items(file_url, downloaded, record)
+                report.files.append(VerifiedFile(file_url, downloaded.size, downloaded.verified_against, items))
+        except FileNotFoundError:
+            report.problems.append(f"{file_url} was deleted while verifying")
+        except _s3.ChecksumMismatchError as exc:
+            report.problems.append(str(exc))
+    return report
+
+
+def _verify_items(url: str, downloaded: _s3.DownloadedObject, record: dict[str, Any] | None) -> int:
+    if not record:
+        return 0
+    algorithm = _s3.checksum_algorithm(record["algorithm"])
+    items = record.get("items", {})
+    with downloaded.view() as view:
+        for offset_text, (length, expected) in sorted(items.items(), key=lambda item: int(item[0])):
+            offset = int(offset_text)
+            if offset + length > len(view):
+                raise _s3.ChecksumMismatchError(f"{url} is truncated: an item at bytes {offset}-{offset + length}")
+            actual = _checksum(algorithm, view[offset : offset + length])
+            if actual != expected:
+                raise _s3.ChecksumMismatchError(
+                    f"{url} is corrupt: bytes {offset}-{offset + length} have {algorithm.name} {actual:#x}, but "
+                    f"{expected:#x} was recorded when the checkpoint was written. Do not use it."
+                )
+    return len(items)

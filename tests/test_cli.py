@@ -135,7 +135,7 @@ def test_ls_lists_checkpoints_with_step_size_time_and_kind(run_url: str, capsys:
     code, out, err = run_cli(capsys, "ls", run_url)
     assert code == 0, err
     lines = out.splitlines()
-    assert lines[0].split() == ["STEP", "SIZE", "LAST", "MODIFIED", "(UTC)", "KIND", "URL"]
+    assert lines[0].split() == ["STEP", "SIZE", "LAST", "MODIFIED", "(UTC)", "SHARDS", "STATE", "KIND", "URL"]
     rows = [line.split() for line in lines[1:-1]]
     # stepped checkpoints by step, then the ones without a step; not recursive, *.ckpt only, no sidecars
     assert [(row[0], row[-2], row[-1].rpartition("/")[2]) for row in rows] == [
@@ -450,6 +450,184 @@ def test_rm_nothing_found_exits_3(bucket: str, capsys: pytest.CaptureFixture[str
     code, _, err = run_cli(capsys, "rm", f"s3://{bucket}/nothing", "--keep-last", "1")
     assert code == cli.EXIT_NOT_FOUND
     assert "no checkpoints" in err
+
+
+# ---- sharded (DCP) checkpoints ---------------------------------------------------------------------------------------
+
+
+def save_dcp(url: str, seed: int = 0) -> None:
+    """A real DCP checkpoint at `url` (one process, two shards: thread_count=2), written by S3StorageWriter."""
+    torch = pytest.importorskip("torch")
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from s3_dcp import S3StorageWriter
+
+    state = {"a": torch.arange(1000.0) + seed, "b": torch.full((500,), float(seed))}
+    dcp.save(state, storage_writer=S3StorageWriter(url, thread_count=2), no_dist=True)
+
+
+@pytest.fixture
+def dcp_run_url(bucket: str, s3_client: Any) -> str:
+    """``s3://<bucket>/dcp``: complete DCP checkpoints at steps 10, 20 (top-k) and 30 (last), an incomplete one at
+    step 40 (its save died before .metadata), one single-file checkpoint, and a sibling prefix of step 10's."""
+    base = f"s3://{bucket}/dcp"
+    for seed, name in enumerate(("m-step=10.ckpt", "m-step=20.ckpt", "m-step=30-last.ckpt")):
+        save_dcp(f"{base}/{name}", seed)
+    s3_client.put_object(Bucket=bucket, Key="dcp/m-step=40-last.ckpt/__0_0.distcp", Body=b"x" * 100)
+    s3_client.put_object(Bucket=bucket, Key="dcp/m-step=50.ckpt/__0_0.distcp", Body=b"x" * 10)  # a save under way
+    write_object(f"{base}/file-step=5.ckpt", 300)
+    write_object(f"{base}/m-step=10.ckpt_old/keep.bin", 10)
+    return base
+
+
+def dcp_sizes(s3_client: Any, bucket: str, key_prefix: str) -> tuple[int, int]:
+    """(total size, number of .distcp objects) under `key_prefix` (ending in "/")."""
+    pages = s3_client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key_prefix)
+    objects = [o for page in pages for o in page.get("Contents", []) if not o["Key"].endswith(CHECKSUM_SIDECAR_SUFFIX)]
+    return sum(o["Size"] for o in objects), sum(o["Key"].endswith(".distcp") for o in objects)
+
+
+@BOTH_BUCKET_KINDS
+def test_ls_shows_a_dcp_checkpoint_as_one_entry(
+    dcp_run_url: str, bucket: str, s3_client: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_cli(capsys, "ls", "--json", dcp_run_url)
+    assert code == 0, err
+    by_name = {entry["url"].removeprefix(dcp_run_url + "/"): entry for entry in json.loads(out)}
+    assert set(by_name) == {
+        "m-step=10.ckpt",
+        "m-step=20.ckpt",
+        "m-step=30-last.ckpt",
+        "m-step=40-last.ckpt",
+        "m-step=50.ckpt",
+        "file-step=5.ckpt",
+    }  # no shard, .metadata or m-step=10.ckpt_old/ entries
+    size, shards = dcp_sizes(s3_client, bucket, "dcp/m-step=20.ckpt/")
+    assert shards == 2
+    assert by_name["m-step=20.ckpt"] == {
+        **by_name["m-step=20.ckpt"],
+        "format": "dcp",
+        "shards": 2,
+        "complete": True,
+        "size": size,
+        "step": 20,
+        "kind": "top-k",
+    }
+    assert by_name["m-step=30-last.ckpt"]["kind"] == "last"
+    assert by_name["m-step=40-last.ckpt"] == {**by_name["m-step=40-last.ckpt"], "shards": 1, "complete": False}
+    assert by_name["file-step=5.ckpt"] == {
+        **by_name["file-step=5.ckpt"],
+        "format": "file",
+        "shards": None,
+        "complete": True,
+    }
+
+    code, out, err = run_cli(capsys, "ls", dcp_run_url)
+    assert code == 0, err
+    lines = out.splitlines()
+    header_url = lines[0].index("URL")
+    rows = {line.split()[-1].rpartition("/")[2]: line for line in lines[1:-1]}
+    assert all(line.index(dcp_run_url) == header_url for line in rows.values())  # aligned with the header
+    assert rows["m-step=20.ckpt"].split()[-4:-1] == ["2", "complete", "top-k"]
+    assert rows["m-step=40-last.ckpt"].split()[-4:-1] == ["1", "incomplete", "last"]
+    assert rows["file-step=5.ckpt"].split()[-4:-1] == ["-", "-", "top-k"]
+    assert lines[-1].startswith("6 checkpoint(s), ") and "2 incomplete" in lines[-1]
+
+    code, out, _ = run_cli(capsys, "ls", "--json", f"{dcp_run_url}/m-step=20.ckpt")  # the checkpoint itself
+    assert code == 0
+    assert [(e["url"], e["shards"], e["size"]) for e in json.loads(out)] == [(f"{dcp_run_url}/m-step=20.ckpt", 2, size)]
+
+
+@BOTH_BUCKET_KINDS
+def test_ls_kinds_of_dcp_checkpoints_agree_with_resume_discovery(
+    dcp_run_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import connector
+
+    candidates = {c.name: (c.kind, c.problem is None) for c in connector.list_resume_candidates(dcp_run_url)}
+    _, out, _ = run_cli(capsys, "ls", "--json", dcp_run_url)
+    listed = {e["url"].rpartition("/")[2]: (e["kind"], e["complete"]) for e in json.loads(out) if e["kind"] != "top-k"}
+    assert listed == candidates == {"m-step=30-last.ckpt": ("last", True), "m-step=40-last.ckpt": ("last", False)}
+
+
+def test_verify_checks_every_shard_and_item_of_a_dcp_checkpoint(
+    dcp_run_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"{dcp_run_url}/m-step=20.ckpt"
+    code, out, err = run_cli(capsys, "verify", url)
+    assert code == 0, (out, err)
+    ok = [line.split()[1] for line in out.splitlines() if line.startswith("OK ")]
+    assert {f"{url}/__0_0.distcp", f"{url}/__0_1.distcp", f"{url}/.metadata", f"{url}/.s3ckpt-items.json"} <= set(ok)
+    assert out.splitlines()[-1].startswith(f"OK        {url}  ")
+    assert "2 shard(s)" in out.splitlines()[-1] and "2 item(s) checked" in out.splitlines()[-1]
+
+    code, out, err = run_cli(capsys, "verify", f"{dcp_run_url}/m-step=40-last.ckpt")
+    assert code == cli.EXIT_VERIFY_FAILED
+    assert f"{dcp_run_url}/m-step=40-last.ckpt/.metadata does not exist" in out
+    assert "1 of 1 checkpoint(s) failed verification" in err
+
+
+def test_verify_finds_a_corrupt_dcp_shard(
+    dcp_run_url: str, fault_proxy: FaultProxy, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fault_proxy.add_rule(
+        FaultRule(Fault.corrupt_body(offset=10), method="GET", path_regex=r"step=20\.ckpt/__0_1\.distcp$")
+    )
+    url = f"{dcp_run_url}/m-step=20.ckpt"
+    code, out, err = run_cli(capsys, "--endpoint-url", fault_proxy.endpoint_url, "verify", dcp_run_url)
+    assert code == cli.EXIT_VERIFY_FAILED, (out, err)
+    failed = [line for line in out.splitlines() if line.startswith("FAILED")]
+    assert any(f"{url}/__0_1.distcp is corrupt" in line for line in failed), out
+    assert any(line.startswith(f"FAILED    {url}: DCP checkpoint, 2 shard(s)") for line in failed), out
+    assert "3 of 6 checkpoint(s) failed verification" in err  # step 20 and the incomplete steps 40 and 50
+
+
+def test_verify_finds_a_dcp_shard_replaced_after_the_save(
+    dcp_run_url: str, bucket: str, s3_client: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"{dcp_run_url}/m-step=10.ckpt"
+    write_object(f"{url}/__0_0.distcp", 64, seed=9)  # checksummed, so only the item record can tell
+    code, out, _ = run_cli(capsys, "verify", url)
+    assert code == cli.EXIT_VERIFY_FAILED
+    assert f"{url}/__0_0.distcp was replaced after the checkpoint was saved" in out
+
+
+def test_verify_checks_each_item_against_its_recorded_checksum(
+    dcp_run_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"{dcp_run_url}/m-step=10.ckpt"
+    record_url = f"{url}/.s3ckpt-items.json"
+    with S3Utils().download_to_memory(record_url) as downloaded:
+        record = json.loads(downloaded.read_all())
+    shard, entry = sorted(record["files"].items())[0]
+    offset = sorted(entry["items"], key=int)[0]
+    entry["items"][offset][1] ^= 1  # the shard is intact; its first item no longer matches the record
+    data = json.dumps(record).encode()
+    with S3Utils().open_writer(record_url, 5) as writer:
+        writer.write(data)
+    code, out, _ = run_cli(capsys, "verify", url)
+    assert code == cli.EXIT_VERIFY_FAILED
+    assert f"{url}/{shard} is corrupt: bytes {offset}-" in out
+
+
+@BOTH_BUCKET_KINDS
+def test_rm_keep_last_removes_a_dcp_checkpoint_as_one(
+    dcp_run_url: str, bucket: str, s3_client: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_cli(capsys, "rm", dcp_run_url, "--keep-last", "1", "--dry-run")
+    assert code == 0, err
+    would = [line.split()[-1] for line in out.splitlines() if line.startswith("would delete ")]
+    assert would == [f"{dcp_run_url}/file-step=5.ckpt", f"{dcp_run_url}/m-step=10.ckpt"]
+
+    code, out, err = run_cli(capsys, "rm", dcp_run_url, "--keep-last", "1")
+    assert code == 0, err
+    after = keys(s3_client, bucket)
+    assert not any(key.startswith("dcp/m-step=10.ckpt/") for key in after)  # every shard, record and .metadata
+    assert "dcp/m-step=10.ckpt_old/keep.bin" in after  # /-bounded
+    assert "dcp/m-step=20.ckpt/.metadata" in after and "dcp/m-step=30-last.ckpt/.metadata" in after
+    assert "dcp/m-step=40-last.ckpt/__0_0.distcp" in after  # a last checkpoint, even incomplete, is never pruned
+    assert "dcp/m-step=50.ckpt/__0_0.distcp" in after  # the newest step, but incomplete: neither kept nor pruned
+    assert f"{dcp_run_url}/m-step=50.ckpt  (no .metadata: its save may still be running)" in out
+    assert out.splitlines()[-1] == f"deleted 2, kept 4 checkpoint(s) under {dcp_run_url}"
 
 
 # ---- S3 errors ------------------------------------------------------------------------------------------------------

@@ -166,14 +166,85 @@ class SelectionRules:
             "ckpt/gpt--step=4-last.ckpt",
             "ckpt/gpt--step=40-last/metadata.json",
             "ckpt/gpt--step=40-last/__0_0.distcp",
+            "ckpt/gpt--step=40-last/.metadata",
         )
         assert self.find() == self.store.url("ckpt/gpt--step=40-last")
+
+    # ---- DCP checkpoints (a prefix such as x-last.ckpt/ holding .distcp shards; .metadata is written last) ---------
+
+    def test_complete_dcp_last_beats_an_older_file_last_by_step(self) -> None:
+        self.store.put(
+            "ckpt/gpt--step=50-last.ckpt/__0_0.distcp",
+            "ckpt/gpt--step=50-last.ckpt/__1_0.distcp",
+            "ckpt/gpt--step=50-last.ckpt/.s3ckpt-items.json",
+            "ckpt/gpt--step=50-last.ckpt/.metadata",
+            "ckpt/gpt--step=9-last.ckpt",  # newer by time, older by step
+        )
+        assert self.find() == self.store.url("ckpt/gpt--step=50-last.ckpt")
+        (chosen,) = [c for c in list_resume_candidates(self.store.dirpath()) if c.step == 50]
+        assert chosen.is_directory and chosen.kind == "last" and chosen.problem is None
+
+    def test_incomplete_dcp_without_metadata_is_skipped_with_a_log_line(self, caplog: pytest.LogCaptureFixture) -> None:
+        self.store.put(
+            "ckpt/gpt--step=9-last.ckpt",
+            "ckpt/gpt--step=60-last.ckpt/meta.pt",
+            "ckpt/gpt--step=60-last.ckpt/__0_0.distcp",
+            "ckpt/gpt--step=60-last.ckpt/__1_0.distcp",  # the save died before .metadata
+        )
+        with caplog.at_level("WARNING", logger="connector"):
+            assert self.find() == self.store.url("ckpt/gpt--step=9-last.ckpt")
+        skipped = self.store.url("ckpt/gpt--step=60-last.ckpt")
+        assert f"Not resuming from {skipped}: " in caplog.text and "without .metadata" in caplog.text
+
+    def test_only_an_incomplete_dcp_is_nothing_found(self) -> None:
+        self.store.put("ckpt/gpt--step=60-last.ckpt/__0_0.distcp")
+        with pytest.raises(CheckpointNotFoundError, match=r"1 incomplete or unfinished checkpoint\(s\) skipped"):
+            self.find()
+
+    def test_end_dcp_means_finished(self) -> None:
+        self.store.put(
+            "ckpt/gpt--step=10-last.ckpt",
+            "ckpt/gpt--step=20-end.ckpt/__0_0.distcp",
+            "ckpt/gpt--step=20-end.ckpt/.metadata",
+        )
+        with pytest.raises(CheckpointAlreadyCompletedError, match=r"gpt--step=20-end\.ckpt"):
+            self.find()
+        assert self.find(resume_past_end=True) == self.store.url("ckpt/gpt--step=20-end.ckpt")
+
+    def test_dcp_without_collectives_needs_every_ranks_metadata(self) -> None:
+        self.store.put(
+            "ckpt/gpt--step=5-last.ckpt",
+            "ckpt/gpt--step=70-last.ckpt/__0_0.distcp",
+            "ckpt/gpt--step=70-last.ckpt/__1_0.distcp",
+            "ckpt/gpt--step=70-last.ckpt/__0.metadata",
+        )
+        assert self.find() == self.store.url("ckpt/gpt--step=5-last.ckpt")  # rank 1 never committed
+        self.store.put("ckpt/gpt--step=70-last.ckpt/__1.metadata")
+        assert self.find() == self.store.url("ckpt/gpt--step=70-last.ckpt")
+
+    def test_metadata_of_a_nested_folder_does_not_complete_a_dcp(self) -> None:
+        self.store.put(
+            "ckpt/gpt--step=5-last.ckpt",
+            "ckpt/gpt--step=80-last.ckpt/__0_0.distcp",
+            "ckpt/gpt--step=80-last.ckpt/old/.metadata",
+        )
+        assert self.find() == self.store.url("ckpt/gpt--step=5-last.ckpt")
 
 
 class TestSelectionLocal(SelectionRules):
     @pytest.fixture(autouse=True)
     def _store(self, tmp_path: Path) -> None:
         self.store = LocalStore(tmp_path)
+
+    def test_real_local_dcp_save_is_found(self, tmp_path: Path) -> None:
+        dcp = pytest.importorskip("torch.distributed.checkpoint")
+        torch = pytest.importorskip("torch")
+        self.store.put("ckpt/gpt--step=3-last.ckpt")
+        directory = tmp_path / "ckpt" / "gpt--step=30-last.ckpt"
+        dcp.save({"w": torch.arange(8.0)}, storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)
+        assert self.find() == str(directory)
+        (directory / ".metadata").unlink()
+        assert self.find() == self.store.url("ckpt/gpt--step=3-last.ckpt")
 
     def test_lightning_last_names_without_step_pick_the_newest_file(self) -> None:
         self.store.put("ckpt/last-v1.ckpt", "ckpt/last.ckpt", "ckpt/last-v2.ckpt")
@@ -205,6 +276,32 @@ class TestSelectionS3(SelectionRules):
         assert (
             find_resume_checkpoint(f"s3://{bucket}/ckpt", s3_utils=s3) == f"s3://{bucket}/ckpt/gpt--step=24-last.ckpt"
         )
+
+    def test_real_dcp_save_is_found_and_costs_one_listing(self, bucket: str) -> None:
+        dcp = pytest.importorskip("torch.distributed.checkpoint")
+        torch = pytest.importorskip("torch")
+        from s3_dcp import S3StorageWriter
+
+        self.store.put("ckpt/gpt--step=3-last.ckpt")
+        url = f"s3://{bucket}/ckpt/gpt--step=30-last.ckpt"
+        dcp.save({"w": torch.arange(8.0)}, storage_writer=S3StorageWriter(url), no_dist=True)
+        s3 = S3Utils()
+        calls: list[str] = []
+        original = s3.call
+        s3.call = lambda operation, *args, **kwargs: calls.append(operation) or original(operation, *args, **kwargs)
+        assert find_resume_checkpoint(f"s3://{bucket}/ckpt", s3_utils=s3) == url
+        assert calls == ["list_objects_v2"]  # no HEAD per DCP folder: the listing shows .metadata
+
+    def test_last_lookup_of_s3_model_checkpoint_sees_complete_dcp_lasts_only(
+        self, bucket: str, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        pytest.importorskip("lightning")
+        callback = connector.s3_model_checkpoint_class("lightning.pytorch")(dirpath=f"s3://{bucket}/ckpt")
+        self.store.put("ckpt/last-v1.ckpt/__0_0.distcp", "ckpt/last-v1.ckpt/.metadata", "ckpt/last.ckpt/__0_0.distcp")
+        with caplog.at_level("WARNING", logger="connector"):
+            times = callback.last_checkpoint_times()
+        assert set(times) == {f"s3://{bucket}/ckpt/last-v1.ckpt"}
+        assert f"Not resuming from s3://{bucket}/ckpt/last.ckpt: " in caplog.text
 
     def test_pathlib_collapsed_url_is_repaired(self, bucket: str) -> None:
         self.store.put("ckpt/gpt--step=1-last.ckpt")

@@ -1,4 +1,4 @@
-"""Packaging promises: no hard dependencies at import time, clear errors for missing extras, and the four core
+"""Packaging promises: no hard dependencies at import time, clear errors for missing extras, and the five core
 modules working unedited when copied into a package folder of a NeMo fork."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from optional_imports import CORE_OPTIONAL_MODULES, HIDE_PREAMBLE, LIGHTNING_MOD
 from optional_imports import extras as optional_dependencies
 
 REPO = Path(__file__).resolve().parent.parent
-CORE_MODULES = ["s3_dirpath_utils", "s3_utils", "s3_checkpoint_io", "connector"]
+CORE_MODULES = ["s3_dirpath_utils", "s3_utils", "s3_checkpoint_io", "s3_dcp", "connector"]
 
 
 def run_python(code: str, *, hidden: tuple[str, ...] = (), cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
@@ -29,7 +29,7 @@ def test_core_modules_import_with_every_extra_hidden() -> None:
     hidden = CORE_OPTIONAL_MODULES
     result = run_python(
         """
-        import s3_dirpath_utils, s3_utils, s3_checkpoint_io, connector
+        import s3_dirpath_utils, s3_utils, s3_checkpoint_io, s3_dcp, connector
         assert s3_dirpath_utils.parse_s3_url("s3://bucket/key") == ("bucket", "key")
         print("ok")
         """,

@@ -138,6 +138,29 @@ def test_cli_cp_uploads_with_the_object_options(s3_server, s3_client, bucket: st
     assert url in capsys.readouterr().out
 
 
+def test_dcp_save_carries_the_object_options_on_every_object(s3_server, s3_client, bucket: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from s3_dcp import S3StorageReader, S3StorageWriter
+
+    url = f"s3://{bucket}/run/step-1"
+    options = {"ServerSideEncryption": "AES256", "StorageClass": "STANDARD_IA"}
+    state = {"a": torch.arange(1000.0), "b": torch.ones(300)}
+    dcp.save(state, storage_writer=S3StorageWriter(url, thread_count=2, request_options=options), no_dist=True)
+    keys = [o["Key"] for o in s3_client.list_objects_v2(Bucket=bucket, Prefix="run/step-1/")["Contents"]]
+    assert {k.rpartition("/")[2] for k in keys} >= {"__0_0.distcp", "__0_1.distcp", ".metadata", ".s3ckpt-items.json"}
+    for key in keys:
+        head = s3_client.head_object(Bucket=bucket, Key=key)
+        assert (head.get("ServerSideEncryption"), head.get("StorageClass")) == ("AES256", "STANDARD_IA"), key
+    loaded = {"a": torch.zeros(1000), "b": torch.zeros(300)}
+    dcp.load(loaded, storage_reader=S3StorageReader(url, request_options={"RequestPayer": "requester"}), no_dist=True)
+    assert all(torch.equal(loaded[name], state[name]) for name in state)
+    with pytest.raises(ValueError, match="request_options cannot apply to a given s3_utils"):
+        S3StorageWriter(url, request_options=options, s3_utils=S3Utils())
+    with pytest.raises(ValueError, match="Unknown S3 request option"):
+        S3StorageReader(url, request_options={"ACL": "private"})
+
+
 # ---- what the stores do with each option ---------------------------------------------------------------------------
 
 # "recorded": the object carries it (head_object / get_object_tagging); "refused": the upload fails (nothing left
