@@ -69,6 +69,7 @@ def test_total_time_bounds_the_retries(fault_proxy, bucket: str) -> None:
     policy = RetryPolicy(max_attempts=1000, max_elapsed_s=1.0, initial_backoff_s=0.05, max_backoff_s=0.2)
     utils = S3Utils(S3ClientSettings(endpoint_url=fault_proxy.endpoint_url), policy)
     fault_proxy.add_rule(FaultRule(Fault.status(500, "InternalError"), method="GET"))
+    assert utils.client is not None  # built before the clock starts: creating a client is not a retry
     started = time.monotonic()
     with pytest.raises(ClientError, match="InternalError"):
         utils.list_objects(f"s3://{bucket}/x")
