@@ -19,7 +19,14 @@ from typing import Any
 
 import pytest
 from fault_proxy import FaultProxy
-from s3_servers import S3Endpoint, S3ServerUnavailableError, ServerNotInstalledError, start_moto, start_seaweedfs
+from s3_servers import (
+    S3Endpoint,
+    S3ServerUnavailableError,
+    ServerNotInstalledError,
+    empty_and_delete_bucket,
+    start_moto,
+    start_seaweedfs,
+)
 
 from s3_utils import forget_s3fs_instances, fresh_s3fs_instances
 
@@ -108,18 +115,6 @@ def s3_client(s3_server: S3Endpoint, request: pytest.FixtureRequest) -> Any:
     return s3_server.client()
 
 
-def _empty_and_delete_bucket(client: Any, bucket: str) -> None:
-    """Abort open multipart uploads, delete all objects, delete the bucket."""
-    for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket):
-        for upload in page.get("Uploads", []):
-            client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-        keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
-        if keys:
-            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
-    client.delete_bucket(Bucket=bucket)
-
-
 DIRECTORY_ZONE_SUFFIX = "--use1-az4--x-s3"
 
 
@@ -148,7 +143,7 @@ def bucket(s3_server: S3Endpoint, request: pytest.FixtureRequest) -> Iterator[st
     client.create_bucket(Bucket=name)
     yield name
     try:
-        _empty_and_delete_bucket(client, name)
+        empty_and_delete_bucket(client, name)
     except Exception as exc:  # cleanup must not mask the test result
         warnings.warn(f"could not clean up bucket {name} on {s3_server.name}: {exc!r}", stacklevel=1)
 

@@ -20,6 +20,7 @@ import pytest
 
 pytest.importorskip("torch")
 from fault_proxy import Fault, FaultProxy, FaultRule
+from s3_servers import empty_and_delete_bucket
 
 pytestmark = [pytest.mark.slow]
 
@@ -83,14 +84,7 @@ def dcp_run(s3_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                 _run_ranks(world_size, scenarios, base, proxy.endpoint_url, outs[world_size])
             yield {"client": client, "bucket": bucket, "outs": outs, "proxy": proxy}
     finally:
-        for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket):
-            for upload in page.get("Uploads", []):
-                client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-            keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
-            if keys:
-                client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
-        client.delete_bucket(Bucket=bucket)
+        empty_and_delete_bucket(client, bucket)
 
 
 def _names(run: dict[str, Any], prefix: str) -> list[str]:

@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import s3_local_servers
 from s3_local_servers import (
@@ -117,3 +118,15 @@ def _hook_termination_signals() -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) is signal.SIG_DFL:
             signal.signal(sig, handler)
+
+
+def empty_and_delete_bucket(client: Any, bucket: str) -> None:
+    """Abort open multipart uploads, delete all objects, delete the bucket."""
+    for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket):
+        for upload in page.get("Uploads", []):
+            client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+    client.delete_bucket(Bucket=bucket)
