@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import io
 import json
 import logging
@@ -1214,7 +1215,7 @@ class S3ShardedStrategyMixin:
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if not _urls.is_s3_url(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+            return self._lightning_load_checkpoint(checkpoint_path, weights_only)
         url = _checkpoint_url(self.broadcast(_urls.normalize_s3_url(checkpoint_path)))  # type: ignore[attr-defined]
         if not self._is_s3_sharded_checkpoint(url):
             return self._load_full_s3_checkpoint(url, weights_only)
@@ -1285,6 +1286,14 @@ class S3ShardedStrategyMixin:
                 )
                 optimizer.load_state_dict(flattened)
 
+    def _lightning_load_checkpoint(self, path: Any, weights_only: bool | None) -> dict[str, Any]:
+        """Lightning's own ``load_checkpoint`` of the strategy. Lightning 2.4's takes no ``weights_only`` (it loads
+        with torch's default), so it is passed only where the signature has it."""
+        load = super().load_checkpoint  # type: ignore[misc]
+        if "weights_only" in inspect.signature(load).parameters:
+            return load(path, weights_only=weights_only)
+        return load(path)
+
     def _load_full_s3_checkpoint(self, url: str, weights_only: bool | None) -> dict[str, Any]:
         """A consolidated checkpoint: every rank downloads the one object (verified) and Lightning's own
         full-checkpoint code restores it from the in-memory file. That code broadcasts its path from rank 0, and each
@@ -1295,7 +1304,7 @@ class S3ShardedStrategyMixin:
         with utils.download_to_memory(url, o["chunk_size_MB"], o["max_read_concurrency"]) as downloaded:
             self.broadcast = _no_broadcast  # type: ignore[method-assign]
             try:
-                return super().load_checkpoint(downloaded.path, weights_only=weights_only)  # type: ignore[misc]
+                return self._lightning_load_checkpoint(downloaded.path, weights_only)
             finally:
                 del self.broadcast
 
