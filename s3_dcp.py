@@ -25,6 +25,7 @@ this module never needs them.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import inspect
@@ -33,9 +34,12 @@ import json
 import logging
 import os
 import pickle
+import struct
+import sys
 import threading
 import traceback
 import uuid
+import zipfile
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -84,6 +88,13 @@ DEFAULT_DCP_MAX_WRITE_CONCURRENCY = 4
 node uploads at the same time, so the node has ranks x this many parts in flight (benchmarks/README.md)."""
 DEFAULT_COALESCE_GAP_MB = 4.0
 """Items of one file closer than this are fetched by one ranged GET (the bytes between are read and dropped)."""
+DEFAULT_DIRECT_READ_MIN_MB = 4.0
+"""Tensor items at least this large whose target is a whole, contiguous CPU tensor of the stored dtype and shape are
+read straight into the target's memory: one copy per byte (socket to tensor) instead of three. Smaller ones are
+coalesced into shared GETs, where the two small requests that locate a tensor's bytes would cost more than a copy."""
+_DIRECT_READ_MAX_OVERHEAD = 1 << 20
+"""An item's ``torch.save`` framing (zip headers, pickle) beyond its tensor bytes is about 1.5 KiB; an item with much
+more than that is not a plain tensor and takes the buffered path."""
 _ITEM_RECORD_VERSION = 1
 
 
@@ -645,6 +656,101 @@ class _ViewReader(io.RawIOBase):
         return self._position
 
 
+class _FramingReader(io.RawIOBase):
+    """The head and the tail of one ``torch.save``'d item, with zeros for the tensor bytes between them (not read yet):
+    enough for ``zipfile`` and ``torch.load(map_location="meta")``, which read only the archive's framing."""
+
+    def __init__(self, head: memoryview, tail: memoryview, length: int) -> None:
+        super().__init__()
+        self._head, self._tail, self._length = head, tail, length
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, target: Any) -> int:
+        out = memoryview(target).cast("B")
+        start = self._position
+        count = max(0, min(len(out), self._length - start))
+        end = start + count
+        tail_start = self._length - len(self._tail)
+        out[:count] = bytes(count)
+        if start < len(self._head):
+            stop = min(end, len(self._head))
+            out[: stop - start] = self._head[start:stop]
+        if end > tail_start:
+            first = max(start, tail_start)
+            out[first - start : count] = self._tail[first - tail_start : end - tail_start]
+        self._position += count
+        return count
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+
+@dataclass(frozen=True)
+class _TensorLayout:
+    """Where a ``torch.save``'d tensor's bytes lie in its item, and what they are (a tensor on the meta device)."""
+
+    start: int
+    nbytes: int
+    meta: Any
+
+
+def _tensor_layout(stream: io.RawIOBase) -> _TensorLayout | None:
+    """Read the layout of one ``torch.save``'d tensor from its archive's framing alone; None when the item is not a
+    single uncompressed storage in this machine's byte order (the caller then lets ``torch.load`` read it)."""
+    torch = _torch()
+    try:
+        with zipfile.ZipFile(stream) as archive:
+            records = archive.infolist()
+            storages = [r for r in records if r.filename.count("/") == 2 and r.filename.split("/")[1] == "data"]
+            order = [r for r in records if r.filename.endswith("/byteorder")]
+            if len(storages) != 1 or storages[0].compress_type != zipfile.ZIP_STORED:
+                return None
+            if order and archive.read(order[0]) != sys.byteorder.encode():
+                return None
+        record = storages[0]
+        stream.seek(record.header_offset)
+        header = stream.read(30)
+        if len(header) != 30 or header[:4] != b"PK\x03\x04":
+            return None
+        name_length, extra_length = struct.unpack_from("<HH", header, 26)
+        stream.seek(0)
+        meta = torch.load(stream, map_location="meta", weights_only=True)
+    except Exception:  # whatever this is, torch.load on the whole item reports it properly
+        return None
+    if type(meta) is not torch.Tensor or meta.untyped_storage().nbytes() != record.file_size:
+        return None
+    return _TensorLayout(record.header_offset + 30 + name_length + extra_length, record.file_size, meta)
+
+
+def _decode_tensor(data: memoryview) -> Any:
+    """The tensor stored in one item, as a view of `data` where its layout allows (no copy), else ``torch.load``."""
+    torch = _torch()
+    layout = _tensor_layout(_ViewReader(data))
+    if layout is not None and layout.nbytes and layout.start + layout.nbytes <= len(data):
+        meta = layout.meta
+        raw = torch.frombuffer(data, dtype=torch.uint8, count=layout.nbytes, offset=layout.start)
+        if raw.data_ptr() % meta.element_size() == 0:
+            return raw.view(meta.dtype).as_strided(meta.size(), meta.stride(), meta.storage_offset())
+    return torch.load(_ViewReader(data), map_location="cpu", weights_only=True)
+
+
+def _writable_view(tensor: Any) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a writable memoryview (socket reads land in the tensor itself)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
 @dataclass
 class _Item:
     """One stored item a rank needs, with the read requests it serves."""
@@ -654,6 +760,23 @@ class _Item:
     requests: list[Any]
     checksum: int | None = None  # recorded at save time, None when the file is verified as a whole
     pieces: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (piece index, checksum) in order
+    target: Any = None  # the planner's tensor, resolved once when the item may be read straight into it
+
+
+@dataclass
+class _DirectRead:
+    """One item read straight into its target tensor: its framing first, then its tensor bytes into the target."""
+
+    relative_path: str
+    url: str
+    item: _Item
+    etag: str | None
+    file_record: dict[str, Any] | None
+    head: bytearray
+    tail: bytearray
+    layout: _TensorLayout | None = None
+    framing: list[Future[int]] = dataclasses.field(default_factory=list)
+    futures: list[Future[int]] = dataclasses.field(default_factory=list)
 
 
 @dataclass
@@ -689,6 +812,7 @@ class _S3StorageReaderImpl(_S3Settings):
         chunk_size_MB: float = _s3.DEFAULT_CHUNK_SIZE_MB,
         max_read_concurrency: int = _s3.DEFAULT_MAX_READ_CONCURRENCY,
         coalesce_gap_MB: float = DEFAULT_COALESCE_GAP_MB,
+        direct_read_min_MB: float = DEFAULT_DIRECT_READ_MIN_MB,
         endpoint_url: str | None = None,
         region_name: str | None = None,
         client_settings: _s3.S3ClientSettings | None = None,
@@ -699,11 +823,14 @@ class _S3StorageReaderImpl(_S3Settings):
         _validate_sizes(chunk_size_MB, max_read_concurrency, "max_read_concurrency")
         if not coalesce_gap_MB >= 0:
             raise ValueError(f"coalesce_gap_MB must be >= 0, got {coalesce_gap_MB!r}")
+        if not direct_read_min_MB >= 0:
+            raise ValueError(f"direct_read_min_MB must be >= 0, got {direct_read_min_MB!r}")
         super().__init__()
         self.path = _checkpoint_url(path)
         self.chunk_size_MB = chunk_size_MB
         self.max_read_concurrency = max_read_concurrency
         self.coalesce_gap_MB = coalesce_gap_MB
+        self.direct_read_min_MB = direct_read_min_MB
         self.load_id = str(uuid.uuid4())
         self.rank: int | None = None
         self.use_collectives = True
@@ -712,8 +839,9 @@ class _S3StorageReaderImpl(_S3Settings):
         self._metadata_rank: int | None = None
         self._save_id: str | None = None
         self._stats_lock = threading.Lock()
-        self.stats = {"requests": 0, "bytes": 0}
-        """Ranged GETs and bytes fetched by `read_data` (for tests and benchmarks)."""
+        self.stats = {"requests": 0, "bytes": 0, "direct_items": 0}
+        """Ranged GETs and bytes fetched by `read_data`, and items read straight into their targets (for tests and
+        benchmarks)."""
         self._remember_utils(
             _make_utils(
                 s3_utils,
@@ -776,16 +904,21 @@ class _S3StorageReaderImpl(_S3Settings):
         return plans
 
     def read_data(self, plan: Any, planner: Any) -> Any:
-        """Fetch the items of `plan` with parallel ranged GETs, verify them, and hand them to the planner."""
+        """Fetch the items of `plan` with parallel ranged GETs, verify them, and hand them to the planner: large
+        tensors straight into their targets, the rest through buffers of coalesced ranges."""
         torch = _torch()
-        self._file_progress: dict[str, list[Any]] = {}  # file: [groups not yet verified, (offset, length, crc)...]
-        groups = self._plan_groups(plan.items)
+        self._file_progress: dict[str, list[Any]] = {}  # file: [reads not yet verified, (offset, length, crc)...]
+        groups, direct = self._plan_groups(plan.items, planner)
         chunk = int(self.chunk_size_MB * _s3.MB)
         budget = (self.max_read_concurrency + 1) * chunk
         pending: deque[_Group] = deque()
         in_flight = 0
         with ThreadPoolExecutor(self.max_read_concurrency, thread_name_prefix="s3ckpt-dcp-get") as pool:
             try:
+                direct, fallbacks = self._locate_tensors(pool, direct)
+                groups += fallbacks
+                for read in direct:
+                    self._submit_direct(pool, read, chunk)
                 for group in groups:
                     while pending and in_flight + (group.end - group.start) > budget:
                         done = pending.popleft()
@@ -796,9 +929,11 @@ class _S3StorageReaderImpl(_S3Settings):
                     in_flight += group.end - group.start
                 while pending:
                     self._consume(pending.popleft(), planner)
+                for read in direct:
+                    self._consume_direct(read, planner, chunk)
             except BaseException:
-                for group in pending:
-                    for future in group.futures:
+                for unit in [*pending, *direct]:
+                    for future in unit.futures:
                         future.cancel()
                 raise
         done_future = torch.futures.Future()
@@ -830,7 +965,8 @@ class _S3StorageReaderImpl(_S3Settings):
         self._records = record.get("files", {})
         return self._records
 
-    def _plan_groups(self, requests: Iterable[Any]) -> list[_Group]:
+    def _plan_groups(self, requests: Iterable[Any], planner: Any) -> tuple[list[_Group], list[_DirectRead]]:
+        """Group the requests by item and file: coalesced buffered groups, and the items to read into targets."""
         assert self.storage_data is not None
         per_file: dict[str, dict[tuple[int, int], _Item]] = {}
         for request in requests:
@@ -847,6 +983,7 @@ class _S3StorageReaderImpl(_S3Settings):
         gap = int(self.coalesce_gap_MB * _s3.MB)
         limit = max(int(self.chunk_size_MB * _s3.MB), 1)
         groups: list[_Group] = []
+        direct: list[_DirectRead] = []
         for relative_path, by_range in per_file.items():
             url = _join(self.path, relative_path)
             items = sorted(by_range.values(), key=lambda item: item.offset)
@@ -862,12 +999,37 @@ class _S3StorageReaderImpl(_S3Settings):
                         "that .metadata points to: the checkpoint is inconsistent; do not use it"
                     )
                 item.checksum = int(recorded[1])
-            file_groups = self._coalesce(url, relative_path, items, gap, limit, record["etag"] or None)
+            etag = record["etag"] or None
+            into_target = [self._direct_read(relative_path, url, item, etag, record, planner) for item in items]
+            file_direct = [read for read in into_target if read is not None]
+            buffered = [item for item, read in zip(items, into_target, strict=True) if read is None]
+            file_groups = self._coalesce(url, relative_path, buffered, gap, limit, etag)
             for group in file_groups:
                 group.file_record = record
-            self._file_progress[relative_path] = [len(file_groups), []]
+            self._file_progress[relative_path] = [len(file_groups) + len(file_direct), []]
             groups += file_groups
-        return groups
+            direct += file_direct
+        return groups, direct
+
+    def _direct_read(
+        self, relative_path: str, url: str, item: _Item, etag: str | None, record: dict[str, Any], planner: Any
+    ) -> _DirectRead | None:
+        """A plan to read `item` straight into its target, when it is one large tensor whose target is a whole,
+        contiguous CPU tensor (checked again against the stored layout before any tensor byte is fetched)."""
+        types = _dcp_types()
+        if len(item.requests) != 1 or item.length < max(self.direct_read_min_MB * _s3.MB, 1):
+            return None
+        request = item.requests[0]
+        if request.type != types.LoadItemType.TENSOR or any(request.storage_offsets):
+            return None
+        target = planner.resolve_tensor(request).detach()
+        item.target = target
+        nbytes = target.numel() * target.element_size()
+        overhead = item.length - nbytes
+        if target.device.type != "cpu" or not target.is_contiguous() or not 0 < overhead <= _DIRECT_READ_MAX_OVERHEAD:
+            return None
+        framing = min(overhead, item.length)
+        return _DirectRead(relative_path, url, item, etag, record, bytearray(framing), bytearray(framing))
 
     def _coalesce(
         self, url: str, relative_path: str, items: list[_Item], gap: int, limit: int, etag: str | None
@@ -898,6 +1060,100 @@ class _S3StorageReaderImpl(_S3Settings):
 
     # ---- fetching -------------------------------------------------------------------------------------------------
 
+    def _locate_tensors(
+        self, pool: ThreadPoolExecutor, reads: list[_DirectRead]
+    ) -> tuple[list[_DirectRead], list[_Group]]:
+        """Fetch each item's framing (its head and tail, all items in parallel) and read where its tensor bytes lie;
+        an item whose stored tensor does not match its target byte for byte is read through a buffer instead."""
+        for read in reads:
+            item = read.item
+            head, tail = memoryview(read.head), memoryview(read.tail)
+            read.framing = [
+                pool.submit(self._fetch_into, read.url, item.offset, head, read.etag, None),
+                pool.submit(self._fetch_into, read.url, item.offset + item.length - len(tail), tail, read.etag, None),
+            ]
+        accepted: list[_DirectRead] = []
+        fallbacks: list[_Group] = []
+        for read in reads:
+            for future in read.framing:
+                future.result()
+            item, target = read.item, read.item.target
+            layout = _tensor_layout(_FramingReader(memoryview(read.head), memoryview(read.tail), item.length))
+            meta = layout.meta if layout else None
+            if (
+                layout is not None
+                and meta.dtype == target.dtype
+                and meta.size() == target.size()
+                and meta.is_contiguous()
+                and meta.storage_offset() == 0
+                and layout.nbytes == target.numel() * target.element_size()
+                and layout.start <= len(read.head)
+                and layout.start + layout.nbytes >= item.length - len(read.tail)
+            ):
+                read.layout = layout
+                accepted.append(read)
+            else:
+                group = _Group(read.relative_path, read.url, item.offset, item.offset + item.length, [item], read.etag)
+                group.file_record = read.file_record
+                fallbacks.append(group)
+        return accepted, fallbacks
+
+    def _submit_direct(self, pool: ThreadPoolExecutor, read: _DirectRead, chunk: int) -> None:
+        assert read.layout is not None
+        view = _writable_view(read.item.target)
+        start = read.item.offset + read.layout.start
+        algorithm = _algorithm_of(self._records, read.relative_path)
+        for offset in range(0, len(view), chunk):
+            piece = view[offset : offset + chunk]
+            read.futures.append(pool.submit(self._fetch_into, read.url, start + offset, piece, read.etag, algorithm))
+
+    def _consume_direct(self, read: _DirectRead, planner: Any, chunk: int) -> None:
+        """Wait for an item's tensor bytes, verify the whole item (framing and tensor) against its recorded checksum,
+        and commit the target."""
+        assert read.layout is not None
+        item, layout = read.item, read.layout
+        algorithm = _algorithm_of(self._records, read.relative_path)
+        tail_from = layout.start + layout.nbytes - (item.length - len(read.tail))
+        actual = _checksum(algorithm, memoryview(read.head)[: layout.start])
+        for n, future in enumerate(read.futures):
+            actual = algorithm.combine(actual, future.result(), min(chunk, layout.nbytes - n * chunk))
+        actual = algorithm.combine(
+            actual, _checksum(algorithm, memoryview(read.tail)[tail_from:]), len(read.tail) - tail_from
+        )
+        request = item.requests[0]
+        if actual != item.checksum:
+            raise _s3.ChecksumMismatchError(
+                f"{read.url} is corrupt: bytes {item.offset}-{item.offset + item.length} (item "
+                f"{request.storage_index.fqn}) have {algorithm.name} {actual:#x}, but {item.checksum:#x} was recorded "
+                "when the checkpoint was written. Do not use it; use an older checkpoint."
+            )
+        self._file_progress[read.relative_path][1].append((item.offset, item.length, actual))
+        self._check_whole_file(read, algorithm)
+        with self._stats_lock:
+            self.stats["direct_items"] += 1
+        planner.commit_tensor(request, item.target)
+
+    def _fetch_into(self, url: str, start: int, view: memoryview, etag: str | None, algorithm: Any) -> int:
+        """Read bytes [start, start + len(view)) of `url` into `view`; their checksum (0 without `algorithm`)."""
+        try:
+            filled = self.s3.read_range_into(url, start, view, etag=etag) if len(view) else 0
+        except Exception as exc:
+            if _error_code(exc) in {"PreconditionFailed", "412"}:
+                raise _s3.ChecksumMismatchError(
+                    f"{url} was replaced after the checkpoint was written (its ETag is no longer {etag}): do not use "
+                    "this checkpoint"
+                ) from exc
+            raise
+        if filled != len(view):
+            raise _s3.ChecksumMismatchError(
+                f"{url} ends at byte {start + filled}, but the checkpoint's metadata needs bytes up to "
+                f"{start + len(view)}: the shard was truncated or replaced; do not use this checkpoint"
+            )
+        with self._stats_lock:
+            self.stats["requests"] += 1 if len(view) else 0
+            self.stats["bytes"] += len(view)
+        return _checksum(algorithm, view)
+
     def _submit(self, pool: ThreadPoolExecutor, group: _Group, chunk: int) -> None:
         group.buffer = bytearray(group.end - group.start)
         pieces = [(s, min(s + chunk, group.end)) for s in range(group.start, group.end, chunk)] or [(group.start,) * 2]
@@ -919,24 +1175,9 @@ class _S3StorageReaderImpl(_S3Settings):
 
     def _fetch(self, group: _Group, start: int, end: int, segments: list[tuple[int, int]], algorithm: Any) -> list[int]:
         assert group.buffer is not None
-        view = memoryview(group.buffer)[start - group.start : end - group.start]
-        try:
-            filled = self.s3.read_range_into(group.url, start, view, etag=group.etag) if len(view) else 0
-        except Exception as exc:
-            if _error_code(exc) in {"PreconditionFailed", "412"}:
-                raise _s3.ChecksumMismatchError(
-                    f"{group.url} was replaced after the checkpoint was written (its ETag is no longer "
-                    f"{group.etag}): do not use this checkpoint"
-                ) from exc
-            raise
-        if filled != len(view):
-            raise _s3.ChecksumMismatchError(
-                f"{group.url} ends at byte {start + filled}, but the checkpoint's metadata needs bytes up to {end}: "
-                "the shard was truncated or replaced; do not use this checkpoint"
-            )
-        with self._stats_lock:
-            self.stats["requests"] += 1 if end > start else 0
-            self.stats["bytes"] += end - start
+        self._fetch_into(
+            group.url, start, memoryview(group.buffer)[start - group.start : end - group.start], group.etag, None
+        )
         whole = memoryview(group.buffer)
         return [_checksum(algorithm, whole[lo:hi]) for lo, hi in segments]
 
@@ -1008,7 +1249,6 @@ class _S3StorageReaderImpl(_S3Settings):
             )
 
     def _load_item(self, data: memoryview, item: _Item, planner: Any) -> None:
-        torch = _torch()
         types = _dcp_types()
         tensor = None
         for request in item.requests:
@@ -1016,9 +1256,9 @@ class _S3StorageReaderImpl(_S3Settings):
                 planner.load_bytes(request, io.BytesIO(data))
                 continue
             if tensor is None:
-                tensor = torch.load(_ViewReader(data), map_location="cpu", weights_only=True)
+                tensor = _decode_tensor(data)
             piece = types.narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths)
-            target = planner.resolve_tensor(request).detach()
+            target = item.target if item.target is not None else planner.resolve_tensor(request).detach()
             if target.size() != piece.size():
                 raise ValueError(
                     f"{_join(self.path, self.storage_data[request.storage_index].relative_path)}: item "  # type: ignore[index]
@@ -1417,6 +1657,8 @@ _READER_DOC = """A ``torch.distributed.checkpoint`` StorageReader for ``s3://`` 
         chunk_size_MB: the largest ranged GET, in MiB; bigger items are fetched as several ranges in parallel.
         max_read_concurrency: parallel ranged GETs per rank.
         coalesce_gap_MB: items of one file closer than this are fetched by one GET.
+        direct_read_min_MB: tensor items at least this large are read straight into their target tensors when the
+            target is a whole, contiguous CPU tensor of the stored dtype and shape (one copy per byte, not three).
         endpoint_url, region_name, client_settings, retry_policy, s3_utils: how to reach S3 (as `S3CheckpointIO`).
         request_options: expected bucket owner, requester pays (`s3_utils.S3RequestOptions`); not with `s3_utils`.
     """

@@ -7,8 +7,9 @@ Methods, each run in fresh processes (2 ranks spawned per run), interleaved rep 
   ends in ``os.sync()``);
 * ``s3tc``: s3torchconnector's ``S3StorageWriter`` / ``S3StorageReader`` (DCP-optimised reader, its default), run in
   the peers venv (``benchmarks/.venv-peers`` or ``/work/venv-peers``; skipped with a note when neither has it);
-* ``raw-put``: each rank sends its shard's bytes in one ``put_object`` at the same time: the store's ceiling for
-  uploads on this machine, measured in the same run.
+* ``raw``: each rank sends its shard's bytes in one ``put_object`` at the same time (the store's ceiling for
+  uploads on this machine), then reads them back with 16 MiB ranged GETs, 15 in parallel, into a touched buffer,
+  unverified and undecoded (the ceiling for loads): both measured in the same run.
 
 The state is ``--size`` MiB of float32 DTensors sharded row-wise over the 2 ranks (``DTensor.from_local``), filled
 from fixed seeds so every load is checked bit-identical (after the clock stops). Per operation: aggregate MiB/s
@@ -19,7 +20,7 @@ and loads a tiny state with the same writer and reader (clients, connections and
 
     python benchmarks/bench_dcp.py --size 1024 --reps 3
 
-writes ``benchmarks/results/<stamp>-dcp.json`` and ``.md``. The machine has 2 cores shared by the two ranks and the
+writes ``benchmarks/results/<stamp>-dcp.json``, ``.md`` and ``.png`` (the chart; needs the ``bench`` extra). The machine has 2 cores shared by the two ranks and the
 store, so absolute numbers move with load; compare the ratios of one run.
 """
 
@@ -137,16 +138,25 @@ def _measure(operation: Any) -> dict[str, float]:
     return {"wall_s": wall, "cpu_s": cpu, "peak_extra_mib": peak / MiB}
 
 
-def _raw_put(spec: dict[str, Any], rank: int, tensors: list[Any]) -> dict[str, Any]:
+def _raw(spec: dict[str, Any], rank: int, tensors: list[Any]) -> dict[str, Any]:
     sys.path.insert(0, str(REPO))
     import s3_utils
 
-    client = s3_utils.get_s3_client(s3_utils.S3ClientSettings(endpoint_url=spec["endpoint"]))
+    utils = s3_utils.S3Utils(s3_utils.S3ClientSettings(endpoint_url=spec["endpoint"]))
+    client = utils.client
     payload = b"".join(t.numpy().tobytes() for t in tensors)
     client.put_object(Bucket=BUCKET, Key=f"raw/warmup-rank{rank}", Body=b"x" * 1024)  # connection up first
     key = f"raw/rank{rank}-{spec['rep']}"
-    result = _measure(lambda: client.put_object(Bucket=BUCKET, Key=key, Body=payload))
-    return {"save": result}
+    outcome = {"save": _measure(lambda: client.put_object(Bucket=BUCKET, Key=key, Body=payload))}
+    url = f"s3://{BUCKET}/{key}"
+    buffer = bytearray(b"\xff" * len(payload))  # touched: its pages are resident before the clock
+    view = memoryview(buffer)
+    chunk = 16 * MiB
+    ranges = [(start, view[start : start + chunk]) for start in range(0, len(view), chunk)]
+    utils.read_range_into(f"s3://{BUCKET}/raw/warmup-rank{rank}", 0, bytearray(1024))  # connections warm
+    outcome["load"] = _measure(lambda: utils.read_ranges_into(url, ranges, max_concurrency=15))
+    outcome["load"]["identical"] = buffer == payload
+    return outcome
 
 
 def _rank_main(rank: int, spec: dict[str, Any], port: int) -> None:
@@ -160,8 +170,8 @@ def _rank_main(rank: int, spec: dict[str, Any], port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     try:
         tensors = _local_tensors(rank, spec["size_mib"], fill=True)
-        if spec["method"] == "raw-put":
-            outcome = _raw_put(spec, rank, tensors)
+        if spec["method"] == "raw":
+            outcome = _raw(spec, rank, tensors)
         else:
             mesh = init_device_mesh("cpu", (WORLD_SIZE,))
             url = f"s3://{BUCKET}/{spec['method']}/rep{spec['rep']}"
@@ -291,7 +301,7 @@ def _markdown(report: dict[str, Any]) -> str:
         "| load peak extra RSS/rank MiB | loads identical |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for method in ("ours", "s3tc", "fsspec", "raw-put"):
+    for method in ("ours", "s3tc", "fsspec", "raw"):
         if method not in medians:
             continue
         save, load = medians[method].get("save"), medians[method].get("load")
@@ -307,8 +317,9 @@ def _markdown(report: dict[str, Any]) -> str:
         "",
         "Ratios (aggregate MiB/s, medians): "
         f"save ours/s3tc {_ratio(medians, 'ours', 's3tc', 'save')}, ours/fsspec {_ratio(medians, 'ours', 'fsspec', 'save')}, "
-        f"ours/raw-put {_ratio(medians, 'ours', 'raw-put', 'save')}; "
-        f"load ours/s3tc {_ratio(medians, 'ours', 's3tc', 'load')}, ours/fsspec {_ratio(medians, 'ours', 'fsspec', 'load')}.",
+        f"ours/raw {_ratio(medians, 'ours', 'raw', 'save')}; "
+        f"load ours/s3tc {_ratio(medians, 'ours', 's3tc', 'load')}, ours/fsspec {_ratio(medians, 'ours', 'fsspec', 'load')}, "
+        f"ours/raw {_ratio(medians, 'ours', 'raw', 'load')}.",
     ]
     for note in report["notes"]:
         lines += ["", f"Note: {note}"]
@@ -318,12 +329,47 @@ def _markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _chart(report: dict[str, Any], path: Path) -> bool:
+    """A PNG of the table: aggregate MiB/s and client CPU s/GiB per method, save and load, all from this one run."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print('NOTE: no chart: matplotlib is missing (pip install ".[bench]")', flush=True)
+        return False
+    medians = report["medians"]
+    methods = [m for m in ("ours", "s3tc", "fsspec", "raw") if m in medians]
+    metrics = (("mib_s", "aggregate MiB/s (higher is better)"), ("cpu_s_per_gib", "client CPU s/GiB (lower is better)"))
+    fig, axes = plt.subplots(2, len(metrics), figsize=(11, 5.5), squeeze=False)
+    for row, direction in zip(axes, ("save", "load"), strict=True):
+        chosen = [m for m in methods if direction in medians[m]]
+        for axis, (metric, title) in zip(row, metrics, strict=True):
+            values = [medians[m][direction][metric] for m in chosen]
+            colours = ["tab:orange" if m == "ours" else ("tab:gray" if m == "raw" else "tab:blue") for m in chosen]
+            axis.barh(chosen, values, color=colours)
+            axis.invert_yaxis()
+            axis.set_title(f"{direction}: {title}", fontsize=9)
+            for y, value in enumerate(values):
+                axis.text(value, y, f" {value:.0f}" if metric == "mib_s" else f" {value:.2f}", va="center", fontsize=8)
+    fig.suptitle(
+        f"DCP, {report['size_mib']} MiB over {WORLD_SIZE} gloo ranks, SeaweedFS, {report['reps']} reps "
+        f"(medians; {report['stamp']})",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--size", type=int, default=1024, help="global state size in MiB")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--methods", default="ours,s3tc,fsspec,raw-put")
+    parser.add_argument("--methods", default="ours,s3tc,fsspec,raw")
     parser.add_argument("--tag", default="")
     parser.add_argument(
         "--ours",
@@ -375,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     name = f"{stamp}-dcp{('-' + args.tag) if args.tag else ''}"
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
     (RESULTS / f"{name}.md").write_text(_markdown(report))
+    _chart(report, RESULTS / f"{name}.png")
     print(_markdown(report))
     return 0
 

@@ -164,6 +164,8 @@ def test_validate_checkpoint_id() -> None:
         s3_dcp.S3StorageWriter("s3://bucket/ckpt", thread_count=0)
     with pytest.raises(ValueError, match="max_read_concurrency"):
         s3_dcp.S3StorageReader("s3://bucket/ckpt", max_read_concurrency=0)
+    with pytest.raises(ValueError, match="direct_read_min_MB"):
+        s3_dcp.S3StorageReader("s3://bucket/ckpt", direct_read_min_MB=-1)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -173,7 +175,10 @@ def test_validate_checkpoint_id() -> None:
 
 @pytest.mark.parametrize("bucket", ["general_purpose", "directory"], indirect=True)
 @pytest.mark.parametrize("thread_count", [1, 2])
-def test_round_trip_tensors_and_bytes_no_dist(bucket: str, s3_client: Any, tmp_path: Path, thread_count: int) -> None:
+@pytest.mark.parametrize("direct_read_min_MB", [0, s3_dcp.DEFAULT_DIRECT_READ_MIN_MB], ids=["direct", "buffered"])
+def test_round_trip_tensors_and_bytes_no_dist(
+    bucket: str, s3_client: Any, tmp_path: Path, thread_count: int, direct_read_min_MB: float
+) -> None:
     url = f"s3://{bucket}/ckpt"
     state = _state()
     _save(state, url, thread_count=thread_count)
@@ -184,8 +189,9 @@ def test_round_trip_tensors_and_bytes_no_dist(bucket: str, s3_client: Any, tmp_p
     assert _open_uploads(s3_client, bucket) == []
 
     loaded = _empty_like(state)
-    _load(loaded, url)
+    reader = _load(loaded, url, direct_read_min_MB=direct_read_min_MB)
     _assert_same(loaded, state)
+    assert reader.stats["direct_items"] == (5 if direct_read_min_MB == 0 else 0)  # every tensor, or none
 
     # torch's own reader loads the same checkpoint once the prefix is copied to a local directory
     _download_prefix(s3_client, bucket, "ckpt", tmp_path)
@@ -240,13 +246,81 @@ def test_partial_load_coalesces_adjacent_items(bucket: str) -> None:
     assert reader.stats["bytes"] < 20_000  # only what the two items occupy
 
 
-def test_large_item_is_fetched_as_parallel_ranges(bucket: str) -> None:
+def test_large_item_is_fetched_as_parallel_ranges_straight_into_its_target(bucket: str) -> None:
     state = {"huge": torch.randn(3 * 1024 * 1024)}  # 12 MiB
     _save(state, f"s3://{bucket}/huge")
     loaded = {"huge": torch.zeros(3 * 1024 * 1024)}
+    address = loaded["huge"].data_ptr()
     reader = _load(loaded, f"s3://{bucket}/huge", chunk_size_MB=5)
-    assert torch.equal(loaded["huge"], state["huge"])
-    assert reader.stats["requests"] == 3
+    assert torch.equal(loaded["huge"], state["huge"]) and loaded["huge"].data_ptr() == address
+    assert reader.stats["direct_items"] == 1
+    assert reader.stats["requests"] == 2 + 3  # the item's head and tail (its zip framing), then 3 ranges of <= 5 MiB
+    assert 12 * 2**20 < reader.stats["bytes"] < 12 * 2**20 + 8192  # the tensor's bytes once, plus the framing twice
+
+    buffered = {"huge": torch.zeros(3 * 1024 * 1024)}
+    reader = _load(buffered, f"s3://{bucket}/huge", chunk_size_MB=5, direct_read_min_MB=64)
+    assert torch.equal(buffered["huge"], state["huge"])
+    assert reader.stats["direct_items"] == 0 and reader.stats["requests"] == 3
+
+
+def test_items_whose_bytes_do_not_match_their_target_take_the_buffered_path(bucket: str) -> None:
+    """Straight-into-target reads are only for a whole, contiguous target of the stored dtype and shape whose stored
+    tensor is laid out the same way; everything else is decoded and copied (and converted) as DCP's own reader does."""
+    generator = torch.Generator().manual_seed(3)
+    square = torch.randn(512, 512, generator=generator)
+    state = {
+        "transposed": square.t(),  # saved with its strides: the stored bytes are in the other order
+        "wide": torch.randn(256, 1024, generator=generator),
+        "converted": torch.randn(1024, 256, generator=generator),
+        "plain": torch.randn(1024, 256, generator=generator),
+    }
+    _save(state, f"s3://{bucket}/mixed")
+    holder = torch.zeros(1024, 256)
+    loaded = {
+        "transposed": torch.zeros(512, 512),
+        "wide": holder.t(),  # a non-contiguous target: never written byte for byte
+        "converted": torch.zeros(1024, 256, dtype=torch.float64),  # another dtype: converted on copy
+        "plain": torch.zeros(1024, 256),
+    }
+    reader = _load(loaded, f"s3://{bucket}/mixed", direct_read_min_MB=0.5)
+    assert torch.equal(loaded["transposed"], state["transposed"])
+    assert torch.equal(holder.t(), state["wide"])
+    assert torch.equal(loaded["converted"], state["converted"].double())
+    assert torch.equal(loaded["plain"], state["plain"])
+    assert reader.stats["direct_items"] == 1  # only "plain"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        torch.arange(12, dtype=torch.float32).reshape(3, 4).t(),
+        torch.tensor([True, False, True]),
+        torch.randn(7, 3).to(torch.bfloat16),
+        torch.zeros(0, 4),
+        torch.tensor(3.5),
+    ],
+    ids=["float32", "transposed", "bool", "bfloat16", "empty", "scalar"],
+)
+def test_decoding_an_item_in_place_equals_torch_load(value: Any) -> None:
+    """Pins the ``torch.save`` archive layout the reader relies on: one uncompressed storage record, found through
+    zipfile and ``torch.load(map_location="meta")`` from the framing alone."""
+    stream = io.BytesIO()
+    torch.save(value, stream)
+    data = memoryview(bytearray(stream.getvalue()))
+    decoded = s3_dcp._decode_tensor(data)
+    expected = torch.load(io.BytesIO(stream.getvalue()), weights_only=True)
+    assert decoded.dtype == expected.dtype and decoded.shape == expected.shape and torch.equal(decoded, expected)
+    layout = s3_dcp._tensor_layout(s3_dcp._ViewReader(data))
+    assert layout is not None and layout.nbytes == value.untyped_storage().nbytes()
+    if layout.nbytes:
+        assert data[layout.start : layout.start + layout.nbytes] == bytes(value.untyped_storage())
+        # the head and tail alone (the tensor bytes zeroed) give the same layout: what a direct read uses
+        framing = len(data) - layout.nbytes
+        sparse = s3_dcp._FramingReader(data[:framing], data[len(data) - framing :], len(data))
+        located = s3_dcp._tensor_layout(sparse)
+        assert located is not None and (located.start, located.nbytes) == (layout.start, layout.nbytes)
+        assert located.meta.stride() == value.stride() and located.meta.shape == value.shape
 
 
 def test_overwrite_replaces_the_previous_checkpoint(bucket: str) -> None:
@@ -378,15 +452,23 @@ def _failure(caught: pytest.ExceptionInfo[CheckpointException]) -> BaseException
     return exc
 
 
-def test_corrupted_shard_in_transit_raises_checksum_mismatch(bucket: str, fault_proxy: Any) -> None:
+@pytest.mark.parametrize(
+    ("direct_read_min_MB", "offset"),
+    [(s3_dcp.DEFAULT_DIRECT_READ_MIN_MB, 5000), (0, 5000), (0, 100)],
+    ids=["buffered", "direct-tensor-bytes", "direct-framing"],
+)
+def test_corrupted_shard_in_transit_raises_checksum_mismatch(
+    bucket: str, fault_proxy: Any, direct_read_min_MB: float, offset: int
+) -> None:
     url = f"s3://{bucket}/ckpt"
     state = _state()
     _save(state, url)
-    fault_proxy.add_rule(FaultRule(Fault.corrupt_body(offset=5000), method="GET", path_regex=r"__0_0\.distcp$"))
+    fault_proxy.add_rule(FaultRule(Fault.corrupt_body(offset=offset), method="GET", path_regex=r"__0_0\.distcp$"))
     settings = s3_utils.S3ClientSettings(endpoint_url=fault_proxy.endpoint_url)
     loaded = _empty_like(state)
+    reader = _reader(url, client_settings=settings, retry_policy=FAST_RETRIES, direct_read_min_MB=direct_read_min_MB)
     with pytest.raises(CheckpointException) as caught:
-        dcp.load(loaded, storage_reader=_reader(url, client_settings=settings, retry_policy=FAST_RETRIES), no_dist=True)
+        dcp.load(loaded, storage_reader=reader, no_dist=True)
     failure = _failure(caught)
     assert isinstance(failure, s3_utils.ChecksumMismatchError)
     assert f"{url}/__0_0.distcp" in str(failure) and "corrupt" in str(failure)

@@ -95,11 +95,20 @@ def _names(run: dict[str, Any], prefix: str) -> list[str]:
 def test_fsdp2_round_trip_at_two_ranks(dcp_run: dict[str, Any]) -> None:
     assert _names(dcp_run, "fsdp") == [".metadata", ".s3ckpt-items.json", "__0_0.distcp", "__1_0.distcp"]
     _assert_loaded_identical(dcp_run["outs"][2], "load", 2)
+    assert all(outcome["stats"]["direct_items"] > 0 for outcome in _outcomes(dcp_run["outs"][2], "load", 2))
 
 
 @pytest.mark.parametrize("world_size", [1, 4])
 def test_reshard_on_load(dcp_run: dict[str, Any], world_size: int) -> None:
     _assert_loaded_identical(dcp_run["outs"][world_size], "load", world_size)
+
+    def direct(n: int) -> list[int]:
+        return [outcome["stats"]["direct_items"] for outcome in _outcomes(dcp_run["outs"][n], "load", n)]
+
+    if world_size == 1:  # each saved shard is a whole, contiguous row block of the full tensor: read into it in place
+        assert direct(1)[0] > max(direct(2))  # both ranks' shards
+    else:  # each rank needs half of a saved shard (decoded from a buffer, then copied); only Adam's steps are whole
+        assert max(direct(4)) < min(direct(2))
 
 
 @pytest.mark.parametrize("executor", ["thread", "process"])
