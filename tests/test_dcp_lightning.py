@@ -1,8 +1,8 @@
 """`S3ModelParallelStrategy` at 2 CPU ranks (gloo, FSDP2 ``fully_shard``): ``fit`` with a ``ModelCheckpoint`` on an
 ``s3://`` dirpath (top-k and last), then a fresh Trainer resumes from ``s3://.../last.ckpt`` with the same global
 step, weights and optimizer state; a full (consolidated) checkpoint goes to S3 and comes back too; nothing lands in
-a local ``s3:`` directory. FSDP1 (`S3FSDPStrategy`) needs GPUs, so only its class and options are tested here; the
-save/remove code it shares runs in the ModelParallel test, its sharded load (``_load_sharded_fsdp1``) does not.
+a local ``s3:`` directory. FSDP1 (`S3FSDPStrategy`) needs GPUs: its fit/resume test runs on 1 or 2 GPUs (NCCL) and
+skips without one; the save/remove code it shares runs in the ModelParallel test on CPU.
 The ranks run tests/helpers/dcp_lightning_worker.py, started the way a launcher starts them.
 """
 
@@ -35,21 +35,23 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run_two_ranks(family: str, phase: str, dirpath: str, out: Path, cwd: Path) -> None:
+def _run_ranks(
+    family: str, phase: str, dirpath: str, out: Path, cwd: Path, strategy: str = "model_parallel", world_size: int = 2
+) -> None:
     port = _free_port()
     procs = []
-    for rank in range(2):
+    for rank in range(world_size):
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(HELPERS), *sys.path]),
             "LOCAL_RANK": str(rank),
             "NODE_RANK": "0",
-            "WORLD_SIZE": "2",
+            "WORLD_SIZE": str(world_size),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
         }
         command = [sys.executable, "-m", "dcp_lightning_worker", "--family", family, "--phase", phase]
-        command += ["--dirpath", dirpath, "--out", str(out)]
+        command += ["--dirpath", dirpath, "--out", str(out), "--strategy", strategy, "--world-size", str(world_size)]
         procs.append(subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outputs = []
     try:
@@ -93,7 +95,7 @@ def test_model_parallel_fit_checkpoints_to_s3_and_resumes(
     out.mkdir()
     cwd.mkdir()
 
-    _run_two_ranks(family, "fit", dirpath, out, cwd)
+    _run_ranks(family, "fit", dirpath, out, cwd)
     keys = {k for k in keys_now(s3_client, bucket) if k.startswith("run/checkpoints/")}
     prefixes = {key.split("/")[2] for key in keys}
     assert prefixes == {"step=4.ckpt", "step=6.ckpt", "last.ckpt"}  # top 2 by step, step=2 removed whole
@@ -103,7 +105,7 @@ def test_model_parallel_fit_checkpoints_to_s3_and_resumes(
             base + n for n in (".metadata", ".s3ckpt-items.json", "meta.pt", "__0_0.distcp", "__1_0.distcp")
         } <= keys
 
-    _run_two_ranks(family, "resume", dirpath, out, cwd)
+    _run_ranks(family, "resume", dirpath, out, cwd)
     end = torch.load(out / "fit-end.pt", weights_only=True)
     start = torch.load(out / "resume-start.pt", weights_only=True)
     assert end["global_step"] == 6 and start["global_step"] == 6
@@ -121,6 +123,41 @@ def test_model_parallel_fit_checkpoints_to_s3_and_resumes(
 
     assert list(cwd.iterdir()) == [], f"something was written locally: {list(cwd.iterdir())}"
     assert not Path("s3:").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDP1 (FSDPStrategy) needs a GPU")
+def test_fsdp1_fit_checkpoints_to_s3_and_resumes_on_gpus(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """`S3FSDPStrategy(state_dict_type="sharded")` on 1 or 2 GPUs: top-k + last sharded checkpoints on S3, a fresh
+    Trainer resumes them through ``_load_sharded_fsdp1`` (sharded-state-dict context, the optimizer through
+    ``load_sharded_optimizer_state_dict``), and a full checkpoint goes through S3CheckpointIO."""
+    family = "lightning.pytorch"
+    pytest.importorskip(family)
+    world_size = min(2, torch.cuda.device_count())
+    dirpath = f"s3://{bucket}/run/checkpoints"
+    out, cwd = tmp_path / "out", tmp_path / "cwd"
+    out.mkdir()
+    cwd.mkdir()
+
+    _run_ranks(family, "fit", dirpath, out, cwd, strategy="fsdp", world_size=world_size)
+    keys = {k for k in keys_now(s3_client, bucket) if k.startswith("run/checkpoints/")}
+    assert {key.split("/")[2] for key in keys} == {"step=4.ckpt", "step=6.ckpt", "last.ckpt"}
+    shards = {f"__{rank}_0.distcp" for rank in range(world_size)}
+    for name in ("step=4.ckpt", "step=6.ckpt", "last.ckpt"):
+        base = f"run/checkpoints/{name}/"
+        assert {base + n for n in {".metadata", ".s3ckpt-items.json", "meta.pt", *shards}} <= keys
+
+    _run_ranks(family, "resume", dirpath, out, cwd, strategy="fsdp", world_size=world_size)
+    end = torch.load(out / "fit-end.pt", weights_only=True)
+    start = torch.load(out / "resume-start.pt", weights_only=True)
+    assert end["global_step"] == 6 and start["global_step"] == 6
+    assert _equal(start["model"], end["model"]) and _equal(start["optim"], end["optim"])
+    assert (out / "resume-done-rank0").read_text() == "8"
+    assert (out / "full-loaded-step").read_text() == "6"
+    full = torch.load(out / "full-loaded.pt", weights_only=True)
+    assert _equal(full["model"], end["model"])
+    assert list(cwd.iterdir()) == [], f"something was written locally: {list(cwd.iterdir())}"
 
 
 def test_strategy_classes_for_both_families_and_their_options() -> None:

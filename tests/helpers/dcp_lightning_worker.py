@@ -1,8 +1,10 @@
-"""One rank of a 2-rank Lightning run for tests/test_dcp_lightning.py (``python -m dcp_lightning_worker ...``).
+"""One rank of a Lightning run for tests/test_dcp_lightning.py (``python -m dcp_lightning_worker ...``).
 
 The test starts one process per rank with ``LOCAL_RANK``/``NODE_RANK``/``WORLD_SIZE``/``MASTER_*`` set, as a
 launcher would, so Lightning does not re-launch the script. Phase ``fit`` trains an FSDP2 (``fully_shard``) module
-with `S3ModelParallelStrategy` and a ``ModelCheckpoint`` on an ``s3://`` dirpath; phase ``resume`` starts a fresh
+with `S3ModelParallelStrategy` on CPU (``--strategy model_parallel``, 2 ranks) or a module FSDP1 wraps with
+`S3FSDPStrategy(state_dict_type="sharded")` on GPUs (``--strategy fsdp``), and a ``ModelCheckpoint`` on an
+``s3://`` dirpath; phase ``resume`` starts a fresh
 Trainer from ``<dirpath>/last.ckpt``. Rank 0 writes the full (unsharded) state at the start and end of each phase to
 ``<out>/<phase>-start.pt`` / ``-end.pt`` for the test to compare. ``fit`` also saves a full (consolidated)
 checkpoint; ``resume`` loads it back after training on (``full-loaded.pt``).
@@ -29,7 +31,7 @@ def _full_state(module: Any, optimizer: Any) -> dict[str, Any]:
     return {"model": model_state, "optim": optim_state}
 
 
-def build_module_class(pl: Any, out: Path) -> type:
+def build_module_class(pl: Any, out: Path, strategy_kind: str = "model_parallel") -> type:
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -42,6 +44,8 @@ def build_module_class(pl: Any, out: Path) -> type:
         def configure_model(self) -> None:
             from torch.distributed.fsdp import fully_shard
 
+            if strategy_kind != "model_parallel":
+                return  # FSDP1: the strategy wraps the whole module itself
             mesh = self.device_mesh["data_parallel"]
             for layer in self.net:
                 if isinstance(layer, torch.nn.Linear):
@@ -61,7 +65,8 @@ def build_module_class(pl: Any, out: Path) -> type:
 
         def _record(self, name: str) -> None:
             """Rank 0 saves the full state as ``<out>/<name>.pt`` (every rank takes part in gathering it)."""
-            state = _full_state(self, self.trainer.optimizers[0])  # collective: every rank takes part
+            wrapped = self if strategy_kind == "model_parallel" else self.trainer.strategy.model  # FSDP1's wrapper
+            state = _full_state(wrapped, self.trainer.optimizers[0])  # collective: every rank takes part
             if self.global_rank == 0:
                 torch.save({"global_step": self.global_step, **state}, out / f"{name}.pt")
 
@@ -80,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phase", required=True, choices=["fit", "resume"])
     parser.add_argument("--dirpath", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--strategy", default="model_parallel", choices=["model_parallel", "fsdp"])
+    parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args(argv)
     out = Path(args.out)
 
@@ -90,14 +97,17 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     pl = importlib.import_module(args.family)
-    strategy = s3_dcp.sharded_strategy_class("model_parallel", args.family)(
-        data_parallel_size=2,
-        tensor_parallel_size=1,
-        chunk_size_MB=5,
-        max_write_concurrency=2,
-        max_read_concurrency=2,
-        retry_policy=s3_utils.RetryPolicy(max_attempts=3, initial_backoff_s=0.05, max_backoff_s=0.2),
-    )
+    s3_options = {
+        "chunk_size_MB": 5,
+        "max_write_concurrency": 2,
+        "max_read_concurrency": 2,
+        "retry_policy": s3_utils.RetryPolicy(max_attempts=3, initial_backoff_s=0.05, max_backoff_s=0.2),
+    }
+    strategy_class = s3_dcp.sharded_strategy_class(args.strategy, args.family)
+    if args.strategy == "model_parallel":
+        strategy = strategy_class(data_parallel_size=args.world_size, tensor_parallel_size=1, **s3_options)
+    else:
+        strategy = strategy_class(state_dict_type="sharded", **s3_options)
     checkpoint = pl.callbacks.ModelCheckpoint(
         dirpath=args.dirpath,
         filename="{step}",
@@ -108,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         save_last=True,
     )
     trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
+        accelerator="cpu" if args.strategy == "model_parallel" else "cuda",
+        devices=args.world_size,
         strategy=strategy,
         max_steps=6 if args.phase == "fit" else 8,
         callbacks=[checkpoint],
@@ -119,14 +129,17 @@ def main(argv: list[str] | None = None) -> int:
         limit_val_batches=0,
     )
     trainer.s3_phase = args.phase
-    module = build_module_class(pl, out)()
+    module = build_module_class(pl, out, args.strategy)()
     ckpt_path = f"{args.dirpath}/last.ckpt" if args.phase == "resume" else None
     trainer.fit(module, ckpt_path=ckpt_path)
     if trainer.global_rank == 0:
         (out / f"{args.phase}-done-rank0").write_text(str(trainer.global_step))
     full_url = f"{args.dirpath}-full/consolidated.ckpt"
     if args.phase == "fit":  # also a full (consolidated) checkpoint of the final state, through S3CheckpointIO
-        strategy._save_distributed_checkpoint = False
+        if args.strategy == "model_parallel":
+            strategy._save_distributed_checkpoint = False
+        else:
+            strategy._state_dict_type = "full"
         trainer.save_checkpoint(full_url)
     else:  # after training on, the full checkpoint brings the end-of-fit state back
         checkpoint = strategy.load_checkpoint(full_url)
