@@ -1,9 +1,10 @@
 """`S3ModelParallelStrategy` at 2 CPU ranks (gloo, FSDP2 ``fully_shard``): ``fit`` with a ``ModelCheckpoint`` on an
 ``s3://`` dirpath (top-k and last), then a fresh Trainer resumes from ``s3://.../last.ckpt`` with the same global
 step, weights and optimizer state; a full (consolidated) checkpoint goes to S3 and comes back too; nothing lands in
-a local ``s3:`` directory. FSDP1 (`S3FSDPStrategy`) needs GPUs: its fit/resume test runs on 1 or 2 GPUs (NCCL) and
-skips without one; the save/remove code it shares runs in the ModelParallel test on CPU.
-The ranks run tests/helpers/dcp_lightning_worker.py, started the way a launcher starts them.
+a local ``s3:`` directory. Lightning's FSDPStrategy (FSDP1) needs GPUs: the `S3FSDPStrategy` Trainer fit/resume test
+runs on 1 or 2 GPUs (NCCL) and skips without one, while its sharded save and ``_load_sharded_fsdp1`` also run on 2
+CPU ranks with an FSDP1 module handed to the strategy directly (tests/helpers/fsdp1_cpu_worker.py). The Trainer
+ranks run tests/helpers/dcp_lightning_worker.py, started the way a launcher starts them.
 """
 
 from __future__ import annotations
@@ -158,6 +159,52 @@ def test_fsdp1_fit_checkpoints_to_s3_and_resumes_on_gpus(
     full = torch.load(out / "full-loaded.pt", weights_only=True)
     assert _equal(full["model"], end["model"])
     assert list(cwd.iterdir()) == [], f"something was written locally: {list(cwd.iterdir())}"
+
+
+def test_fsdp1_sharded_checkpoint_save_and_load_on_cpu(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """`S3FSDPStrategy`'s sharded save and ``_load_sharded_fsdp1`` on 2 CPU ranks (gloo): torch's FSDP1 runs on CPU
+    even though Lightning's FSDPStrategy does not, so the worker hands the strategy an FSDP1 module as a Trainer
+    would (tests/helpers/fsdp1_cpu_worker.py). ShardedTensor state goes through our writer and reader."""
+    pytest.importorskip("lightning.pytorch")
+    skip_unless_multirank_backend(s3_server)
+    url = f"s3://{bucket}/run/fsdp1.ckpt"
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(HELPERS), *sys.path]),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        command = [sys.executable, "-m", "fsdp1_cpu_worker", "--url", url, "--endpoint", s3_server.endpoint_url]
+        command += ["--out", str(tmp_path)]
+        procs.append(subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        outputs = [proc.communicate(timeout=300)[0].decode(errors="replace") for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank} failed:\n{output[-6000:]}"
+
+    names = {k.rsplit("/", 1)[-1] for k in keys_now(s3_client, bucket) if k.startswith("run/fsdp1.ckpt/")}
+    assert {".metadata", ".s3ckpt-items.json", "meta.pt", "__0_0.distcp", "__1_0.distcp"} <= names
+    for rank in range(2):
+        saved = torch.load(tmp_path / f"saved-rank{rank}.pt", weights_only=True)
+        loaded = torch.load(tmp_path / f"loaded-rank{rank}.pt", weights_only=True)
+        assert saved["model"] and saved["optim"]["state"]
+        assert _equal(loaded["model"], saved["model"]), f"rank {rank}: model shards differ after the load"
+        assert _equal(loaded["optim"], saved["optim"]), f"rank {rank}: optimizer shards differ after the load"
+    assert (tmp_path / "global_step").read_text() == "2"
+    assert not (tmp_path / "s3:").exists()
 
 
 def test_strategy_classes_for_both_families_and_their_options() -> None:
