@@ -1026,7 +1026,9 @@ class _S3StorageReaderImpl(_S3Settings):
         item.target = target
         nbytes = target.numel() * target.element_size()
         overhead = item.length - nbytes
-        if target.device.type != "cpu" or not target.is_contiguous() or not 0 < overhead <= _DIRECT_READ_MAX_OVERHEAD:
+        if target.device.type != "cpu" or not target.is_contiguous() or not nbytes:
+            return None
+        if not 0 < overhead <= _DIRECT_READ_MAX_OVERHEAD:
             return None
         framing = min(overhead, item.length)
         return _DirectRead(relative_path, url, item, etag, record, bytearray(framing), bytearray(framing))

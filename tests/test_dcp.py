@@ -273,6 +273,7 @@ def test_items_whose_bytes_do_not_match_their_target_take_the_buffered_path(buck
         "wide": torch.randn(256, 1024, generator=generator),
         "converted": torch.randn(1024, 256, generator=generator),
         "plain": torch.randn(1024, 256, generator=generator),
+        "empty": torch.zeros(0, 3),
     }
     _save(state, f"s3://{bucket}/mixed")
     holder = torch.zeros(1024, 256)
@@ -281,12 +282,13 @@ def test_items_whose_bytes_do_not_match_their_target_take_the_buffered_path(buck
         "wide": holder.t(),  # a non-contiguous target: never written byte for byte
         "converted": torch.zeros(1024, 256, dtype=torch.float64),  # another dtype: converted on copy
         "plain": torch.zeros(1024, 256),
+        "empty": torch.ones(0, 3),
     }
-    reader = _load(loaded, f"s3://{bucket}/mixed", direct_read_min_MB=0.5)
+    reader = _load(loaded, f"s3://{bucket}/mixed", direct_read_min_MB=0)
     assert torch.equal(loaded["transposed"], state["transposed"])
     assert torch.equal(holder.t(), state["wide"])
     assert torch.equal(loaded["converted"], state["converted"].double())
-    assert torch.equal(loaded["plain"], state["plain"])
+    assert torch.equal(loaded["plain"], state["plain"]) and loaded["empty"].shape == (0, 3)
     assert reader.stats["direct_items"] == 1  # only "plain"
 
 
