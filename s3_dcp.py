@@ -628,41 +628,13 @@ def load_metadata_bytes(data: bytes, url: str) -> Any:
 
 
 class _ViewReader(io.RawIOBase):
-    """A seekable read-only stream over a memoryview (``torch.load`` reads an item in place, no copy first)."""
+    """A seekable read-only stream over one item's bytes in memory (``zipfile`` and ``torch.load`` read it in place).
+    Unlike `s3_utils._BufferReader`, which hands views to an upload, ``read`` returns bytes: both readers need them."""
 
-    def __init__(self, view: memoryview) -> None:
+    def __init__(self, view: memoryview, length: int | None = None) -> None:
         super().__init__()
         self._view = view
-        self._position = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, target: Any) -> int:
-        count = max(0, min(len(target), len(self._view) - self._position))
-        memoryview(target).cast("B")[:count] = self._view[self._position : self._position + count]
-        self._position += count
-        return count
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._view)}[whence]
-        self._position = max(0, base + offset)
-        return self._position
-
-    def tell(self) -> int:
-        return self._position
-
-
-class _FramingReader(io.RawIOBase):
-    """The head and the tail of one ``torch.save``'d item, with zeros for the tensor bytes between them (not read yet):
-    enough for ``zipfile`` and ``torch.load(map_location="meta")``, which read only the archive's framing."""
-
-    def __init__(self, head: memoryview, tail: memoryview, length: int) -> None:
-        super().__init__()
-        self._head, self._tail, self._length = head, tail, length
+        self._length = len(view) if length is None else length
         self._position = 0
 
     def readable(self) -> bool:
@@ -673,19 +645,13 @@ class _FramingReader(io.RawIOBase):
 
     def readinto(self, target: Any) -> int:
         out = memoryview(target).cast("B")
-        start = self._position
-        count = max(0, min(len(out), self._length - start))
-        end = start + count
-        tail_start = self._length - len(self._tail)
-        out[:count] = bytes(count)
-        if start < len(self._head):
-            stop = min(end, len(self._head))
-            out[: stop - start] = self._head[start:stop]
-        if end > tail_start:
-            first = max(start, tail_start)
-            out[first - start : count] = self._tail[first - tail_start : end - tail_start]
+        count = max(0, min(len(out), self._length - self._position))
+        self._fill(out[:count], self._position)
         self._position += count
         return count
+
+    def _fill(self, out: memoryview, start: int) -> None:
+        out[:] = self._view[start : start + len(out)]
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
@@ -694,6 +660,26 @@ class _FramingReader(io.RawIOBase):
 
     def tell(self) -> int:
         return self._position
+
+
+class _FramingReader(_ViewReader):
+    """The head and the tail of one ``torch.save``'d item, with zeros for the tensor bytes between them (not read yet):
+    enough for ``zipfile`` and ``torch.load(map_location="meta")``, which read only the archive's framing."""
+
+    def __init__(self, head: memoryview, tail: memoryview, length: int) -> None:
+        super().__init__(head, length)
+        self._tail = tail
+
+    def _fill(self, out: memoryview, start: int) -> None:
+        end = start + len(out)
+        tail_start = self._length - len(self._tail)
+        out[:] = bytes(len(out))
+        if start < len(self._view):
+            stop = min(end, len(self._view))
+            out[: stop - start] = self._view[start:stop]
+        if end > tail_start:
+            first = max(start, tail_start)
+            out[first - start :] = self._tail[first - tail_start : end - tail_start]
 
 
 @dataclass(frozen=True)

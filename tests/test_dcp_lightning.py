@@ -36,23 +36,23 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run_ranks(
-    family: str, phase: str, dirpath: str, out: Path, cwd: Path, strategy: str = "model_parallel", world_size: int = 2
-) -> None:
+def _launch(module: str, arguments: list[str], world_size: int, cwd: Path, what: str) -> None:
+    """Start one ``python -m <module>`` process per rank with the variables a launcher sets, wait for all of them
+    (killing any left after 300 s), and fail with a rank's output if it failed."""
     port = _free_port()
     procs = []
     for rank in range(world_size):
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(HELPERS), *sys.path]),
+            "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "NODE_RANK": "0",
             "WORLD_SIZE": str(world_size),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
         }
-        command = [sys.executable, "-m", "dcp_lightning_worker", "--family", family, "--phase", phase]
-        command += ["--dirpath", dirpath, "--out", str(out), "--strategy", strategy, "--world-size", str(world_size)]
+        command = [sys.executable, "-m", module, *arguments]
         procs.append(subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outputs = []
     try:
@@ -65,7 +65,15 @@ def _run_ranks(
                 proc.kill()
                 proc.wait()
     for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
-        assert proc.returncode == 0, f"{phase} rank {rank} failed:\n{output[-6000:]}"
+        assert proc.returncode == 0, f"{what} rank {rank} failed:\n{output[-6000:]}"
+
+
+def _run_ranks(
+    family: str, phase: str, dirpath: str, out: Path, cwd: Path, strategy: str = "model_parallel", world_size: int = 2
+) -> None:
+    arguments = ["--family", family, "--phase", phase, "--dirpath", dirpath, "--out", str(out)]
+    arguments += ["--strategy", strategy, "--world-size", str(world_size)]
+    _launch("dcp_lightning_worker", arguments, world_size, cwd, phase)
 
 
 SIDECAR = ".s3ckpt-checksum.json"
@@ -170,30 +178,8 @@ def test_fsdp1_sharded_checkpoint_save_and_load_on_cpu(
     pytest.importorskip("lightning.pytorch")
     skip_unless_multirank_backend(s3_server)
     url = f"s3://{bucket}/run/fsdp1.ckpt"
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(HELPERS), *sys.path]),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-        command = [sys.executable, "-m", "fsdp1_cpu_worker", "--url", url, "--endpoint", s3_server.endpoint_url]
-        command += ["--out", str(tmp_path)]
-        procs.append(subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    try:
-        outputs = [proc.communicate(timeout=300)[0].decode(errors="replace") for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{output[-6000:]}"
+    arguments = ["--url", url, "--endpoint", s3_server.endpoint_url, "--out", str(tmp_path)]
+    _launch("fsdp1_cpu_worker", arguments, 2, tmp_path, "FSDP1 save and load")
 
     names = {k.rsplit("/", 1)[-1] for k in keys_now(s3_client, bucket) if k.startswith("run/fsdp1.ckpt/")}
     assert {".metadata", ".s3ckpt-items.json", "meta.pt", "__0_0.distcp", "__1_0.distcp"} <= names
