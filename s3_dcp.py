@@ -901,10 +901,8 @@ class _S3StorageReaderImpl(_S3Settings):
         in_flight = 0
         with ThreadPoolExecutor(self.max_read_concurrency, thread_name_prefix="s3ckpt-dcp-get") as pool:
             try:
-                direct, fallbacks = self._locate_tensors(pool, direct)
+                direct, fallbacks = self._locate_tensors(pool, direct, chunk)
                 groups += fallbacks
-                for read in direct:
-                    self._submit_direct(pool, read, chunk)
                 for group in groups:
                     while pending and in_flight + (group.end - group.start) > budget:
                         done = pending.popleft()
@@ -1049,10 +1047,11 @@ class _S3StorageReaderImpl(_S3Settings):
     # ---- fetching -------------------------------------------------------------------------------------------------
 
     def _locate_tensors(
-        self, pool: ThreadPoolExecutor, reads: list[_DirectRead]
+        self, pool: ThreadPoolExecutor, reads: list[_DirectRead], chunk: int
     ) -> tuple[list[_DirectRead], list[_Group]]:
-        """Fetch each item's framing (its head and tail, all items in parallel) and read where its tensor bytes lie;
-        an item whose stored tensor does not match its target byte for byte is read through a buffer instead."""
+        """Fetch each item's framing (its head and tail, all items in parallel), read where its tensor bytes lie, and
+        start fetching them into the target; an item whose stored tensor does not match its target byte for byte is
+        returned as a buffered group instead."""
         for read in reads:
             item = read.item
             head, tail = memoryview(read.head), memoryview(read.tail)
@@ -1080,6 +1079,7 @@ class _S3StorageReaderImpl(_S3Settings):
             ):
                 read.layout = layout
                 accepted.append(read)
+                self._submit_direct(pool, read, chunk)
             else:
                 group = _Group(read.relative_path, read.url, item.offset, item.offset + item.length, [item], read.etag)
                 group.file_record = read.file_record
