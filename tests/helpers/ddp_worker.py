@@ -86,6 +86,16 @@ def main() -> None:
             "exp_avg": {str(k): state["exp_avg"].tolist() for k, state in start["optimizer_state"].items()},
         }
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
+    _close_process_group()
+
+
+def _close_process_group() -> None:
+    """Lightning leaves the process group open; a gloo group still alive at interpreter exit can abort the process
+    ("terminate called without an active exception") after all its work is done, failing the rank's exit status."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
