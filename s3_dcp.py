@@ -1108,18 +1108,22 @@ class _S3StorageReaderImpl(_S3Settings):
         actual = algorithm.combine(
             actual, _checksum(algorithm, memoryview(read.tail)[tail_from:]), len(read.tail) - tail_from
         )
-        request = item.requests[0]
-        if actual != item.checksum:
-            raise _s3.ChecksumMismatchError(
-                f"{read.url} is corrupt: bytes {item.offset}-{item.offset + item.length} (item "
-                f"{request.storage_index.fqn}) have {algorithm.name} {actual:#x}, but {item.checksum:#x} was recorded "
-                "when the checkpoint was written. Do not use it; use an older checkpoint."
-            )
-        self._file_progress[read.relative_path][1].append((item.offset, item.length, actual))
+        self._accept_item(read.url, read.relative_path, item, algorithm, actual)
         self._check_whole_file(read, algorithm)
         with self._stats_lock:
             self.stats["direct_items"] += 1
-        planner.commit_tensor(request, item.target)
+        planner.commit_tensor(item.requests[0], item.target)
+
+    def _accept_item(self, url: str, relative_path: str, item: _Item, algorithm: Any, actual: int) -> None:
+        """Check an item's bytes against the checksum recorded at save time, and count them toward its file's
+        whole-file check."""
+        if actual != item.checksum:
+            raise _s3.ChecksumMismatchError(
+                f"{url} is corrupt: bytes {item.offset}-{item.offset + item.length} (item "
+                f"{item.requests[0].storage_index.fqn}) have {algorithm.name} {actual:#x}, but {item.checksum:#x} was "
+                "recorded when the checkpoint was written. Do not use it; use an older checkpoint."
+            )
+        self._file_progress[relative_path][1].append((item.offset, item.length, actual))
 
     def _fetch_into(self, url: str, start: int, view: memoryview, etag: str | None, algorithm: Any) -> int:
         """Read bytes [start, start + len(view)) of `url` into `view`; their checksum (0 without `algorithm`)."""
@@ -1199,14 +1203,7 @@ class _S3StorageReaderImpl(_S3Settings):
                         start = max(group.start + piece * chunk, item.offset)
                         length = min(group.start + (piece + 1) * chunk, item.offset + item.length) - start
                         actual = algorithm.combine(actual, value, length)
-                if actual != item.checksum:
-                    raise _s3.ChecksumMismatchError(
-                        f"{group.url} is corrupt: bytes {item.offset}-{item.offset + item.length} (item "
-                        f"{item.requests[0].storage_index.fqn}) have {algorithm.name} {actual:#x}, but "
-                        f"{item.checksum:#x} was recorded when the checkpoint was written. "
-                        "Do not use it; use an older checkpoint."
-                    )
-                self._file_progress[group.relative_path][1].append((item.offset, item.length, actual))
+                self._accept_item(group.url, group.relative_path, item, algorithm, actual)
             self._check_whole_file(group, algorithm)
         view = memoryview(group.buffer)
         for item in group.items:

@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
 
     import torch
+    from tiny_lightning import close_process_group
 
     import s3_dcp
     import s3_utils
@@ -146,17 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         module._record("full-loaded")
         if trainer.global_rank == 0:
             (out / "full-loaded-step").write_text(str(checkpoint["global_step"]))
-    _close_process_group()
+    close_process_group()
     return 0
-
-
-def _close_process_group() -> None:
-    """Lightning leaves the process group open; a gloo group still alive at interpreter exit can abort the process
-    ("terminate called without an active exception") after all its work is done, failing the rank's exit status."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def main() -> None:
     world_size = int(os.environ["WORLD_SIZE"])
 
     import lightning.pytorch as pl
-    from tiny_lightning import TOP_K_CHECKPOINT, tiny_module_class, tiny_trainer
+    from tiny_lightning import TOP_K_CHECKPOINT, close_process_group, tiny_module_class, tiny_trainer
 
     import connector
     from s3_checkpoint_io import S3CheckpointIO
@@ -86,16 +86,7 @@ def main() -> None:
             "exp_avg": {str(k): state["exp_avg"].tolist() for k, state in start["optimizer_state"].items()},
         }
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
-    _close_process_group()
-
-
-def _close_process_group() -> None:
-    """Lightning leaves the process group open; a gloo group still alive at interpreter exit can abort the process
-    ("terminate called without an active exception") after all its work is done, failing the rank's exit status."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":

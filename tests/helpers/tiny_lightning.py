@@ -1,5 +1,6 @@
 """The tiny LightningModule the Lightning tests train, in one place: small, deterministic, and it records the state
-training (re)started from, so a test can tell a real restore from a fresh start."""
+training (re)started from, so a test can tell a real restore from a fresh start. Also the clean exit the
+multi-rank Lightning workers need (`close_process_group`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import torch
 
 from s3_checkpoint_demo import build_trainer as tiny_trainer
 
-__all__ = ["FAMILIES", "TOP_K_CHECKPOINT", "lightning_family", "tiny_module_class", "tiny_trainer"]
+__all__ = [
+    "FAMILIES",
+    "TOP_K_CHECKPOINT",
+    "close_process_group",
+    "lightning_family",
+    "tiny_module_class",
+    "tiny_trainer",
+]
 
 FAMILIES = ["lightning.pytorch", "pytorch_lightning"]
 """Both import names Lightning ships under; the Lightning tests run once with each that is installed."""
@@ -26,6 +34,15 @@ TOP_K_CHECKPOINT: dict[str, Any] = {
 }
 """The ModelCheckpoint the Lightning tests save with: the two highest steps and last.ckpt, every 2 steps.
 `tiny_trainer` (the demo's `build_trainer`) builds their quiet single-process CPU Trainers."""
+
+
+def close_process_group() -> None:
+    """Lightning leaves the process group open; a gloo group still alive at interpreter exit can abort the process
+    ("terminate called without an active exception") after all its work is done, failing the rank's exit status."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def lightning_family(name: str) -> Any:
