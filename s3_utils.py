@@ -1,8 +1,9 @@
 """Everything that talks to S3: one module, in parts that build on each other (read it top to bottom).
 
-1. Optional dependencies: boto3, botocore, s3transfer, tenacity and awscrt are imported on first use, so importing
+1. Optional dependencies: boto3, botocore, s3transfer and awscrt are imported on first use, so importing
    this module never fails; a missing one raises `MissingOptionalDependencyError` with the ``pip install`` line.
-2. Retries: `RetryPolicy` and `is_retriable_error`, the single retry layer of every S3 request.
+2. Retries: `RetryPolicy` and `is_retriable_error`, the single retry layer of every S3 request, and the request
+   pacer (`RequestPacer`, one per process and bucket) that slows a process down when S3 answers SlowDown.
 3. Client: `S3ClientSettings` and `get_s3_client`, one thread-safe client per process and settings.
 4. Checksums: the CRC algorithms S3 knows, combining part checksums into the object's, and the checksum records
    (`RecordedChecksum`: the value S3 stores, or the sidecar object this package writes where a store does not).
@@ -20,6 +21,7 @@ README.md lists what this fixes in NeMo's version.
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import enum
 import functools
@@ -28,9 +30,11 @@ import importlib
 import io
 import json
 import logging
+import math
 import mmap
 import os
 import queue
+import random
 import re
 import sys
 import tempfile
@@ -42,7 +46,7 @@ import zlib
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields, replace
-from typing import IO, Any, BinaryIO, TypeVar
+from typing import IO, Any, BinaryIO, NoReturn, TypeVar
 
 if __package__:
     from . import s3_dirpath_utils as _urls
@@ -58,7 +62,10 @@ __all__ = [
     "ChecksumMismatchError",
     "DownloadedObject",
     "MissingOptionalDependencyError",
+    "PacerLane",
     "RecordedChecksum",
+    "RequestPacer",
+    "RequestRates",
     "RetryPolicy",
     "S3ClientSettings",
     "S3MultipartWriter",
@@ -71,6 +78,8 @@ __all__ = [
     "import_optional_dependency",
     "invalidate_fsspec_cache",
     "is_retriable_error",
+    "is_throttling_error",
+    "request_pacer",
     "validate_checksum_algorithm",
     "user_agent",
 ]
@@ -103,7 +112,6 @@ _INSTALL_HINTS: dict[str, tuple[str, str]] = {
     "s3transfer": ("s3transfer", 'pip install "s3-checkpoint-io[s3]"'),
     "awscrt": ("awscrt (boto3[crt])", 'pip install "s3-checkpoint-io[s3]"'),
     "s3fs": ("s3fs", 'pip install "s3-checkpoint-io[s3]"'),
-    "tenacity": ("tenacity", 'pip install "s3-checkpoint-io[s3]"'),
     "lightning": ("lightning", 'pip install "s3-checkpoint-io[lightning]"'),
     "pytorch_lightning": ("pytorch_lightning", 'pip install "s3-checkpoint-io[lightning]"'),
     "torch": ("torch", "pip install torch  (pick the build for your hardware at https://pytorch.org)"),
@@ -174,7 +182,8 @@ class TransientTransferError(IOError):
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How S3 calls are retried: exponential backoff with full jitter, bounded by attempts and total time.
+    """How S3 calls are retried: exponential backoff with full jitter, bounded by attempts and total time; throttling
+    answers are paced by the process's `RequestPacer` instead, and bounded by time without progress.
 
     Every S3 request this module makes goes through one policy, so the bounds hold for list, head and delete as much
     as for part uploads. botocore's own retries are switched off so that the two layers do not multiply.
@@ -183,9 +192,11 @@ class RetryPolicy:
     max_attempts: int = 8
     """Attempts per call, the first included (1 disables retries)."""
     max_elapsed_s: float = 120.0
-    """No new attempt starts once this much time has passed since the first one."""
+    """No new attempt starts once this much time has passed since the first one. For throttling answers: since the
+    last success of the process's requests in the same direction to the same bucket (see `S3Utils.with_retries`)."""
     initial_backoff_s: float = 0.5
     max_backoff_s: float = 20.0
+    """The longest one wait between attempts, the request pacer's included."""
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -246,6 +257,370 @@ def _error_code(exc: BaseException) -> str:
     if isinstance(response, dict):
         return str(response.get("Error", {}).get("Code", ""))
     return type(exc).__name__
+
+
+# ---- throttling and the request pacer ------------------------------------------------------------------------------
+
+THROTTLING_ERROR_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottled",
+        "RequestThrottledException",
+        "TooManyRequestsException",
+        "RequestLimitExceeded",
+        "BandwidthLimitExceeded",
+        "EC2ThrottledException",
+        "PriorRequestNotComplete",
+    }
+)
+"""The codes of `RETRIABLE_ERROR_CODES` that mean "too many requests" (botocore's throttling list less DynamoDB's).
+An answer with one of them, or with HTTP 429 or 503 (S3 answers a throttled HEAD with a bare 503), slows the
+request pacer down and does not use up attempts while the job makes progress (see `S3Utils.with_retries`)."""
+
+_THROTTLING_HTTP_STATUSES = frozenset({429, 503})
+
+
+def is_throttling_error(exc: BaseException) -> bool:
+    """True for S3's "slow down" answers: a throttling code (`THROTTLING_ERROR_CODES`) or HTTP 429 / 503."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return False
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return response.get("Error", {}).get("Code") in THROTTLING_ERROR_CODES or status in _THROTTLING_HTTP_STATUSES
+
+
+@dataclass(frozen=True)
+class RequestRates:
+    """A job-wide budget of S3 requests per second, per direction, split evenly across the job's processes.
+
+    `write` bounds PUT, POST and DELETE requests (part uploads, single PUTs, completes, aborts, deletes), `read`
+    GET and HEAD requests (ranged reads, HEADs, listings); None leaves that direction to adaptive pacing alone.
+    S3 serves at least 3,500 writes and 5,500 reads per second per partitioned prefix; a budget a little under
+    that keeps a job from ever meeting SlowDown on a fresh prefix. `from_value` accepts what configs and command
+    lines give: one number for both directions, ``{"write": 3000, "read": 5000}``, or ``"write=3000,read=5000"``.
+    """
+
+    write: float | None = None
+    read: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("write", "read"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+                raise ValueError(f"max_requests_per_second: {name} must be a positive number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+
+    @classmethod
+    def from_value(cls, value: float | str | Mapping[str, float] | RequestRates | None) -> RequestRates | None:
+        """A budget from a number, a ``write=..,read=..`` string or a mapping with keys ``write`` / ``read``."""
+        if value is None or isinstance(value, RequestRates):
+            return value
+        if isinstance(value, str):
+            text = value.strip()
+            if "=" not in text:
+                try:
+                    number = float(text)
+                except ValueError:
+                    raise ValueError(
+                        f"max_requests_per_second must be a number or 'write=N,read=M', got {value!r}"
+                    ) from None
+                return cls(number, number)
+            pairs = [part.split("=", 1) for part in text.split(",") if part.strip()]
+            if any(len(pair) != 2 for pair in pairs):
+                raise ValueError(f"max_requests_per_second must be a number or 'write=N,read=M', got {value!r}")
+            try:
+                value = {key.strip(): float(number) for key, number in pairs}
+            except ValueError:
+                raise ValueError(
+                    f"max_requests_per_second must be a number or 'write=N,read=M', got {value!r}"
+                ) from None
+        if isinstance(value, Mapping):
+            unknown = sorted(str(key) for key in value if key not in ("write", "read"))
+            if unknown:
+                raise ValueError(f"max_requests_per_second takes the keys 'write' and 'read', got {unknown}")
+            rates = cls(value.get("write"), value.get("read"))
+            return rates if (rates.write, rates.read) != (None, None) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"max_requests_per_second must be a number or a mapping, got {type(value).__name__}")
+        return cls(value, value)
+
+
+def _world_size() -> int:
+    """The job's process count: torch.distributed's once its process group is up (torch is never imported just to
+    ask), else the launcher's environment (``WORLD_SIZE``, ``SLURM_NTASKS``, ``OMPI_COMM_WORLD_SIZE``), else 1."""
+    distributed = getattr(sys.modules.get("torch"), "distributed", None)
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        return max(1, int(distributed.get_world_size()))
+    for name in ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        value = os.environ.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+class PacerLane:
+    """One direction (reads or writes) of a `RequestPacer`: a token bucket whose rate adapts to S3's answers.
+
+    Dormant until the first throttling answer (or from the start with a budget): a request then costs a clock read
+    and the record of its send time, and nothing waits. Once throttled, every request takes a token; the rate
+    starts at 0.7x the rate requests were being sent at, drops to 0.7x on a throttling answer to a request sent
+    after the last drop (the answers to a burst sent at the old rate count once), and grows on each success by a
+    step that is larger for a slow lane (``0.1 / sqrt(rate)``, so slow lanes catch up with fast ones) and for a
+    longer run of successes (so a lane left alone by the others ramps up fast), never past twice the rate it is
+    actually sending at, nor past its share of the budget. It never goes under `MIN_RATE`.
+
+    The arithmetic takes the time as an argument (`reserve`, `on_success`, `on_throttle`), so it can be tested with
+    a made-up clock; `acquire` is the blocking wrapper the retry loop uses.
+    """
+
+    BETA = 0.7
+    GROWTH = 0.1
+    STREAK_SCALE = 4.0
+    MAX_STREAK = 64
+    MIN_RATE = 0.2
+    """Requests per second per process and direction below which a lane never goes: the pacer of a process that
+    keeps being throttled still sends a request every 5 s (so that it learns when the store has room again)."""
+    WINDOW_S = 2.0
+    """The send rate a lane measures (to start from, and to cap its growth) is over the last this many seconds."""
+
+    def __init__(self, name: str, limit: Callable[[], float | None] | None = None) -> None:
+        self.name = name
+        self._limit = limit
+        self._cond = threading.Condition(threading.Lock())
+        self._active = False
+        self._rate = math.inf
+        self._tokens = 0.0
+        self._refilled_at = 0.0
+        self._epoch = -math.inf
+        self._streak = 0
+        self._sends: collections.deque[float] = collections.deque(maxlen=64)
+        self.last_success = -math.inf
+        """`time.monotonic()` of the last success through this lane (the retry loop's measure of progress)."""
+        self.throttles = 0
+        """Throttling answers seen."""
+        self.waits = 0
+        """Requests that waited for a token."""
+        self.waited_s = 0.0
+        """Seconds requests spent waiting for tokens, summed over threads."""
+        self.activations = 0
+        if limit is not None and limit() is not None:
+            self._activate_with_budget(time.monotonic())
+
+    def __repr__(self) -> str:
+        state = f"{self._rate:.3g} requests/s" if self._active else "dormant"
+        return f"<PacerLane {self.name}: {state}, {self.throttles} throttled, {self.waited_s:.2f} s waited>"
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    @property
+    def rate(self) -> float:
+        """Requests per second this lane lets through (infinite while dormant)."""
+        return self._rate if self._active else math.inf
+
+    # ---- the arithmetic (times from time.monotonic(), or a test's clock) ----------------------------------------
+
+    def record_send(self, now: float) -> None:
+        self._sends.append(now)
+
+    def measured_rate(self, now: float) -> float:
+        """Requests sent per second over the last `WINDOW_S`."""
+        recent = [t for t in tuple(self._sends) if t > now - self.WINDOW_S]
+        if len(recent) == self._sends.maxlen and now > recent[0]:
+            return len(recent) / (now - recent[0])
+        return len(recent) / self.WINDOW_S
+
+    def reserve(self, now: float) -> float:
+        """Take a token if one is there (0.0: send now) or say how many seconds until one will be (take nothing)."""
+        with self._cond:
+            return self._reserve(now)
+
+    def _reserve(self, now: float) -> float:
+        if not self._active:
+            self._sends.append(now)
+            return 0.0
+        self._apply_limit(now)
+        self._tokens = min(1.0, self._tokens + (now - self._refilled_at) * self._rate)
+        self._refilled_at = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            self._sends.append(now)
+            return 0.0
+        return max((1.0 - self._tokens) / self._rate, 1e-4)
+
+    def on_throttle(self, sent: float, now: float) -> None:
+        """A throttling answer to a request sent at `sent`."""
+        with self._cond:
+            self.throttles += 1
+            self._streak = 0
+            if not self._active:
+                self._active = True
+                self.activations += 1
+                self._rate = max(self.MIN_RATE, self.BETA * self.measured_rate(now))
+                self._apply_limit(now)
+                self._tokens, self._refilled_at, self._epoch = 0.0, now, now
+                logger.info(
+                    "S3 throttles %s: pacing this process's %s at %.3g requests/s from now on",
+                    self.name,
+                    self.name,
+                    self._rate,
+                )
+            elif sent >= self._epoch:
+                self._set_rate(max(self.MIN_RATE, self.BETA * self._rate), now)
+                self._epoch = now
+                logger.debug("S3 throttles %s: %.3g requests/s", self.name, self._rate)
+
+    def on_success(self, sent: float, now: float) -> None:
+        """A success of a request sent at `sent`."""
+        self.last_success = now
+        if not self._active:
+            return
+        with self._cond:
+            self._streak = min(self._streak + 1, self.MAX_STREAK)
+            step = self.GROWTH * (1.0 + self._streak / self.STREAK_SCALE) / math.sqrt(self._rate)
+            grown = min(self._rate * (1.0 + step), max(self._rate, 2.0 * self.measured_rate(now)))
+            if grown > self._rate:
+                self._set_rate(grown, now)
+                self._cond.notify_all()
+
+    def _set_rate(self, rate: float, now: float) -> None:
+        self._tokens = min(1.0, self._tokens + (now - self._refilled_at) * self._rate)
+        self._refilled_at = now
+        self._rate = rate
+        self._apply_limit(now)
+
+    def _activate_with_budget(self, now: float) -> None:
+        self._active = True
+        self._rate = math.inf
+        self._apply_limit(now)
+        self._tokens, self._refilled_at = 1.0, now
+
+    def _apply_limit(self, now: float) -> None:
+        limit = self._limit() if self._limit is not None else None
+        if limit is not None:
+            self._rate = min(self._rate, limit)
+
+    # ---- the blocking side ------------------------------------------------------------------------------------
+
+    def acquire(self, max_wait_s: float = math.inf) -> float:
+        """Wait for a token if the lane is pacing, at most `max_wait_s` (then the request goes anyway and the token is
+        owed); return the send time (`time.monotonic()`) to report back."""
+        now = time.monotonic()
+        if not self._active:
+            self._sends.append(now)  # thread-safe, and the only cost of a dormant lane
+            return now
+        started = now
+        with self._cond:
+            while True:
+                wait = self._reserve(now)
+                if wait <= 0.0:
+                    break
+                if now - started >= max_wait_s:
+                    self._tokens -= 1.0
+                    self._sends.append(now)
+                    break
+                self._cond.wait(min(wait, started + max_wait_s - now))
+                now = time.monotonic()
+            if now > started:
+                self.waits += 1
+                self.waited_s += now - started
+        return now
+
+
+_WRITE_OPERATIONS = frozenset(
+    {
+        "put_object",
+        "upload_part",
+        "upload_part_copy",
+        "copy_object",
+        "create_multipart_upload",
+        "complete_multipart_upload",
+        "abort_multipart_upload",
+        "delete_object",
+        "delete_objects",
+        "create_bucket",
+        "delete_bucket",
+    }
+)
+"""boto3 operations S3 counts as writes (PUT, POST, DELETE); every other operation is a read (GET, HEAD)."""
+
+
+class RequestPacer:
+    """The request pacer of one process for one bucket on one endpoint: a `PacerLane` for writes and one for reads,
+    shared by every thread and `S3Utils` of the process (`request_pacer`).
+
+    Separate lanes because S3's limits are separate (3,500 writes and 5,500 reads per second per prefix): a save
+    throttled on its PUTs must not slow the job's loads, nor a resume storm of GETs its saves.
+    """
+
+    def __init__(self, endpoint_url: str | None, bucket: str) -> None:
+        self.endpoint_url = endpoint_url
+        self.bucket = bucket
+        self._budget: RequestRates | None = None
+        self._world: tuple[float, int] = (-math.inf, 1)
+        self.writes = PacerLane("writes", lambda: self._share("write"))
+        self.reads = PacerLane("reads", lambda: self._share("read"))
+
+    def __repr__(self) -> str:
+        return f"<RequestPacer s3://{self.bucket} ({self.endpoint_url or 'AWS'}): {self.writes!r}, {self.reads!r}>"
+
+    def lane(self, operation: str) -> PacerLane:
+        return self.writes if operation in _WRITE_OPERATIONS else self.reads
+
+    def limit(self, budget: RequestRates) -> None:
+        """Apply a job-wide budget (the smallest one given so far wins, per direction)."""
+        old = self._budget or RequestRates()
+        if self._budget is not None and _smaller(old, budget) == old:
+            return  # nothing new: the common case, one check per request of an S3Utils with a budget
+        self._budget = _smaller(old, budget)
+        now = time.monotonic()
+        for lane in (self.writes, self.reads):
+            with lane._cond:
+                if lane._limit is not None and lane._limit() is not None and not lane._active:
+                    lane._activate_with_budget(now)
+                lane._apply_limit(now)
+
+    def _share(self, direction: str) -> float | None:
+        """This process's share of the budget for `direction`: the job-wide rate over the world size (looked up
+        again every few seconds, since the process group usually starts after the first S3 request)."""
+        budget = self._budget
+        rate = getattr(budget, direction) if budget is not None else None
+        if rate is None:
+            return None
+        checked, world = self._world
+        now = time.monotonic()
+        if now - checked > 5.0:
+            world = _world_size()
+            self._world = (now, world)
+        return rate / world
+
+
+def _smaller(first: RequestRates, second: RequestRates) -> RequestRates:
+    def least(a: float | None, b: float | None) -> float | None:
+        return b if a is None else a if b is None else min(a, b)
+
+    return RequestRates(least(first.write, second.write), least(first.read, second.read))
+
+
+_pacers: dict[tuple[int, str | None, str], RequestPacer] = {}
+_pacers_lock = threading.Lock()
+
+
+def request_pacer(endpoint_url: str | None, bucket: str) -> RequestPacer:
+    """The process's `RequestPacer` for `bucket` at `endpoint_url` (None: AWS), made on first use. Pacers are kept
+    per process id, so a forked child starts with its own, dormant ones."""
+    key = (os.getpid(), endpoint_url, bucket)
+    pacer = _pacers.get(key)
+    if pacer is None:
+        with _pacers_lock:
+            pacer = _pacers.setdefault(key, RequestPacer(endpoint_url, bucket))
+    return pacer
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -402,9 +777,16 @@ class S3ClientSettings:
     s3torchconnector does; signing costs a SHA-256 pass over every byte on both the client and the store."""
     request_options: S3RequestOptions | None = None
     """Encryption, storage class, tags, bucket owner, requester pays: added to the requests of this client."""
+    max_requests_per_second: RequestRates | None = None
+    """A job-wide budget of requests per second (`RequestRates`; a number or a ``{"write": .., "read": ..}`` mapping
+    is converted), split across the job's processes by world size. None: adaptive pacing only, from the first
+    throttling answer on."""
 
     path_style_by_default: bool = field(default=False, repr=False)
     """Set by `resolved` when ``"path"`` was filled in for a custom endpoint rather than asked for."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_requests_per_second", RequestRates.from_value(self.max_requests_per_second))
 
     def resolved(self) -> S3ClientSettings:
         """The same settings with the endpoint and addressing style filled in from the environment."""
@@ -942,42 +1324,85 @@ class S3Utils:
 
     def call(self, operation: str, url: str, **kwargs: Any) -> Any:
         """Call the client operation `operation` (e.g. ``"head_object"``) with retries; `url` is for messages."""
-        return self.with_retries(lambda: getattr(self.client, operation)(**kwargs), operation, url)
-
-    def with_retries(self, attempt: Callable[[], _T], operation: str, url: str) -> _T:
-        """Run `attempt` under the retry policy; the final failure is the original exception, annotated with the URL."""
-        tenacity = import_optional_dependency("tenacity", "S3 retries")
-        policy = self.retry_policy
-
-        def before_sleep(state: Any) -> None:
-            with self._stats_lock:
-                self.retries += 1
-            exc = state.outcome.exception()
-            logger.warning(
-                "S3 %s on %s failed with %s (attempt %d of %d); retrying in %.2f s",
-                operation,
-                url,
-                _error_code(exc),
-                state.attempt_number,
-                policy.max_attempts,
-                state.next_action.sleep if state.next_action else 0.0,
-            )
-
-        retrying = tenacity.Retrying(
-            stop=tenacity.stop_after_attempt(policy.max_attempts) | tenacity.stop_before_delay(policy.max_elapsed_s),
-            wait=tenacity.wait_random_exponential(multiplier=policy.initial_backoff_s, max=policy.max_backoff_s),
-            retry=tenacity.retry_if_exception(is_retriable_error),
-            before_sleep=before_sleep,
-            reraise=True,
+        return self.with_retries(
+            lambda: getattr(self.client, operation)(**kwargs), operation, url, bucket=kwargs.get("Bucket")
         )
-        try:
-            return retrying(attempt)
-        except Exception as exc:
-            not_found = _not_found_error(exc, operation, url)
-            if not_found is not None:
-                raise not_found from exc
-            _annotate(exc, operation, url, self.settings.request_options)
-            raise
+
+    def with_retries(self, attempt: Callable[[], _T], operation: str, url: str, *, bucket: str | None = None) -> _T:
+        """Run `attempt` (one request to `bucket`, by default the bucket of `url`) through the process's request
+        pacer and under the retry policy; the final failure is the original exception, annotated with the URL.
+
+        A throttling answer (`is_throttling_error`) does not use up an attempt while the job makes progress: the
+        request is paced and tried again as long as some request of the same direction to the same bucket has
+        succeeded within ``max_elapsed_s`` (since this call started, or since that success), and fails only after
+        that long without one. Any other retriable error counts against ``max_attempts`` and ``max_elapsed_s`` from
+        its first occurrence, with exponential backoff and full jitter.
+        """
+        policy = self.retry_policy
+        pacer = request_pacer(self.settings.endpoint_url, bucket or _bucket_of(url))
+        if self.settings.max_requests_per_second is not None:
+            pacer.limit(self.settings.max_requests_per_second)
+        lane = pacer.lane(operation)
+        started = time.monotonic()
+        attempts = counted = 0
+        first_counted = 0.0
+        while True:
+            sent = lane.acquire(policy.max_backoff_s)
+            attempts += 1
+            try:
+                result = attempt()
+            except Exception as exc:
+                now = time.monotonic()
+                throttled = is_throttling_error(exc)
+                if throttled:
+                    lane.on_throttle(sent, now)
+                if not is_retriable_error(exc):
+                    self._raise_final(exc, operation, url, attempts, now - started)
+                if throttled:
+                    idle = now - max(started, lane.last_success)
+                    give_up, delay = idle >= policy.max_elapsed_s, 0.0  # the pacer spaces the attempts
+                else:
+                    counted += 1
+                    first_counted = first_counted or sent
+                    ceiling = min(policy.max_backoff_s, policy.initial_backoff_s * 2.0 ** (counted - 1))
+                    delay = random.uniform(0.0, ceiling)
+                    give_up = counted >= policy.max_attempts or now + delay - first_counted >= policy.max_elapsed_s
+                if give_up:
+                    self._raise_final(exc, operation, url, attempts, now - started)
+                with self._stats_lock:
+                    self.retries += 1
+                log = logger.debug if throttled else logger.warning
+                log(
+                    "S3 %s on %s failed with %s (attempt %d, %s); retrying%s",
+                    operation,
+                    url,
+                    _error_code(exc),
+                    attempts,
+                    f"{counted} of {policy.max_attempts} counted" if not throttled else "throttled",
+                    f" in {delay:.2f} s" if delay else " when the pacer allows",
+                )
+                if delay:
+                    time.sleep(delay)
+                continue
+            lane.on_success(sent, time.monotonic())
+            return result
+
+    def _raise_final(self, exc: Exception, operation: str, url: str, attempts: int, seconds: float) -> NoReturn:
+        """Raise the error of a failed call (from inside its ``except`` block): FileNotFoundError for a missing key or
+        bucket, else `exc` itself with a note naming the URL, the attempts and seconds, and what S3 said. botocore's
+        "(reached max retries: 0)" is taken out of its message: this layer retries, not botocore's."""
+        not_found = _not_found_error(exc, operation, url)
+        if not_found is not None:
+            raise not_found from exc
+        if exc.args and isinstance(exc.args[0], str) and " (reached max retries: " in exc.args[0]:
+            exc.args = (re.sub(r" \(reached max retries: \d+\)", "", exc.args[0]), *exc.args[1:])
+        tried = f"{attempts} attempts over {seconds:.1f} s" if attempts > 1 else ""
+        _annotate(exc, operation, url, self.settings.request_options, tried)
+        raise exc
+
+    def pacer(self, s3_path: str | os.PathLike[str]) -> RequestPacer:
+        """The `RequestPacer` this instance's requests to the bucket of `s3_path` go through (shared by the process)."""
+        return request_pacer(self.settings.endpoint_url, _urls.parse_s3_url(_urls.normalize_s3_url(s3_path))[0])
 
     @property
     def _checksum_records(self) -> _ChecksumRecords:
@@ -1348,7 +1773,7 @@ class S3Utils:
                 raise TransientTransferError(f"got {filled} of {expected} bytes of {url} from offset {start}")
             return filled
 
-        return self.with_retries(attempt, "get_object", url)
+        return self.with_retries(attempt, "get_object", url, bucket=bucket)
 
     @_class_or_instance
     def read_ranges_into(
@@ -1422,7 +1847,9 @@ def _not_found_error(exc: BaseException, operation: str, url: str) -> FileNotFou
     return FileNotFoundError(f"No such {what}: {url} (S3 {operation} answered {code})")
 
 
-def _annotate(exc: BaseException, operation: str, url: str, options: S3RequestOptions | None = None) -> None:
+def _annotate(
+    exc: BaseException, operation: str, url: str, options: S3RequestOptions | None = None, tried: str = ""
+) -> None:
     """Add the URL, what S3 said (HTTP status, request id, host id: what AWS support asks for) and, for common
     mistakes, what to do, to an exception that is re-raised unchanged (callers that match on botocore's
     ``ClientError`` codes keep working)."""
@@ -1439,8 +1866,19 @@ def _annotate(exc: BaseException, operation: str, url: str, options: S3RequestOp
         hint = "the bucket may be in another region: set the region (AWS_REGION or region_name)"
     else:
         hint = ""
+    if tried:
+        hint = f"gave up after {tried}, the last answer {code}" + (f"; {hint}" if hint else "")
     if not any(url in note for note in getattr(exc, "__notes__", [])):
         exc.add_note(f"while running S3 {operation} on {url}{_response_ids(exc)}" + (f": {hint}" if hint else ""))
+
+
+def _bucket_of(url: str) -> str:
+    """The bucket of an ``s3://bucket/key`` URL as this package writes them in messages (possibly with a suffix such
+    as `` (part 3)``), without parsing the rest."""
+    rest = url[5:] if url.startswith("s3://") else url
+    if rest.startswith("arn:"):  # an access point ARN holds a "/" itself: arn:...:accesspoint/name
+        return "/".join(rest.split("/", 2)[:2])
+    return rest.split("/", 1)[0].split(" ", 1)[0]
 
 
 def _response_ids(exc: BaseException) -> str:
@@ -1532,7 +1970,7 @@ class _RangedDownload:
                 raise TransientTransferError(f"got {filled} of {end - start} bytes of {info.url}")
             return checksum
 
-        checksum = self.utils.with_retries(attempt, "get_object", info.url)
+        checksum = self.utils.with_retries(attempt, "get_object", info.url, bucket=info.bucket)
         if self.progress is not None:
             self.progress(end - start)  # after success only, so retried bytes are not counted twice
         return checksum

@@ -49,7 +49,6 @@ MISSING_EXTRA_CASES = {
         "awscrt",
         "s3",
     ),
-    "tenacity": (("tenacity",), "import s3_utils; s3_utils.S3Utils.s3_path_exists('s3://bucket/k')", "tenacity", "s3"),
     "torch": (
         ("torch",),
         "import s3_checkpoint_io; s3_checkpoint_io.S3CheckpointIO('s3://bucket/ckpt')",

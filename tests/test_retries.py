@@ -57,12 +57,38 @@ def test_access_denied_fails_at_once_with_the_original_error(utils, fault_proxy,
 
 
 def test_exhausted_retries_raise_the_original_error_not_retry_error(utils, fault_proxy, bucket: str) -> None:
-    fault_proxy.add_rule(FaultRule(Fault.slow_down(), method="HEAD"))
+    fault_proxy.add_rule(FaultRule(Fault.status(500, "InternalError"), method="HEAD"))
     with pytest.raises(ClientError) as raised:
         utils.head_object(f"s3://{bucket}/k")
-    assert raised.value.response["Error"]["Code"] in {"SlowDown", "503"}
+    assert raised.value.response["Error"]["Code"] in {"InternalError", "500"}
     assert fault_proxy.count(method="HEAD") == FAST.max_attempts
     assert utils.retries == FAST.max_attempts - 1
+    assert "max retries" not in str(raised.value)  # botocore's "(reached max retries: 0)": this layer retried
+    (note,) = raised.value.__notes__
+    assert f"gave up after {FAST.max_attempts} attempts over " in note and "the last answer 500" in note
+
+
+def test_throttling_without_any_success_fails_after_max_elapsed_s(fault_proxy, bucket: str) -> None:
+    """A throttled request does not count attempts, but with no success at all it gives up after max_elapsed_s,
+    saying how many attempts over how many seconds, the last code and its request id."""
+    policy = RetryPolicy(max_attempts=2, max_elapsed_s=1.5, initial_backoff_s=0.01, max_backoff_s=0.05)
+    utils = S3Utils(S3ClientSettings(endpoint_url=fault_proxy.endpoint_url), policy)
+    fault_proxy.add_rule(FaultRule(Fault.slow_down(), method="GET", query="list-type=2"))
+    assert utils.client is not None
+    started = time.monotonic()
+    with pytest.raises(ClientError) as raised:
+        utils.list_objects(f"s3://{bucket}/x")
+    elapsed = time.monotonic() - started
+    assert raised.value.response["Error"]["Code"] == "SlowDown"
+    assert 1.5 <= elapsed < 10
+    attempts = fault_proxy.count(method="GET", query_contains="list-type=2")
+    assert attempts > policy.max_attempts  # throttling answers did not use up attempts
+    assert "max retries" not in str(raised.value)
+    (note,) = raised.value.__notes__
+    request_id = raised.value.response["ResponseMetadata"]["RequestId"]
+    assert f"gave up after {attempts} attempts over " in note and "the last answer SlowDown" in note
+    assert f"request id {request_id}" in note and f"s3://{bucket}/x" in note
+    assert utils.pacer(f"s3://{bucket}").reads.active and not utils.pacer(f"s3://{bucket}").writes.active
 
 
 def test_total_time_bounds_the_retries(fault_proxy, bucket: str) -> None:
