@@ -9,7 +9,8 @@ examples:
   s3-checkpoint-io cp s3://my-bucket/run/checkpoints/last.ckpt ./      (or ./x.ckpt s3://my-bucket/run/)
   s3-checkpoint-io rm s3://my-bucket/run/checkpoints --keep-last 3 [--dry-run]
 
-The S3 connection options (--endpoint-url, --region, --max-attempts) and -v go before or after the command.
+The S3 connection options (--endpoint-url, --region, --max-attempts, --max-requests-per-second) and -v go before
+or after the command.
 Credentials come from the usual AWS chain (environment, profile, role) and are never printed.
 
 checkpoints: an object named *.ckpt directly under the prefix (--recursive: also in sub-prefixes; rm never
@@ -365,7 +366,10 @@ def _retry_policy(args: argparse.Namespace) -> _s3.RetryPolicy | None:
 
 def _make_s3(args: argparse.Namespace) -> _s3.S3Utils:
     settings = _s3.S3ClientSettings(
-        endpoint_url=args.endpoint_url, region_name=args.region, request_options=_request_options(args)
+        endpoint_url=args.endpoint_url,
+        region_name=args.region,
+        request_options=_request_options(args),
+        max_requests_per_second=getattr(args, "max_requests_per_second", None),
     )
     return _s3.S3Utils(settings, _retry_policy(args))
 
@@ -578,6 +582,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _request_rates(text: str) -> _s3.RequestRates | None:
+    try:
+        return _s3.RequestRates.from_value(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
     """The options every command takes; on the sub-commands they default to SUPPRESS so that a value given before
     the command is not overwritten by the sub-parser's default."""
@@ -599,6 +610,13 @@ def _global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
         default=default(None),
         metavar="N",
         help="attempts per S3 request, the first included (default: 8, bounded to 120 s); 1 disables retries",
+    )
+    group.add_argument(
+        "--max-requests-per-second",
+        type=_request_rates,
+        default=default(None),
+        metavar="RATE",
+        help="at most RATE S3 requests per second (or 'write=W,read=R'); default: none, slow down on SlowDown only",
     )
     parser.add_argument("-v", "--verbose", action="count", default=default(0), help="log more (-v: info, -vv: debug)")
 

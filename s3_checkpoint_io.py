@@ -177,6 +177,10 @@ class S3CheckpointIO:
             the connector, or `collective_load`): ``"node"`` (default) one rank per node, the others map its pages;
             ``"job"`` global rank 0 only, the bytes travel over the process group; ``"rank"`` every rank. A load
             on one rank alone always downloads on that rank. See the "Load sharing" block below.
+        max_requests_per_second: a budget of S3 requests per second for the whole job, split across its processes
+            by world size: one number for writes and reads each, or ``{"write": 3000, "read": 5000}`` (see
+            `s3_utils.RequestRates`). None (default): no budget; the process's request pacer still slows down from
+            the first SlowDown on.
 
     Arguments that would be ignored raise ValueError: `endpoint_url` / `region_name` together with `client_settings`
     (put them in the settings) or with `s3_utils`, and `client_settings` / `retry_policy` together with `s3_utils`
@@ -200,11 +204,17 @@ class S3CheckpointIO:
         s3_utils: _s3.S3Utils | None = None,
         request_options: _s3.S3RequestOptions | Mapping[str, Any] | None = None,
         load_sharing: str = "node",
+        max_requests_per_second: float | Mapping[str, float] | _s3.RequestRates | None = None,
     ) -> None:
         lightning_agent = _lightning_user_agent()  # before registering, which imports every installed family
         options = _s3.S3RequestOptions.from_mapping(request_options)  # an unknown or bad option fails here
         if options is not None and s3_utils is not None:
             raise ValueError("request_options cannot apply to a given s3_utils: set S3ClientSettings(request_options=)")
+        budget = _s3.RequestRates.from_value(max_requests_per_second)  # a bad value fails here
+        if budget is not None and s3_utils is not None:
+            raise ValueError(
+                "max_requests_per_second cannot apply to a given s3_utils: set it in its S3ClientSettings"
+            )
         _torch()
         register_with_lightning(type(self))
         if not (math.isfinite(chunk_size_MB) and chunk_size_MB * _s3.MB >= _s3.MIN_PART_SIZE):
@@ -248,6 +258,8 @@ class S3CheckpointIO:
                 settings = replace(settings, user_agent_extra=agent)
             if options is not None:
                 settings = replace(settings, request_options=options)
+            if budget is not None:
+                settings = replace(settings, max_requests_per_second=budget)
             s3_utils = _s3.S3Utils(settings, retry_policy)
         self.s3 = s3_utils
         self._lock = threading.Lock()

@@ -144,10 +144,16 @@ def _make_utils(
     retry_policy: _s3.RetryPolicy | None,
     connections: int,
     request_options: _s3.S3RequestOptions | dict[str, Any] | None = None,
+    max_requests_per_second: float | dict[str, float] | _s3.RequestRates | None = None,
 ) -> _s3.S3Utils:
     options = _s3.S3RequestOptions.from_mapping(request_options)  # an unknown or bad option fails here
     if options is not None and s3_utils is not None:
         raise ValueError("request_options cannot apply to a given s3_utils: set S3ClientSettings(request_options=)")
+    budget = _s3.RequestRates.from_value(max_requests_per_second)  # a bad value fails here
+    if budget is not None and s3_utils is not None:
+        raise ValueError(
+            "max_requests_per_second cannot apply to a given s3_utils: set it in its S3ClientSettings"
+        )
     if s3_utils is not None:
         return s3_utils
     settings = client_settings or _s3.S3ClientSettings(
@@ -155,6 +161,8 @@ def _make_utils(
     )
     if options is not None:
         settings = dataclasses.replace(settings, request_options=options)
+    if budget is not None:
+        settings = dataclasses.replace(settings, max_requests_per_second=budget)
     return _s3.S3Utils(settings, retry_policy)
 
 
@@ -326,6 +334,7 @@ class _S3StorageWriterImpl(_S3Settings):
         overwrite: bool = True,
         cache_staged_state_dict: bool = False,
         request_options: _s3.S3RequestOptions | dict[str, Any] | None = None,
+        max_requests_per_second: float | dict[str, float] | _s3.RequestRates | None = None,
     ) -> None:
         _validate_sizes(chunk_size_MB, max_write_concurrency, "max_write_concurrency")
         if not isinstance(thread_count, int) or thread_count < 1:
@@ -353,6 +362,7 @@ class _S3StorageWriterImpl(_S3Settings):
                 retry_policy,
                 thread_count * max_write_concurrency,
                 request_options,
+                max_requests_per_second,
             )
         )
 
@@ -805,6 +815,7 @@ class _S3StorageReaderImpl(_S3Settings):
         retry_policy: _s3.RetryPolicy | None = None,
         s3_utils: _s3.S3Utils | None = None,
         request_options: _s3.S3RequestOptions | dict[str, Any] | None = None,
+        max_requests_per_second: float | dict[str, float] | _s3.RequestRates | None = None,
     ) -> None:
         _validate_sizes(chunk_size_MB, max_read_concurrency, "max_read_concurrency")
         if not coalesce_gap_MB >= 0:
@@ -837,6 +848,7 @@ class _S3StorageReaderImpl(_S3Settings):
                 retry_policy,
                 max_read_concurrency,
                 request_options,
+                max_requests_per_second,
             )
         )
 
@@ -1316,7 +1328,8 @@ class S3ShardedStrategyMixin:
 
     Lightning (2.4-2.6) would otherwise turn ``s3://bucket/x`` into the local directory ``s3:/bucket/x``.
     Extra keyword arguments (all optional): chunk_size_MB, max_read_concurrency, max_write_concurrency, thread_count,
-    checksum_algorithm, endpoint_url, region_name, client_settings, retry_policy (as `S3CheckpointIO`).
+    checksum_algorithm, endpoint_url, region_name, client_settings, retry_policy, max_requests_per_second (as
+    `S3CheckpointIO`).
     """
 
     lightning_base: type
@@ -1331,6 +1344,7 @@ class S3ShardedStrategyMixin:
         "region_name": None,
         "client_settings": None,
         "retry_policy": None,
+        "max_requests_per_second": None,
     }
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -1338,6 +1352,7 @@ class S3ShardedStrategyMixin:
         _validate_sizes(options["chunk_size_MB"], options["max_write_concurrency"], "max_write_concurrency")
         _validate_sizes(options["chunk_size_MB"], options["max_read_concurrency"], "max_read_concurrency")
         _s3.validate_checksum_algorithm(options["checksum_algorithm"])
+        options["max_requests_per_second"] = _s3.RequestRates.from_value(options["max_requests_per_second"])
         super().__init__(*args, **kwargs)
         self.s3_options = options
         self._s3_io: Any = None
@@ -1350,6 +1365,8 @@ class S3ShardedStrategyMixin:
         settings = o["client_settings"] or _s3.S3ClientSettings(
             endpoint_url=o["endpoint_url"], region_name=o["region_name"], max_pool_connections=max(32, connections + 4)
         )
+        if o["max_requests_per_second"] is not None:
+            settings = dataclasses.replace(settings, max_requests_per_second=o["max_requests_per_second"])
         return settings, o["retry_policy"]
 
     @property
@@ -1631,6 +1648,8 @@ _WRITER_DOC = """A ``torch.distributed.checkpoint`` StorageWriter for ``s3://`` 
         cache_staged_state_dict: ``async_save`` only: keep the staged host copy for the next save (torch's option).
         request_options: encryption, storage class, tags, expected bucket owner, requester pays for every object of
             the checkpoint (`s3_utils.S3RequestOptions` or a mapping, as `S3CheckpointIO`); not with `s3_utils`.
+        max_requests_per_second: the whole job's budget of S3 requests per second (as `S3CheckpointIO`); not with
+            `s3_utils`.
     """
 
 _READER_DOC = """A ``torch.distributed.checkpoint`` StorageReader for ``s3://`` checkpoints (see the module docstring).
@@ -1646,6 +1665,8 @@ _READER_DOC = """A ``torch.distributed.checkpoint`` StorageReader for ``s3://`` 
             target is a whole, contiguous CPU tensor of the stored dtype and shape (one copy per byte, not three).
         endpoint_url, region_name, client_settings, retry_policy, s3_utils: how to reach S3 (as `S3CheckpointIO`).
         request_options: expected bucket owner, requester pays (`s3_utils.S3RequestOptions`); not with `s3_utils`.
+        max_requests_per_second: the whole job's budget of S3 requests per second (as `S3CheckpointIO`); not with
+            `s3_utils`.
     """
 
 
