@@ -448,8 +448,8 @@ class PacerLane:
         self._apply_limit(now)
         self._tokens = min(1.0, self._tokens + (now - self._refilled_at) * self._rate)
         self._refilled_at = now
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
+        if self._tokens >= 1.0 - 1e-9:  # (1 / rate) * rate may come out a hair under 1
+            self._tokens = max(0.0, self._tokens - 1.0)
             self._sends.append(now)
             return 0.0
         return max((1.0 - self._tokens) / self._rate, 1e-4)

@@ -19,6 +19,10 @@ Faults are added as rules, e.g.::
         ...
         assert proxy.count(method="PUT", faulted=True) == 2
 
+S3's request-rate limit is a rule too: ``proxy.add_rule(RateLimit(writes_per_s=2, reads_per_s=4))`` admits that
+many writes (PUT, POST, DELETE) and reads (GET, HEAD) per second through token buckets and answers the rest
+``503 SlowDown``; it counts what it admitted and throttled, for tests and benchmarks.
+
 Every request is recorded in ``proxy.requests`` (method, path, query, status, user agent, fault).
 
 Bucket kinds (``credentials=`` the upstream's keys, which every forwarded request is then re-signed with):
@@ -229,6 +233,104 @@ class FaultRule:
                 return False
             self.fired += 1
             return True
+
+
+WRITE_METHODS = frozenset({"PUT", "POST", "DELETE"})
+"""What S3 counts as writes (3,500 per second per prefix); GET and HEAD are reads (5,500)."""
+
+
+class TokenBucket:
+    """Admits `rate` requests per second with a burst of `capacity` (S3's per-prefix limit, seen from outside).
+
+    `admit(now)` takes a token if there is one. `clock` is ``time.monotonic`` unless a test gives its own.
+    """
+
+    def __init__(self, rate: float, capacity: float | None = None, clock: Callable[[], float] = time.monotonic):
+        if not rate > 0:
+            raise ValueError(f"rate must be > 0, got {rate!r}")
+        self.rate = float(rate)
+        self.capacity = float(capacity) if capacity is not None else max(1.0, self.rate)
+        self._clock = clock
+        self._tokens = self.capacity
+        self._at = clock()
+        self._lock = threading.Lock()
+
+    def admit(self) -> bool:
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self.capacity, self._tokens + (now - self._at) * self.rate)
+            self._at = now
+            if self._tokens >= 1.0:
+                self._tokens -= 1.0
+                return True
+            return False
+
+
+@dataclass
+class RateLimit:
+    """A rule that throttles like S3: writes (PUT, POST, DELETE) and reads (GET, HEAD) each get a `TokenBucket`
+    (None: that direction is not limited) with a burst of `burst_s` seconds' worth of requests (at least one), and
+    a request that finds its bucket empty is answered ``503 SlowDown``. Only requests whose path matches
+    `path_regex` (if given) count. Add it like a FaultRule (``proxy.add_rule(RateLimit(writes_per_s=2))``).
+
+    Counters for tests and benchmarks: `admitted` and `throttled` per direction (``"write"``, ``"read"``), the time of
+    the first request and of the last admitted one per direction (``time.monotonic()``), and `burst` (the bucket
+    capacity: what goodput subtracts, since a burst is served before the rate applies).
+    """
+
+    writes_per_s: float | None = None
+    reads_per_s: float | None = None
+    burst_s: float = 1.0
+    path_regex: str | None = None
+    action: Fault = field(default_factory=Fault.slow_down)
+    admitted: dict[str, int] = field(default_factory=lambda: {"write": 0, "read": 0})
+    throttled: dict[str, int] = field(default_factory=lambda: {"write": 0, "read": 0})
+    first_request: dict[str, float] = field(default_factory=dict)
+    last_admitted: dict[str, float] = field(default_factory=dict)
+    _buckets: dict[str, TokenBucket] = field(init=False, repr=False)
+    _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        rates = {"write": self.writes_per_s, "read": self.reads_per_s}
+        self._buckets = {
+            direction: TokenBucket(rate, max(1.0, rate * self.burst_s))
+            for direction, rate in rates.items()
+            if rate is not None
+        }
+
+    def burst(self, direction: str) -> float:
+        bucket = self._buckets.get(direction)
+        return bucket.capacity if bucket is not None else 0.0
+
+    def try_fire(self, method: str, path: str, query: str, user_agent: str) -> bool:
+        """Take a token for the request (False: let it through) or count it throttled (True: answer SlowDown)."""
+        if self.path_regex is not None and not re.search(self.path_regex, path):
+            return False
+        direction = "write" if method.upper() in WRITE_METHODS else "read"
+        bucket = self._buckets.get(direction)
+        if bucket is None:
+            return False
+        admitted = bucket.admit()
+        with self._lock:
+            now = time.monotonic()
+            self.first_request.setdefault(direction, now)
+            if admitted:
+                self.admitted[direction] += 1
+                self.last_admitted[direction] = now
+            else:
+                self.throttled[direction] += 1
+        return not admitted
+
+    def slowdowns_per_admitted(self, direction: str) -> float:
+        return self.throttled[direction] / max(1, self.admitted[direction])
+
+    def goodput(self, direction: str) -> float:
+        """The seconds the admitted requests beyond the burst need at the bucket's rate, over the seconds from the
+        first request to the last admitted one: 1.0 when the bucket never idled while clients waited."""
+        bucket = self._buckets[direction]
+        span = self.last_admitted.get(direction, 0.0) - self.first_request.get(direction, 0.0)
+        needed = max(0.0, self.admitted[direction] - bucket.capacity) / bucket.rate
+        return needed / span if span > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -483,7 +585,7 @@ class FaultProxy:
         self._upstream_addr = (parts.hostname, parts.port or 80)
         self._connect_timeout = connect_timeout
         self._upstream_timeout = upstream_timeout
-        self._rules: list[FaultRule] = []
+        self._rules: list[FaultRule | RateLimit] = []
         self._entries: list[_Entry] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -510,13 +612,13 @@ class FaultProxy:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def add_rule(self, rule: FaultRule) -> FaultRule:
+    def add_rule(self, rule: FaultRule | RateLimit) -> FaultRule | RateLimit:
         """Append a rule (rules are tried in order; the first that fires wins). Returns it."""
         with self._lock:
             self._rules.append(rule)
         return rule
 
-    def remove_rule(self, rule: FaultRule) -> None:
+    def remove_rule(self, rule: FaultRule | RateLimit) -> None:
         """Remove a previously added rule."""
         with self._lock:
             self._rules.remove(rule)

@@ -1,0 +1,334 @@
+"""S3 throttling: the request pacer's arithmetic (a made-up clock), the job-wide budget, and real jobs through the fault
+proxy's `RateLimit` (a token bucket per direction answering ``503 SlowDown`` beyond its rate, as S3 does per prefix).
+
+The multi-rank test starts 8 gloo ranks as 2 "nodes" (tests/helpers/throttle_worker.py): every rank saves (sync and
+async), loads, saves and loads a DCP checkpoint and takes part in a node-mode resume download, all at once under a
+write and a read limit; then the CLI verifies every checkpoint under the read limit. Request-rate pressure needs many
+requests, not bytes: small objects, low rates. Numbers (SlowDown per admitted request, goodput) are the benchmark's
+(benchmarks/bench_throttle.py); here every save and load must succeed, every value must load equal, and nothing may
+be left behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from botocore.exceptions import ClientError
+from fault_proxy import FaultProxy, RateLimit, TokenBucket
+from s3_servers import S3Endpoint, free_port
+
+import s3_checkpoint_cli as cli
+from s3_utils import (
+    PacerLane,
+    RequestPacer,
+    RequestRates,
+    S3ClientSettings,
+    S3Utils,
+    is_retriable_error,
+    is_throttling_error,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "helpers" / "throttle_worker.py"
+MiB = 1 << 20
+
+MULTIRANK_BACKENDS = os.environ.get("S3CKPT_DCP_MULTIRANK_BACKENDS", "moto").split(",")
+"""As the other multi-rank tests: starting 8 ranks dominates the time, and the backend does not change the pacing."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The pacer's arithmetic, on a made-up clock
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def sends(lane: PacerLane, times: list[float]) -> None:
+    for t in times:
+        assert lane.reserve(t) == 0.0
+
+
+class TestPacerLane:
+    def test_a_dormant_lane_never_holds_a_request(self) -> None:
+        lane = PacerLane("writes")
+        for n in range(1000):
+            assert lane.reserve(n * 1e-4) == 0.0
+            lane.on_success(n * 1e-4, n * 1e-4 + 0.01)
+        assert not lane.active and lane.rate == math.inf and lane.throttles == 0
+
+    def test_the_first_throttle_paces_at_0_7x_the_rate_requests_were_sent_at(self) -> None:
+        lane = PacerLane("writes")
+        sends(lane, [10 + n * 0.1 for n in range(20)])  # 10 per second over the 2 s window
+        lane.on_throttle(sent=11.9, now=12.0)
+        assert lane.active and lane.rate == pytest.approx(0.7 * 10, rel=0.06)
+        rate = lane.rate
+        assert lane.reserve(12.0) == pytest.approx(1 / rate)  # no token yet: the next one in 1/rate seconds
+        assert lane.reserve(12.0 + 1 / rate) == 0.0
+        assert lane.reserve(12.0 + 1 / rate) == pytest.approx(1 / rate)  # evenly spaced: no burst
+
+    def test_throttles_of_requests_sent_before_the_last_decrease_count_once(self) -> None:
+        lane = PacerLane("writes")
+        sends(lane, [n * 0.05 for n in range(40)])  # 20 per second
+        lane.on_throttle(sent=1.9, now=2.0)
+        first = lane.rate
+        for _ in range(9):  # the rest of the burst sent at the old rate answers: already reacted to
+            lane.on_throttle(sent=1.95, now=2.01)
+        assert lane.rate == first and lane.throttles == 10
+        lane.on_throttle(sent=2.5, now=2.6)  # a request sent after the decrease: the rate is still too high
+        assert lane.rate == pytest.approx(0.7 * first)
+
+    def test_the_rate_never_drops_under_the_floor(self) -> None:
+        lane = PacerLane("writes")
+        lane.on_throttle(sent=0.0, now=0.0)  # nothing measured: the floor
+        assert lane.rate == PacerLane.MIN_RATE
+        for n in range(1, 20):
+            lane.on_throttle(sent=n, now=n + 0.01)
+        assert lane.rate == PacerLane.MIN_RATE
+
+    def test_successes_grow_the_rate_more_for_slow_lanes_and_long_runs(self) -> None:
+        def grown(rate: float, run: int) -> float:
+            lane = PacerLane("writes")
+            sends(lane, [n / 100 for n in range(64)])  # plenty measured: the 2x cap stays out of the way
+            lane.on_throttle(sent=0.63, now=0.64)
+            lane._rate = rate
+            for _ in range(run):
+                lane.on_success(sent=0.64, now=0.65)
+            return lane.rate
+
+        step = PacerLane.GROWTH * (1 + 1 / PacerLane.STREAK_SCALE)
+        assert grown(1.0, 1) == pytest.approx(1.0 * (1 + step))
+        assert grown(4.0, 1) == pytest.approx(4.0 * (1 + step / 2))  # 1/sqrt(rate): slow lanes catch up
+        two = 1.0 * (1 + step)
+        two *= 1 + PacerLane.GROWTH * (1 + 2 / PacerLane.STREAK_SCALE) / math.sqrt(two)
+        assert grown(1.0, 2) == pytest.approx(two)  # the second success of a run grows it more
+
+    def test_growth_stops_at_twice_the_rate_actually_sent(self) -> None:
+        lane = PacerLane("reads")
+        sends(lane, [0.0, 0.5, 1.0, 1.5])  # 2 per second
+        lane.on_throttle(sent=1.5, now=1.6)
+        for _ in range(200):
+            lane.on_success(sent=1.6, now=1.7)  # no more sends: the lane is not using what it has
+        assert lane.rate == pytest.approx(2 * lane.measured_rate(1.7))
+
+    def test_a_budget_paces_from_the_first_request_and_caps_growth(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        pacer = RequestPacer(None, "bucket")
+        assert not pacer.writes.active and not pacer.reads.active
+        pacer.limit(RequestRates(write=8, read=None))
+        assert pacer.writes.active and pacer.writes.rate == 2.0  # 8 per second for the job, 4 processes
+        assert not pacer.reads.active  # no read budget: adaptive only
+        pacer.limit(RequestRates(write=20, read=40))  # the smaller budget of each direction wins
+        assert pacer.writes.rate == 2.0 and pacer.reads.rate == 10.0
+        now = time.monotonic()
+        for n in range(100):
+            pacer.writes.on_success(now, now + n * 0.01)
+        assert pacer.writes.rate == 2.0
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (3500, RequestRates(3500, 3500)),
+        ("100", RequestRates(100, 100)),
+        ("write=3000,read=5000", RequestRates(3000, 5000)),
+        ({"read": 50}, RequestRates(None, 50)),
+        (None, None),
+        ({}, None),
+    ],
+)
+def test_request_rates_from_configs_and_flags(value: Any, expected: RequestRates | None) -> None:
+    assert RequestRates.from_value(value) == expected
+    assert S3ClientSettings(max_requests_per_second=value).max_requests_per_second == expected
+
+
+@pytest.mark.parametrize("value", ["fast", "write=x", {"writes": 1}, 0, -5, "write=1,sideways=2", float("inf")])
+def test_bad_request_rates_are_refused_up_front(value: Any) -> None:
+    with pytest.raises((ValueError, TypeError), match="max_requests_per_second"):
+        RequestRates.from_value(value)
+
+
+def client_error(code: str, status: int) -> ClientError:
+    return ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "Op")
+
+
+@pytest.mark.parametrize(
+    ("error", "throttling"),
+    [
+        (client_error("SlowDown", 503), True),
+        (client_error("503", 503), True),  # a throttled HEAD: no body, no code
+        (client_error("ServiceUnavailable", 503), True),
+        (client_error("TooManyRequestsException", 429), True),
+        (client_error("Throttling", 400), True),
+        (client_error("InternalError", 500), False),
+        (client_error("RequestTimeout", 400), False),
+        (client_error("AccessDenied", 403), False),
+        (ConnectionResetError(), False),
+    ],
+)
+def test_throttling_answers_are_a_subset_of_the_retriable_ones(error: BaseException, throttling: bool) -> None:
+    assert is_throttling_error(error) is throttling
+    assert not throttling or is_retriable_error(error)
+
+
+def test_the_proxy_token_bucket_admits_its_rate_after_its_burst() -> None:
+    now = [0.0]
+    bucket = TokenBucket(rate=4, capacity=2, clock=lambda: now[0])
+    assert [bucket.admit() for _ in range(3)] == [True, True, False]
+    now[0] = 0.25
+    assert [bucket.admit(), bucket.admit()] == [True, False]
+    now[0] = 10.0
+    assert sum(bucket.admit() for _ in range(10)) == 2  # the burst never exceeds the capacity
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# One process, through the proxy
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_the_pacer_adds_nothing_when_nothing_throttles(fault_proxy: FaultProxy, bucket: str) -> None:
+    limit = fault_proxy.add_rule(RateLimit(writes_per_s=10_000, reads_per_s=10_000))  # counts, never throttles
+    utils = S3Utils(S3ClientSettings(endpoint_url=fault_proxy.endpoint_url))
+    data = os.urandom(11 * MiB)
+    with utils.open_writer(f"s3://{bucket}/a.bin", chunk_size_MB=5) as writer:
+        writer.write(data)
+    assert utils.download_s3_file_to_stream(f"s3://{bucket}/a.bin", chunk_size_MB=5).read() == data
+    assert [o.key for o in utils.list_objects(f"s3://{bucket}")] == ["a.bin"]
+    pacer = utils.pacer(f"s3://{bucket}")
+    for lane in (pacer.writes, pacer.reads):
+        assert (lane.active, lane.waits, lane.waited_s, lane.throttles) == (False, 0, 0.0, 0), lane
+    assert utils.retries == 0 and sum(limit.throttled.values()) == 0
+    requests = [(r.method, r.query.split("&")[0]) for r in fault_proxy.requests]
+    # create + 3 parts + complete (+ the checksum record where the store keeps none); HEAD + 3 ranges (+ the record)
+    assert requests.count(("PUT", "partNumber=1")) == 1 and sum(q.startswith("partNumber=") for _, q in requests) == 3
+    assert sum(m == "POST" for m, _ in requests) == 2 and requests.count(("HEAD", "")) == 1
+    assert sum(m == "GET" and q == "" for m, q in requests) in (3, 4) and len(requests) <= 12
+
+
+def test_a_budget_keeps_a_process_under_the_store_limit(fault_proxy: FaultProxy, bucket: str) -> None:
+    """16 threads, 20 small saves against a store admitting 20 writes per second: with a budget a little under that
+    limit, the store never has to say SlowDown (and without one, it does)."""
+    limit = fault_proxy.add_rule(RateLimit(writes_per_s=20, burst_s=0.25))
+    settings = S3ClientSettings(endpoint_url=fault_proxy.endpoint_url, max_requests_per_second={"write": 16})
+    utils = S3Utils(settings)
+
+    def save_all(utils: S3Utils, name: str) -> float:
+        started = time.monotonic()
+        with ThreadPoolExecutor(16) as pool:
+            for _ in pool.map(
+                lambda n: utils.upload_file_stream_to_s3(io_of(b"x" * 100), f"s3://{bucket}/{name}{n}"), range(20)
+            ):
+                pass
+        return time.monotonic() - started
+
+    elapsed = save_all(utils, "budget")
+    writes = limit.admitted["write"]
+    assert writes >= 20 and limit.throttled["write"] == 0
+    assert elapsed >= (writes - 1) / 16 * 0.9  # paced at 16 per second, the first one at once
+    assert utils.pacer(f"s3://{bucket}").writes.waits > 0
+    save_all(S3Utils(S3ClientSettings(endpoint_url=fault_proxy.endpoint_url + "/")), "free")  # another pacer
+    assert limit.throttled["write"] > 0
+
+
+def io_of(data: bytes) -> Any:
+    import io
+
+    return io.BytesIO(data)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 8 ranks as 2 nodes, at once, under a write and a read limit
+# --------------------------------------------------------------------------------------------------------------------
+
+WORLD, PER_NODE = 8, 4
+_LAUNCHER_VARIABLES = re.compile(
+    r"^(SLURM_|OMPI_|PMI_|PMIX_|MV2_|TORCHELASTIC_|LOCAL_RANK$|NODE_RANK$|GROUP_RANK$|RANK$|LOCAL_WORLD_SIZE$)"
+)
+
+
+def run_ranks(server: S3Endpoint, endpoint_url: str, base: str, out: Path, timeout: float = 240) -> list[int | None]:
+    out.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not _LAUNCHER_VARIABLES.match(k)}
+    env.update(server.env())
+    env.update(
+        AWS_ENDPOINT_URL_S3=endpoint_url,
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_WORLD_SIZE=str(PER_NODE),
+        OMP_NUM_THREADS="1",
+    )
+    procs = []
+    for rank in range(WORLD):
+        node, local = divmod(rank, PER_NODE)
+        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(local), "GROUP_RANK": str(node)}
+        with open(out / f"rank{rank}.log", "wb") as log:
+            command = [sys.executable, str(WORKER), "--base", base, "--out", str(out)]
+            procs.append(subprocess.Popen(command, env=rank_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [p.returncode for p in procs]
+
+
+def digest(s3_client: Any, bucket: str, key: str) -> str:
+    return hashlib.sha256(s3_client.get_object(Bucket=bucket, Key=key)["Body"].read()).hexdigest()
+
+
+@pytest.mark.slow
+def test_eight_ranks_save_and_load_everything_under_request_limits(
+    s3_server: S3Endpoint, s3_client: Any, bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if s3_server.name not in MULTIRANK_BACKENDS:
+        pytest.skip(f"multi-rank tests run on {MULTIRANK_BACKENDS} (S3CKPT_DCP_MULTIRANK_BACKENDS)")
+    base = f"s3://{bucket}/run"
+    previous = {f"run/rank{r}/previous.ckpt": os.urandom(1000 + r) for r in range(WORLD)}
+    for key, data in previous.items():  # an older checkpoint beside each rank's new ones
+        s3_client.put_object(Bucket=bucket, Key=key, Body=data)
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        limit = proxy.add_rule(RateLimit(writes_per_s=10, reads_per_s=20, path_regex=f"^/{bucket}/"))
+        codes = run_ranks(s3_server, proxy.endpoint_url, base, tmp_path)
+        logs = "\n".join(f"--- rank {r} ---\n{(tmp_path / f'rank{r}.log').read_text()[-2000:]}" for r in range(WORLD))
+        assert codes == [0] * WORLD, logs
+        reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+        for report in reports:
+            assert "error" not in report, report["error"]
+            failed = {name: step for name, step in report["steps"].items() if not step["ok"]}
+            assert not failed, f"rank {report['rank']}: {failed}"
+            assert set(report["steps"]) >= {"sync_save", "async_save", "sync_load", "async_load", "dcp_save"}
+            assert {"dcp_load", "node_load"} <= set(report["steps"])
+        # The limits bit, in both directions, and the pacers reacted (a store that never throttled proves nothing).
+        assert limit.throttled["write"] > 0 and limit.throttled["read"] > 0, (limit.admitted, limit.throttled)
+        assert any(r["pacer"]["writes"]["activations"] for r in reports)
+        assert any(r["pacer"]["reads"]["activations"] for r in reports)
+        # Paced, not hammered: without a pacer, immediate retries would be many times the admitted requests.
+        for direction in ("write", "read"):
+            assert limit.throttled[direction] <= 3 * limit.admitted[direction], (limit.admitted, limit.throttled)
+
+        # The CLI verifies every checkpoint (16 single files, 8 older ones, the DCP one) under the read limit.
+        before = dict(limit.throttled)
+        code = cli.main(["verify", base, "-r", "--allow-unverified", "--endpoint-url", proxy.endpoint_url])
+        out = capsys.readouterr().out
+        assert code == 0, out
+        assert len(re.findall(r"^OK +s3://\S+\.ckpt ", out, flags=re.MULTILINE)) >= 2 * WORLD + WORLD + 1, out
+        assert limit.admitted["read"] > 0 and limit.throttled["read"] >= before["read"]
+
+    uploads = s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+    assert uploads == []
+    for key, data in previous.items():
+        assert hashlib.sha256(data).hexdigest() == digest(s3_client, bucket, key)
