@@ -1,8 +1,10 @@
-"""One rank of a job that checkpoints through an S3 that throttles (tests/test_throttling.py); started once per rank.
+"""A job of ``--world`` ranks (``--per-node`` per "node") that checkpoints through an S3 that throttles, for
+tests/test_throttling.py: ``python throttle_worker.py --world 8 --per-node 4 --base s3://bucket/run --out DIR``.
 
-The parent sets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
-MASTER_PORT) and AWS_ENDPOINT_URL_S3 (the fault proxy, whose `RateLimit` answers SlowDown beyond a few requests per
-second). Every rank, on one gloo process group, at once after a barrier:
+The caller sets MASTER_ADDR, MASTER_PORT and AWS_ENDPOINT_URL_S3 (the fault proxy, whose `RateLimit` answers SlowDown
+beyond a few requests per second); this process imports torch and the package once and forks the ranks, each with
+the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK: the node). Every rank, on one
+gloo process group, at once after a barrier:
 
 1. a sync save of its own single-file checkpoint (a multipart upload) with `S3CheckpointIO`;
 2. an async save of a second one (``async_checkpointing=True``), waited for;
@@ -41,15 +43,48 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--base", required=True, help="s3://bucket/prefix for this job's checkpoints")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--per-node", type=int, required=True)
     parser.add_argument("--mib", type=float, default=6.0, help="size of each single-file checkpoint's tensor")
     args = parser.parse_args()
-    rank = int(os.environ["RANK"])
-    report: dict[str, Any] = {"rank": rank, "steps": {}}
-    try:
-        run(args, rank, report)
-    except Exception as exc:
-        report["error"] = f"{type(exc).__name__}: {exc} {getattr(exc, '__notes__', '')}\n{traceback.format_exc()}"
-    Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
+    # Import once, then fork the ranks: 8 interpreters importing torch and Lightning each would take most of a minute
+    # of CPU on a small machine. Nothing has started a thread or an S3 client yet (clients and pacers are per pid).
+    import torch.distributed.checkpoint  # noqa: F401
+
+    import s3_checkpoint_io  # noqa: F401 (imports Lightning too, as a job's would)
+    import s3_dcp  # noqa: F401
+
+    children = {}
+    for rank in range(args.world):
+        pid = os.fork()
+        if pid == 0:
+            node, local = divmod(rank, args.per_node)
+            os.environ.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(local),
+                GROUP_RANK=str(node),
+                WORLD_SIZE=str(args.world),
+                LOCAL_WORLD_SIZE=str(args.per_node),
+            )
+            code = 1
+            try:
+                report: dict[str, Any] = {"rank": rank, "steps": {}}
+                try:
+                    run(args, rank, report)
+                except Exception as exc:
+                    notes = getattr(exc, "__notes__", "")
+                    report["error"] = f"{type(exc).__name__}: {exc} {notes}\n{traceback.format_exc()}"
+                Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
+                code = 0 if "error" not in report else 3
+            finally:
+                os._exit(code)
+        children[pid] = rank
+    failed = []
+    for _ in range(args.world):
+        pid, status = os.wait()
+        if os.waitstatus_to_exitcode(status) != 0:
+            failed.append(children[pid])
+    raise SystemExit(f"ranks {sorted(failed)} failed" if failed else 0)
 
 
 def run(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> None:
