@@ -1046,8 +1046,9 @@ class _SharedLoad:
         self._set_status(None)
 
     def _wait_for_leader(self) -> None:
-        """Poll the status file until the node's downloader reports, dies, or overruns its budget."""
-        started = time.monotonic()
+        """Poll the status file until the node's downloader reports, dies, or makes no progress for its budget (a
+        throttled download may take long, but the bytes it lands in the shared file show that it is moving)."""
+        started, landed = time.monotonic(), -1
         while True:
             raw = os.pread(self.files.status_fd, 1 << 16, 0)
             if raw.endswith(b"\n"):
@@ -1070,11 +1071,14 @@ class _SharedLoad:
                         "node, exited before finishing (killed?). Check that rank's log; restart the job."
                     )
                 continue
-            budget = _wait_budget_s(self.io, self.size or os.fstat(self.files.data_fd).st_size)
+            stat = os.fstat(self.files.data_fd)
+            if stat.st_blocks > landed:
+                started, landed = time.monotonic(), stat.st_blocks
+            budget = _wait_budget_s(self.io, self.size or stat.st_size)
             if time.monotonic() - started > budget:
                 raise SharedLoadError(
-                    f"Could not load {self.url}: global rank {self.leader} has not finished downloading it for this "
-                    f"node within {budget:.0f} s (the retry policy's budget plus the transfer at "
+                    f"Could not load {self.url}: global rank {self.leader}, downloading it for this node, has made "
+                    f"no progress for {budget:.0f} s (the retry policy's budget plus the transfer at "
                     f"{_SLOWEST_TRANSFER_BYTES_PER_S // _s3.MB} MiB/s); giving up"
                 )
             time.sleep(_POLL_INTERVAL_S)

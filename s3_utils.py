@@ -372,7 +372,9 @@ class PacerLane:
     after the last drop (the answers to a burst sent at the old rate count once), and grows on each success by a
     step that is larger for a slow lane (``0.1 / sqrt(rate)``, so slow lanes catch up with fast ones) and for a
     longer run of successes (so a lane left alone by the others ramps up fast), never past twice the rate it is
-    actually sending at, nor past its share of the budget. It never goes under `MIN_RATE`.
+    actually sending at, nor past its share of the budget; on top of that it gains `CATCH_UP` requests per second
+    per second of successes, the same for every process (which is what makes processes converge to equal shares).
+    It never goes under `MIN_RATE`.
 
     The arithmetic takes the time as an argument (`reserve`, `on_success`, `on_throttle`), so it can be tested with
     a made-up clock; `acquire` is the blocking wrapper the retry loop uses.
@@ -380,6 +382,9 @@ class PacerLane:
 
     BETA = 0.7
     GROWTH = 0.1
+    CATCH_UP = 0.05
+    """Requests per second added per second of successes, whatever the rate: the part of the growth that is the same
+    for every process, so that one that came out of the first burst slow catches up with the others (fairness)."""
     STREAK_SCALE = 4.0
     MAX_STREAK = 64
     MIN_RATE = 0.2
@@ -397,6 +402,7 @@ class PacerLane:
         self._tokens = 0.0
         self._refilled_at = 0.0
         self._epoch = -math.inf
+        self._changed_at = 0.0
         self._streak = 0
         self._sends: collections.deque[float] = collections.deque(maxlen=64)
         self.last_success = -math.inf
@@ -464,7 +470,7 @@ class PacerLane:
                 self.activations += 1
                 self._rate = max(self.MIN_RATE, self.BETA * self.measured_rate(now))
                 self._apply_limit(now)
-                self._tokens, self._refilled_at, self._epoch = 0.0, now, now
+                self._tokens, self._refilled_at, self._epoch, self._changed_at = 0.0, now, now, now
                 logger.info(
                     "S3 throttles %s: pacing this process's %s at %.3g requests/s from now on",
                     self.name,
@@ -473,7 +479,7 @@ class PacerLane:
                 )
             elif sent >= self._epoch:
                 self._set_rate(max(self.MIN_RATE, self.BETA * self._rate), now)
-                self._epoch = now
+                self._epoch = self._changed_at = now
                 logger.debug("S3 throttles %s: %.3g requests/s", self.name, self._rate)
 
     def on_success(self, sent: float, now: float) -> None:
@@ -484,7 +490,9 @@ class PacerLane:
         with self._cond:
             self._streak = min(self._streak + 1, self.MAX_STREAK)
             step = self.GROWTH * (1.0 + self._streak / self.STREAK_SCALE) / math.sqrt(self._rate)
-            grown = min(self._rate * (1.0 + step), max(self._rate, 2.0 * self.measured_rate(now)))
+            grown = self._rate * (1.0 + step) + self.CATCH_UP * max(0.0, now - self._changed_at)
+            grown = min(grown, max(self._rate, 2.0 * self.measured_rate(now)))
+            self._changed_at = now
             if grown > self._rate:
                 self._set_rate(grown, now)
                 self._cond.notify_all()

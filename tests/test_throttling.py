@@ -101,7 +101,7 @@ class TestPacerLane:
             lane.on_throttle(sent=0.63, now=0.64)
             lane._rate = rate
             for _ in range(run):
-                lane.on_success(sent=0.64, now=0.65)
+                lane.on_success(sent=0.64, now=0.64)  # no time passed: no catch-up term
             return lane.rate
 
         step = PacerLane.GROWTH * (1 + 1 / PacerLane.STREAK_SCALE)
@@ -110,6 +110,20 @@ class TestPacerLane:
         two = 1.0 * (1 + step)
         two *= 1 + PacerLane.GROWTH * (1 + 2 / PacerLane.STREAK_SCALE) / math.sqrt(two)
         assert grown(1.0, 2) == pytest.approx(two)  # the second success of a run grows it more
+
+    def test_every_lane_gains_the_same_catch_up_per_second(self) -> None:
+        def gain(rate: float) -> float:
+            lane = PacerLane("writes")
+            sends(lane, [n / 100 for n in range(64)])
+            lane.on_throttle(sent=0.63, now=0.64)
+            lane._rate = rate
+            step = PacerLane.GROWTH * (1 + 1 / PacerLane.STREAK_SCALE) / math.sqrt(rate)
+            for n in range(64):
+                lane.record_send(2.0 + n / 100)  # still sending: the 2x cap stays out of the way
+            lane.on_success(sent=2.6, now=2.64)  # 2 s after the throttle
+            return lane.rate - rate * (1 + step)
+
+        assert gain(0.25) == pytest.approx(2 * PacerLane.CATCH_UP) == pytest.approx(gain(3.0))
 
     def test_growth_stops_at_twice_the_rate_actually_sent(self) -> None:
         lane = PacerLane("reads")
