@@ -196,7 +196,7 @@ class RetryPolicy:
     last success of the process's requests in the same direction to the same bucket (see `S3Utils.with_retries`)."""
     initial_backoff_s: float = 0.5
     max_backoff_s: float = 20.0
-    """The longest one wait between attempts, the request pacer's included."""
+    """The longest backoff between attempts; the request pacer never spaces a process's requests further apart."""
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -442,23 +442,25 @@ class PacerLane:
             return len(recent) / (now - recent[0])
         return len(recent) / self.WINDOW_S
 
-    def reserve(self, now: float) -> float:
-        """Take a token if one is there (0.0: send now) or say how many seconds until one will be (take nothing)."""
+    def reserve(self, now: float, floor: float = 0.0) -> float:
+        """Take a token if one is there (0.0: send now) or say how many seconds until one will be (take nothing).
+        Tokens come at least at `floor` per second (the caller's retry policy: `acquire`)."""
         with self._cond:
-            return self._reserve(now)
+            return self._reserve(now, floor)
 
-    def _reserve(self, now: float) -> float:
+    def _reserve(self, now: float, floor: float = 0.0) -> float:
         if not self._active:
             self._sends.append(now)
             return 0.0
-        self._apply_limit(now)
-        self._tokens = min(1.0, self._tokens + (now - self._refilled_at) * self._rate)
+        limit = self._apply_limit(now)
+        rate = max(self._rate, min(floor, limit if limit is not None else math.inf))  # a budget is never exceeded
+        self._tokens = min(1.0, self._tokens + (now - self._refilled_at) * rate)
         self._refilled_at = now
         if self._tokens >= 1.0 - 1e-9:  # (1 / rate) * rate may come out a hair under 1
             self._tokens = max(0.0, self._tokens - 1.0)
             self._sends.append(now)
             return 0.0
-        return max((1.0 - self._tokens) / self._rate, 1e-4)
+        return max((1.0 - self._tokens) / rate, 1e-4)
 
     def on_throttle(self, sent: float, now: float) -> None:
         """A throttling answer to a request sent at `sent`."""
@@ -509,31 +511,30 @@ class PacerLane:
         self._apply_limit(now)
         self._tokens, self._refilled_at = 1.0, now
 
-    def _apply_limit(self, now: float) -> None:
+    def _apply_limit(self, now: float) -> float | None:
         limit = self._limit() if self._limit is not None else None
         if limit is not None:
             self._rate = min(self._rate, limit)
+        return limit
 
     # ---- the blocking side ------------------------------------------------------------------------------------
 
-    def acquire(self, max_wait_s: float = math.inf) -> float:
-        """Wait for a token if the lane is pacing, at most `max_wait_s` (then the request goes anyway and the token is
-        owed); return the send time (`time.monotonic()`) to report back."""
+    def acquire(self, max_interval_s: float = math.inf) -> float:
+        """Wait for a token if the lane is pacing; return the send time (`time.monotonic()`) to report back. Tokens
+        come at least every `max_interval_s` while this request waits (a retry policy's ``max_backoff_s``: the pacer
+        never spaces requests further apart than the policy's longest backoff would)."""
         now = time.monotonic()
         if not self._active:
             self._sends.append(now)  # thread-safe, and the only cost of a dormant lane
             return now
         started = now
+        floor = 1.0 / max_interval_s if max_interval_s > 0 else math.inf
         with self._cond:
             while True:
-                wait = self._reserve(now)
+                wait = self._reserve(now, floor)
                 if wait <= 0.0:
                     break
-                if now - started >= max_wait_s:
-                    self._tokens -= 1.0
-                    self._sends.append(now)
-                    break
-                self._cond.wait(min(wait, started + max_wait_s - now))
+                self._cond.wait(wait)
                 now = time.monotonic()
             if now > started:
                 self.waits += 1

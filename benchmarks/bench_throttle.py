@@ -203,6 +203,57 @@ def _run(ctx: Any, proxy: Any, spec: dict[str, Any], timeout: float) -> dict[str
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# A reference: evenly paced, independent senders against the same token bucket
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def frontier(
+    rate: float, burst: float, senders: int, loads: tuple[float, ...] = (1.0, 1.1, 1.2, 1.35, 1.5, 1.75, 2.0, 2.5)
+):
+    """(load, goodput, SlowDown per admitted) of `senders` processes that each send perfectly evenly at load x
+    rate / senders, with random phases and 2 % jitter, into a `TokenBucket(rate, burst)`, every process always with a
+    request ready (400 each): what ideal per-process pacing at a given total load gets in this emulation. With a
+    small burst, collisions of independent senders cost SlowDowns even below the rate."""
+    import random
+
+    from fault_proxy import TokenBucket
+
+    points = []
+    for load in loads:
+        rnd = random.Random(20)
+        period = senders / (load * rate)
+        arrivals = sorted(
+            n * period + phase + rnd.gauss(0, 0.02 * period)
+            for phase in (rnd.random() * period for _ in range(senders))
+            for n in range(400)
+        )
+        clock = [0.0]
+        bucket = TokenBucket(rate, burst, clock=lambda clock=clock: clock[0])
+        admitted = throttled = 0
+        for t in arrivals:
+            clock[0] = t
+            if bucket.admit():
+                admitted += 1
+            else:
+                throttled += 1
+        span = arrivals[-1] - arrivals[0]
+        points.append((load, max(0.0, admitted - burst) / rate / span, throttled / admitted))
+    return points
+
+
+def _frontier_lines(rate: float, burst: float, senders: int) -> list[str]:
+    points = frontier(rate, burst, senders)
+    cells = " | ".join(f"{load:.2f}x: {goodput:.2f} / {ratio:.2f}" for load, goodput, ratio in points)
+    best_at_half = max((g for _, g, r in points if r <= 0.5), default=0.0)
+    least_at_09 = min((r for _, g, r in points if g >= 0.9), default=float("inf"))
+    return [
+        f"- {senders} senders, {rate:g}/s, burst {burst:g}: sending at load x rate gives goodput / SlowDown per "
+        f"admitted {cells}. Best goodput with <= 0.5 SlowDown: {best_at_half:.2f}; least SlowDown with goodput "
+        f">= 0.9: {least_at_09:.2f}."
+    ]
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -230,7 +281,16 @@ def _markdown(doc: dict[str, Any]) -> str:
         "",
         "Targets (issue 20): 0 failed; goodput >= 0.9 and <= 0.5 SlowDown per admitted request, saves and loads.",
         "goodput = (admitted - burst) / rate over the seconds from the first request to the last admitted one.",
+        "",
+        "Reference (`frontier`): independent processes sending perfectly evenly (random phases, 2 % jitter, always a",
+        "request ready) into the same token bucket, at a total load of x times its rate:",
     ]
+    seen = set()
+    for run in doc["runs"]:
+        key = (run["rate"], run["burst"], run["writers"])
+        if key not in seen and run["burst"]:
+            seen.add(key)
+            lines += _frontier_lines(*key)
     for run in doc["runs"]:
         for error in run["errors"]:
             lines.append(f"- {run['direction']} {run['writers']} {run['client']}: `{error}`")
@@ -260,12 +320,16 @@ def _chart(doc: dict[str, Any], path: Path) -> bool:
         for n, client in enumerate(clients):
             values = []
             for scenario in scenarios:
-                run = next((r for r in runs if (r["direction"], r["writers"]) == scenario and r["client"] == client), None)
+                run = next(
+                    (r for r in runs if (r["direction"], r["writers"]) == scenario and r["client"] == client), None
+                )
                 values.append(run[metric] if run else 0.0)
             xs = [i + (n - (len(clients) - 1) / 2) * width for i in range(len(scenarios))]
             axis.bar(xs, values, width, label=client, color=colours.get(client))
             for x, scenario in zip(xs, scenarios, strict=True):
-                run = next((r for r in runs if (r["direction"], r["writers"]) == scenario and r["client"] == client), None)
+                run = next(
+                    (r for r in runs if (r["direction"], r["writers"]) == scenario and r["client"] == client), None
+                )
                 if run and run["failed"]:
                     axis.text(x, 0, f"{run['failed']} failed", rotation=90, fontsize=7, va="bottom", ha="center")
         axis.axhline(target, color="black", linewidth=0.8, linestyle="--")
@@ -341,8 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                             "env": env,
                         }
                         if direction == "load" and not any(
-                            r["client"] == client and r["writers"] == writers and r["direction"] == "save"
-                            for r in runs
+                            r["client"] == client and r["writers"] == writers and r["direction"] == "save" for r in runs
                         ):
                             print(f"skip: load by {client} x{writers} needs its save first", flush=True)
                             continue
