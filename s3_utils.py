@@ -509,7 +509,7 @@ class PacerLane:
         self._active = True
         self._rate = math.inf
         self._apply_limit(now)
-        self._tokens, self._refilled_at = 1.0, now
+        self._tokens, self._refilled_at, self._changed_at = 1.0, now, now
 
     def _apply_limit(self, now: float) -> float | None:
         limit = self._limit() if self._limit is not None else None

@@ -35,6 +35,7 @@ import json
 import multiprocessing
 import os
 import platform
+import random
 import re
 import statistics
 import subprocess
@@ -50,6 +51,9 @@ REPO = HERE.parent
 RESULTS = HERE / "results"
 BUCKET = "throttle-bench"
 CLIENTS = ("ours", "ours+budget", "standard", "adaptive")
+EXTRA_CLIENTS = ("ours+desync",)
+"""Not run by default: ``ours+desync`` sleeps a random 0 to ``--desync-s`` seconds (inside the clock) before its
+operation, to measure whether desynchronising the writers' first requests helps."""
 MiB = 1 << 20
 PART_MIB = 5
 
@@ -130,6 +134,8 @@ def _writer(spec: dict[str, Any], rank: int, barrier: Any, results: Any) -> None
 
         barrier.wait(timeout=300)
         started = time.monotonic()
+        if client == "ours+desync":
+            time.sleep(random.Random(rank).uniform(0, spec["desync_s"]))
         try:
             ok = save() if spec["direction"] == "save" else load()
             report["ok"] = ok is None or bool(ok)
@@ -308,8 +314,9 @@ def _chart(doc: dict[str, Any], path: Path) -> bool:
         return False
     runs = doc["runs"]
     scenarios = sorted({(r["direction"], r["writers"]) for r in runs}, key=lambda s: (s[0] != "save", s[1]))
-    clients = [c for c in CLIENTS if any(r["client"] == c for r in runs)]
+    clients = [c for c in CLIENTS + EXTRA_CLIENTS if any(r["client"] == c for r in runs)]
     colours = {"ours": "tab:orange", "ours+budget": "tab:red", "standard": "tab:gray", "adaptive": "tab:blue"}
+    colours["ours+desync"] = "tab:brown"
     metrics = (
         ("slowdown_per_admitted", "SlowDown per admitted request (lower is better; target <= 0.5)", 0.5),
         ("goodput", "goodput (higher is better; target >= 0.9)", 0.9),
@@ -364,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=float, default=20.0, help="checkpoint size per writer (MiB)")
     parser.add_argument("--write-rate-per-writer", type=float, default=0.25, help="admitted writes/s per writer")
     parser.add_argument("--read-rate-per-writer", type=float, default=0.5, help="admitted reads/s per writer")
+    parser.add_argument("--desync-s", type=float, default=2.0, help="the ours+desync client's largest delay")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run before writers are killed")
     parser.add_argument("--tag", default="")
     args = parser.parse_args(argv)
@@ -386,9 +394,9 @@ def main(argv: list[str] | None = None) -> int:
             env = {**endpoint.env(), "AWS_ENDPOINT_URL_S3": proxy.endpoint_url, "OMP_NUM_THREADS": "1"}
             writer_counts = [int(n) for n in args.writers.split(",") if n]
             clients = [c for c in args.clients.split(",") if c]
-            unknown = sorted(set(clients) - set(CLIENTS))
+            unknown = sorted(set(clients) - set(CLIENTS) - set(EXTRA_CLIENTS))
             if unknown:
-                parser.error(f"unknown clients {unknown}; known: {list(CLIENTS)}")
+                parser.error(f"unknown clients {unknown}; known: {list(CLIENTS + EXTRA_CLIENTS)}")
             for writers in writer_counts:
                 write_rate, read_rate = args.write_rate_per_writer * writers, args.read_rate_per_writer * writers
                 for direction in [d for d in args.directions.split(",") if d]:
@@ -402,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                             "write_rate": write_rate,
                             "read_rate": read_rate,
                             "budget": {"write": write_rate, "read": read_rate},
+                            "desync_s": args.desync_s,
                             "env": env,
                         }
                         if direction == "load" and not any(
