@@ -228,10 +228,10 @@ def test_the_pacer_adds_nothing_when_nothing_throttles(fault_proxy: FaultProxy, 
 
 
 def test_a_budget_keeps_a_process_under_the_store_limit(fault_proxy: FaultProxy, bucket: str) -> None:
-    """16 threads, 20 small saves against a store admitting 20 writes per second: with a budget a little under that
-    limit, the store never has to say SlowDown (and without one, it does)."""
-    limit = fault_proxy.add_rule(RateLimit(writes_per_s=20, burst_s=0.25))
-    settings = S3ClientSettings(endpoint_url=fault_proxy.endpoint_url, max_requests_per_second={"write": 16})
+    """16 threads, 20 small saves against a store admitting 20 writes per second: with a budget under that limit,
+    the store never has to say SlowDown (and without one, it does)."""
+    limit = fault_proxy.add_rule(RateLimit(writes_per_s=20, burst_s=0.5))
+    settings = S3ClientSettings(endpoint_url=fault_proxy.endpoint_url, max_requests_per_second={"write": 12})
     utils = S3Utils(settings)
 
     def save_all(utils: S3Utils, name: str) -> float:
@@ -246,7 +246,7 @@ def test_a_budget_keeps_a_process_under_the_store_limit(fault_proxy: FaultProxy,
     elapsed = save_all(utils, "budget")
     writes = limit.admitted["write"]
     assert writes >= 20 and limit.throttled["write"] == 0
-    assert elapsed >= (writes - 1) / 16 * 0.9  # paced at 16 per second, the first one at once
+    assert elapsed >= (writes - 1) / 12 * 0.9  # paced at 12 per second, the first one at once
     assert utils.pacer(f"s3://{bucket}").writes.waits > 0
     save_all(S3Utils(S3ClientSettings(endpoint_url=fault_proxy.endpoint_url + "/")), "free")  # another pacer
     assert limit.throttled["write"] > 0
