@@ -8,6 +8,7 @@ examples:
   s3-checkpoint-io verify s3://my-bucket/run/checkpoints[/last.ckpt] [--allow-unverified]
   s3-checkpoint-io cp s3://my-bucket/run/checkpoints/last.ckpt ./      (or ./x.ckpt s3://my-bucket/run/)
   s3-checkpoint-io rm s3://my-bucket/run/checkpoints --keep-last 3 [--dry-run]
+  s3-checkpoint-io convert s3://my-bucket/run/step-1000 s3://my-bucket/export/model.safetensors [--only model]
 
 The S3 connection options (--endpoint-url, --region, --max-attempts) and -v go before or after the command.
 Credentials come from the usual AWS chain (environment, profile, role) and are never printed.
@@ -29,6 +30,10 @@ rm --keep-last N: keeps the N top-k checkpoints with the highest step (ties: new
   deletes the others with their checksum records; never "last" (resume starts there), "end" (it marks a finished
   run) or step-less ones. A DCP checkpoint is one checkpoint (its whole prefix: x.ckpt/..., never x.ckpt_old/...);
   one without .metadata is neither deleted nor counted (its save may still run). --dry-run deletes nothing.
+convert SRC DST: a DCP checkpoint into one file, by DST's suffix: .safetensors (tensors only; non-tensor entries
+  are listed as skipped) or .pt/.pth/.ckpt (the nested dict torch.save writes); or one torch file into a DCP
+  checkpoint at DST. Streamed (S3 to S3 uses no local disk), every byte read checked against the checksums the
+  source records; DST appears only when complete, and an existing one is kept unless --overwrite.
 
 exit codes (stable, for scripts):
   0    success
@@ -63,12 +68,14 @@ from typing import Any
 
 if __package__:
     from . import connector as _connector
+    from . import s3_checkpoint_convert as _convert
     from . import s3_dcp as _dcp
     from . import s3_dirpath_utils as _urls
     from . import s3_local_servers as _servers
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import connector as _connector
+    import s3_checkpoint_convert as _convert
     import s3_dcp as _dcp
     import s3_dirpath_utils as _urls
     import s3_local_servers as _servers
@@ -557,6 +564,30 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Convert a DCP checkpoint into one safetensors or torch file, or one torch file into a DCP checkpoint."""
+    try:
+        report = _convert.convert_checkpoint(
+            args.src,
+            args.dst,
+            only=args.only,
+            overwrite=args.overwrite,
+            weights_only=args.weights_only,
+            s3_utils=_make_s3(args),
+        )
+    except (FileExistsError, ValueError) as exc:
+        raise CliError(EXIT_USAGE, str(exc)) from None
+    summary = f"{report.format}, {report.tensors} tensor(s), {_human_size(report.size)} in {report.seconds:.2f} s"
+    print(f"{report.source} -> {report.destination}  {summary}  {report.checksum or ''}".rstrip())
+    if report.skipped:
+        print(
+            f"skipped {len(report.skipped)} non-tensor entries (safetensors holds tensors only): "
+            + ", ".join(report.skipped)
+        )
+    print(f"verified: {report.verification}")
+    return EXIT_OK
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Train, get killed, resume from S3, report: `s3_checkpoint_demo`, imported only now (torch, Lightning)."""
     demo = importlib.import_module(f"{__package__}.s3_checkpoint_demo" if __package__ else "s3_checkpoint_demo")
@@ -727,6 +758,21 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("--keep-last", type=int, required=True, metavar="N", help="how many top-k checkpoints to keep")
     rm.add_argument("-n", "--dry-run", action="store_true", help="print what would be deleted, delete nothing")
     rm.set_defaults(handler=cmd_rm)
+
+    convert = commands.add_parser("convert", help="a DCP checkpoint to one .safetensors/.pt file, or a .pt to DCP")
+    _global_options(convert, suppress=True)
+    _request_option_flags(convert, uploads=True)
+    convert.add_argument("src", metavar="SRC", help="a DCP checkpoint (s3:// prefix or directory) or one torch file")
+    convert.add_argument("dst", metavar="DST", help="*.safetensors or *.pt/.pth/.ckpt; for a torch SRC: the DCP prefix")
+    convert.add_argument("--only", metavar="PREFIX", help="keep only the entries under this key (e.g. model)")
+    convert.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    convert.add_argument(
+        "--weights-only",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="unpickle non-tensor entries with torch's safe loader (default); --no-weights-only for trusted sources",
+    )
+    convert.set_defaults(handler=cmd_convert)
     return parser
 
 

@@ -261,6 +261,64 @@ def scenario_faulty_rank(ctx: Context) -> dict[str, Any]:
     return {"raised": None}
 
 
+def tensor_parallel_reference() -> tuple[Any, Any]:
+    """The full tensors `scenario_convert` saves split by columns (bfloat16) and replicated."""
+    import torch
+
+    generator = torch.Generator().manual_seed(5)
+    return torch.randn(6, 10, generator=generator).to(torch.bfloat16), torch.randn(3, 3, generator=generator)
+
+
+CONVERSIONS = [
+    ("fsdp", "exports/fsdp.safetensors"),
+    ("fsdp", "exports/fsdp.pt"),
+    ("tp", "exports/tp.safetensors"),
+    ("tp", "exports/tp.pt"),
+    ("exports/fsdp.pt", "fsdp-from-pt"),
+]
+"""What `scenario_convert` converts, under the run's base prefix: the 2-rank FSDP2 checkpoint of `scenario_save`
+(row shards), a tensor-parallel one (column shards, replicated), and one converted file back into DCP."""
+
+
+def scenario_convert(ctx: Context) -> dict[str, Any]:
+    """Every rank saves a DTensor split by columns and a replicated one; rank 0 then runs `CONVERSIONS`."""
+    import dataclasses
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import s3_checkpoint_convert
+    import s3_utils
+
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    column, replicated = tensor_parallel_reference()
+    state = {
+        "tp": {
+            "column": distribute_tensor(column, mesh, [Shard(1)]),
+            "replicated": distribute_tensor(replicated, mesh, [Replicate()]),
+        },
+        "note": "tp",
+    }
+    dcp.save(state, storage_writer=ctx.writer("tp"))
+    reports = {}
+    if ctx.rank == 0:
+        utils = s3_utils.S3Utils(ctx.settings, ctx.retry_policy)
+        for src, dst in CONVERSIONS:
+            report = s3_checkpoint_convert.convert_checkpoint(
+                f"{ctx.base}/{src}", f"{ctx.base}/{dst}", s3_utils=utils, chunk_size_MB=5, max_read_concurrency=4
+            )
+            reports[dst] = dataclasses.asdict(report)
+    dist.barrier()
+    return {"reports": reports}
+
+
+def scenario_load_converted(ctx: Context) -> dict[str, Any]:
+    """The checkpoint `scenario_convert` made from one .pt file, loaded into the sharded model at every rank."""
+    return ctx.load_and_compare(ctx.reader("fsdp-from-pt"))
+
+
 def scenario_load_again(ctx: Context) -> dict[str, Any]:
     """The first checkpoint, loaded again after the failed save."""
     return ctx.load_and_compare(ctx.reader("fsdp"))
