@@ -47,6 +47,7 @@ import functools
 import io
 import json
 import logging
+import mmap
 import os
 import pickle
 import shutil
@@ -509,14 +510,16 @@ class _DcpSource:
 
     # ---- reading --------------------------------------------------------------------------------------------------
 
-    def read(self, fqns: list[str]) -> dict[str, Any]:
-        """The entries `fqns`: tensors assembled from all their chunks, bytes items as their raw bytes."""
+    def read(self, fqns: list[str], arena: Any = None) -> dict[str, Any]:
+        """The entries `fqns`: tensors assembled from all their chunks (in `arena`, a uint8 tensor large enough for
+        all of them at 64-byte aligned offsets, when given), bytes items as their raw bytes."""
         torch = _torch()
         metadata_mod = _s3.import_optional_dependency("torch.distributed.checkpoint.metadata", "conversion")
         planner_mod = _s3.import_optional_dependency("torch.distributed.checkpoint.planner", "conversion")
         helpers = _s3.import_optional_dependency("torch.distributed.checkpoint.planner_helpers", "conversion")
         targets: dict[str, Any] = {}
         items: list[Any] = []
+        used = 0
         for fqn in fqns:
             md = self.tensor_metadata(fqn)
             if md is None:
@@ -524,7 +527,12 @@ class _DcpSource:
                 zero = torch.Size((0,))
                 items.append(planner_mod.ReadItem(planner_mod.LoadItemType.BYTE_IO, index, zero, index, zero, zero))
                 continue
-            targets[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+            dtype, nbytes = md.properties.dtype, self.nbytes(fqn)
+            if arena is None:
+                targets[fqn] = torch.empty(md.size, dtype=dtype)
+            else:
+                targets[fqn] = arena[used : used + nbytes].view(dtype).view(md.size)
+                used += _aligned(nbytes)
             whole = metadata_mod.ChunkStorageMetadata(torch.Size([0] * len(md.size)), md.size)
             reads = helpers.create_read_items_for_chunk_list(fqn, md, [whole])
             covered = sum(_numel(read.lengths) for read in reads)
@@ -540,20 +548,30 @@ class _DcpSource:
         return {**targets, **collector.blobs}
 
     def assembled(self, fqns: list[str]) -> Iterator[tuple[str, Any]]:
-        """`read` in batches of at most the largest tensor (or one chunk), yielding the entries in order."""
-        budget = max([self._options.chunk, *(self.nbytes(fqn) for fqn in fqns)])
+        """`read` in batches of at most the largest tensor (or one chunk), yielding the entries in order. Every
+        batch is assembled in the same buffer, allocated once: a tensor yielded is valid until the next one is asked
+        for (allocating and freeing a tensor-sized block per batch makes the C allocator keep memory it no longer
+        uses, so RSS would creep above the bound)."""
+        torch = _torch()
+        sizes = {fqn: _aligned(self.nbytes(fqn)) for fqn in fqns}
+        budget = max([_aligned(self._options.chunk), *sizes.values()])
+        arena = torch.empty(min(budget, sum(sizes.values())), dtype=torch.uint8)
         batch: list[str] = []
-        size = 0
+        used = 0
         for fqn in [*fqns, None]:
-            nbytes = self.nbytes(fqn) if fqn is not None else 0
-            if batch and (fqn is None or size + nbytes > budget):
-                values = self.read(batch)
+            nbytes = sizes[fqn] if fqn is not None else 0
+            if batch and (fqn is None or used + nbytes > budget):
+                values = self.read(batch, arena)
                 for name in batch:
                     yield name, values.pop(name)
-                batch, size = [], 0
+                batch, used = [], 0
             if fqn is not None:
                 batch.append(fqn)
-                size += nbytes
+                used += nbytes
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
 
 
 def _numel(sizes: Iterable[int]) -> int:
@@ -924,7 +942,8 @@ def _write_torch(source: _DcpSource, fqns: list[str], sink: _Sink, options: _Opt
         if isinstance(storage, _PendingStorage):
             fqn, tensor = next(tensors)
             assert fqn == storage.fqn
-            data = tensor.untyped_storage()
+            start = tensor.storage_offset() * tensor.element_size()
+            data = tensor.untyped_storage()[start : start + tensor.numel() * tensor.element_size()]  # a view
         else:
             data = storage
         archive.write_record(f"data/{key}", data, data.nbytes())
@@ -1056,7 +1075,9 @@ class _TorchFileSource:
         if self._cache is not None and self._cache[0] == offset:
             return self._cache[1]
         record = self._record_at(offset, nbytes)
-        data = torch.empty(nbytes, dtype=torch.uint8)
+        # Its own anonymous mapping, unmapped as soon as the DCP writer drops the tensor: a tensor-sized block from
+        # the C allocator, freed per storage, is often kept by it, and RSS would creep above the bound.
+        data = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
         view = _tensor_view(data)
         chunk = self._options.chunk
         if isinstance(self._file, _RangedS3File):
