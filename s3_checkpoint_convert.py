@@ -53,8 +53,8 @@ import pickle
 import shutil
 import struct
 import sys
-import tempfile
 import time
+import uuid
 import warnings
 import zipfile
 import zlib
@@ -148,7 +148,7 @@ def _is_s3(location: str) -> bool:
 
 
 def _location(path: str | os.PathLike[str]) -> str:
-    if _is_s3(str(path)) or _urls.is_s3_url(path):
+    if _urls.is_s3_url(path):  # a pathlib.Path holding s3://b/k too
         return _urls.normalize_s3_url(path).rstrip("/")
     return os.path.abspath(os.fspath(path))
 
@@ -221,7 +221,7 @@ def convert_checkpoint(
     if kind == "dcp":
         fmt = _file_format(destination, source)
         _refuse_existing_file(destination, s3, overwrite)
-        report = _dcp_to_file(source, destination, fmt, s3, options, only)
+        report = _dcp_to_file(source, destination, fmt, s3, options, only, overwrite)
     else:
         if only is not None:
             raise ValueError(f"--only applies to DCP sources; {source} is a single torch file")
@@ -307,16 +307,23 @@ def _refuse_existing_file(destination: str, s3: _s3.S3Utils, overwrite: bool) ->
 
 
 def _refuse_existing_dcp(destination: str, s3: _s3.S3Utils, overwrite: bool) -> None:
+    """Refuse a DCP checkpoint at `destination` (unless `overwrite`), and always a file there or a prefix holding
+    other things: convert replaces checkpoints, not whatever else a path holds."""
     metadata = _join(destination, _dcp.METADATA_NAME)
     if _is_s3(destination):
-        _dcp._checkpoint_url(destination)  # a key prefix inside the bucket
+        if not _urls.parse_s3_url(destination)[1]:
+            raise ValueError(f"DST {destination} names a bucket: give the prefix of the DCP checkpoint to write")
         exists = s3.s3_path_exists(metadata)
-        if not exists and s3.s3_path_exists(destination):
-            raise FileExistsError(f"{destination} is an object, not a DCP checkpoint prefix: choose another DST")
+        is_file = not exists and s3.s3_path_exists(destination)
+        other = not exists and s3.s3_path_exists(destination, match_directory=True)
     else:
-        if os.path.isfile(destination):
-            raise FileExistsError(f"{destination} is a file, not a DCP checkpoint directory: choose another DST")
-        exists = os.path.exists(metadata)
+        exists = os.path.isfile(metadata)
+        is_file = os.path.isfile(destination)
+        other = not exists and os.path.isdir(destination) and bool(os.listdir(destination))
+    if is_file:
+        raise FileExistsError(f"{destination} is a file, not a DCP checkpoint: choose another DST")
+    if other:
+        raise FileExistsError(f"{destination} holds other things but no DCP checkpoint: choose another DST")
     if exists and not overwrite:
         raise FileExistsError(_exists_message(f"A DCP checkpoint at {destination} ({metadata})"))
 
@@ -701,8 +708,8 @@ def _output_file(destination: str, s3: _s3.S3Utils, options: _Options, overwrite
         writer.close()
         sink.info = writer.info
         return
-    directory, name = os.path.split(destination)
-    fd, partial = tempfile.mkstemp(dir=directory, prefix=f".{name}.s3ckpt-partial-")
+    partial = _partial_name(destination)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
     try:
         with os.fdopen(fd, "wb") as stream:
             sink = _Sink(stream)
@@ -714,9 +721,6 @@ def _output_file(destination: str, s3: _s3.S3Utils, options: _Options, overwrite
             sink.failed = True
             stream.flush()
             os.fsync(stream.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(partial, 0o666 & ~umask)
         if overwrite:
             os.replace(partial, destination)
         else:
@@ -728,6 +732,12 @@ def _output_file(destination: str, s3: _s3.S3Utils, options: _Options, overwrite
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(partial)
+
+
+def _partial_name(destination: str) -> str:
+    """A new name beside `destination` for the result while it is written (dot-prefixed: listings skip it)."""
+    directory, name = os.path.split(destination)
+    return os.path.join(directory, f".{name}.s3ckpt-partial-{uuid.uuid4().hex[:12]}")
 
 
 def _tensor_view(tensor: Any) -> memoryview:
@@ -755,7 +765,13 @@ def _selected(source: _DcpSource, only: str | None) -> list[str]:
 
 
 def _dcp_to_file(
-    source_location: str, destination: str, fmt: str, s3: _s3.S3Utils, options: _Options, only: str | None
+    source_location: str,
+    destination: str,
+    fmt: str,
+    s3: _s3.S3Utils,
+    options: _Options,
+    only: str | None,
+    overwrite: bool,
 ) -> ConversionReport:
     source = _DcpSource(source_location, s3, options)
     fqns = _selected(source, only)
@@ -766,7 +782,7 @@ def _dcp_to_file(
         _check_safetensors_dtypes(source, tensors)
         fqns = tensors
     source.set_up_verification(fqns)
-    with _output_file(destination, s3, options, overwrite=True) as sink:
+    with _output_file(destination, s3, options, overwrite) as sink:
         if fmt == "safetensors":
             _write_safetensors(source, tensors, sink, options)
         else:
@@ -1217,13 +1233,16 @@ def _torch_file_to_dcp(
 def _save_local_dcp(dcp: Any, state: dict[str, Any], planner: Any, destination: str, overwrite: bool) -> int:
     """torch's FileSystemWriter into a new sibling directory, moved into place once complete; a checkpoint it
     replaces stays whole until then."""
-    parent, name = os.path.split(destination)
+    parent = os.path.dirname(destination)
     if not os.path.isdir(parent):
         raise FileNotFoundError(f"DST's directory {parent} does not exist")
-    partial = tempfile.mkdtemp(dir=parent, prefix=f".{name}.s3ckpt-partial-")
+    partial = _partial_name(destination)
+    os.mkdir(partial, 0o777)  # the umask applies, as for any new directory
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), planner=planner, no_dist=True)
         size = sum(os.path.getsize(os.path.join(partial, entry)) for entry in os.listdir(partial))
+        if os.path.isdir(destination) and not os.listdir(destination):
+            os.rmdir(destination)
         if os.path.exists(destination):
             if not overwrite:
                 raise FileExistsError(_exists_message(destination))
