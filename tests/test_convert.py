@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+from dcp_worker import differences, flat_tensors  # noqa: E402
 from fault_proxy import Fault, FaultRule  # noqa: E402
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp  # noqa: E402
 
@@ -88,31 +89,6 @@ def _torch_reference(url: str, tmp_path: Path) -> Any:
     return torch.load(tmp_path / "reference.pt", weights_only=False)
 
 
-def _flat_tensors(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, torch.Tensor):
-        return {prefix: value}
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    flat: dict[str, Any] = {}
-    for key, item in items:
-        flat.update(_flat_tensors(item, f"{prefix}.{key}" if prefix else str(key)))
-    return flat
-
-
-def _assert_equal_states(actual: Any, expected: Any, where: str = "") -> None:
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype, where
-        assert actual.shape == expected.shape and torch.equal(actual, expected), where
-    elif isinstance(expected, (dict, list, tuple)):
-        assert type(actual) is type(expected) and len(actual) == len(expected), where
-        if isinstance(expected, dict):
-            assert list(actual) == list(expected), where
-        pairs = expected.items() if isinstance(expected, dict) else enumerate(expected)
-        for key, value in pairs:
-            _assert_equal_states(actual[key], value, f"{where}.{key}")
-    else:
-        assert actual == expected, where
-
-
 def _safetensors_header(data: bytes) -> dict[str, Any]:
     (length,) = struct.unpack("<Q", data[:8])
     return json.loads(data[8 : 8 + length])
@@ -148,7 +124,7 @@ def test_dcp_to_safetensors_keeps_keys_and_dtypes_and_reports_skipped_entries(
     report = _convert(source, f"s3://{bucket}/export/model.safetensors")
     data = _download(f"s3://{bucket}/export/model.safetensors")
     loaded = safetensors_torch.load(data)
-    expected = _flat_tensors(_torch_reference(source, tmp_path))
+    expected = flat_tensors(_torch_reference(source, tmp_path))
     assert set(loaded) == set(expected)
     for key, value in expected.items():
         assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
@@ -173,11 +149,11 @@ def test_dcp_to_torch_file_equals_torch_own_conversion(bucket: str, tmp_path: Pa
     reference = _torch_reference(source, tmp_path)
     report = _convert(source, f"s3://{bucket}/export/full.pt")
     converted = torch.load(io.BytesIO(_download(f"s3://{bucket}/export/full.pt")), weights_only=True)
-    _assert_equal_states(converted, reference)
+    assert differences(converted, reference) == []
     assert report.format == "torch" and report.skipped == () and report.tensors == 8
 
     only = _convert(source, tmp_path / "model.ckpt", only="model")  # S3 -> local, one subtree
-    _assert_equal_states(torch.load(tmp_path / "model.ckpt", weights_only=True), {"model": reference["model"]})
+    assert differences(torch.load(tmp_path / "model.ckpt", weights_only=True), {"model": reference["model"]}) == []
     assert only.tensors == 7
     only = _convert(source, f"s3://{bucket}/export/model.safetensors", only="model.half")
     assert list(safetensors_torch.load(_download(f"s3://{bucket}/export/model.safetensors"))) == ["model.half"]
@@ -195,7 +171,7 @@ def test_local_checkpoints_convert_with_what_they_record(tmp_path: Path, bucket:
     assert report.verification.startswith("nothing")
     dcp_to_torch_save(torch_written, tmp_path / "reference.pt")
     converted = torch.load(io.BytesIO(_download(f"s3://{bucket}/from-local.pt")), weights_only=True)
-    _assert_equal_states(converted, torch.load(tmp_path / "reference.pt", weights_only=False))
+    assert differences(converted, torch.load(tmp_path / "reference.pt", weights_only=False)) == []
 
     _save_dcp(f"s3://{bucket}/run/ours", state)
     ours = _download_dir(f"s3://{bucket}/run/ours", tmp_path / "ours")
@@ -225,7 +201,7 @@ def test_checkpoint_of_another_writer_on_s3_is_checked_whole_first(
     report = _convert(f"s3://{bucket}/foreign", f"s3://{bucket}/foreign.pt", endpoint_url=fault_proxy.endpoint_url)
     assert "full-object checksums" in report.verification
     converted = torch.load(io.BytesIO(_download(f"s3://{bucket}/foreign.pt")), weights_only=True)
-    _assert_equal_states(converted, torch.load(tmp_path / "reference.pt", weights_only=False))
+    assert differences(converted, torch.load(tmp_path / "reference.pt", weights_only=False)) == []
     shard_gets = fault_proxy.count(method="GET", path_regex=r"/foreign/__0_0\.distcp$")
     assert 2 <= shard_gets <= 2 + 3 * 9  # one pass over the file, then at most framing + data per item read
 
@@ -275,11 +251,11 @@ def test_torch_file_to_dcp_equals_torch_own_conversion_and_loads(bucket: str, tm
     dcp_to_torch_save(tmp_path / "torch-dcp", tmp_path / "reference.pt")
     reference = torch.load(tmp_path / "reference.pt", weights_only=False)
     _convert(f"s3://{bucket}/run/last-dcp", tmp_path / "back.pt")
-    _assert_equal_states(torch.load(tmp_path / "back.pt", weights_only=True), reference)
+    assert differences(torch.load(tmp_path / "back.pt", weights_only=True), reference) == []
 
     template = {"state_dict": {k: torch.zeros_like(v) for k, v in original["state_dict"].items()}}
     dcp.load(template, storage_reader=s3_dcp.S3StorageReader(f"s3://{bucket}/run/last-dcp"))  # sharded loaders too
-    _assert_equal_states(template["state_dict"], original["state_dict"])
+    assert differences(template["state_dict"], original["state_dict"]) == []
 
     local = _convert(tmp_path / "last.ckpt", tmp_path / "local-dcp")  # local -> local
     assert sorted(os.listdir(tmp_path / "local-dcp")) == [".metadata", "__0_0.distcp"]

@@ -158,40 +158,12 @@ def _download(url: str) -> bytes:
         return downloaded.read_all()
 
 
-def _flat_tensors(value: Any, prefix: str = "") -> dict[str, Any]:
-    """The tensors of a nested state dict under DCP's flattened keys (mapping keys and list indexes joined by ".")."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return {prefix: value}
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    flat: dict[str, Any] = {}
-    for key, item in items:
-        flat.update(_flat_tensors(item, f"{prefix}.{key}" if prefix else str(key)))
-    return flat
-
-
-def _assert_equal_states(actual: Any, expected: Any, where: str = "") -> None:
-    import torch
-
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype, where
-        assert torch.equal(actual, expected), where
-    elif isinstance(expected, (dict, list, tuple)):
-        assert type(actual) is type(expected) and len(actual) == len(expected), where
-        pairs = expected.items() if isinstance(expected, dict) else enumerate(expected)
-        for key, value in pairs:
-            _assert_equal_states(actual[key], value, f"{where}.{key}")
-    else:
-        assert actual == expected, where
-
-
 def test_convert_a_two_rank_checkpoint_into_one_file(dcp_run: dict[str, Any]) -> None:
     """Row shards (FSDP2) and column shards (tensor parallel, bfloat16) assembled into one safetensors and one torch
     file; the torch file equals what torch's dcp_to_torch_save makes of the same checkpoint."""
     import safetensors.torch
     import torch
-    from dcp_worker import tensor_parallel_reference
+    from dcp_worker import differences, flat_tensors, tensor_parallel_reference
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     out = dcp_run["outs"][2]
@@ -200,21 +172,21 @@ def test_convert_a_two_rank_checkpoint_into_one_file(dcp_run: dict[str, Any]) ->
     base = f"s3://{dcp_run['bucket']}/run"
     reference = torch.load(out / "reference.pt", weights_only=True)  # the full (unsharded) state that was saved
     exported = safetensors.torch.load(_download(f"{base}/exports/fsdp.safetensors"))
-    expected = _flat_tensors(reference)
+    expected = flat_tensors(reference)
     assert set(exported) == set(expected)
     assert all(
         exported[key].dtype == value.dtype and torch.equal(exported[key], value) for key, value in expected.items()
     )
     dcp_to_torch_save(out / "downloaded-2", out / "torch-converted.pt")  # a local copy of the same checkpoint
     converted = torch.load(io.BytesIO(_download(f"{base}/exports/fsdp.pt")), weights_only=True)
-    _assert_equal_states(converted, torch.load(out / "torch-converted.pt", weights_only=False))
+    assert differences(converted, torch.load(out / "torch-converted.pt", weights_only=False)) == []
 
     column, replicated = tensor_parallel_reference()
     exported = safetensors.torch.load(_download(f"{base}/exports/tp.safetensors"))
     assert set(exported) == {"tp.column", "tp.replicated"} and exported["tp.column"].dtype == torch.bfloat16
     assert torch.equal(exported["tp.column"], column) and torch.equal(exported["tp.replicated"], replicated)
     converted = torch.load(io.BytesIO(_download(f"{base}/exports/tp.pt")), weights_only=True)
-    _assert_equal_states(converted, {"tp": {"column": column, "replicated": replicated}, "note": "tp"})
+    assert differences(converted, {"tp": {"column": column, "replicated": replicated}, "note": "tp"}) == []
     reports = outcome["reports"]
     assert reports["exports/tp.safetensors"]["skipped"] == ["note"]
     assert all(".s3ckpt-items.json" in reports[dst]["verification"] for dst in reports if dst.startswith("exports/"))

@@ -80,22 +80,36 @@ def _apply(model: Any, optimizer: Any, state: dict[str, Any]) -> None:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def _differences(actual: Any, expected: Any, where: str = "") -> list[str]:
+def differences(actual: Any, expected: Any, where: str = "") -> list[str]:
+    """Where two nested states differ (dict keys, lengths, tensor dtypes and values, other values); [] if nowhere."""
     import torch
 
     if isinstance(expected, dict):
         if set(actual) != set(expected):
             return [f"{where}: keys {sorted(map(str, actual))} != {sorted(map(str, expected))}"]
-        return [d for key in expected for d in _differences(actual[key], expected[key], f"{where}.{key}")]
+        return [d for key in expected for d in differences(actual[key], expected[key], f"{where}.{key}")]
     if isinstance(expected, (list, tuple)):
         if len(actual) != len(expected):
             return [f"{where}: length {len(actual)} != {len(expected)}"]
         pairs = enumerate(zip(actual, expected, strict=True))
-        return [d for n, (a, e) in pairs for d in _differences(a, e, f"{where}[{n}]")]
+        return [d for n, (a, e) in pairs for d in differences(a, e, f"{where}[{n}]")]
     if isinstance(expected, torch.Tensor):
         same = isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype and torch.equal(actual, expected)
         return [] if same else [f"{where}: tensors differ"]
     return [] if actual == expected else [f"{where}: {actual!r} != {expected!r}"]
+
+
+def flat_tensors(value: Any, prefix: str = "") -> dict[str, Any]:
+    """The tensors of a nested state dict under DCP's flattened keys (mapping keys and list indexes joined by ".")."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return {prefix: value}
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    flat: dict[str, Any] = {}
+    for key, item in items:
+        flat.update(flat_tensors(item, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
 
 
 class Context:
@@ -144,10 +158,10 @@ class Context:
         dcp.load(state, storage_reader=reader)
         _apply(model, optimizer, state)
         full = _full_state(model, optimizer)  # gathered on rank 0 only
-        differences = _differences(state["extra"], {"step": 2, "note": "dcp"})
+        found = differences(state["extra"], {"step": 2, "note": "dcp"})
         if self.rank == 0:
-            differences += _differences(full, torch.load(self.out / "reference.pt", weights_only=True))
-        return {"differences": differences[:5], "stats": getattr(reader, "stats", None)}
+            found += differences(full, torch.load(self.out / "reference.pt", weights_only=True))
+        return {"differences": found[:5], "stats": getattr(reader, "stats", None)}
 
 
 def scenario_save(ctx: Context) -> dict[str, Any]:
