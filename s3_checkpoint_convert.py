@@ -47,7 +47,6 @@ import functools
 import io
 import json
 import logging
-import mmap
 import os
 import pickle
 import shutil
@@ -1061,7 +1060,8 @@ class _TorchFileSource:
                 f"{location} cannot be loaded with weights_only=True ({str(exc).splitlines()[0]}). If you trust this "
                 "file, convert with weights_only=False (--no-weights-only)."
             ) from None
-        self._cache: tuple[int, Any] | None = None
+        self._buffer: Any = None
+        self._cached_at: int | None = None
         self.tensors = 0
         self.tensor_bytes = 0
         self.verified = 0
@@ -1083,17 +1083,27 @@ class _TorchFileSource:
             raise ValueError(f"{self.location}: no stored record holds the storage at byte {offset}: not a torch file?")
         return record
 
-    def _storage(self, offset: int, nbytes: int) -> Any:
-        """The bytes of the storage whose data starts at `offset`, read and checked against its record's CRC-32."""
+    def _storage(self, offset: int, nbytes: int, reuse: bool) -> Any:
+        """The storage whose bytes start at `offset`, read and checked against its record's CRC-32. With `reuse`, in
+        the buffer every such storage is read into (valid until the next one is asked for), else in memory of its
+        own."""
         torch = _torch()
         if not nbytes:  # torch.load's computed offset of an empty record may be the next record's: nothing to read
-            return torch.empty(0, dtype=torch.uint8)
-        if self._cache is not None and self._cache[0] == offset:
-            return self._cache[1]
+            return torch.UntypedStorage(0)
+        if reuse and self._cached_at == offset:
+            return self._buffer.untyped_storage()[:nbytes]
         record = self._record_at(offset, nbytes)
-        # Its own anonymous mapping, unmapped as soon as the DCP writer drops the tensor: a tensor-sized block from
-        # the C allocator, freed per storage, is often kept by it, and RSS would creep above the bound.
-        data = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+        if not reuse:
+            data = torch.empty(nbytes, dtype=torch.uint8)
+        else:
+            # The DCP writer is done with a tensor once it asks for the next one (it writes one item at a time), so
+            # every storage it writes can use the same memory: one allocation, instead of one per storage, which
+            # the C allocator would partly keep (RSS would creep above the bound).
+            self._cached_at = None
+            if self._buffer is None or self._buffer.numel() < nbytes:
+                self._buffer = None
+                self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+            data = self._buffer[:nbytes]
         view = _tensor_view(data)
         chunk = self._options.chunk
         if isinstance(self._file, _RangedS3File):
@@ -1117,17 +1127,16 @@ class _TorchFileSource:
             self.verified += 1
         else:
             self.unverified += 1
-        self._cache = (offset, data)
-        return data
+        if reuse:
+            self._cached_at = offset  # the next tensor may view the same storage
+        return data.untyped_storage()[:nbytes]  # exactly the record's bytes: the writers then copy nothing
 
-    def materialize(self, meta: Any) -> Any:
-        """The tensor `meta` (loaded on the meta device) with its bytes read from the file."""
+    def materialize(self, meta: Any, reuse: bool = True) -> Any:
+        """The tensor `meta` (loaded on the meta device) with its bytes read from the file (see `_storage`)."""
         torch = _torch()
         storage = meta.untyped_storage()
-        data = self._storage(storage._checkpoint_offset, storage.nbytes())
-        tensor = torch.empty(0, dtype=meta.dtype).set_(
-            data.untyped_storage(), meta.storage_offset(), meta.size(), meta.stride()
-        )
+        data = self._storage(storage._checkpoint_offset, storage.nbytes(), reuse)
+        tensor = torch.empty(0, dtype=meta.dtype).set_(data, meta.storage_offset(), meta.size(), meta.stride())
         self.tensors += 1
         self.tensor_bytes += tensor.numel() * tensor.element_size()
         if self._options.progress is not None:
@@ -1151,7 +1160,7 @@ class _TorchFileSource:
         Finder(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
         if not found:
             return value
-        real = [self.materialize(tensor) for tensor in found]
+        real = [self.materialize(tensor, reuse=False) for tensor in found]  # all alive until pickled together
 
         class Filler(pickle.Unpickler):
             def persistent_load(self, pid: Any) -> Any:
@@ -1194,7 +1203,7 @@ def _torch_file_to_dcp(
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             try:
                 if _is_s3(destination):
-                    writer = _dcp.S3StorageWriter(
+                    writer = _dcp.S3StorageWriter(  # one file, written one item at a time (see _storage)
                         destination,
                         s3_utils=s3,
                         chunk_size_MB=options.chunk_size_MB,
@@ -1239,7 +1248,9 @@ def _save_local_dcp(dcp: Any, state: dict[str, Any], planner: Any, destination: 
     partial = _partial_name(destination)
     os.mkdir(partial, 0o777)  # the umask applies, as for any new directory
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), planner=planner, no_dist=True)
+        # One thread and no copy-ahead: the writer takes one tensor at a time (see _TorchFileSource._storage).
+        writer = dcp.FileSystemWriter(partial, thread_count=1, per_thread_copy_ahead=0)
+        dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
         size = sum(os.path.getsize(os.path.join(partial, entry)) for entry in os.listdir(partial))
         if os.path.isdir(destination) and not os.listdir(destination):
             os.rmdir(destination)
