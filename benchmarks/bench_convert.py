@@ -276,12 +276,11 @@ def _chart(report: dict[str, Any], path: Path) -> bool:
         ("cpu_s_per_gib", "client CPU s/GiB (lower is better)", "{:.2f}"),
         ("peak_extra_mib", "peak extra RSS MiB (lower is better)", "{:.0f}"),
     )
-    fig, axes = plt.subplots(1, len(metrics), figsize=(13, 3.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(12, 2.8), squeeze=False)
     for axis, (metric, title, fmt) in zip(axes[0], metrics, strict=True):
         values = [medians[m][metric] for m in methods]
-        axis.barh(
-            [LABELS[m] for m in methods], values, color=["tab:gray" if m == "raw" else "tab:orange" for m in methods]
-        )
+        names = ["raw copy" if m == "raw" else LABELS[m] for m in methods]
+        axis.barh(names, values, color=["tab:gray" if m == "raw" else "tab:orange" for m in methods])
         axis.invert_yaxis()
         axis.set_title(title, fontsize=9)
         axis.tick_params(labelsize=8)
