@@ -794,10 +794,9 @@ def _dcp_to_file(
             destination,
             ", ".join(skipped),
         )
-    info = getattr(sink, "info", None)
     checksum = None
-    if info is not None and info.checksums:
-        name, value = next(iter(info.checksums.items()))
+    if sink.info is not None and sink.info.checksums:
+        name, value = next(iter(sink.info.checksums.items()))
         checksum = f"{name.removeprefix('Checksum')} {value}"
     return ConversionReport(
         source=source_location,
