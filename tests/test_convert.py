@@ -390,7 +390,9 @@ def test_memory_stays_bounded_for_a_checkpoint_many_times_larger(bucket: str, s3
     results = json.loads((tmp_path / "result.json").read_text())
     checkpoint = 24 * 4 * MiB
     bound = 2 * 5 * MiB + 2 * 5 * MiB + 4 * MiB + 8 * MiB  # and 8 MiB for the interpreter's own allocations
-    assert results.pop("control")["peak_extra_bytes"] >= 0.9 * checkpoint  # the sampler sees what is allocated
+    # The sampler sees a violation: torch.load of the whole file shows well above the bound (not all of the file,
+    # as the interpreter reuses memory the conversions before it freed).
+    assert results.pop("control")["peak_extra_bytes"] >= 2 * bound
     for name, result in results.items():
         assert result["tensor_bytes"] == checkpoint, name
         peak = result["peak_extra_bytes"]
