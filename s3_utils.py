@@ -670,6 +670,10 @@ class RecordedChecksum:
         return f"{self.algorithm} {self.value} ({self.source})"
 
 
+_MULTIPART_ETAG = re.compile(r'-\d+"?$')
+"""The ETag of an object made by a multipart upload: ``"<md5 of the part md5s>-<part count>"``."""
+
+
 class _ChecksumRecords:
     """Reads, writes and checks the checksum records of objects, through the calls (and retries) of an `S3Utils`.
 
@@ -687,14 +691,31 @@ class _ChecksumRecords:
 
     @staticmethod
     def native(info: S3ObjectInfo) -> RecordedChecksum | None:
-        """The full-object checksum the store reported in `info` (one this process can compute), if any."""
+        """The full-object checksum the store reported in `info` (one this process can compute), if any.
+
+        A multipart object (ETag ``"...-N"``) whose checksum comes without a ``ChecksumType`` is not trusted as the
+        object's: AWS always sends the type, and a store that leaves it out may report the checksum of the part
+        checksums without the ``-N`` (moto does, for uploads made by other tools such as ``aws s3 cp``). The
+        sidecar, if any, counts instead.
+        """
         if info.checksum_type not in (None, "FULL_OBJECT"):
             return None
         for algorithm in _CHECKSUMS.values():
             value = info.checksums.get(algorithm.response_field)
-            if value and "-" not in value:  # "xxx-N" is a composite (per-part) checksum, not the object's
-                with contextlib.suppress(MissingOptionalDependencyError):
-                    return RecordedChecksum(_checksum_algorithm(algorithm.name).name, value, "s3")
+            if not value or "-" in value:  # "xxx-N" is a composite (per-part) checksum, not the object's
+                continue
+            if info.checksum_type is None and _MULTIPART_ETAG.search(info.etag):
+                logger.debug(
+                    "%s: the store's %s %s cannot be used: it comes without a ChecksumType for a multipart object "
+                    "(ETag %s), so it may cover the part checksums rather than the bytes",
+                    info.url,
+                    algorithm.name,
+                    value,
+                    info.etag,
+                )
+                return None
+            with contextlib.suppress(MissingOptionalDependencyError):
+                return RecordedChecksum(_checksum_algorithm(algorithm.name).name, value, "s3")
         return None
 
     def sidecar(self, info: S3ObjectInfo) -> RecordedChecksum | None:
