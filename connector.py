@@ -41,6 +41,7 @@ import os
 import re
 import sys
 import time
+import types
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -48,14 +49,28 @@ from typing import Any
 
 if __package__:
     from . import s3_checkpoint_io as _ckpt_io
-    from . import s3_dcp as _dcp
     from . import s3_dirpath_utils as _urls
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_checkpoint_io as _ckpt_io
-    import s3_dcp as _dcp
     import s3_dirpath_utils as _urls
     import s3_utils as _s3
+
+
+def _sibling_s3_dcp() -> types.ModuleType | None:
+    """`s3_dcp` from beside this module (in the same package, or top-level), or None where it is absent: a fork may
+    copy only the four core files, and single-file checkpointing and resume need nothing from it. An s3_dcp that is
+    there but fails to import raises as usual."""
+    name = f"{__package__}.s3_dcp" if __package__ else "s3_dcp"
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise
+        return None
+
+
+_dcp = _sibling_s3_dcp()
 
 __all__ = [
     "CHECKPOINT_SUFFIX",
@@ -66,6 +81,7 @@ __all__ = [
     "BroadcastResumeConnectorMixin",
     "CheckpointAlreadyCompletedError",
     "CheckpointNotFoundError",
+    "DCPSupportMissingError",
     "NeMoCheckpointConnector",
     "NotFoundError",
     "ResumeCandidate",
@@ -108,6 +124,21 @@ NotFoundError = CheckpointNotFoundError
 
 class CheckpointAlreadyCompletedError(ValueError):
     """The newest checkpoint is an ``*end.ckpt``: the previous run finished (NeMo raised ``ValueError`` here)."""
+
+
+class DCPSupportMissingError(ImportError):
+    """The checkpoint to resume from is a sharded (DCP) checkpoint on S3, but ``s3_dcp.py`` is not beside this module
+    (a fork that copied only the four core files): nothing here could load it."""
+
+
+def _require_dcp_support(url: str) -> None:
+    if _dcp is None and _urls.is_s3_url(url):
+        here = os.path.dirname(os.path.abspath(__file__))
+        raise DCPSupportMissingError(
+            f"{url} is a sharded (torch.distributed.checkpoint) checkpoint, and loading it from S3 needs s3_dcp.py, "
+            f"which is not beside connector.py in {here}: copy s3_dcp.py from s3-checkpoint-io there (with a "
+            "sharded strategy from it), or resume from a single-file checkpoint."
+        )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -254,6 +285,8 @@ class ResumeCandidate:
     """Model-parallel shard folders holding it (``("",)`` for a single file)."""
     is_directory: bool = False
     """A distributed (directory) checkpoint."""
+    is_dcp: bool = False
+    """A torch.distributed.checkpoint directory (``.distcp`` shards and ``.metadata``): on S3, `s3_dcp` loads it."""
     problem: str | None = None
     """Why it cannot be used (incomplete shards, unfinished marker), or None."""
 
@@ -278,8 +311,14 @@ def checkpoint_step(name: str) -> int | None:
     return int(steps[-1]) if steps else None
 
 
-_DCP_SHARD = re.compile(rf"__(\d+)_\d+{re.escape(_dcp.DCP_SHARD_SUFFIX)}")
-_DCP_RANK_METADATA = re.compile(rf"__(\d+){re.escape(_dcp.METADATA_NAME)}")
+# DCP's file names. s3_dcp defines them; they are spelled out here too so that a fork without s3_dcp.py still
+# recognises a DCP checkpoint (tests/test_packaging.py checks that both agree).
+_METADATA_NAME = ".metadata"
+_DCP_SHARD_SUFFIX = ".distcp"
+_ITEM_CHECKSUMS_NAME = ".s3ckpt-items.json"
+_LIGHTNING_META_NAME = "meta.pt"
+_DCP_SHARD = re.compile(rf"__(\d+)_\d+{re.escape(_DCP_SHARD_SUFFIX)}")
+_DCP_RANK_METADATA = re.compile(rf"__(\d+){re.escape(_METADATA_NAME)}")
 
 
 def distributed_checkpoint_problem(names: Iterable[str]) -> str | None:
@@ -289,20 +328,20 @@ def distributed_checkpoint_problem(names: Iterable[str]) -> str | None:
     ``.metadata`` is DCP's commit marker, written last. A save made with ``use_collectives=False`` commits one
     ``__{rank}.metadata`` per rank instead: complete when every rank holding shards has its own."""
     names = set(names)
-    if _dcp.METADATA_NAME in names or not looks_like_distributed_checkpoint(names):
+    if _METADATA_NAME in names or not looks_like_distributed_checkpoint(names):
         return None
     shard_ranks = {int(m.group(1)) for m in map(_DCP_SHARD.fullmatch, names) if m}
     committed = {int(m.group(1)) for m in map(_DCP_RANK_METADATA.fullmatch, names) if m}
     if committed and shard_ranks <= committed:
         return None
-    return f"it is a distributed (DCP) checkpoint without {_dcp.METADATA_NAME}: its save never finished"
+    return f"it is a distributed (DCP) checkpoint without {_METADATA_NAME}: its save never finished"
 
 
 def looks_like_distributed_checkpoint(names: Iterable[str]) -> bool:
     """Whether the names at the top level of a directory are those of a DCP checkpoint, complete or not: a
     ``__{rank}_{n}.distcp`` shard, ``.metadata`` / ``__{rank}.metadata``, the item record or Lightning's ``meta.pt``."""
     names = set(names)
-    markers = {_dcp.METADATA_NAME, _dcp.ITEM_CHECKSUMS_NAME, _dcp.LIGHTNING_META_NAME}
+    markers = {_METADATA_NAME, _ITEM_CHECKSUMS_NAME, _LIGHTNING_META_NAME}
     return not names.isdisjoint(markers) or any(
         _DCP_SHARD.fullmatch(n) or _DCP_RANK_METADATA.fullmatch(n) for n in names
     )
@@ -359,7 +398,8 @@ def _candidates_from_entries(base: str, entries: Iterable[tuple[str, float]]) ->
         )
     for name, modified in directories.items():
         marker = _unfinished_marker_name(name)
-        problem = distributed_checkpoint_problem(directory_files.get(name, ()))
+        names = directory_files.get(name, set())
+        problem = distributed_checkpoint_problem(names)
         if problem is None and marker in top_level:
             problem = f"its unfinished marker {marker} exists"
         candidates.append(
@@ -370,6 +410,7 @@ def _candidates_from_entries(base: str, entries: Iterable[tuple[str, float]]) ->
                 step=checkpoint_step(name),
                 modified=modified,
                 is_directory=True,
+                is_dcp=looks_like_distributed_checkpoint(names),
                 problem=problem,
             )
         )
@@ -464,6 +505,8 @@ def select_resume_candidate(
     3. If the newest is an ``*end`` checkpoint the previous run finished: `CheckpointAlreadyCompletedError` unless
        `resume_past_end`. (NeMo raised as soon as any ``*end.ckpt`` existed; here a newer ``*last`` means training
        was resumed past the end before, and it is what you resume from.)
+    4. If the newest is a DCP checkpoint on S3 and `s3_dcp` is not beside this module: `DCPSupportMissingError`
+       (never a silent fall back to an older checkpoint).
     """
     candidates = list(candidates)
     usable = []
@@ -481,6 +524,8 @@ def select_resume_candidate(
             "already completed. To train further from it set resume_past_end=True; to start a new run use another "
             "dirpath (or remove the *end checkpoint)."
         )
+    if newest.is_dcp:
+        _require_dcp_support(newest.url)
     if newest.shards != ("",) and any(len(c.shards) > len(newest.shards) for c in candidates):
         logger.warning(
             "Resuming from %s with %d model-parallel shards, but another checkpoint in %s has more; if the parallel "
@@ -716,6 +761,11 @@ def _newest_last_checkpoint(trainer: Any, sources: list[S3ModelCheckpointMixin],
             stacklevel=2,
         )
         return None
+    return _newest_url(times)
+
+
+def _newest_url(times: dict[str, float]) -> str:
+    """Lightning's "last": the newest modification time (then the higher step, then the URL)."""
     return max(times, key=lambda url: (times[url], checkpoint_step(url.rpartition("/")[2]) or -1, url))
 
 
@@ -835,12 +885,16 @@ class S3ModelCheckpointMixin:
                 directories[folder] = (max(newest, modified), names)
                 if "/" not in inner:
                     names.add(inner)
+        sharded = set()
         for folder, (modified, names) in directories.items():
             problem = distributed_checkpoint_problem(names)
             if problem is None and looks_like_distributed_checkpoint(names):
                 times[f"{url}/{folder}"] = modified
+                sharded.add(f"{url}/{folder}")
             else:
                 logger.warning("Not resuming from %s/%s: %s", url, folder, problem or "it holds no DCP checkpoint")
+        if times and _newest_url(times) in sharded:
+            _require_dcp_support(_newest_url(times))
         return times
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
