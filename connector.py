@@ -600,8 +600,8 @@ class IncompleteCheckpoint:
     `distributed_checkpoint_problem`)."""
 
     url: str
-    newest: Any
-    """The newest modification (datetime, the store's clock) of anything under it, including uploads in progress."""
+    newest: datetime.datetime
+    """The newest modification (by the store's clock) of anything under it, uploads in progress inside included."""
     files: tuple[_s3.S3ObjectInfo, ...]
     """The files its save wrote at its top level (shards, per-rank metadata and item records, Lightning's meta.pt,
     their checksum records): what `remove_incomplete_checkpoint` deletes."""
@@ -619,8 +619,8 @@ class Garbage:
 
     url: str
     older_than: datetime.timedelta
-    store_time: Any
-    """The store's clock (datetime) when the search began; every age is measured against it."""
+    store_time: datetime.datetime
+    """The store's clock when the search began; every age is measured against it."""
     uploads: list[_s3.MultipartUploadInfo]
     """Multipart uploads initiated before ``store_time - older_than``, with their parts counted."""
     checkpoints: list[IncompleteCheckpoint]
@@ -653,7 +653,7 @@ def find_garbage(
     if older_than <= datetime.timedelta(0):
         raise ValueError(f"older_than must be positive, got {older_than}: a running save's uploads are younger")
     url = _urls.normalize_s3_url(dirpath)
-    bucket, prefix = _urls.s3_dir_prefix(url)
+    bucket, _ = _urls.s3_dir_prefix(url)
     s3 = s3_utils or _s3.S3Utils()
     try:
         now = s3.store_time(url)
@@ -662,29 +662,39 @@ def find_garbage(
     cutoff = now - older_than
     uploads = s3.list_multipart_uploads(url)
     old = [u for u in uploads if u.initiated is not None and u.initiated < cutoff]
-    garbage = Garbage(url, older_than, now, s3.count_upload_parts(old), [], len(uploads) - len(old))
-    if not incomplete_checkpoints:
-        return garbage
+    checkpoints = _incomplete_checkpoints(s3, url, uploads, now) if incomplete_checkpoints else []
+    old_checkpoints = [checkpoint for checkpoint in checkpoints if checkpoint.newest < cutoff]
+    younger = len(uploads) - len(old) + len(checkpoints) - len(old_checkpoints)
+    return Garbage(url, older_than, now, s3.count_upload_parts(old), old_checkpoints, younger)
+
+
+def _incomplete_checkpoints(
+    s3: _s3.S3Utils, url: str, uploads: list[_s3.MultipartUploadInfo], now: datetime.datetime
+) -> list[IncompleteCheckpoint]:
+    """Every DCP checkpoint under `url` (the prefix itself included, any depth) without its ``.metadata``."""
+    bucket, prefix = _urls.s3_dir_prefix(url)
     objects = s3.list_objects(url, include_sidecars=True)
     top_levels: dict[str, set[str]] = {}  # folder relative to the prefix ("": the prefix itself) -> names in it
     for info in objects:
         folder, _, name = info.key[len(prefix) :].rpartition("/")
         top_levels.setdefault(folder, set()).add(name)
+    found = []
     for folder, names in sorted(top_levels.items()):
         if distributed_checkpoint_problem(names) is None:
             continue
         inside = prefix + folder + "/" if folder else prefix
         below = [info for info in objects if info.key.startswith(inside)]
         times = [info.last_modified for info in below] + [u.initiated for u in uploads if u.key.startswith(inside)]
-        newest = max((t for t in times if t is not None), default=now)
-        files = [info for info in below if _DCP_FILE.fullmatch(info.key[len(inside) :])]  # no "/": top level only
-        kept = tuple(info.url for info in below if info not in files)
-        checkpoint = IncompleteCheckpoint(_urls.build_s3_url(bucket, inside.rstrip("/")), newest, tuple(files), kept)
-        if newest < cutoff:
-            garbage.checkpoints.append(checkpoint)
-        else:
-            garbage = dataclasses.replace(garbage, younger=garbage.younger + 1)
-    return garbage
+        files = tuple(info for info in below if _DCP_FILE.fullmatch(info.key[len(inside) :]))  # top level: no "/"
+        found.append(
+            IncompleteCheckpoint(
+                _urls.build_s3_url(bucket, inside.rstrip("/")),
+                max((t for t in times if t is not None), default=now),
+                files,
+                tuple(info.url for info in below if info not in files),
+            )
+        )
+    return found
 
 
 def remove_incomplete_checkpoint(checkpoint: IncompleteCheckpoint, *, s3_utils: _s3.S3Utils | None = None) -> bool:

@@ -605,16 +605,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _age(age: datetime.timedelta) -> str:
-    """``2d3h``, ``5h``, ``42m10s``, ``9s``: a duration in its largest unit, plus the next one if not zero."""
-    seconds = max(int(age.total_seconds()), 0)
-    units = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
-    first = next(i for i, (_, size) in enumerate(units) if seconds >= size or size == 1)
-    text = ""
-    for unit, size in units[first : first + 2]:
-        if seconds // size or not text:
-            text += f"{seconds // size}{unit}"
-        seconds %= size
-    return text
+    """A duration in its largest unit, to a tenth: ``1.5d``, ``6h``, ``42.5m``, ``9s``."""
+    seconds = max(age.total_seconds(), 0.0)
+    unit, size = next((u, n) for u, n in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)) if seconds >= n or n == 1)
+    return f"{seconds / size:.1f}".removesuffix(".0") + unit
 
 
 def _duration(text: str) -> datetime.timedelta:
