@@ -795,7 +795,7 @@ def build_parser() -> argparse.ArgumentParser:
     rm.set_defaults(handler=cmd_rm)
 
     collecting = "abort the multipart uploads (and DCP saves) that killed jobs left, older than a threshold"
-    gc = commands.add_parser("gc", help=collecting, description=collecting.capitalize() + "; a dry run unless --yes.")
+    gc = commands.add_parser("gc", help=collecting, description="A" + collecting[1:] + "; a dry run unless --yes.")
     _global_options(gc, suppress=True)
     _request_option_flags(gc, uploads=False)
     gc.add_argument("url", metavar="s3://BUCKET/PREFIX")
