@@ -303,7 +303,7 @@ def test_eight_ranks_save_and_load_everything_under_request_limits(
     for key, data in previous.items():  # an older checkpoint beside each rank's new ones
         s3_client.put_object(Bucket=bucket, Key=key, Body=data)
     with FaultProxy(s3_server.endpoint_url) as proxy:
-        limit = proxy.add_rule(RateLimit(writes_per_s=20, reads_per_s=40, burst_s=0.1, path_regex=f"^/{bucket}/"))
+        limit = proxy.add_rule(RateLimit(writes_per_s=30, reads_per_s=60, burst_s=0.1, path_regex=f"^/{bucket}/"))
         run_job(s3_server, proxy.endpoint_url, base, tmp_path)
         reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
         for report in reports:
