@@ -153,14 +153,9 @@ def _botocore_exceptions() -> types.ModuleType:
 # DynamoDB-only codes, plus S3's 5xx codes. Kept here rather than imported: those names are private, and this layer
 # also retries reading a response body, which botocore does not. tests/test_private_surface.py checks that botocore's
 # lists have not grown past this one.
-RETRIABLE_ERROR_CODES = frozenset(
+THROTTLING_ERROR_CODES = frozenset(
     {
         "SlowDown",
-        "ServiceUnavailable",
-        "InternalError",
-        "InternalFailure",
-        "RequestTimeout",
-        "RequestTimeoutException",
         "Throttling",
         "ThrottlingException",
         "ThrottledException",
@@ -171,6 +166,19 @@ RETRIABLE_ERROR_CODES = frozenset(
         "BandwidthLimitExceeded",
         "EC2ThrottledException",
         "PriorRequestNotComplete",
+    }
+)
+"""The codes that mean "too many requests" (botocore's throttling list less DynamoDB's), part of the retriable ones.
+An answer with one of them, or with HTTP 429 or 503 (S3 answers a throttled HEAD with a bare 503), slows the
+request pacer down and does not use up attempts while the job makes progress (see `S3Utils.with_retries`)."""
+
+RETRIABLE_ERROR_CODES = THROTTLING_ERROR_CODES | frozenset(
+    {
+        "ServiceUnavailable",
+        "InternalError",
+        "InternalFailure",
+        "RequestTimeout",
+        "RequestTimeoutException",
         "IDPCommunicationError",
     }
 )
@@ -263,25 +271,6 @@ def _error_code(exc: BaseException) -> str:
 
 
 # ---- throttling and the request pacer ------------------------------------------------------------------------------
-
-THROTTLING_ERROR_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "ThrottledException",
-        "RequestThrottled",
-        "RequestThrottledException",
-        "TooManyRequestsException",
-        "RequestLimitExceeded",
-        "BandwidthLimitExceeded",
-        "EC2ThrottledException",
-        "PriorRequestNotComplete",
-    }
-)
-"""The codes of `RETRIABLE_ERROR_CODES` that mean "too many requests" (botocore's throttling list less DynamoDB's).
-An answer with one of them, or with HTTP 429 or 503 (S3 answers a throttled HEAD with a bare 503), slows the
-request pacer down and does not use up attempts while the job makes progress (see `S3Utils.with_retries`)."""
 
 _THROTTLING_HTTP_STATUSES = frozenset({429, 503})
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from fault_proxy import Fault, FaultProxy, FaultRule
-from s3_servers import S3Endpoint, free_port
+from s3_servers import S3Endpoint, free_port, rank_environment
 
 import s3_checkpoint_io
 from s3_checkpoint_io import S3CheckpointIO
@@ -34,9 +34,6 @@ NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
 CHUNK_MIB = 16
 JOB_TIMEOUT_S = 240
-_LAUNCHER_VARIABLES = re.compile(
-    r"^(SLURM_|OMPI_|PMI_|PMIX_|MV2_|TORCHELASTIC_|LOCAL_RANK$|NODE_RANK$|GROUP_RANK$|RANK$|LOCAL_WORLD_SIZE$)"
-)
 
 
 def shared_files() -> set[str]:
@@ -48,17 +45,7 @@ def start_ranks(
 ) -> list[subprocess.Popen[bytes]]:
     """Start `world` ranks as nodes of PER_NODE local ranks (torchrun's environment), each logging to out/."""
     out.mkdir(parents=True, exist_ok=True)
-    base = {k: v for k, v in os.environ.items() if not _LAUNCHER_VARIABLES.match(k)}
-    base.update(server.env())
-    base.update(
-        AWS_ENDPOINT_URL_S3=endpoint_url,
-        PYTHONPATH=os.pathsep.join([str(REPO), base.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(min(PER_NODE, world)),
-        OMP_NUM_THREADS="1",
-    )
+    base = rank_environment(server, endpoint_url, WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(min(PER_NODE, world)))
     procs = []
     for rank in range(world):
         node, local = divmod(rank, PER_NODE)

@@ -12,7 +12,14 @@ from botocore.exceptions import ClientError, ConnectTimeoutError, EndpointConnec
 from fault_proxy import Fault, FaultRule
 
 from s3_checkpoint_io import S3CheckpointIO
-from s3_utils import ChecksumMismatchError, RetryPolicy, S3ClientSettings, S3Utils, is_retriable_error
+from s3_utils import (
+    ChecksumMismatchError,
+    RetryPolicy,
+    S3ClientSettings,
+    S3Utils,
+    is_retriable_error,
+    is_throttling_error,
+)
 
 MiB = 1024 * 1024
 FAST = RetryPolicy(max_attempts=5, initial_backoff_s=0.01, max_backoff_s=0.05)
@@ -204,3 +211,22 @@ def client_error(code: str, status: int) -> ClientError:
 )
 def test_retriable_classification(error: BaseException, retriable: bool) -> None:
     assert is_retriable_error(error) is retriable
+
+
+@pytest.mark.parametrize(
+    ("error", "throttling"),
+    [
+        (client_error("SlowDown", 503), True),
+        (client_error("503", 503), True),  # a throttled HEAD: no body, no code
+        (client_error("ServiceUnavailable", 503), True),
+        (client_error("TooManyRequestsException", 429), True),
+        (client_error("Throttling", 400), True),
+        (client_error("InternalError", 500), False),
+        (client_error("RequestTimeout", 400), False),
+        (client_error("AccessDenied", 403), False),
+        (ConnectionResetError(), False),
+    ],
+)
+def test_throttling_answers_are_a_subset_of_the_retriable_ones(error: BaseException, throttling: bool) -> None:
+    assert is_throttling_error(error) is throttling
+    assert not throttling or is_retriable_error(error)

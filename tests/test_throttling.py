@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from botocore.exceptions import ClientError
 from fault_proxy import FaultProxy, RateLimit, TokenBucket
-from s3_servers import S3Endpoint, free_port
+from s3_servers import S3Endpoint, rank_environment
 
 import s3_checkpoint_cli as cli
 from s3_utils import (
@@ -35,8 +34,6 @@ from s3_utils import (
     RequestRates,
     S3ClientSettings,
     S3Utils,
-    is_retriable_error,
-    is_throttling_error,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -170,29 +167,6 @@ def test_bad_request_rates_are_refused_up_front(value: Any) -> None:
         RequestRates.from_value(value)
 
 
-def client_error(code: str, status: int) -> ClientError:
-    return ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "Op")
-
-
-@pytest.mark.parametrize(
-    ("error", "throttling"),
-    [
-        (client_error("SlowDown", 503), True),
-        (client_error("503", 503), True),  # a throttled HEAD: no body, no code
-        (client_error("ServiceUnavailable", 503), True),
-        (client_error("TooManyRequestsException", 429), True),
-        (client_error("Throttling", 400), True),
-        (client_error("InternalError", 500), False),
-        (client_error("RequestTimeout", 400), False),
-        (client_error("AccessDenied", 403), False),
-        (ConnectionResetError(), False),
-    ],
-)
-def test_throttling_answers_are_a_subset_of_the_retriable_ones(error: BaseException, throttling: bool) -> None:
-    assert is_throttling_error(error) is throttling
-    assert not throttling or is_retriable_error(error)
-
-
 def test_the_proxy_token_bucket_admits_its_rate_after_its_burst() -> None:
     now = [0.0]
     bucket = TokenBucket(rate=4, capacity=2, clock=lambda: now[0])
@@ -263,23 +237,12 @@ def io_of(data: bytes) -> Any:
 # --------------------------------------------------------------------------------------------------------------------
 
 WORLD, PER_NODE = 8, 4
-_LAUNCHER_VARIABLES = re.compile(
-    r"^(SLURM_|OMPI_|PMI_|PMIX_|MV2_|TORCHELASTIC_|LOCAL_RANK$|NODE_RANK$|GROUP_RANK$|RANK$|LOCAL_WORLD_SIZE$)"
-)
 
 
 def run_job(server: S3Endpoint, endpoint_url: str, base: str, out: Path, timeout: float = 240) -> str:
     """Run the job (one process forking WORLD ranks); its output, after asserting it exited 0."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not _LAUNCHER_VARIABLES.match(k)}
-    env.update(server.env())
-    env.update(
-        AWS_ENDPOINT_URL_S3=endpoint_url,
-        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        OMP_NUM_THREADS="1",
-    )
+    env = rank_environment(server, endpoint_url)
     command = [sys.executable, str(WORKER), "--world", str(WORLD), "--per-node", str(PER_NODE)]
     command += ["--base", base, "--out", str(out)]
     done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)

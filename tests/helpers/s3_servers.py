@@ -10,9 +10,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import signal
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import s3_local_servers
@@ -36,6 +38,7 @@ __all__ = [
     "SeaweedFSProcess",
     "ServerNotInstalledError",
     "free_port",
+    "rank_environment",
     "seaweedfs_command",
     "seaweedfs_process",
     "start_moto",
@@ -130,3 +133,26 @@ def empty_and_delete_bucket(client: Any, bucket: str) -> None:
         if keys:
             client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
     client.delete_bucket(Bucket=bucket)
+
+
+_LAUNCHER_VARIABLES = re.compile(
+    r"^(SLURM_|OMPI_|PMI_|PMIX_|MV2_|TORCHELASTIC_|LOCAL_RANK$|NODE_RANK$|GROUP_RANK$|RANK$|LOCAL_WORLD_SIZE$)"
+)
+_REPO = Path(__file__).resolve().parents[2]
+
+
+def rank_environment(server: LocalS3, endpoint_url: str, **extra: str) -> dict[str, str]:
+    """The environment for the processes of a multi-rank test job: this one's without any launcher's variables (so
+    the test decides the ranks), `server`'s keys, S3 at `endpoint_url` (a proxy in front of it), the repository on
+    PYTHONPATH, a free rendezvous port on 127.0.0.1, one OpenMP thread; `extra` on top."""
+    env = {k: v for k, v in os.environ.items() if not _LAUNCHER_VARIABLES.match(k)}
+    env.update(server.env())
+    env.update(
+        AWS_ENDPOINT_URL_S3=endpoint_url,
+        PYTHONPATH=os.pathsep.join([str(_REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        OMP_NUM_THREADS="1",
+    )
+    env.update(extra)
+    return env
