@@ -20,6 +20,7 @@ README.md lists what this fixes in NeMo's version.
 from __future__ import annotations
 
 import base64
+import bisect
 import contextlib
 import enum
 import functools
@@ -71,6 +72,7 @@ __all__ = [
     "import_optional_dependency",
     "invalidate_fsspec_cache",
     "is_retriable_error",
+    "release_part_buffers",
     "validate_checksum_algorithm",
     "user_agent",
 ]
@@ -1621,6 +1623,66 @@ def _read_body_into(body: Any, view: memoryview) -> int:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+class _PartBuffers:
+    """Part buffers shared by every writer of the process and kept between saves.
+
+    A fresh ``bytearray`` is fresh zeroed pages: the kernel faults in and zeroes every 4 KiB of it at first write, a
+    cost paid again for every save (and every part before the writer's own pool is full). Here writers take their
+    buffers from, and give them back to, one free list. What it keeps is bounded by what writers held at once: a
+    buffer is allocated only when no free one of its size exists, and then the free buffers of other sizes (left from
+    a different part size) are dropped first, so free plus held bytes never exceed the largest amount writers held at
+    the same time. Each writer still holds at most ``max_concurrency + 1`` buffers (its own bound, unchanged).
+    `release_part_buffers` drops the free ones.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[bytearray] = []
+        self.held_bytes = 0
+        """Bytes of the buffers writers hold now."""
+        self.allocated = 0
+        """How many buffers were ever allocated (the rest of the takes reused one)."""
+
+    def take(self, size: int) -> bytearray:
+        with self._lock:
+            self.held_bytes += size
+            for index in range(len(self._free) - 1, -1, -1):
+                if len(self._free[index]) == size:
+                    return self._free.pop(index)
+            self._free.clear()  # none of this size: the others would only add to the memory held
+            self.allocated += 1
+        return bytearray(size)
+
+    def give_back(self, buffers: Iterable[bytearray]) -> None:
+        with self._lock:
+            for buffer in buffers:
+                self.held_bytes -= len(buffer)
+                self._free.append(buffer)
+
+    def forget(self, nbytes: int) -> None:
+        """Buffers a writer took and will not give back (an upload cancelled before it started drops its buffer)."""
+        with self._lock:
+            self.held_bytes -= nbytes
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(len(buffer) for buffer in self._free)
+
+    def release(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+_part_buffers = _PartBuffers()
+
+
+def release_part_buffers() -> None:
+    """Free the part buffers kept for the next save (at most what the writers of this process held at once, e.g.
+    ``(max_write_concurrency + 1) x chunk_size_MB`` after `S3CheckpointIO` saves). The next save allocates anew."""
+    _part_buffers.release()
+
+
 class _BufferReader(io.RawIOBase):
     """A seekable read-only stream over a buffer, so a part body reaches the socket without being copied (botocore
     copies ``bytes``/``bytearray`` bodies before sending them; it reads file-like bodies in place)."""
@@ -1664,6 +1726,17 @@ class _UploadedPart:
     etag: str
     checksum: int
     length: int
+    pieces: tuple[tuple[int, int], ...]  # (checksum, length) of the part's pieces between marked boundaries
+
+
+def _piece_checksums(algorithm: _ChecksumAlgorithm, data: memoryview, cuts: Iterable[int]) -> list[tuple[int, int]]:
+    """``(checksum, length)`` of the pieces of `data` between the offsets `cuts` (ascending, inside `data`)."""
+    pieces, start = [], 0
+    for end in [*cuts, len(data)]:
+        if end > start:
+            pieces.append((_checksum_of(algorithm, data[start:end]), end - start))
+            start = end
+    return pieces
 
 
 class _WriterState(enum.Enum):
@@ -1679,14 +1752,17 @@ class S3MultipartWriter(io.RawIOBase):
     """A binary stream whose bytes go to one S3 object while they are written (``torch.save(obj, writer)``).
 
     * Parts of `part_size` bytes are uploaded by up to `max_concurrency` threads while the caller keeps writing. The
-      part buffers come from a pool of ``max_concurrency + 1``, reused as uploads finish: extra memory stays at about
-      ``(max_concurrency + 1) * part_size`` for objects up to ``parts_per_size * part_size``, and a full pool makes
+      writer holds at most ``max_concurrency + 1`` part buffers, reused as uploads finish: extra memory stays at about
+      ``(max_concurrency + 1) * part_size`` for objects up to ``parts_per_size * part_size``, and a full set makes
       the writer wait. Past that the part size doubles every `parts_per_size` parts (see `part_size_of`), and the
-      pool's buffers with it.
+      buffers with it. The buffers come from, and go back to, a free list the process keeps for the next save
+      (`_PartBuffers`), so a save does not fault in fresh zeroed pages.
     * Objects smaller than one part go up in a single PUT.
     * Each part's checksum is computed by its upload thread; the full-object checksum is combined from them and sent
       with the upload, so S3 verifies and keeps it. Where a store does not keep it, a small sidecar object records it
       for `S3Utils.download_to_memory`.
+    * `mark_checksum_boundary` splits those checksums at the current offset, so after `close()` `checksum_of` gives
+      the checksum of any span between marks from the same single pass (s3_dcp's per-item checksums).
     * The object appears only when `close()` completes the upload. If anything fails, or the writer is left through
       an exception, the multipart upload is aborted: no partial object, no stray parts, an older object untouched.
       `_finish` is the one place that decides between the two.
@@ -1726,7 +1802,11 @@ class S3MultipartWriter(io.RawIOBase):
         self._algorithm = _checksum_algorithm(checksum_algorithm)
         self._size = 0
         self._free_buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
-        self._buffers_made = 0
+        self._buffers_made = 0  # buffers this writer holds (taken from `_part_buffers`)
+        self._most_buffers_held = 0  # its bound is max_concurrency + 1 (tests check it)
+        self._held_bytes = 0
+        self._cuts: list[int] = []  # marked boundaries inside the part being filled (offsets into it)
+        self._pieces: list[tuple[int, int, int]] = []  # (offset, length, checksum) tiling the object, once complete
         self._buffer: bytearray | None = None  # the part being filled
         self._filled = 0
         self._upload_id: str | None = None  # set while a multipart upload is open on S3
@@ -1790,6 +1870,33 @@ class S3MultipartWriter(io.RawIOBase):
         """Upload what is left and complete the object; on failure abort the upload and re-raise."""
         self._finish(commit=True)
 
+    def mark_checksum_boundary(self) -> None:
+        """Split the checksums at the current offset: after `close()`, `checksum_of` can start or end a span here."""
+        if self._buffer is not None and 0 < self._filled < len(self._buffer):
+            if not self._cuts or self._cuts[-1] != self._filled:
+                self._cuts.append(self._filled)
+        # elsewhere the offset is a part boundary already
+
+    def checksum_of(self, start: int, end: int) -> int:
+        """The checksum of bytes ``[start, end)`` of the committed object, combined from the checksums its upload
+        computed (no second pass). `start` and `end` must be boundaries: 0, the size, part boundaries or offsets
+        passed to `mark_checksum_boundary`."""
+        if self._state is not _WriterState.COMMITTED:
+            raise ValueError(f"checksum_of needs a committed writer ({self.url} is {self._state.value})")
+        offsets = [offset for offset, _, _ in self._pieces]
+        first = bisect.bisect_left(offsets, start)
+        if start != end and (first == len(offsets) or offsets[first] != start):
+            raise ValueError(f"{self.url}: offset {start} is not a checksum boundary")
+        total, position = 0, start
+        for offset, length, checksum in self._pieces[first:]:
+            if offset >= end:
+                break
+            total = self._algorithm.combine(total, checksum, length)
+            position = offset + length
+        if position != end and start != end:
+            raise ValueError(f"{self.url}: offset {end} is not a checksum boundary")
+        return total
+
     def abort(self) -> None:
         """Give up: stop uploading, abort the multipart upload. Nothing becomes visible at the URL."""
         self._finish(commit=False)
@@ -1825,8 +1932,24 @@ class S3MultipartWriter(io.RawIOBase):
             else:
                 self._abort_upload()
         finally:
-            self._buffer = None
+            if self._buffer is not None:  # the part being filled (or a small object's whole body) was never sent
+                self._free_buffers.put(self._buffer)
+                self._buffer = None
+            self._return_buffers()
             super().close()
+
+    def _return_buffers(self) -> None:
+        """Give the buffers back to the process's free list once no upload can touch them (all settled or never
+        started: `_finish` has completed or aborted the upload by now)."""
+        returned = []
+        while True:
+            try:
+                returned.append(self._free_buffers.get_nowait())
+            except queue.Empty:
+                break
+        _part_buffers.give_back(returned)
+        _part_buffers.forget(self._held_bytes - sum(len(buffer) for buffer in returned))
+        self._held_bytes = self._buffers_made = 0
 
     def _abort_upload(self) -> None:
         self._state = _WriterState.ABORTED
@@ -1853,20 +1976,26 @@ class S3MultipartWriter(io.RawIOBase):
         return self._part_size << min((number - 1) // self.parts_per_size, 20)
 
     def _take_buffer(self) -> bytearray:
-        """A free buffer for the next part: a new one while the pool is not full, else the next one an upload gives
-        back. Buffers left from before the part size grew are dropped, so the pool stays at max_concurrency + 1."""
+        """A free buffer for the next part: one of this writer's, else one from the process's free list while the
+        writer holds fewer than max_concurrency + 1, else the next one an upload gives back. Buffers left from before
+        the part size grew go back to the free list, so the writer holds at most max_concurrency + 1."""
         size = self.part_size_of(len(self._parts) + 1)
         while True:
             try:
                 buffer = self._free_buffers.get_nowait()
             except queue.Empty:
                 if self._buffers_made <= self._max_concurrency:
+                    buffer = _part_buffers.take(size)
                     self._buffers_made += 1
-                    return bytearray(size)
+                    self._most_buffers_held = max(self._most_buffers_held, self._buffers_made)
+                    self._held_bytes += size
+                    return buffer
                 buffer = self._free_buffers.get()  # every upload gives its buffer back, failed or not
             if len(buffer) == size:
                 return buffer
             self._buffers_made -= 1
+            self._held_bytes -= len(buffer)
+            _part_buffers.give_back([buffer])
 
     def _start_multipart(self) -> None:
         checksum_args = {"ChecksumAlgorithm": self._algorithm.name, "ChecksumType": "FULL_OBJECT"}
@@ -1896,7 +2025,8 @@ class S3MultipartWriter(io.RawIOBase):
         if number > MAX_PARTS:
             raise ValueError(f"{self.url}: more than {MAX_PARTS} parts, past S3's object size limit")
         assert self._pool is not None
-        future = self._pool.submit(self._upload_part, number, buffer, length)
+        cuts, self._cuts = tuple(cut for cut in self._cuts if cut < length), []
+        future = self._pool.submit(self._upload_part, number, buffer, length, cuts)
         future.add_done_callback(self._part_done)
         self._parts.append(future)
 
@@ -1909,10 +2039,11 @@ class S3MultipartWriter(io.RawIOBase):
         if self._failed_part is not None:
             self._failed_part.result()
 
-    def _upload_part(self, number: int, buffer: bytearray, length: int) -> _UploadedPart:
+    def _upload_part(self, number: int, buffer: bytearray, length: int, cuts: tuple[int, ...]) -> _UploadedPart:
         try:
             part = memoryview(buffer)[:length]
-            checksum = _checksum_of(self._algorithm, part)
+            pieces = _piece_checksums(self._algorithm, part, cuts)
+            checksum = _fold(self._algorithm, pieces)
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key, "UploadId": self._upload_id}
             if self._native_checksums:
                 kwargs[self._algorithm.response_field] = self._algorithm.encode(checksum)
@@ -1921,7 +2052,7 @@ class S3MultipartWriter(io.RawIOBase):
                 "upload_part",
                 f"{self.url} (part {number})",
             )
-            return _UploadedPart(number, response["ETag"], checksum, length)
+            return _UploadedPart(number, response["ETag"], checksum, length, tuple(pieces))
         finally:
             self._free_buffers.put(buffer)
 
@@ -1948,10 +2079,20 @@ class S3MultipartWriter(io.RawIOBase):
         )
         logger.debug("Wrote %s (%d bytes, %s %s)", self.url, self._size, self._algorithm.name, checksum)
 
+    def _keep_pieces(self, pieces: Iterable[tuple[int, int]]) -> None:
+        """Keep the object's pieces, with their offsets, for `checksum_of`."""
+        offset = 0
+        self._pieces = []
+        for checksum, length in pieces:
+            self._pieces.append((offset, length, checksum))
+            offset += length
+
     def _put_whole(self) -> tuple[dict[str, Any], str]:
         """A small object (less than one part): one PUT."""
         body = memoryview(self._buffer)[: self._filled] if self._buffer is not None else memoryview(b"")
-        checksum = self._algorithm.encode(_checksum_of(self._algorithm, body))
+        pieces = _piece_checksums(self._algorithm, body, [cut for cut in self._cuts if cut < len(body)])
+        self._keep_pieces(pieces)
+        checksum = self._algorithm.encode(_fold(self._algorithm, pieces))
         response = self._utils.with_retries(  # each attempt reads the body from its start
             lambda: self._utils.client.put_object(
                 Bucket=self.bucket,
@@ -1970,6 +2111,7 @@ class S3MultipartWriter(io.RawIOBase):
             self._send_part(self._buffer, self._filled)
         self._buffer = None
         parts = _results_or_first_error(self._parts)
+        self._keep_pieces([piece for part in parts for piece in part.pieces])
         checksum = self._algorithm.encode(_fold(self._algorithm, [(part.checksum, part.length) for part in parts]))
         listed = []
         for part in parts:
