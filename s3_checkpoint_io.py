@@ -20,7 +20,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import functools
 import hashlib
+import inspect
+import io
 import json
 import logging
 import math
@@ -61,6 +64,7 @@ __all__ = [
     "collective_resume",
     "register_with_lightning",
     "snapshot_to_host",
+    "torch_save_without_zip_crc32",
 ]
 __version__ = _s3.__version__
 
@@ -330,7 +334,7 @@ class S3CheckpointIO:
                 path, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm
             ) as writer:
                 try:
-                    torch.save(checkpoint, writer)
+                    torch_save_without_zip_crc32(checkpoint, writer)  # the writer's CRC covers every byte
                 except Exception as exc:
                     # torch.save turns a failed write into its own RuntimeError without the URL: raise the S3 error
                     if writer.error is not None and writer.error is not exc:
@@ -549,6 +553,54 @@ def snapshot_to_host(obj: Any) -> Any:
         return value
 
     return copy_of(obj)
+
+
+_TORCH_SAVE_PARAMETERS = ("obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record")
+"""``torch.serialization._save``'s parameters, the ones `torch_save_without_zip_crc32` passes (torch 2.4 to 2.13)."""
+
+
+@functools.cache
+def _zip_writer_without_crc32() -> bool:
+    """Whether this torch has the private pieces `torch_save_without_zip_crc32` builds on, as it expects them."""
+    torch = _torch()
+    serialization = torch.serialization
+    try:
+        parameters = tuple(inspect.signature(serialization._save).parameters)
+        torch._C.PyTorchFileWriter(io.BytesIO(), False, serialization._get_storage_alignment())
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return parameters == _TORCH_SAVE_PARAMETERS
+
+
+def torch_save_without_zip_crc32(obj: Any, stream: Any) -> None:
+    """``torch.save(obj, stream)`` into a torch zip archive whose records carry no CRC32, for streams this package
+    checksums itself (the S3 writer's full-object CRC, s3_dcp's per-item CRC).
+
+    torch computes a CRC32 over every byte it saves, about a quarter of a save's client CPU, and nothing in torch
+    checks it on load. ``torch.serialization.set_crc32_options(False)`` would skip it, but it sets a process-wide flag
+    that every other thread's ``torch.save`` reads at that moment. This builds torch's own archive writer with
+    ``compute_crc32=False`` instead (the constructor and ``torch.serialization._save`` that ``torch.save`` itself
+    uses), so only this archive is affected. The archive is otherwise the same: ``torch.load`` (``mmap`` and
+    ``weights_only`` included) and DCP's ``FileSystemReader`` read it as usual; zip tools that check record CRCs
+    (``unzip -t``, Python's ``zipfile`` reading a record) report them as wrong. Where this torch's private pieces
+    differ (tests/test_private_surface.py pins them), it is plain ``torch.save``.
+    """
+    torch = _torch()
+    if not _zip_writer_without_crc32():
+        torch.save(obj, stream)
+        return
+    serialization = torch.serialization
+    archive = torch._C.PyTorchFileWriter(stream, False, serialization._get_storage_alignment())
+    try:
+        serialization._save(obj, archive, pickle, serialization.DEFAULT_PROTOCOL, False)
+    except BaseException:
+        # Finalise the archive now, as torch.save does on the way out: its destructor would otherwise write the end
+        # of the archive later, into a stream that may be closed by then, and a C++ error there aborts the process.
+        with contextlib.suppress(Exception):
+            archive.write_end_of_file()
+        raise
+    archive.write_end_of_file()
+    stream.flush()
 
 
 def _atomic_local_save(torch: Any, checkpoint: dict[str, Any], path: str) -> None:
