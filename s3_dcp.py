@@ -233,17 +233,16 @@ class _SaveCancelledError(RuntimeError):
 
 
 class _ItemStream(io.RawIOBase):
-    """The stream ``torch.save`` writes an item into: forwards to the multipart writer, counts the offset (DCP records
-    it) and checksums each item on the way."""
+    """The stream ``torch.save`` writes an item into: forwards to the multipart writer and counts the offset (DCP
+    records it). Each item's start and end are marked as checksum boundaries, so the item's checksum comes from the
+    checksums the upload computes anyway (`S3MultipartWriter.checksum_of`): one checksum pass per byte."""
 
-    def __init__(self, raw: _s3.S3MultipartWriter, algorithm: Any, cancelled: threading.Event) -> None:
+    def __init__(self, raw: _s3.S3MultipartWriter, cancelled: threading.Event) -> None:
         super().__init__()
         self._raw = raw
-        self._algorithm = algorithm
         self._cancelled = cancelled
         self._position = 0
         self._item_start = 0
-        self._item_checksum = 0
         self.error: BaseException | None = None
 
     def writable(self) -> bool:
@@ -253,20 +252,19 @@ class _ItemStream(io.RawIOBase):
         return self._position
 
     def begin_item(self) -> None:
-        self._item_start, self._item_checksum = self._position, 0
+        self._raw.mark_checksum_boundary()
+        self._item_start = self._position
 
-    def end_item(self) -> tuple[int, int, int]:
-        """``(offset, length, checksum)`` of the bytes written since `begin_item`."""
-        return self._item_start, self._position - self._item_start, self._item_checksum
+    def end_item(self) -> tuple[int, int]:
+        """``(offset, length)`` of the bytes written since `begin_item`."""
+        self._raw.mark_checksum_boundary()
+        return self._item_start, self._position - self._item_start
 
     def write(self, data: Any) -> int:
         try:
             if self._cancelled.is_set():
                 raise _SaveCancelledError(f"save of {self._raw.url} stopped: another file of this rank failed")
-            view = memoryview(data).cast("B")
-            for start in range(0, len(view), 64 * _s3.MB):
-                self._item_checksum = self._algorithm.update(view[start : start + 64 * _s3.MB], self._item_checksum)
-            written = self._raw.write(view)
+            written = self._raw.write(data)
             self._position += written
             return written
         except BaseException as exc:
@@ -515,15 +513,14 @@ class _S3StorageWriterImpl(_S3Settings):
         )
 
     def _write_file(self, name: str, items: list[Any], planner: Any, cancelled: threading.Event) -> list[Any]:
-        torch = _torch()
         types = _dcp_types()
         url = _join(self.path, name)
         algorithm = _s3.checksum_algorithm(self.checksum_algorithm)
         raw = self.s3.open_writer(url, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm)
-        stream = _ItemStream(raw, algorithm, cancelled)
+        stream = _ItemStream(raw, cancelled)
         ordered = [i for i in items if i.type == types.WriteItemType.BYTE_IO]
         ordered += [i for i in items if i.type != types.WriteItemType.BYTE_IO]
-        written: list[tuple[Any, int, int, int]] = []
+        written: list[tuple[Any, int, int]] = []
         try:
             for item in ordered:
                 data = planner.resolve_data(item)
@@ -534,7 +531,7 @@ class _S3StorageWriterImpl(_S3Settings):
                     tensor = data.detach().cpu()
                     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
                         tensor = tensor.clone()  # a view: save its elements only, not the storage behind it
-                    torch.save(tensor, stream)
+                    _ckpt_io.torch_save_without_zip_crc32(tensor, stream)
                 written.append((item, *stream.end_item()))
         except BaseException as exc:
             raw.abort()
@@ -554,9 +551,14 @@ class _S3StorageWriterImpl(_S3Settings):
             types.WriteResult(
                 index=item.index,
                 size_in_bytes=length,
-                storage_data=_ItemRecord(types.StorageInfo(name, offset, length), checksum, algorithm.name, obj),
+                storage_data=_ItemRecord(
+                    types.StorageInfo(name, offset, length),
+                    raw.checksum_of(offset, offset + length),  # from the upload's own pass: none of our own
+                    algorithm.name,
+                    obj,
+                ),
             )
-            for item, offset, length, checksum in written
+            for item, offset, length in written
         ]
 
 
@@ -691,32 +693,48 @@ class _TensorLayout:
     meta: Any
 
 
+def _record_start(stream: io.RawIOBase, record: zipfile.ZipInfo) -> int | None:
+    """Where a stored zip record's bytes start (after its local header), or None if no local header is there."""
+    stream.seek(record.header_offset)
+    header = stream.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        return None
+    name_length, extra_length = struct.unpack_from("<HH", header, 26)
+    return record.header_offset + 30 + name_length + extra_length
+
+
 def _tensor_layout(stream: io.RawIOBase) -> _TensorLayout | None:
     """Read the layout of one ``torch.save``'d tensor from its archive's framing alone; None when the item is not a
-    single uncompressed storage in this machine's byte order (the caller then lets ``torch.load`` read it)."""
+    single uncompressed storage in this machine's byte order (the caller then lets ``torch.load`` read it).
+
+    Records are read by offset, not through ``zipfile``'s reader: archives written without zip CRCs
+    (`s3_checkpoint_io.torch_save_without_zip_crc32`; the item checksum covers their bytes) would fail its check."""
     torch = _torch()
     try:
         with zipfile.ZipFile(stream) as archive:
             records = archive.infolist()
-            storages = [r for r in records if r.filename.count("/") == 2 and r.filename.split("/")[1] == "data"]
-            order = [r for r in records if r.filename.endswith("/byteorder")]
-            if len(storages) != 1 or storages[0].compress_type != zipfile.ZIP_STORED:
+        storages = [r for r in records if r.filename.count("/") == 2 and r.filename.split("/")[1] == "data"]
+        order = [r for r in records if r.filename.endswith("/byteorder")]
+        if len(storages) != 1 or storages[0].compress_type != zipfile.ZIP_STORED:
+            return None
+        if order:
+            order_start = _record_start(stream, order[0])
+            if order_start is None or order[0].compress_type != zipfile.ZIP_STORED:
                 return None
-            if order and archive.read(order[0]) != sys.byteorder.encode():
+            stream.seek(order_start)
+            if stream.read(order[0].file_size) != sys.byteorder.encode():
                 return None
         record = storages[0]
-        stream.seek(record.header_offset)
-        header = stream.read(30)
-        if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        start = _record_start(stream, record)
+        if start is None:
             return None
-        name_length, extra_length = struct.unpack_from("<HH", header, 26)
         stream.seek(0)
         meta = torch.load(stream, map_location="meta", weights_only=True)
     except Exception:  # whatever this is, torch.load on the whole item reports it properly
         return None
     if type(meta) is not torch.Tensor or meta.untyped_storage().nbytes() != record.file_size:
         return None
-    return _TensorLayout(record.header_offset + 30 + name_length + extra_length, record.file_size, meta)
+    return _TensorLayout(start, record.file_size, meta)
 
 
 def _decode_tensor(data: memoryview) -> Any:
