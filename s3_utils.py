@@ -1683,14 +1683,19 @@ def release_part_buffers() -> None:
     _part_buffers.release()
 
 
+_SEND_BLOCK = 1 * MB
+"""The smallest block `_BufferReader.read` hands to the HTTP client (one ``sendall`` each)."""
+
+
 class _BufferReader(io.RawIOBase):
     """A seekable read-only stream over a buffer, so a part body reaches the socket without being copied (botocore
     copies ``bytes``/``bytearray`` bodies before sending them; it reads file-like bodies in place)."""
 
-    def __init__(self, buffer: memoryview) -> None:
+    def __init__(self, buffer: memoryview, min_block: int = 0) -> None:
         super().__init__()
         self._buffer = buffer
         self._position = 0
+        self._min_block = min_block
 
     def readable(self) -> bool:
         return True
@@ -1700,14 +1705,20 @@ class _BufferReader(io.RawIOBase):
 
     def read(self, size: int | None = -1) -> memoryview:  # type: ignore[override]
         """The next `size` bytes as a view of the buffer: urllib3 sends the body block by block, and copying each
-        block first would double the client's memory traffic."""
+        block first would double the client's memory traffic. With `min_block`, blocks are at least that long
+        (urllib3 asks for 128 KiB and sends whatever comes): each block is a trip through Python with the GIL, so
+        fewer, larger ones leave more of it to the training loop's own Python during an async save."""
+        if size is not None and 0 <= size < self._min_block:
+            size = self._min_block
         end = len(self._buffer) if size is None or size < 0 else min(len(self._buffer), self._position + size)
         block = self._buffer[self._position : end]
         self._position = max(self._position, end)
         return block
 
     def readinto(self, target: Any) -> int:
-        block = self.read(len(target))
+        end = min(len(self._buffer), self._position + len(target))
+        block = self._buffer[self._position : end]
+        self._position = max(self._position, end)
         target[: len(block)] = block
         return len(block)
 
@@ -2048,7 +2059,9 @@ class S3MultipartWriter(io.RawIOBase):
             if self._native_checksums:
                 kwargs[self._algorithm.response_field] = self._algorithm.encode(checksum)
             response = self._utils.with_retries(  # each attempt reads the part from its start
-                lambda: self._utils.client.upload_part(PartNumber=number, Body=_BufferReader(part), **kwargs),
+                lambda: self._utils.client.upload_part(
+                    PartNumber=number, Body=_BufferReader(part, _SEND_BLOCK), **kwargs
+                ),
                 "upload_part",
                 f"{self.url} (part {number})",
             )
@@ -2097,7 +2110,7 @@ class S3MultipartWriter(io.RawIOBase):
             lambda: self._utils.client.put_object(
                 Bucket=self.bucket,
                 Key=self.key,
-                Body=_BufferReader(body) if body else b"",
+                Body=_BufferReader(body, _SEND_BLOCK) if body else b"",
                 ChecksumAlgorithm=self._algorithm.name,
                 **{self._algorithm.response_field: checksum},
             ),
