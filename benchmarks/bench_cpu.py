@@ -36,6 +36,7 @@ Output: ``benchmarks/results/<stamp>-cpu[-steps][-tag].json``, ``.md`` and ``.pn
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import io
 import json
@@ -47,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -306,6 +308,17 @@ def _steps_worker(spec: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def _empty_store(endpoint: Any) -> None:
+    """Delete every object of the bucket and have SeaweedFS compact its volumes, so tmpfs space comes back."""
+    client = endpoint.client()
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET):
+        keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=BUCKET, Delete={"Objects": keys, "Quiet": True})
+    with contextlib.suppress(Exception):
+        urllib.request.urlopen("http://127.0.0.1:9333/vol/vacuum?garbageThreshold=0.0001", timeout=120).read()
+
+
 def _run_worker(kind: str, spec: dict[str, Any], env: dict[str, str], timeout: float) -> dict[str, Any]:
     done = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), f"--{kind}-worker", json.dumps(spec)],
@@ -499,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
             env.update(endpoint.env())
             base = {"size_mib": args.size, "endpoint": endpoint.endpoint_url, "repo": str(Path(args.repo).resolve())}
             for rep in range(args.reps):
+                if rep:
+                    _empty_store(endpoint)  # the store keeps its data in RAM (/dev/shm): a few GiB per rep
                 if mode == "cpu":
                     for scenario in [s for s in args.scenarios.split(",") if s]:
                         key = (
