@@ -263,6 +263,20 @@ def test_torch_file_to_dcp_equals_torch_own_conversion_and_loads(bucket: str, tm
     assert not [name for name in os.listdir(tmp_path) if "partial" in name]
 
 
+def test_torch_file_saved_by_s3_checkpoint_io_converts(bucket: str) -> None:
+    """S3CheckpointIO saves archives without zip CRC-32s (the object's CRC32C covers them): convert reads their
+    records by offset and reports the storages as read without a CRC-32, instead of refusing the file."""
+    from s3_checkpoint_io import S3CheckpointIO
+
+    original = _lightning_like()
+    S3CheckpointIO(f"s3://{bucket}/run").save_checkpoint(original, f"s3://{bucket}/run/saved.ckpt")
+    report = _convert(f"s3://{bucket}/run/saved.ckpt", f"s3://{bucket}/run/saved-dcp")
+    assert report.format == "dcp" and report.tensors == 7 and "read unverified" in report.verification
+    template = {"state_dict": {k: torch.zeros_like(v) for k, v in original["state_dict"].items()}}
+    dcp.load(template, storage_reader=s3_dcp.S3StorageReader(f"s3://{bucket}/run/saved-dcp"))
+    assert differences(template["state_dict"], original["state_dict"]) == []
+
+
 def test_torch_file_errors(bucket: str, tmp_path: Path, s3_server: Any) -> None:
     _backend_independent(s3_server)
     torch.save({"w": torch.ones(1000)}, tmp_path / "ok.pt")
