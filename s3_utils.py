@@ -2185,9 +2185,9 @@ class DirectoryFence:
     """One run's hold on one checkpoint directory, through its owner record ``<directory>/.s3ckpt-owner.json``.
 
     Pass it as ``fence=`` to `S3Utils.open_writer`, `S3Utils.remove_object` and `S3Utils.remove_objects_with_prefix`:
-    the run's first such operation in the directory takes it over (unless a run that started later owns it), every
-    later one first checks with one HEAD that the run still owns it, and a stale run gets
-    `CheckpointDirectoryTakenError` with nothing changed. Fences of one run and directory share their state within a
+    the run's first commit in the directory takes it over (unless a run that started later owns it; a removal before
+    that only checks that none does), every later operation first checks with one HEAD that the run still owns it,
+    and a stale run gets `CheckpointDirectoryTakenError` with nothing changed. Fences of one run and directory share their state within a
     process, so making one per operation is cheap. See the block comment above for the protocol.
     """
 
@@ -2230,10 +2230,13 @@ class DirectoryFence:
 
     def before_mutation(self, url: str, action: str) -> None:
         """Before a commit (`action` ``"save"``) or a ``"removal"`` of `url`: take the directory over (this run's
-        first one there) or check with one HEAD that the run still owns it; CheckpointDirectoryTakenError if not."""
+        first commit there) or check with one HEAD that the run still owns it; CheckpointDirectoryTakenError if not."""
         hold = self._hold
         with hold.lock, self._noted(url, action):
             self._raise_if_refused(url, action)
+            if hold.etag is None and action == "removal":
+                self._check_unheld(url, action)
+                return
             if hold.etag is None:
                 self._take_over(url, action)
                 return
@@ -2411,6 +2414,17 @@ class DirectoryFence:
             f"changed {_TAKE_OVER_ATTEMPTS} times while {self.run} tried. Another run is starting to save there at "
             "the same moment; run one job per checkpoint directory."
         )
+
+    def _check_unheld(self, url: str, action: str) -> None:
+        """A removal by a run that has not saved in the directory: refused if a run that started later holds it;
+        it does not take the directory over (only a save does)."""
+        record, etag = self._read_record()
+        if _is_run_of(record, self.run):
+            self._hold.etag = etag
+            return
+        owner = _record_run(record)
+        if record is not None and owner is not None and owner.started > self.run.started:
+            self._refuse(url, action, record, newer=True)
 
     def _probe(self, generation: int) -> None:
         """Once per store and bucket: a conditional PUT that must fail (If-None-Match: * on the record just
