@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import functools
 import importlib
 import inspect
@@ -41,6 +42,7 @@ import os
 import re
 import sys
 import time
+import types
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -48,14 +50,28 @@ from typing import Any
 
 if __package__:
     from . import s3_checkpoint_io as _ckpt_io
-    from . import s3_dcp as _dcp
     from . import s3_dirpath_utils as _urls
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_checkpoint_io as _ckpt_io
-    import s3_dcp as _dcp
     import s3_dirpath_utils as _urls
     import s3_utils as _s3
+
+
+def _sibling_s3_dcp() -> types.ModuleType | None:
+    """`s3_dcp` from beside this module (in the same package, or top-level), or None where it is absent: a fork may
+    copy only the four core files, and single-file checkpointing and resume need nothing from it. An s3_dcp that is
+    there but fails to import raises as usual."""
+    name = f"{__package__}.s3_dcp" if __package__ else "s3_dcp"
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise
+        return None
+
+
+_dcp = _sibling_s3_dcp()
 
 __all__ = [
     "CHECKPOINT_SUFFIX",
@@ -66,6 +82,9 @@ __all__ = [
     "BroadcastResumeConnectorMixin",
     "CheckpointAlreadyCompletedError",
     "CheckpointNotFoundError",
+    "DCPSupportMissingError",
+    "Garbage",
+    "IncompleteCheckpoint",
     "NeMoCheckpointConnector",
     "NotFoundError",
     "ResumeCandidate",
@@ -79,12 +98,14 @@ __all__ = [
     "classify_checkpoint_name",
     "configure_s3_checkpointing",
     "distributed_checkpoint_problem",
+    "find_garbage",
     "find_resume_checkpoint",
     "global_rank",
     "install_checkpoint_connector",
     "is_global_rank_zero",
     "list_resume_candidates",
     "looks_like_distributed_checkpoint",
+    "remove_incomplete_checkpoint",
     "s3_model_checkpoint_class",
     "select_resume_candidate",
     "uninject_model_parallel_rank",
@@ -108,6 +129,21 @@ NotFoundError = CheckpointNotFoundError
 
 class CheckpointAlreadyCompletedError(ValueError):
     """The newest checkpoint is an ``*end.ckpt``: the previous run finished (NeMo raised ``ValueError`` here)."""
+
+
+class DCPSupportMissingError(ImportError):
+    """The checkpoint to resume from is a sharded (DCP) checkpoint on S3, but ``s3_dcp.py`` is not beside this module
+    (a fork that copied only the four core files): nothing here could load it."""
+
+
+def _require_dcp_support(url: str) -> None:
+    if _dcp is None and _urls.is_s3_url(url):
+        here = os.path.dirname(os.path.abspath(__file__))
+        raise DCPSupportMissingError(
+            f"{url} is a sharded (torch.distributed.checkpoint) checkpoint, and loading it from S3 needs s3_dcp.py, "
+            f"which is not beside connector.py in {here}: copy s3_dcp.py from s3-checkpoint-io there (with a "
+            "sharded strategy from it), or resume from a single-file checkpoint."
+        )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -254,6 +290,8 @@ class ResumeCandidate:
     """Model-parallel shard folders holding it (``("",)`` for a single file)."""
     is_directory: bool = False
     """A distributed (directory) checkpoint."""
+    is_dcp: bool = False
+    """A torch.distributed.checkpoint directory (``.distcp`` shards and ``.metadata``): on S3, `s3_dcp` loads it."""
     problem: str | None = None
     """Why it cannot be used (incomplete shards, unfinished marker), or None."""
 
@@ -278,8 +316,20 @@ def checkpoint_step(name: str) -> int | None:
     return int(steps[-1]) if steps else None
 
 
-_DCP_SHARD = re.compile(rf"__(\d+)_\d+{re.escape(_dcp.DCP_SHARD_SUFFIX)}")
-_DCP_RANK_METADATA = re.compile(rf"__(\d+){re.escape(_dcp.METADATA_NAME)}")
+# DCP's file names. s3_dcp defines them; they are spelled out here too so that a fork without s3_dcp.py still
+# recognises a DCP checkpoint (tests/test_packaging.py checks that both agree).
+_METADATA_NAME = ".metadata"
+_DCP_SHARD_SUFFIX = ".distcp"
+_ITEM_CHECKSUMS_NAME = ".s3ckpt-items.json"
+_LIGHTNING_META_NAME = "meta.pt"
+_DCP_SHARD = re.compile(rf"__(\d+)_\d+{re.escape(_DCP_SHARD_SUFFIX)}")
+_DCP_RANK_METADATA = re.compile(rf"__(\d+){re.escape(_METADATA_NAME)}")
+_DCP_FILE = re.compile(
+    rf"(?:{_DCP_SHARD.pattern}|(?:__\d+)?(?:{re.escape(_METADATA_NAME)}|{re.escape(_ITEM_CHECKSUMS_NAME)})"
+    rf"|{re.escape(_LIGHTNING_META_NAME)})(?:{re.escape(_s3.CHECKSUM_SIDECAR_SUFFIX)})?"
+)
+"""A file a DCP save writes at the top of its directory (shards, commit markers, item records, Lightning's meta.pt),
+or the checksum record beside one."""
 
 
 def distributed_checkpoint_problem(names: Iterable[str]) -> str | None:
@@ -289,20 +339,20 @@ def distributed_checkpoint_problem(names: Iterable[str]) -> str | None:
     ``.metadata`` is DCP's commit marker, written last. A save made with ``use_collectives=False`` commits one
     ``__{rank}.metadata`` per rank instead: complete when every rank holding shards has its own."""
     names = set(names)
-    if _dcp.METADATA_NAME in names or not looks_like_distributed_checkpoint(names):
+    if _METADATA_NAME in names or not looks_like_distributed_checkpoint(names):
         return None
     shard_ranks = {int(m.group(1)) for m in map(_DCP_SHARD.fullmatch, names) if m}
     committed = {int(m.group(1)) for m in map(_DCP_RANK_METADATA.fullmatch, names) if m}
     if committed and shard_ranks <= committed:
         return None
-    return f"it is a distributed (DCP) checkpoint without {_dcp.METADATA_NAME}: its save never finished"
+    return f"it is a distributed (DCP) checkpoint without {_METADATA_NAME}: its save never finished"
 
 
 def looks_like_distributed_checkpoint(names: Iterable[str]) -> bool:
     """Whether the names at the top level of a directory are those of a DCP checkpoint, complete or not: a
     ``__{rank}_{n}.distcp`` shard, ``.metadata`` / ``__{rank}.metadata``, the item record or Lightning's ``meta.pt``."""
     names = set(names)
-    markers = {_dcp.METADATA_NAME, _dcp.ITEM_CHECKSUMS_NAME, _dcp.LIGHTNING_META_NAME}
+    markers = {_METADATA_NAME, _ITEM_CHECKSUMS_NAME, _LIGHTNING_META_NAME}
     return not names.isdisjoint(markers) or any(
         _DCP_SHARD.fullmatch(n) or _DCP_RANK_METADATA.fullmatch(n) for n in names
     )
@@ -359,7 +409,8 @@ def _candidates_from_entries(base: str, entries: Iterable[tuple[str, float]]) ->
         )
     for name, modified in directories.items():
         marker = _unfinished_marker_name(name)
-        problem = distributed_checkpoint_problem(directory_files.get(name, ()))
+        names = directory_files.get(name, set())
+        problem = distributed_checkpoint_problem(names)
         if problem is None and marker in top_level:
             problem = f"its unfinished marker {marker} exists"
         candidates.append(
@@ -370,6 +421,7 @@ def _candidates_from_entries(base: str, entries: Iterable[tuple[str, float]]) ->
                 step=checkpoint_step(name),
                 modified=modified,
                 is_directory=True,
+                is_dcp=looks_like_distributed_checkpoint(names),
                 problem=problem,
             )
         )
@@ -464,6 +516,8 @@ def select_resume_candidate(
     3. If the newest is an ``*end`` checkpoint the previous run finished: `CheckpointAlreadyCompletedError` unless
        `resume_past_end`. (NeMo raised as soon as any ``*end.ckpt`` existed; here a newer ``*last`` means training
        was resumed past the end before, and it is what you resume from.)
+    4. If the newest is a DCP checkpoint on S3 and `s3_dcp` is not beside this module: `DCPSupportMissingError`
+       (never a silent fall back to an older checkpoint).
     """
     candidates = list(candidates)
     usable = []
@@ -481,6 +535,8 @@ def select_resume_candidate(
             "already completed. To train further from it set resume_past_end=True; to start a new run use another "
             "dirpath (or remove the *end checkpoint)."
         )
+    if newest.is_dcp:
+        _require_dcp_support(newest.url)
     if newest.shards != ("",) and any(len(c.shards) > len(newest.shards) for c in candidates):
         logger.warning(
             "Resuming from %s with %d model-parallel shards, but another checkpoint in %s has more; if the parallel "
@@ -531,6 +587,133 @@ def find_resume_checkpoint(
         f"{message} Cannot resume. Set resume_ignore_no_checkpoint=True to start from scratch when there is none, "
         "or check the dirpath."
     )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Garbage a killed job leaves: open multipart uploads, DCP checkpoints that never got .metadata (the CLI's gc)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IncompleteCheckpoint:
+    """A DCP checkpoint directory on S3 whose save never committed (no ``.metadata``, see
+    `distributed_checkpoint_problem`)."""
+
+    url: str
+    newest: datetime.datetime
+    """The newest modification (by the store's clock) of anything under it, uploads in progress inside included."""
+    files: tuple[_s3.S3ObjectInfo, ...]
+    """The files its save wrote at its top level (shards, per-rank metadata and item records, Lightning's meta.pt,
+    their checksum records): what `remove_incomplete_checkpoint` deletes."""
+    kept: tuple[str, ...] = ()
+    """Any other object under it (another tool's files, a run's owner record): never deleted."""
+
+    @property
+    def size(self) -> int:
+        return sum(info.size for info in self.files)
+
+
+@dataclass(frozen=True)
+class Garbage:
+    """What `find_garbage` found under a prefix, older than the threshold by the store's clock."""
+
+    url: str
+    older_than: datetime.timedelta
+    store_time: datetime.datetime
+    """The store's clock when the search began; every age is measured against it."""
+    uploads: list[_s3.MultipartUploadInfo]
+    """Multipart uploads initiated before ``store_time - older_than``, with their parts counted."""
+    checkpoints: list[IncompleteCheckpoint]
+    """Incomplete DCP checkpoints whose newest object is older than the threshold (if they were asked for)."""
+    younger: int = 0
+    """Uploads and incomplete checkpoints left alone because they are younger (a save may still be running)."""
+
+    def age(self, item: _s3.MultipartUploadInfo | IncompleteCheckpoint) -> datetime.timedelta:
+        """How old an upload (since initiated) or an incomplete checkpoint (since its newest object) is."""
+        when = item.initiated if isinstance(item, _s3.MultipartUploadInfo) else item.newest
+        return self.store_time - when
+
+
+def find_garbage(
+    dirpath: str | os.PathLike[str],
+    older_than: datetime.timedelta,
+    *,
+    incomplete_checkpoints: bool = False,
+    s3_utils: _s3.S3Utils | None = None,
+) -> Garbage:
+    """The multipart uploads in progress under the S3 "directory" `dirpath` (any depth; ``s3://b/run`` never sees
+    ``s3://b/run_old/...``) initiated more than `older_than` ago, and, with `incomplete_checkpoints`, the DCP
+    checkpoints under it without ``.metadata`` whose newest object (or upload in progress inside) is older than that.
+
+    Ages are measured by the store's clock (`S3Utils.store_time`), taken before listing, so neither a skewed local
+    clock nor a slow listing can make a running save's upload look old. An upload without an initiation time is
+    never old. Nothing is changed: abort with `S3Utils.abort_multipart_upload`, remove with
+    `remove_incomplete_checkpoint`. FileNotFoundError if the bucket does not exist.
+    """
+    if older_than <= datetime.timedelta(0):
+        raise ValueError(f"older_than must be positive, got {older_than}: a running save's uploads are younger")
+    url = _urls.normalize_s3_url(dirpath)
+    bucket, _ = _urls.s3_dir_prefix(url)
+    s3 = s3_utils or _s3.S3Utils()
+    try:
+        now = s3.store_time(url)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"No such bucket: {_urls.build_s3_url(bucket)} (looking under {url})") from exc
+    cutoff = now - older_than
+    uploads = s3.list_multipart_uploads(url)
+    old = [u for u in uploads if u.initiated is not None and u.initiated < cutoff]
+    checkpoints = _incomplete_checkpoints(s3, url, uploads, now) if incomplete_checkpoints else []
+    old_checkpoints = [checkpoint for checkpoint in checkpoints if checkpoint.newest < cutoff]
+    younger = len(uploads) - len(old) + len(checkpoints) - len(old_checkpoints)
+    return Garbage(url, older_than, now, s3.count_upload_parts(old), old_checkpoints, younger)
+
+
+def _incomplete_checkpoints(
+    s3: _s3.S3Utils, url: str, uploads: list[_s3.MultipartUploadInfo], now: datetime.datetime
+) -> list[IncompleteCheckpoint]:
+    """Every DCP checkpoint under `url` (the prefix itself included, any depth) without its ``.metadata``."""
+    bucket, prefix = _urls.s3_dir_prefix(url)
+    objects = s3.list_objects(url, include_sidecars=True)
+    top_levels: dict[str, set[str]] = {}  # folder relative to the prefix ("": the prefix itself) -> names in it
+    for info in objects:
+        folder, _, name = info.key[len(prefix) :].rpartition("/")
+        top_levels.setdefault(folder, set()).add(name)
+    found = []
+    for folder, names in sorted(top_levels.items()):
+        if distributed_checkpoint_problem(names) is None:
+            continue
+        inside = prefix + folder + "/" if folder else prefix
+        below = [info for info in objects if info.key.startswith(inside)]
+        times = [info.last_modified for info in below] + [u.initiated for u in uploads if u.key.startswith(inside)]
+        files = tuple(info for info in below if _DCP_FILE.fullmatch(info.key[len(inside) :]))  # top level: no "/"
+        found.append(
+            IncompleteCheckpoint(
+                _urls.build_s3_url(bucket, inside.rstrip("/")),
+                max((t for t in times if t is not None), default=now),
+                files,
+                tuple(info.url for info in below if info not in files),
+            )
+        )
+    return found
+
+
+def remove_incomplete_checkpoint(checkpoint: IncompleteCheckpoint, *, s3_utils: _s3.S3Utils | None = None) -> bool:
+    """Delete the files of an incomplete DCP checkpoint (`IncompleteCheckpoint.files`; other objects stay), after
+    listing it again: False, deleting nothing, if it got its ``.metadata`` or anything under it changed since
+    `find_garbage` saw it (a save started there again)."""
+    s3 = s3_utils or _s3.S3Utils()
+    _, prefix = _urls.s3_dir_prefix(checkpoint.url)
+    objects = s3.list_objects(checkpoint.url, include_sidecars=True)
+    names = {info.key[len(prefix) :] for info in objects if "/" not in info.key[len(prefix) :]}
+    changed = any(info.url not in checkpoint.kept and info not in checkpoint.files for info in objects) or any(
+        upload.initiated is None or upload.initiated > checkpoint.newest
+        for upload in s3.list_multipart_uploads(checkpoint.url)
+    )
+    if distributed_checkpoint_problem(names) is None or changed:
+        logger.warning("Not removing %s: it changed since it was found incomplete", checkpoint.url)
+        return False
+    s3.remove_objects(info.url for info in checkpoint.files)
+    return True
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -716,6 +899,11 @@ def _newest_last_checkpoint(trainer: Any, sources: list[S3ModelCheckpointMixin],
             stacklevel=2,
         )
         return None
+    return _newest_url(times)
+
+
+def _newest_url(times: dict[str, float]) -> str:
+    """Lightning's "last": the newest modification time (then the higher step, then the URL)."""
     return max(times, key=lambda url: (times[url], checkpoint_step(url.rpartition("/")[2]) or -1, url))
 
 
@@ -835,12 +1023,16 @@ class S3ModelCheckpointMixin:
                 directories[folder] = (max(newest, modified), names)
                 if "/" not in inner:
                     names.add(inner)
+        sharded = set()
         for folder, (modified, names) in directories.items():
             problem = distributed_checkpoint_problem(names)
             if problem is None and looks_like_distributed_checkpoint(names):
                 times[f"{url}/{folder}"] = modified
+                sharded.add(f"{url}/{folder}")
             else:
                 logger.warning("Not resuming from %s/%s: %s", url, folder, problem or "it holds no DCP checkpoint")
+        if times and _newest_url(times) in sharded:
+            _require_dcp_support(_newest_url(times))
         return times
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:

@@ -8,6 +8,8 @@ examples:
   s3-checkpoint-io verify s3://my-bucket/run/checkpoints[/last.ckpt] [--allow-unverified]
   s3-checkpoint-io cp s3://my-bucket/run/checkpoints/last.ckpt ./      (or ./x.ckpt s3://my-bucket/run/)
   s3-checkpoint-io rm s3://my-bucket/run/checkpoints --keep-last 3 [--dry-run]
+  s3-checkpoint-io gc s3://my-bucket/run --older-than 2d [--incomplete-dcp] [--yes]
+  s3-checkpoint-io convert s3://my-bucket/run/step-1000 s3://my-bucket/export/model.safetensors [--only model]
 
 The S3 connection options (--endpoint-url, --region, --max-attempts) and -v go before or after the command.
 Credentials come from the usual AWS chain (environment, profile, role) and are never printed.
@@ -29,6 +31,14 @@ rm --keep-last N: keeps the N top-k checkpoints with the highest step (ties: new
   deletes the others with their checksum records; never "last" (resume starts there), "end" (it marks a finished
   run) or step-less ones. A DCP checkpoint is one checkpoint (its whole prefix: x.ckpt/..., never x.ckpt_old/...);
   one without .metadata is neither deleted nor counted (its save may still run). --dry-run deletes nothing.
+gc: the multipart uploads in progress under the prefix (any depth) initiated more than --older-than ago (30m,
+  6h, 2d...; by the store's clock) left by killed jobs, whose parts are billed until aborted; --incomplete-dcp:
+  also DCP checkpoints without .metadata whose newest object is that old (only their own files are removed).
+  A dry run unless --yes; anything younger (a running save's) is never touched.
+convert SRC DST: a DCP checkpoint into one file, by DST's suffix: .safetensors (tensors only; non-tensor entries
+  are listed as skipped) or .pt/.pth/.ckpt (the nested dict torch.save writes); or one torch file into a DCP
+  checkpoint at DST. Streamed (S3 to S3 uses no local disk), every byte read checked against the checksums the
+  source records; DST appears only when complete, and an existing one is kept unless --overwrite.
 
 exit codes (stable, for scripts):
   0    success
@@ -55,6 +65,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -63,12 +74,14 @@ from typing import Any
 
 if __package__:
     from . import connector as _connector
+    from . import s3_checkpoint_convert as _convert
     from . import s3_dcp as _dcp
     from . import s3_dirpath_utils as _urls
     from . import s3_local_servers as _servers
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import connector as _connector
+    import s3_checkpoint_convert as _convert
     import s3_dcp as _dcp
     import s3_dirpath_utils as _urls
     import s3_local_servers as _servers
@@ -557,6 +570,90 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_gc(args: argparse.Namespace) -> int:
+    """List (with ``--yes``: abort or remove) what killed jobs left under a prefix: open multipart uploads and, with
+    ``--incomplete-dcp``, DCP checkpoints that never got ``.metadata``; only what is older than ``--older-than``."""
+    url = _s3_url(args.url)
+    s3 = _make_s3(args)
+    garbage = _connector.find_garbage(url, args.older_than, incomplete_checkpoints=args.incomplete_dcp, s3_utils=s3)
+    acted = 0
+    for upload in garbage.uploads:
+        ok = args.yes and s3.abort_multipart_upload(upload.url, upload.upload_id)
+        acted += ok
+        status = "aborted" if ok else "gone" if args.yes else "would abort"  # gone: completed or aborted meanwhile
+        size = _human_size(upload.size or 0)
+        print(
+            f"{status:12}  {_age(garbage.age(upload)):>6}  {upload.parts:>5} parts  {size:>10}  {upload.url}  "
+            f"(upload {upload.upload_id})",
+            flush=True,
+        )
+    for checkpoint in garbage.checkpoints:
+        ok = args.yes and _connector.remove_incomplete_checkpoint(checkpoint, s3_utils=s3)
+        acted += ok
+        status = "removed" if ok else "changed" if args.yes else "would remove"  # changed: a save started there
+        kept = f"; {len(checkpoint.kept)} other object(s) kept" if checkpoint.kept else ""
+        size = _human_size(checkpoint.size)
+        print(
+            f"{status:12}  {_age(garbage.age(checkpoint)):>6}  {len(checkpoint.files):>5} files  {size:>10}  "
+            f"{checkpoint.url}/  (DCP checkpoint without .metadata{kept})",
+            flush=True,
+        )
+    found = f"{len(garbage.uploads)} upload(s) ({sum(u.parts or 0 for u in garbage.uploads)} parts, "
+    found += f"{_human_size(sum(u.size or 0 for u in garbage.uploads))})"
+    if args.incomplete_dcp:
+        size = _human_size(sum(checkpoint.size for checkpoint in garbage.checkpoints))
+        found += f" and {len(garbage.checkpoints)} incomplete DCP checkpoint(s) ({size})"
+    found += f" older than {_age(garbage.older_than)} under {url}; {garbage.younger} younger left alone"
+    if args.yes:
+        print(f"{found}; {acted} aborted or removed")
+    else:
+        print(f"dry run: {found}; nothing was changed (--yes aborts and removes them)")
+    return EXIT_OK
+
+
+def _age(age: datetime.timedelta) -> str:
+    """A duration in its largest unit, to a tenth: ``1.5d``, ``6h``, ``42.5m``, ``9s``."""
+    seconds = max(age.total_seconds(), 0.0)
+    unit, size = next((u, n) for u, n in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)) if seconds >= n or n == 1)
+    return f"{seconds / size:.1f}".removesuffix(".0") + unit
+
+
+def _duration(text: str) -> datetime.timedelta:
+    """``--older-than``: a positive number with a unit (s, m, h, d, w), or several (``1h30m``)."""
+    pieces = re.findall(r"(\d+(?:\.\d+)?)([smhdw])", text.strip().lower())
+    if not pieces or "".join(n + u for n, u in pieces) != text.strip().lower():
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 30m, 6h, 2d, 1h30m)")
+    unit = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+    age = sum((datetime.timedelta(**{unit[u]: float(n)}) for n, u in pieces), datetime.timedelta())
+    if age <= datetime.timedelta(0):
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}: a running save's uploads are younger")
+    return age
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Convert a DCP checkpoint into one safetensors or torch file, or one torch file into a DCP checkpoint."""
+    try:
+        report = _convert.convert_checkpoint(
+            args.src,
+            args.dst,
+            only=args.only,
+            overwrite=args.overwrite,
+            weights_only=args.weights_only,
+            s3_utils=_make_s3(args),
+        )
+    except (FileExistsError, ValueError) as exc:
+        raise CliError(EXIT_USAGE, str(exc)) from None
+    summary = f"{report.format}, {report.tensors} tensor(s), {_human_size(report.size)} in {report.seconds:.2f} s"
+    print(f"{report.source} -> {report.destination}  {summary}  {report.checksum or ''}".rstrip())
+    if report.skipped:
+        print(
+            f"skipped {len(report.skipped)} non-tensor entries (safetensors holds tensors only): "
+            + ", ".join(report.skipped)
+        )
+    print(f"verified: {report.verification}")
+    return EXIT_OK
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Train, get killed, resume from S3, report: `s3_checkpoint_demo`, imported only now (torch, Lightning)."""
     demo = importlib.import_module(f"{__package__}.s3_checkpoint_demo" if __package__ else "s3_checkpoint_demo")
@@ -727,6 +824,31 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("--keep-last", type=int, required=True, metavar="N", help="how many top-k checkpoints to keep")
     rm.add_argument("-n", "--dry-run", action="store_true", help="print what would be deleted, delete nothing")
     rm.set_defaults(handler=cmd_rm)
+
+    collecting = "abort the multipart uploads (and DCP saves) that killed jobs left, older than a threshold"
+    gc = commands.add_parser("gc", help=collecting, description="A" + collecting[1:] + "; a dry run unless --yes.")
+    _global_options(gc, suppress=True)
+    _request_option_flags(gc, uploads=False)
+    gc.add_argument("url", metavar="s3://BUCKET/PREFIX")
+    gc.add_argument("--older-than", type=_duration, required=True, metavar="AGE", help="e.g. 30m, 6h, 2d")
+    gc.add_argument("--incomplete-dcp", action="store_true", help="also DCP checkpoints that never got .metadata")
+    gc.add_argument("--yes", action="store_true", help="abort and remove (default: only list what would go)")
+    gc.set_defaults(handler=cmd_gc)
+
+    convert = commands.add_parser("convert", help="a DCP checkpoint to one .safetensors/.pt file, or a .pt to DCP")
+    _global_options(convert, suppress=True)
+    _request_option_flags(convert, uploads=True)
+    convert.add_argument("src", metavar="SRC", help="a DCP checkpoint (s3:// prefix or directory) or one torch file")
+    convert.add_argument("dst", metavar="DST", help="*.safetensors or *.pt/.pth/.ckpt; for a torch SRC: the DCP prefix")
+    convert.add_argument("--only", metavar="PREFIX", help="keep only the entries under this key (e.g. model)")
+    convert.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    convert.add_argument(
+        "--weights-only",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="unpickle non-tensor entries with torch's safe loader (default); --no-weights-only for trusted sources",
+    )
+    convert.set_defaults(handler=cmd_convert)
     return parser
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime
+import email.utils
 import enum
 import functools
 import http.client
@@ -68,6 +69,7 @@ __all__ = [
     "DownloadedObject",
     "FenceToken",
     "MissingOptionalDependencyError",
+    "MultipartUploadInfo",
     "RecordedChecksum",
     "RetryPolicy",
     "S3ClientSettings",
@@ -690,6 +692,10 @@ class RecordedChecksum:
         return f"{self.algorithm} {self.value} ({self.source})"
 
 
+_MULTIPART_ETAG = re.compile(r'-\d+"?$')
+"""The ETag of an object made by a multipart upload: ``"<md5 of the part md5s>-<part count>"``."""
+
+
 class _ChecksumRecords:
     """Reads, writes and checks the checksum records of objects, through the calls (and retries) of an `S3Utils`.
 
@@ -707,14 +713,31 @@ class _ChecksumRecords:
 
     @staticmethod
     def native(info: S3ObjectInfo) -> RecordedChecksum | None:
-        """The full-object checksum the store reported in `info` (one this process can compute), if any."""
+        """The full-object checksum the store reported in `info` (one this process can compute), if any.
+
+        A multipart object (ETag ``"...-N"``) whose checksum comes without a ``ChecksumType`` is not trusted as the
+        object's: AWS always sends the type, and a store that leaves it out may report the checksum of the part
+        checksums without the ``-N`` (moto does, for uploads made by other tools such as ``aws s3 cp``). The
+        sidecar, if any, counts instead.
+        """
         if info.checksum_type not in (None, "FULL_OBJECT"):
             return None
         for algorithm in _CHECKSUMS.values():
             value = info.checksums.get(algorithm.response_field)
-            if value and "-" not in value:  # "xxx-N" is a composite (per-part) checksum, not the object's
-                with contextlib.suppress(MissingOptionalDependencyError):
-                    return RecordedChecksum(_checksum_algorithm(algorithm.name).name, value, "s3")
+            if not value or "-" in value:  # "xxx-N" is a composite (per-part) checksum, not the object's
+                continue
+            if info.checksum_type is None and _MULTIPART_ETAG.search(info.etag):
+                logger.debug(
+                    "%s: the store's %s %s cannot be used: it comes without a ChecksumType for a multipart object "
+                    "(ETag %s), so it may cover the part checksums rather than the bytes",
+                    info.url,
+                    algorithm.name,
+                    value,
+                    info.etag,
+                )
+                return None
+            with contextlib.suppress(MissingOptionalDependencyError):
+                return RecordedChecksum(_checksum_algorithm(algorithm.name).name, value, "s3")
         return None
 
     def sidecar(self, info: S3ObjectInfo) -> RecordedChecksum | None:
@@ -807,6 +830,25 @@ class S3ObjectInfo:
     last_modified: Any = None  # datetime.datetime
     checksums: dict[str, str] = field(default_factory=dict)
     checksum_type: str | None = None
+
+    @property
+    def url(self) -> str:
+        return _object_url(self.bucket, self.key)
+
+
+@dataclass(frozen=True)
+class MultipartUploadInfo:
+    """One in-progress multipart upload (started, never completed or aborted): its parts are stored, and billed,
+    but no object exists at `key` until it completes."""
+
+    bucket: str
+    key: str
+    upload_id: str
+    initiated: Any = None  # datetime.datetime, by the store's clock
+    parts: int | None = None
+    """How many parts it holds; None until counted (`S3Utils.count_upload_parts`)."""
+    size: int | None = None
+    """The bytes those parts hold; None until counted."""
 
     @property
     def url(self) -> str:
@@ -1190,6 +1232,24 @@ class S3Utils:
         self._delete_keys(bucket, keys, url, fence)
         return len(keys)
 
+    @_class_or_instance
+    def remove_objects(self, s3_paths: Iterable[str | os.PathLike[str]]) -> int:
+        """Delete these objects and the checksum records this package may keep beside them, up to 1,000 keys per
+        request; missing ones are fine. Returns how many keys were deleted (or found missing)."""
+        keys: dict[str, dict[str, None]] = {}  # bucket -> keys in order, without repeats
+        for path in s3_paths:
+            url = _urls.normalize_s3_url(path)
+            bucket, key = _urls.parse_s3_url(url)
+            if not key or key.endswith("/"):
+                raise IsADirectoryError(f"{url} names a directory (or bucket); use remove_objects_with_prefix")
+            named = keys.setdefault(bucket, {})
+            named[key] = None
+            if not key.endswith(CHECKSUM_SIDECAR_SUFFIX):
+                named[key + CHECKSUM_SIDECAR_SUFFIX] = None
+        for bucket, named in keys.items():
+            self._delete_keys(bucket, list(named), _urls.build_s3_url(bucket))
+        return sum(map(len, keys.values()))
+
     def _delete_keys(self, bucket: str, keys: list[str], url: str, fence: DirectoryFence | None = None) -> None:
         if fence is not None and keys:
             fence.before_mutation(url, "removal")
@@ -1206,6 +1266,104 @@ class S3Utils:
                     f"Could not delete {len(errors)} object(s) under {url}: first "
                     f"{_urls.build_s3_url(bucket, first.get('Key', ''))}: {first.get('Code')} {first.get('Message')}"
                 )
+
+    # ---- in-progress multipart uploads -----------------------------------------------------------------------------
+
+    @_class_or_instance
+    def list_multipart_uploads(self, s3_path: str | os.PathLike[str]) -> list[MultipartUploadInfo]:
+        """The in-progress multipart uploads under the "directory" `s3_path` (key + ``/``, at any depth; the bucket
+        root lists all), all pages, sorted by key then initiation; parts and size are not counted here."""
+        url = _urls.normalize_s3_url(s3_path)
+        bucket, prefix = _urls.s3_dir_prefix(url)
+        uploads = []
+        markers: dict[str, str] = {}
+        while True:
+            page = self.call(
+                "list_multipart_uploads", url, Bucket=bucket, Prefix=prefix, MaxUploads=self.list_page_size, **markers
+            )
+            uploads += [
+                MultipartUploadInfo(bucket, item["Key"], item["UploadId"], item.get("Initiated"))
+                for item in page.get("Uploads", [])
+            ]
+            if not page.get("IsTruncated"):
+                break
+            # Whichever markers the store gives: AWS both, directory buckets the key marker (an opaque token there),
+            # SeaweedFS the upload id marker (it pages by upload id; a key marker next to it would skip uploads).
+            following = {
+                name: page[f"Next{name}"] for name in ("KeyMarker", "UploadIdMarker") if page.get(f"Next{name}")
+            }
+            if not following or following == markers:
+                raise OSError(
+                    f"Listing the multipart uploads under {url}: the store says there are more but gives "
+                    "no new marker to continue from"
+                )
+            markers = following
+        return sorted(uploads, key=lambda upload: (upload.key, str(upload.initiated), upload.upload_id))
+
+    @_class_or_instance
+    def count_upload_parts(
+        self, uploads: Iterable[MultipartUploadInfo], max_concurrency: int = 16
+    ) -> list[MultipartUploadInfo]:
+        """`uploads` with `parts` and `size` filled in from ListParts (all pages; up to `max_concurrency` uploads
+        at a time), in the same order; an upload that completed or was aborted meanwhile is left out."""
+        uploads = list(uploads)
+        if not uploads:
+            return []
+        with _thread_pool(min(max_concurrency, len(uploads)), "list-parts") as pool:
+            counted = _results_or_first_error([pool.submit(self._count_parts, upload) for upload in uploads])
+        return [upload for upload in counted if upload is not None]
+
+    def _count_parts(self, upload: MultipartUploadInfo) -> MultipartUploadInfo | None:
+        parts = size = 0
+        marker: dict[str, Any] = {}
+        while True:
+            try:
+                page = self.call(
+                    "list_parts",
+                    upload.url,
+                    Bucket=upload.bucket,
+                    Key=upload.key,
+                    UploadId=upload.upload_id,
+                    MaxParts=self.list_page_size,
+                    **marker,
+                )
+            except Exception as exc:
+                if _error_code(exc) == "NoSuchUpload":
+                    return None
+                raise
+            parts += len(page.get("Parts", []))
+            size += sum(part.get("Size", 0) for part in page.get("Parts", []))
+            if not page.get("IsTruncated"):
+                return replace(upload, parts=parts, size=size)
+            marker = {"PartNumberMarker": page["NextPartNumberMarker"]}
+
+    @_class_or_instance
+    def abort_multipart_upload(self, s3_path: str | os.PathLike[str], upload_id: str) -> bool:
+        """Abort the multipart upload `upload_id` to the object `s3_path`: its parts are deleted and it can no
+        longer complete. False if it no longer exists (completed or aborted meanwhile)."""
+        url = _urls.normalize_s3_url(s3_path)
+        bucket, key = _urls.parse_s3_url(url)
+        try:
+            self.call("abort_multipart_upload", url, Bucket=bucket, Key=key, UploadId=upload_id)
+        except Exception as exc:
+            if _error_code(exc) == "NoSuchUpload":
+                return False
+            raise
+        return True
+
+    @_class_or_instance
+    def store_time(self, s3_path: str | os.PathLike[str]) -> datetime.datetime:
+        """The store's clock: the ``Date`` of its answer to a HEAD of the bucket of `s3_path` (this machine's clock
+        if it sends none). Ages of uploads and objects are measured against it, so that a skewed local clock cannot
+        make a running save's upload look old."""
+        url = _urls.normalize_s3_url(s3_path)
+        bucket, _ = _urls.parse_s3_url(url)
+        response = self.call("head_bucket", url, Bucket=bucket)
+        date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        with contextlib.suppress(TypeError, ValueError):
+            if date:
+                return email.utils.parsedate_to_datetime(date)
+        return datetime.datetime.now(datetime.timezone.utc)
 
     # ---- streaming upload -----------------------------------------------------------------------------------------
 

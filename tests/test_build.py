@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-CORE_MODULES = ["s3_dirpath_utils", "s3_utils", "s3_checkpoint_io", "connector", "s3_checkpoint_cli"]
+CORE_MODULES = [
+    "s3_dirpath_utils",
+    "s3_utils",
+    "s3_checkpoint_io",
+    "connector",
+    "s3_checkpoint_cli",
+    "s3_checkpoint_convert",
+]
 
 
 def _pyproject_version() -> str:

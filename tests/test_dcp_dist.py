@@ -1,11 +1,13 @@
 """S3StorageWriter / S3StorageReader across real gloo ranks: FSDP2 (``fully_shard``) model + optimizer state through
 ``torch.distributed.checkpoint.state_dict``, resharding on load (2 -> 1, 2 -> 4), ``async_save`` with the thread and
-process executors, ``use_collectives=False``, interop with torch's FileSystemWriter/Reader, and one rank whose
-uploads fail for good. The ranks run tests/helpers/dcp_worker.py; one process group serves many cases.
+process executors, ``use_collectives=False``, interop with torch's FileSystemWriter/Reader, one rank whose
+uploads fail for good, and `s3_checkpoint_convert` on checkpoints the ranks saved (row and column shards). The ranks
+run tests/helpers/dcp_worker.py; one process group serves many cases.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -35,6 +37,8 @@ TWO_RANK_SCENARIOS = [
     "to_torch_reader",
     "faulty_rank",
     "load_again",
+    "convert",
+    "load_converted",
 ]
 
 
@@ -145,3 +149,49 @@ def test_persistent_upload_failure_on_one_rank_fails_every_rank_and_commits_noth
     assert uploads == []
     assert dcp_run["proxy"].count(faulted=True) >= 3  # retried, then given up
     _assert_loaded_identical(dcp_run["outs"][2], "load_again", 2)  # the previous checkpoint is intact
+
+
+def _download(url: str) -> bytes:
+    import s3_utils
+
+    with s3_utils.S3Utils().download_to_memory(url) as downloaded:
+        return downloaded.read_all()
+
+
+def test_convert_a_two_rank_checkpoint_into_one_file(dcp_run: dict[str, Any]) -> None:
+    """Row shards (FSDP2) and column shards (tensor parallel, bfloat16) assembled into one safetensors and one torch
+    file; the torch file equals what torch's dcp_to_torch_save makes of the same checkpoint."""
+    import safetensors.torch
+    import torch
+    from dcp_worker import differences, flat_tensors, tensor_parallel_reference
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = dcp_run["outs"][2]
+    outcome = _outcomes(out, "convert", 2)[0]
+    assert outcome["ok"], f"{outcome.get('error')}\n{outcome.get('trace')}"
+    base = f"s3://{dcp_run['bucket']}/run"
+    reference = torch.load(out / "reference.pt", weights_only=True)  # the full (unsharded) state that was saved
+    exported = safetensors.torch.load(_download(f"{base}/exports/fsdp.safetensors"))
+    expected = flat_tensors(reference)
+    assert set(exported) == set(expected)
+    assert all(
+        exported[key].dtype == value.dtype and torch.equal(exported[key], value) for key, value in expected.items()
+    )
+    dcp_to_torch_save(out / "downloaded-2", out / "torch-converted.pt")  # a local copy of the same checkpoint
+    converted = torch.load(io.BytesIO(_download(f"{base}/exports/fsdp.pt")), weights_only=True)
+    assert differences(converted, torch.load(out / "torch-converted.pt", weights_only=False)) == []
+
+    column, replicated = tensor_parallel_reference()
+    exported = safetensors.torch.load(_download(f"{base}/exports/tp.safetensors"))
+    assert set(exported) == {"tp.column", "tp.replicated"} and exported["tp.column"].dtype == torch.bfloat16
+    assert torch.equal(exported["tp.column"], column) and torch.equal(exported["tp.replicated"], replicated)
+    converted = torch.load(io.BytesIO(_download(f"{base}/exports/tp.pt")), weights_only=True)
+    assert differences(converted, {"tp": {"column": column, "replicated": replicated}, "note": "tp"}) == []
+    reports = outcome["reports"]
+    assert reports["exports/tp.safetensors"]["skipped"] == ["note"]
+    assert all(".s3ckpt-items.json" in reports[dst]["verification"] for dst in reports if dst.startswith("exports/"))
+
+
+def test_a_torch_file_converted_to_dcp_loads_sharded_at_two_ranks(dcp_run: dict[str, Any]) -> None:
+    assert ".metadata" in _names(dcp_run, "fsdp-from-pt")
+    _assert_loaded_identical(dcp_run["outs"][2], "load_converted", 2)

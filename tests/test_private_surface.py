@@ -7,12 +7,14 @@ Each test says where the package relies on the name.
 
 from __future__ import annotations
 
+import collections
 import http.client
 import importlib
 import inspect
 import io
 import os
 import pickle
+import sys
 from typing import Any
 
 import pytest
@@ -136,6 +138,86 @@ def test_torch_zip_magic_and_weights_only_message(tmp_path) -> None:
 
 class _Unsafe:
     """A class weights_only=True refuses to unpickle."""
+
+
+# ---- torch: writing a torch.save archive record by record, reading one lazily (s3_checkpoint_convert) -------------
+
+
+class _AppendOnly(io.RawIOBase):
+    """A stream that can only be appended to, as an upload is: no seek, no tell."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.data = bytearray()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.data += data
+        return len(memoryview(data))
+
+    def seek(self, *args: Any) -> int:
+        raise AssertionError("the archive writer must only append")
+
+    def tell(self) -> int:
+        raise AssertionError("the archive writer must only append")
+
+
+def test_the_archive_writer_streams_records_that_torch_load_reads() -> None:
+    """_write_torch: torch._C.PyTorchFileWriter over an append-only stream, one record per storage, written after a
+    pickle of torch.save's shape (persistent ids, _rebuild_tensor_v2); storage slices are views."""
+    tensor = torch.arange(12, dtype=torch.float32)
+    storage = tensor.untyped_storage()[8:24]  # bytes 8-24: elements 2..5, a view, not a copy
+    assert storage.data_ptr() == tensor.data_ptr() + 8
+    stream = _AppendOnly()
+    archive = torch._C.PyTorchFileWriter(
+        stream, torch.serialization.get_crc32_options(), torch.serialization._get_storage_alignment()
+    )
+    storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[torch.float32])
+    pickled = io.BytesIO()
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            return ("storage", storage_type, "0", "cpu", 4) if obj == "pending" else None
+
+    rebuild = torch._utils._rebuild_tensor_v2
+    Pickler(pickled, protocol=torch.serialization.DEFAULT_PROTOCOL).dump(
+        {"w": _Reduced(rebuild, ("pending", 0, (2, 2), (2, 1), False, collections.OrderedDict()))}
+    )
+    archive.write_record("data.pkl", pickled.getvalue(), len(pickled.getvalue()))
+    archive.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+    archive.write_record("data/0", storage, storage.nbytes())
+    archive.write_end_of_file()
+    loaded = torch.load(io.BytesIO(bytes(stream.data)), weights_only=True)
+    assert torch.equal(loaded["w"], torch.tensor([[2.0, 3.0], [4.0, 5.0]]))
+
+
+class _Reduced:
+    def __init__(self, function: Any, args: tuple[Any, ...]) -> None:
+        self.function, self.args = function, args
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.function, self.args
+
+
+def test_a_meta_load_reads_no_tensor_bytes_and_records_where_each_storage_lies() -> None:
+    """_TorchFileSource: torch.load(map_location="meta") gives each storage `_checkpoint_offset`, the position of its
+    bytes in the file, without reading them; DCP's set_element builds the nested dict from a flattened path."""
+    import torch.distributed.checkpoint._traverse as traverse
+
+    buffer = io.BytesIO()
+    torch.save({"a": torch.full((1000,), 7.0), "b": torch.arange(3)}, buffer)
+    data = buffer.getvalue()
+    meta = torch.load(io.BytesIO(data), map_location="meta", weights_only=True)
+    for key, expected in (("a", torch.full((1000,), 7.0)), ("b", torch.arange(3))):
+        offset = meta[key].untyped_storage()._checkpoint_offset
+        assert meta[key].device.type == "meta"
+        stored = torch.frombuffer(bytearray(data[offset : offset + expected.nbytes]), dtype=expected.dtype)
+        assert torch.equal(stored, expected)
+    state: dict[str, Any] = {}
+    traverse.set_element(state, ("x", "y", 1), 5)
+    assert state == {"x": {"y": [None, 5]}}
 
 
 # ---- Lightning (both families): the names connector.py overrides or reads -------------------------------------------

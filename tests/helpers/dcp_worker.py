@@ -80,22 +80,36 @@ def _apply(model: Any, optimizer: Any, state: dict[str, Any]) -> None:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def _differences(actual: Any, expected: Any, where: str = "") -> list[str]:
+def differences(actual: Any, expected: Any, where: str = "") -> list[str]:
+    """Where two nested states differ (dict keys, lengths, tensor dtypes and values, other values); [] if nowhere."""
     import torch
 
     if isinstance(expected, dict):
         if set(actual) != set(expected):
             return [f"{where}: keys {sorted(map(str, actual))} != {sorted(map(str, expected))}"]
-        return [d for key in expected for d in _differences(actual[key], expected[key], f"{where}.{key}")]
+        return [d for key in expected for d in differences(actual[key], expected[key], f"{where}.{key}")]
     if isinstance(expected, (list, tuple)):
         if len(actual) != len(expected):
             return [f"{where}: length {len(actual)} != {len(expected)}"]
         pairs = enumerate(zip(actual, expected, strict=True))
-        return [d for n, (a, e) in pairs for d in _differences(a, e, f"{where}[{n}]")]
+        return [d for n, (a, e) in pairs for d in differences(a, e, f"{where}[{n}]")]
     if isinstance(expected, torch.Tensor):
         same = isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype and torch.equal(actual, expected)
         return [] if same else [f"{where}: tensors differ"]
     return [] if actual == expected else [f"{where}: {actual!r} != {expected!r}"]
+
+
+def flat_tensors(value: Any, prefix: str = "") -> dict[str, Any]:
+    """The tensors of a nested state dict under DCP's flattened keys (mapping keys and list indexes joined by ".")."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return {prefix: value}
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    flat: dict[str, Any] = {}
+    for key, item in items:
+        flat.update(flat_tensors(item, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
 
 
 class Context:
@@ -144,10 +158,10 @@ class Context:
         dcp.load(state, storage_reader=reader)
         _apply(model, optimizer, state)
         full = _full_state(model, optimizer)  # gathered on rank 0 only
-        differences = _differences(state["extra"], {"step": 2, "note": "dcp"})
+        found = differences(state["extra"], {"step": 2, "note": "dcp"})
         if self.rank == 0:
-            differences += _differences(full, torch.load(self.out / "reference.pt", weights_only=True))
-        return {"differences": differences[:5], "stats": getattr(reader, "stats", None)}
+            found += differences(full, torch.load(self.out / "reference.pt", weights_only=True))
+        return {"differences": found[:5], "stats": getattr(reader, "stats", None)}
 
 
 def scenario_save(ctx: Context) -> dict[str, Any]:
@@ -259,6 +273,64 @@ def scenario_faulty_rank(ctx: Context) -> dict[str, Any]:
             "causes": ["".join(traceback.format_exception_only(e)) for e, _ in exc.failures.values()],
         }
     return {"raised": None}
+
+
+def tensor_parallel_reference() -> tuple[Any, Any]:
+    """The full tensors `scenario_convert` saves split by columns (bfloat16) and replicated."""
+    import torch
+
+    generator = torch.Generator().manual_seed(5)
+    return torch.randn(6, 10, generator=generator).to(torch.bfloat16), torch.randn(3, 3, generator=generator)
+
+
+CONVERSIONS = [
+    ("fsdp", "exports/fsdp.safetensors"),
+    ("fsdp", "exports/fsdp.pt"),
+    ("tp", "exports/tp.safetensors"),
+    ("tp", "exports/tp.pt"),
+    ("exports/fsdp.pt", "fsdp-from-pt"),
+]
+"""What `scenario_convert` converts, under the run's base prefix: the 2-rank FSDP2 checkpoint of `scenario_save`
+(row shards), a tensor-parallel one (column shards, replicated), and one converted file back into DCP."""
+
+
+def scenario_convert(ctx: Context) -> dict[str, Any]:
+    """Every rank saves a DTensor split by columns and a replicated one; rank 0 then runs `CONVERSIONS`."""
+    import dataclasses
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import s3_checkpoint_convert
+    import s3_utils
+
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    column, replicated = tensor_parallel_reference()
+    state = {
+        "tp": {
+            "column": distribute_tensor(column, mesh, [Shard(1)]),
+            "replicated": distribute_tensor(replicated, mesh, [Replicate()]),
+        },
+        "note": "tp",
+    }
+    dcp.save(state, storage_writer=ctx.writer("tp"))
+    reports = {}
+    if ctx.rank == 0:
+        utils = s3_utils.S3Utils(ctx.settings, ctx.retry_policy)
+        for src, dst in CONVERSIONS:
+            report = s3_checkpoint_convert.convert_checkpoint(
+                f"{ctx.base}/{src}", f"{ctx.base}/{dst}", s3_utils=utils, chunk_size_MB=5, max_read_concurrency=4
+            )
+            reports[dst] = dataclasses.asdict(report)
+    dist.barrier()
+    return {"reports": reports}
+
+
+def scenario_load_converted(ctx: Context) -> dict[str, Any]:
+    """The checkpoint `scenario_convert` made from one .pt file, loaded into the sharded model at every rank."""
+    return ctx.load_and_compare(ctx.reader("fsdp-from-pt"))
 
 
 def scenario_load_again(ctx: Context) -> dict[str, Any]:

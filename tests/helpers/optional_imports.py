@@ -21,6 +21,7 @@ _MODULES_OF = {
     "moto": ("moto",),
     "matplotlib": ("matplotlib",),
     "psutil": ("psutil",),
+    "safetensors": ("safetensors",),
 }
 
 
