@@ -2345,8 +2345,8 @@ class DirectoryFence:
     Pass it as ``fence=`` to `S3Utils.open_writer`, `S3Utils.remove_object` and `S3Utils.remove_objects_with_prefix`:
     the run's first commit in the directory takes it over (unless a run that started later owns it; a removal before
     that only checks that none does), every later operation first checks with one HEAD that the run still owns it,
-    and a stale run gets `CheckpointDirectoryTakenError` with nothing changed. Fences of one run and directory share their state within a
-    process, so making one per operation is cheap. See the block comment above for the protocol.
+    and a stale run gets `CheckpointDirectoryTakenError` with nothing changed. Fences of one run and directory share
+    their state within a process, so making one per operation is cheap. See the block comment above for the protocol.
     """
 
     def __init__(self, utils: S3Utils, directory: str | os.PathLike[str], run: CheckpointRun | None = None) -> None:

@@ -355,6 +355,30 @@ def test_a_single_run_pays_one_small_request_per_save_and_removal(
     assert on_record() == [] and len(fault_proxy.requests) == fenced_saves - 2
 
 
+def test_a_dcp_save_pays_one_small_request_per_rank_and_one_for_its_commit(
+    s3_server: S3Endpoint, bucket: str, fault_proxy: FaultProxy
+) -> None:
+    if s3_server.name != "moto":
+        pytest.skip("request counts, the same on every backend: moto is enough")
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    settings = S3ClientSettings(endpoint_url=fault_proxy.endpoint_url)
+    record = f"/{bucket}/sharded/{OWNER_RECORD_NAME}"
+
+    def save(name: str, thread_count: int) -> list[tuple[str, int | None]]:
+        fault_proxy.clear()
+        url = f"s3://{bucket}/sharded/{name}"
+        writer = s3_dcp.S3StorageWriter(url, chunk_size_MB=5, thread_count=thread_count, client_settings=settings)
+        dcp.save({"a": torch.arange(8.0), "b": torch.ones(8)}, storage_writer=writer, no_dist=True)
+        return [(r.method, r.status) for r in fault_proxy.requests if r.path == record]
+
+    # the coordinator takes the directory over while planning; then the rank's files, then the commit
+    assert save("one.ckpt", 1) == [("GET", 404), ("PUT", 200), ("PUT", 412), ("HEAD", 200), ("HEAD", 200)]
+    assert save("two.ckpt", 2) == [("HEAD", 200)] * 2  # two files of one rank share its check
+    assert save("two.ckpt", 1) == [("HEAD", 200)] * 3  # an overwrite: retiring the old .metadata is a removal
+    metadata_puts = [r.status for r in fault_proxy.requests if r.method == "PUT" and r.path.endswith("/.metadata")]
+    assert metadata_puts == [200]  # If-None-Match: * on the retired .metadata, no fallback
+
+
 def test_an_object_changed_outside_the_run_is_overwritten_with_a_warning(
     s3_server: S3Endpoint, bucket: str, s3_client: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
