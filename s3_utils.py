@@ -111,6 +111,7 @@ def _is_package_record(key: str) -> bool:
     owner record): listings leave them out, so resume discovery, the CLI and directory checks never see them."""
     return key.endswith(CHECKSUM_SIDECAR_SUFFIX) or key.rpartition("/")[2] == OWNER_RECORD_NAME
 
+
 _T = TypeVar("_T")
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -2349,7 +2350,16 @@ class DirectoryFence:
     their state within a process, so making one per operation is cheap. See the block comment above for the protocol.
     """
 
-    def __init__(self, utils: S3Utils, directory: str | os.PathLike[str], run: CheckpointRun | None = None) -> None:
+    def __init__(
+        self,
+        utils: S3Utils,
+        directory: str | os.PathLike[str],
+        run: CheckpointRun | None = None,
+        *,
+        follows: str | None = None,
+    ) -> None:
+        """`follows`: see `following` (the ETag the coordinator's run holds the record at)."""
+        self._follows = follows
         self.directory = _urls.normalize_s3_url(directory).rstrip("/")
         self.bucket, prefix = _urls.s3_dir_prefix(self.directory)
         self.record_key = prefix + OWNER_RECORD_NAME
@@ -2364,10 +2374,10 @@ class DirectoryFence:
         return f"<DirectoryFence {self.directory} for {self.run}>"
 
     @classmethod
-    def following(cls, utils: S3Utils, token: FenceToken) -> _FollowerFence:
-        """The fence of a rank that commits files for the run that holds `token` (the other ranks of a sharded
-        save): it checks that the directory is still that run's, and never takes it over."""
-        return _FollowerFence(utils, token)
+    def following(cls, utils: S3Utils, token: FenceToken) -> DirectoryFence:
+        """The fence of a rank that commits files for the run that holds `token` (every rank of a sharded save): it
+        checks that the directory is still that run's, never takes it over and sends no ETag conditions."""
+        return cls(utils, token.directory, token.run, follows=token.etag)
 
     def once(self) -> _CheckedOnce:
         """This fence, checked at most once: for operations that follow one another within moments (the files of one
@@ -2392,39 +2402,28 @@ class DirectoryFence:
         hold = self._hold
         with hold.lock, self._noted(url, action):
             self._raise_if_refused(url, action)
-            if hold.etag is None and action == "removal":
-                self._check_unheld(url, action)
+            expected = self._follows or hold.etag
+            if expected is None:  # this run has not saved here yet
+                (self._check_unheld if action == "removal" else self._take_over)(url, action)
                 return
-            if hold.etag is None:
-                self._take_over(url, action)
-                return
-            etag = self._head_record()
-            if etag == hold.etag:
-                return
-            if etag is None:
-                logger.warning(
-                    "The owner record %s is gone (removed by hand?); %s takes %s over again",
-                    self.record_url,
-                    self.run,
-                    self.directory,
-                )
-                hold.etag = None
-                self._take_over(url, action)
+            if self._head_record() == expected:
                 return
             record, etag = self._read_record()
-            if _is_run_of(record, self.run):
-                hold.etag = etag  # this run rewrote it from another process (a pickled plugin or writer)
+            if _is_run_of(record, self.run):  # rewritten by this run from another process (a pickled plugin...)
+                if not self._follows:
+                    hold.etag = etag
                 return
-            if record is None:
+            if record is None and not self._follows:
+                logger.warning("%s is gone (removed by hand?): %s writes it again", self.record_url, self.run)
                 self._take_over(url, action)
                 return
-            self._refuse(url, action, record)
+            self._refuse(url, action, record or {})
 
     def conditions(self, key: str) -> dict[str, str]:
         """The ETag condition for a commit of `key`: ``If-Match`` on the ETag this run committed there,
         ``If-None-Match: *`` where this run removed it, none for keys it has not touched (or on stores without
         conditional writes)."""
-        if _conditional_writes.get(self._store) is not True:
+        if self._follows or _conditional_writes.get(self._store) is not True:
             return {}
         with self._hold.lock:
             state = self._hold.objects.get(key, _UNKNOWN)
@@ -2433,11 +2432,7 @@ class DirectoryFence:
         return {"IfNoneMatch": "*"} if state is None else {"IfMatch": str(state)}
 
     def committed(self, key: str, etag: str) -> None:
-        if etag:
-            self._remember({key: etag})
-        else:  # a store that answered without one: nothing to condition the next commit on
-            with self._hold.lock:
-                self._hold.objects.pop(key, None)
+        self._remember({key: etag or _UNKNOWN})  # no ETag in the answer: nothing to condition the next commit on
 
     def removed(self, keys: Iterable[str]) -> None:
         self._remember(dict.fromkeys(keys))
@@ -2479,12 +2474,15 @@ class DirectoryFence:
             exc.add_note(f"while checking that {self.run} owns {self.directory}, before the {action} of {url}")
             raise
 
-    def _remember(self, states: dict[str, str | None]) -> None:
+    def _remember(self, states: dict[str, Any]) -> None:
+        if self._follows:
+            return  # a rank's files: the coordinator's run keeps no state for them
         with self._hold.lock:
             objects = self._hold.objects
             for key, state in states.items():
                 objects.pop(key, None)
-                objects[key] = state
+                if state is not _UNKNOWN:
+                    objects[key] = state
             while len(objects) > _REMEMBERED_KEYS:
                 del objects[next(iter(objects))]
 
@@ -2538,11 +2536,8 @@ class DirectoryFence:
         for _ in range(_TAKE_OVER_ATTEMPTS):
             record, etag = self._read_record()
             owner = _record_run(record)
-            if _is_run_of(record, self.run):
-                hold.etag = etag
+            if self._adopted_or_refused(url, action, record, etag):
                 return
-            if record is not None and owner is not None and owner.started > self.run.started:
-                self._refuse(url, action, record, newer=True)
             generation = _record_generation(record) + 1
             support = _conditional_writes.get(self._store)
             conditions: dict[str, str] = {}
@@ -2576,13 +2571,18 @@ class DirectoryFence:
     def _check_unheld(self, url: str, action: str) -> None:
         """A removal by a run that has not saved in the directory: refused if a run that started later holds it;
         it does not take the directory over (only a save does)."""
-        record, etag = self._read_record()
+        self._adopted_or_refused(url, action, *self._read_record())
+
+    def _adopted_or_refused(self, url: str, action: str, record: dict[str, Any] | None, etag: str | None) -> bool:
+        """True if `record` is this run's (adopted: one of its other processes wrote it); refuse if it is a run's that
+        started after this one; else False (this run may take the directory over)."""
         if _is_run_of(record, self.run):
             self._hold.etag = etag
-            return
+            return True
         owner = _record_run(record)
         if record is not None and owner is not None and owner.started > self.run.started:
             self._refuse(url, action, record, newer=True)
+        return False
 
     def _probe(self, generation: int) -> None:
         """Once per store and bucket: a conditional PUT that must fail (If-None-Match: * on the record just
@@ -2648,10 +2648,11 @@ def _is_run_of(record: Mapping[str, Any] | None, run: CheckpointRun) -> bool:
 
 
 def _record_run(record: Mapping[str, Any] | None) -> CheckpointRun | None:
+    if not isinstance(record, Mapping):
+        return None
     try:
-        assert record is not None
         return CheckpointRun(str(record["run"]), str(record["host"]), int(record["pid"]), float(record["started"]))
-    except (AssertionError, KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError):
         return None
 
 
@@ -2663,7 +2664,7 @@ def _record_generation(record: Mapping[str, Any] | None) -> int:
 class _CheckedOnce:
     """A fence whose check runs once: later operations reuse its outcome (see `DirectoryFence.once`)."""
 
-    def __init__(self, fence: DirectoryFence | _FollowerFence) -> None:
+    def __init__(self, fence: DirectoryFence) -> None:
         self._fence = fence
         self._lock = threading.Lock()
         self._checked = False
@@ -2683,40 +2684,6 @@ class _CheckedOnce:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._fence, name)
-
-
-class _FollowerFence:
-    """A rank's fence for the run of a `FenceToken` (see `DirectoryFence.following`)."""
-
-    def __init__(self, utils: S3Utils, token: FenceToken) -> None:
-        self._token = token
-        self._fence = DirectoryFence(utils, token.directory, token.run)
-
-    def once(self) -> _CheckedOnce:
-        return _CheckedOnce(self)
-
-    def before_mutation(self, url: str, action: str) -> None:
-        fence = self._fence
-        with fence._hold.lock, fence._noted(url, action):
-            fence._raise_if_refused(url, action)
-            if fence._head_record() == self._token.etag:
-                return
-            record, _ = fence._read_record()
-            if _is_run_of(record, self._token.run):
-                return  # the coordinator's run rewrote its record (it had been removed): still that run's directory
-            fence._refuse(url, action, record or {})
-
-    def conditions(self, key: str) -> dict[str, str]:
-        return {}
-
-    def committed(self, key: str, etag: str) -> None:
-        pass
-
-    def removed(self, keys: Iterable[str]) -> None:
-        pass
-
-    def precondition_failed(self, url: str, key: str, exc: BaseException) -> None:  # no conditions, never called
-        raise exc
 
 
 # --------------------------------------------------------------------------------------------------------------------
