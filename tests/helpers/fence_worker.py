@@ -4,13 +4,13 @@ Each process is its own run (`s3_utils.current_run`), so two of them play a stal
 Commands arrive as JSON lines on stdin, answers leave as JSON lines on stdout (``{"ok": true, ...}`` or
 ``{"ok": false, "type": ..., "taken": ..., "message": ...}``); the S3 endpoint and keys come from the environment.
 
-    {"op": "save", "url": ..., "step": N, "async": false, "mib": 0}   S3CheckpointIO.save_checkpoint (one plugin per
-                                                                    mode; "mib" adds a tensor that size: multipart)
-    {"op": "remove", "url": ..., "async": false}               S3CheckpointIO.remove_checkpoint
-    {"op": "teardown", "async": true}                          S3CheckpointIO.teardown
-    {"op": "resume", "dirpath": ...}                           find_resume_checkpoint, then load: its step
-    {"op": "dcp_save", "url": ..., "value": V}                 dcp.save of {"w": full(8, V)} with S3StorageWriter
-    {"op": "dcp_load", "url": ...}                             dcp.load: the value
+    {"op": "save", "url": ..., "step": N, "async": false, "mib": 0}
+        S3CheckpointIO.save_checkpoint (one plugin per mode; "mib" adds a tensor that size: a multipart upload)
+    {"op": "remove", "url": ..., "async": false}    S3CheckpointIO.remove_checkpoint
+    {"op": "teardown", "async": true}               S3CheckpointIO.teardown
+    {"op": "resume", "dirpath": ...}                find_resume_checkpoint, then load: its URL and step
+    {"op": "dcp_save", "url": ..., "value": V}      dcp.save of {"w": full(8, V)} with S3StorageWriter
+    {"op": "dcp_load", "url": ...}                  dcp.load: the value
 """
 
 from __future__ import annotations
