@@ -1208,7 +1208,7 @@ def install_checkpoint_connector(trainer: Any) -> Any:
 # One-call wiring from a NeMo-style config
 # --------------------------------------------------------------------------------------------------------------------
 
-# `s3_checkpointing:` keys (NeMo's megatron_gpt_config.yaml) -> S3CheckpointIO arguments; the last four are ours.
+# `s3_checkpointing:` keys (NeMo's megatron_gpt_config.yaml) -> S3CheckpointIO arguments; the last six are ours.
 _S3_CONFIG_TO_IO_KWARGS = {
     "max_write_concurrency": "max_write_concurrency",
     "max_read_concurrency": "max_read_concurrency",
@@ -1219,6 +1219,7 @@ _S3_CONFIG_TO_IO_KWARGS = {
     "region_name": "region_name",
     "request_options": "request_options",  # a mapping of s3_utils.S3RequestOptions fields (S3's parameter names)
     "load_sharing": "load_sharing",
+    "fencing": "fencing",  # false: no owner record, a stale run is not refused (README: "One run per ...")
 }
 # NeMoModelCheckpoint-only keys of checkpoint_callback_params: accepted, logged, not used.
 _NEMO_ONLY_CALLBACK_KEYS = frozenset(
@@ -1280,7 +1281,8 @@ def build_s3_checkpointing(
     the ``exp_manager`` node itself with ``s3_checkpointing`` inside it. As in NeMo, a ``filename`` makes the last
     checkpoint ``{filename}-last``. NeMoModelCheckpoint-only keys (``save_nemo_on_train_end``...) are ignored with
     a warning.
-    ``s3_checkpointing.load_sharing`` (``"node"``, ``"job"`` or ``"rank"``) says who downloads on a resume.
+    ``s3_checkpointing.load_sharing`` (``"node"``, ``"job"`` or ``"rank"``) says who downloads on a resume;
+    ``s3_checkpointing.fencing: false`` turns off the refusal of a stale run's saves and removals.
     """
     top = _as_dict(cfg, "cfg")
     exp = _as_dict(top["exp_manager"], "exp_manager") if "exp_manager" in top else top

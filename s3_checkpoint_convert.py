@@ -1226,6 +1226,7 @@ def _torch_file_to_dcp(
                         max_write_concurrency=options.write_concurrency,
                         checksum_algorithm=options.checksum_algorithm,
                         overwrite=overwrite,
+                        fencing=False,  # a tool, not a run: it must not take a training run's directory over
                     )
                     dcp.save(source.state, storage_writer=writer, planner=planner, no_dist=True)
                     size = sum(info.size for info in s3.list_objects(destination))

@@ -9,6 +9,8 @@ module holds the torch side of checkpointing; everything that talks to S3 is in 
   tensors use the downloaded pages; bytes that are not a torch checkpoint raise `NotACheckpointError`;
 * async saves: tensors are snapshotted to host memory (`snapshot_to_host`), uploaded in the background, and a
   removal waits until every save issued before it is durable; background failures are raised at the next call;
+* fencing: saves and removals in an ``s3://`` directory go through an `s3_utils.DirectoryFence`, so a stale run
+  (an older job still writing where a newer one took over) gets `CheckpointDirectoryTakenError` and changes nothing;
 * `register_with_lightning`: the class is a ``CheckpointIO`` of every installed Lightning family (``lightning`` and
   ``pytorch_lightning``), so both Trainers accept it; torch and Lightning are imported on first use.
 
@@ -57,6 +59,7 @@ else:  # installed (or copied) as top-level modules
 
 __all__ = [
     "LOAD_SHARING_MODES",
+    "CheckpointDirectoryTakenError",
     "NotACheckpointError",
     "S3CheckpointIO",
     "SharedLoadError",
@@ -69,6 +72,8 @@ __all__ = [
 __version__ = _s3.__version__
 
 logger = logging.getLogger(__name__)
+
+CheckpointDirectoryTakenError = _s3.CheckpointDirectoryTakenError
 
 _LIGHTNING_CHECKPOINT_IO_BASES = (
     "lightning.fabric.plugins.io.checkpoint_io",
@@ -181,6 +186,10 @@ class S3CheckpointIO:
             the connector, or `collective_load`): ``"node"`` (default) one rank per node, the others map its pages;
             ``"job"`` global rank 0 only, the bytes travel over the process group; ``"rank"`` every rank. A load
             on one rank alone always downloads on that rank. See the "Load sharing" block below.
+        fencing: one run owns an ``s3://`` checkpoint directory (a checkpoint's parent): the run's first save there
+            takes it over, and a save or removal of a run that another (newer) run took it over from raises
+            `CheckpointDirectoryTakenError` and changes nothing. One small request (a HEAD) per save and removal.
+            False: no owner record, no check (README.md, "One run per checkpoint directory").
 
     Arguments that would be ignored raise ValueError: `endpoint_url` / `region_name` together with `client_settings`
     (put them in the settings) or with `s3_utils`, and `client_settings` / `retry_policy` together with `s3_utils`
@@ -204,6 +213,7 @@ class S3CheckpointIO:
         s3_utils: _s3.S3Utils | None = None,
         request_options: _s3.S3RequestOptions | Mapping[str, Any] | None = None,
         load_sharing: str = "node",
+        fencing: bool = True,
     ) -> None:
         lightning_agent = _lightning_user_agent()  # before registering, which imports every installed family
         options = _s3.S3RequestOptions.from_mapping(request_options)  # an unknown or bad option fails here
@@ -233,6 +243,9 @@ class S3CheckpointIO:
         if load_sharing not in LOAD_SHARING_MODES:
             raise ValueError(f"load_sharing must be one of {LOAD_SHARING_MODES}, got {load_sharing!r}")
         self.load_sharing = load_sharing
+        self.fencing = bool(fencing)
+        self._run = _s3.current_run()  # pickled along: a spawned copy of this plugin is the same run
+        self._fence_override: Any = None  # s3_dcp's sharded strategy: one fence for meta.pt and its removals
         self._collective: _CollectiveLoad | None = None
         self.dirpath = _urls.as_path_or_s3_url(dirpath) if dirpath is not None else None
         self.chunk_size_MB = chunk_size_MB
@@ -277,7 +290,7 @@ class S3CheckpointIO:
             if self._pending or self._deferred:
                 raise RuntimeError("cannot pickle S3CheckpointIO while background saves are pending; call teardown()")
         state = self.__dict__.copy()
-        for live in ("_lock", "_executor", "_pending", "_deferred", "_errors", "records"):
+        for live in ("_lock", "_executor", "_pending", "_deferred", "_errors", "records", "_fence_override"):
             del state[live]
         state["s3"] = (self.s3.settings, self.s3.retry_policy)
         return state
@@ -292,6 +305,7 @@ class S3CheckpointIO:
         self._deferred = []
         self._errors = []
         self.records = deque(maxlen=_RECORDS_KEPT)
+        self._fence_override = None
 
     # ---- save -----------------------------------------------------------------------------------------------------
 
@@ -330,8 +344,9 @@ class S3CheckpointIO:
         started = time.perf_counter()
         checksum = None
         if _urls.is_s3_url(path):
+            fence = self._fence_for(path)
             with self.s3.open_writer(
-                path, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm
+                path, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm, fence=fence
             ) as writer:
                 try:
                     torch_save_without_zip_crc32(checkpoint, writer)  # the writer's CRC covers every byte
@@ -344,7 +359,7 @@ class S3CheckpointIO:
             if writer.info and writer.info.checksums:
                 checksum = " ".join(f"{k.removeprefix('Checksum')} {v}" for k, v in writer.info.checksums.items())
             _s3.invalidate_fsspec_cache(path)
-            self._remove_conflicting_last_checkpoints(path)
+            self._remove_conflicting_last_checkpoints(path, fence)
         else:
             _atomic_local_save(torch, checkpoint, path)
             size = os.path.getsize(path)
@@ -362,7 +377,7 @@ class S3CheckpointIO:
         with self._lock:
             self.records.append(record)
 
-    def _remove_conflicting_last_checkpoints(self, path: str) -> None:
+    def _remove_conflicting_last_checkpoints(self, path: str, fence: Any = None) -> None:
         """Keep one ``...step=N-...last.ckpt`` per step: once `path` is durable, remove its older siblings.
 
         NeMo did this *before* uploading, so a failed upload lost both; here it runs only after success.
@@ -375,7 +390,7 @@ class S3CheckpointIO:
         for obj in self.s3.list_objects_with_key_prefix(prefix):
             if obj.url != path and obj.key.endswith("last.ckpt"):
                 logger.info("Removing %s: superseded by %s for the same step", obj.url, path)
-                self.s3.remove_object(obj.url)
+                self.s3.remove_object(obj.url, fence=fence)
 
     # ---- load -----------------------------------------------------------------------------------------------------
 
@@ -446,9 +461,17 @@ class S3CheckpointIO:
                 return
         self._remove_now(path)
 
+    def _fence_for(self, path: str) -> Any:
+        """The `s3_utils.DirectoryFence` of this run on the directory holding `path` (None: fencing off)."""
+        if self._fence_override is not None:
+            return self._fence_override
+        if not self.fencing:
+            return None
+        return _s3.DirectoryFence(self.s3, _urls.s3_url_parent(path), self._run)
+
     def _remove_now(self, path: str) -> None:
         if _urls.is_s3_url(path):
-            self.s3.remove_object(path)
+            self.s3.remove_object(path, fence=self._fence_for(path))
             _s3.invalidate_fsspec_cache(path)
         elif os.path.isdir(path):
             shutil.rmtree(path)

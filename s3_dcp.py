@@ -13,6 +13,9 @@ own ``FileSystemReader`` loads it once the prefix is copied to a local directory
 * ``.metadata`` is the commit marker: the coordinator writes it with one PUT, and only after every rank reported its
   files durable. No copy + delete "rename", no window without ``.metadata`` at the end of a save. Overwriting a
   checkpoint deletes its old ``.metadata`` first, so a half-replaced checkpoint never looks complete;
+* fencing: the coordinator's run owns the directory holding the checkpoint (`s3_utils.DirectoryFence`); every rank
+  checks that it still does before its files complete, and the coordinator before ``.metadata``, so a stale run's
+  save fails with `s3_utils.CheckpointDirectoryTakenError` and overwrites or commits nothing;
 * per-item checksums are recorded at save time in a small JSON object beside ``.metadata`` (written before it), so
   partial and resharded loads verify every byte they use;
 * loads fetch what a rank needs with parallel ranged GETs, adjacent items coalesced into one request;
@@ -204,9 +207,11 @@ def _validate_sizes(chunk_size_MB: float, concurrency: int, concurrency_name: st
 
 @dataclass(frozen=True)
 class _FilePrefix:
-    """The save plan's storage data: the file-name prefix of one rank (``__{rank}_``)."""
+    """The save plan's storage data: the file-name prefix of one rank (``__{rank}_``), and the coordinator's hold on
+    the directory, which the rank checks before its files complete (None: fencing off)."""
 
     prefix: str
+    fence: _s3.FenceToken | None = None
 
 
 @dataclass(frozen=True)
@@ -324,6 +329,7 @@ class _S3StorageWriterImpl(_S3Settings):
         overwrite: bool = True,
         cache_staged_state_dict: bool = False,
         request_options: _s3.S3RequestOptions | dict[str, Any] | None = None,
+        fencing: bool = True,
     ) -> None:
         _validate_sizes(chunk_size_MB, max_write_concurrency, "max_write_concurrency")
         if not isinstance(thread_count, int) or thread_count < 1:
@@ -341,6 +347,8 @@ class _S3StorageWriterImpl(_S3Settings):
         self.rank: int | None = None
         self.is_coordinator = False
         self.use_collectives = True
+        self.fencing = bool(fencing)
+        self._run = _s3.current_run()  # pickled along: DCP's process executor saves as this run
         self._replacing = False
         self._remember_utils(
             _make_utils(
@@ -389,13 +397,19 @@ class _S3StorageWriterImpl(_S3Settings):
         return plan
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-        """Runs once before any rank writes (on the coordinator; on every rank without collectives): refuse an
-        existing checkpoint with ``overwrite=False``, else retire its ``.metadata`` so it reads as incomplete until
-        the new one lands; then give every rank its file prefix."""
-        self._retire_existing_checkpoint()
+        """Runs once before any rank writes (on the coordinator; on every rank without collectives): take the
+        directory over for this run (its first save there), refuse an existing checkpoint with ``overwrite=False``,
+        else retire its ``.metadata`` so it reads as incomplete until the new one lands; then give every rank its
+        file prefix and the hold to check."""
+        fence = self._fence()
+        token = fence.token(self.path) if fence is not None else None
+        self._retire_existing_checkpoint(fence)
+        prefixes = [plan.storage_data or _FilePrefix(f"__{i}_") for i, plan in enumerate(plans)]
         return [
-            dataclasses.replace(plan, storage_data=_FilePrefix(f"__{i}_")) if plan.storage_data is None else plan
-            for i, plan in enumerate(plans)
+            dataclasses.replace(plan, storage_data=dataclasses.replace(prefix, fence=token))
+            if isinstance(prefix, _FilePrefix)
+            else plan
+            for plan, prefix in zip(plans, prefixes, strict=True)
         ]
 
     def write_data(self, plan: Any, planner: Any) -> Any:
@@ -406,13 +420,16 @@ class _S3StorageWriterImpl(_S3Settings):
         prefix: _FilePrefix = plan.storage_data
         buckets = _split_items(self.thread_count, plan.items, types.WriteItemType.BYTE_IO)
         files = [(f"{prefix.prefix}{n}{DCP_SHARD_SUFFIX}", bucket) for n, bucket in enumerate(buckets)]
+        fence = _s3.DirectoryFence.following(self.s3, prefix.fence).once() if prefix.fence is not None else None
         cancelled = threading.Event()
         results: list[Any] = []
         if len(files) == 1:
-            results = self._write_file(files[0][0], files[0][1], planner, cancelled)
+            results = self._write_file(files[0][0], files[0][1], planner, cancelled, fence)
         else:
             with ThreadPoolExecutor(len(files), thread_name_prefix="s3ckpt-dcp-file") as pool:
-                futures = [pool.submit(self._write_file, name, items, planner, cancelled) for name, items in files]
+                futures = [
+                    pool.submit(self._write_file, name, items, planner, cancelled, fence) for name, items in files
+                ]
                 errors = []
                 for future in futures:
                     try:
@@ -448,10 +465,12 @@ class _S3StorageWriterImpl(_S3Settings):
         metadata.storage_meta = self.storage_meta()
         rank = self._metadata_rank()
         record = {"version": _ITEM_RECORD_VERSION, "save_id": self.save_id, "files": files}
-        self._put(item_checksums_name(rank), json.dumps(record, sort_keys=True).encode())
-        self._put(metadata_name(rank), pickle.dumps(metadata))
+        fence = self._fence()
+        checked = fence.once() if fence is not None else None  # one check for the record, .metadata and clean-up
+        self._put(item_checksums_name(rank), json.dumps(record, sort_keys=True).encode(), checked)
+        self._put(metadata_name(rank), pickle.dumps(metadata), checked)
         if self._replacing and rank is None:  # only the coordinator of a collective save knows every file
-            self._remove_stale_shards(set(files))
+            self._remove_stale_shards(set(files), checked)
         self._replacing = False
         _s3.invalidate_fsspec_cache(self.path)  # Lightning's ModelCheckpoint asks s3fs what exists
         logger.info("Committed DCP checkpoint %s (%d files)", _join(self.path, metadata_name(rank)), len(files))
@@ -461,7 +480,15 @@ class _S3StorageWriterImpl(_S3Settings):
     def _metadata_rank(self) -> int | None:
         return self.rank if not self.use_collectives and self.rank is not None else None
 
-    def _retire_existing_checkpoint(self) -> None:
+    def _fence(self) -> _s3.DirectoryFence | None:
+        """This run's fence on the directory holding the checkpoint, on the coordinator (the rank that takes the
+        directory over; the others follow the token in their plan). None: fencing off, or not the coordinator (also
+        every rank but the coordinator of a save without collectives: their files are not fenced)."""
+        if not (self.fencing and self.is_coordinator):
+            return None
+        return _s3.DirectoryFence(self.s3, _urls.s3_url_parent(self.path), self._run)
+
+    def _retire_existing_checkpoint(self, fence: _s3.DirectoryFence | None = None) -> None:
         rank = self._metadata_rank()
         # Without collectives a global .metadata of an earlier save would still be what dcp.load reads first.
         names = [metadata_name(rank)] + ([METADATA_NAME] if rank is not None else [])
@@ -474,13 +501,15 @@ class _S3StorageWriterImpl(_S3Settings):
                 "nothing was written. Save to another path, remove that checkpoint first, or pass overwrite=True."
             )
         logger.warning("Overwriting the DCP checkpoint at %s: its %s is removed first", self.path, ", ".join(existing))
+        checked = fence.once() if fence is not None else None
         for name in existing:
-            self.s3.remove_object(_join(self.path, name))
-            self.s3.remove_object(_join(self.path, item_checksums_name(None if name == METADATA_NAME else rank)))
+            self.s3.remove_object(_join(self.path, name), fence=checked)
+            record = item_checksums_name(None if name == METADATA_NAME else rank)
+            self.s3.remove_object(_join(self.path, record), fence=checked)
         self._replacing = True
         _s3.invalidate_fsspec_cache(self.path)
 
-    def _remove_stale_shards(self, kept: set[str]) -> None:
+    def _remove_stale_shards(self, kept: set[str], fence: Any = None) -> None:
         """After replacing a checkpoint saved by more ranks or threads: delete its shards the new one does not use."""
         prefix = self.path + "/"
         stale = []
@@ -489,7 +518,7 @@ class _S3StorageWriterImpl(_S3Settings):
             if "/" not in name and name.endswith(DCP_SHARD_SUFFIX) and name not in kept:
                 stale.append(obj.url)
         for url in stale:
-            self.s3.remove_object(url)  # and the checksum record this package may keep beside it
+            self.s3.remove_object(url, fence=fence)  # and the checksum record this package may keep beside it
         if stale:
             logger.info(
                 "Removed %d shard(s) of the replaced checkpoint at %s that the new one does not use",
@@ -497,9 +526,13 @@ class _S3StorageWriterImpl(_S3Settings):
                 self.path,
             )
 
-    def _put(self, name: str, body: bytes) -> None:
+    def _put(self, name: str, body: bytes, fence: Any = None) -> None:
         with self.s3.open_writer(
-            _join(self.path, name), max(self.chunk_size_MB, len(body) / _s3.MB + 1), 1, self.checksum_algorithm
+            _join(self.path, name),
+            max(self.chunk_size_MB, len(body) / _s3.MB + 1),
+            1,
+            self.checksum_algorithm,
+            fence=fence,
         ) as writer:
             writer.write(body)
 
@@ -512,11 +545,15 @@ class _S3StorageWriterImpl(_S3Settings):
             f"at {self.path} is incomplete and will not be loaded. Check the store and save again."
         )
 
-    def _write_file(self, name: str, items: list[Any], planner: Any, cancelled: threading.Event) -> list[Any]:
+    def _write_file(
+        self, name: str, items: list[Any], planner: Any, cancelled: threading.Event, fence: Any = None
+    ) -> list[Any]:
         types = _dcp_types()
         url = _join(self.path, name)
         algorithm = _s3.checksum_algorithm(self.checksum_algorithm)
-        raw = self.s3.open_writer(url, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm)
+        raw = self.s3.open_writer(
+            url, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm, fence=fence
+        )
         stream = _ItemStream(raw, cancelled)
         ordered = [i for i in items if i.type == types.WriteItemType.BYTE_IO]
         ordered += [i for i in items if i.type != types.WriteItemType.BYTE_IO]
@@ -540,9 +577,11 @@ class _S3StorageWriterImpl(_S3Settings):
                 raise  # the planner or the caller failed, not the upload
             raise self._upload_error(url, stream.error) from exc
         try:
-            raw.close()  # completes the upload: the file is durable from here on
+            raw.close()  # completes the upload (once the fence allows it): the file is durable from here on
         except BaseException as exc:
             cancelled.set()
+            if isinstance(exc, _s3.CheckpointDirectoryTakenError):
+                raise  # its message says what happened and what to do; the upload was aborted
             raise self._upload_error(url, exc) from exc
         info = raw.info
         assert info is not None
@@ -1331,10 +1370,13 @@ class S3ShardedStrategyMixin:
       last: the checkpoint is complete once it exists). Loads go through `S3StorageReader`.
     * Full (consolidated) checkpoints are one object written by `S3CheckpointIO` on rank 0.
     * Removal deletes the object at the path and everything under ``<path>/`` (never ``<path>-old/...``).
+    * Fencing (``fencing=True``, the default): saves and removals are refused with
+      `s3_utils.CheckpointDirectoryTakenError` once a newer run took the checkpoint directory over; a refusal on
+      rank 0 is raised on every rank.
 
     Lightning (2.4-2.6) would otherwise turn ``s3://bucket/x`` into the local directory ``s3:/bucket/x``.
     Extra keyword arguments (all optional): chunk_size_MB, max_read_concurrency, max_write_concurrency, thread_count,
-    checksum_algorithm, endpoint_url, region_name, client_settings, retry_policy (as `S3CheckpointIO`).
+    checksum_algorithm, endpoint_url, region_name, client_settings, retry_policy, fencing (as `S3CheckpointIO`).
     """
 
     lightning_base: type
@@ -1349,6 +1391,7 @@ class S3ShardedStrategyMixin:
         "region_name": None,
         "client_settings": None,
         "retry_policy": None,
+        "fencing": True,
     }
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -1383,6 +1426,7 @@ class S3ShardedStrategyMixin:
                 checksum_algorithm=o["checksum_algorithm"],
                 client_settings=settings,
                 retry_policy=policy,
+                fencing=o["fencing"],
             )
         return self._s3_io
 
@@ -1397,6 +1441,7 @@ class S3ShardedStrategyMixin:
             checksum_algorithm=o["checksum_algorithm"],
             client_settings=settings,
             retry_policy=policy,
+            fencing=o["fencing"],
         )
 
     def s3_storage_reader(self, path: str) -> Any:
@@ -1436,22 +1481,32 @@ class S3ShardedStrategyMixin:
                 "options to the strategy's constructor"
             )
         url = _checkpoint_url(self.broadcast(_urls.normalize_s3_url(filepath)))  # type: ignore[attr-defined]
+        io = self.s3_checkpoint_io
         if not self._saves_sharded():
-            if self.is_global_zero:  # type: ignore[attr-defined]
-                self._s3().remove_objects_with_prefix(url + "/")  # a sharded checkpoint of the same name
-                self.s3_checkpoint_io.save_checkpoint(checkpoint, url)
-            self.barrier("S3 full checkpoint")  # type: ignore[attr-defined]
+
+            def save_full() -> None:
+                sharded = url + "/"  # a sharded checkpoint of the same name
+                self._s3().remove_objects_with_prefix(sharded, fence=io._fence_for(url))
+                io.save_checkpoint(checkpoint, url)
+
+            self._on_rank_zero(save_full, f"saving {url}")
             return None
         model_key = "model" if self._s3_kind == "fsdp" else "state_dict"
         converted = {model_key: checkpoint.pop("state_dict")}
         converted.update({f"optimizer_{n}": state for n, state in enumerate(checkpoint.pop("optimizer_states", []))})
-        if self.is_global_zero:  # type: ignore[attr-defined]
-            utils = self._s3()
-            utils.remove_object(url)  # a full checkpoint of the same name
-            utils.remove_object(_join(url, METADATA_NAME))  # an older checkpoint here is no longer complete
-            self.s3_checkpoint_io.save_checkpoint(checkpoint, _join(url, LIGHTNING_META_NAME))
-            self.s3_checkpoint_io.wait_for_pending_saves()
-        self.barrier("S3 sharded checkpoint: meta.pt")  # type: ignore[attr-defined]
+
+        def save_meta() -> None:
+            fence = io._fence_for(url)  # the directory holding the checkpoint, checked once for all of this
+            io._fence_override = checked = fence.once() if fence is not None else None
+            try:
+                self._s3().remove_object(url, fence=checked)  # a full checkpoint of the same name
+                self._s3().remove_object(_join(url, METADATA_NAME), fence=checked)  # an older one is now incomplete
+                io.save_checkpoint(checkpoint, _join(url, LIGHTNING_META_NAME))
+                io.wait_for_pending_saves()
+            finally:
+                io._fence_override = None
+
+        self._on_rank_zero(save_meta, f"saving {_join(url, LIGHTNING_META_NAME)}")
         dcp = _s3.import_optional_dependency("torch.distributed.checkpoint", "distributed checkpoints")
         dcp.save(converted, storage_writer=self.s3_storage_writer(url))
         return None
@@ -1473,9 +1528,8 @@ class S3ShardedStrategyMixin:
             return super().remove_checkpoint(filepath)  # type: ignore[misc]
         if self.is_global_zero:  # type: ignore[attr-defined]
             url = _checkpoint_url(filepath)
-            self.s3_checkpoint_io.remove_checkpoint(url)
             self.s3_checkpoint_io.wait_for_pending_saves()
-            self._s3().remove_objects_with_prefix(url)
+            self._s3().remove_objects_with_prefix(url, fence=self.s3_checkpoint_io._fence_for(url))  # url and url/...
             _s3.invalidate_fsspec_cache(url)
         return None
 
@@ -1487,6 +1541,24 @@ class S3ShardedStrategyMixin:
             super().teardown()  # type: ignore[misc]
 
     # ---- internals ------------------------------------------------------------------------------------------------
+
+    def _on_rank_zero(self, work: Callable[[], None], what: str) -> None:
+        """Run `work` on global rank 0 while the other ranks wait, then raise on every rank if it failed (a refused,
+        stale run's `CheckpointDirectoryTakenError` as itself), instead of the others waiting for a rank that left."""
+        error: Exception | None = None
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            try:
+                work()
+            except Exception as exc:
+                error = exc
+        shared = error if isinstance(error, _s3.CheckpointDirectoryTakenError) else repr(error) if error else None
+        shared = self.broadcast(shared)  # type: ignore[attr-defined]
+        if error is not None:
+            raise error
+        if isinstance(shared, BaseException):
+            raise shared
+        if shared is not None:
+            raise RuntimeError(f"Global rank 0 failed while {what}: {shared}")
 
     def _load_sharded_dtensor(self, url: str) -> None:
         """ModelParallelStrategy (FSDP2 / DTensor): what Lightning's ``_load_checkpoint`` does, reading from S3."""

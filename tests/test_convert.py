@@ -246,6 +246,8 @@ def test_torch_file_to_dcp_equals_torch_own_conversion_and_loads(bucket: str, tm
     _utils().upload_file(tmp_path / "last.ckpt", f"s3://{bucket}/run/last.ckpt")
     report = _convert(f"s3://{bucket}/run/last.ckpt", f"s3://{bucket}/run/last-dcp")
     assert report.format == "dcp" and report.tensors == 7 and "CRC-32" in report.verification
+    owner_record = f"s3://{bucket}/run/{s3_utils.OWNER_RECORD_NAME}"
+    assert not _utils().s3_path_exists(owner_record)  # a tool, not a run: it never takes a run's directory over
 
     torch_save_to_dcp(tmp_path / "last.ckpt", tmp_path / "torch-dcp")  # torch's own conversion, locally
     dcp_to_torch_save(tmp_path / "torch-dcp", tmp_path / "reference.pt")
