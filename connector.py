@@ -1219,6 +1219,7 @@ _S3_CONFIG_TO_IO_KWARGS = {
     "region_name": "region_name",
     "request_options": "request_options",  # a mapping of s3_utils.S3RequestOptions fields (S3's parameter names)
     "load_sharing": "load_sharing",
+    "fencing": "fencing",  # false: no owner record, a stale run is not refused (README: "One run per ...")
     "max_requests_per_second": "max_requests_per_second",  # a number, or {write: .., read: ..}: the whole job's
 }
 # NeMoModelCheckpoint-only keys of checkpoint_callback_params: accepted, logged, not used.
@@ -1281,7 +1282,8 @@ def build_s3_checkpointing(
     the ``exp_manager`` node itself with ``s3_checkpointing`` inside it. As in NeMo, a ``filename`` makes the last
     checkpoint ``{filename}-last``. NeMoModelCheckpoint-only keys (``save_nemo_on_train_end``...) are ignored with
     a warning.
-    ``s3_checkpointing.load_sharing`` (``"node"``, ``"job"`` or ``"rank"``) says who downloads on a resume, and
+    ``s3_checkpointing.load_sharing`` (``"node"``, ``"job"`` or ``"rank"``) says who downloads on a resume;
+    ``s3_checkpointing.fencing: false`` turns off the refusal of a stale run's saves and removals, and
     ``s3_checkpointing.max_requests_per_second`` (a number, or ``{write: .., read: ..}``) caps the job's S3 requests.
     """
     top = _as_dict(cfg, "cfg")

@@ -1014,6 +1014,22 @@ class _RangedS3File(io.RawIOBase):
         return count
 
 
+def _record_bytes(archive: zipfile.ZipFile, stream: Any, record: zipfile.ZipInfo) -> bytes:
+    """A small record's bytes, CRC-32 checked by zipfile where the archive records one. A CRC-32 of 0 on a stored
+    record means the archive was saved without them (``compute_crc32=False``, as this package's S3 saves write:
+    the object's own checksum covers it), which zipfile's reader would refuse: that record is read by its offset."""
+    if record.CRC or record.compress_type != zipfile.ZIP_STORED:
+        return archive.read(record)
+    start = _dcp._record_start(stream, record)
+    if start is None:
+        raise zipfile.BadZipFile(f"no local header for {record.filename}")
+    stream.seek(start)
+    data = stream.read(record.file_size)
+    if len(data) != record.file_size:
+        raise zipfile.BadZipFile(f"{record.filename} is cut short")
+    return data
+
+
 class _TorchFileSource:
     """One ``torch.save`` zip archive, loaded lazily: its pickle on the meta device (no tensor bytes read), each
     storage read when asked for and checked against the CRC-32 recorded for its record."""
@@ -1036,10 +1052,11 @@ class _TorchFileSource:
                 pickles = [r for r in records if r.filename.endswith("/data.pkl") and r.filename.count("/") == 1]
                 if len(pickles) != 1:
                     raise zipfile.BadZipFile("no data.pkl record")
-                archive.read(pickles[0])  # zipfile checks its CRC-32
+                _record_bytes(archive, self._file, pickles[0])  # its CRC-32 checked, where one was recorded
                 order = [r for r in records if r.filename.endswith("/byteorder") and r.filename.count("/") == 1]
-                if order and archive.read(order[0]).decode() != sys.byteorder:
-                    raise ValueError(f"{location} was saved on a {archive.read(order[0]).decode()}-endian machine")
+                saved_order = _record_bytes(archive, self._file, order[0]).decode() if order else sys.byteorder
+                if saved_order != sys.byteorder:
+                    raise ValueError(f"{location} was saved on a {saved_order}-endian machine")
         except zipfile.BadZipFile as exc:
             self.close()
             if "CRC" in str(exc):
@@ -1209,6 +1226,7 @@ def _torch_file_to_dcp(
                         max_write_concurrency=options.write_concurrency,
                         checksum_algorithm=options.checksum_algorithm,
                         overwrite=overwrite,
+                        fencing=False,  # a tool, not a run: it must not take a training run's directory over
                     )
                     dcp.save(source.state, storage_writer=writer, planner=planner, no_dist=True)
                     size = sum(info.size for info in s3.list_objects(destination))

@@ -9,6 +9,8 @@ module holds the torch side of checkpointing; everything that talks to S3 is in 
   tensors use the downloaded pages; bytes that are not a torch checkpoint raise `NotACheckpointError`;
 * async saves: tensors are snapshotted to host memory (`snapshot_to_host`), uploaded in the background, and a
   removal waits until every save issued before it is durable; background failures are raised at the next call;
+* fencing: saves and removals in an ``s3://`` directory go through an `s3_utils.DirectoryFence`, so a stale run
+  (an older job still writing where a newer one took over) gets `CheckpointDirectoryTakenError` and changes nothing;
 * `register_with_lightning`: the class is a ``CheckpointIO`` of every installed Lightning family (``lightning`` and
   ``pytorch_lightning``), so both Trainers accept it; torch and Lightning are imported on first use.
 
@@ -20,7 +22,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import functools
 import hashlib
+import inspect
+import io
 import json
 import logging
 import math
@@ -54,6 +59,7 @@ else:  # installed (or copied) as top-level modules
 
 __all__ = [
     "LOAD_SHARING_MODES",
+    "CheckpointDirectoryTakenError",
     "NotACheckpointError",
     "S3CheckpointIO",
     "SharedLoadError",
@@ -61,10 +67,13 @@ __all__ = [
     "collective_resume",
     "register_with_lightning",
     "snapshot_to_host",
+    "torch_save_without_zip_crc32",
 ]
 __version__ = _s3.__version__
 
 logger = logging.getLogger(__name__)
+
+CheckpointDirectoryTakenError = _s3.CheckpointDirectoryTakenError
 
 _LIGHTNING_CHECKPOINT_IO_BASES = (
     "lightning.fabric.plugins.io.checkpoint_io",
@@ -177,6 +186,10 @@ class S3CheckpointIO:
             the connector, or `collective_load`): ``"node"`` (default) one rank per node, the others map its pages;
             ``"job"`` global rank 0 only, the bytes travel over the process group; ``"rank"`` every rank. A load
             on one rank alone always downloads on that rank. See the "Load sharing" block below.
+        fencing: one run owns an ``s3://`` checkpoint directory (a checkpoint's parent): the run's first save there
+            takes it over, and a save or removal of a run that another (newer) run took it over from raises
+            `CheckpointDirectoryTakenError` and changes nothing. One small request (a HEAD) per save and removal.
+            False: no owner record, no check (README.md, "One run per checkpoint directory").
         max_requests_per_second: a budget of S3 requests per second for the whole job, split across its processes
             by world size: one number for writes and reads each, or ``{"write": 3000, "read": 5000}`` (see
             `s3_utils.RequestRates`). None (default): no budget; the process's request pacer still slows down from
@@ -204,6 +217,7 @@ class S3CheckpointIO:
         s3_utils: _s3.S3Utils | None = None,
         request_options: _s3.S3RequestOptions | Mapping[str, Any] | None = None,
         load_sharing: str = "node",
+        fencing: bool = True,
         max_requests_per_second: float | Mapping[str, float] | _s3.RequestRates | None = None,
     ) -> None:
         lightning_agent = _lightning_user_agent()  # before registering, which imports every installed family
@@ -239,6 +253,9 @@ class S3CheckpointIO:
         if load_sharing not in LOAD_SHARING_MODES:
             raise ValueError(f"load_sharing must be one of {LOAD_SHARING_MODES}, got {load_sharing!r}")
         self.load_sharing = load_sharing
+        self.fencing = bool(fencing)
+        self._run = _s3.current_run()  # pickled along: a spawned copy of this plugin is the same run
+        self._fence_override: Any = None  # s3_dcp's sharded strategy: one fence for meta.pt and its removals
         self._collective: _CollectiveLoad | None = None
         self.dirpath = _urls.as_path_or_s3_url(dirpath) if dirpath is not None else None
         self.chunk_size_MB = chunk_size_MB
@@ -285,7 +302,7 @@ class S3CheckpointIO:
             if self._pending or self._deferred:
                 raise RuntimeError("cannot pickle S3CheckpointIO while background saves are pending; call teardown()")
         state = self.__dict__.copy()
-        for live in ("_lock", "_executor", "_pending", "_deferred", "_errors", "records"):
+        for live in ("_lock", "_executor", "_pending", "_deferred", "_errors", "records", "_fence_override"):
             del state[live]
         state["s3"] = (self.s3.settings, self.s3.retry_policy)
         return state
@@ -300,6 +317,7 @@ class S3CheckpointIO:
         self._deferred = []
         self._errors = []
         self.records = deque(maxlen=_RECORDS_KEPT)
+        self._fence_override = None
 
     # ---- save -----------------------------------------------------------------------------------------------------
 
@@ -338,11 +356,12 @@ class S3CheckpointIO:
         started = time.perf_counter()
         checksum = None
         if _urls.is_s3_url(path):
+            fence = self._fence_for(path)
             with self.s3.open_writer(
-                path, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm
+                path, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm, fence=fence
             ) as writer:
                 try:
-                    torch.save(checkpoint, writer)
+                    torch_save_without_zip_crc32(checkpoint, writer)  # the writer's CRC covers every byte
                 except Exception as exc:
                     # torch.save turns a failed write into its own RuntimeError without the URL: raise the S3 error
                     if writer.error is not None and writer.error is not exc:
@@ -352,7 +371,7 @@ class S3CheckpointIO:
             if writer.info and writer.info.checksums:
                 checksum = " ".join(f"{k.removeprefix('Checksum')} {v}" for k, v in writer.info.checksums.items())
             _s3.invalidate_fsspec_cache(path)
-            self._remove_conflicting_last_checkpoints(path)
+            self._remove_conflicting_last_checkpoints(path, fence)
         else:
             _atomic_local_save(torch, checkpoint, path)
             size = os.path.getsize(path)
@@ -370,7 +389,7 @@ class S3CheckpointIO:
         with self._lock:
             self.records.append(record)
 
-    def _remove_conflicting_last_checkpoints(self, path: str) -> None:
+    def _remove_conflicting_last_checkpoints(self, path: str, fence: Any = None) -> None:
         """Keep one ``...step=N-...last.ckpt`` per step: once `path` is durable, remove its older siblings.
 
         NeMo did this *before* uploading, so a failed upload lost both; here it runs only after success.
@@ -383,7 +402,7 @@ class S3CheckpointIO:
         for obj in self.s3.list_objects_with_key_prefix(prefix):
             if obj.url != path and obj.key.endswith("last.ckpt"):
                 logger.info("Removing %s: superseded by %s for the same step", obj.url, path)
-                self.s3.remove_object(obj.url)
+                self.s3.remove_object(obj.url, fence=fence)
 
     # ---- load -----------------------------------------------------------------------------------------------------
 
@@ -454,9 +473,17 @@ class S3CheckpointIO:
                 return
         self._remove_now(path)
 
+    def _fence_for(self, path: str) -> Any:
+        """The `s3_utils.DirectoryFence` of this run on the directory holding `path` (None: fencing off)."""
+        if self._fence_override is not None:
+            return self._fence_override
+        if not self.fencing:
+            return None
+        return _s3.DirectoryFence(self.s3, _urls.s3_url_parent(path), self._run)
+
     def _remove_now(self, path: str) -> None:
         if _urls.is_s3_url(path):
-            self.s3.remove_object(path)
+            self.s3.remove_object(path, fence=self._fence_for(path))
             _s3.invalidate_fsspec_cache(path)
         elif os.path.isdir(path):
             shutil.rmtree(path)
@@ -561,6 +588,54 @@ def snapshot_to_host(obj: Any) -> Any:
         return value
 
     return copy_of(obj)
+
+
+_TORCH_SAVE_PARAMETERS = ("obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record")
+"""``torch.serialization._save``'s parameters, the ones `torch_save_without_zip_crc32` passes (torch 2.4 to 2.13)."""
+
+
+@functools.cache
+def _zip_writer_without_crc32() -> bool:
+    """Whether this torch has the private pieces `torch_save_without_zip_crc32` builds on, as it expects them."""
+    torch = _torch()
+    serialization = torch.serialization
+    try:
+        parameters = tuple(inspect.signature(serialization._save).parameters)
+        torch._C.PyTorchFileWriter(io.BytesIO(), False, serialization._get_storage_alignment())
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return parameters == _TORCH_SAVE_PARAMETERS
+
+
+def torch_save_without_zip_crc32(obj: Any, stream: Any) -> None:
+    """``torch.save(obj, stream)`` into a torch zip archive whose records carry no CRC32, for streams this package
+    checksums itself (the S3 writer's full-object CRC, s3_dcp's per-item CRC).
+
+    torch computes a CRC32 over every byte it saves, about a quarter of a save's client CPU, and nothing in torch
+    checks it on load. ``torch.serialization.set_crc32_options(False)`` would skip it, but it sets a process-wide flag
+    that every other thread's ``torch.save`` reads at that moment. This builds torch's own archive writer with
+    ``compute_crc32=False`` instead (the constructor and ``torch.serialization._save`` that ``torch.save`` itself
+    uses), so only this archive is affected. The archive is otherwise the same: ``torch.load`` (``mmap`` and
+    ``weights_only`` included) and DCP's ``FileSystemReader`` read it as usual; zip tools that check record CRCs
+    (``unzip -t``, Python's ``zipfile`` reading a record) report them as wrong. Where this torch's private pieces
+    differ (tests/test_private_surface.py pins them), it is plain ``torch.save``.
+    """
+    torch = _torch()
+    if not _zip_writer_without_crc32():
+        torch.save(obj, stream)
+        return
+    serialization = torch.serialization
+    archive = torch._C.PyTorchFileWriter(stream, False, serialization._get_storage_alignment())
+    try:
+        serialization._save(obj, archive, pickle, serialization.DEFAULT_PROTOCOL, False)
+    except BaseException:
+        # Finalise the archive now, as torch.save does on the way out: its destructor would otherwise write the end
+        # of the archive later, into a stream that may be closed by then, and a C++ error there aborts the process.
+        with contextlib.suppress(Exception):
+            archive.write_end_of_file()
+        raise
+    archive.write_end_of_file()
+    stream.flush()
 
 
 def _atomic_local_save(torch: Any, checkpoint: dict[str, Any], path: str) -> None:

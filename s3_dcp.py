@@ -13,6 +13,9 @@ own ``FileSystemReader`` loads it once the prefix is copied to a local directory
 * ``.metadata`` is the commit marker: the coordinator writes it with one PUT, and only after every rank reported its
   files durable. No copy + delete "rename", no window without ``.metadata`` at the end of a save. Overwriting a
   checkpoint deletes its old ``.metadata`` first, so a half-replaced checkpoint never looks complete;
+* fencing: the coordinator's run owns the directory holding the checkpoint (`s3_utils.DirectoryFence`); every rank
+  checks that it still does before its files complete, and the coordinator before ``.metadata``, so a stale run's
+  save fails with `s3_utils.CheckpointDirectoryTakenError` and overwrites or commits nothing;
 * per-item checksums are recorded at save time in a small JSON object beside ``.metadata`` (written before it), so
   partial and resharded loads verify every byte they use;
 * loads fetch what a rank needs with parallel ranged GETs, adjacent items coalesced into one request;
@@ -212,9 +215,11 @@ def _validate_sizes(chunk_size_MB: float, concurrency: int, concurrency_name: st
 
 @dataclass(frozen=True)
 class _FilePrefix:
-    """The save plan's storage data: the file-name prefix of one rank (``__{rank}_``)."""
+    """The save plan's storage data: the file-name prefix of one rank (``__{rank}_``), and the coordinator's hold on
+    the directory, which the rank checks before its files complete (None: fencing off)."""
 
     prefix: str
+    fence: _s3.FenceToken | None = None
 
 
 @dataclass(frozen=True)
@@ -241,17 +246,16 @@ class _SaveCancelledError(RuntimeError):
 
 
 class _ItemStream(io.RawIOBase):
-    """The stream ``torch.save`` writes an item into: forwards to the multipart writer, counts the offset (DCP records
-    it) and checksums each item on the way."""
+    """The stream ``torch.save`` writes an item into: forwards to the multipart writer and counts the offset (DCP
+    records it). Each item's start and end are marked as checksum boundaries, so the item's checksum comes from the
+    checksums the upload computes anyway (`S3MultipartWriter.checksum_of`): one checksum pass per byte."""
 
-    def __init__(self, raw: _s3.S3MultipartWriter, algorithm: Any, cancelled: threading.Event) -> None:
+    def __init__(self, raw: _s3.S3MultipartWriter, cancelled: threading.Event) -> None:
         super().__init__()
         self._raw = raw
-        self._algorithm = algorithm
         self._cancelled = cancelled
         self._position = 0
         self._item_start = 0
-        self._item_checksum = 0
         self.error: BaseException | None = None
 
     def writable(self) -> bool:
@@ -261,20 +265,19 @@ class _ItemStream(io.RawIOBase):
         return self._position
 
     def begin_item(self) -> None:
-        self._item_start, self._item_checksum = self._position, 0
+        self._raw.mark_checksum_boundary()
+        self._item_start = self._position
 
-    def end_item(self) -> tuple[int, int, int]:
-        """``(offset, length, checksum)`` of the bytes written since `begin_item`."""
-        return self._item_start, self._position - self._item_start, self._item_checksum
+    def end_item(self) -> tuple[int, int]:
+        """``(offset, length)`` of the bytes written since `begin_item`."""
+        self._raw.mark_checksum_boundary()
+        return self._item_start, self._position - self._item_start
 
     def write(self, data: Any) -> int:
         try:
             if self._cancelled.is_set():
                 raise _SaveCancelledError(f"save of {self._raw.url} stopped: another file of this rank failed")
-            view = memoryview(data).cast("B")
-            for start in range(0, len(view), 64 * _s3.MB):
-                self._item_checksum = self._algorithm.update(view[start : start + 64 * _s3.MB], self._item_checksum)
-            written = self._raw.write(view)
+            written = self._raw.write(data)
             self._position += written
             return written
         except BaseException as exc:
@@ -334,6 +337,7 @@ class _S3StorageWriterImpl(_S3Settings):
         overwrite: bool = True,
         cache_staged_state_dict: bool = False,
         request_options: _s3.S3RequestOptions | dict[str, Any] | None = None,
+        fencing: bool = True,
         max_requests_per_second: float | dict[str, float] | _s3.RequestRates | None = None,
     ) -> None:
         _validate_sizes(chunk_size_MB, max_write_concurrency, "max_write_concurrency")
@@ -352,6 +356,8 @@ class _S3StorageWriterImpl(_S3Settings):
         self.rank: int | None = None
         self.is_coordinator = False
         self.use_collectives = True
+        self.fencing = bool(fencing)
+        self._run = _s3.current_run()  # pickled along: DCP's process executor saves as this run
         self._replacing = False
         self._remember_utils(
             _make_utils(
@@ -401,13 +407,19 @@ class _S3StorageWriterImpl(_S3Settings):
         return plan
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-        """Runs once before any rank writes (on the coordinator; on every rank without collectives): refuse an
-        existing checkpoint with ``overwrite=False``, else retire its ``.metadata`` so it reads as incomplete until
-        the new one lands; then give every rank its file prefix."""
-        self._retire_existing_checkpoint()
+        """Runs once before any rank writes (on the coordinator; on every rank without collectives): take the
+        directory over for this run (its first save there), refuse an existing checkpoint with ``overwrite=False``,
+        else retire its ``.metadata`` so it reads as incomplete until the new one lands; then give every rank its
+        file prefix and the hold to check."""
+        fence = self._fence()
+        token = fence.token(self.path) if fence is not None else None
+        self._retire_existing_checkpoint(fence)
+        prefixes = [plan.storage_data or _FilePrefix(f"__{i}_") for i, plan in enumerate(plans)]
         return [
-            dataclasses.replace(plan, storage_data=_FilePrefix(f"__{i}_")) if plan.storage_data is None else plan
-            for i, plan in enumerate(plans)
+            dataclasses.replace(plan, storage_data=dataclasses.replace(prefix, fence=token))
+            if isinstance(prefix, _FilePrefix)
+            else plan
+            for plan, prefix in zip(plans, prefixes, strict=True)
         ]
 
     def write_data(self, plan: Any, planner: Any) -> Any:
@@ -418,13 +430,16 @@ class _S3StorageWriterImpl(_S3Settings):
         prefix: _FilePrefix = plan.storage_data
         buckets = _split_items(self.thread_count, plan.items, types.WriteItemType.BYTE_IO)
         files = [(f"{prefix.prefix}{n}{DCP_SHARD_SUFFIX}", bucket) for n, bucket in enumerate(buckets)]
+        fence = _s3.DirectoryFence.following(self.s3, prefix.fence).once() if prefix.fence is not None else None
         cancelled = threading.Event()
         results: list[Any] = []
         if len(files) == 1:
-            results = self._write_file(files[0][0], files[0][1], planner, cancelled)
+            results = self._write_file(files[0][0], files[0][1], planner, cancelled, fence)
         else:
             with ThreadPoolExecutor(len(files), thread_name_prefix="s3ckpt-dcp-file") as pool:
-                futures = [pool.submit(self._write_file, name, items, planner, cancelled) for name, items in files]
+                futures = [
+                    pool.submit(self._write_file, name, items, planner, cancelled, fence) for name, items in files
+                ]
                 errors = []
                 for future in futures:
                     try:
@@ -460,10 +475,12 @@ class _S3StorageWriterImpl(_S3Settings):
         metadata.storage_meta = self.storage_meta()
         rank = self._metadata_rank()
         record = {"version": _ITEM_RECORD_VERSION, "save_id": self.save_id, "files": files}
-        self._put(item_checksums_name(rank), json.dumps(record, sort_keys=True).encode())
-        self._put(metadata_name(rank), pickle.dumps(metadata))
+        fence = self._fence()
+        checked = fence.once() if fence is not None else None  # one check for the record, .metadata and clean-up
+        self._put(item_checksums_name(rank), json.dumps(record, sort_keys=True).encode(), checked)
+        self._put(metadata_name(rank), pickle.dumps(metadata), checked)
         if self._replacing and rank is None:  # only the coordinator of a collective save knows every file
-            self._remove_stale_shards(set(files))
+            self._remove_stale_shards(set(files), checked)
         self._replacing = False
         _s3.invalidate_fsspec_cache(self.path)  # Lightning's ModelCheckpoint asks s3fs what exists
         logger.info("Committed DCP checkpoint %s (%d files)", _join(self.path, metadata_name(rank)), len(files))
@@ -473,7 +490,15 @@ class _S3StorageWriterImpl(_S3Settings):
     def _metadata_rank(self) -> int | None:
         return self.rank if not self.use_collectives and self.rank is not None else None
 
-    def _retire_existing_checkpoint(self) -> None:
+    def _fence(self) -> _s3.DirectoryFence | None:
+        """This run's fence on the directory holding the checkpoint, on the coordinator (the rank that takes the
+        directory over; the others follow the token in their plan). None: fencing off, or not the coordinator (also
+        every rank but the coordinator of a save without collectives: their files are not fenced)."""
+        if not (self.fencing and self.is_coordinator):
+            return None
+        return _s3.DirectoryFence(self.s3, _urls.s3_url_parent(self.path), self._run)
+
+    def _retire_existing_checkpoint(self, fence: _s3.DirectoryFence | None = None) -> None:
         rank = self._metadata_rank()
         # Without collectives a global .metadata of an earlier save would still be what dcp.load reads first.
         names = [metadata_name(rank)] + ([METADATA_NAME] if rank is not None else [])
@@ -486,13 +511,15 @@ class _S3StorageWriterImpl(_S3Settings):
                 "nothing was written. Save to another path, remove that checkpoint first, or pass overwrite=True."
             )
         logger.warning("Overwriting the DCP checkpoint at %s: its %s is removed first", self.path, ", ".join(existing))
+        checked = fence.once() if fence is not None else None
         for name in existing:
-            self.s3.remove_object(_join(self.path, name))
-            self.s3.remove_object(_join(self.path, item_checksums_name(None if name == METADATA_NAME else rank)))
+            self.s3.remove_object(_join(self.path, name), fence=checked)
+            record = item_checksums_name(None if name == METADATA_NAME else rank)
+            self.s3.remove_object(_join(self.path, record), fence=checked)
         self._replacing = True
         _s3.invalidate_fsspec_cache(self.path)
 
-    def _remove_stale_shards(self, kept: set[str]) -> None:
+    def _remove_stale_shards(self, kept: set[str], fence: Any = None) -> None:
         """After replacing a checkpoint saved by more ranks or threads: delete its shards the new one does not use."""
         prefix = self.path + "/"
         stale = []
@@ -501,7 +528,7 @@ class _S3StorageWriterImpl(_S3Settings):
             if "/" not in name and name.endswith(DCP_SHARD_SUFFIX) and name not in kept:
                 stale.append(obj.url)
         for url in stale:
-            self.s3.remove_object(url)  # and the checksum record this package may keep beside it
+            self.s3.remove_object(url, fence=fence)  # and the checksum record this package may keep beside it
         if stale:
             logger.info(
                 "Removed %d shard(s) of the replaced checkpoint at %s that the new one does not use",
@@ -509,9 +536,13 @@ class _S3StorageWriterImpl(_S3Settings):
                 self.path,
             )
 
-    def _put(self, name: str, body: bytes) -> None:
+    def _put(self, name: str, body: bytes, fence: Any = None) -> None:
         with self.s3.open_writer(
-            _join(self.path, name), max(self.chunk_size_MB, len(body) / _s3.MB + 1), 1, self.checksum_algorithm
+            _join(self.path, name),
+            max(self.chunk_size_MB, len(body) / _s3.MB + 1),
+            1,
+            self.checksum_algorithm,
+            fence=fence,
         ) as writer:
             writer.write(body)
 
@@ -524,16 +555,19 @@ class _S3StorageWriterImpl(_S3Settings):
             f"at {self.path} is incomplete and will not be loaded. Check the store and save again."
         )
 
-    def _write_file(self, name: str, items: list[Any], planner: Any, cancelled: threading.Event) -> list[Any]:
-        torch = _torch()
+    def _write_file(
+        self, name: str, items: list[Any], planner: Any, cancelled: threading.Event, fence: Any = None
+    ) -> list[Any]:
         types = _dcp_types()
         url = _join(self.path, name)
         algorithm = _s3.checksum_algorithm(self.checksum_algorithm)
-        raw = self.s3.open_writer(url, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm)
-        stream = _ItemStream(raw, algorithm, cancelled)
+        raw = self.s3.open_writer(
+            url, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm, fence=fence
+        )
+        stream = _ItemStream(raw, cancelled)
         ordered = [i for i in items if i.type == types.WriteItemType.BYTE_IO]
         ordered += [i for i in items if i.type != types.WriteItemType.BYTE_IO]
-        written: list[tuple[Any, int, int, int]] = []
+        written: list[tuple[Any, int, int]] = []
         try:
             for item in ordered:
                 data = planner.resolve_data(item)
@@ -544,7 +578,7 @@ class _S3StorageWriterImpl(_S3Settings):
                     tensor = data.detach().cpu()
                     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
                         tensor = tensor.clone()  # a view: save its elements only, not the storage behind it
-                    torch.save(tensor, stream)
+                    _ckpt_io.torch_save_without_zip_crc32(tensor, stream)
                 written.append((item, *stream.end_item()))
         except BaseException as exc:
             raw.abort()
@@ -553,9 +587,11 @@ class _S3StorageWriterImpl(_S3Settings):
                 raise  # the planner or the caller failed, not the upload
             raise self._upload_error(url, stream.error) from exc
         try:
-            raw.close()  # completes the upload: the file is durable from here on
+            raw.close()  # completes the upload (once the fence allows it): the file is durable from here on
         except BaseException as exc:
             cancelled.set()
+            if isinstance(exc, _s3.CheckpointDirectoryTakenError):
+                raise  # its message says what happened and what to do; the upload was aborted
             raise self._upload_error(url, exc) from exc
         info = raw.info
         assert info is not None
@@ -564,9 +600,14 @@ class _S3StorageWriterImpl(_S3Settings):
             types.WriteResult(
                 index=item.index,
                 size_in_bytes=length,
-                storage_data=_ItemRecord(types.StorageInfo(name, offset, length), checksum, algorithm.name, obj),
+                storage_data=_ItemRecord(
+                    types.StorageInfo(name, offset, length),
+                    raw.checksum_of(offset, offset + length),  # from the upload's own pass: none of our own
+                    algorithm.name,
+                    obj,
+                ),
             )
-            for item, offset, length, checksum in written
+            for item, offset, length in written
         ]
 
 
@@ -701,32 +742,48 @@ class _TensorLayout:
     meta: Any
 
 
+def _record_start(stream: io.RawIOBase, record: zipfile.ZipInfo) -> int | None:
+    """Where a stored zip record's bytes start (after its local header), or None if no local header is there."""
+    stream.seek(record.header_offset)
+    header = stream.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        return None
+    name_length, extra_length = struct.unpack_from("<HH", header, 26)
+    return record.header_offset + 30 + name_length + extra_length
+
+
 def _tensor_layout(stream: io.RawIOBase) -> _TensorLayout | None:
     """Read the layout of one ``torch.save``'d tensor from its archive's framing alone; None when the item is not a
-    single uncompressed storage in this machine's byte order (the caller then lets ``torch.load`` read it)."""
+    single uncompressed storage in this machine's byte order (the caller then lets ``torch.load`` read it).
+
+    Records are read by offset, not through ``zipfile``'s reader: archives written without zip CRCs
+    (`s3_checkpoint_io.torch_save_without_zip_crc32`; the item checksum covers their bytes) would fail its check."""
     torch = _torch()
     try:
         with zipfile.ZipFile(stream) as archive:
             records = archive.infolist()
-            storages = [r for r in records if r.filename.count("/") == 2 and r.filename.split("/")[1] == "data"]
-            order = [r for r in records if r.filename.endswith("/byteorder")]
-            if len(storages) != 1 or storages[0].compress_type != zipfile.ZIP_STORED:
+        storages = [r for r in records if r.filename.count("/") == 2 and r.filename.split("/")[1] == "data"]
+        order = [r for r in records if r.filename.endswith("/byteorder")]
+        if len(storages) != 1 or storages[0].compress_type != zipfile.ZIP_STORED:
+            return None
+        if order:
+            order_start = _record_start(stream, order[0])
+            if order_start is None or order[0].compress_type != zipfile.ZIP_STORED:
                 return None
-            if order and archive.read(order[0]) != sys.byteorder.encode():
+            stream.seek(order_start)
+            if stream.read(order[0].file_size) != sys.byteorder.encode():
                 return None
         record = storages[0]
-        stream.seek(record.header_offset)
-        header = stream.read(30)
-        if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        start = _record_start(stream, record)
+        if start is None:
             return None
-        name_length, extra_length = struct.unpack_from("<HH", header, 26)
         stream.seek(0)
         meta = torch.load(stream, map_location="meta", weights_only=True)
     except Exception:  # whatever this is, torch.load on the whole item reports it properly
         return None
     if type(meta) is not torch.Tensor or meta.untyped_storage().nbytes() != record.file_size:
         return None
-    return _TensorLayout(record.header_offset + 30 + name_length + extra_length, record.file_size, meta)
+    return _TensorLayout(start, record.file_size, meta)
 
 
 def _decode_tensor(data: memoryview) -> Any:
@@ -1325,11 +1382,14 @@ class S3ShardedStrategyMixin:
       last: the checkpoint is complete once it exists). Loads go through `S3StorageReader`.
     * Full (consolidated) checkpoints are one object written by `S3CheckpointIO` on rank 0.
     * Removal deletes the object at the path and everything under ``<path>/`` (never ``<path>-old/...``).
+    * Fencing (``fencing=True``, the default): saves and removals are refused with
+      `s3_utils.CheckpointDirectoryTakenError` once a newer run took the checkpoint directory over; a refusal on
+      rank 0 is raised on every rank.
 
     Lightning (2.4-2.6) would otherwise turn ``s3://bucket/x`` into the local directory ``s3:/bucket/x``.
     Extra keyword arguments (all optional): chunk_size_MB, max_read_concurrency, max_write_concurrency, thread_count,
-    checksum_algorithm, endpoint_url, region_name, client_settings, retry_policy, max_requests_per_second (as
-    `S3CheckpointIO`).
+    checksum_algorithm, endpoint_url, region_name, client_settings, retry_policy, fencing, max_requests_per_second
+    (as `S3CheckpointIO`).
     """
 
     lightning_base: type
@@ -1344,6 +1404,7 @@ class S3ShardedStrategyMixin:
         "region_name": None,
         "client_settings": None,
         "retry_policy": None,
+        "fencing": True,
         "max_requests_per_second": None,
     }
 
@@ -1382,6 +1443,7 @@ class S3ShardedStrategyMixin:
                 checksum_algorithm=o["checksum_algorithm"],
                 client_settings=settings,
                 retry_policy=policy,
+                fencing=o["fencing"],
             )
         return self._s3_io
 
@@ -1396,6 +1458,7 @@ class S3ShardedStrategyMixin:
             checksum_algorithm=o["checksum_algorithm"],
             client_settings=settings,
             retry_policy=policy,
+            fencing=o["fencing"],
         )
 
     def s3_storage_reader(self, path: str) -> Any:
@@ -1435,22 +1498,32 @@ class S3ShardedStrategyMixin:
                 "options to the strategy's constructor"
             )
         url = _checkpoint_url(self.broadcast(_urls.normalize_s3_url(filepath)))  # type: ignore[attr-defined]
+        io = self.s3_checkpoint_io
         if not self._saves_sharded():
-            if self.is_global_zero:  # type: ignore[attr-defined]
-                self._s3().remove_objects_with_prefix(url + "/")  # a sharded checkpoint of the same name
-                self.s3_checkpoint_io.save_checkpoint(checkpoint, url)
-            self.barrier("S3 full checkpoint")  # type: ignore[attr-defined]
+
+            def save_full() -> None:
+                sharded = url + "/"  # a sharded checkpoint of the same name
+                self._s3().remove_objects_with_prefix(sharded, fence=io._fence_for(url))
+                io.save_checkpoint(checkpoint, url)
+
+            self._on_rank_zero(save_full, f"saving {url}")
             return None
         model_key = "model" if self._s3_kind == "fsdp" else "state_dict"
         converted = {model_key: checkpoint.pop("state_dict")}
         converted.update({f"optimizer_{n}": state for n, state in enumerate(checkpoint.pop("optimizer_states", []))})
-        if self.is_global_zero:  # type: ignore[attr-defined]
-            utils = self._s3()
-            utils.remove_object(url)  # a full checkpoint of the same name
-            utils.remove_object(_join(url, METADATA_NAME))  # an older checkpoint here is no longer complete
-            self.s3_checkpoint_io.save_checkpoint(checkpoint, _join(url, LIGHTNING_META_NAME))
-            self.s3_checkpoint_io.wait_for_pending_saves()
-        self.barrier("S3 sharded checkpoint: meta.pt")  # type: ignore[attr-defined]
+
+        def save_meta() -> None:
+            fence = io._fence_for(url)  # the directory holding the checkpoint, checked once for all of this
+            io._fence_override = checked = fence.once() if fence is not None else None
+            try:
+                self._s3().remove_object(url, fence=checked)  # a full checkpoint of the same name
+                self._s3().remove_object(_join(url, METADATA_NAME), fence=checked)  # an older one is now incomplete
+                io.save_checkpoint(checkpoint, _join(url, LIGHTNING_META_NAME))
+                io.wait_for_pending_saves()
+            finally:
+                io._fence_override = None
+
+        self._on_rank_zero(save_meta, f"saving {_join(url, LIGHTNING_META_NAME)}")
         dcp = _s3.import_optional_dependency("torch.distributed.checkpoint", "distributed checkpoints")
         dcp.save(converted, storage_writer=self.s3_storage_writer(url))
         return None
@@ -1472,9 +1545,8 @@ class S3ShardedStrategyMixin:
             return super().remove_checkpoint(filepath)  # type: ignore[misc]
         if self.is_global_zero:  # type: ignore[attr-defined]
             url = _checkpoint_url(filepath)
-            self.s3_checkpoint_io.remove_checkpoint(url)
             self.s3_checkpoint_io.wait_for_pending_saves()
-            self._s3().remove_objects_with_prefix(url)
+            self._s3().remove_objects_with_prefix(url, fence=self.s3_checkpoint_io._fence_for(url))  # url and url/...
             _s3.invalidate_fsspec_cache(url)
         return None
 
@@ -1486,6 +1558,24 @@ class S3ShardedStrategyMixin:
             super().teardown()  # type: ignore[misc]
 
     # ---- internals ------------------------------------------------------------------------------------------------
+
+    def _on_rank_zero(self, work: Callable[[], None], what: str) -> None:
+        """Run `work` on global rank 0 while the other ranks wait, then raise on every rank if it failed (a refused,
+        stale run's `CheckpointDirectoryTakenError` as itself), instead of the others waiting for a rank that left."""
+        error: Exception | None = None
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            try:
+                work()
+            except Exception as exc:
+                error = exc
+        shared = error if isinstance(error, _s3.CheckpointDirectoryTakenError) else repr(error) if error else None
+        shared = self.broadcast(shared)  # type: ignore[attr-defined]
+        if error is not None:
+            raise error
+        if isinstance(shared, BaseException):
+            raise shared
+        if shared is not None:
+            raise RuntimeError(f"Global rank 0 failed while {what}: {shared}")
 
     def _load_sharded_dtensor(self, url: str) -> None:
         """ModelParallelStrategy (FSDP2 / DTensor): what Lightning's ``_load_checkpoint`` does, reading from S3."""

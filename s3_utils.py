@@ -12,7 +12,9 @@
    become the exceptions Python code expects (FileNotFoundError; a note naming the URL and what to do).
 7. The ranged reader: parallel ranged GETs copied from the socket into a download (`_RangedDownload`).
 8. The streaming writer: `S3MultipartWriter`, a binary stream that uploads while it is written.
-9. s3fs caches: `invalidate_fsspec_cache`, `forget_s3fs_instances` and `fresh_s3fs_instances`, for code that also
+9. Directory ownership (fencing): `DirectoryFence`, the owner record that lets only the newest run (`CheckpointRun`)
+   commit or remove checkpoints in a directory (`CheckpointDirectoryTakenError` for a stale one).
+10. s3fs caches: `invalidate_fsspec_cache`, `forget_s3fs_instances` and `fresh_s3fs_instances`, for code that also
    goes through fsspec.
 
 README.md lists what this fixes in NeMo's version.
@@ -21,6 +23,7 @@ README.md lists what this fixes in NeMo's version.
 from __future__ import annotations
 
 import base64
+import bisect
 import collections
 import contextlib
 import datetime
@@ -38,6 +41,8 @@ import os
 import queue
 import random
 import re
+import secrets
+import socket
 import sys
 import tempfile
 import threading
@@ -61,8 +66,13 @@ __all__ = [
     "DEFAULT_MAX_WRITE_CONCURRENCY",
     "GB",
     "MB",
+    "OWNER_RECORD_NAME",
+    "CheckpointDirectoryTakenError",
+    "CheckpointRun",
     "ChecksumMismatchError",
+    "DirectoryFence",
     "DownloadedObject",
+    "FenceToken",
     "MissingOptionalDependencyError",
     "MultipartUploadInfo",
     "PacerLane",
@@ -75,6 +85,7 @@ __all__ = [
     "S3ObjectInfo",
     "S3RequestOptions",
     "S3Utils",
+    "current_run",
     "forget_s3fs_instances",
     "fresh_s3fs_instances",
     "get_s3_client",
@@ -82,6 +93,7 @@ __all__ = [
     "invalidate_fsspec_cache",
     "is_retriable_error",
     "is_throttling_error",
+    "release_part_buffers",
     "request_pacer",
     "validate_checksum_algorithm",
     "user_agent",
@@ -101,6 +113,15 @@ MIN_PART_SIZE = 5 * MB  # S3's minimum for every part but the last
 MAX_PARTS = 10_000  # S3's maximum number of parts in one multipart upload
 CHECKSUM_SIDECAR_SUFFIX = ".s3ckpt-checksum.json"
 """Suffix of the small object that records a checksum where a store does not keep S3 checksums itself."""
+OWNER_RECORD_NAME = ".s3ckpt-owner.json"
+"""Name of the small object in a checkpoint directory that says which run owns it (see `DirectoryFence`)."""
+
+
+def _is_package_record(key: str) -> bool:
+    """Whether `key` is one of the records this package keeps beside checkpoints (a checksum sidecar or a directory's
+    owner record): listings leave them out, so resume discovery, the CLI and directory checks never see them."""
+    return key.endswith(CHECKSUM_SIDECAR_SUFFIX) or key.rpartition("/")[2] == OWNER_RECORD_NAME
+
 
 _T = TypeVar("_T")
 
@@ -180,6 +201,7 @@ RETRIABLE_ERROR_CODES = THROTTLING_ERROR_CODES | frozenset(
         "RequestTimeout",
         "RequestTimeoutException",
         "IDPCommunicationError",
+        "ConditionalRequestConflict",  # 409: a conditional write raced another one on the key; S3 says retry
     }
 )
 """S3 error codes that mean "try again later" (throttling, server-side and transient errors)."""
@@ -1495,7 +1517,8 @@ class S3Utils:
     @_class_or_instance
     def list_objects(self, s3_path: str | os.PathLike[str], *, include_sidecars: bool = False) -> list[S3ObjectInfo]:
         """Every object under the "directory" `s3_path` (key + ``/``), all pages, sorted by key; the bucket root lists
-        everything. Directory buckets list in no particular order; sorting here keeps results the same everywhere."""
+        everything. Directory buckets list in no particular order; sorting here keeps results the same everywhere.
+        The records this package keeps (checksum sidecars, owner records) are left out unless `include_sidecars`."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, prefix = _urls.s3_dir_prefix(url)
         return sorted(self._iter_objects(bucket, prefix, url, include_sidecars), key=lambda info: info.key)
@@ -1531,7 +1554,7 @@ class S3Utils:
                 kwargs["ContinuationToken"] = token
             page = self.call("list_objects_v2", url, **kwargs)
             for item in page.get("Contents", []):
-                if include_sidecars or not item["Key"].endswith(CHECKSUM_SIDECAR_SUFFIX):
+                if include_sidecars or not _is_package_record(item["Key"]):
                     yield S3ObjectInfo(
                         bucket, item["Key"], item["Size"], item.get("ETag", ""), item.get("LastModified")
                     )
@@ -1544,7 +1567,8 @@ class S3Utils:
         """True if an object exists at exactly `s3_path`, or (with `match_directory`) any object under ``s3_path/``.
 
         For the bucket root: whether the bucket exists (and, with `match_directory`, holds any object).
-        A missing bucket gives False; other errors (e.g. AccessDenied) propagate.
+        A missing bucket gives False; other errors (e.g. AccessDenied) propagate. A directory holding nothing but
+        owner records (see `DirectoryFence`) counts as empty.
         """
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
@@ -1560,7 +1584,8 @@ class S3Utils:
                 self.call("head_bucket", url, Bucket=bucket)
                 return True
             _, prefix = _urls.s3_dir_prefix(url)
-            return next(self._iter_objects(bucket, prefix, url, include_sidecars=True, page_size=1), None) is not None
+            listed = self._iter_objects(bucket, prefix, url, include_sidecars=True, page_size=2)
+            return any(info.key.rpartition("/")[2] != OWNER_RECORD_NAME for info in listed)
         except FileNotFoundError:
             return False
 
@@ -1607,26 +1632,30 @@ class S3Utils:
     # ---- removal --------------------------------------------------------------------------------------------------
 
     @_class_or_instance
-    def remove_object(self, s3_path: str | os.PathLike[str]) -> None:
-        """Delete one object (and the checksum record this package may keep beside it). Missing objects are fine."""
+    def remove_object(self, s3_path: str | os.PathLike[str], *, fence: DirectoryFence | None = None) -> None:
+        """Delete one object (and the checksum record this package may keep beside it). Missing objects are fine.
+        With a `fence`, only while the fence's run still owns the directory (else CheckpointDirectoryTakenError)."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
         if not key:
             raise IsADirectoryError(f"{url} is a bucket, not an object; use remove_objects_with_prefix")
-        self._delete_keys(bucket, [key, key + CHECKSUM_SIDECAR_SUFFIX], url)
+        self._delete_keys(bucket, [key, key + CHECKSUM_SIDECAR_SUFFIX], url, fence)
 
     @_class_or_instance
-    def remove_objects_with_prefix(self, s3_path: str | os.PathLike[str]) -> int:
+    def remove_objects_with_prefix(
+        self, s3_path: str | os.PathLike[str], *, fence: DirectoryFence | None = None
+    ) -> int:
         """Delete the object at `s3_path`, if any, and every object under ``s3_path/``; returns how many were deleted.
 
-        Only the "directory" is removed: ``s3://b/ckpt`` never touches ``s3://b/ckpt_old/...``.
+        Only the "directory" is removed: ``s3://b/ckpt`` never touches ``s3://b/ckpt_old/...``. `fence` as in
+        `remove_object` (checked only when there is something to delete).
         """
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
         keys = [obj.key for obj in self.list_objects(url, include_sidecars=True)]
         if key and not key.endswith("/"):
             keys += [key, key + CHECKSUM_SIDECAR_SUFFIX]
-        self._delete_keys(bucket, keys, url)
+        self._delete_keys(bucket, keys, url, fence)
         return len(keys)
 
     @_class_or_instance
@@ -1647,7 +1676,10 @@ class S3Utils:
             self._delete_keys(bucket, list(named), _urls.build_s3_url(bucket))
         return sum(map(len, keys.values()))
 
-    def _delete_keys(self, bucket: str, keys: list[str], url: str) -> None:
+    def _delete_keys(self, bucket: str, keys: list[str], url: str, fence: DirectoryFence | None = None) -> None:
+        if fence is not None and keys:
+            fence.before_mutation(url, "removal")
+            fence.removed(keys)  # before the request: a half-done removal must not leave stale ETags behind
         for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
             batch = keys[start : start + 1000]
             response = self.call(
@@ -1768,9 +1800,12 @@ class S3Utils:
         chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
         max_concurrency: int = DEFAULT_MAX_WRITE_CONCURRENCY,
         checksum_algorithm: str | None = "auto",
+        *,
+        fence: DirectoryFence | None = None,
     ) -> S3MultipartWriter:
-        """A write-only binary stream that uploads to `s3_path` as it is written (see `S3MultipartWriter`)."""
-        return S3MultipartWriter(self, s3_path, int(chunk_size_MB * MB), max_concurrency, checksum_algorithm)
+        """A write-only binary stream that uploads to `s3_path` as it is written (see `S3MultipartWriter`); with a
+        `fence`, the object is committed only while the fence's run owns the directory."""
+        return S3MultipartWriter(self, s3_path, int(chunk_size_MB * MB), max_concurrency, checksum_algorithm, fence)
 
     @_class_or_instance
     def upload_file_stream_to_s3(
@@ -2216,14 +2251,79 @@ def _read_body_into(body: Any, view: memoryview) -> int:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+class _PartBuffers:
+    """Part buffers shared by every writer of the process and kept between saves.
+
+    A fresh ``bytearray`` is fresh zeroed pages: the kernel faults in and zeroes every 4 KiB of it at first write, a
+    cost paid again for every save (and every part before the writer's own pool is full). Here writers take their
+    buffers from, and give them back to, one free list. What it keeps is bounded by what writers held at once: a
+    buffer is allocated only when no free one of its size exists, and then the free buffers of other sizes (left from
+    a different part size) are dropped first, so free plus held bytes never exceed the largest amount writers held at
+    the same time. Each writer still holds at most ``max_concurrency + 1`` buffers (its own bound, unchanged).
+    `release_part_buffers` drops the free ones.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[bytearray] = []
+        self.held_bytes = 0
+        """Bytes of the buffers writers hold now."""
+        self.allocated = 0
+        """How many buffers were ever allocated (the rest of the takes reused one)."""
+
+    def take(self, size: int) -> bytearray:
+        with self._lock:
+            self.held_bytes += size
+            for index in range(len(self._free) - 1, -1, -1):
+                if len(self._free[index]) == size:
+                    return self._free.pop(index)
+            self._free.clear()  # none of this size: the others would only add to the memory held
+            self.allocated += 1
+        return bytearray(size)
+
+    def give_back(self, buffers: Iterable[bytearray]) -> None:
+        with self._lock:
+            for buffer in buffers:
+                self.held_bytes -= len(buffer)
+                self._free.append(buffer)
+
+    def forget(self, nbytes: int) -> None:
+        """Buffers a writer took and will not give back (an upload cancelled before it started drops its buffer)."""
+        with self._lock:
+            self.held_bytes -= nbytes
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(len(buffer) for buffer in self._free)
+
+    def release(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+_part_buffers = _PartBuffers()
+
+
+def release_part_buffers() -> None:
+    """Free the part buffers kept for the next save (at most what the writers of this process held at once, e.g.
+    ``(max_write_concurrency + 1) x chunk_size_MB`` after `S3CheckpointIO` saves). The next save allocates anew."""
+    _part_buffers.release()
+
+
+_SEND_BLOCK = 1 * MB
+"""The smallest block `_BufferReader.read` hands to the HTTP client (one ``sendall`` each)."""
+
+
 class _BufferReader(io.RawIOBase):
     """A seekable read-only stream over a buffer, so a part body reaches the socket without being copied (botocore
     copies ``bytes``/``bytearray`` bodies before sending them; it reads file-like bodies in place)."""
 
-    def __init__(self, buffer: memoryview) -> None:
+    def __init__(self, buffer: memoryview, min_block: int = 0) -> None:
         super().__init__()
         self._buffer = buffer
         self._position = 0
+        self._min_block = min_block
 
     def readable(self) -> bool:
         return True
@@ -2233,14 +2333,20 @@ class _BufferReader(io.RawIOBase):
 
     def read(self, size: int | None = -1) -> memoryview:  # type: ignore[override]
         """The next `size` bytes as a view of the buffer: urllib3 sends the body block by block, and copying each
-        block first would double the client's memory traffic."""
+        block first would double the client's memory traffic. With `min_block`, blocks are at least that long
+        (urllib3 asks for 128 KiB and sends whatever comes): each block is a trip through Python with the GIL, so
+        fewer, larger ones leave more of it to the training loop's own Python during an async save."""
+        if size is not None and 0 <= size < self._min_block:
+            size = self._min_block
         end = len(self._buffer) if size is None or size < 0 else min(len(self._buffer), self._position + size)
         block = self._buffer[self._position : end]
         self._position = max(self._position, end)
         return block
 
     def readinto(self, target: Any) -> int:
-        block = self.read(len(target))
+        end = min(len(self._buffer), self._position + len(target))
+        block = self._buffer[self._position : end]
+        self._position = max(self._position, end)
         target[: len(block)] = block
         return len(block)
 
@@ -2259,6 +2365,17 @@ class _UploadedPart:
     etag: str
     checksum: int
     length: int
+    pieces: tuple[tuple[int, int], ...]  # (checksum, length) of the part's pieces between marked boundaries
+
+
+def _piece_checksums(algorithm: _ChecksumAlgorithm, data: memoryview, cuts: Iterable[int]) -> list[tuple[int, int]]:
+    """``(checksum, length)`` of the pieces of `data` between the offsets `cuts` (ascending, inside `data`)."""
+    pieces, start = [], 0
+    for end in [*cuts, len(data)]:
+        if end > start:
+            pieces.append((_checksum_of(algorithm, data[start:end]), end - start))
+            start = end
+    return pieces
 
 
 class _WriterState(enum.Enum):
@@ -2274,18 +2391,24 @@ class S3MultipartWriter(io.RawIOBase):
     """A binary stream whose bytes go to one S3 object while they are written (``torch.save(obj, writer)``).
 
     * Parts of `part_size` bytes are uploaded by up to `max_concurrency` threads while the caller keeps writing. The
-      part buffers come from a pool of ``max_concurrency + 1``, reused as uploads finish: extra memory stays at about
-      ``(max_concurrency + 1) * part_size`` for objects up to ``parts_per_size * part_size``, and a full pool makes
+      writer holds at most ``max_concurrency + 1`` part buffers, reused as uploads finish: extra memory stays at about
+      ``(max_concurrency + 1) * part_size`` for objects up to ``parts_per_size * part_size``, and a full set makes
       the writer wait. Past that the part size doubles every `parts_per_size` parts (see `part_size_of`), and the
-      pool's buffers with it.
+      buffers with it. The buffers come from, and go back to, a free list the process keeps for the next save
+      (`_PartBuffers`), so a save does not fault in fresh zeroed pages.
     * Objects smaller than one part go up in a single PUT.
     * Each part's checksum is computed by its upload thread; the full-object checksum is combined from them and sent
       with the upload, so S3 verifies and keeps it. Where a store does not keep it, a small sidecar object records it
       for `S3Utils.download_to_memory`.
+    * `mark_checksum_boundary` splits those checksums at the current offset, so after `close()` `checksum_of` gives
+      the checksum of any span between marks from the same single pass (s3_dcp's per-item checksums).
     * The object appears only when `close()` completes the upload. If anything fails, or the writer is left through
       an exception, the multipart upload is aborted: no partial object, no stray parts, an older object untouched.
       `_finish` is the one place that decides between the two.
     * Each part is retried on its own under the `S3Utils` retry policy.
+    * With a `fence` (`DirectoryFence`), the request that makes the object visible is sent only after the fence
+      confirmed that its run still owns the directory, and with the ETag condition the fence asks for; a refusal
+      aborts the upload like any other failure.
     """
 
     parts_per_size = 1000
@@ -2298,6 +2421,7 @@ class S3MultipartWriter(io.RawIOBase):
         part_size: int,
         max_concurrency: int,
         checksum_algorithm: str | None = "auto",
+        fence: DirectoryFence | None = None,
     ) -> None:
         super().__init__()
         self._state = _WriterState.ABORTED  # until validated: an invalid writer has nothing to abort at GC
@@ -2321,7 +2445,11 @@ class S3MultipartWriter(io.RawIOBase):
         self._algorithm = _checksum_algorithm(checksum_algorithm)
         self._size = 0
         self._free_buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
-        self._buffers_made = 0
+        self._buffers_made = 0  # buffers this writer holds (taken from `_part_buffers`)
+        self._most_buffers_held = 0  # its bound is max_concurrency + 1 (tests check it)
+        self._held_bytes = 0
+        self._cuts: list[int] = []  # marked boundaries inside the part being filled (offsets into it)
+        self._pieces: list[tuple[int, int, int]] = []  # (offset, length, checksum) tiling the object, once complete
         self._buffer: bytearray | None = None  # the part being filled
         self._filled = 0
         self._upload_id: str | None = None  # set while a multipart upload is open on S3
@@ -2329,6 +2457,7 @@ class S3MultipartWriter(io.RawIOBase):
         self._parts: list[Future[_UploadedPart]] = []
         self._failed_part: Future[_UploadedPart] | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._fence = fence
         self._state = _WriterState.OPEN
         self.info: S3ObjectInfo | None = None
         """Set by `close()`: the committed object's size, ETag and checksum."""
@@ -2385,6 +2514,33 @@ class S3MultipartWriter(io.RawIOBase):
         """Upload what is left and complete the object; on failure abort the upload and re-raise."""
         self._finish(commit=True)
 
+    def mark_checksum_boundary(self) -> None:
+        """Split the checksums at the current offset: after `close()`, `checksum_of` can start or end a span here."""
+        if self._buffer is not None and 0 < self._filled < len(self._buffer):
+            if not self._cuts or self._cuts[-1] != self._filled:
+                self._cuts.append(self._filled)
+        # elsewhere the offset is a part boundary already
+
+    def checksum_of(self, start: int, end: int) -> int:
+        """The checksum of bytes ``[start, end)`` of the committed object, combined from the checksums its upload
+        computed (no second pass). `start` and `end` must be boundaries: 0, the size, part boundaries or offsets
+        passed to `mark_checksum_boundary`."""
+        if self._state is not _WriterState.COMMITTED:
+            raise ValueError(f"checksum_of needs a committed writer ({self.url} is {self._state.value})")
+        offsets = [offset for offset, _, _ in self._pieces]
+        first = bisect.bisect_left(offsets, start)
+        if start != end and (first == len(offsets) or offsets[first] != start):
+            raise ValueError(f"{self.url}: offset {start} is not a checksum boundary")
+        total, position = 0, start
+        for offset, length, checksum in self._pieces[first:]:
+            if offset >= end:
+                break
+            total = self._algorithm.combine(total, checksum, length)
+            position = offset + length
+        if position != end and start != end:
+            raise ValueError(f"{self.url}: offset {end} is not a checksum boundary")
+        return total
+
     def abort(self) -> None:
         """Give up: stop uploading, abort the multipart upload. Nothing becomes visible at the URL."""
         self._finish(commit=False)
@@ -2420,8 +2576,24 @@ class S3MultipartWriter(io.RawIOBase):
             else:
                 self._abort_upload()
         finally:
-            self._buffer = None
+            if self._buffer is not None:  # the part being filled (or a small object's whole body) was never sent
+                self._free_buffers.put(self._buffer)
+                self._buffer = None
+            self._return_buffers()
             super().close()
+
+    def _return_buffers(self) -> None:
+        """Give the buffers back to the process's free list once no upload can touch them (all settled or never
+        started: `_finish` has completed or aborted the upload by now)."""
+        returned = []
+        while True:
+            try:
+                returned.append(self._free_buffers.get_nowait())
+            except queue.Empty:
+                break
+        _part_buffers.give_back(returned)
+        _part_buffers.forget(self._held_bytes - sum(len(buffer) for buffer in returned))
+        self._held_bytes = self._buffers_made = 0
 
     def _abort_upload(self) -> None:
         self._state = _WriterState.ABORTED
@@ -2448,20 +2620,26 @@ class S3MultipartWriter(io.RawIOBase):
         return self._part_size << min((number - 1) // self.parts_per_size, 20)
 
     def _take_buffer(self) -> bytearray:
-        """A free buffer for the next part: a new one while the pool is not full, else the next one an upload gives
-        back. Buffers left from before the part size grew are dropped, so the pool stays at max_concurrency + 1."""
+        """A free buffer for the next part: one of this writer's, else one from the process's free list while the
+        writer holds fewer than max_concurrency + 1, else the next one an upload gives back. Buffers left from before
+        the part size grew go back to the free list, so the writer holds at most max_concurrency + 1."""
         size = self.part_size_of(len(self._parts) + 1)
         while True:
             try:
                 buffer = self._free_buffers.get_nowait()
             except queue.Empty:
                 if self._buffers_made <= self._max_concurrency:
+                    buffer = _part_buffers.take(size)
                     self._buffers_made += 1
-                    return bytearray(size)
+                    self._most_buffers_held = max(self._most_buffers_held, self._buffers_made)
+                    self._held_bytes += size
+                    return buffer
                 buffer = self._free_buffers.get()  # every upload gives its buffer back, failed or not
             if len(buffer) == size:
                 return buffer
             self._buffers_made -= 1
+            self._held_bytes -= len(buffer)
+            _part_buffers.give_back([buffer])
 
     def _start_multipart(self) -> None:
         checksum_args = {"ChecksumAlgorithm": self._algorithm.name, "ChecksumType": "FULL_OBJECT"}
@@ -2491,7 +2669,8 @@ class S3MultipartWriter(io.RawIOBase):
         if number > MAX_PARTS:
             raise ValueError(f"{self.url}: more than {MAX_PARTS} parts, past S3's object size limit")
         assert self._pool is not None
-        future = self._pool.submit(self._upload_part, number, buffer, length)
+        cuts, self._cuts = tuple(cut for cut in self._cuts if cut < length), []
+        future = self._pool.submit(self._upload_part, number, buffer, length, cuts)
         future.add_done_callback(self._part_done)
         self._parts.append(future)
 
@@ -2504,19 +2683,22 @@ class S3MultipartWriter(io.RawIOBase):
         if self._failed_part is not None:
             self._failed_part.result()
 
-    def _upload_part(self, number: int, buffer: bytearray, length: int) -> _UploadedPart:
+    def _upload_part(self, number: int, buffer: bytearray, length: int, cuts: tuple[int, ...]) -> _UploadedPart:
         try:
             part = memoryview(buffer)[:length]
-            checksum = _checksum_of(self._algorithm, part)
+            pieces = _piece_checksums(self._algorithm, part, cuts)
+            checksum = _fold(self._algorithm, pieces)
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key, "UploadId": self._upload_id}
             if self._native_checksums:
                 kwargs[self._algorithm.response_field] = self._algorithm.encode(checksum)
             response = self._utils.with_retries(  # each attempt reads the part from its start
-                lambda: self._utils.client.upload_part(PartNumber=number, Body=_BufferReader(part), **kwargs),
+                lambda: self._utils.client.upload_part(
+                    PartNumber=number, Body=_BufferReader(part, _SEND_BLOCK), **kwargs
+                ),
                 "upload_part",
                 f"{self.url} (part {number})",
             )
-            return _UploadedPart(number, response["ETag"], checksum, length)
+            return _UploadedPart(number, response["ETag"], checksum, length, tuple(pieces))
         finally:
             self._free_buffers.put(buffer)
 
@@ -2543,20 +2725,33 @@ class S3MultipartWriter(io.RawIOBase):
         )
         logger.debug("Wrote %s (%d bytes, %s %s)", self.url, self._size, self._algorithm.name, checksum)
 
+    def _keep_pieces(self, pieces: Iterable[tuple[int, int]]) -> None:
+        """Keep the object's pieces, with their offsets, for `checksum_of`."""
+        offset = 0
+        self._pieces = []
+        for checksum, length in pieces:
+            self._pieces.append((offset, length, checksum))
+            offset += length
+
     def _put_whole(self) -> tuple[dict[str, Any], str]:
         """A small object (less than one part): one PUT."""
         body = memoryview(self._buffer)[: self._filled] if self._buffer is not None else memoryview(b"")
-        checksum = self._algorithm.encode(_checksum_of(self._algorithm, body))
-        response = self._utils.with_retries(  # each attempt reads the body from its start
-            lambda: self._utils.client.put_object(
-                Bucket=self.bucket,
-                Key=self.key,
-                Body=_BufferReader(body) if body else b"",
-                ChecksumAlgorithm=self._algorithm.name,
-                **{self._algorithm.response_field: checksum},
-            ),
-            "put_object",
-            self.url,
+        pieces = _piece_checksums(self._algorithm, body, [cut for cut in self._cuts if cut < len(body)])
+        self._keep_pieces(pieces)
+        checksum = self._algorithm.encode(_fold(self._algorithm, pieces))
+        response = self._commit(
+            lambda conditions: self._utils.with_retries(  # each attempt reads the body from its start
+                lambda: self._utils.client.put_object(
+                    Bucket=self.bucket,
+                    Key=self.key,
+                    Body=_BufferReader(body, _SEND_BLOCK) if body else b"",
+                    ChecksumAlgorithm=self._algorithm.name,
+                    **{self._algorithm.response_field: checksum},
+                    **conditions,
+                ),
+                "put_object",
+                self.url,
+            )
         )
         return response, checksum
 
@@ -2565,6 +2760,7 @@ class S3MultipartWriter(io.RawIOBase):
             self._send_part(self._buffer, self._filled)
         self._buffer = None
         parts = _results_or_first_error(self._parts)
+        self._keep_pieces([piece for part in parts for piece in part.pieces])
         checksum = self._algorithm.encode(_fold(self._algorithm, [(part.checksum, part.length) for part in parts]))
         listed = []
         for part in parts:
@@ -2575,19 +2771,510 @@ class S3MultipartWriter(io.RawIOBase):
         extra: dict[str, Any] = {}
         if self._native_checksums:
             extra = {self._algorithm.response_field: checksum, "ChecksumType": "FULL_OBJECT"}
-        response = self._utils.call(
-            "complete_multipart_upload",
-            self.url,
-            Bucket=self.bucket,
-            Key=self.key,
-            UploadId=self._upload_id,
-            MultipartUpload={"Parts": listed},
-            **extra,
+        response = self._commit(
+            lambda conditions: self._utils.call(
+                "complete_multipart_upload",
+                self.url,
+                Bucket=self.bucket,
+                Key=self.key,
+                UploadId=self._upload_id,
+                MultipartUpload={"Parts": listed},
+                **extra,
+                **conditions,
+            )
         )
         self._upload_id = None
         assert self._pool is not None
         self._pool.shutdown(wait=False)
         return response, checksum
+
+    def _commit(self, request: Callable[[dict[str, str]], dict[str, Any]]) -> dict[str, Any]:
+        """Send the request that makes the object visible (`request(conditions)`), fenced when there is a fence: its
+        run must still own the directory, and the object must still be what this run last left at the key
+        (``If-Match``/``If-None-Match``). A failed condition is settled by the fence: another run took the
+        directory over (CheckpointDirectoryTakenError), or this run still owns it and the commit is sent again
+        without the condition (a writer outside the fence changed the key, or an earlier attempt of this request
+        succeeded)."""
+        fence = self._fence
+        if fence is None:
+            return request({})
+        fence.before_mutation(self.url, "save")
+        conditions = fence.conditions(self.key)
+        try:
+            response = request(conditions)
+        except Exception as exc:
+            if not (conditions and _precondition_failed(exc, conditions)):
+                raise
+            fence.precondition_failed(self.url, self.key, exc)
+            response = request({})
+        fence.committed(self.key, response.get("ETag", ""))
+        return response
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Directory ownership: only the newest run commits or removes checkpoints in a directory (fencing)
+# --------------------------------------------------------------------------------------------------------------------
+#
+# Why: a requeued or restarted job can leave two runs writing one checkpoint directory (the old one still flushing or
+# cut off from its scheduler); the stale run's saves and clean-up then overwrite and delete the new run's checkpoints.
+# How (README.md, "One run per checkpoint directory"):
+# * a run (`CheckpointRun`: a random id, host, pid and start time; one per process) takes a directory over at its
+#   first save there: it writes the owner record ``<directory>/.s3ckpt-owner.json`` with a conditional PUT, one
+#   generation up (``If-None-Match: *`` when there is none, else ``If-Match`` on the ETag it just read; a failed
+#   condition means another run got there first: read again). A run that started before the record's owner does not
+#   take it over: it is the stale one.
+# * before every commit (the PUT or CompleteMultipartUpload that makes an object visible) and every removal there,
+#   one HEAD of the record: another ETag means another run took over; the operation raises
+#   `CheckpointDirectoryTakenError` and changes nothing (the upload is aborted). Once refused, always refused.
+# * a commit of a key this run wrote or removed before carries ``If-Match: <that ETag>`` / ``If-None-Match: *``, so an
+#   object another run wrote in the instant between that HEAD and the commit is not overwritten either.
+# * the other ranks of a sharded save check against the coordinator's `FenceToken` (in DCP's plan) before they
+#   commit their files; they never take a directory over.
+# * stores that refuse (501) or ignore conditional headers are found once per store and bucket (a conditional PUT
+#   that must fail), with one warning; the record is then written without conditions and still checked.
+
+_OWNER_RECORD_VERSION = 1
+_TAKE_OVER_ATTEMPTS = 5
+_REMEMBERED_KEYS = 10_000
+"""At most this many keys per directory whose last state (ETag, or removed) a run remembers for its conditions."""
+
+
+def _utc(timestamp: float) -> str:
+    return datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f UTC")
+
+
+@dataclass(frozen=True)
+class CheckpointRun:
+    """Who writes checkpoints: one run per process (`current_run`), carried along when a plugin or a DCP writer is
+    pickled into another process (``ddp_spawn``, DCP's process executor), so those processes act as the same run."""
+
+    run_id: str
+    """Random, 16 hex digits."""
+    host: str
+    pid: int
+    started: float
+    """When the process imported this module (seconds since the epoch): of two runs, the later one is the newer."""
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} (host {self.host}, pid {self.pid}, started {_utc(self.started)})"
+
+
+_PROCESS_RUN = CheckpointRun(secrets.token_hex(8), socket.gethostname(), os.getpid(), time.time())
+
+
+def current_run() -> CheckpointRun:
+    """This process's run (see `CheckpointRun`)."""
+    return _PROCESS_RUN
+
+
+class CheckpointDirectoryTakenError(RuntimeError):
+    """A newer run owns this checkpoint directory: this (stale) run's save or removal there was refused and changed
+    nothing. `directory` is its ``s3://`` URL, `run` this run, `owner` the run that holds it (None if unknown)."""
+
+    def __init__(
+        self,
+        message: str,
+        directory: str = "",
+        run: CheckpointRun | None = None,
+        owner: CheckpointRun | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.directory = directory
+        self.run = run
+        self.owner = owner
+
+
+@dataclass(frozen=True)
+class FenceToken:
+    """What the other ranks of a sharded save check against (it travels in DCP's plan): the directory, and the ETag
+    of its owner record as the coordinator's run holds it."""
+
+    directory: str
+    etag: str
+    run: CheckpointRun
+
+
+class _Hold:
+    """One run's hold on one directory, shared by every fence of that run in this process."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.etag: str | None = None  # the owner record's ETag while this run holds the directory
+        self.refusal: tuple[CheckpointRun | None, int, bool] | None = None  # (owner, generation, newer) once refused
+        self.objects: dict[str, str | None] = {}  # key -> ETag this run committed, or None: this run removed it
+
+
+_holds: dict[tuple[str | None, str, str, str], _Hold] = {}
+_conditional_writes: dict[tuple[str | None, str], bool] = {}
+"""(endpoint, bucket) -> whether the store honours If-Match / If-None-Match on writes (missing: not known yet)."""
+_fence_registry_lock = threading.Lock()
+_UNKNOWN = object()
+
+
+def _precondition_failed(exc: BaseException, conditions: Mapping[str, str]) -> bool:
+    """Whether `exc` is the store refusing a write's `conditions`: 412, or 404 NoSuchKey for If-Match on a key that is
+    gone (moto's answer, and S3's)."""
+    response = getattr(exc, "response", None)
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict) else None
+    if _error_code(exc) in ("PreconditionFailed", "412") or status == 412:
+        return True
+    return "IfMatch" in conditions and isinstance(exc, FileNotFoundError)
+
+
+def _raise_if_no_bucket(exc: FileNotFoundError) -> None:
+    """A missing record is a fact to act on; a missing bucket is the caller's error (raised with one request)."""
+    if exc.__cause__ is not None and _error_code(exc.__cause__) == "NoSuchBucket":
+        raise exc
+
+
+def _refuses_conditions(exc: BaseException) -> bool:
+    return _error_code(exc) in ("NotImplemented", "501")
+
+
+class DirectoryFence:
+    """One run's hold on one checkpoint directory, through its owner record ``<directory>/.s3ckpt-owner.json``.
+
+    Pass it as ``fence=`` to `S3Utils.open_writer`, `S3Utils.remove_object` and `S3Utils.remove_objects_with_prefix`:
+    the run's first commit in the directory takes it over (unless a run that started later owns it; a removal before
+    that only checks that none does), every later operation first checks with one HEAD that the run still owns it,
+    and a stale run gets `CheckpointDirectoryTakenError` with nothing changed. Fences of one run and directory share
+    their state within a process, so making one per operation is cheap. See the block comment above for the protocol.
+    """
+
+    def __init__(
+        self,
+        utils: S3Utils,
+        directory: str | os.PathLike[str],
+        run: CheckpointRun | None = None,
+        *,
+        follows: str | None = None,
+    ) -> None:
+        """`follows`: see `following` (the ETag the coordinator's run holds the record at)."""
+        self._follows = follows
+        self.directory = _urls.normalize_s3_url(directory).rstrip("/")
+        self.bucket, prefix = _urls.s3_dir_prefix(self.directory)
+        self.record_key = prefix + OWNER_RECORD_NAME
+        self.record_url = _object_url(self.bucket, self.record_key)
+        self.run = run or current_run()
+        self._utils = utils
+        self._store = (utils.settings.endpoint_url, self.bucket)
+        with _fence_registry_lock:
+            self._hold = _holds.setdefault((*self._store, self.record_key, self.run.run_id), _Hold())
+
+    def __repr__(self) -> str:
+        return f"<DirectoryFence {self.directory} for {self.run}>"
+
+    @classmethod
+    def following(cls, utils: S3Utils, token: FenceToken) -> DirectoryFence:
+        """The fence of a rank that commits files for the run that holds `token` (every rank of a sharded save): it
+        checks that the directory is still that run's, never takes it over and sends no ETag conditions."""
+        return cls(utils, token.directory, token.run, follows=token.etag)
+
+    def once(self) -> _CheckedOnce:
+        """This fence, checked at most once: for operations that follow one another within moments (the files of one
+        rank's save, a commit marker after its record), so they cost one HEAD together."""
+        return _CheckedOnce(self)
+
+    # ---- what the writer and the removals call --------------------------------------------------------------------
+
+    def token(self, url: str) -> FenceToken:
+        """For the other ranks of the save of `url`: take the directory over if this run does not hold it yet (no
+        request if it does) and say what they check against."""
+        with self._hold.lock, self._noted(url, "save"):
+            self._raise_if_refused(url, "save")
+            if self._hold.etag is None:
+                self._take_over(url, "save")
+            assert self._hold.etag is not None
+            return FenceToken(self.directory, self._hold.etag, self.run)
+
+    def before_mutation(self, url: str, action: str) -> None:
+        """Before a commit (`action` ``"save"``) or a ``"removal"`` of `url`: take the directory over (this run's
+        first commit there) or check with one HEAD that the run still owns it; CheckpointDirectoryTakenError if not."""
+        hold = self._hold
+        with hold.lock, self._noted(url, action):
+            self._raise_if_refused(url, action)
+            expected = self._follows or hold.etag
+            if expected is None:  # this run has not saved here yet
+                (self._check_unheld if action == "removal" else self._take_over)(url, action)
+                return
+            if self._head_record() == expected:
+                return
+            record, etag = self._read_record()
+            if _is_run_of(record, self.run):  # rewritten by this run from another process (a pickled plugin...)
+                if not self._follows:
+                    hold.etag = etag
+                return
+            if record is None and not self._follows:
+                logger.warning("%s is gone (removed by hand?): %s writes it again", self.record_url, self.run)
+                self._take_over(url, action)
+                return
+            self._refuse(url, action, record or {})
+
+    def conditions(self, key: str) -> dict[str, str]:
+        """The ETag condition for a commit of `key`: ``If-Match`` on the ETag this run committed there,
+        ``If-None-Match: *`` where this run removed it, none for keys it has not touched (or on stores without
+        conditional writes)."""
+        if self._follows or _conditional_writes.get(self._store) is not True:
+            return {}
+        with self._hold.lock:
+            state = self._hold.objects.get(key, _UNKNOWN)
+        if state is _UNKNOWN:
+            return {}
+        return {"IfNoneMatch": "*"} if state is None else {"IfMatch": str(state)}
+
+    def committed(self, key: str, etag: str) -> None:
+        self._remember({key: etag or _UNKNOWN})  # no ETag in the answer: nothing to condition the next commit on
+
+    def removed(self, keys: Iterable[str]) -> None:
+        self._remember(dict.fromkeys(keys))
+
+    def precondition_failed(self, url: str, key: str, exc: BaseException) -> None:
+        """A commit's ETag condition failed: raise CheckpointDirectoryTakenError if another run holds the directory
+        now; else (this run still does) forget the key's state and return, so that the commit is sent again without
+        the condition."""
+        with self._hold.lock:
+            self._hold.objects.pop(key, None)
+            record, etag = self._read_record()
+            if record is not None and not _is_run_of(record, self.run):
+                try:
+                    self._refuse(url, "save", record)
+                except CheckpointDirectoryTakenError as refusal:
+                    raise refusal from exc
+            if record is not None:
+                self._hold.etag = etag
+        logger.warning(
+            "%s is not what this run last left there (S3 answered %s to its ETag condition), but %s still owns %s: "
+            "overwriting it (a writer outside this run changed it, or an earlier attempt of this request went "
+            "through)",
+            url,
+            _error_code(exc),
+            self.run,
+            self.directory,
+        )
+
+    # ---- the owner record -----------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _noted(self, url: str, action: str) -> Iterator[None]:
+        """Name the checkpoint in errors of the owner record's requests (an S3 error there stops its save)."""
+        try:
+            yield
+        except CheckpointDirectoryTakenError:
+            raise
+        except Exception as exc:
+            exc.add_note(f"while checking that {self.run} owns {self.directory}, before the {action} of {url}")
+            raise
+
+    def _remember(self, states: dict[str, Any]) -> None:
+        if self._follows:
+            return  # a rank's files: the coordinator's run keeps no state for them
+        with self._hold.lock:
+            objects = self._hold.objects
+            for key, state in states.items():
+                objects.pop(key, None)
+                if state is not _UNKNOWN:
+                    objects[key] = state
+            while len(objects) > _REMEMBERED_KEYS:
+                del objects[next(iter(objects))]
+
+    def _head_record(self) -> str | None:
+        try:
+            return self._utils.call("head_object", self.record_url, Bucket=self.bucket, Key=self.record_key)["ETag"]
+        except FileNotFoundError as exc:
+            _raise_if_no_bucket(exc)
+            return None
+
+    def _read_record(self) -> tuple[dict[str, Any] | None, str | None]:
+        """The owner record (a dict; ``{}`` if unreadable) and its ETag, or ``(None, None)`` if there is none."""
+        try:
+            response = self._utils.call("get_object", self.record_url, Bucket=self.bucket, Key=self.record_key)
+        except FileNotFoundError as exc:
+            _raise_if_no_bucket(exc)
+            return None, None
+        with response["Body"] as body:
+            raw = body.read()
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            record = None
+        return (record if isinstance(record, dict) else {}), response.get("ETag", "")
+
+    def _put_record(self, generation: int, conditions: Mapping[str, str]) -> str:
+        body = {
+            "version": _OWNER_RECORD_VERSION,
+            "run": self.run.run_id,
+            "host": self.run.host,
+            "pid": self.run.pid,
+            "started": self.run.started,
+            "generation": generation,
+            "taken": time.time(),
+        }
+        response = self._utils.call(
+            "put_object",
+            self.record_url,
+            Bucket=self.bucket,
+            Key=self.record_key,
+            Body=json.dumps(body, sort_keys=True).encode(),
+            ContentType="application/json",
+            **conditions,
+        )
+        return str(response.get("ETag", ""))
+
+    def _take_over(self, url: str, action: str) -> None:
+        """Make this run the directory's owner (lock held): adopt a record of this run, refuse to displace a run that
+        started later, else write the record one generation up, conditionally (see the block comment)."""
+        hold = self._hold
+        for _ in range(_TAKE_OVER_ATTEMPTS):
+            record, etag = self._read_record()
+            owner = _record_run(record)
+            if self._adopted_or_refused(url, action, record, etag):
+                return
+            generation = _record_generation(record) + 1
+            support = _conditional_writes.get(self._store)
+            conditions: dict[str, str] = {}
+            if support is not False:
+                conditions = {"IfMatch": str(etag)} if record is not None else {"IfNoneMatch": "*"}
+            try:
+                hold.etag = self._put_record(generation, conditions)
+            except Exception as exc:
+                if conditions and _precondition_failed(exc, conditions):
+                    continue  # another run wrote the record since it was read: read it again
+                if conditions and _refuses_conditions(exc):
+                    self._conditional_writes_unsupported(f"it answers {_error_code(exc)} to them")
+                    continue
+                raise
+            if support is None:
+                self._probe(generation)
+            logger.info(
+                "%s took %s over (generation %d%s)",
+                self.run,
+                self.directory,
+                generation,
+                f", from {owner}" if owner is not None else "",
+            )
+            return
+        raise OSError(
+            f"Could not take the checkpoint directory {self.directory} over: its owner record {self.record_url} "
+            f"changed {_TAKE_OVER_ATTEMPTS} times while {self.run} tried. Another run is starting to save there at "
+            "the same moment; run one job per checkpoint directory."
+        )
+
+    def _check_unheld(self, url: str, action: str) -> None:
+        """A removal by a run that has not saved in the directory: refused if a run that started later holds it;
+        it does not take the directory over (only a save does)."""
+        self._adopted_or_refused(url, action, *self._read_record())
+
+    def _adopted_or_refused(self, url: str, action: str, record: dict[str, Any] | None, etag: str | None) -> bool:
+        """True if `record` is this run's (adopted: one of its other processes wrote it); refuse if it is a run's that
+        started after this one; else False (this run may take the directory over)."""
+        if _is_run_of(record, self.run):
+            self._hold.etag = etag
+            return True
+        owner = _record_run(record)
+        if record is not None and owner is not None and owner.started > self.run.started:
+            self._refuse(url, action, record, newer=True)
+        return False
+
+    def _probe(self, generation: int) -> None:
+        """Once per store and bucket: a conditional PUT that must fail (If-None-Match: * on the record just
+        written). A store that accepts it ignores the condition (it rewrote the same record, nothing is lost)."""
+        try:
+            self._hold.etag = self._put_record(generation, {"IfNoneMatch": "*"})
+        except Exception as exc:
+            if _precondition_failed(exc, {}):
+                _conditional_writes[self._store] = True
+                return
+            if _refuses_conditions(exc):
+                self._conditional_writes_unsupported(f"it answers {_error_code(exc)} to them")
+                return
+            raise
+        self._conditional_writes_unsupported("it ignores them (a PUT with If-None-Match: * replaced an object)")
+
+    def _conditional_writes_unsupported(self, how: str) -> None:
+        with _fence_registry_lock:
+            known = _conditional_writes.get(self._store)
+            _conditional_writes[self._store] = False
+        if known is not False:
+            logger.warning(
+                "%s (bucket %s) does not support conditional writes (If-Match / If-None-Match): %s. Checkpoint "
+                "directories there are still owned by one run (their %s is checked before every save and removal), "
+                "but not protected: two runs taking a directory over at the same moment, and a stale run's save or "
+                "removal sent in the moment between that check and its request.",
+                self._utils.settings.endpoint_url or "S3",
+                self.bucket,
+                how,
+                OWNER_RECORD_NAME,
+            )
+
+    def _raise_if_refused(self, url: str, action: str) -> None:
+        if self._hold.refusal is not None:
+            raise self._refusal(url, action, *self._hold.refusal)
+
+    def _refuse(self, url: str, action: str, record: dict[str, Any], newer: bool = False) -> None:
+        self._hold.refusal = (_record_run(record), _record_generation(record), newer)  # refused once, refused always
+        raise self._refusal(url, action, *self._hold.refusal)
+
+    def _refusal(
+        self, url: str, action: str, owner: CheckpointRun | None, generation: int, newer: bool = False
+    ) -> CheckpointDirectoryTakenError:
+        holder = f"{owner}" if owner is not None else "another run (its owner record is unreadable)"
+        if newer:
+            why = f"belongs to {holder}, which started after this run, {self.run}"
+        else:
+            why = f"was taken over (generation {generation}) by {holder}; this is {self.run}"
+        return CheckpointDirectoryTakenError(
+            f"Refused the {action} of {url}: the checkpoint directory {self.directory} {why}. Nothing was changed: "
+            "the newer run's checkpoints are intact. This run is stale (requeued, replaced or restarted elsewhere): "
+            "stop it. If the other run is gone and this one must go on, restart it (a new run takes the directory "
+            f"over at its first save) or delete {self.record_url}; fencing=False (s3_checkpointing.fencing: false) "
+            "turns the check off.",
+            self.directory,
+            self.run,
+            owner,
+        )
+
+
+def _is_run_of(record: Mapping[str, Any] | None, run: CheckpointRun) -> bool:
+    return isinstance(record, Mapping) and record.get("run") == run.run_id
+
+
+def _record_run(record: Mapping[str, Any] | None) -> CheckpointRun | None:
+    if not isinstance(record, Mapping):
+        return None
+    try:
+        return CheckpointRun(str(record["run"]), str(record["host"]), int(record["pid"]), float(record["started"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _record_generation(record: Mapping[str, Any] | None) -> int:
+    generation = record.get("generation") if isinstance(record, Mapping) else None
+    return generation if isinstance(generation, int) else 0
+
+
+class _CheckedOnce:
+    """A fence whose check runs once: later operations reuse its outcome (see `DirectoryFence.once`)."""
+
+    def __init__(self, fence: DirectoryFence) -> None:
+        self._fence = fence
+        self._lock = threading.Lock()
+        self._checked = False
+        self._error: BaseException | None = None
+
+    def before_mutation(self, url: str, action: str) -> None:
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if not self._checked:
+                try:
+                    self._fence.before_mutation(url, action)
+                except BaseException as exc:
+                    self._error = exc
+                    raise
+                self._checked = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fence, name)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -72,17 +72,34 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _local_tensors(rank: int, size_mib: int, fill: bool) -> list[Any]:
+LAYOUTS = ("2d", "1d", "mixed")
+
+
+def _local_shapes(size_mib: int, layout: str) -> list[tuple[int, ...]]:
+    """Each rank's shard shapes (dim 0 is split over the ranks): ``2d`` 16 tensors of rows x 1024 (the original
+    layout), ``1d`` the same elements as 16 flat tensors (biases, norms, flattened parameters), ``mixed`` 8 large 2-D
+    tensors with 7/8 of the bytes and 248 small 1-D ones with the rest, as a real model has."""
+    elements = size_mib * MiB // 4 // WORLD_SIZE
+    if layout == "2d":
+        return [(elements // TENSORS // 1024, 1024)] * TENSORS
+    if layout == "1d":
+        return [(elements // TENSORS,)] * TENSORS
+    if layout == "mixed":
+        large = elements * 7 // 8 // 8 // 1024
+        return [(large, 1024)] * 8 + [((elements - 8 * large * 1024) // 248,)] * 248
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def _local_tensors(rank: int, size_mib: int, fill: bool, layout: str = "2d") -> list[Any]:
     import torch
 
-    rows = size_mib * MiB // 4 // TENSORS // 1024 // WORLD_SIZE
     tensors = []
-    for n in range(TENSORS):
+    for n, shape in enumerate(_local_shapes(size_mib, layout)):
         if fill:
             generator = torch.Generator().manual_seed(1000 * n + rank)
-            tensors.append(torch.rand(rows, 1024, generator=generator))
+            tensors.append(torch.rand(shape, generator=generator))
         else:
-            tensors.append(torch.empty(rows, 1024).fill_(-1.0))  # touched: its pages are resident before the clock
+            tensors.append(torch.empty(shape).fill_(-1.0))  # touched: its pages are resident before the clock
     return tensors
 
 
@@ -146,7 +163,7 @@ def _raw(spec: dict[str, Any], rank: int, tensors: list[Any]) -> dict[str, Any]:
     client = utils.client
     payload = b"".join(t.numpy().tobytes() for t in tensors)
     client.put_object(Bucket=BUCKET, Key=f"raw/warmup-rank{rank}", Body=b"x" * 1024)  # connection up first
-    key = f"raw/rank{rank}-{spec['rep']}"
+    key = f"raw/rank{rank}-{spec['layout']}-{spec['rep']}"
     outcome = {"save": _measure(lambda: client.put_object(Bucket=BUCKET, Key=key, Body=payload))}
     url = f"s3://{BUCKET}/{key}"
     buffer = bytearray(b"\xff" * len(payload))  # touched: its pages are resident before the clock
@@ -169,12 +186,12 @@ def _rank_main(rank: int, spec: dict[str, Any], port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     try:
-        tensors = _local_tensors(rank, spec["size_mib"], fill=True)
+        tensors = _local_tensors(rank, spec["size_mib"], fill=True, layout=spec["layout"])
         if spec["method"] == "raw":
             outcome = _raw(spec, rank, tensors)
         else:
             mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-            url = f"s3://{BUCKET}/{spec['method']}/rep{spec['rep']}"
+            url = f"s3://{BUCKET}/{spec['method']}-{spec['layout']}/rep{spec['rep']}"
             writer, reader = _writer_and_reader(spec, url)
             # warm-up on a tiny state: clients, connections and DCP's code paths are ready before the clock starts
             warm = {"warm": _state(mesh, [torch.ones(4, 4)])["layer0.weight"]}
@@ -183,7 +200,7 @@ def _rank_main(rank: int, spec: dict[str, Any], port: int) -> None:
             state = _state(mesh, tensors)
             outcome = {"save": _measure(lambda: dcp.save(state, storage_writer=writer, checkpoint_id=url))}
             del state
-            targets = _local_tensors(rank, spec["size_mib"], fill=False)
+            targets = _local_tensors(rank, spec["size_mib"], fill=False, layout=spec["layout"])
             loaded = _state(mesh, targets)
             outcome["load"] = _measure(lambda: dcp.load(loaded, storage_reader=reader, checkpoint_id=url))
             outcome["load"]["identical"] = all(torch.equal(t, e) for t, e in zip(targets, tensors, strict=True))
@@ -229,11 +246,18 @@ def _peers_ready() -> str | None:
 
 
 def _run(
-    method: str, rep: int, size_mib: int, endpoint: str, env: dict[str, str], timeout: float, ours: dict[str, Any]
+    method: str,
+    rep: int,
+    size_mib: int,
+    endpoint: str,
+    env: dict[str, str],
+    timeout: float,
+    ours: dict[str, Any],
+    layout: str = "2d",
 ) -> dict[str, Any]:
     python = str(PEERS_PYTHON) if method == "s3tc" else sys.executable
     with tempfile.TemporaryDirectory(prefix="bench-dcp-") as out:
-        spec = {"method": method, "rep": rep, "size_mib": size_mib, "endpoint": endpoint, "out": out}
+        spec = {"method": method, "rep": rep, "size_mib": size_mib, "endpoint": endpoint, "out": out, "layout": layout}
         spec["ours_options"] = ours
         done = subprocess.run(
             [python, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
@@ -243,9 +267,9 @@ def _run(
             timeout=timeout,
         )
         if done.returncode != 0:
-            return {"method": method, "rep": rep, "error": done.stderr[-3000:]}
+            return {"method": method, "rep": rep, "layout": layout, "error": done.stderr[-3000:]}
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
-    result: dict[str, Any] = {"method": method, "rep": rep}
+    result: dict[str, Any] = {"method": method, "rep": rep, "layout": layout}
     gib = size_mib / 1024
     for direction in ("save", "load"):
         if direction not in ranks[0]:
@@ -262,12 +286,27 @@ def _run(
     return result
 
 
+METHODS = ("ours", "s3tc", "fsspec", "raw")
+
+
+def _label(run: dict[str, Any]) -> str:
+    """A table row: the method, with its layout unless it is the original 2-D one."""
+    layout = run.get("layout", "2d")
+    return run["method"] if layout == "2d" else f"{run['method']} {layout}"
+
+
+def _labels(medians: dict[str, Any]) -> list[str]:
+    """Rows in order: layout by layout, methods in their usual order."""
+    order = [_label({"method": m, "layout": layout}) for layout in LAYOUTS for m in METHODS]
+    return [label for label in order if label in medians]
+
+
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for run in runs:
         for direction in ("save", "load"):
             if direction in run:
-                summary.setdefault(run["method"], {}).setdefault(direction, []).append(run[direction])
+                summary.setdefault(_label(run), {}).setdefault(direction, []).append(run[direction])
     medians: dict[str, Any] = {}
     for method, directions in summary.items():
         for direction, rows in directions.items():
@@ -301,9 +340,7 @@ def _markdown(report: dict[str, Any]) -> str:
         "| load peak extra RSS/rank MiB | loads identical |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for method in ("ours", "s3tc", "fsspec", "raw"):
-        if method not in medians:
-            continue
+    for method in _labels(medians):
         save, load = medians[method].get("save"), medians[method].get("load")
         cells = [method]
         for row in (save, load):
@@ -321,6 +358,16 @@ def _markdown(report: dict[str, Any]) -> str:
         f"load ours/s3tc {_ratio(medians, 'ours', 's3tc', 'load')}, ours/fsspec {_ratio(medians, 'ours', 'fsspec', 'load')}, "
         f"ours/raw {_ratio(medians, 'ours', 'raw', 'load')}.",
     ]
+    for layout in LAYOUTS[1:]:
+        ours = _label({"method": "ours", "layout": layout})
+        if ours in medians and "ours" in medians:
+            lines += [
+                "",
+                f"Layout {layout} against 2d (ours, MiB/s): save {_ratio(medians, ours, 'ours', 'save')}, "
+                f"load {_ratio(medians, ours, 'ours', 'load')}; against raw {layout}: "
+                f"save {_ratio(medians, ours, _label({'method': 'raw', 'layout': layout}), 'save')}, "
+                f"load {_ratio(medians, ours, _label({'method': 'raw', 'layout': layout}), 'load')}.",
+            ]
     for note in report["notes"]:
         lines += ["", f"Note: {note}"]
     errors = [r for r in report["runs"] if "error" in r]
@@ -340,14 +387,17 @@ def _chart(report: dict[str, Any], path: Path) -> bool:
         print('NOTE: no chart: matplotlib is missing (pip install ".[bench]")', flush=True)
         return False
     medians = report["medians"]
-    methods = [m for m in ("ours", "s3tc", "fsspec", "raw") if m in medians]
+    methods = _labels(medians)
     metrics = (("mib_s", "aggregate MiB/s (higher is better)"), ("cpu_s_per_gib", "client CPU s/GiB (lower is better)"))
     fig, axes = plt.subplots(2, len(metrics), figsize=(11, 5.5), squeeze=False)
     for row, direction in zip(axes, ("save", "load"), strict=True):
         chosen = [m for m in methods if direction in medians[m]]
         for axis, (metric, title) in zip(row, metrics, strict=True):
             values = [medians[m][direction][metric] for m in chosen]
-            colours = ["tab:orange" if m == "ours" else ("tab:gray" if m == "raw" else "tab:blue") for m in chosen]
+            colours = [
+                "tab:orange" if m.startswith("ours") else ("tab:gray" if m.startswith("raw") else "tab:blue")
+                for m in chosen
+            ]
             axis.barh(chosen, values, color=colours)
             axis.invert_yaxis()
             axis.set_title(f"{direction}: {title}", fontsize=9)
@@ -370,6 +420,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=1024, help="global state size in MiB")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--methods", default="ours,s3tc,fsspec,raw")
+    parser.add_argument(
+        "--layouts",
+        default="2d",
+        help=f"comma-separated tensor layouts, each a set of rows ({', '.join(LAYOUTS)}; see _local_shapes)",
+    )
     parser.add_argument("--tag", default="")
     parser.add_argument(
         "--ours",
@@ -399,11 +454,13 @@ def main(argv: list[str] | None = None) -> int:
             env.update(endpoint.env())
             env["PYTHONPATH"] = str(REPO)
             for rep in range(args.reps):
-                for method in methods:
-                    print(f"rep {rep} {method} ...", flush=True)
-                    run = _run(method, rep, args.size, endpoint.endpoint_url, env, args.timeout, json.loads(args.ours))
-                    print(json.dumps(run)[:400], flush=True)
-                    runs.append(run)
+                for layout in [layout for layout in args.layouts.split(",") if layout]:
+                    for method in methods:
+                        print(f"rep {rep} {method} {layout} ...", flush=True)
+                        ours = json.loads(args.ours)
+                        run = _run(method, rep, args.size, endpoint.endpoint_url, env, args.timeout, ours, layout)
+                        print(json.dumps(run)[:400], flush=True)
+                        runs.append(run)
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)  # the store's data sits in RAM (/dev/shm): GiBs per run
     report = {
@@ -412,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         "reps": args.reps,
         "machine": f"{os.cpu_count()} CPUs",
         "methods": methods,
+        "layouts": args.layouts.split(","),
         "ours_options": json.loads(args.ours),
         "notes": [*notes, "the two ranks and SeaweedFS share this machine's CPUs: all numbers compete for them"],
         "runs": runs,

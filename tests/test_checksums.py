@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import base64
+import itertools
 import os
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from s3_utils import _CHECKSUMS, _fold
+from s3_utils import _CHECKSUMS, _fold, _piece_checksums
 
 ALGORITHMS = sorted(_CHECKSUMS)
 
@@ -79,3 +80,21 @@ def test_awscrt_functions_are_resolved_once() -> None:
     algorithm.combine(1, 2, 3)
     assert algorithm._update is checksums.crc32c  # later blocks call awscrt directly, no import per block
     assert algorithm._combine is getattr(checksums, "combine_crc32c", algorithm.combine_gf2)
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+@given(data=st.binary(max_size=4000), cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=8))
+@settings(max_examples=50, deadline=None)
+def test_pieces_between_cuts_combine_to_the_checksum_of_every_span(name: str, data: bytes, cuts: list[int]) -> None:
+    """What the streaming writer computes per part (pieces split at marked boundaries) folds back into the checksum of
+    the part, and of any span between boundaries, exactly as a second pass over those bytes would give."""
+    algorithm = _CHECKSUMS[name]
+    cuts = sorted({cut for cut in cuts if 0 < cut < len(data)})
+    pieces = _piece_checksums(algorithm, memoryview(data), cuts)
+    bounds = [0, *cuts, len(data)]
+    assert [length for _, length in pieces] == [b - a for a, b in itertools.pairwise(bounds) if b > a]
+    assert _fold(algorithm, pieces) == algorithm.update(data, 0)
+    for first in range(len(pieces)):
+        for last in range(first, len(pieces)):
+            span = data[bounds[first] : bounds[last + 1]]
+            assert _fold(algorithm, pieces[first : last + 1]) == algorithm.update(span, 0)

@@ -246,6 +246,8 @@ def test_torch_file_to_dcp_equals_torch_own_conversion_and_loads(bucket: str, tm
     _utils().upload_file(tmp_path / "last.ckpt", f"s3://{bucket}/run/last.ckpt")
     report = _convert(f"s3://{bucket}/run/last.ckpt", f"s3://{bucket}/run/last-dcp")
     assert report.format == "dcp" and report.tensors == 7 and "CRC-32" in report.verification
+    owner_record = f"s3://{bucket}/run/{s3_utils.OWNER_RECORD_NAME}"
+    assert not _utils().s3_path_exists(owner_record)  # a tool, not a run: it never takes a run's directory over
 
     torch_save_to_dcp(tmp_path / "last.ckpt", tmp_path / "torch-dcp")  # torch's own conversion, locally
     dcp_to_torch_save(tmp_path / "torch-dcp", tmp_path / "reference.pt")
@@ -261,6 +263,20 @@ def test_torch_file_to_dcp_equals_torch_own_conversion_and_loads(bucket: str, tm
     assert sorted(os.listdir(tmp_path / "local-dcp")) == [".metadata", "__0_0.distcp"]
     assert local.tensors == report.tensors
     assert not [name for name in os.listdir(tmp_path) if "partial" in name]
+
+
+def test_torch_file_saved_by_s3_checkpoint_io_converts(bucket: str) -> None:
+    """S3CheckpointIO saves archives without zip CRC-32s (the object's CRC32C covers them): convert reads their
+    records by offset and reports the storages as read without a CRC-32, instead of refusing the file."""
+    from s3_checkpoint_io import S3CheckpointIO
+
+    original = _lightning_like()
+    S3CheckpointIO(f"s3://{bucket}/run").save_checkpoint(original, f"s3://{bucket}/run/saved.ckpt")
+    report = _convert(f"s3://{bucket}/run/saved.ckpt", f"s3://{bucket}/run/saved-dcp")
+    assert report.format == "dcp" and report.tensors == 7 and "read unverified" in report.verification
+    template = {"state_dict": {k: torch.zeros_like(v) for k, v in original["state_dict"].items()}}
+    dcp.load(template, storage_reader=s3_dcp.S3StorageReader(f"s3://{bucket}/run/saved-dcp"))
+    assert differences(template["state_dict"], original["state_dict"]) == []
 
 
 def test_torch_file_errors(bucket: str, tmp_path: Path, s3_server: Any) -> None:

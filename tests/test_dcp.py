@@ -8,11 +8,13 @@ Multi-rank behaviour (FSDP2, resharding, async executors, per-rank faults) is in
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import subprocess
 import sys
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +200,42 @@ def test_round_trip_tensors_and_bytes_no_dist(
     local = _empty_like(state)
     dcp.load(local, storage_reader=dcp.FileSystemReader(str(tmp_path)), no_dist=True)
     _assert_same(local, state)
+
+
+def test_item_checksums_come_from_the_upload_pass_and_equal_direct_ones(
+    bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """Item checksums are combined from the checksums the upload computes (items crossing 5 MiB part boundaries,
+    small ones between them) and equal a separate pass over each item's bytes; the items' archives skip torch's zip
+    CRC32 (the item checksum covers every byte) and still load in torch's own FileSystemReader."""
+    generator = torch.Generator().manual_seed(3)
+    state = {
+        "a": torch.randn(1_500_000, generator=generator),  # 5.7 MiB: crosses the first part boundary
+        "b": torch.arange(10),
+        "c": torch.randn(700, 1000, generator=generator),
+        "d": torch.randn(3_000_000, generator=generator),  # 11.4 MiB: spans three parts
+        "blob": io.BytesIO(os.urandom(1000)),
+    }
+    _save(state, f"s3://{bucket}/items")
+    _download_prefix(s3_client, bucket, "items", tmp_path)
+    record = json.loads((tmp_path / s3_dcp.ITEM_CHECKSUMS_NAME).read_text())["files"]["__0_0.distcp"]
+    shard = (tmp_path / "__0_0.distcp").read_bytes()
+    algorithm = s3_utils.checksum_algorithm(record["algorithm"])
+    assert len(record["items"]) == len(state)
+    for offset, (length, checksum) in record["items"].items():
+        item = shard[int(offset) : int(offset) + length]
+        assert checksum == algorithm.update(item, 0), offset
+        with zipfile.ZipFile(io.BytesIO(item)) as archive:
+            if any(entry.filename.endswith("/data/0") for entry in archive.infolist()):  # a tensor item
+                assert {entry.CRC for entry in archive.infolist()} == {0}
+            # (DCP's planner serialises the bytes item itself, with torch.save and its CRCs)
+    local = _empty_like(state)
+    dcp.load(local, storage_reader=dcp.FileSystemReader(str(tmp_path)), no_dist=True)
+    _assert_same(local, state)
+    loaded = _empty_like(state)
+    reader = _load(loaded, f"s3://{bucket}/items")
+    _assert_same(loaded, state)
+    assert reader.stats["direct_items"] == 2  # the zip framing is read without zipfile's CRC check
 
 
 def test_checkpoint_id_url_resets_the_writer_and_reader(bucket: str) -> None:

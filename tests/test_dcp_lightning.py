@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 from test_dcp_dist import skip_unless_multirank_backend  # noqa: E402
 
 import s3_dcp  # noqa: E402
+from s3_utils import OWNER_RECORD_NAME  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.lightning]
 
@@ -106,7 +107,8 @@ def test_model_parallel_fit_checkpoints_to_s3_and_resumes(
 
     _run_ranks(family, "fit", dirpath, out, cwd)
     keys = {k for k in keys_now(s3_client, bucket) if k.startswith("run/checkpoints/")}
-    prefixes = {key.split("/")[2] for key in keys}
+    assert f"run/checkpoints/{OWNER_RECORD_NAME}" in keys  # rank 0's run took the directory over (fencing)
+    prefixes = {key.split("/")[2] for key in keys} - {OWNER_RECORD_NAME}
     assert prefixes == {"step=4.ckpt", "step=6.ckpt", "last.ckpt"}  # top 2 by step, step=2 removed whole
     for name in prefixes:
         base = f"run/checkpoints/{name}/"
@@ -123,8 +125,9 @@ def test_model_parallel_fit_checkpoints_to_s3_and_resumes(
     assert (out / "resume-done-rank0").read_text() == "8"  # and training went on from there
 
     # the full (consolidated) checkpoint: one object written by rank 0, loaded on every rank
-    full_keys = {k for k in keys_now(s3_client, bucket) if k.startswith("run/checkpoints-full/")}
-    assert full_keys <= {"run/checkpoints-full/consolidated.ckpt", "run/checkpoints-full/consolidated.ckpt" + SIDECAR}
+    folder = "run/checkpoints-full/"
+    full_keys = {k for k in keys_now(s3_client, bucket) if k.startswith(folder)} - {folder + OWNER_RECORD_NAME}
+    assert full_keys <= {f"{folder}consolidated.ckpt", f"{folder}consolidated.ckpt{SIDECAR}"}
     assert "run/checkpoints-full/consolidated.ckpt" in full_keys
     assert (out / "full-loaded-step").read_text() == "6"
     full = torch.load(out / "full-loaded.pt", weights_only=True)

@@ -15,6 +15,7 @@ import io
 import os
 import pickle
 import sys
+import zipfile
 from typing import Any
 
 import pytest
@@ -116,6 +117,30 @@ def test_s3fs_instances_are_cached_where_the_helpers_look(s3_server, s3_client, 
     assert fs.exists(f"{bucket}/dir/b.ckpt")
     s3_utils.forget_s3fs_instances()
     assert not s3fs.S3FileSystem._cache
+
+
+# ---- torch: the archive writer that S3 saves build without zip CRC32s (s3_checkpoint_io.torch_save_without_zip_crc32)
+
+
+def test_torch_save_pieces_for_archives_without_zip_crc32() -> None:
+    """``torch._C.PyTorchFileWriter(stream, compute_crc32, alignment)`` and ``torch.serialization._save(obj, zip_file,
+    pickle_module, pickle_protocol, _disable_byteorder_record)``, as ``torch.save`` itself calls them: without them
+    S3 saves quietly fall back to ``torch.save`` and its CRC32 pass. The archive is torch.save's, record for record,
+    except for the CRC fields."""
+    assert tuple(inspect.signature(torch.serialization._save).parameters) == s3_checkpoint_io._TORCH_SAVE_PARAMETERS
+    assert inspect.signature(torch.serialization._get_storage_alignment).parameters == {}
+    assert s3_checkpoint_io._zip_writer_without_crc32()
+    value = {"w": torch.randn(300, 7), "b": torch.arange(5, dtype=torch.int16), "meta": {"step": 3}}
+    ours, theirs = io.BytesIO(), io.BytesIO()
+    s3_checkpoint_io.torch_save_without_zip_crc32(value, ours)
+    torch.save(value, theirs)
+    with zipfile.ZipFile(ours) as mine, zipfile.ZipFile(theirs) as reference:
+        layout = [(r.filename, r.header_offset, r.file_size, r.compress_type) for r in mine.infolist()]
+        assert layout == [(r.filename, r.header_offset, r.file_size, r.compress_type) for r in reference.infolist()]
+        assert {r.CRC for r in mine.infolist()} == {0} and reference.testzip() is None
+    loaded = torch.load(io.BytesIO(ours.getvalue()), weights_only=True)
+    assert torch.equal(loaded["w"], value["w"]) and torch.equal(loaded["b"], value["b"])
+    assert loaded["meta"] == {"step": 3}
 
 
 # ---- torch: the checkpoint format checks of S3CheckpointIO.load_checkpoint ------------------------------------------

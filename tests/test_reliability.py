@@ -31,6 +31,7 @@ from fault_proxy import Fault, FaultProxy, FaultRule
 from s3_servers import S3Endpoint, seaweedfs_process
 
 from s3_checkpoint_io import S3CheckpointIO
+from s3_utils import OWNER_RECORD_NAME as OWNER_RECORD
 from s3_utils import ChecksumMismatchError, RetryPolicy, S3ClientSettings, is_retriable_error, is_throttling_error
 
 MiB = 1024 * 1024
@@ -81,9 +82,9 @@ def open_uploads(s3_client: Any, bucket: str) -> list[str]:
 
 
 def checkpoint_keys(s3_client: Any, bucket: str) -> list[str]:
-    """Object keys in `bucket`, checksum records left out."""
+    """Object keys in `bucket`, checksum and owner records left out."""
     contents = s3_client.list_objects_v2(Bucket=bucket).get("Contents", [])
-    return sorted(obj["Key"] for obj in contents if not obj["Key"].endswith(".s3ckpt-checksum.json"))
+    return sorted(obj["Key"] for obj in contents if not obj["Key"].endswith((".s3ckpt-checksum.json", OWNER_RECORD)))
 
 
 def rendered(exc: BaseException) -> str:

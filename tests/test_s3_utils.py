@@ -14,6 +14,7 @@ import pytest
 from fault_proxy import Fault, FaultRule
 
 from s3_utils import (
+    _CHECKSUMS,
     _STAGING_BYTES,
     CHECKSUM_SIDECAR_SUFFIX,
     DownloadedObject,
@@ -21,7 +22,9 @@ from s3_utils import (
     S3ClientSettings,
     S3Utils,
     _BufferReader,
+    _part_buffers,
     get_s3_client,
+    release_part_buffers,
 )
 
 MiB = 1024 * 1024
@@ -389,7 +392,7 @@ def test_part_size_doubles_so_objects_can_outgrow_ten_thousand_parts(s3_server, 
                 writer.write(data[start : start + 3 * MiB])
     sizes = [int(headers["content-length"]) for headers in seen]
     assert sorted(sizes) == sorted([5 * MiB, 5 * MiB, 10 * MiB, 10 * MiB, 3 * MiB])
-    assert writer._buffers_made <= 3  # max_concurrency + 1 buffers alive at any time
+    assert writer._most_buffers_held <= 3  # max_concurrency + 1 buffers alive at any time
     with utils.download_to_memory(url) as downloaded:  # verifies the combined full-object checksum
         assert downloaded.read_all() == data
 
@@ -485,3 +488,65 @@ def test_listings_come_back_shuffled_and_are_sorted_here(s3_client, bucket: str)
     raw = [obj["Key"] for obj in s3_client.list_objects_v2(Bucket=bucket, Prefix="many/")["Contents"]]
     assert sorted(raw) == names and raw != names  # the premise: the store's order is not the key order
     assert [info.key for info in S3Utils.list_objects(f"s3://{bucket}/many")] == names
+
+
+# ---- part buffers and checksum boundaries (one checksum pass per byte, no fresh pages per save) ----------------------
+
+
+def test_part_buffers_are_reused_across_saves_within_the_memory_bound(s3_server, bucket: str) -> None:
+    """A second save takes its part buffers from the first one's (no new allocation), each writer holds at most
+    max_concurrency + 1, and what the process keeps between saves is no more than writers held at once."""
+    utils = S3Utils(S3ClientSettings(endpoint_url=s3_server.endpoint_url, user_agent_extra="buffer-reuse"))
+    data = os.urandom(23 * MiB)
+    release_part_buffers()
+    allocated, peaks = _part_buffers.allocated, []
+    for n in range(2):
+        writer = utils.open_writer(f"s3://{bucket}/reuse-{n}", chunk_size_MB=5, max_concurrency=2)
+        with writer:
+            for start in range(0, len(data), 3 * MiB):
+                writer.write(data[start : start + 3 * MiB])
+        peaks.append(writer._most_buffers_held)
+        if n == 0:
+            allocated_by_first = _part_buffers.allocated - allocated
+    assert 1 <= allocated_by_first <= 3 and max(peaks) <= 3  # max_concurrency + 1
+    assert _part_buffers.allocated - allocated == allocated_by_first  # the second save allocated nothing
+    assert _part_buffers.held_bytes == 0 and _part_buffers.free_bytes <= 3 * 5 * MiB
+    with utils.download_to_memory(f"s3://{bucket}/reuse-1") as downloaded:  # reused buffers carry no stale bytes
+        assert downloaded.read_all() == data
+
+    # another part size: the kept buffers of the old size go before a new one is allocated
+    with utils.open_writer(f"s3://{bucket}/other-size", chunk_size_MB=6, max_concurrency=1) as writer:
+        writer.write(data[: 13 * MiB])
+    assert _part_buffers.free_bytes <= 2 * 6 * MiB
+    release_part_buffers()
+    assert _part_buffers.free_bytes == 0
+
+
+def test_failed_upload_gives_back_what_it_can_and_forgets_the_rest(s3_server, bucket: str) -> None:
+    utils = S3Utils(S3ClientSettings(endpoint_url=s3_server.endpoint_url), RetryPolicy(max_attempts=1))
+    with pytest.raises(RuntimeError, match="stop"), utils.open_writer(f"s3://{bucket}/x", chunk_size_MB=5) as writer:
+        writer.write(os.urandom(12 * MiB))
+        raise RuntimeError("stop")
+    assert _part_buffers.held_bytes == 0  # every buffer the writer took is back on the free list or forgotten
+
+
+@pytest.mark.parametrize("cut_sizes", [[0, 1, 5 * MiB - 1, 5 * MiB + 2, 3, 0, 7 * MiB], [100, 200], [12 * MiB]])
+def test_checksums_of_marked_spans_equal_direct_ones(bucket: str, cut_sizes: list[int]) -> None:
+    """Spans between marked boundaries (items crossing part boundaries, empty items, items ending on a part
+    boundary) get the checksum a separate pass over their bytes would give; small objects (one PUT) too."""
+    algorithm = _CHECKSUMS["CRC32C"]
+    spans, data, position = [], bytearray(), 0
+    with S3Utils().open_writer(f"s3://{bucket}/spans", chunk_size_MB=5, max_concurrency=2) as writer:
+        for size in cut_sizes:
+            piece = os.urandom(size)
+            writer.mark_checksum_boundary()
+            writer.write(piece)
+            writer.mark_checksum_boundary()
+            spans.append((position, position + size))
+            data += piece
+            position += size
+    for start, end in spans:
+        assert writer.checksum_of(start, end) == algorithm.update(bytes(data[start:end]), 0), (start, end)
+    assert algorithm.encode(writer.checksum_of(0, len(data))) == writer.info.checksums["ChecksumCRC32C"]
+    with pytest.raises(ValueError, match="not a checksum boundary"):
+        writer.checksum_of(1 + spans[-1][0], spans[-1][1]) if cut_sizes[-1] > 1 else writer.checksum_of(0, 1)

@@ -40,6 +40,11 @@ Bucket kinds (``credentials=`` the upstream's keys, which every forwarded reques
   Clients reach a virtual host such as ``my-ap-123456789012.127.0.0.1`` by using the proxy as their HTTP proxy
   (``HTTP_PROXY=proxy.endpoint_url``): requests then arrive in absolute form, which the proxy accepts too.
 
+Stores without conditional writes (``conditional_writes=``): ``"refuse"`` answers a PUT or POST that carries
+``If-Match`` / ``If-None-Match`` with 501 ``NotImplemented`` (recorded with the fault ``conditional:refused``);
+``"ignore"`` (needs ``credentials=``) drops those headers and re-signs, so the store writes unconditionally
+(recorded as ``conditional:ignored``). The default ``"honour"`` forwards them.
+
 In these modes rules match, and ``requests`` record, the upstream's path-style path (``/bucket/key``). Re-signing
 keeps the client's ``x-amz-content-sha256`` (a body hash or ``UNSIGNED-PAYLOAD``), so bodies are forwarded as they
 come; chunk-signed ``STREAMING-AWS4-HMAC-SHA256-PAYLOAD`` bodies (which boto3 does not send) would not verify.
@@ -171,6 +176,11 @@ class Fault:
     def needs_upstream(self) -> bool:
         """True for faults applied to the upstream's response (the request is forwarded)."""
         return self.kind in ("reset_mid_response", "truncate_body", "corrupt_body")
+
+
+_REFUSED_CONDITIONS = Fault.status(
+    501, "NotImplemented", "A header you provided implies functionality that is not implemented"
+)
 
 
 @dataclass
@@ -570,17 +580,25 @@ class FaultProxy:
         access_points: dict[str, str] | None = None,
         credentials: tuple[str, str] | None = None,
         seed: int = 0,
+        conditional_writes: str = "honour",
     ) -> None:
         parts = urlsplit(upstream_url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"FaultProxy forwards plain http:// endpoints only, got {upstream_url!r}")
+        if conditional_writes not in ("honour", "ignore", "refuse"):
+            raise ValueError(f"conditional_writes must be 'honour', 'ignore' or 'refuse', got {conditional_writes!r}")
+        self.conditional_writes = conditional_writes
         self._rewriter: _BucketKindRewriter | None = None
-        if directory_buckets or access_points:
+        if directory_buckets or access_points or conditional_writes == "ignore":
             if credentials is None:
-                raise ValueError("directory_buckets / access_points re-sign requests: pass credentials=(key, secret)")
+                raise ValueError(
+                    "directory_buckets / access_points / conditional_writes='ignore' re-sign requests: "
+                    "pass credentials=(key, secret)"
+                )
             self._rewriter = _BucketKindRewriter(
                 parts.netloc, credentials, directory_buckets, access_points or {}, seed
             )
+            self._rewriter.strip_conditions = conditional_writes == "ignore"
         self.upstream_url = upstream_url
         self._upstream_addr = (parts.hostname, parts.port or 80)
         self._connect_timeout = connect_timeout
@@ -839,7 +857,12 @@ class _Connection:
         if routed is not None:  # rules and records see the upstream's path-style path
             path = unquote(urlsplit(routed.head.first_line.split(" ")[1]).path)
         fault = self.proxy._pick_fault(method, path, parts.query, user_agent)
+        conditional = method in ("PUT", "POST") and ("if-match" in head.headers or "if-none-match" in head.headers)
+        if fault is None and conditional and self.proxy.conditional_writes == "refuse":
+            fault = _REFUSED_CONDITIONS
         label = fault.describe() if fault else (routed.label if routed is not None else None)
+        if fault is _REFUSED_CONDITIONS:
+            label = "conditional:refused"
         self.entry = self.proxy._record(
             RecordedRequest(
                 method=method,
@@ -1200,6 +1223,7 @@ class _BucketKindRewriter:
         self._fake_etags: dict[tuple[str, str, str], str] = {}  # (bucket, key, upstream ETag) -> the client's
         self._real_etags: dict[str, str] = {}  # the client's ETag -> the upstream's
         self.uploads: dict[str, tuple[str, str]] = {}  # in-progress multipart uploads: id -> (bucket, key)
+        self.strip_conditions = False  # conditional_writes="ignore": drop If-Match / If-None-Match from writes
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -1223,8 +1247,12 @@ class _BucketKindRewriter:
         signed_by_client: list[str] = []
         region = "us-east-1"
         kept: list[tuple[str, str]] = []
+        stripped = False
         for name, value in pairs:
             lower = name.lower()
+            if self.strip_conditions and method in ("PUT", "POST") and lower in ("if-match", "if-none-match"):
+                stripped = True
+                continue
             if lower == "authorization":
                 match = re.search(r"Credential=[^/]+/\d{8}/([^/]+)/[^,]+, ?SignedHeaders=([^,]+)", value)
                 if match:
@@ -1245,6 +1273,8 @@ class _BucketKindRewriter:
             )
             kept.append(("Authorization", authorization))
         routed = _Routed(_build_head(first, kept), bucket, key, query, method)
+        if stripped:
+            routed.label = "conditional:ignored"
         if self.directory_buckets:
             self._answer_locally(routed)
         return routed

@@ -1,0 +1,501 @@
+"""One run per checkpoint directory: a stale run's saves, overwrites and removals fail and change nothing.
+
+Two runs in two processes (`fence_worker`, each its own `s3_utils.CheckpointRun`) play a job that was replaced and
+the job that replaced it, for single-file saves (sync and async) and DCP saves, on both backends. The moments that
+two processes cannot hit on purpose (a takeover between a run's check and its commit, a rank's files after the
+coordinator planned) are played in one process by two plugins with two runs. The fault proxy plays stores without
+conditional writes and counts what fencing costs a single run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from botocore.exceptions import ClientError
+from fault_proxy import Fault, FaultProxy, FaultRule
+from s3_servers import S3Endpoint, empty_and_delete_bucket
+
+import s3_checkpoint_cli
+import s3_dcp
+from connector import build_s3_checkpointing, find_resume_checkpoint
+from s3_checkpoint_io import S3CheckpointIO
+from s3_utils import (
+    OWNER_RECORD_NAME,
+    CheckpointDirectoryTakenError,
+    CheckpointRun,
+    DirectoryFence,
+    RetryPolicy,
+    S3ClientSettings,
+    S3Utils,
+    current_run,
+    is_retriable_error,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+HELPERS = Path(__file__).resolve().parent / "helpers"
+QUICK = RetryPolicy(max_attempts=4, max_elapsed_s=20, initial_backoff_s=0.01, max_backoff_s=0.05)
+
+
+def state(step: int, mib: float = 0) -> dict[str, Any]:
+    checkpoint: dict[str, Any] = {"step": step, "w": torch.full((64,), float(step))}
+    if mib:
+        checkpoint["big"] = torch.full((int(mib * 2**20) // 4,), float(step))
+    return checkpoint
+
+
+def snapshot(client: Any, bucket: str, prefix: str) -> dict[str, tuple[str, bytes]]:
+    """Every object under `prefix` (records included) with its ETag and bytes, and no multipart upload left open."""
+    uploads = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
+    assert uploads == [], f"open multipart uploads under {prefix}: {uploads}"
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+    return {
+        obj["Key"]: (obj["ETag"], client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()) for obj in listed
+    }
+
+
+def run_at(offset_s: float) -> CheckpointRun:
+    """A run of this process's host that started `offset_s` seconds after this process's own run."""
+    return CheckpointRun(uuid.uuid4().hex[:16], "test-host", os.getpid(), current_run().started + offset_s)
+
+
+def plugin_of(run: CheckpointRun, **kwargs: Any) -> S3CheckpointIO:
+    """A plugin acting as `run` (one process playing two runs; each real process is its own run)."""
+    plugin = S3CheckpointIO(chunk_size_MB=5, retry_policy=kwargs.pop("retry_policy", QUICK), **kwargs)
+    plugin._run = run
+    return plugin
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Two runs, two processes
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class Run:
+    """A `fence_worker` process: one run that does what it is told, one JSON line at a time."""
+
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.log = log
+        self._stderr = open(log, "wb")  # closed in close()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fence_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            env=env,
+            cwd=REPO,
+            text=True,
+        )
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.run_id = self._answer()["run"]  # its run exists; the imports go on
+
+    def ready(self) -> Run:
+        assert self._answer()["ok"]
+        return self
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put("")
+
+    def _answer(self) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=120)
+        except queue.Empty:
+            line = ""
+        if not line:
+            pytest.fail(f"fence_worker gave no answer; its log:\n{self.log.read_text()[-4000:]}")
+        return json.loads(line)
+
+    def __call__(self, op: str, **arguments: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **arguments}) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._stderr.close()
+
+
+@pytest.fixture(scope="module")
+def two_runs(s3_server: S3Endpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Run, Run, str]]:
+    """(stale, new, bucket): the stale run's process started first, the new one after it was ready."""
+    client = s3_server.client()
+    bucket = f"fence-{uuid.uuid4().hex[:8]}"
+    client.create_bucket(Bucket=bucket)
+    logs = tmp_path_factory.mktemp(f"fence-{s3_server.name}")
+    env = {**os.environ, **s3_server.env(), "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HELPERS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    stale = Run(env, logs / "stale.log")
+    new = None
+    try:
+        new = Run(env, logs / "new.log")  # a later run: the stale one's already exists
+        yield stale.ready(), new.ready(), bucket
+    finally:
+        for run in (stale, new):
+            if run is not None:
+                run.close()
+        empty_and_delete_bucket(client, bucket)
+
+
+def assert_refused(answer: dict[str, Any], stale: Run, new: Run, directory: str) -> None:
+    assert not answer["ok"] and answer["taken"], answer
+    if answer["type"] == "CheckpointDirectoryTakenError":  # DCP wraps it: its message is then DCP's
+        message = answer["message"]
+        assert stale.run_id in message and new.run_id in message and directory in message, message
+        assert "fencing=False" in message and OWNER_RECORD_NAME in message
+
+
+def test_stale_run_save_overwrite_and_removal_fail_and_change_nothing(
+    two_runs: tuple[Run, Run, str], s3_server: S3Endpoint
+) -> None:
+    stale, new, bucket = two_runs
+    client, directory = s3_server.client(), f"s3://{bucket}/sync"
+    for name in ("step=10.ckpt", "last.ckpt"):
+        assert stale("save", url=f"{directory}/{name}", step=10)["ok"]
+    assert new("resume", dirpath=directory) == {"ok": True, "url": f"{directory}/last.ckpt", "step": 10}
+    for name in ("step=20.ckpt", "last.ckpt"):  # the new run's first save takes the directory over
+        assert new("save", url=f"{directory}/{name}", step=20)["ok"]
+    before = snapshot(client, bucket, "sync/")
+
+    refused = [
+        stale("save", url=f"{directory}/step=11.ckpt", step=11),  # a new checkpoint
+        stale("save", url=f"{directory}/last.ckpt", step=11, mib=6),  # an overwrite (multipart: aborted)
+        stale("remove", url=f"{directory}/step=20.ckpt"),  # the new run's top-k
+        stale("remove", url=f"{directory}/step=10.ckpt"),  # its own: the directory is no longer its own
+    ]
+    for answer in refused:
+        assert_refused(answer, stale, new, directory)
+    assert snapshot(client, bucket, "sync/") == before  # byte for byte, no upload left open
+    assert new("resume", dirpath=directory) == {"ok": True, "url": f"{directory}/last.ckpt", "step": 20}
+
+
+def test_stale_async_save_fails_at_the_next_call_or_teardown_and_removes_nothing(
+    two_runs: tuple[Run, Run, str], s3_server: S3Endpoint
+) -> None:
+    stale, new, bucket = two_runs
+    client, directory = s3_server.client(), f"s3://{bucket}/async"
+    assert stale("save", url=f"{directory}/last.ckpt", step=10, **{"async": True})["ok"]
+    assert stale("teardown", **{"async": True})["ok"]
+    for name in ("step=20.ckpt", "last.ckpt"):
+        assert new("save", url=f"{directory}/{name}", step=20, **{"async": True})["ok"]
+    assert new("teardown", **{"async": True})["ok"]
+    before = snapshot(client, bucket, "async/")
+
+    assert stale("save", url=f"{directory}/last.ckpt", step=11, **{"async": True})["ok"]  # queued: fails behind
+    # Deferred behind the failing save (then dropped), or refused at once with that save's error if it already failed.
+    removal = stale("remove", url=f"{directory}/step=20.ckpt", **{"async": True})
+    end = stale("teardown", **{"async": True})
+    assert [removal["ok"], end["ok"]].count(False) == 1, (removal, end)  # reported once, where it surfaced
+    assert_refused(removal if not removal["ok"] else end, stale, new, directory)
+    assert snapshot(client, bucket, "async/") == before
+    assert new("resume", dirpath=directory)["step"] == 20
+
+
+def test_stale_dcp_save_commits_and_overwrites_nothing(two_runs: tuple[Run, Run, str], s3_server: S3Endpoint) -> None:
+    stale, new, bucket = two_runs
+    client, directory = s3_server.client(), f"s3://{bucket}/dcp"
+    assert stale("dcp_save", url=f"{directory}/last.ckpt", value=1)["ok"]
+    assert new("dcp_save", url=f"{directory}/last.ckpt", value=2)["ok"]
+    before = snapshot(client, bucket, "dcp/")
+
+    # A new checkpoint: the plan was made, the shard is refused before it completes, no .metadata is written.
+    assert_refused(stale("dcp_save", url=f"{directory}/step=11.ckpt", value=3), stale, new, directory)
+    # An overwrite of the new run's checkpoint: its .metadata is not retired, nothing is written.
+    assert_refused(stale("dcp_save", url=f"{directory}/last.ckpt", value=3), stale, new, directory)
+    assert snapshot(client, bucket, "dcp/") == before
+    assert new("dcp_load", url=f"{directory}/last.ckpt") == {"ok": True, "value": 2.0}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# One process, two runs: the moments two processes cannot hit on purpose
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mib", [0, 6], ids=["put", "multipart"])
+def test_if_match_refuses_a_takeover_between_check_and_commit(
+    mib: float, s3_server: S3Endpoint, bucket: str, s3_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if mib and s3_server.name == "moto":
+        pytest.skip("moto ignores If-Match on CompleteMultipartUpload (SeaweedFS and S3 honour it)")
+    older, newer = run_at(-60), run_at(0)
+    stale, new = plugin_of(older), plugin_of(newer)
+    last = f"s3://{bucket}/race/last.ckpt"
+    stale.save_checkpoint(state(10, mib), last)  # its own object: the next overwrite carries If-Match on its ETag
+    check = DirectoryFence.before_mutation
+    raced: list[str] = []
+
+    def newer_run_right_after_the_check(self: DirectoryFence, url: str, action: str) -> None:
+        check(self, url, action)
+        if self.run == older and not raced:
+            raced.append(url)
+            new.save_checkpoint(state(20), last)  # takes the directory over and overwrites last.ckpt
+
+    monkeypatch.setattr(DirectoryFence, "before_mutation", newer_run_right_after_the_check)
+    with pytest.raises(CheckpointDirectoryTakenError) as refused:
+        stale.save_checkpoint(state(11, mib), last)
+    assert raced == [last] and newer.run_id in str(refused.value)
+    assert isinstance(refused.value.__cause__, (ClientError, FileNotFoundError))  # the store's 412
+    monkeypatch.undo()
+    assert new.load_checkpoint(last)["step"] == 20
+    assert s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+def test_dcp_rank_is_refused_when_the_directory_changes_hands_after_the_plan(
+    s3_server: S3Endpoint, bucket: str, s3_client: Any
+) -> None:
+    """What one rank of a multi-rank save does with the coordinator's plan, played step by step in one process."""
+    planner_module = pytest.importorskip("torch.distributed.checkpoint.default_planner")
+    older, newer = run_at(-60), run_at(0)
+    url = f"s3://{bucket}/ranks/step=5.ckpt"
+    coordinator = s3_dcp.S3StorageWriter(url, chunk_size_MB=5)
+    coordinator._run = older
+    coordinator.set_up_storage_writer(True, rank=0, use_collectives=True)
+    planner = planner_module.DefaultSavePlanner()
+    planner.set_up_planner(state_dict={"w": torch.arange(8.0)}, storage_meta=None, is_coordinator=True)
+    plans, _ = planner.create_global_plan([coordinator.prepare_local_plan(planner.create_local_plan())])
+    plan = planner.finish_plan(coordinator.prepare_global_plan(plans)[0])  # the stale run took the directory
+    assert plan.storage_data.fence.run == older
+
+    plugin_of(newer).save_checkpoint(state(1), f"s3://{bucket}/ranks/last.ckpt")  # a newer run takes it over
+    rank = s3_dcp.S3StorageWriter(url, chunk_size_MB=5)  # another rank: it only has the plan
+    rank.set_up_storage_writer(False, rank=1, use_collectives=True)
+    with pytest.raises(CheckpointDirectoryTakenError, match=newer.run_id):
+        rank.write_data(plan, planner)
+    listed = s3_client.list_objects_v2(Bucket=bucket, Prefix="ranks/step=5.ckpt/").get("Contents", [])
+    assert listed == [] and s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+def test_async_refused_save_drops_the_removal_waiting_for_it(
+    s3_server: S3Endpoint, bucket: str, s3_client: Any, fault_proxy: FaultProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    if s3_server.name != "moto":
+        pytest.skip("the same code on every backend: moto is enough")
+    older, newer = run_at(-60), run_at(0)
+    settings = S3ClientSettings(endpoint_url=fault_proxy.endpoint_url, user_agent_extra="stale-run")
+    stale = plugin_of(older, async_checkpointing=True, client_settings=settings)
+    new = plugin_of(newer)
+    directory = f"s3://{bucket}/deferred"
+    stale.save_checkpoint(state(10), f"{directory}/last.ckpt")
+    stale.wait_for_pending_saves()
+    new.save_checkpoint(state(20), f"{directory}/step=20.ckpt")
+    before = snapshot(s3_client, bucket, "deferred/")
+
+    record = f"/{bucket}/deferred/{OWNER_RECORD_NAME}$"
+    fault_proxy.add_rule(FaultRule(Fault.stall(0.5), method="HEAD", path_regex=record, times=1))
+    stale.save_checkpoint(state(11), f"{directory}/last.ckpt")  # its check waits on the stalled HEAD
+    stale.remove_checkpoint(f"{directory}/step=20.ckpt")  # so this waits for that save
+    assert [removal.path for removal in stale._deferred] == [f"{directory}/step=20.ckpt"]  # private: no public view
+    with caplog.at_level(logging.WARNING, logger="s3_checkpoint_io"), pytest.raises(CheckpointDirectoryTakenError):
+        stale.teardown()
+    assert "Not removing" in caplog.text
+    assert snapshot(s3_client, bucket, "deferred/") == before
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A single run: what it pays, and what it never sees
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_a_single_run_pays_one_small_request_per_save_and_removal(
+    s3_server: S3Endpoint, bucket: str, fault_proxy: FaultProxy
+) -> None:
+    settings = S3ClientSettings(endpoint_url=fault_proxy.endpoint_url)
+    plugin = S3CheckpointIO(chunk_size_MB=5, client_settings=settings)
+    directory = f"s3://{bucket}/counted"
+    record = f"/{bucket}/counted/{OWNER_RECORD_NAME}"
+
+    def on_record() -> list[tuple[str, int | None]]:
+        return [(r.method, r.status) for r in fault_proxy.requests if r.path == record]
+
+    plugin.save_checkpoint(state(1), f"{directory}/a.ckpt")
+    # read the record (none), write it (If-None-Match: *), probe the store once (If-None-Match: * must fail)
+    assert on_record() == [("GET", 404), ("PUT", 200), ("PUT", 412)]
+    fault_proxy.clear()
+    plugin.save_checkpoint(state(2), f"{directory}/b.ckpt")
+    plugin.save_checkpoint(state(3), f"{directory}/a.ckpt")  # an overwrite of its own: If-Match, no fallback
+    assert on_record() == [("HEAD", 200)] * 2
+    assert [r.status for r in fault_proxy.requests if r.method == "PUT"] == [200] * len(
+        [r for r in fault_proxy.requests if r.method == "PUT"]
+    )
+    fenced_saves = len(fault_proxy.requests)
+    fault_proxy.clear()
+    plugin.remove_checkpoint(f"{directory}/b.ckpt")
+    assert on_record() == [("HEAD", 200)]
+    fault_proxy.clear()
+    assert plugin.load_checkpoint(f"{directory}/a.ckpt")["step"] == 3
+    assert find_resume_checkpoint(directory, resume_ignore_no_checkpoint=True, s3_utils=plugin.s3) is None
+    assert on_record() == []  # nothing new on resume
+
+    unfenced = S3CheckpointIO(chunk_size_MB=5, client_settings=settings, fencing=False)
+    fault_proxy.clear()
+    unfenced.save_checkpoint(state(2), f"{directory}/b.ckpt")
+    unfenced.save_checkpoint(state(3), f"{directory}/a.ckpt")
+    assert on_record() == [] and len(fault_proxy.requests) == fenced_saves - 2
+
+
+def test_a_dcp_save_pays_one_small_request_per_rank_and_one_for_its_commit(
+    s3_server: S3Endpoint, bucket: str, fault_proxy: FaultProxy
+) -> None:
+    if s3_server.name != "moto":
+        pytest.skip("request counts, the same on every backend: moto is enough")
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    settings = S3ClientSettings(endpoint_url=fault_proxy.endpoint_url)
+    record = f"/{bucket}/sharded/{OWNER_RECORD_NAME}"
+
+    def save(name: str, thread_count: int) -> list[tuple[str, int | None]]:
+        fault_proxy.clear()
+        url = f"s3://{bucket}/sharded/{name}"
+        writer = s3_dcp.S3StorageWriter(url, chunk_size_MB=5, thread_count=thread_count, client_settings=settings)
+        dcp.save({"a": torch.arange(8.0), "b": torch.ones(8)}, storage_writer=writer, no_dist=True)
+        return [(r.method, r.status) for r in fault_proxy.requests if r.path == record]
+
+    # the coordinator takes the directory over while planning; then the rank's files, then the commit
+    assert save("one.ckpt", 1) == [("GET", 404), ("PUT", 200), ("PUT", 412), ("HEAD", 200), ("HEAD", 200)]
+    assert save("two.ckpt", 2) == [("HEAD", 200)] * 2  # two files of one rank share its check
+    assert save("two.ckpt", 1) == [("HEAD", 200)] * 3  # an overwrite: retiring the old .metadata is a removal
+    metadata_puts = [r.status for r in fault_proxy.requests if r.method == "PUT" and r.path.endswith("/.metadata")]
+    assert metadata_puts == [200]  # If-None-Match: * on the retired .metadata, no fallback
+
+
+def test_an_object_changed_outside_the_run_is_overwritten_with_a_warning(
+    s3_server: S3Endpoint, bucket: str, s3_client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    plugin = plugin_of(current_run())
+    last = f"s3://{bucket}/outside/last.ckpt"
+    plugin.save_checkpoint(state(1), last)
+    s3_client.put_object(Bucket=bucket, Key="outside/last.ckpt", Body=b"copied in by hand")
+    with caplog.at_level(logging.WARNING, logger="s3_utils"):
+        plugin.save_checkpoint(state(2), last)  # If-Match fails; the run still owns the directory: no failure
+    assert "is not what this run last left there" in caplog.text
+    assert plugin.load_checkpoint(last)["step"] == 2
+
+
+@pytest.mark.parametrize("mode", ["refuse", "ignore"])
+def test_store_without_conditional_writes_warns_once_and_saves_go_on(
+    mode: str, s3_server: S3Endpoint, bucket: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    credentials = (s3_server.access_key, s3_server.secret_key)
+    with FaultProxy(s3_server.endpoint_url, conditional_writes=mode, credentials=credentials) as proxy:
+        settings = S3ClientSettings(endpoint_url=proxy.endpoint_url)
+        stale, new = plugin_of(run_at(-60), client_settings=settings), plugin_of(run_at(0), client_settings=settings)
+        a, b = f"s3://{bucket}/plain/a.ckpt", f"s3://{bucket}/plain/b.ckpt"
+        with caplog.at_level(logging.WARNING, logger="s3_utils"):
+            for step, url in [(1, a), (2, a), (3, b)]:
+                stale.save_checkpoint(state(step), url)
+        warnings = [r.getMessage() for r in caplog.records if "does not support conditional writes" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+        assert proxy.endpoint_url in warnings[0] and bucket in warnings[0] and "not protected" in warnings[0]
+        # refused: the takeover's conditional PUT (then written without); ignored: the takeover and the probe
+        assert proxy.count(faulted=True) == {"refuse": 1, "ignore": 2}[mode]
+        assert stale.load_checkpoint(a)["step"] == 2
+
+        new.save_checkpoint(state(20), a)  # the record is still checked: a newer run still stops the stale one
+        with pytest.raises(CheckpointDirectoryTakenError):
+            stale.save_checkpoint(state(4), a)
+        assert new.load_checkpoint(a)["step"] == 20
+
+
+def test_owner_record_is_invisible_to_listings_resume_cli_and_directory_checks(
+    s3_server: S3Endpoint, bucket: str, s3_client: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if s3_server.name != "moto":
+        pytest.skip("listing rules, the same on every backend")
+    directory = f"s3://{bucket}/hidden"
+    plugin = plugin_of(current_run())
+    plugin.save_checkpoint(state(5), f"{directory}/step=5-last.ckpt")
+    assert s3_client.head_object(Bucket=bucket, Key=f"hidden/{OWNER_RECORD_NAME}")
+    assert [info.key for info in S3Utils().list_objects(directory)] == ["hidden/step=5-last.ckpt"]
+    assert find_resume_checkpoint(directory) == f"{directory}/step=5-last.ckpt"
+    assert s3_checkpoint_cli.main(["ls", "-a", "--json", directory]) == 0
+    assert OWNER_RECORD_NAME not in capsys.readouterr().out
+    plugin.remove_checkpoint(f"{directory}/step=5-last.ckpt")
+    assert not S3Utils().s3_path_exists(directory, match_directory=True)  # only the record is left: "empty"
+
+
+def test_an_older_run_never_takes_a_directory_over_and_a_lost_record_is_taken_again(
+    s3_server: S3Endpoint, bucket: str, s3_client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    if s3_server.name != "moto":
+        pytest.skip("the same code on every backend: moto is enough")
+    directory = f"s3://{bucket}/order"
+    owner = plugin_of(run_at(0))
+    owner.save_checkpoint(state(1), f"{directory}/last.ckpt")
+    started_before = plugin_of(run_at(-3600))  # e.g. a preempted job that never saved here before its replacement
+    with pytest.raises(CheckpointDirectoryTakenError, match="which started after this run"):
+        started_before.save_checkpoint(state(0), f"{directory}/last.ckpt")
+    assert owner.load_checkpoint(f"{directory}/last.ckpt")["step"] == 1
+
+    s3_client.delete_object(Bucket=bucket, Key=f"order/{OWNER_RECORD_NAME}")
+    with caplog.at_level(logging.WARNING, logger="s3_utils"):
+        owner.save_checkpoint(state(2), f"{directory}/last.ckpt")  # a single run does not fail for it
+    assert "is gone" in caplog.text
+    assert s3_client.head_object(Bucket=bucket, Key=f"order/{OWNER_RECORD_NAME}")
+
+
+def test_fencing_can_be_turned_off_by_argument_and_config(s3_server: S3Endpoint, bucket: str, s3_client: Any) -> None:
+    if s3_server.name != "moto":
+        pytest.skip("the same code on every backend: moto is enough")
+    directory = f"s3://{bucket}/off"
+    plugin_of(run_at(0)).save_checkpoint(state(1), f"{directory}/last.ckpt")
+    older = plugin_of(run_at(-60), fencing=False)
+    older.save_checkpoint(state(0), f"{directory}/last.ckpt")  # not refused: the switch is off
+    assert older.load_checkpoint(f"{directory}/last.ckpt")["step"] == 0
+    s3_client.delete_object(Bucket=bucket, Key=f"off/{OWNER_RECORD_NAME}")
+    older.save_checkpoint(state(0), f"{directory}/step=0.ckpt")
+    assert "Contents" not in s3_client.list_objects_v2(Bucket=bucket, Prefix=f"off/{OWNER_RECORD_NAME}")
+
+    config = {
+        "s3_checkpointing": {"fencing": False},
+        "exp_manager": {"checkpoint_callback_params": {"dirpath": directory}},
+    }
+    assert build_s3_checkpointing(config).checkpoint_io.fencing is False
+    config["s3_checkpointing"] = {}
+    assert build_s3_checkpointing(config).checkpoint_io.fencing is True
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# No server
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _client_error(status: int, code: str) -> ClientError:
+    return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+
+def test_a_conflict_is_retried_a_failed_condition_is_not() -> None:
+    assert is_retriable_error(_client_error(409, "ConditionalRequestConflict"))
+    assert not is_retriable_error(_client_error(412, "PreconditionFailed"))
+
+
+def test_the_refusal_and_the_run_travel_to_other_processes() -> None:
+    """DCP sends a rank's failure to the coordinator pickled; ddp_spawn and DCP's process executor pickle plugins and
+    writers, which must stay the run they were."""
+    error = CheckpointDirectoryTakenError("refused", "s3://bucket/run", run_at(-1), run_at(0))
+    copy = pickle.loads(pickle.dumps(error))
+    assert (str(copy), copy.directory, copy.run, copy.owner) == ("refused", error.directory, error.run, error.owner)
+    plugin = plugin_of(run_at(-5))
+    assert pickle.loads(pickle.dumps(plugin))._run == plugin._run
+    writer = s3_dcp.S3StorageWriter("s3://bucket/run/ckpt")
+    assert pickle.loads(pickle.dumps(writer))._run == current_run()
