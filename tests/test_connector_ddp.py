@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from fault_proxy import FaultProxy, RecordedRequest
-from s3_servers import S3Endpoint, free_port
+from s3_servers import S3Endpoint, free_port, skip_unless_multirank_backend
 
 pytestmark = [pytest.mark.lightning, pytest.mark.slow]
 
@@ -134,6 +134,7 @@ def assert_every_rank_resumed_from(job: Job, checkpoint: dict, url: str) -> None
 def test_ddp_resume_discovery_lists_on_rank_zero_only(
     s3_server: S3Endpoint, s3_client, bucket: str, fault_proxy: FaultProxy, tmp_path: Path
 ) -> None:
+    skip_unless_multirank_backend(s3_server)
     dirpath = f"s3://{bucket}/run"
     last_url = f"{dirpath}/tiny--step=4-last.ckpt"
     # 1. Train 4 steps with 2 ranks (checkpoints at steps 2 and 4), stop, and keep a copy of what it wrote.

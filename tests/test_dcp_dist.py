@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("torch")
 from fault_proxy import Fault, FaultProxy, FaultRule
-from s3_servers import empty_and_delete_bucket
+from s3_servers import empty_and_delete_bucket, skip_unless_multirank_backend
 
 pytestmark = [pytest.mark.slow]
 
@@ -40,16 +40,6 @@ TWO_RANK_SCENARIOS = [
     "convert",
     "load_converted",
 ]
-
-
-MULTIRANK_BACKENDS = os.environ.get("S3CKPT_DCP_MULTIRANK_BACKENDS", "moto").split(",")
-"""Backends the multi-process DCP tests run on (they start 2-4 ranks per case, which dominates their time; the
-single-process tests in test_dcp.py cover every backend). ``S3CKPT_DCP_MULTIRANK_BACKENDS=moto,seaweedfs`` for more."""
-
-
-def skip_unless_multirank_backend(s3_server: Any) -> None:
-    if s3_server.name not in MULTIRANK_BACKENDS:
-        pytest.skip(f"multi-rank DCP tests run on {MULTIRANK_BACKENDS} (S3CKPT_DCP_MULTIRANK_BACKENDS)")
 
 
 def _run_ranks(world_size: int, scenarios: list[str], base: str, endpoint: str, out: Path) -> None:

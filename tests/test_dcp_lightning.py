@@ -20,7 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_dcp_dist import skip_unless_multirank_backend  # noqa: E402
+from s3_servers import skip_unless_multirank_backend  # noqa: E402
 
 import s3_dcp  # noqa: E402
 from s3_utils import OWNER_RECORD_NAME  # noqa: E402

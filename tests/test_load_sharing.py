@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from fault_proxy import Fault, FaultProxy, FaultRule
-from s3_servers import S3Endpoint, free_port, rank_environment
+from s3_servers import S3Endpoint, free_port, rank_environment, skip_unless_multirank_backend
 
 import s3_checkpoint_io
 from s3_checkpoint_io import S3CheckpointIO
@@ -117,6 +117,7 @@ def gets_by_rank(proxy: FaultProxy, key: str) -> Counter[int]:
 def test_trainer_resume_downloads_once_per_node_or_job(
     s3_server: S3Endpoint, s3_client, bucket: str, fault_proxy: FaultProxy, tmp_path: Path
 ) -> None:
+    skip_unless_multirank_backend(s3_server)
     url = f"s3://{bucket}/run/big-last.ckpt"
     save = run_ranks(s3_server, s3_server.endpoint_url, "save", url, tmp_path / "save", "--max-steps", "2", world=1)
     assert save == [0], logs(tmp_path / "save", [0])
@@ -213,6 +214,7 @@ def test_explicit_collective_loads_and_downloader_failures(
 
     Nothing is left in /dev/shm, and a stale file of a dead job is removed by the first node-mode load.
     """
+    skip_unless_multirank_backend(s3_server)
     url, state = small_checkpoint
     urls = {name: save_copy(state, bucket, name) for name in ("denied", "solo", "node", "job", "no-shm")}
     fault_proxy.add_rule(FaultRule(Fault.status(403), path_regex=r"/faults/denied\.ckpt$"))
@@ -277,6 +279,7 @@ def test_killed_downloader_fails_its_node_cleanly(
 ) -> None:
     """Node 0's downloader is killed mid-download (its GETs stall): its node's other rank raises within seconds, the
     other node loads normally, and nothing is left in /dev/shm."""
+    skip_unless_multirank_backend(s3_server)
     url, state = small_checkpoint
     stall = FaultRule(Fault.stall(60), method="GET", path_regex=re.escape(SMALL_KEY) + "$", user_agent="rank/0")
     fault_proxy.add_rule(stall)

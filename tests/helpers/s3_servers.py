@@ -37,10 +37,12 @@ __all__ = [
     "S3ServerUnavailableError",
     "SeaweedFSProcess",
     "ServerNotInstalledError",
+    "MULTIRANK_BACKENDS",
     "free_port",
     "rank_environment",
     "seaweedfs_command",
     "seaweedfs_process",
+    "skip_unless_multirank_backend",
     "start_moto",
     "start_seaweedfs",
 ]
@@ -56,6 +58,19 @@ skip (or a failure with S3CKPT_TEST_REQUIRE_BACKENDS=1)."""
 SeaweedFSProcess = WeedProcess
 seaweedfs_process = weed_process
 seaweedfs_command = weed_command
+
+MULTIRANK_BACKENDS = os.environ.get("S3CKPT_MULTIRANK_BACKENDS", "moto").split(",")
+"""Backends the multi-process tests run on (DCP at 2-4 ranks, DDP and load-sharing Trainer jobs, ranks under request
+limits). Their processes dominate the suite's time, and what they test is the ranks' coordination, not the store:
+the single-process tests cover every backend. ``S3CKPT_MULTIRANK_BACKENDS=moto,seaweedfs`` runs them on both."""
+
+
+def skip_unless_multirank_backend(s3_server: Any) -> None:
+    """Skip a multi-process test on a backend outside `MULTIRANK_BACKENDS`."""
+    if s3_server.name not in MULTIRANK_BACKENDS:
+        import pytest  # here: benchmarks/bench_resume.py imports this module without pytest
+
+        pytest.skip(f"multi-rank tests run on {MULTIRANK_BACKENDS} (S3CKPT_MULTIRANK_BACKENDS)")
 
 
 @contextlib.contextmanager
