@@ -491,14 +491,19 @@ class _SharedPacerFile:
         self.closed = False
 
     @classmethod
+    def path_for(cls, key: str) -> str:
+        """The file of `key` (job, endpoint and bucket) for this user."""
+        digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+        return os.path.join(PACER_SHARED_DIR, f"{_PACER_FILE_PREFIX}{os.geteuid()}-{digest}")
+
+    @classmethod
     def attach(cls, key: str) -> _SharedPacerFile:
         """Create or open the file for `key` and register this process in it; raises OSError on anything unsafe."""
         if fcntl is None:
             raise OSError("no fcntl on this platform")
         if not os.path.isdir(PACER_SHARED_DIR):
             raise FileNotFoundError(f"{PACER_SHARED_DIR} is not a directory")
-        digest = hashlib.sha256(key.encode()).hexdigest()[:24]
-        path = os.path.join(PACER_SHARED_DIR, f"{_PACER_FILE_PREFIX}{os.geteuid()}-{digest}")
+        path = cls.path_for(key)
         for _ in range(20):  # a file unlinked by its last user while we opened it: open the new one
             try:
                 fd = create_shared_file(path)
@@ -652,15 +657,19 @@ _shared_pacer_files: dict[tuple[int, str], _SharedPacerFile | None] = {}
 _shared_pacer_problems: set[str] = set()
 
 
+def _shared_pacer_key(endpoint_url: str | None, bucket: str) -> str | None:
+    job = _job_key()
+    return None if job is None else f"{job}\n{endpoint_url or ''}\n{bucket}"
+
+
 def _shared_pacer_file(endpoint_url: str | None, bucket: str) -> _SharedPacerFile | None:
     """This process's handle on its host's shared pacer state for the job, endpoint and bucket; None (with one log
     line per kind of problem) where there is no job, sharing is off, or the file cannot be used safely."""
     if os.environ.get(PACER_SHARING_ENV, "").strip().lower() in ("0", "off", "false", "no"):
         return None
-    job = _job_key()
-    if job is None:
+    key = _shared_pacer_key(endpoint_url, bucket)
+    if key is None:
         return None
-    key = f"{job}\n{endpoint_url or ''}\n{bucket}"
     cache_key = (os.getpid(), key)
     if cache_key in _shared_pacer_files:
         return _shared_pacer_files[cache_key]
