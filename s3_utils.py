@@ -3,7 +3,8 @@
 1. Optional dependencies: boto3, botocore, s3transfer and awscrt are imported on first use, so importing
    this module never fails; a missing one raises `MissingOptionalDependencyError` with the ``pip install`` line.
 2. Retries: `RetryPolicy` and `is_retriable_error`, the single retry layer of every S3 request, and the request
-   pacer (`RequestPacer`, one per process and bucket) that slows a process down when S3 answers SlowDown.
+   pacer (`RequestPacer`, one per process and bucket, its state shared by a job's processes on one host through
+   /dev/shm) that slows the host's processes down when S3 answers SlowDown to any of them.
 3. Client: `S3ClientSettings` and `get_s3_client`, one thread-safe client per process and settings.
 4. Checksums: the CRC algorithms S3 knows, combining part checksums into the object's, and the checksum records
    (`RecordedChecksum`: the value S3 stores, or the sidecar object this package writes where a store does not).

@@ -345,7 +345,8 @@ def _chart(doc: dict[str, Any], path: Path) -> bool:
                 )
                 values.append(run[metric] if run else 0.0)
             xs = [i + (n - (len(clients) - 1) / 2) * width for i in range(len(scenarios))]
-            axis.bar(xs, values, width, label=client, color=colours.get(client))
+            hatch = "//" if "/host" in client else None  # a client's N/host variant: its colour, hatched
+            axis.bar(xs, values, width, label=client, color=colours.get(client.split()[0]), hatch=hatch)
             for x, scenario in zip(xs, scenarios, strict=True):
                 run = next(
                     (
