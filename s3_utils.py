@@ -404,8 +404,9 @@ def _world_size() -> int:
 # few seconds): their count is the lane's scale. Each user also holds a shared flock on the file: the last one to
 # leave (at exit) unlinks it, and one that finds nobody holding it (every user was killed) resets it to dormant. The
 # job is told apart by the launcher's environment (`_job_key`); a process outside any launcher keeps a pacer of its
-# own. A killed job leaves its file (`_SharedPacerFile.SIZE`, 1,744 bytes, per job, endpoint and bucket) in
-# /dev/shm until the host's /dev/shm is cleared or a job with the same key runs again.
+# own. A job whose processes were killed or left through os._exit (multiprocessing children skip exit handlers)
+# leaves its file (`_SharedPacerFile.SIZE`, 1,744 bytes, per job, endpoint and bucket) until the next job of the
+# same user on the host creates one: it removes every pacer file nobody holds (`_remove_unused_pacer_files`).
 
 PACER_SHARED_DIR = "/dev/shm"
 """Where the shared pacer files live (a tmpfs every process of a host sees)."""
@@ -518,6 +519,8 @@ class _SharedPacerFile:
                 os.close(fd)
                 raise
             if shared is not None:
+                if created:  # a new job on this host: a good time to remove what killed or exited ones left
+                    _remove_unused_pacer_files(skip=path)
                 return shared
             os.close(fd)
         raise OSError(f"{path} kept being replaced while this process opened it")
@@ -652,6 +655,44 @@ class _SharedPacerFile:
                     self._mm.close()
                 with contextlib.suppress(OSError):
                     os.close(self._fd)  # releases both locks
+
+
+def _remove_unused_pacer_files(skip: str) -> list[str]:
+    """Unlink this user's pacer files in `PACER_SHARED_DIR` that no process uses (nobody holds their flock): those of
+    jobs whose processes were killed or left through ``os._exit`` (multiprocessing's children do), which skip the
+    exit handler that removes them. Files this process has open are left alone (closing another descriptor of one
+    would drop this process's record lock on it)."""
+    removed: list[str] = []
+    ours = {_identity(os.fstat(f._fd)) for f in _shared_pacer_files.values() if f is not None and not f.closed}
+    try:
+        entries = [entry for entry in os.scandir(PACER_SHARED_DIR) if entry.name.startswith(_PACER_FILE_PREFIX)]
+    except OSError:
+        return removed
+    for entry in entries:
+        if entry.path == skip:
+            continue
+        try:
+            seen = entry.stat(follow_symlinks=False)
+            if not stat.S_ISREG(seen.st_mode) or seen.st_uid != os.geteuid() or _identity(seen) in ours:
+                continue
+            fd = os.open(entry.path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if _identity(os.fstat(fd)) == _identity(seen):
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)  # not while someone sets it up or uses it
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while any process uses it
+                os.unlink(entry.path)
+                removed.append(entry.path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    if removed:
+        logger.info(
+            "Removed %d unused S3 request pacer file(s) of finished jobs from %s", len(removed), PACER_SHARED_DIR
+        )
+    return removed
 
 
 _shared_pacer_files: dict[tuple[int, str], _SharedPacerFile | None] = {}

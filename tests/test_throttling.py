@@ -303,6 +303,7 @@ def test_a_jobs_processes_on_a_host_share_one_pacer() -> None:
         found = os.stat(first.hello["path"], follow_symlinks=False)
         assert stat.S_ISREG(found.st_mode) and stat.S_IMODE(found.st_mode) == 0o600 and found.st_uid == os.geteuid()
         assert found.st_size == s3_utils._SharedPacerFile.SIZE
+        assert os.path.exists(first.hello["path"])  # another job's new file removed only unused ones
 
         dormant = second("send 200")  # nothing throttled yet: nothing waits, in either process
         assert (dormant["active"], dormant["waits"], dormant["processes"]) == (False, 0, 2)
@@ -341,6 +342,8 @@ def pacer_path(bucket: str) -> str:
 
 
 def test_the_shared_pacer_file_is_created_exclusively_with_mode_0600(pacer_dir: Path) -> None:
+    leftover = str(pacer_dir / "s3ckpt-pacer-0-left-by-a-killed-job")
+    os.close(s3_utils.create_shared_file(leftover))  # nobody holds it
     old = os.umask(0o277)  # a umask that takes even the owner's write bit: the file is still 0600
     try:
         shared = s3_utils._shared_pacer_file(None, "bucket")
@@ -352,6 +355,7 @@ def test_the_shared_pacer_file_is_created_exclusively_with_mode_0600(pacer_dir: 
         with pytest.raises(FileExistsError):
             s3_utils.create_shared_file(shared.path)  # O_EXCL: nobody creates it twice
         assert RequestPacer(None, "bucket", shared).shared
+        assert not os.path.exists(leftover)  # a new job's file: unused ones of finished jobs are removed
     finally:
         shared.close()
     assert not os.path.exists(shared.path)  # its only user left
