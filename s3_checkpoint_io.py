@@ -226,9 +226,7 @@ class S3CheckpointIO:
             raise ValueError("request_options cannot apply to a given s3_utils: set S3ClientSettings(request_options=)")
         budget = _s3.RequestRates.from_value(max_requests_per_second)  # a bad value fails here
         if budget is not None and s3_utils is not None:
-            raise ValueError(
-                "max_requests_per_second cannot apply to a given s3_utils: set it in its S3ClientSettings"
-            )
+            raise ValueError("max_requests_per_second cannot apply to a given s3_utils: set it in its S3ClientSettings")
         _torch()
         register_with_lightning(type(self))
         if not (math.isfinite(chunk_size_MB) and chunk_size_MB * _s3.MB >= _s3.MIN_PART_SIZE):
@@ -888,22 +886,12 @@ class _NodeFiles:
 
 
 def _create_exclusive(path: str) -> int:
-    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    return _s3.create_shared_file(path)
 
 
 def _open_checked(path: str, identity: tuple[int, int]) -> int:
     """Open a file the node's downloader created, refusing links and anything but that very file of this user."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    found = os.fstat(fd)
-    if (
-        not stat.S_ISREG(found.st_mode)
-        or found.st_uid != os.geteuid()
-        or found.st_mode & 0o077
-        or (found.st_dev, found.st_ino) != identity
-    ):
-        os.close(fd)
-        raise PermissionError(f"{path} is not the file this node's downloader created")
-    return fd
+    return _s3.open_shared_file(path, identity=identity)
 
 
 class _SharedLoad:

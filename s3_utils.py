@@ -3,7 +3,8 @@
 1. Optional dependencies: boto3, botocore, s3transfer and awscrt are imported on first use, so importing
    this module never fails; a missing one raises `MissingOptionalDependencyError` with the ``pip install`` line.
 2. Retries: `RetryPolicy` and `is_retriable_error`, the single retry layer of every S3 request, and the request
-   pacer (`RequestPacer`, one per process and bucket) that slows a process down when S3 answers SlowDown.
+   pacer (`RequestPacer`, one per process and bucket, its state shared by a job's processes on one host through
+   /dev/shm) that slows the host's processes down when S3 answers SlowDown to any of them.
 3. Client: `S3ClientSettings` and `get_s3_client`, one thread-safe client per process and settings.
 4. Checksums: the CRC algorithms S3 knows, combining part checksums into the object's, and the checksum records
    (`RecordedChecksum`: the value S3 stores, or the sidecar object this package writes where a store does not).
@@ -22,6 +23,7 @@ README.md lists what this fixes in NeMo's version.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import bisect
 import collections
@@ -30,6 +32,7 @@ import datetime
 import email.utils
 import enum
 import functools
+import hashlib
 import http.client
 import importlib
 import io
@@ -43,6 +46,8 @@ import random
 import re
 import secrets
 import socket
+import stat
+import struct
 import sys
 import tempfile
 import threading
@@ -54,6 +59,11 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields, replace
 from typing import IO, Any, BinaryIO, NoReturn, TypeVar
+
+try:
+    import fcntl
+except ImportError:  # not on POSIX: no pacer shared between processes
+    fcntl = None  # type: ignore[assignment]
 
 if __package__:
     from . import s3_dirpath_utils as _urls
@@ -85,6 +95,7 @@ __all__ = [
     "S3ObjectInfo",
     "S3RequestOptions",
     "S3Utils",
+    "create_shared_file",
     "current_run",
     "forget_s3fs_instances",
     "fresh_s3fs_instances",
@@ -93,6 +104,7 @@ __all__ = [
     "invalidate_fsspec_cache",
     "is_retriable_error",
     "is_throttling_error",
+    "open_shared_file",
     "release_part_buffers",
     "request_pacer",
     "validate_checksum_algorithm",
@@ -377,6 +389,356 @@ def _world_size() -> int:
     return 1
 
 
+# ---- the host's shared pacer state (/dev/shm) ------------------------------------------------------------------------
+#
+# Why: a per-process pacer learns from its own answers only (a rank of a large job sees few), and every process's
+# first burst goes out unpaced even after its neighbours were told to slow down. The processes of one job on one host
+# (the ranks of a node) therefore share one pacer state per endpoint and bucket: one token bucket per lane, whose
+# rate every rank's answers adapt, and whose first throttling answer wakes pacing in all of them.
+# How: a small file in `PACER_SHARED_DIR` (/dev/shm) per (user, job, endpoint, bucket), mmap'd, its state guarded
+# by a POSIX record lock on its first byte plus a thread lock (a record lock belongs to the process, not a thread).
+# It is created exclusively (`create_shared_file`: O_CREAT | O_EXCL | O_NOFOLLOW, mode 0600); another process opens
+# it with O_NOFOLLOW and checks with fstat that it is a regular file of this user with mode 0600
+# (`open_shared_file`); anything else (no /dev/shm, another owner, a link, a file that never gets initialised) is
+# logged once and the process keeps a pacer of its own. The file lists the pids using it (dead ones are pruned every
+# few seconds): their count is the lane's scale. Each user also holds a shared flock on the file: the last one to
+# leave (at exit) unlinks it, and one that finds nobody holding it (every user was killed) resets it to dormant. The
+# job is told apart by the launcher's environment (`_job_key`); a process outside any launcher keeps a pacer of its
+# own. A job whose processes were killed or left through os._exit (multiprocessing children skip exit handlers)
+# leaves its file (`_SharedPacerFile.SIZE`, 1,744 bytes, per job, endpoint and bucket) until the next job of the
+# same user on the host creates one: it removes every pacer file nobody holds (`_remove_unused_pacer_files`).
+
+PACER_SHARED_DIR = "/dev/shm"
+"""Where the shared pacer files live (a tmpfs every process of a host sees)."""
+PACER_SHARING_ENV = "S3CKPT_PACER_SHARING"
+"""Set to ``0`` (or ``off``) to keep one pacer per process even inside a job."""
+_PACER_FILE_PREFIX = "s3ckpt-pacer-"
+_JOB_ENV_VARS = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _job_key() -> str | None:
+    """What tells this job apart from other jobs of the same user on the host: torchrun's run id, SLURM's job and step,
+    the rendezvous address and port (two live jobs cannot share one); None outside any launcher."""
+    values = [os.environ.get(name, "").strip() for name in _JOB_ENV_VARS]
+    return "|".join(values) if any(values) else None
+
+
+def create_shared_file(path: str) -> int:
+    """Create `path` (a file other processes of this user on the host will open, in /dev/shm) for reading and
+    writing, failing if anything (a file, a link) is there already: O_CREAT | O_EXCL | O_NOFOLLOW, mode 0600."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_shared_file(path: str, flags: int = os.O_RDONLY, identity: tuple[int, int] | None = None) -> int:
+    """Open a file another process of this user made with `create_shared_file`, refusing a link (O_NOFOLLOW),
+    anything but a regular file of this user with mode 0600 (fstat), and with `identity` (its
+    ``(st_dev, st_ino)``) any other file; PermissionError names the path."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+    found = os.fstat(fd)
+    if (
+        not stat.S_ISREG(found.st_mode)
+        or found.st_uid != os.geteuid()
+        or stat.S_IMODE(found.st_mode) != 0o600
+        or (identity is not None and (found.st_dev, found.st_ino) != identity)
+    ):
+        os.close(fd)
+        raise PermissionError(
+            f"{path} is not a file this user's processes created (owner {found.st_uid}, mode "
+            f"{stat.S_IMODE(found.st_mode):o}); remove it if it is stale"
+        )
+    return fd
+
+
+def _lock(fd: int) -> None:
+    """Take the pacer file's state lock: a POSIX record lock on its first byte (held by the process; its threads are
+    kept apart by `_SharedPacerFile`'s thread lock). The flock on the same file says who uses it."""
+    fcntl.lockf(fd, fcntl.LOCK_EX, 1, 0)
+
+
+def _unlock(fd: int) -> None:
+    fcntl.lockf(fd, fcntl.LOCK_UN, 1, 0)
+
+
+def _identity(found: os.stat_result) -> tuple[int, int]:
+    return found.st_dev, found.st_ino
+
+
+class _SharedPacerFile:
+    """One host's pacer state for one (job, endpoint, bucket): a header (magic, version, the processes using it) and
+    one block per lane, read and written under `locked`. Only a lane's ``active`` byte is read without the lock."""
+
+    MAGIC = b"S3CKPAC1"
+    VERSION = 1
+    HEADER = struct.Struct("<8sII d")  # magic, version, pid count, when the pids were last checked
+    PIDS = struct.Struct("<128i")
+    LANE = struct.Struct("<B7x 7d 2Q 2I 64d")
+    """active; rate, tokens, refilled_at, epoch, changed_at, streak, last_success; throttles, activations; the ring
+    of send times (next index, count) and its 64 times."""
+    HEADER_AT, PIDS_AT = 0, 32
+    LANES_AT = PIDS_AT + PIDS.size
+    SIZE = LANES_AT + 2 * LANE.size
+    PRUNE_EVERY_S = 5.0
+
+    def __init__(self, path: str, fd: int, mm: mmap.mmap) -> None:
+        self.path, self._fd, self._mm = path, fd, mm
+        self._thread_lock = threading.Lock()
+        self.processes = 1
+        """Processes using the file, as of the last `locked` section (the host lane's scale)."""
+        self.closed = False
+
+    @classmethod
+    def path_for(cls, key: str) -> str:
+        """The file of `key` (job, endpoint and bucket) for this user."""
+        digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+        return os.path.join(PACER_SHARED_DIR, f"{_PACER_FILE_PREFIX}{os.geteuid()}-{digest}")
+
+    @classmethod
+    def attach(cls, key: str) -> _SharedPacerFile:
+        """Create or open the file for `key` and register this process in it; raises OSError on anything unsafe."""
+        if fcntl is None:
+            raise OSError("no fcntl on this platform")
+        if not os.path.isdir(PACER_SHARED_DIR):
+            raise FileNotFoundError(f"{PACER_SHARED_DIR} is not a directory")
+        path = cls.path_for(key)
+        for _ in range(20):  # a file unlinked by its last user while we opened it: open the new one
+            try:
+                fd = create_shared_file(path)
+                created = True
+            except FileExistsError:
+                fd = open_shared_file(path, os.O_RDWR)
+                created = False
+            try:
+                shared = cls._open(path, fd, created)
+            except BaseException:
+                os.close(fd)
+                raise
+            if shared is not None:
+                if created:  # a new job on this host: a good time to remove what killed or exited ones left
+                    _remove_unused_pacer_files(skip=path)
+                return shared
+            os.close(fd)
+        raise OSError(f"{path} kept being replaced while this process opened it")
+
+    @classmethod
+    def _open(cls, path: str, fd: int, created: bool) -> _SharedPacerFile | None:
+        if created:
+            _lock(fd)
+            os.ftruncate(fd, cls.SIZE)
+        else:
+            deadline = time.monotonic() + 2.0
+            while True:  # the creator initialises the file under the lock, right after creating it
+                _lock(fd)
+                found = os.fstat(fd)
+                if found.st_nlink == 0:
+                    _unlock(fd)
+                    return None  # its last user unlinked it: start over
+                if found.st_size == cls.SIZE and os.pread(fd, len(cls.MAGIC), 0) == cls.MAGIC:
+                    break
+                _unlock(fd)
+                if time.monotonic() > deadline:
+                    raise OSError(f"{path} is not a pacer file of this version (size {found.st_size})")
+                time.sleep(0.01)
+        try:
+            mm = mmap.mmap(fd, cls.SIZE)
+            shared = cls(path, fd, mm)
+            try:  # the flock says "in use"; the state lock (lockf) is another kind of lock on the same file
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                alone = True  # nobody uses it: new, or left by killed processes: start dormant
+            except BlockingIOError:
+                alone = False
+            if alone:
+                mm[:] = bytes(cls.SIZE)
+                cls.HEADER.pack_into(mm, cls.HEADER_AT, cls.MAGIC, cls.VERSION, 0, 0.0)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if not shared._register(os.getpid()):
+                raise OSError(f"{path} has no room for another process")
+        finally:
+            _unlock(fd)
+        return shared
+
+    def _pids(self) -> list[int]:
+        return list(self.PIDS.unpack_from(self._mm, self.PIDS_AT))
+
+    def _register(self, pid: int) -> bool:
+        pids = self._pids()
+        if pid not in pids:
+            if 0 not in pids:
+                self._prune(pids)
+            if 0 not in pids:
+                return False
+            pids[pids.index(0)] = pid
+            self.PIDS.pack_into(self._mm, self.PIDS_AT, *pids)
+        self._count(pids, time.monotonic())
+        return True
+
+    def _prune(self, pids: list[int]) -> None:
+        for n, pid in enumerate(pids):
+            if pid:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    pids[n] = 0
+                except OSError:
+                    pass  # alive, someone else's (cannot happen for a 0600 file; kept as alive)
+        self.PIDS.pack_into(self._mm, self.PIDS_AT, *pids)
+
+    def _count(self, pids: list[int], now: float) -> None:
+        magic, version, _, _ = self.HEADER.unpack_from(self._mm, self.HEADER_AT)
+        self.processes = max(1, sum(1 for pid in pids if pid))
+        self.HEADER.pack_into(self._mm, self.HEADER_AT, magic, version, self.processes, now)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the state: this process's threads, then the host's processes; refresh the process count."""
+        with self._thread_lock:
+            _lock(self._fd)
+            try:
+                _, _, processes, checked = self.HEADER.unpack_from(self._mm, self.HEADER_AT)
+                now = time.monotonic()
+                if now - checked > self.PRUNE_EVERY_S:
+                    pids = self._pids()
+                    self._prune(pids)
+                    self._count(pids, now)
+                else:
+                    self.processes = max(1, processes)
+                yield
+            finally:
+                _unlock(self._fd)
+
+    def is_active(self, lane: int) -> bool:
+        """The lane's ``active`` byte, read without any lock (the whole cost of a dormant lane)."""
+        return self._mm[self.LANES_AT + lane * self.LANE.size] != 0
+
+    def last_success(self, lane: int) -> float:
+        """The host's last success through the lane (no lock: a stale value only delays giving up)."""
+        (value,) = struct.unpack_from("<d", self._mm, self.LANES_AT + lane * self.LANE.size + 8 + 6 * 8)
+        return value
+
+    def load(self, lane: int) -> tuple[Any, ...]:
+        return self.LANE.unpack_from(self._mm, self.LANES_AT + lane * self.LANE.size)
+
+    def store(self, lane: int, values: Iterable[Any]) -> None:
+        self.LANE.pack_into(self._mm, self.LANES_AT + lane * self.LANE.size, *values)
+
+    def close(self) -> None:
+        """Leave: take this process out, and unlink the file if no other process uses it."""
+        if self.closed or fcntl is None:
+            return
+        self.closed = True
+        with self._thread_lock:
+            try:
+                _lock(self._fd)
+                pids = self._pids()
+                if os.getpid() in pids:
+                    pids[pids.index(os.getpid())] = 0
+                    self.PIDS.pack_into(self._mm, self.PIDS_AT, *pids)
+                    self._count(pids, time.monotonic())
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                try:
+                    fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    pass  # others still use it
+                else:
+                    with contextlib.suppress(OSError):
+                        if _identity(os.stat(self.path, follow_symlinks=False)) == _identity(os.fstat(self._fd)):
+                            os.unlink(self.path)
+            except (OSError, ValueError):
+                pass
+            finally:
+                with contextlib.suppress(OSError, ValueError):
+                    self._mm.close()
+                with contextlib.suppress(OSError):
+                    os.close(self._fd)  # releases both locks
+
+
+def _remove_unused_pacer_files(skip: str) -> list[str]:
+    """Unlink this user's pacer files in `PACER_SHARED_DIR` that no process uses (nobody holds their flock): those of
+    jobs whose processes were killed or left through ``os._exit`` (multiprocessing's children do), which skip the
+    exit handler that removes them. Files this process has open are left alone (closing another descriptor of one
+    would drop this process's record lock on it)."""
+    removed: list[str] = []
+    ours = {_identity(os.fstat(f._fd)) for f in _shared_pacer_files.values() if f is not None and not f.closed}
+    try:
+        entries = [entry for entry in os.scandir(PACER_SHARED_DIR) if entry.name.startswith(_PACER_FILE_PREFIX)]
+    except OSError:
+        return removed
+    for entry in entries:
+        if entry.path == skip:
+            continue
+        try:
+            seen = entry.stat(follow_symlinks=False)
+            if not stat.S_ISREG(seen.st_mode) or seen.st_uid != os.geteuid() or _identity(seen) in ours:
+                continue
+            fd = os.open(entry.path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if _identity(os.fstat(fd)) == _identity(seen):
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)  # not while someone sets it up or uses it
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while any process uses it
+                os.unlink(entry.path)
+                removed.append(entry.path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    if removed:
+        logger.info(
+            "Removed %d unused S3 request pacer file(s) of finished jobs from %s", len(removed), PACER_SHARED_DIR
+        )
+    return removed
+
+
+_shared_pacer_files: dict[tuple[int, str], _SharedPacerFile | None] = {}
+_shared_pacer_problems: set[str] = set()
+
+
+def _shared_pacer_key(endpoint_url: str | None, bucket: str) -> str | None:
+    job = _job_key()
+    return None if job is None else f"{job}\n{endpoint_url or ''}\n{bucket}"
+
+
+def _shared_pacer_file(endpoint_url: str | None, bucket: str) -> _SharedPacerFile | None:
+    """This process's handle on its host's shared pacer state for the job, endpoint and bucket; None (with one log
+    line per kind of problem) where there is no job, sharing is off, or the file cannot be used safely."""
+    if os.environ.get(PACER_SHARING_ENV, "").strip().lower() in ("0", "off", "false", "no"):
+        return None
+    key = _shared_pacer_key(endpoint_url, bucket)
+    if key is None:
+        return None
+    cache_key = (os.getpid(), key)
+    if cache_key in _shared_pacer_files:
+        return _shared_pacer_files[cache_key]
+    try:
+        shared: _SharedPacerFile | None = _SharedPacerFile.attach(key)
+    except (OSError, ValueError) as exc:
+        shared = None
+        problem = f"{type(exc).__name__}: {exc}"
+        if problem not in _shared_pacer_problems:
+            _shared_pacer_problems.add(problem)
+            logger.warning(
+                "S3 request pacing for s3://%s: this process paces on its own, not with the other processes of the "
+                "job on this host (%s); nothing to do unless S3 throttles this job",
+                bucket,
+                problem,
+            )
+    _shared_pacer_files[cache_key] = shared
+    return shared
+
+
+@atexit.register
+def _leave_shared_pacer_files() -> None:
+    for (pid, _), shared in list(_shared_pacer_files.items()):
+        if shared is not None and pid == os.getpid():
+            shared.close()
+
+
 class PacerLane:
     """One direction (reads or writes) of a `RequestPacer`: a token bucket whose rate adapts to S3's answers.
 
@@ -389,6 +751,13 @@ class PacerLane:
     actually sending at, nor past its share of the budget; on top of that it gains `CATCH_UP` requests per second
     per second of successes, the same for every process (which is what makes processes converge to equal shares).
     It never goes under `MIN_RATE`.
+
+    Shared by the processes of a job on one host (``shared``, see `_SharedPacerFile`), the lane's state lives in
+    /dev/shm and stands for all of them (`processes`, n): its rate is the host's, the first throttling answer any of
+    them gets wakes it for all, and every answer adapts it. It behaves as n per-process lanes in lock step that pool
+    what they learn: the floor, `CATCH_UP` and the budget share are n times a process's, a success adds 1/n to the
+    run of successes, and the growth step is the per-process one at the rate per process (``0.1 / sqrt(rate * n)``).
+    A dormant shared lane costs one unlocked read of a byte in the mapping per request.
 
     The arithmetic takes the time as an argument (`reserve`, `on_success`, `on_throttle`), so it can be tested with
     a made-up clock; `acquire` is the blocking wrapper the retry loop uses.
@@ -407,9 +776,19 @@ class PacerLane:
     WINDOW_S = 2.0
     """The send rate a lane measures (to start from, and to cap its growth) is over the last this many seconds."""
 
-    def __init__(self, name: str, limit: Callable[[], float | None] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        limit: Callable[[], float | None] | None = None,
+        shared: _SharedPacerFile | None = None,
+        index: int = 0,
+    ) -> None:
         self.name = name
         self._limit = limit
+        self._shared = shared
+        self._index = index
+        self._flag = (shared._mm, shared.LANES_AT + index * shared.LANE.size) if shared is not None else None
+        """A shared lane's ``active`` byte (mapping, offset): the dormant path's one read."""
         self._cond = threading.Condition(threading.Lock())
         self._active = False
         self._rate = math.inf
@@ -417,56 +796,138 @@ class PacerLane:
         self._refilled_at = 0.0
         self._epoch = -math.inf
         self._changed_at = 0.0
-        self._streak = 0
+        self._streak = 0.0
         self._sends: collections.deque[float] = collections.deque(maxlen=64)
-        self.last_success = -math.inf
-        """`time.monotonic()` of the last success through this lane (the retry loop's measure of progress)."""
+        self._own_sends = self._sends
+        """This process's sends while dormant (the same deque as `_sends` unless the lane is shared, where
+        `_sends` holds the host's sends while it paces)."""
+        self._processes = 1
+        self._last_success = -math.inf
+        self._host_last_success = -math.inf  # a shared lane's host-wide figures, as loaded
+        self._host_throttles = self._host_activations = 0
         self.throttles = 0
-        """Throttling answers seen."""
+        """Throttling answers this process saw."""
         self.waits = 0
-        """Requests that waited for a token."""
+        """Requests of this process that waited for a token."""
         self.waited_s = 0.0
-        """Seconds requests spent waiting for tokens, summed over threads."""
+        """Seconds this process's requests spent waiting for tokens, summed over threads."""
         self.activations = 0
+        """Times this process woke the lane (a shared lane is woken once, by whichever process is throttled first)."""
         if limit is not None and limit() is not None:
-            self._activate_with_budget(time.monotonic())
+            with self._state():
+                if not self._active:
+                    self._activate_with_budget(time.monotonic())
 
     def __repr__(self) -> str:
-        state = f"{self._rate:.3g} requests/s" if self._active else "dormant"
-        return f"<PacerLane {self.name}: {state}, {self.throttles} throttled, {self.waited_s:.2f} s waited>"
+        state = f"{self.rate:.3g} requests/s" if self.active else "dormant"
+        where = f", shared by {self.processes} processes" if self._shared is not None else ""
+        return f"<PacerLane {self.name}: {state}{where}, {self.throttles} throttled, {self.waited_s:.2f} s waited>"
+
+    @property
+    def shared(self) -> bool:
+        """Whether this lane is the host's (shared with the job's other processes on this host)."""
+        return self._shared is not None
+
+    @property
+    def processes(self) -> int:
+        """The processes this lane paces: 1, or those of the job on this host that share it."""
+        return self._processes
 
     @property
     def active(self) -> bool:
+        if self._shared is not None:
+            return self._shared.is_active(self._index)
         return self._active
 
     @property
     def rate(self) -> float:
-        """Requests per second this lane lets through (infinite while dormant)."""
+        """Requests per second this lane lets through (infinite while dormant); a shared lane's is the host's."""
+        if self._shared is not None:
+            with self._state():
+                pass
         return self._rate if self._active else math.inf
+
+    @property
+    def last_success(self) -> float:
+        """`time.monotonic()` of the last success through this lane (the retry loop's measure of progress); a shared
+        lane's is the last success of any process of the host."""
+        if self._shared is not None:
+            return max(self._last_success, self._shared.last_success(self._index))
+        return self._last_success
+
+    # ---- the shared state ----------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _state(self) -> Iterator[None]:
+        """Hold the lane; for a shared lane, hold the host's state too and work on a copy of it (stored back)."""
+        with self._cond:
+            shared = self._shared
+            if shared is None:
+                yield
+                return
+            with shared.locked():
+                self._load(shared)
+                yield
+                self._store(shared)
+
+    def _load(self, shared: _SharedPacerFile) -> None:
+        values = shared.load(self._index)
+        active, self._rate, self._tokens, self._refilled_at, self._epoch, self._changed_at, self._streak = values[:7]
+        self._host_last_success, self._host_throttles, self._host_activations, _, count = values[7:12]
+        self._active = bool(active)
+        if not self._active:
+            self._rate = math.inf
+        self._sends = collections.deque(values[12 : 12 + count], maxlen=64)
+        self._processes = shared.processes
+
+    def _store(self, shared: _SharedPacerFile) -> None:
+        sends = list(self._sends)
+        ring = sends + [0.0] * (64 - len(sends))
+        rate = self._rate if math.isfinite(self._rate) else 0.0
+        shared.store(
+            self._index,
+            (
+                self._active,
+                rate,
+                self._tokens,
+                self._refilled_at,
+                self._epoch,
+                self._changed_at,
+                self._streak,
+                self._host_last_success,
+                self._host_throttles,
+                self._host_activations,
+                0,
+                len(sends),
+                *ring,
+            ),
+        )
 
     # ---- the arithmetic (times from time.monotonic(), or a test's clock) ----------------------------------------
 
     def record_send(self, now: float) -> None:
         self._sends.append(now)
 
-    def measured_rate(self, now: float) -> float:
-        """Requests sent per second over the last `WINDOW_S`."""
-        recent = [t for t in tuple(self._sends) if t > now - self.WINDOW_S]
-        if len(recent) == self._sends.maxlen and now > recent[0]:
+    def measured_rate(self, now: float, sends: Iterable[float] | None = None) -> float:
+        """Requests sent per second over the last `WINDOW_S` (by this lane, or the given send times)."""
+        sends = tuple(self._sends if sends is None else sends)
+        recent = [t for t in sends if t > now - self.WINDOW_S]
+        if len(recent) == 64 and now > recent[0]:
             return len(recent) / (now - recent[0])
         return len(recent) / self.WINDOW_S
 
     def reserve(self, now: float, floor: float = 0.0) -> float:
         """Take a token if one is there (0.0: send now) or say how many seconds until one will be (take nothing).
         Tokens come at least at `floor` per second (the caller's retry policy: `acquire`)."""
-        with self._cond:
+        with self._state():
             return self._reserve(now, floor)
 
     def _reserve(self, now: float, floor: float = 0.0) -> float:
         if not self._active:
-            self._sends.append(now)
+            self._own_sends.append(now)
             return 0.0
         limit = self._apply_limit(now)
+        floor *= self._processes  # each process's waiting request gets one at least that often
         rate = max(self._rate, min(floor, limit if limit is not None else math.inf))  # a budget is never exceeded
         self._tokens = min(1.0, self._tokens + (now - self._refilled_at) * rate)
         self._refilled_at = now
@@ -478,35 +939,48 @@ class PacerLane:
 
     def on_throttle(self, sent: float, now: float) -> None:
         """A throttling answer to a request sent at `sent`."""
-        with self._cond:
+        with self._state():
             self.throttles += 1
-            self._streak = 0
+            self._host_throttles += 1
+            self._streak = 0.0
+            n = self._processes
             if not self._active:
                 self._active = True
                 self.activations += 1
-                self._rate = max(self.MIN_RATE, self.BETA * self.measured_rate(now))
+                self._host_activations += 1
+                # the rate this process was sending at, times the processes that share the lane (all alike)
+                self._rate = max(self.MIN_RATE * n, self.BETA * self.measured_rate(now, self._own_sends) * n)
+                if self._shared is not None:
+                    self._sends = collections.deque(self._own_sends, maxlen=64)
                 self._apply_limit(now)
                 self._tokens, self._refilled_at, self._epoch, self._changed_at = 0.0, now, now, now
+                whose = f"the {n} processes of this job on this host share" if n > 1 else "this process's"
                 logger.info(
-                    "S3 throttles %s: pacing this process's %s at %.3g requests/s from now on",
+                    "S3 throttles %s: pacing %s %s at %.3g requests/s from now on",
                     self.name,
+                    whose,
                     self.name,
                     self._rate,
                 )
             elif sent >= self._epoch:
-                self._set_rate(max(self.MIN_RATE, self.BETA * self._rate), now)
+                self._set_rate(max(self.MIN_RATE * n, self.BETA * self._rate), now)
                 self._epoch = self._changed_at = now
                 logger.debug("S3 throttles %s: %.3g requests/s", self.name, self._rate)
 
     def on_success(self, sent: float, now: float) -> None:
         """A success of a request sent at `sent`."""
-        self.last_success = now
-        if not self._active:
+        self._last_success = now
+        flag = self._flag
+        if not (self._active if flag is None else flag[0][flag[1]]):
             return
-        with self._cond:
-            self._streak = min(self._streak + 1, self.MAX_STREAK)
-            step = self.GROWTH * (1.0 + self._streak / self.STREAK_SCALE) / math.sqrt(self._rate)
-            grown = self._rate * (1.0 + step) + self.CATCH_UP * max(0.0, now - self._changed_at)
+        with self._state():
+            self._host_last_success = now
+            if not self._active:
+                return
+            n = self._processes
+            self._streak = min(self._streak + 1.0 / n, self.MAX_STREAK)
+            step = self.GROWTH * (1.0 + self._streak / self.STREAK_SCALE) / math.sqrt(self._rate * n)
+            grown = self._rate * (1.0 + step) + self.CATCH_UP * n * max(0.0, now - self._changed_at)
             grown = min(grown, max(self._rate, 2.0 * self.measured_rate(now)))
             self._changed_at = now
             if grown > self._rate:
@@ -528,6 +1002,7 @@ class PacerLane:
     def _apply_limit(self, now: float) -> float | None:
         limit = self._limit() if self._limit is not None else None
         if limit is not None:
+            limit *= self._processes  # the host's lane: the shares of the processes that use it
             self._rate = min(self._rate, limit)
         return limit
 
@@ -538,19 +1013,22 @@ class PacerLane:
         come at least every `max_interval_s` while this request waits (a retry policy's ``max_backoff_s``: the pacer
         never spaces requests further apart than the policy's longest backoff would)."""
         now = time.monotonic()
-        if not self._active:
-            self._sends.append(now)  # thread-safe, and the only cost of a dormant lane
+        flag = self._flag
+        if not (self._active if flag is None else flag[0][flag[1]]):
+            self._own_sends.append(now)  # thread-safe, and the only cost of a dormant lane
             return now
         started = now
         floor = 1.0 / max_interval_s if max_interval_s > 0 else math.inf
-        with self._cond:
-            while True:
+        while True:
+            with self._state():
                 wait = self._reserve(now, floor)
-                if wait <= 0.0:
-                    break
-                self._cond.wait(wait)
-                now = time.monotonic()
-            if now > started:
+            if wait <= 0.0:
+                break
+            with self._cond:
+                self._cond.wait(wait)  # woken early when this process's successes grow the rate
+            now = time.monotonic()
+        if now > started:
+            with self._cond:
                 self.waits += 1
                 self.waited_s += now - started
         return now
@@ -576,22 +1054,28 @@ _WRITE_OPERATIONS = frozenset(
 
 class RequestPacer:
     """The request pacer of one process for one bucket on one endpoint: a `PacerLane` for writes and one for reads,
-    shared by every thread and `S3Utils` of the process (`request_pacer`).
+    shared by every thread and `S3Utils` of the process (`request_pacer`), and, inside a job, by the job's other
+    processes on this host (``shared``: the lanes' state lives in /dev/shm, see `_SharedPacerFile`).
 
     Separate lanes because S3's limits are separate (3,500 writes and 5,500 reads per second per prefix): a save
     throttled on its PUTs must not slow the job's loads, nor a resume storm of GETs its saves.
     """
 
-    def __init__(self, endpoint_url: str | None, bucket: str) -> None:
+    def __init__(self, endpoint_url: str | None, bucket: str, shared: _SharedPacerFile | None = None) -> None:
         self.endpoint_url = endpoint_url
         self.bucket = bucket
         self._budget: RequestRates | None = None
         self._world: tuple[float, int] = (-math.inf, 1)
-        self.writes = PacerLane("writes", lambda: self._share("write"))
-        self.reads = PacerLane("reads", lambda: self._share("read"))
+        self.writes = PacerLane("writes", lambda: self._share("write"), shared, 0)
+        self.reads = PacerLane("reads", lambda: self._share("read"), shared, 1)
 
     def __repr__(self) -> str:
         return f"<RequestPacer s3://{self.bucket} ({self.endpoint_url or 'AWS'}): {self.writes!r}, {self.reads!r}>"
+
+    @property
+    def shared(self) -> bool:
+        """Whether the lanes are the host's, shared with the job's other processes on this host."""
+        return self.writes.shared
 
     def lane(self, operation: str) -> PacerLane:
         return self.writes if operation in _WRITE_OPERATIONS else self.reads
@@ -604,14 +1088,15 @@ class RequestPacer:
         self._budget = _smaller(old, budget)
         now = time.monotonic()
         for lane in (self.writes, self.reads):
-            with lane._cond:
+            with lane._state():
                 if lane._limit is not None and lane._limit() is not None and not lane._active:
                     lane._activate_with_budget(now)
                 lane._apply_limit(now)
 
     def _share(self, direction: str) -> float | None:
         """This process's share of the budget for `direction`: the job-wide rate over the world size (looked up
-        again every few seconds, since the process group usually starts after the first S3 request)."""
+        again every few seconds, since the process group usually starts after the first S3 request). A shared lane
+        takes the shares of the processes that use it."""
         budget = self._budget
         rate = getattr(budget, direction) if budget is not None else None
         if rate is None:
@@ -636,13 +1121,16 @@ _pacers_lock = threading.Lock()
 
 
 def request_pacer(endpoint_url: str | None, bucket: str) -> RequestPacer:
-    """The process's `RequestPacer` for `bucket` at `endpoint_url` (None: AWS), made on first use. Pacers are kept
-    per process id, so a forked child starts with its own, dormant ones."""
+    """The process's `RequestPacer` for `bucket` at `endpoint_url` (None: AWS), made on first use: shared with the
+    job's other processes on this host where it can be (`_shared_pacer_file`). Pacers are kept per process id, so a
+    forked child starts with its own, dormant ones."""
     key = (os.getpid(), endpoint_url, bucket)
     pacer = _pacers.get(key)
     if pacer is None:
         with _pacers_lock:
-            pacer = _pacers.setdefault(key, RequestPacer(endpoint_url, bucket))
+            pacer = _pacers.get(key)
+            if pacer is None:
+                pacer = _pacers[key] = RequestPacer(endpoint_url, bucket, _shared_pacer_file(endpoint_url, bucket))
     return pacer
 
 

@@ -5,6 +5,7 @@ as S3 does per prefix.
 
     python benchmarks/bench_throttle.py                      # 8 and 32 writers, saves and loads (about 6 min)
     python benchmarks/bench_throttle.py --writers 8 --clients ours,adaptive --tag quick
+    python benchmarks/bench_throttle.py --clients ours,ours+per-process --writers-per-host 0,8   # shared pacer
 
 Each scenario (writers x direction) runs once per client, clients interleaved. Writers are processes forked from one
 that imported torch, boto3 and the package (multiprocessing's forkserver), each holding its own S3 client; they
@@ -51,9 +52,10 @@ REPO = HERE.parent
 RESULTS = HERE / "results"
 BUCKET = "throttle-bench"
 CLIENTS = ("ours", "ours+budget", "standard", "adaptive")
-EXTRA_CLIENTS = ("ours+desync",)
+EXTRA_CLIENTS = ("ours+desync", "ours+per-process")
 """Not run by default: ``ours+desync`` sleeps a random 0 to ``--desync-s`` seconds (inside the clock) before its
-operation, to measure whether desynchronising the writers' first requests helps."""
+operation, to measure whether desynchronising the writers' first requests helps; ``ours+per-process`` turns the
+host's shared pacer off (``S3CKPT_PACER_SHARING=0``: one pacer per process, as before it was shared)."""
 MiB = 1 << 20
 PART_MIB = 5
 
@@ -83,6 +85,12 @@ def _writer(spec: dict[str, Any], rank: int, barrier: Any, results: Any) -> None
     """One writer: set up its client (outside the clock), wait for the others, save or load once, report."""
     os.environ.update(spec["env"])
     os.environ["WORLD_SIZE"] = str(spec["writers"])
+    # The job on this "host": writers in groups of --writers-per-host share a pacer (one job key per group).
+    per_host = spec["per_host"] or spec["writers"]
+    os.environ["TORCHELASTIC_RUN_ID"] = f"{spec['job']}-host{rank // per_host}"
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_host)
+    if spec["client"] == "ours+per-process":
+        os.environ["S3CKPT_PACER_SHARING"] = "0"
     import torch
 
     report: dict[str, Any] = {"rank": rank}
@@ -279,7 +287,7 @@ def _markdown(doc: dict[str, Any]) -> str:
         p50 = f"{run['p50_s']:.1f}" if run["p50_s"] is not None else "-"
         p99 = f"{run['p99_s']:.1f}" if run["p99_s"] is not None else "-"
         lines.append(
-            f"| {run['direction']} | {run['writers']} | {run['client']} | {run['failed']} "
+            f"| {run['direction']} | {run['writers']} | {run.get('label', run['client'])} | {run['failed']} "
             f"| {run['slowdown_per_admitted']:.2f} | {run['goodput']:.2f} | {p50} | {p99} "
             f"| {run['requests_per_op']:.1f} |"
         )
@@ -299,7 +307,7 @@ def _markdown(doc: dict[str, Any]) -> str:
             lines += _frontier_lines(*key)
     for run in doc["runs"]:
         for error in run["errors"]:
-            lines.append(f"- {run['direction']} {run['writers']} {run['client']}: `{error}`")
+            lines.append(f"- {run['direction']} {run['writers']} {run.get('label', run['client'])}: `{error}`")
     return "\n".join(lines) + "\n"
 
 
@@ -314,9 +322,9 @@ def _chart(doc: dict[str, Any], path: Path) -> bool:
         return False
     runs = doc["runs"]
     scenarios = sorted({(r["direction"], r["writers"]) for r in runs}, key=lambda s: (s[0] != "save", s[1]))
-    clients = [c for c in CLIENTS + EXTRA_CLIENTS if any(r["client"] == c for r in runs)]
+    clients = list(dict.fromkeys(r.get("label", r["client"]) for r in runs))
     colours = {"ours": "tab:orange", "ours+budget": "tab:red", "standard": "tab:gray", "adaptive": "tab:blue"}
-    colours["ours+desync"] = "tab:brown"
+    colours.update({"ours+desync": "tab:brown", "ours+per-process": "tab:olive"})
     metrics = (
         ("slowdown_per_admitted", "SlowDown per admitted request (lower is better; target <= 0.5)", 0.5),
         ("goodput", "goodput (higher is better; target >= 0.9)", 0.9),
@@ -328,14 +336,25 @@ def _chart(doc: dict[str, Any], path: Path) -> bool:
             values = []
             for scenario in scenarios:
                 run = next(
-                    (r for r in runs if (r["direction"], r["writers"]) == scenario and r["client"] == client), None
+                    (
+                        r
+                        for r in runs
+                        if (r["direction"], r["writers"]) == scenario and r.get("label", r["client"]) == client
+                    ),
+                    None,
                 )
                 values.append(run[metric] if run else 0.0)
             xs = [i + (n - (len(clients) - 1) / 2) * width for i in range(len(scenarios))]
-            axis.bar(xs, values, width, label=client, color=colours.get(client))
+            hatch = "//" if "/host" in client else None  # a client's N/host variant: its colour, hatched
+            axis.bar(xs, values, width, label=client, color=colours.get(client.split()[0]), hatch=hatch)
             for x, scenario in zip(xs, scenarios, strict=True):
                 run = next(
-                    (r for r in runs if (r["direction"], r["writers"]) == scenario and r["client"] == client), None
+                    (
+                        r
+                        for r in runs
+                        if (r["direction"], r["writers"]) == scenario and r.get("label", r["client"]) == client
+                    ),
+                    None,
                 )
                 if run and run["failed"]:
                     axis.text(x, 0, f"{run['failed']} failed", rotation=90, fontsize=7, va="bottom", ha="center")
@@ -372,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-rate-per-writer", type=float, default=0.25, help="admitted writes/s per writer")
     parser.add_argument("--read-rate-per-writer", type=float, default=0.5, help="admitted reads/s per writer")
     parser.add_argument("--desync-s", type=float, default=2.0, help="the ours+desync client's largest delay")
+    parser.add_argument(
+        "--writers-per-host",
+        default="0",
+        help="comma-separated; for each N > 0 the ours clients also run with writers in groups of N, each group its "
+        "own job key on its own 'host' (its own shared pacer); 0: all writers on one host (one shared pacer)",
+    )
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run before writers are killed")
     parser.add_argument("--tag", default="")
     args = parser.parse_args(argv)
@@ -400,13 +425,24 @@ def main(argv: list[str] | None = None) -> int:
             for writers in writer_counts:
                 write_rate, read_rate = args.write_rate_per_writer * writers, args.read_rate_per_writer * writers
                 for direction in [d for d in args.directions.split(",") if d]:
-                    for client in clients:
+                    per_hosts = [int(n) for n in args.writers_per_host.split(",") if n]
+                    variants = [
+                        (client, n)
+                        for client in clients
+                        for n in (per_hosts if client in ("ours", "ours+budget", "ours+desync") else [0])
+                        if n == 0 or n < writers
+                    ]
+                    for client, per_host in variants:
+                        label = f"{client} {per_host}/host" if per_host else client
                         spec = {
                             "client": client,
+                            "label": label,
+                            "per_host": per_host,
+                            "job": f"bench-{stamp}-{client}-{writers}-{direction}-{per_host}",
                             "writers": writers,
                             "direction": direction,
                             "mib": args.mib,
-                            "prefix": f"{client.replace('+', '-')}-{writers}",
+                            "prefix": f"{client.replace('+', '-')}-{writers}" + (f"-h{per_host}" if per_host else ""),
                             "write_rate": write_rate,
                             "read_rate": read_rate,
                             "budget": {"write": write_rate, "read": read_rate},
@@ -414,14 +450,14 @@ def main(argv: list[str] | None = None) -> int:
                             "env": env,
                         }
                         if direction == "load" and not any(
-                            r["client"] == client and r["writers"] == writers and r["direction"] == "save" for r in runs
+                            r["label"] == label and r["writers"] == writers and r["direction"] == "save" for r in runs
                         ):
                             print(f"skip: load by {client} x{writers} needs its save first", flush=True)
                             continue
                         run = _run(ctx, proxy, spec, args.timeout)
                         runs.append(run)
                         print(
-                            f"{direction} x{writers} {client:12} failed {run['failed']}  "
+                            f"{direction} x{writers} {label:18} failed {run['failed']}  "
                             f"SlowDown/admitted {run['slowdown_per_admitted']:.2f}  goodput {run['goodput']:.2f}  "
                             f"p50 {run['p50_s'] or 0:.1f} s  p99 {run['p99_s'] or 0:.1f} s  "
                             f"({run['admitted']} admitted, {run['throttled']} throttled in {run['span_s']:.1f} s)",

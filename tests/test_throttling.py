@@ -16,9 +16,11 @@ import json
 import math
 import os
 import re
+import stat
 import subprocess
 import sys
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from fault_proxy import FaultProxy, RateLimit, TokenBucket
 from s3_servers import S3Endpoint, rank_environment
 
 import s3_checkpoint_cli as cli
+import s3_utils
 from s3_utils import (
     PacerLane,
     RequestPacer,
@@ -182,7 +185,10 @@ def test_the_proxy_token_bucket_admits_its_rate_after_its_burst() -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def test_the_pacer_adds_nothing_when_nothing_throttles(fault_proxy: FaultProxy, bucket: str) -> None:
+def test_the_pacer_adds_nothing_when_nothing_throttles(
+    fault_proxy: FaultProxy, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"test-{uuid.uuid4().hex}")  # inside a job: the host's shared pacer
     limit = fault_proxy.add_rule(RateLimit(writes_per_s=10_000, reads_per_s=10_000))  # counts, never throttles
     utils = S3Utils(S3ClientSettings(endpoint_url=fault_proxy.endpoint_url))
     data = os.urandom(11 * MiB)
@@ -191,6 +197,7 @@ def test_the_pacer_adds_nothing_when_nothing_throttles(fault_proxy: FaultProxy, 
     assert utils.download_s3_file_to_stream(f"s3://{bucket}/a.bin", chunk_size_MB=5).read() == data
     assert [o.key for o in utils.list_objects(f"s3://{bucket}")] == ["a.bin"]
     pacer = utils.pacer(f"s3://{bucket}")
+    assert pacer.shared
     for lane in (pacer.writes, pacer.reads):
         assert (lane.active, lane.waits, lane.waited_s, lane.throttles) == (False, 0, 0.0, 0), lane
     assert utils.retries == 0 and sum(limit.throttled.values()) == 0
@@ -224,6 +231,185 @@ def test_a_budget_keeps_a_process_under_the_store_limit(fault_proxy: FaultProxy,
     assert utils.pacer(f"s3://{bucket}").writes.waits > 0
     save_all(S3Utils(S3ClientSettings(endpoint_url=fault_proxy.endpoint_url + "/")), "free")  # another pacer
     assert limit.throttled["write"] > 0
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The pacer shared by a job's processes on one host (/dev/shm)
+# --------------------------------------------------------------------------------------------------------------------
+
+PACER_PROCESS = r"""
+import json, os, sys, time
+import s3_utils
+pacer = s3_utils.request_pacer("http://pacer-test.invalid", "bucket")
+lane = pacer.writes
+shared = next(iter(s3_utils._shared_pacer_files.values()), None)
+print(json.dumps({"shared": pacer.shared, "path": shared and shared.path}), flush=True)
+for line in sys.stdin:
+    command, *args = line.split()
+    started, waits = time.monotonic(), lane.waits
+    if command == "send":  # n requests, as the retry loop makes them
+        for _ in range(int(args[0])):
+            lane.on_success(lane.acquire(), time.monotonic())
+    elif command == "throttle":
+        lane.on_throttle(time.monotonic(), time.monotonic())
+    elif command == "budget":
+        pacer.limit(s3_utils.RequestRates(write=float(args[0])))
+    reply = {"active": lane.active, "rate": lane.rate, "processes": lane.processes, "waits": lane.waits - waits}
+    print(json.dumps({**reply, "seconds": time.monotonic() - started}), flush=True)
+"""
+
+
+class PacerProcess:
+    """A real process of a job (its environment says which) holding the pacer of one bucket, driven line by line."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", PACER_PROCESS],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=REPO,
+            text=True,
+        )
+        self.hello = self.read()
+
+    def read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"the pacer process exited with {self.proc.wait()}"
+        return json.loads(line)
+
+    def __call__(self, command: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> int:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        return self.proc.wait(timeout=30)
+
+
+def test_a_jobs_processes_on_a_host_share_one_pacer() -> None:
+    """Two processes of one job: dormant, neither waits; the first throttle one of them sees makes the other pace;
+    the file is this user's, mode 0600, and goes away with its last user. A process of another job is not paced."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCHELASTIC_RUN_ID": f"test-{uuid.uuid4().hex}", "WORLD_SIZE": "4"}
+    env.pop("S3CKPT_PACER_SHARING", None)
+    first, second = PacerProcess(env), PacerProcess(env)
+    other_job = PacerProcess({**env, "TORCHELASTIC_RUN_ID": f"test-{uuid.uuid4().hex}"})
+    try:
+        assert first.hello["shared"] and first.hello["path"] == second.hello["path"] != other_job.hello["path"]
+        found = os.stat(first.hello["path"], follow_symlinks=False)
+        assert stat.S_ISREG(found.st_mode) and stat.S_IMODE(found.st_mode) == 0o600 and found.st_uid == os.geteuid()
+        assert found.st_size == s3_utils._SharedPacerFile.SIZE
+        assert os.path.exists(first.hello["path"])  # another job's new file removed only unused ones
+
+        dormant = second("send 200")  # nothing throttled yet: nothing waits, in either process
+        assert (dormant["active"], dormant["waits"], dormant["processes"]) == (False, 0, 2)
+        assert first("send 40")["waits"] == 0
+
+        woken = first("throttle")  # 40 sent in the 2 s window: 20/s, x0.7, for 2 processes
+        assert woken["active"] and woken["rate"] == pytest.approx(2 * 0.7 * 40 / 2, rel=0.2)
+        paced = second("send 6")  # never throttled itself, yet paced by the host's token bucket
+        assert paced["active"] and paced["waits"] >= 5
+        assert paced["seconds"] >= 5 / paced["rate"] * 0.8
+        assert not other_job("send 50")["active"] and other_job("send 1")["waits"] == 0  # another job: its own
+
+        budget = second("budget 8")  # 8 writes/s for a job of 4 processes: this host's 2 take 2 shares
+        assert budget["rate"] == pytest.approx(4.0)
+    finally:
+        codes = [process.close() for process in (first, second, other_job)]
+    assert codes == [0, 0, 0]
+    assert not os.path.exists(first.hello["path"]) and not os.path.exists(other_job.hello["path"])
+
+
+@pytest.fixture
+def pacer_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Shared pacer files in `tmp_path` (not /dev/shm), for a job of this process's own."""
+    monkeypatch.setattr(s3_utils, "PACER_SHARED_DIR", str(tmp_path))
+    monkeypatch.setattr(s3_utils, "_shared_pacer_files", {})
+    monkeypatch.setattr(s3_utils, "_shared_pacer_problems", set())
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"test-{uuid.uuid4().hex}")
+    monkeypatch.delenv("S3CKPT_PACER_SHARING", raising=False)
+    return tmp_path
+
+
+def pacer_path(bucket: str) -> str:
+    key = s3_utils._shared_pacer_key(None, bucket)
+    assert key is not None
+    return s3_utils._SharedPacerFile.path_for(key)
+
+
+def test_the_shared_pacer_file_is_created_exclusively_with_mode_0600(pacer_dir: Path) -> None:
+    leftover = str(pacer_dir / "s3ckpt-pacer-0-left-by-a-killed-job")
+    os.close(s3_utils.create_shared_file(leftover))  # nobody holds it
+    old = os.umask(0o277)  # a umask that takes even the owner's write bit: the file is still 0600
+    try:
+        shared = s3_utils._shared_pacer_file(None, "bucket")
+    finally:
+        os.umask(old)
+    assert shared is not None and shared.path == pacer_path("bucket")
+    try:
+        assert stat.S_IMODE(os.stat(shared.path).st_mode) == 0o600
+        with pytest.raises(FileExistsError):
+            s3_utils.create_shared_file(shared.path)  # O_EXCL: nobody creates it twice
+        assert RequestPacer(None, "bucket", shared).shared
+        assert not os.path.exists(leftover)  # a new job's file: unused ones of finished jobs are removed
+    finally:
+        shared.close()
+    assert not os.path.exists(shared.path)  # its only user left
+
+
+def _refused(bucket: str, caplog: pytest.LogCaptureFixture) -> str:
+    with caplog.at_level("WARNING", logger="s3_utils"):
+        assert s3_utils._shared_pacer_file(None, bucket) is None
+        assert s3_utils._shared_pacer_file(None, bucket) is None  # asked again: one warning
+    warnings = [r.getMessage() for r in caplog.records if "paces on its own" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    caplog.clear()
+    return warnings[0]
+
+
+def test_a_link_or_a_file_not_ours_is_refused_and_the_process_paces_alone(
+    pacer_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    target = pacer_dir / "elsewhere"
+    target.write_bytes(b"")
+    os.symlink(target, pacer_path("linked"))
+    assert "symbolic links" in _refused("linked", caplog)  # O_NOFOLLOW
+    assert target.read_bytes() == b""  # never written through the link
+
+    readable = pacer_path("readable")
+    Path(readable).write_bytes(bytes(s3_utils._SharedPacerFile.SIZE))
+    os.chmod(readable, 0o644)
+    assert "mode 644" in _refused("readable", caplog)
+
+    if os.geteuid() == 0:  # only root can make a file someone else owns
+        foreign = pacer_path("foreign")
+        fd = s3_utils.create_shared_file(foreign)
+        os.fchown(fd, 65534, 65534)
+        os.close(fd)
+        assert "owner 65534" in _refused("foreign", caplog)
+
+    lane = RequestPacer(None, "linked", None).writes  # what request_pacer makes then: a pacer of its own
+    lane.on_throttle(0.0, 0.0)
+    assert lane.active and not lane.shared and lane.processes == 1
+
+
+def test_without_dev_shm_or_a_job_each_process_paces_alone(
+    pacer_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(s3_utils, "PACER_SHARED_DIR", str(pacer_dir / "missing"))
+    assert "not a directory" in _refused("bucket", caplog)
+    monkeypatch.setattr(s3_utils, "PACER_SHARED_DIR", str(pacer_dir))
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert s3_utils._shared_pacer_file(None, "no-job") is None  # no launcher: nothing to share, nothing said
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("S3CKPT_PACER_SHARING", "0")
+    assert s3_utils._shared_pacer_file(None, "switched-off") is None
+    assert list(pacer_dir.iterdir()) == []
 
 
 def io_of(data: bytes) -> Any:
