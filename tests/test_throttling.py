@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 from fault_proxy import FaultProxy, RateLimit, TokenBucket
-from s3_servers import S3Endpoint, rank_environment
+from s3_servers import S3Endpoint, rank_environment, skip_unless_multirank_backend
 
 import s3_checkpoint_cli as cli
 import s3_utils
@@ -42,9 +42,6 @@ from s3_utils import (
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "helpers" / "throttle_worker.py"
 MiB = 1 << 20
-
-MULTIRANK_BACKENDS = os.environ.get("S3CKPT_DCP_MULTIRANK_BACKENDS", "moto").split(",")
-"""As the other multi-rank tests: starting 8 ranks dominates the time, and the backend does not change the pacing."""
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -445,8 +442,7 @@ def digest(s3_client: Any, bucket: str, key: str) -> str:
 def test_eight_ranks_save_and_load_everything_under_request_limits(
     s3_server: S3Endpoint, s3_client: Any, bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    if s3_server.name not in MULTIRANK_BACKENDS:
-        pytest.skip(f"multi-rank tests run on {MULTIRANK_BACKENDS} (S3CKPT_DCP_MULTIRANK_BACKENDS)")
+    skip_unless_multirank_backend(s3_server)  # starting 8 ranks dominates its time; the store does not change pacing
     base = f"s3://{bucket}/run"
     previous = {f"run/rank{r}/previous.ckpt": os.urandom(1000 + r) for r in range(WORLD)}
     for key, data in previous.items():  # an older checkpoint beside each rank's new ones
