@@ -1425,8 +1425,8 @@ def _shard_chunk(
     (``Shard.local_shard_size_and_offset``): chunks of ceil(n / k), the last ones short or empty. An empty shard's
     offset along its dimension is the global size there, as torch records it."""
     types = _planner_types()
-    if not len(mesh_shape) == len(coordinate) == len(placements):
-        return None
+    if not len(mesh_shape) == len(coordinate) == len(placements) or any(type(n) is not int for n in global_shape):
+        return None  # symbolic sizes (tracing) are torch's business
     sizes = list(global_shape)
     offsets = [0] * len(sizes)
     for placement, count, rank in zip(placements, mesh_shape, coordinate, strict=True):
