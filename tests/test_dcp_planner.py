@@ -82,6 +82,7 @@ def test_plans_metadata_and_files_equal_the_default_planners_at_two_gloo_ranks(t
         expected = {".metadata equal", "shard files identical"} if rank == 0 else set()
         expected |= {
             "local save plans equal",
+            "plans with torch's code when torch does not ask",
             "local save plan has every item",
             "global save plans equal",
             "global metadata equal",

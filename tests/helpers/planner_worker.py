@@ -149,6 +149,23 @@ def _rank_main(rank: int, out: str, port: int) -> None:
             dist.all_gather_object(gathered, local[kind])
             global_plans[kind], metadata[kind] = planner.create_global_plan(gathered)
         checks["local save plans equal"] = local["torch"] == local["ours"]
+
+        # a torch that plans DTensors without asking them (simulated): ours notices and plans with torch's code
+        from torch.distributed.checkpoint import default_planner, planner_helpers
+
+        def as_bytes_unless_tensor(fqn: str, obj: Any) -> list[Any]:
+            if isinstance(obj, torch.Tensor):
+                return asked(fqn, obj)
+            return [planner_helpers._create_write_item_for_bytesio(fqn, obj)]
+
+        asked = default_planner._create_write_items
+        default_planner._create_write_items = as_bytes_unless_tensor
+        try:
+            planner = s3_dcp.S3SavePlanner()
+            planner.set_up_planner(_state(meshes, zeros=False), None, rank == 0)
+            checks["plans with torch's code when torch does not ask"] = planner.create_local_plan() == local["torch"]
+        finally:
+            default_planner._create_write_items = asked
         checks["local save plan has every item"] = len(local["ours"].items) == len(local["torch"].items) > 10
         checks["global save plans equal"] = global_plans["torch"] == global_plans["ours"]
         checks["global metadata equal"] = _without_run_identity(metadata["torch"]) == _without_run_identity(
