@@ -67,7 +67,9 @@ __all__ = [
     "CheckpointIncompleteError",
     "CheckpointWriteError",
     "S3FSDPStrategy",
+    "S3LoadPlanner",
     "S3ModelParallelStrategy",
+    "S3SavePlanner",
     "S3ShardedStrategyMixin",
     "S3StorageReader",
     "S3StorageWriter",
@@ -1359,6 +1361,238 @@ def _checksum(algorithm: Any, view: memoryview) -> int:
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# Planners: each DTensor's chunk computed arithmetically
+# --------------------------------------------------------------------------------------------------------------------
+#
+# torch 2.13's DefaultSavePlanner / DefaultLoadPlanner place every DTensor's local shard in the global tensor with
+# ``compute_local_shape_and_global_offset`` (torch/distributed/tensor/_utils.py), which builds an int64 index of the
+# shard's positions along each sharded dimension (``torch.arange(offset, offset + size)``): 8 bytes per row. For a
+# 2-D shard of 4,096 rows that is 32 KiB; for a 1-D shard of 4M elements 32 MiB, allocated, filled and freed at every
+# save and every load (benchmarks/README.md, "1-D and 2-D tensors of the same bytes"). `S3SavePlanner` and
+# `S3LoadPlanner` compute the same sizes and offsets with integer arithmetic for the placements where that is plain
+# (``Shard(d)`` and ``Replicate()`` over any mesh, even or uneven splits, empty shards) and leave everything else
+# (``_StridedShard``, ``Partial``, tensor subclasses as local tensors, ranks outside the mesh) to torch. The plans,
+# and so ``.metadata``, are identical to the default planners' (tests/test_dcp_planner.py compares them).
+
+
+@dataclass(frozen=True)
+class _PlannerTypes:
+    DTensor: type
+    Shard: type
+    Replicate: type
+    Tensor: tuple[type, ...]
+    Size: type
+    WriteItem: type
+    WriteItemType: Any
+    TensorWriteData: type
+    ChunkStorageMetadata: type
+    TensorProperties: Any
+    MetadataIndex: type
+    TensorStorageMetadata: type
+
+
+@functools.cache
+def _planner_types() -> _PlannerTypes:
+    torch = _torch()
+    feature = "distributed checkpoints"
+    tensor = _s3.import_optional_dependency("torch.distributed.tensor", feature)
+    planner = _s3.import_optional_dependency("torch.distributed.checkpoint.planner", feature)
+    metadata = _s3.import_optional_dependency("torch.distributed.checkpoint.metadata", feature)
+    return _PlannerTypes(
+        DTensor=tensor.DTensor,
+        Shard=tensor.Shard,
+        Replicate=tensor.Replicate,
+        Tensor=(torch.Tensor, torch.nn.Parameter),
+        Size=torch.Size,
+        WriteItem=planner.WriteItem,
+        WriteItemType=planner.WriteItemType,
+        TensorWriteData=planner.TensorWriteData,
+        ChunkStorageMetadata=metadata.ChunkStorageMetadata,
+        TensorProperties=metadata.TensorProperties,
+        MetadataIndex=metadata.MetadataIndex,
+        TensorStorageMetadata=metadata.TensorStorageMetadata,
+    )
+
+
+def _shard_chunk(
+    global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...], placements: tuple[Any, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The local shard's sizes and global offsets of a tensor of `global_shape` placed by `placements` on a mesh of
+    `mesh_shape`, at mesh `coordinate`: what torch's ``compute_local_shape_and_global_offset`` returns, or None where
+    a placement is not plain ``Shard``/``Replicate`` (torch's function then decides).
+
+    Mesh dimensions apply left to right, each splitting what the earlier ones left as ``torch.chunk`` does
+    (``Shard.local_shard_size_and_offset``): chunks of ceil(n / k), the last ones short or empty. An empty shard's
+    offset along its dimension is the global size there, as torch records it."""
+    types = _planner_types()
+    if not len(mesh_shape) == len(coordinate) == len(placements) or any(type(n) is not int for n in global_shape):
+        return None  # symbolic sizes (tracing) are torch's business
+    sizes = list(global_shape)
+    offsets = [0] * len(sizes)
+    for placement, count, rank in zip(placements, mesh_shape, coordinate, strict=True):
+        kind = type(placement)
+        if kind is types.Replicate:
+            continue
+        if kind is not types.Shard or type(count) is not int or type(rank) is not int or not 0 <= rank < count:
+            return None
+        dim = placement.dim
+        if type(dim) is not int or not 0 <= dim < len(sizes):
+            return None
+        full = -(-sizes[dim] // count)
+        start = full * rank
+        size = max(0, min(sizes[dim], start + full) - start)
+        offsets[dim] = offsets[dim] + start if size else global_shape[dim]
+        sizes[dim] = size
+    return tuple(sizes), tuple(offsets)
+
+
+class _PlannedDTensor:
+    """Stands in for a DTensor in a planner's state dict while torch's default planning code runs. That code asks a
+    DTensor for its write items (``__create_write_items__``) and chunks (``__create_chunk_list__``) and a tensor for
+    its ``size()``; this answers with the chunk computed by `_shard_chunk` and records that it was asked."""
+
+    __slots__ = ("asked", "dtensor", "local", "offsets", "sizes")
+
+    def __init__(self, dtensor: Any, local: Any, sizes: tuple[int, ...], offsets: tuple[int, ...]) -> None:
+        types = _planner_types()
+        self.dtensor = dtensor
+        self.local = local
+        self.sizes = types.Size(sizes)
+        self.offsets = types.Size(offsets)
+        self.asked = False
+
+    def size(self, *dim: int) -> Any:
+        return self.dtensor.size(*dim)
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+        """What torch's ``_create_write_items_for_dtensor`` builds, field for field."""
+        types = _planner_types()
+        self.asked = True
+        return [
+            types.WriteItem(
+                index=types.MetadataIndex(fqn, self.offsets),
+                type=types.WriteItemType.SHARD,
+                tensor_data=types.TensorWriteData(
+                    chunk=types.ChunkStorageMetadata(offsets=self.offsets, sizes=self.sizes),
+                    properties=types.TensorProperties.create_from_tensor(self.local),
+                    size=self.dtensor.size(),
+                ),
+            )
+        ]
+
+    def __create_chunk_list__(self) -> list[Any]:
+        """What torch's ``_create_chunk_from_dtensor`` builds."""
+        self.asked = True
+        return [_planner_types().ChunkStorageMetadata(offsets=self.offsets, sizes=self.sizes)]
+
+
+def _stand_in(value: Any) -> _PlannedDTensor | None:
+    """A `_PlannedDTensor` for `value` if it is a DTensor whose chunk `_shard_chunk` computes, else None."""
+    types = _planner_types()
+    if not isinstance(value, types.DTensor):
+        return None
+    mesh = value.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # not on this rank's mesh: torch's planners skip it
+        return None
+    local = value.to_local()
+    if type(local) not in types.Tensor:  # a tensor subclass (fake, simulated ranks, its own checkpoint hooks)
+        return None
+    chunk = _shard_chunk(tuple(value.shape), tuple(mesh.shape), tuple(coordinate), tuple(value.placements))
+    if chunk is None or chunk[0] != tuple(local.shape):  # a local tensor that disagrees: torch records what it says
+        return None
+    return _PlannedDTensor(value, local, chunk[0], chunk[1])
+
+
+class _ArithmeticChunksPlanner:
+    """The part `S3SavePlanner` and `S3LoadPlanner` share: run torch's own ``create_local_plan`` on the planner's
+    state dict with each eligible DTensor replaced by a `_PlannedDTensor`, then put the state dict back. Everything
+    else (flattening, plan caching, the pre-2.4 key fallback, deduplication, validation) stays torch's code.
+
+    If torch's code did not ask a stand-in that it should have asked (a torch version that plans DTensors another
+    way) or failed with stand-ins in place, the plan is made again by torch's code on the real state dict, so the
+    result is never worse than the default planner's."""
+
+    state_dict: dict[str, Any]
+
+    def _plan_with_stand_ins(self, make_plan: Callable[[], Any], must_ask: Callable[[str], bool]) -> Any:
+        original = self.state_dict
+        stand_ins = {fqn: s for fqn, value in original.items() if (s := _stand_in(value)) is not None}
+        if not stand_ins:
+            return make_plan()
+        replaced = {**original, **stand_ins}  # same keys, same order
+        self.state_dict = replaced
+        plan = None
+        try:
+            plan = make_plan()
+        except Exception:  # torch's own run below raises its own error, if any
+            logger.debug("planning with computed DTensor chunks failed; planning with torch's code", exc_info=True)
+        finally:
+            if self.state_dict is replaced:  # torch's code may have swapped in a state dict of its own: keep that
+                self.state_dict = original
+        unasked = [fqn for fqn, s in stand_ins.items() if not s.asked and must_ask(fqn)]
+        if plan is not None and not unasked:
+            return plan
+        if unasked:
+            logger.warning(
+                "torch's planner did not ask %d DTensor(s) (%s) for their chunks; planning with torch's own code",
+                len(unasked),
+                ", ".join(unasked[:3]),
+            )
+        return make_plan()
+
+
+class _S3SavePlannerImpl(_ArithmeticChunksPlanner):
+    def create_local_plan(self) -> Any:
+        return self._plan_with_stand_ins(super().create_local_plan, lambda fqn: True)  # type: ignore[misc]
+
+
+class _S3LoadPlannerImpl(_ArithmeticChunksPlanner):
+    metadata: Any
+
+    def create_local_plan(self) -> Any:
+        types = _planner_types()
+        saved = self.metadata.state_dict_metadata if self.metadata is not None else {}
+
+        def must_ask(fqn: str) -> bool:  # torch skips keys the checkpoint lacks, and reads byte items as bytes
+            return isinstance(saved.get(fqn), types.TensorStorageMetadata)
+
+        return self._plan_with_stand_ins(super().create_local_plan, must_ask)  # type: ignore[misc]
+
+
+_SAVE_PLANNER_DOC = """torch's ``DefaultSavePlanner`` (same arguments, same plans, same ``.metadata``) computing each
+    DTensor's chunk with integer arithmetic instead of torch's per-row index tensor (8 bytes per element of a 1-D
+    shard).
+
+    For any storage writer; `S3ShardedStrategyMixin` uses it by default. Pass it where you call DCP yourself::
+
+        dcp.save(state, storage_writer=S3StorageWriter(url), planner=S3SavePlanner())
+    """
+
+_LOAD_PLANNER_DOC = """torch's ``DefaultLoadPlanner`` (same arguments, same plans) computing each DTensor's chunk with
+    integer arithmetic instead of torch's per-row index tensor.
+
+    For any storage reader; `S3ShardedStrategyMixin` uses it by default. Pass it where you call DCP yourself::
+
+        dcp.load(state, storage_reader=S3StorageReader(url), planner=S3LoadPlanner())
+    """
+
+
+@functools.cache
+def _build_save_planner_class() -> type:
+    default = _s3.import_optional_dependency("torch.distributed.checkpoint.default_planner", "distributed checkpoints")
+    namespace = {"__module__": __name__, "__qualname__": "S3SavePlanner", "__doc__": _SAVE_PLANNER_DOC}
+    return type("S3SavePlanner", (_S3SavePlannerImpl, default.DefaultSavePlanner), namespace)
+
+
+@functools.cache
+def _build_load_planner_class() -> type:
+    default = _s3.import_optional_dependency("torch.distributed.checkpoint.default_planner", "distributed checkpoints")
+    namespace = {"__module__": __name__, "__qualname__": "S3LoadPlanner", "__doc__": _LOAD_PLANNER_DOC}
+    return type("S3LoadPlanner", (_S3LoadPlannerImpl, default.DefaultLoadPlanner), namespace)
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # Lightning's sharded strategies
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -1389,7 +1623,8 @@ class S3ShardedStrategyMixin:
     Lightning (2.4-2.6) would otherwise turn ``s3://bucket/x`` into the local directory ``s3:/bucket/x``.
     Extra keyword arguments (all optional): chunk_size_MB, max_read_concurrency, max_write_concurrency, thread_count,
     checksum_algorithm, endpoint_url, region_name, client_settings, retry_policy, fencing, max_requests_per_second
-    (as `S3CheckpointIO`).
+    (as `S3CheckpointIO`), and s3_planners (default True: DCP saves and loads plan with `S3SavePlanner` /
+    `S3LoadPlanner`; False: torch's default planners).
     """
 
     lightning_base: type
@@ -1406,6 +1641,7 @@ class S3ShardedStrategyMixin:
         "retry_policy": None,
         "fencing": True,
         "max_requests_per_second": None,
+        "s3_planners": True,
     }
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -1475,6 +1711,13 @@ class S3ShardedStrategyMixin:
     def _s3(self) -> _s3.S3Utils:
         return self.s3_checkpoint_io.s3
 
+    def _dcp_planner(self, direction: str) -> Any:
+        """`S3SavePlanner()` / `S3LoadPlanner()` (``direction`` "save" / "load"), or None (torch's default) with
+        ``s3_planners=False``."""
+        if not self.s3_options["s3_planners"]:
+            return None
+        return (_build_save_planner_class if direction == "save" else _build_load_planner_class)()()
+
     def _saves_sharded(self) -> bool:
         if self._s3_kind == "fsdp":
             return getattr(self, "_state_dict_type", "sharded") == "sharded"
@@ -1525,7 +1768,7 @@ class S3ShardedStrategyMixin:
 
         self._on_rank_zero(save_meta, f"saving {_join(url, LIGHTNING_META_NAME)}")
         dcp = _s3.import_optional_dependency("torch.distributed.checkpoint", "distributed checkpoints")
-        dcp.save(converted, storage_writer=self.s3_storage_writer(url))
+        dcp.save(converted, storage_writer=self.s3_storage_writer(url), planner=self._dcp_planner("save"))
         return None
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -1584,13 +1827,13 @@ class S3ShardedStrategyMixin:
         module = self.model  # type: ignore[attr-defined]
         strict = self.lightning_module.strict_loading  # type: ignore[attr-defined]
         module_state = {"state_dict": helpers.get_model_state_dict(module)}
-        dcp.load(module_state, storage_reader=self.s3_storage_reader(url))
+        dcp.load(module_state, storage_reader=self.s3_storage_reader(url), planner=self._dcp_planner("load"))
         module.load_state_dict(module_state["state_dict"], strict=strict)
         options = helpers.StateDictOptions(cpu_offload=True)
         for index, optimizer in enumerate(self.optimizers):  # type: ignore[attr-defined]
             key = f"optimizer_{index}"
             optimizer_state = {key: helpers.get_optimizer_state_dict(module, optimizer)}
-            dcp.load(optimizer_state, storage_reader=self.s3_storage_reader(url))
+            dcp.load(optimizer_state, storage_reader=self.s3_storage_reader(url), planner=self._dcp_planner("load"))
             helpers.set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state[key], options=options)
 
     def _load_sharded_fsdp1(self, url: str) -> None:
@@ -1604,7 +1847,8 @@ class S3ShardedStrategyMixin:
         module = self.model  # type: ignore[attr-defined]
         with fabric_fsdp._get_sharded_state_dict_context(module):
             module_state = {"model": module.state_dict()}
-            dcp.load(module_state, storage_reader=self.s3_storage_reader(url))
+            reader, planner = self.s3_storage_reader(url), self._dcp_planner("load")
+            dcp.load(module_state, storage_reader=reader, planner=planner)
             module.load_state_dict(module_state["model"], strict=self.lightning_module.strict_loading)  # type: ignore[attr-defined]
             for index, optimizer in enumerate(self.optimizers):  # type: ignore[attr-defined]
                 key = f"optimizer_{index}"
@@ -1782,6 +2026,9 @@ def _build_reader_class() -> type:
 S3StorageWriter: type
 """Built on first access (torch imported then); see `_WRITER_DOC`."""
 S3StorageReader: type
+S3SavePlanner: type
+"""Built on first access; see `_SAVE_PLANNER_DOC`."""
+S3LoadPlanner: type
 S3ModelParallelStrategy: type
 """`sharded_strategy_class("model_parallel")`; ``S3ModelParallelStrategyPL`` for ``pytorch_lightning``."""
 S3FSDPStrategy: type
@@ -1793,6 +2040,8 @@ def __getattr__(name: str) -> Any:
     builders: dict[str, Callable[[], type]] = {
         "S3StorageWriter": _build_writer_class,
         "S3StorageReader": _build_reader_class,
+        "S3SavePlanner": _build_save_planner_class,
+        "S3LoadPlanner": _build_load_planner_class,
     }
     if name in builders:
         cls = builders[name]()

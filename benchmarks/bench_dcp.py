@@ -2,7 +2,10 @@
 
 Methods, each run in fresh processes (2 ranks spawned per run), interleaved rep by rep:
 
-* ``ours``: `s3_dcp.S3StorageWriter` / `S3StorageReader` (package defaults);
+* ``ours``: `s3_dcp.S3StorageWriter` / `S3StorageReader` (package defaults) with `s3_dcp.S3SavePlanner` /
+  `S3LoadPlanner`, as the package's Lightning strategies call DCP;
+* ``ours-torchplan``: the same writer and reader with torch's ``DefaultSavePlanner`` / ``DefaultLoadPlanner`` (what
+  ``dcp.save`` / ``dcp.load`` use when given no planner; ``ours`` before the planners existed);
 * ``fsspec``: torch's ``FsspecWriter`` / ``FsspecReader`` over s3fs (``sync_files=False``: with True every file
   ends in ``os.sync()``);
 * ``s3tc``: s3torchconnector's ``S3StorageWriter`` / ``S3StorageReader`` (DCP-optimised reader, its default), run in
@@ -109,9 +112,18 @@ def _state(mesh: Any, tensors: list[Any]) -> dict[str, Any]:
     return {f"layer{n}.weight": DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for n, t in enumerate(tensors)}
 
 
+def _planners(spec: dict[str, Any]) -> dict[str, Any]:
+    """``planner=`` for dcp.save / dcp.load: ours for ``ours``, none (torch's defaults) for every other method."""
+    if spec["method"] != "ours":
+        return {"save": None, "load": None}
+    import s3_dcp
+
+    return {"save": s3_dcp.S3SavePlanner(), "load": s3_dcp.S3LoadPlanner()}
+
+
 def _writer_and_reader(spec: dict[str, Any], url: str) -> tuple[Any, Any]:
     method = spec["method"]
-    if method == "ours":
+    if method in ("ours", "ours-torchplan"):
         sys.path.insert(0, str(REPO))
         import s3_dcp
 
@@ -193,16 +205,23 @@ def _rank_main(rank: int, spec: dict[str, Any], port: int) -> None:
             mesh = init_device_mesh("cpu", (WORLD_SIZE,))
             url = f"s3://{BUCKET}/{spec['method']}-{spec['layout']}/rep{spec['rep']}"
             writer, reader = _writer_and_reader(spec, url)
+            planners = _planners(spec)  # a planner keeps no state between saves that changes the plan
             # warm-up on a tiny state: clients, connections and DCP's code paths are ready before the clock starts
             warm = {"warm": _state(mesh, [torch.ones(4, 4)])["layer0.weight"]}
-            dcp.save(warm, storage_writer=writer, checkpoint_id=f"{url}-warmup")
-            dcp.load(warm, storage_reader=reader, checkpoint_id=f"{url}-warmup")
+            dcp.save(warm, storage_writer=writer, checkpoint_id=f"{url}-warmup", planner=planners["save"])
+            dcp.load(warm, storage_reader=reader, checkpoint_id=f"{url}-warmup", planner=planners["load"])
             state = _state(mesh, tensors)
-            outcome = {"save": _measure(lambda: dcp.save(state, storage_writer=writer, checkpoint_id=url))}
+            outcome = {
+                "save": _measure(
+                    lambda: dcp.save(state, storage_writer=writer, checkpoint_id=url, planner=planners["save"])
+                )
+            }
             del state
             targets = _local_tensors(rank, spec["size_mib"], fill=False, layout=spec["layout"])
             loaded = _state(mesh, targets)
-            outcome["load"] = _measure(lambda: dcp.load(loaded, storage_reader=reader, checkpoint_id=url))
+            outcome["load"] = _measure(
+                lambda: dcp.load(loaded, storage_reader=reader, checkpoint_id=url, planner=planners["load"])
+            )
             outcome["load"]["identical"] = all(torch.equal(t, e) for t, e in zip(targets, tensors, strict=True))
         Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(outcome))
     finally:
@@ -286,7 +305,7 @@ def _run(
     return result
 
 
-METHODS = ("ours", "s3tc", "fsspec", "raw")
+METHODS = ("ours", "ours-torchplan", "s3tc", "fsspec", "raw")
 
 
 def _label(run: dict[str, Any]) -> str:
@@ -358,16 +377,17 @@ def _markdown(report: dict[str, Any]) -> str:
         f"load ours/s3tc {_ratio(medians, 'ours', 's3tc', 'load')}, ours/fsspec {_ratio(medians, 'ours', 'fsspec', 'load')}, "
         f"ours/raw {_ratio(medians, 'ours', 'raw', 'load')}.",
     ]
-    for layout in LAYOUTS[1:]:
-        ours = _label({"method": "ours", "layout": layout})
-        if ours in medians and "ours" in medians:
-            lines += [
-                "",
-                f"Layout {layout} against 2d (ours, MiB/s): save {_ratio(medians, ours, 'ours', 'save')}, "
-                f"load {_ratio(medians, ours, 'ours', 'load')}; against raw {layout}: "
-                f"save {_ratio(medians, ours, _label({'method': 'raw', 'layout': layout}), 'save')}, "
-                f"load {_ratio(medians, ours, _label({'method': 'raw', 'layout': layout}), 'load')}.",
-            ]
+    for method in ("ours", "ours-torchplan"):
+        for layout in LAYOUTS[1:]:
+            ours = _label({"method": method, "layout": layout})
+            if ours in medians and method in medians:
+                lines += [
+                    "",
+                    f"Layout {layout} against 2d ({method}, MiB/s): save {_ratio(medians, ours, method, 'save')}, "
+                    f"load {_ratio(medians, ours, method, 'load')}; against raw {layout}: "
+                    f"save {_ratio(medians, ours, _label({'method': 'raw', 'layout': layout}), 'save')}, "
+                    f"load {_ratio(medians, ours, _label({'method': 'raw', 'layout': layout}), 'load')}.",
+                ]
     for note in report["notes"]:
         lines += ["", f"Note: {note}"]
     errors = [r for r in report["runs"] if "error" in r]

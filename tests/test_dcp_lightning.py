@@ -205,6 +205,10 @@ def test_strategy_classes_for_both_families_and_their_options() -> None:
         assert issubclass(fsdp, pl.strategies.FSDPStrategy)
         strategy = model_parallel(data_parallel_size=1, tensor_parallel_size=1, chunk_size_MB=8, thread_count=2)
         assert strategy.s3_options["chunk_size_MB"] == 8 and strategy.s3_options["thread_count"] == 2
+        assert isinstance(strategy._dcp_planner("save"), s3_dcp.S3SavePlanner)  # DTensor chunks without torch's index
+        assert isinstance(strategy._dcp_planner("load"), s3_dcp.S3LoadPlanner)
+        torch_planners = model_parallel(data_parallel_size=1, tensor_parallel_size=1, s3_planners=False)
+        assert torch_planners._dcp_planner("save") is None and torch_planners._dcp_planner("load") is None
     assert s3_dcp.S3ModelParallelStrategy is s3_dcp.sharded_strategy_class("model_parallel", "lightning.pytorch")
     assert s3_dcp.S3FSDPStrategyPL is s3_dcp.sharded_strategy_class("fsdp", "pytorch_lightning")
     with pytest.raises(ValueError, match="chunk_size_MB"):

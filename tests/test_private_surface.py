@@ -165,6 +165,84 @@ class _Unsafe:
     """A class weights_only=True refuses to unpickle."""
 
 
+# ---- torch: DCP's default planners and DTensor chunks (s3_dcp.S3SavePlanner, S3LoadPlanner) -----------------------
+
+
+class _ChunkStandIn:
+    """Answers the hooks torch's default planners ask of a DTensor, as s3_dcp._PlannedDTensor does."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def size(self) -> torch.Size:
+        return torch.Size([4])
+
+    def __create_write_items__(self, fqn: str, obj: object) -> list[object]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        self.asked.append("write items")
+        chunk = ChunkStorageMetadata(offsets=torch.Size([2]), sizes=torch.Size([2]))
+        data = TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=torch.float32), size=torch.Size([4]))
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size([2])), type=WriteItemType.SHARD, tensor_data=data)]
+
+    def __create_chunk_list__(self) -> list[object]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        self.asked.append("chunks")
+        return [ChunkStorageMetadata(offsets=torch.Size([2]), sizes=torch.Size([2]))]
+
+
+def test_default_planners_ask_their_state_dicts_values_for_dtensor_chunks() -> None:
+    """S3SavePlanner / S3LoadPlanner put a stand-in for each DTensor into ``planner.state_dict`` (where
+    ``set_up_planner`` keeps the flattened state) while torch's ``create_local_plan`` runs, and torch's code asks it
+    ``__create_write_items__`` / ``__create_chunk_list__`` and ``size()``. Without this the planners notice the
+    stand-in was not asked and plan with torch's own code (correct, without the saving)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    saver = DefaultSavePlanner()
+    saver.set_up_planner({"w": torch.ones(4)}, None, True)
+    assert set(saver.state_dict) == {"w"}
+    stand_in = _ChunkStandIn()
+    saver.state_dict = {"w": stand_in}
+    plan = saver.create_local_plan()
+    assert stand_in.asked == ["write items"] and [i.index.offset for i in plan.items] == [torch.Size([2])]
+
+    chunks = [ChunkStorageMetadata(offsets=torch.Size([o]), sizes=torch.Size([2])) for o in (0, 2)]
+    properties = TensorProperties(dtype=torch.float32)
+    stored = TensorStorageMetadata(properties=properties, size=torch.Size([4]), chunks=chunks)
+    loader = DefaultLoadPlanner()
+    loader.set_up_planner({"w": torch.zeros(4)}, Metadata(state_dict_metadata={"w": stored}), True)
+    stand_in = _ChunkStandIn()
+    loader.state_dict = {"w": stand_in}
+    plan = loader.create_local_plan()
+    assert stand_in.asked == ["chunks"]
+    assert [(i.storage_index.offset, i.dest_offsets, i.lengths) for i in plan.items] == [
+        (torch.Size([2]), torch.Size([0]), torch.Size([2]))
+    ]
+
+
+def test_dtensor_chunks_come_from_torchs_index_building_function() -> None:
+    """The function the planners avoid, and the plain-data form tests/test_dcp_planner.py checks `_shard_chunk`
+    against: ``_compute_local_shape_and_global_offset(global_shape, mesh_shape, coordinate, placements)``. If DCP's
+    helpers stop calling the public-named wrapper, the planners save nothing any more and can go."""
+    from torch.distributed.checkpoint import planner_helpers
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    for helper in (planner_helpers._create_write_items_for_dtensor, planner_helpers._create_chunk_from_dtensor):
+        assert "compute_local_shape_and_global_offset(" in inspect.getsource(helper)
+    assert hasattr(DTensor, "__create_write_items__") and hasattr(DTensor, "__create_chunk_list__")
+    assert _compute_local_shape_and_global_offset((7,), (2,), [1], [Shard(0)]) == ((3,), (4,))
+    assert _compute_local_shape_and_global_offset((1, 3), (2,), [1], [Shard(0)]) == ((0, 3), (1, 0))
+
+
 # ---- torch: writing a torch.save archive record by record, reading one lazily (s3_checkpoint_convert) -------------
 
 
