@@ -2395,8 +2395,11 @@ def release_part_buffers() -> None:
     _part_buffers.release()
 
 
-_SEND_BLOCK = 1 * MB
-"""The smallest block `_BufferReader.read` hands to the HTTP client (one ``sendall`` each)."""
+_SEND_BLOCK = 1 << 62
+"""The smallest block `_BufferReader.read` hands to the HTTP client (one ``sendall`` each): more than any body, so
+a part goes to the socket in one ``sendall``, which copies it into the kernel with the GIL released. Each block is
+a trip through urllib3's and http.client's Python, taking the GIL from the training loop during an async save:
+urllib3 alone would ask for 128 KiB blocks (128 trips per 16 MiB part), and 1 MiB blocks still made 16."""
 
 
 class _BufferReader(io.RawIOBase):
