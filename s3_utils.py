@@ -2323,7 +2323,7 @@ def _copy_into(target: bytearray, offset: int, source: memoryview) -> None:
     """``target[offset : offset + len(source)] = source`` for a byte view `source`, with the GIL released during the
     memcpy of a large copy.
 
-    A slice assignment holds the GIL while it copies (about 5 ms for a 16 MiB part on a slow VM), and during an async
+    A slice assignment holds the GIL while it copies (3-6 ms for a 16 MiB part on the benchmark VM), and during an async
     save every such copy stops the training loop's own Python. Copies of at least `_GIL_FREE_COPY_MIN` bytes go
     through `_gil_free_memmove` instead; smaller ones, strided views and interpreters without it take the plain
     assignment.

@@ -247,7 +247,9 @@ def _steps_worker(spec: dict[str, Any]) -> dict[str, Any]:
         after = schedstat()
         if before and after and phase in waits:
             on_cpu, queued = after[0] - before[0], after[1] - before[1]
-            waits[phase].append((max(0.0, elapsed - on_cpu - queued), queued))  # (off-CPU and not runnable, queued)
+            # (off a CPU and not runnable, queued). Not clamped per step: the kernel updates a running thread's CPU
+            # time at ticks, so one step's share may come out negative and the next's too high; the sums are right.
+            waits[phase].append((elapsed - on_cpu - queued, queued))
         return elapsed
 
     if method == "ours":
@@ -431,7 +433,7 @@ def _wait_shares(run: dict[str, Any]) -> dict[str, float]:
         waits = (run.get("waits") or {}).get(phase) or []
         total = sum(run[phase][: len(waits)]) or 1.0
         if waits:
-            shares[f"gil_wait_share_{phase}"] = sum(blocked for blocked, _ in waits) / total
+            shares[f"gil_wait_share_{phase}"] = max(0.0, sum(blocked for blocked, _ in waits)) / total
             shares[f"cpu_wait_share_{phase}"] = sum(queued for _, queued in waits) / total
     return shares
 
