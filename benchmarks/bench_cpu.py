@@ -6,6 +6,7 @@ process, scenarios interleaved rep by rep.
     python benchmarks/bench_cpu.py --size 1024 --reps 3            # CPU per GiB (about 4 min on 2 cores)
     python benchmarks/bench_cpu.py --steps --size 1024 --reps 3     # step-time inflation only (about 3 min)
     python benchmarks/bench_cpu.py --repo /path/to/other/checkout   # the same scenarios with another checkout's code
+    python benchmarks/bench_cpu.py --steps --also-repo main=/work/main  # and ours@main beside ours, same run
 
 CPU mode (``--scenarios``, all by default), each on the same state (16 float32 tensors, ``--size`` MiB in all):
 
@@ -27,7 +28,9 @@ torch thread) and measures each step's time: ``--baseline-s`` seconds with no sa
 the state uploads, for this package (`S3CheckpointIO(async_checkpointing=True)`), Lightning's
 ``AsyncCheckpointIO(TorchCheckpointIO())`` on s3fs, and NeMo's async path (``torch.save`` to a ``/dev/shm`` file in
 the training process, then boto3 ``upload_file`` with 64 MB parts x 10 in a ``ProcessPoolExecutor`` worker, as NeMo's
-S3CheckpointIO does). It reports the median and p99 step time during the save over the baseline's. This is very
+S3CheckpointIO does). It reports the median and p99 step time during the save over the baseline's, and splits the
+loop's time (Linux schedstat of its thread) into time blocked, which in this loop means waiting for the GIL, and time
+runnable but waiting for a CPU. This is very
 sensitive to anything else running on the machine: run it alone.
 
 Output: ``benchmarks/results/<stamp>-cpu[-steps][-tag].json``, ``.md`` and ``.png``.
@@ -129,7 +132,7 @@ def _cpu_worker(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     import s3_utils
 
-    scenario, size = spec["scenario"], spec["size_mib"]
+    scenario, size = spec["scenario"].split("@")[0], spec["size_mib"]  # "sync@main": sync, another checkout
     url = f"s3://{BUCKET}/{spec['key']}"
     utils = s3_utils.S3Utils(s3_utils.S3ClientSettings(endpoint_url=spec["endpoint"]))
     utils.client.head_bucket(Bucket=BUCKET)  # client and first connection up before the clock
@@ -223,20 +226,31 @@ def _steps_worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    method, size = spec["method"], spec["size_mib"]
+    method, size = spec["method"].split("@")[0], spec["size_mib"]  # "ours@main": ours, another checkout
     url = f"s3://{BUCKET}/{spec['key']}"
     state = {"state_dict": _tensors(size, fill=True)}
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     optimiser = torch.optim.SGD(model.parameters(), lr=0.01)
     inputs, labels = torch.randn(64, 256), torch.randint(0, 10, (64,))
 
-    def step() -> float:
+    schedstat = _thread_schedstat()
+    waits: dict[str, list[tuple[float, float]]] = {"baseline": [], "during": []}
+
+    def step(phase: str = "warm") -> float:
+        before = schedstat()
         started = time.perf_counter()
         for _ in range(spec["inner"]):
             optimiser.zero_grad()
             torch.nn.functional.cross_entropy(model(inputs), labels).backward()
             optimiser.step()
-        return time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        after = schedstat()
+        if before and after and phase in waits:
+            on_cpu, queued = after[0] - before[0], after[1] - before[1]
+            # (off a CPU and not runnable, queued). Not clamped per step: the kernel updates a running thread's CPU
+            # time at ticks, so one step's share may come out negative and the next's too high; the sums are right.
+            waits[phase].append((elapsed - on_cpu - queued, queued))
+        return elapsed
 
     if method == "ours":
         import s3_checkpoint_io
@@ -291,16 +305,39 @@ def _steps_worker(spec: dict[str, Any]) -> dict[str, Any]:
     baseline = []
     deadline = time.perf_counter() + spec["baseline_s"]
     while time.perf_counter() < deadline:
-        baseline.append(step())
+        baseline.append(step("baseline"))
     cpu, started = _cpu_s(), time.perf_counter()
     done = start()
     blocked = time.perf_counter() - started
     during = []
     while not done():
-        during.append(step())
+        during.append(step("during"))
     finish()
     wall, cpu = time.perf_counter() - started, _cpu_s() - cpu
-    return {"baseline": baseline, "during": during, "blocked_s": blocked, "save_wall_s": wall, "cpu_s": cpu}
+    return {
+        "baseline": baseline,
+        "during": during,
+        "blocked_s": blocked,
+        "save_wall_s": wall,
+        "cpu_s": cpu,
+        "waits": waits,
+    }
+
+
+def _thread_schedstat() -> Any:
+    """A function returning the calling thread's ``(seconds on a CPU, seconds runnable but waiting for one)`` from
+    Linux's ``/proc/thread-self/schedstat`` (None where there is none). A step's wall time less both is time the
+    thread was blocked: in this loop, which does no I/O, waiting for the GIL."""
+    try:
+        fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+    except OSError:
+        return lambda: None
+
+    def read() -> tuple[float, float] | None:
+        fields = os.pread(fd, 200, 0).split()
+        return int(fields[0]) / 1e9, int(fields[1]) / 1e9
+
+    return read
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -340,14 +377,16 @@ def _percentile(values: list[float], q: float) -> float:
 
 def _cpu_report(runs: list[dict[str, Any]], reps: int) -> dict[str, Any]:
     medians: dict[str, Any] = {}
-    for scenario in SCENARIOS:
+    for scenario in dict.fromkeys(r["scenario"] for r in runs):
         rows = [r for r in runs if r["scenario"] == scenario and "error" not in r]
         if rows:
             medians[scenario] = {
                 key: statistics.median(r[key] for r in rows) for key in ("cpu_s_per_gib", "mib_s", "wall_s")
             }
     ratios = {}
-    for scenario, reference in RATIOS:
+    references = dict(RATIOS)
+    for scenario in medians:
+        reference = references.get(scenario.split("@")[0])
         per_rep = []
         for rep in range(reps):
             mine = [r for r in runs if r["scenario"] == scenario and r["rep"] == rep and "error" not in r]
@@ -361,7 +400,7 @@ def _cpu_report(runs: list[dict[str, Any]], reps: int) -> dict[str, Any]:
 
 def _steps_report(runs: list[dict[str, Any]]) -> dict[str, Any]:
     summary = {}
-    for method in STEP_METHODS:
+    for method in dict.fromkeys(r["method"] for r in runs):
         rows = [r for r in runs if r["method"] == method and "error" not in r and r["during"]]
         if not rows:
             continue
@@ -377,11 +416,26 @@ def _steps_report(runs: list[dict[str, Any]]) -> dict[str, Any]:
                     "steps_during": len(r["during"]),
                     "blocked_s": r["blocked_s"],
                     "save_wall_s": r["save_wall_s"],
+                    **_wait_shares(r),
                 }
             )
-        summary[method] = {key: statistics.median(p[key] for p in per_rep) for key in per_rep[0]}
+        keys = [key for key in per_rep[0] if all(key in p for p in per_rep)]
+        summary[method] = {key: statistics.median(p[key] for p in per_rep) for key in keys}
         summary[method]["per_rep"] = per_rep
     return summary
+
+
+def _wait_shares(run: dict[str, Any]) -> dict[str, float]:
+    """Where the loop's step time went besides computing, as shares of it: blocked (the GIL) and runnable but
+    waiting for a CPU (the machine's other load, the upload's own CPU), with no save and during it."""
+    shares = {}
+    for phase in ("baseline", "during"):
+        waits = (run.get("waits") or {}).get(phase) or []
+        total = sum(run[phase][: len(waits)]) or 1.0
+        if waits:
+            shares[f"gil_wait_share_{phase}"] = max(0.0, sum(blocked for blocked, _ in waits)) / total
+            shares[f"cpu_wait_share_{phase}"] = sum(queued for _, queued in waits) / total
+    return shares
 
 
 def _markdown(report: dict[str, Any]) -> str:
@@ -390,7 +444,9 @@ def _markdown(report: dict[str, Any]) -> str:
         "",
         f"{report['size_mib']} MiB, {report['reps']} reps, "
         f"SeaweedFS on 127.0.0.1, {report['machine']}; load average before: {report['load_before']}; "
-        f"code: {report['repo']}.",
+        f"code: {report['repo']}"
+        + "".join(f"; {item.replace('=', ': ', 1)}" for item in report.get("also_repos", []))
+        + ".",
         "",
     ]
     if report["mode"] == "cpu":
@@ -399,25 +455,39 @@ def _markdown(report: dict[str, Any]) -> str:
             "| scenario | client CPU s/GiB | MiB/s | wall s | CPU x raw (median of per-rep ratios) |",
             "|---|---:|---:|---:|---:|",
         ]
-        reference = {scenario: ref for scenario, ref in RATIOS}
+        references = dict(RATIOS)
         for scenario, row in medians.items():
-            key = f"{scenario}/{reference.get(scenario)}"
-            ratio = f"{ratios[key]['median']:.2f}x {reference[scenario]}" if key in ratios else "-"
+            reference = references.get(scenario.split("@")[0])
+            key = f"{scenario}/{reference}"
+            ratio = f"{ratios[key]['median']:.2f}x {reference}" if key in ratios else "-"
             lines.append(
                 f"| {scenario} | {row['cpu_s_per_gib']:.2f} | {row['mib_s']:.0f} | {row['wall_s']:.2f} | {ratio} |"
             )
     else:
         lines += [
             "| async save by | median step inflation | p99 step inflation | baseline median ms | during median ms "
-            "| steps during | caller blocked s | save wall s |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| steps during | GIL wait % of step: none / during | CPU wait %: none / during "
+            "| caller blocked s | save wall s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
+
+        def shares(row: dict[str, Any], kind: str) -> str:
+            if f"{kind}_share_during" not in row:
+                return "-"
+            return f"{100 * row[f'{kind}_share_baseline']:.1f} / {100 * row[f'{kind}_share_during']:.1f}"
+
         for method, row in report["summary"].items():
             lines.append(
                 f"| {method} | {100 * row['median_inflation']:+.1f}% | {100 * row['p99_inflation']:+.1f}% | "
                 f"{row['baseline_median_ms']:.1f} | {row['during_median_ms']:.1f} | {row['steps_during']:.0f} | "
-                f"{row['blocked_s']:.2f} | {row['save_wall_s']:.2f} |"
+                f"{shares(row, 'gil_wait')} | {shares(row, 'cpu_wait')} | {row['blocked_s']:.2f} | "
+                f"{row['save_wall_s']:.2f} |"
             )
+        lines += [
+            "",
+            "GIL wait: the loop's thread blocked (off a CPU, not runnable: in this loop, waiting for the GIL); CPU "
+            "wait: runnable but waiting for a CPU (Linux schedstat), each as a share of the steps' wall time.",
+        ]
     errors = [r for r in report["runs"] if "error" in r]
     for run in errors:
         lines += [
@@ -482,6 +552,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ours", default="{}", help="steps mode: JSON keyword arguments for S3CheckpointIO")
     parser.add_argument("--repo", default=str(REPO), help="the checkout whose modules are measured")
     parser.add_argument(
+        "--also-repo",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also measure this checkout's modules in the same run, interleaved: steps mode adds method ours@NAME, "
+        "CPU mode sync@NAME, async@NAME, dcp-save@NAME, dcp-load@NAME for those scenarios selected (repeatable)",
+    )
+    parser.add_argument(
         "--cold", action="store_true", help="CPU mode: measure the first full-size operation of each process"
     )
     parser.add_argument("--layout", default="2d", choices=("2d", "1d", "mixed"), help="CPU mode: tensor shapes")
@@ -511,24 +589,36 @@ def main(argv: list[str] | None = None) -> int:
             env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
             env.update(endpoint.env())
             base = {"size_mib": args.size, "endpoint": endpoint.endpoint_url, "repo": str(Path(args.repo).resolve())}
+            others = dict(item.split("=", 1) for item in args.also_repo)
+            repos = {name: str(Path(path).resolve()) for name, path in others.items()}
+            scenarios = [s for s in args.scenarios.split(",") if s]
+            scenarios += [
+                f"{s}@{name}" for name in repos for s in scenarios if s in ("sync", "async", "dcp-save", "dcp-load")
+            ]
+            methods = [m for m in args.methods.split(",") if m]
+            methods += [f"ours@{name}" for name in repos if "ours" in methods]
             for rep in range(args.reps):
                 if rep:
                     _empty_store(endpoint)  # the store keeps its data in RAM (/dev/shm): a few GiB per rep
                 if mode == "cpu":
-                    for scenario in [s for s in args.scenarios.split(",") if s]:
+                    for scenario in scenarios:
+                        name = scenario.partition("@")[2]
                         key = (
                             "raw" if scenario.startswith("raw") else ("dcp" if scenario.startswith("dcp") else scenario)
                         )
+                        key += f"@{name}" if name and key == "dcp" else ""  # dcp-load@NAME reads dcp-save@NAME's
                         spec = {**base, "scenario": scenario, "key": f"{key}-{rep}", "warm": not args.cold}
+                        spec["repo"] = repos.get(name, base["repo"])
                         spec["perf"] = args.perf and str(Path(args.perf).resolve())
                         spec["layout"] = args.layout
                         run = {"scenario": scenario, "rep": rep, **_run_worker("cpu", spec, env, args.timeout)}
                         print(json.dumps(run)[:300], flush=True)
                         runs.append(run)
                 else:
-                    for method in [m for m in args.methods.split(",") if m]:
+                    for method in methods:
                         spec = {
                             **base,
+                            "repo": repos.get(method.partition("@")[2], base["repo"]),
                             "method": method,
                             "key": f"steps-{method}-{rep}",
                             "baseline_s": args.baseline_s,
@@ -549,6 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         "size_mib": args.size,
         "reps": args.reps,
         "repo": args.repo,
+        "also_repos": args.also_repo,
         "machine": f"{os.cpu_count()} CPUs",
         "load_before": load_before,
         "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
