@@ -34,7 +34,6 @@ import os
 import pickle
 import secrets
 import shutil
-import stat
 import sys
 import tempfile
 import threading
@@ -835,30 +834,10 @@ def _wait_budget_s(io: S3CheckpointIO, size: int) -> float:
 def _remove_stale_shared_files(directory: str, older_than_s: float = _STALE_AFTER_S) -> list[str]:
     """Unlink this user's shared-load files in `directory` that are older than `older_than_s` and that no process
     holds (every process of a live load keeps a lock on them); returns their paths."""
-    removed = []
-    uid, now = os.geteuid(), time.time()
-    try:
-        entries = [entry for entry in os.scandir(directory) if entry.name.startswith(_SHARED_FILE_PREFIX)]
-    except OSError:
-        return removed
-    for entry in entries:
-        try:
-            seen = entry.stat(follow_symlinks=False)
-            if not stat.S_ISREG(seen.st_mode) or seen.st_uid != uid or now - seen.st_mtime < older_than_s:
-                continue
-            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            opened = os.fstat(fd)
-            if (opened.st_dev, opened.st_ino) == (seen.st_dev, seen.st_ino):
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while a live load holds it
-                os.unlink(entry.path)
-                removed.append(entry.path)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+    now = time.time()
+    removed = _s3.remove_unheld_shared_files(
+        directory, _SHARED_FILE_PREFIX, lambda seen: now - seen.st_mtime < older_than_s
+    )
     if removed:
         logger.info("Removed %d stale shared checkpoint file(s) of dead jobs from %s", len(removed), directory)
     return removed

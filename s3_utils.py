@@ -657,30 +657,33 @@ class _SharedPacerFile:
                     os.close(self._fd)  # releases both locks
 
 
-def _remove_unused_pacer_files(skip: str) -> list[str]:
-    """Unlink this user's pacer files in `PACER_SHARED_DIR` that no process uses (nobody holds their flock): those of
-    jobs whose processes were killed or left through ``os._exit`` (multiprocessing's children do), which skip the
-    exit handler that removes them. Files this process has open are left alone (closing another descriptor of one
-    would drop this process's record lock on it)."""
+def remove_unheld_shared_files(
+    directory: str, prefix: str, keep: Callable[[os.stat_result], bool], *, record_lock: bool = False
+) -> list[str]:
+    """Unlink this user's regular files named `prefix`... in `directory` that no process uses and `keep` does not
+    keep; returns their paths. Every user of such a file holds a flock on it (a shared one), so a file whose
+    exclusive flock can be taken is one that killed processes, or processes that skipped their exit handlers, left.
+    With `record_lock`, its POSIX record lock must be free too (held while a file is set up). Links, other users'
+    files and a file replaced between the look and the open are left alone."""
     removed: list[str] = []
-    ours = {_identity(os.fstat(f._fd)) for f in _shared_pacer_files.values() if f is not None and not f.closed}
+    if fcntl is None:
+        return removed
     try:
-        entries = [entry for entry in os.scandir(PACER_SHARED_DIR) if entry.name.startswith(_PACER_FILE_PREFIX)]
+        entries = [entry for entry in os.scandir(directory) if entry.name.startswith(prefix)]
     except OSError:
         return removed
     for entry in entries:
-        if entry.path == skip:
-            continue
         try:
             seen = entry.stat(follow_symlinks=False)
-            if not stat.S_ISREG(seen.st_mode) or seen.st_uid != os.geteuid() or _identity(seen) in ours:
+            if not stat.S_ISREG(seen.st_mode) or seen.st_uid != os.geteuid() or keep(seen):
                 continue
             fd = os.open(entry.path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             continue
         try:
             if _identity(os.fstat(fd)) == _identity(seen):
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)  # not while someone sets it up or uses it
+                if record_lock:
+                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while any process uses it
                 os.unlink(entry.path)
                 removed.append(entry.path)
@@ -688,11 +691,33 @@ def _remove_unused_pacer_files(skip: str) -> list[str]:
             pass
         finally:
             os.close(fd)
+    return removed
+
+
+def _remove_unused_pacer_files(skip: str) -> list[str]:
+    """Unlink this user's pacer files in `PACER_SHARED_DIR` that no process uses: those of jobs whose processes were
+    killed or left through ``os._exit`` (multiprocessing's children do), which skip the exit handler that removes
+    them. `skip` and the files this process has open are left alone (closing another descriptor of one would drop
+    this process's record lock on it)."""
+    ours = {_identity(os.fstat(f._fd)) for f in _shared_pacer_files.values() if f is not None and not f.closed}
+    removed = remove_unheld_shared_files(
+        PACER_SHARED_DIR,
+        _PACER_FILE_PREFIX,
+        lambda seen: _identity(seen) in ours or _identity(seen) == _path_identity(skip),
+        record_lock=True,  # not while someone sets it up
+    )
     if removed:
         logger.info(
             "Removed %d unused S3 request pacer file(s) of finished jobs from %s", len(removed), PACER_SHARED_DIR
         )
     return removed
+
+
+def _path_identity(path: str) -> tuple[int, int] | None:
+    try:
+        return _identity(os.stat(path, follow_symlinks=False))
+    except OSError:
+        return None
 
 
 _shared_pacer_files: dict[tuple[int, str], _SharedPacerFile | None] = {}
