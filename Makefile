@@ -9,6 +9,9 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist); 0 runs the suite in this one process. The suite waits on servers and subprocesses
+# more than it computes, so two workers halve its time even on two cores.
+TEST_WORKERS ?= 2
 DEMO_ARGS ?=
 BENCH_ARGS ?= --sizes 1024 --reps 3
 
@@ -28,8 +31,8 @@ help:  ## list the targets
 demo: $(VENV)/.stamp-demo  ## set up the venv (pip, torch, ".[demo]"), run the demo on an embedded S3 server (DEMO_ARGS=...)
 	$(RUN) $(BIN)/s3-checkpoint-io demo $(DEMO_ARGS)
 
-test: $(VENV)/.stamp-test  ## set up the venv (pip, torch, ".[all,test]"), run the tests (PYTEST_ARGS=...)
-	$(RUN) $(BIN)/python -m pytest $(PYTEST_ARGS)
+test: $(VENV)/.stamp-test  ## set up the venv (pip, torch, ".[all,test]"), run the tests (PYTEST_ARGS=..., TEST_WORKERS=2)
+	$(RUN) $(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 lint: $(VENV)/.stamp-test  ## ruff check .
 	$(BIN)/ruff check .

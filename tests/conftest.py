@@ -24,6 +24,7 @@ from s3_servers import (
     S3ServerUnavailableError,
     ServerNotInstalledError,
     empty_and_delete_bucket,
+    parallel_group,
     start_moto,
     start_seaweedfs,
 )
@@ -51,11 +52,39 @@ def _selected_backends() -> list[str]:
 BACKENDS = _selected_backends()
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Mark every test that (transitively) uses the ``s3_server`` fixture as ``integration``; check that a test that
+    runs SeaweedFS can be told by its id (see `pytest_xdist_make_scheduler`)."""
+    if "s3_server" in getattr(item, "fixturenames", ()):
+        item.add_marker(pytest.mark.integration)
+    callspec = getattr(item, "callspec", None)
+    backend = callspec.params.get("s3_server") if callspec is not None else None
+    needs_weed = backend == "seaweedfs" or item.get_closest_marker("weed") is not None
+    if needs_weed and parallel_group(item.nodeid) != "seaweedfs":
+        raise pytest.UsageError(
+            f"{item.nodeid} starts or locks SeaweedFS but 'seaweedfs' is not in its id: name the test so (the "
+            "parallel runs put every such test in the one worker that may run a weed)"
+        )
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test that (transitively) uses the ``s3_server`` fixture as ``integration``."""
-    for item in items:
-        if "s3_server" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.integration)
+    """Run the ``weed`` tests first, before the session's SeaweedFS server holds the fixed ports and the lock they
+    need (after pytest has grouped the tests by backend; the sort is stable)."""
+    items.sort(key=lambda item: item.get_closest_marker("weed") is None)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Whatever ``--dist`` says, hand out whole `parallel_group` groups (xdist's ``loadscope`` scheduling, largest
+    group first), so that only one worker ever starts SeaweedFS."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ParallelGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return parallel_group(nodeid)
+
+    return ParallelGroupScheduling(config, log)
 
 
 def _external_endpoint() -> S3Endpoint:

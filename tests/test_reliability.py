@@ -794,6 +794,7 @@ def test_auth_and_region_errors_fail_once_and_clearly(
     settings = S3ClientSettings(endpoint_url=scripted_s3.endpoint_url, user_agent_extra=f"auth-{uuid.uuid4().hex[:8]}")
     plugin = S3CheckpointIO("s3://bucket/run", chunk_size_MB=5, client_settings=settings, retry_policy=FAST)
     url = "s3://bucket/run/model.ckpt"
+    assert plugin.s3.client is not None  # built untimed: a process's first client loads botocore's models
     started = time.monotonic()
     with pytest.raises(Exception) as raised:
         if operation == "save":
@@ -829,6 +830,7 @@ def test_missing_credentials_fail_fast_without_a_request(
     )
     plugin = S3CheckpointIO("s3://bucket/run", chunk_size_MB=5, client_settings=settings, retry_policy=FAST)
     url = "s3://bucket/run/model.ckpt"
+    assert plugin.s3.client is not None  # built untimed: a process's first client loads botocore's models
     started = time.monotonic()
     with pytest.raises(NoCredentialsError) as raised:
         if operation == "save":

@@ -15,7 +15,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import s3_local_servers
 from s3_local_servers import (
@@ -71,6 +71,25 @@ def skip_unless_multirank_backend(s3_server: Any) -> None:
         import pytest  # here: benchmarks/bench_resume.py imports this module without pytest
 
         pytest.skip(f"multi-rank tests run on {MULTIRANK_BACKENDS} (S3CKPT_MULTIRANK_BACKENDS)")
+
+
+def parallel_group(nodeid: str) -> str:
+    """The group a test runs in under ``pytest -n N`` (pytest-xdist; conftest's ``pytest_xdist_make_scheduler``):
+    every test with ``seaweedfs`` in its id (its name or its parameters, e.g. the ``s3_server`` backend) in one group,
+    since SeaweedFS listens on fixed ports and only one instance runs per machine; any other test in its module's
+    group, so that a module-scoped fixture is set up once. (xdist's own ``xdist_group`` mark is not used: the group
+    suffix it appends to node ids is lost on pytest 9.2.)"""
+    return "seaweedfs" if "seaweedfs" in nodeid else nodeid.split("::", 1)[0]
+
+
+def weed_unavailable(reason: str) -> NoReturn:
+    """A ``weed`` test cannot get its SeaweedFS (not installed, ports or lock held by another weed): skip, or fail
+    with ``S3CKPT_TEST_REQUIRE_BACKENDS=1`` (CI, where the suite orders these tests before its own weed starts)."""
+    import pytest
+
+    if os.environ.get("S3CKPT_TEST_REQUIRE_BACKENDS") == "1":
+        pytest.fail(f"{reason} (S3CKPT_TEST_REQUIRE_BACKENDS=1)", pytrace=False)
+    pytest.skip(reason)
 
 
 @contextlib.contextmanager
