@@ -101,6 +101,10 @@ _DIRECT_READ_MAX_OVERHEAD = 1 << 20
 """An item's ``torch.save`` framing (zip headers, pickle) beyond its tensor bytes is about 1.5 KiB; an item with much
 more than that is not a plain tensor and takes the buffered path."""
 _ITEM_RECORD_VERSION = 1
+"""The item-checksum record's format. Additions that older readers can ignore (such as ``"tensors"``) keep it."""
+_TENSOR_SPAN_MIN = 1 << 20
+"""Tensor items at least this large have their tensor bytes' span recorded (`_TensorSpan`): loads read smaller ones
+through shared buffers (`DEFAULT_DIRECT_READ_MIN_MB`), where the span would not be used."""
 
 
 def metadata_name(rank: int | None = None) -> str:
@@ -241,6 +245,24 @@ class _ItemRecord:
     checksum: int
     algorithm: str
     obj: _ObjectRecord
+    tensor: list[Any] | None = None  # `_TensorSpan.record()` when the item's tensor bytes were located while written
+
+
+@dataclass(frozen=True)
+class _TensorSpan:
+    """Where one tensor item's own bytes lie in its item, seen while ``torch.save`` wrote them: the one `write` whose
+    buffer is the tensor's memory (same address, same length). Recorded in the item-checksum record (``"tensors"``),
+    so that a load reads those bytes straight into the target without first fetching the item's zip framing to find
+    them, and checks them against their own checksum (from the upload's single pass)."""
+
+    start: int  # from the item's first byte
+    nbytes: int
+    dtype: str  # "float32": torch's dtype name without "torch."
+    shape: tuple[int, ...]
+
+    def record(self, checksum: int) -> list[Any]:
+        """``[start, nbytes, checksum, dtype, shape]``: the JSON form, under the item's offset."""
+        return [self.start, self.nbytes, checksum, self.dtype, list(self.shape)]
 
 
 class _SaveCancelledError(RuntimeError):
@@ -258,6 +280,8 @@ class _ItemStream(io.RawIOBase):
         self._cancelled = cancelled
         self._position = 0
         self._item_start = 0
+        self._expected: Any = None  # the contiguous tensor the current item stores, when its span is wanted
+        self.tensor_span: _TensorSpan | None = None  # of the last item, set by `write` when its tensor bytes pass
         self.error: BaseException | None = None
 
     def writable(self) -> bool:
@@ -266,25 +290,45 @@ class _ItemStream(io.RawIOBase):
     def tell(self) -> int:
         return self._position
 
-    def begin_item(self) -> None:
+    def begin_item(self, tensor: Any = None) -> None:
+        """Start an item; with `tensor` (contiguous, its storage exactly its bytes) also look for the write of its
+        bytes, and mark checksum boundaries around it (`tensor_span`)."""
         self._raw.mark_checksum_boundary()
         self._item_start = self._position
+        self._expected = tensor
+        self.tensor_span = None
 
     def end_item(self) -> tuple[int, int]:
         """``(offset, length)`` of the bytes written since `begin_item`."""
         self._raw.mark_checksum_boundary()
+        self._expected = None
         return self._item_start, self._position - self._item_start
 
     def write(self, data: Any) -> int:
         try:
             if self._cancelled.is_set():
                 raise _SaveCancelledError(f"save of {self._raw.url} stopped: another file of this rank failed")
-            written = self._raw.write(data)
+            tensor = self._expected
+            if tensor is not None and self.tensor_span is None and self._carries(tensor, data):
+                self._raw.mark_checksum_boundary()
+                start = self._position - self._item_start
+                written = self._raw.write(data)
+                self._raw.mark_checksum_boundary()
+                dtype = str(tensor.dtype).removeprefix("torch.")
+                self.tensor_span = _TensorSpan(start, written, dtype, tuple(tensor.shape))
+            else:
+                written = self._raw.write(data)
             self._position += written
             return written
         except BaseException as exc:
             self.error = self._raw.error or exc  # torch.save replaces it with a RuntimeError of its own
             raise
+
+    @staticmethod
+    def _carries(tensor: Any, data: Any) -> bool:
+        """Whether `data` is the tensor's own memory, all of it (torch.save hands its storage to `write` as is)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        return memoryview(data).nbytes == nbytes and _s3.buffer_address(data) == tensor.data_ptr()
 
     def flush(self) -> None:  # the multipart writer uploads full parts by itself
         pass
@@ -472,6 +516,9 @@ class _S3StorageWriterImpl(_S3Settings):
                 {**dataclasses.asdict(record.obj), "algorithm": record.algorithm, "items": {}},
             )
             entry["items"][str(record.info.offset)] = [record.info.length, record.checksum]
+            if record.tensor is not None:
+                entry["byteorder"] = sys.byteorder  # of the tensor bytes: torch.save writes them as they are in memory
+                entry.setdefault("tensors", {})[str(record.info.offset)] = record.tensor
         metadata.version = types.CURRENT_DCP_VERSION
         metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()
@@ -569,19 +616,21 @@ class _S3StorageWriterImpl(_S3Settings):
         stream = _ItemStream(raw, cancelled)
         ordered = [i for i in items if i.type == types.WriteItemType.BYTE_IO]
         ordered += [i for i in items if i.type != types.WriteItemType.BYTE_IO]
-        written: list[tuple[Any, int, int]] = []
+        written: list[tuple[Any, int, int, _TensorSpan | None]] = []
         try:
             for item in ordered:
                 data = planner.resolve_data(item)
-                stream.begin_item()
                 if item.type == types.WriteItemType.BYTE_IO:
+                    stream.begin_item()
                     stream.write(data.getbuffer())
                 else:
                     tensor = data.detach().cpu()
                     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
                         tensor = tensor.clone()  # a view: save its elements only, not the storage behind it
+                    spanned = tensor.is_contiguous() and tensor.numel() * tensor.element_size() >= _TENSOR_SPAN_MIN
+                    stream.begin_item(tensor if spanned else None)
                     _ckpt_io.torch_save_without_zip_crc32(tensor, stream)
-                written.append((item, *stream.end_item()))
+                written.append((item, *stream.end_item(), stream.tensor_span))
         except BaseException as exc:
             raw.abort()
             cancelled.set()
@@ -607,9 +656,12 @@ class _S3StorageWriterImpl(_S3Settings):
                     raw.checksum_of(offset, offset + length),  # from the upload's own pass: none of our own
                     algorithm.name,
                     obj,
+                    None
+                    if span is None
+                    else span.record(raw.checksum_of(offset + span.start, offset + span.start + span.nbytes)),
                 ),
             )
-            for item, offset, length in written
+            for item, offset, length, span in written
         ]
 
 
@@ -830,6 +882,7 @@ class _DirectRead:
     head: bytearray
     tail: bytearray
     layout: _TensorLayout | None = None
+    recorded: int | None = None  # the tensor bytes' own checksum, when the writer recorded their span (no framing)
     framing: list[Future[int]] = dataclasses.field(default_factory=list)
     futures: list[Future[int]] = dataclasses.field(default_factory=list)
 
@@ -895,9 +948,9 @@ class _S3StorageReaderImpl(_S3Settings):
         self._metadata_rank: int | None = None
         self._save_id: str | None = None
         self._stats_lock = threading.Lock()
-        self.stats = {"requests": 0, "bytes": 0, "direct_items": 0}
-        """Ranged GETs and bytes fetched by `read_data`, and items read straight into their targets (for tests and
-        benchmarks)."""
+        self.stats = {"requests": 0, "bytes": 0, "direct_items": 0, "recorded_spans": 0}
+        """Ranged GETs and bytes fetched by `read_data`, items read straight into their targets, and how many of those
+        through the tensor span the writer recorded (for tests and benchmarks)."""
         self._remember_utils(
             _make_utils(
                 s3_utils,
@@ -1085,6 +1138,10 @@ class _S3StorageReaderImpl(_S3Settings):
             return None
         if not 0 < overhead <= _DIRECT_READ_MAX_OVERHEAD:
             return None
+        span = _recorded_span(record, item, target)
+        if span is not None:
+            layout = _TensorLayout(span[0], span[1], None)
+            return _DirectRead(relative_path, url, item, etag, record, bytearray(), bytearray(), layout, int(span[2]))
         framing = min(overhead, item.length)
         return _DirectRead(relative_path, url, item, etag, record, bytearray(framing), bytearray(framing))
 
@@ -1122,7 +1179,12 @@ class _S3StorageReaderImpl(_S3Settings):
     ) -> tuple[list[_DirectRead], list[_Group]]:
         """Fetch each item's framing (its head and tail, all items in parallel), read where its tensor bytes lie, and
         start fetching them into the target; an item whose stored tensor does not match its target byte for byte is
-        returned as a buffered group instead."""
+        returned as a buffered group instead. Items whose tensor span the writer recorded need no framing: their
+        tensor bytes are requested first, at once."""
+        accepted: list[_DirectRead] = [read for read in reads if read.recorded is not None]
+        for read in accepted:
+            self._submit_direct(pool, read, chunk)
+        reads = [read for read in reads if read.recorded is None]
         for read in reads:
             item = read.item
             head, tail = memoryview(read.head), memoryview(read.tail)
@@ -1130,7 +1192,6 @@ class _S3StorageReaderImpl(_S3Settings):
                 pool.submit(self._fetch_into, read.url, item.offset, head, read.etag, None),
                 pool.submit(self._fetch_into, read.url, item.offset + item.length - len(tail), tail, read.etag, None),
             ]
-        accepted: list[_DirectRead] = []
         fallbacks: list[_Group] = []
         for read in reads:
             for future in read.framing:
@@ -1172,6 +1233,10 @@ class _S3StorageReaderImpl(_S3Settings):
         assert read.layout is not None
         item, layout = read.item, read.layout
         algorithm = _algorithm_of(self._records, read.relative_path)
+        if read.recorded is not None:
+            self._accept_tensor_span(read, algorithm, chunk)
+            planner.commit_tensor(item.requests[0], item.target)
+            return
         tail_from = layout.start + layout.nbytes - (item.length - len(read.tail))
         actual = _checksum(algorithm, memoryview(read.head)[: layout.start])
         for n, future in enumerate(read.futures):
@@ -1184,6 +1249,26 @@ class _S3StorageReaderImpl(_S3Settings):
         with self._stats_lock:
             self.stats["direct_items"] += 1
         planner.commit_tensor(item.requests[0], item.target)
+
+    def _accept_tensor_span(self, read: _DirectRead, algorithm: Any, chunk: int) -> None:
+        """Check a tensor read through its recorded span against the checksum recorded for those bytes. The item's
+        framing was not read, so the file's whole-file check is skipped (its items' checks cover what was read)."""
+        assert read.layout is not None and read.recorded is not None
+        actual = 0
+        for n, future in enumerate(read.futures):
+            actual = algorithm.combine(actual, future.result(), min(chunk, read.layout.nbytes - n * chunk))
+        if actual != read.recorded:
+            start = read.item.offset + read.layout.start
+            raise _s3.ChecksumMismatchError(
+                f"{read.url} is corrupt: bytes {start}-{start + read.layout.nbytes} (the tensor of item "
+                f"{read.item.requests[0].storage_index.fqn}) have {algorithm.name} {actual:#x}, but "
+                f"{read.recorded:#x} was recorded when the checkpoint was written. Do not use it; use an older "
+                "checkpoint."
+            )
+        self._file_progress[read.relative_path][0] -= 1
+        with self._stats_lock:
+            self.stats["direct_items"] += 1
+            self.stats["recorded_spans"] += 1
 
     def _accept_item(self, url: str, relative_path: str, item: _Item, algorithm: Any, actual: int) -> None:
         """Check an item's bytes against the checksum recorded at save time, and count them toward its file's
@@ -1336,6 +1421,28 @@ class _S3StorageReaderImpl(_S3Settings):
         return CheckpointIncompleteError(
             f"No DCP checkpoint at {self.path}: {url} does not exist and nothing is stored under the prefix"
         )
+
+
+def _recorded_span(record: dict[str, Any], item: _Item, target: Any) -> list[Any] | None:
+    """The writer's record of where `item`'s tensor bytes lie (``[start, nbytes, checksum, dtype, shape]``), when it
+    describes exactly `target` (dtype, shape, byte count, this machine's byte order) inside the item; else None and
+    the reader locates the bytes from the item's framing, as for checkpoints without the record."""
+    if record.get("byteorder") != sys.byteorder:
+        return None
+    span = record.get("tensors", {}).get(str(item.offset))
+    try:
+        start, nbytes, checksum, dtype, shape = span  # type: ignore[misc]
+        fits = (
+            isinstance(start, int)
+            and isinstance(checksum, int)
+            and 0 <= start <= item.length - nbytes
+            and nbytes == target.numel() * target.element_size()
+            and f"torch.{dtype}" == str(target.dtype)
+            and list(shape) == list(target.shape)
+        )
+    except (TypeError, ValueError):
+        return None
+    return span if fits else None
 
 
 def _error_code(exc: BaseException) -> str:
@@ -2147,6 +2254,7 @@ def _verify_items(url: str, downloaded: _s3.DownloadedObject, record: dict[str, 
         return 0
     algorithm = _s3.checksum_algorithm(record["algorithm"])
     items = record.get("items", {})
+    spans = record.get("tensors", {})
     with downloaded.view() as view:
         for offset_text, (length, expected) in sorted(items.items(), key=lambda item: int(item[0])):
             offset = int(offset_text)
@@ -2158,4 +2266,27 @@ def _verify_items(url: str, downloaded: _s3.DownloadedObject, record: dict[str, 
                     f"{url} is corrupt: bytes {offset}-{offset + length} have {algorithm.name} {actual:#x}, but "
                     f"{expected:#x} was recorded when the checkpoint was written. Do not use it."
                 )
+            if offset_text in spans:
+                _check_span_record(url, algorithm, view[offset : offset + length], offset, expected, spans[offset_text])
     return len(items)
+
+
+def _check_span_record(url: str, algorithm: Any, item: memoryview, offset: int, checksum: int, span: Any) -> None:
+    """A recorded tensor span (which loads trust instead of the item's framing) must agree with its item's verified
+    checksum: the checksums of the bytes before and after it, combined with the span's recorded one, give the item's.
+    Checked without a second pass over the tensor bytes (a combine is determined by its inputs)."""
+    try:
+        start, nbytes, recorded = int(span[0]), int(span[1]), int(span[2])
+        if not 0 <= start <= len(item) - nbytes:
+            raise ValueError("outside its item")
+    except (TypeError, ValueError, IndexError) as exc:
+        raise _s3.ChecksumMismatchError(
+            f"{url}: the tensor record of the item at byte {offset} is malformed ({exc}). Do not use the checkpoint."
+        ) from exc
+    combined = algorithm.combine(_checksum(algorithm, item[:start]), recorded, nbytes)
+    combined = algorithm.combine(combined, _checksum(algorithm, item[start + nbytes :]), len(item) - start - nbytes)
+    if combined != checksum:
+        raise _s3.ChecksumMismatchError(
+            f"{url}: the recorded checksum of the tensor bytes {offset + start}-{offset + start + nbytes} does not "
+            "match their item's: the checkpoint's item record was modified after it was written. Do not use it."
+        )

@@ -58,7 +58,7 @@ import zlib
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields, replace
-from typing import IO, Any, BinaryIO, NoReturn, TypeVar
+from typing import IO, Any, BinaryIO, NamedTuple, NoReturn, TypeVar
 
 try:
     import fcntl
@@ -95,6 +95,7 @@ __all__ = [
     "S3ObjectInfo",
     "S3RequestOptions",
     "S3Utils",
+    "buffer_address",
     "create_shared_file",
     "current_run",
     "forget_s3fs_instances",
@@ -2769,17 +2770,19 @@ _GIL_FREE_COPY_MIN = 1 * MB
 records, small tensors) stay plain slice assignments, for which a ctypes call would cost more than it frees."""
 
 
-@functools.cache
-def _gil_free_memmove() -> Callable[[bytearray, int, memoryview], bool] | None:
-    """A function ``move(target, offset, source) -> bool`` that copies the contiguous `source` into `target` at
-    `offset` with the GIL released, or returns False (copying nothing) where `source` cannot be exported as one
-    block; None where this interpreter offers no way to do it (no ctypes, or no CPython C API).
+class _PyBufferAPI(NamedTuple):
+    """CPython's buffer protocol through ctypes: ``get(obj, byref(view), flags)`` and ``release(byref(view))``."""
 
-    ``ctypes.memmove`` is a foreign function call, which ctypes makes with the GIL released. The addresses come from
-    ``PyObject_GetBuffer`` (torch hands `write` read-only views, which ``ctypes.c_char.from_buffer`` refuses), and
-    both buffers stay exported until the copy is done, so neither exporter can free, move or resize its memory
-    meanwhile. ``Py_buffer`` has the same layout in every CPython 3 release.
-    """
+    view: type  # a ctypes Structure with Py_buffer's layout
+    get: Any
+    release: Any
+
+
+@functools.cache
+def _py_buffer_api() -> _PyBufferAPI | None:
+    """``PyObject_GetBuffer`` / ``PyBuffer_Release`` through ctypes, or None where this interpreter has no ctypes or no
+    CPython C API. ``Py_buffer`` has the same layout in every CPython 3 release. Unlike ``ctypes.c_char.from_buffer``
+    this exports read-only buffers too (torch hands `write` read-only views)."""
     try:
         import ctypes
 
@@ -2806,17 +2809,55 @@ def _gil_free_memmove() -> Callable[[bytearray, int, memoryview], bool] | None:
     get_buffer.restype = ctypes.c_int
     release.argtypes = [ctypes.POINTER(PyBuffer)]
     release.restype = None
+    return _PyBufferAPI(PyBuffer, get_buffer, release)
+
+
+def buffer_address(data: Any) -> int | None:
+    """The address of the first byte of `data`, a buffer of one contiguous block (a read-only memoryview included),
+    or None where it cannot be exported as one or this interpreter offers no way to ask. s3_dcp compares it with a
+    tensor's ``data_ptr()`` to know that a write carries that tensor's own bytes."""
+    api = _py_buffer_api()
+    if api is None:
+        return None
+    import ctypes
+
+    view = api.view()
+    try:  # ctypes raises the exporter's error (BufferError) for a failed call through pythonapi
+        api.get(data, ctypes.byref(view), 0)  # PyBUF_SIMPLE: one contiguous block of bytes
+    except (BufferError, TypeError):
+        return None
+    try:
+        return int(view.buf or 0)
+    finally:
+        api.release(ctypes.byref(view))
+
+
+@functools.cache
+def _gil_free_memmove() -> Callable[[bytearray, int, memoryview], bool] | None:
+    """A function ``move(target, offset, source) -> bool`` that copies the contiguous `source` into `target` at
+    `offset` with the GIL released, or returns False (copying nothing) where `source` cannot be exported as one
+    block; None where this interpreter offers no way to do it (`_py_buffer_api`).
+
+    ``ctypes.memmove`` is a foreign function call, which ctypes makes with the GIL released. The addresses come from
+    ``PyObject_GetBuffer``, and both buffers stay exported until the copy is done, so neither exporter can free, move
+    or resize its memory meanwhile.
+    """
+    api = _py_buffer_api()
+    if api is None:
+        return None
+    import ctypes
+
     simple, writable = 0, 1  # PyBUF_SIMPLE (one contiguous block of bytes), PyBUF_WRITABLE
 
     def move(target: bytearray, offset: int, source: memoryview) -> bool:
-        into, out_of = PyBuffer(), PyBuffer()
+        into, out_of = api.view(), api.view()
         try:  # ctypes raises the exporter's error (BufferError) for a failed call through pythonapi
-            get_buffer(source, ctypes.byref(out_of), simple)
+            api.get(source, ctypes.byref(out_of), simple)
         except (BufferError, TypeError):
             return False
         try:
             try:
-                get_buffer(target, ctypes.byref(into), writable)
+                api.get(target, ctypes.byref(into), writable)
             except (BufferError, TypeError):
                 return False
             try:
@@ -2824,9 +2865,9 @@ def _gil_free_memmove() -> Callable[[bytearray, int, memoryview], bool] | None:
                     raise ValueError(f"a copy of {out_of.len} bytes at {offset} does not fit {into.len} bytes")
                 ctypes.memmove(into.buf + offset, out_of.buf, out_of.len)
             finally:
-                release(ctypes.byref(into))
+                api.release(ctypes.byref(into))
         finally:
-            release(ctypes.byref(out_of))
+            api.release(ctypes.byref(out_of))
         return True
 
     return move

@@ -291,7 +291,16 @@ def test_large_item_is_fetched_as_parallel_ranges_straight_into_its_target(bucke
     address = loaded["huge"].data_ptr()
     reader = _load(loaded, f"s3://{bucket}/huge", chunk_size_MB=5)
     assert torch.equal(loaded["huge"], state["huge"]) and loaded["huge"].data_ptr() == address
-    assert reader.stats["direct_items"] == 1
+    assert reader.stats["direct_items"] == reader.stats["recorded_spans"] == 1
+    assert reader.stats["requests"] == 3  # 3 ranges of <= 5 MiB: the writer recorded where the tensor's bytes lie
+    assert reader.stats["bytes"] == 12 * 2**20  # the tensor's bytes once, nothing else
+
+    # a checkpoint without that record (an earlier version of this writer): the framing is read first
+    _strip_tensor_spans(f"s3://{bucket}/huge")
+    loaded = {"huge": torch.zeros(3 * 1024 * 1024)}
+    reader = _load(loaded, f"s3://{bucket}/huge", chunk_size_MB=5)
+    assert torch.equal(loaded["huge"], state["huge"])
+    assert reader.stats["direct_items"] == 1 and reader.stats["recorded_spans"] == 0
     assert reader.stats["requests"] == 2 + 3  # the item's head and tail (its zip framing), then 3 ranges of <= 5 MiB
     assert 12 * 2**20 < reader.stats["bytes"] < 12 * 2**20 + 8192  # the tensor's bytes once, plus the framing twice
 
@@ -299,6 +308,98 @@ def test_large_item_is_fetched_as_parallel_ranges_straight_into_its_target(bucke
     reader = _load(buffered, f"s3://{bucket}/huge", chunk_size_MB=5, direct_read_min_MB=64)
     assert torch.equal(buffered["huge"], state["huge"])
     assert reader.stats["direct_items"] == 0 and reader.stats["requests"] == 3
+
+
+def _item_record(url: str) -> dict[str, Any]:
+    with s3_utils.S3Utils().download_to_memory(f"{url}/{s3_dcp.ITEM_CHECKSUMS_NAME}") as downloaded:
+        return json.loads(downloaded.read_all())
+
+
+def _put_item_record(url: str, record: dict[str, Any]) -> None:
+    with s3_utils.S3Utils().open_writer(f"{url}/{s3_dcp.ITEM_CHECKSUMS_NAME}") as writer:
+        writer.write(json.dumps(record).encode())
+
+
+def _strip_tensor_spans(url: str) -> None:
+    record = _item_record(url)
+    for entry in record["files"].values():
+        entry.pop("tensors", None)
+    _put_item_record(url, record)
+
+
+def test_writer_records_where_each_large_contiguous_tensor_lies_from_the_upload_pass(
+    bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """The span of a tensor's own bytes in its item is the `write` that carried the tensor's memory; its checksum is
+    combined from the upload's pass like the item's. Small, non-contiguous and bytes items get no span."""
+    generator = torch.Generator().manual_seed(5)
+    square = torch.randn(768, 768, generator=generator)
+    state = {
+        "flat": torch.randn(1_500_000, generator=generator),  # 5.7 MiB: its bytes cross a 5 MiB part boundary
+        "rows": torch.randn(600, 1000, generator=generator).to(torch.bfloat16),
+        "small": torch.randn(1000, generator=generator),  # under 1 MiB: read through shared buffers anyway
+        "transposed": square.t(),  # its storage is its bytes, but in another order than its contiguous form
+        "blob": io.BytesIO(os.urandom(2 << 20)),
+    }
+    _save(state, f"s3://{bucket}/spans")
+    _download_prefix(s3_client, bucket, "spans", tmp_path)
+    record = json.loads((tmp_path / s3_dcp.ITEM_CHECKSUMS_NAME).read_text())["files"]["__0_0.distcp"]
+    shard = (tmp_path / "__0_0.distcp").read_bytes()
+    algorithm = s3_utils.checksum_algorithm(record["algorithm"])
+    assert record["byteorder"] == sys.byteorder
+    metadata = dcp.FileSystemReader(str(tmp_path)).read_metadata()
+    offsets = {index.fqn: info.offset for index, info in metadata.storage_data.items()}
+    assert sorted(record["tensors"]) == sorted(str(offsets[name]) for name in ("flat", "rows"))
+    for name in ("flat", "rows"):
+        start, nbytes, checksum, dtype, shape = record["tensors"][str(offsets[name])]
+        tensor = state[name]
+        assert (dtype, shape) == (str(tensor.dtype).removeprefix("torch."), list(tensor.shape))
+        data = shard[offsets[name] + start : offsets[name] + start + nbytes]
+        assert data == bytes(tensor.view(torch.uint8).reshape(-1).numpy())
+        assert checksum == algorithm.update(data, 0)
+    local = _empty_like(state)
+    dcp.load(local, storage_reader=dcp.FileSystemReader(str(tmp_path)), no_dist=True)
+    _assert_same(local, state)
+    loaded = _empty_like(state)
+    reader = _load(loaded, f"s3://{bucket}/spans", direct_read_min_MB=0)
+    _assert_same(loaded, state)
+    assert reader.stats["recorded_spans"] == 2 and reader.stats["direct_items"] == 3  # and "small" by its framing
+
+
+def test_a_tensor_span_record_that_does_not_fit_its_target_or_bytes_is_not_trusted(bucket: str) -> None:
+    """A span whose dtype, shape or place does not describe the target is ignored (the framing is read instead); a
+    span whose checksum does not match the bytes fails the load, naming the shard, and `verify_checkpoint` finds a
+    span record that disagrees with its item."""
+    url = f"s3://{bucket}/tampered"
+    state = {"w": torch.randn(1200, 1000, generator=torch.Generator().manual_seed(6))}
+    _save(state, url)
+    genuine = _item_record(url)
+    entry = genuine["files"]["__0_0.distcp"]
+    (offset, span), *_ = entry["tensors"].items()
+    for wrong in (
+        [*span[:3], "float64", span[4]],
+        [*span[:4], [1000, 1200]],
+        [span[0], span[1] - 4, *span[2:]],
+        span[:3],
+    ):
+        _put_item_record(url, {**genuine, "files": {"__0_0.distcp": {**entry, "tensors": {offset: wrong}}}})
+        loaded = {"w": torch.zeros(1200, 1000)}
+        reader = _load(loaded, url)
+        assert torch.equal(loaded["w"], state["w"]) and reader.stats["recorded_spans"] == 0, wrong
+        assert reader.stats["direct_items"] == 1, wrong
+
+    for bad in ([*span[:2], span[2] ^ 1, *span[3:]], [span[0] + 4, *span[1:]]):  # another checksum, other bytes
+        _put_item_record(url, {**genuine, "files": {"__0_0.distcp": {**entry, "tensors": {offset: bad}}}})
+        with pytest.raises(CheckpointException) as caught:
+            _load({"w": torch.zeros(1200, 1000)}, url)
+        failure = caught.value.failures[0][0]
+        assert isinstance(failure, s3_utils.ChecksumMismatchError)
+        assert f"{url}/__0_0.distcp" in str(failure) and "tensor of item w" in str(failure)
+        report = s3_dcp.verify_checkpoint(url)
+        assert any("tensor bytes" in problem and "__0_0.distcp" in problem for problem in report.problems), bad
+
+    _put_item_record(url, genuine)
+    assert s3_dcp.verify_checkpoint(url).problems == []
 
 
 def test_items_whose_bytes_do_not_match_their_target_take_the_buffered_path(bucket: str) -> None:
