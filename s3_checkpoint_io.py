@@ -357,8 +357,8 @@ class S3CheckpointIO:
             with self.s3.open_writer(
                 path, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm, fence=fence
             ) as writer:
-                try:
-                    torch_save_without_zip_crc32(checkpoint, writer)  # the writer's CRC covers every byte
+                try:  # the writer's CRC covers every byte; the checkpoint's own tensors go without a copy
+                    torch_save_without_zip_crc32(checkpoint, _HeldStorageStream(writer, checkpoint))
                 except Exception as exc:
                     # torch.save turns a failed write into its own RuntimeError without the URL: raise the S3 error
                     if writer.error is not None and writer.error is not exc:
@@ -562,6 +562,56 @@ class S3CheckpointIO:
 # --------------------------------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------------------------------
+
+
+class _HeldStorageStream(io.RawIOBase):
+    """The stream ``torch.save`` writes a checkpoint into, in front of an `S3MultipartWriter`: a write that carries
+    one of the checkpoint's own CPU tensor storages, whole (``torch.save`` hands each storage's memory to ``write``
+    as it is), goes through `S3MultipartWriter.write_held`, so its whole parts are uploaded without a copy into part
+    buffers; any other write (pickle records, copies torch makes of GPU tensors) is copied as usual.
+
+    Safe because `_save_now` returns only once the upload is complete or aborted: a synchronous save holds its
+    caller until then, and an async save writes its private snapshot."""
+
+    _min_held = 1 << 20  # smaller writes are copied: no whole part can come of them, and asking costs a ctypes call
+
+    def __init__(self, writer: _s3.S3MultipartWriter, checkpoint: Any) -> None:
+        super().__init__()
+        self._writer = writer
+        self._storages = _cpu_storages(checkpoint)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        nbytes = memoryview(data).nbytes
+        if nbytes >= self._min_held:
+            storage = self._storages.get(_s3.buffer_address(data) or 0)
+            if storage is not None and storage.nbytes() == nbytes:
+                return self._writer.write_held(data, storage)
+        return self._writer.write(data)
+
+    def flush(self) -> None:  # the writer uploads full parts by itself
+        pass
+
+
+def _cpu_storages(obj: Any) -> dict[int, Any]:
+    """The untyped storages of the CPU tensors in a checkpoint's containers (dicts, lists, tuples), by address."""
+    torch = _torch()
+    found: dict[int, Any] = {}
+    pending = [obj]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, torch.Tensor):
+            if value.device.type == "cpu" and value.layout == torch.strided:
+                storage = value.untyped_storage()
+                if storage.data_ptr():
+                    found[storage.data_ptr()] = storage
+        elif isinstance(value, dict):
+            pending.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
+    return found
 
 
 def snapshot_to_host(obj: Any) -> Any:

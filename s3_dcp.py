@@ -281,6 +281,7 @@ class _ItemStream(io.RawIOBase):
         self._position = 0
         self._item_start = 0
         self._expected: Any = None  # the contiguous tensor the current item stores, when its span is wanted
+        self._held = False  # whether that tensor is the caller's own memory (sent without a copy, `write_held`)
         self.tensor_span: _TensorSpan | None = None  # of the last item, set by `write` when its tensor bytes pass
         self.error: BaseException | None = None
 
@@ -290,12 +291,15 @@ class _ItemStream(io.RawIOBase):
     def tell(self) -> int:
         return self._position
 
-    def begin_item(self, tensor: Any = None) -> None:
+    def begin_item(self, tensor: Any = None, held: bool = False) -> None:
         """Start an item; with `tensor` (contiguous, its storage exactly its bytes) also look for the write of its
-        bytes, and mark checksum boundaries around it (`tensor_span`)."""
+        bytes, and mark checksum boundaries around it (`tensor_span`). With `held` that write's whole parts go to
+        the store straight from the tensor's memory (`S3MultipartWriter.write_held`): only for the caller's own
+        tensors, which stay unchanged until the save returns, never for a temporary copy."""
         self._raw.mark_checksum_boundary()
         self._item_start = self._position
         self._expected = tensor
+        self._held = held
         self.tensor_span = None
 
     def end_item(self) -> tuple[int, int]:
@@ -312,7 +316,7 @@ class _ItemStream(io.RawIOBase):
             if tensor is not None and self.tensor_span is None and self._carries(tensor, data):
                 self._raw.mark_checksum_boundary()
                 start = self._position - self._item_start
-                written = self._raw.write(data)
+                written = self._raw.write_held(data, tensor) if self._held else self._raw.write(data)
                 self._raw.mark_checksum_boundary()
                 dtype = str(tensor.dtype).removeprefix("torch.")
                 self.tensor_span = _TensorSpan(start, written, dtype, tuple(tensor.shape))
@@ -628,7 +632,8 @@ class _S3StorageWriterImpl(_S3Settings):
                     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
                         tensor = tensor.clone()  # a view: save its elements only, not the storage behind it
                     spanned = tensor.is_contiguous() and tensor.numel() * tensor.element_size() >= _TENSOR_SPAN_MIN
-                    stream.begin_item(tensor if spanned else None)
+                    own = tensor.data_ptr() == data.data_ptr() and data.device.type == "cpu"
+                    stream.begin_item(tensor if spanned else None, held=own)
                     _ckpt_io.torch_save_without_zip_crc32(tensor, stream)
                 written.append((item, *stream.end_item(), stream.tensor_span))
         except BaseException as exc:

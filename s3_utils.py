@@ -3088,6 +3088,9 @@ class S3MultipartWriter(io.RawIOBase):
         self._free_buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
         self._buffers_made = 0  # buffers this writer holds (taken from `_part_buffers`)
         self._most_buffers_held = 0  # its bound is max_concurrency + 1 (tests check it)
+        self._held_parts = 0  # parts uploaded straight from the caller's bytes (`write_held`; for tests)
+        self._unfinished_parts = 0  # queued or in flight; `write_held` keeps it at most max_concurrency + 1
+        self._part_settled = threading.Condition()
         self._held_bytes = 0
         self._cuts: list[int] = []  # marked boundaries inside the part being filled (offsets into it)
         self._pieces: list[tuple[int, int, int]] = []  # (offset, length, checksum) tiling the object, once complete
@@ -3149,6 +3152,38 @@ class S3MultipartWriter(io.RawIOBase):
                 self._buffer = None
         self._size += total
         return total
+
+    def write_held(self, data: Any, owner: object) -> int:
+        """`write` for bytes that stay where they are, unchanged, for as long as `owner` is referenced (a tensor's
+        own memory, handed to ``write`` by ``torch.save``): every whole part that lines up with the object's part
+        boundaries is uploaded straight from them, with no copy into a part buffer; the bytes before the first
+        boundary and after the last are copied as `write` does.
+
+        The writer keeps `owner` referenced until those parts are uploaded, and at most ``max_concurrency + 1``
+        parts are queued or in flight (as with part buffers). Whoever calls this must not change the bytes until
+        the writer has completed or aborted (a synchronous save blocks its caller until then; an async save writes
+        a private snapshot). ``close()`` and ``abort()`` return only when no upload reads them any more."""
+        if self._state is not _WriterState.OPEN:
+            raise ValueError(f"write to a closed S3 writer ({self.url}, {self._state.value})")
+        try:
+            view = memoryview(data)
+            if not view.c_contiguous:
+                return self._write(view)
+            view = view.cast("B")
+            total = len(view)
+            while view:
+                size = self.part_size_of(len(self._parts) + 1)
+                if self._buffer is None and len(view) >= size:
+                    self._send_held_part(view[:size], owner)
+                    view = view[size:]
+                else:  # up to the next part boundary, through the part buffer
+                    room = size - self._filled if self._buffer is not None else size
+                    self._write(view[: min(room, len(view))])
+                    view = view[min(room, len(view)) :]
+            return total
+        except BaseException as exc:
+            self.error = exc
+            raise
 
     def close(self) -> None:
         """Upload what is left and complete the object; on failure abort the upload and re-raise."""
@@ -3300,8 +3335,9 @@ class S3MultipartWriter(io.RawIOBase):
         self._upload_id = response["UploadId"]
         self._pool = _thread_pool(self._max_concurrency, "put")
 
-    def _send_part(self, buffer: bytearray, length: int) -> None:
-        """Queue one part for upload; the buffer belongs to the upload until it is given back to the pool."""
+    def _send_part(self, buffer: bytearray | memoryview, length: int, owner: object = None) -> None:
+        """Queue one part for upload. A part buffer belongs to the upload until it is given back to the pool; a held
+        part (`owner` set, see `write_held`) is a view of the caller's bytes, kept alive by `owner`."""
         self._raise_failed_part()
         if self._upload_id is None:
             self._start_multipart()
@@ -3310,11 +3346,25 @@ class S3MultipartWriter(io.RawIOBase):
             raise ValueError(f"{self.url}: more than {MAX_PARTS} parts, past S3's object size limit")
         assert self._pool is not None
         cuts, self._cuts = tuple(cut for cut in self._cuts if cut < length), []
-        future = self._pool.submit(self._upload_part, number, buffer, length, cuts)
+        with self._part_settled:
+            self._unfinished_parts += 1
+        future = self._pool.submit(self._upload_part, number, buffer, length, cuts, owner)
         future.add_done_callback(self._part_done)
         self._parts.append(future)
 
+    def _send_held_part(self, view: memoryview, owner: object) -> None:
+        """Queue a whole part straight from the caller's bytes, once at most ``max_concurrency`` parts are still
+        queued or in flight (the bound part buffers give the copying path)."""
+        with self._part_settled:
+            self._part_settled.wait_for(lambda: self._unfinished_parts <= self._max_concurrency)
+        self._send_part(view, len(view), owner)
+        self._size += len(view)
+        self._held_parts += 1
+
     def _part_done(self, future: Future[_UploadedPart]) -> None:
+        with self._part_settled:
+            self._unfinished_parts -= 1
+            self._part_settled.notify_all()
         if not future.cancelled() and future.exception() is not None and self._failed_part is None:
             self._failed_part = future
 
@@ -3323,7 +3373,9 @@ class S3MultipartWriter(io.RawIOBase):
         if self._failed_part is not None:
             self._failed_part.result()
 
-    def _upload_part(self, number: int, buffer: bytearray, length: int, cuts: tuple[int, ...]) -> _UploadedPart:
+    def _upload_part(
+        self, number: int, buffer: bytearray | memoryview, length: int, cuts: tuple[int, ...], owner: object = None
+    ) -> _UploadedPart:
         try:
             part = memoryview(buffer)[:length]
             pieces = _piece_checksums(self._algorithm, part, cuts)
@@ -3340,7 +3392,9 @@ class S3MultipartWriter(io.RawIOBase):
             )
             return _UploadedPart(number, response["ETag"], checksum, length, tuple(pieces))
         finally:
-            self._free_buffers.put(buffer)
+            if owner is None:
+                self._free_buffers.put(buffer)  # type: ignore[arg-type]
+            # a held part's view (and `owner` with it) is dropped with this call's frame
 
     # ---- completion -----------------------------------------------------------------------------------------------
 

@@ -366,6 +366,34 @@ def test_writer_records_where_each_large_contiguous_tensor_lies_from_the_upload_
     assert reader.stats["recorded_spans"] == 2 and reader.stats["direct_items"] == 3  # and "small" by its framing
 
 
+def test_the_state_dicts_own_cpu_tensors_are_uploaded_without_a_copy(
+    bucket: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, s3_client: Any
+) -> None:
+    """A DCP save sends whole parts of a large CPU tensor straight from the state dict's memory; a tensor the writer
+    must copy first (a view of a larger storage, cloned) is never held past its write. torch's reader loads it."""
+    owners: list[Any] = []
+    real = s3_utils.S3MultipartWriter.write_held
+
+    def write_held(writer: Any, data: Any, owner: Any) -> int:
+        owners.append(owner)
+        return real(writer, data, owner)
+
+    monkeypatch.setattr(s3_utils.S3MultipartWriter, "write_held", write_held)
+    generator = torch.Generator().manual_seed(8)
+    big = torch.randn(4 * 1024 * 1024, generator=generator)  # 16 MiB
+    wide = torch.randn(2048, 1024, generator=generator)
+    state = {"big": big, "half": wide[:1024]}  # a view of half a storage: cloned before it is saved
+    _save(state, f"s3://{bucket}/held")
+    assert [owner.data_ptr() for owner in owners] == [big.data_ptr()]
+    loaded = _empty_like(state)
+    _load(loaded, f"s3://{bucket}/held")
+    _assert_same(loaded, state)
+    _download_prefix(s3_client, bucket, "held", tmp_path)
+    local = _empty_like(state)
+    dcp.load(local, storage_reader=dcp.FileSystemReader(str(tmp_path)), no_dist=True)
+    _assert_same(local, state)
+
+
 def test_a_tensor_span_record_that_does_not_fit_its_target_or_bytes_is_not_trusted(bucket: str) -> None:
     """A span whose dtype, shape or place does not describe the target is ignored (the framing is read instead); a
     span whose checksum does not match the bytes fails the load, naming the shard, and `verify_checkpoint` finds a

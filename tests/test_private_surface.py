@@ -197,6 +197,28 @@ def test_torch_writes_each_storage_in_one_write_call() -> None:
     assert sum(size for size, _ in recorder.sizes if size >= s3_utils._GIL_FREE_COPY_MIN) == 4 * MiB
 
 
+def test_torch_hands_write_each_storages_own_memory() -> None:
+    """The view torch's archive writer gives `write` for a CPU storage is that storage's memory itself (no copy):
+    what lets s3_dcp record where a tensor's bytes lie and both plugins upload whole parts from it without a copy
+    (`S3MultipartWriter.write_held`). If torch copied first, the address check would send every byte through part
+    buffers again, correct but slower; this test says so first."""
+    tensor = torch.arange(3 * MiB, dtype=torch.float32)
+    seen: list[tuple[int, int | None]] = []
+
+    class Recorder(io.RawIOBase):
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data: Any) -> int:
+            seen.append((memoryview(data).nbytes, s3_utils.buffer_address(data)))
+            return memoryview(data).nbytes
+
+    s3_checkpoint_io.torch_save_without_zip_crc32({"t": tensor}, Recorder())
+    assert (tensor.numel() * 4, tensor.data_ptr()) in seen
+    assert s3_utils.buffer_address(memoryview(b"abc")[1:]) is not None
+    assert s3_utils.buffer_address(memoryview(bytearray(8))[::2]) is None  # not one block
+
+
 # ---- torch: the checkpoint format checks of S3CheckpointIO.load_checkpoint ------------------------------------------
 
 

@@ -125,6 +125,52 @@ class TestRoundTrip:
         plugin.teardown()
 
 
+class _HeldSpy:
+    """Counts the parts S3MultipartWriter.write_held sends straight from the caller's memory, and whose memory."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.parts = 0
+        self.owners: list[object] = []
+        real = s3_utils.S3MultipartWriter.write_held
+        spy = self
+
+        def write_held(writer: s3_utils.S3MultipartWriter, data: object, owner: object) -> int:
+            before = writer._held_parts
+            written = real(writer, data, owner)
+            spy.parts += writer._held_parts - before
+            spy.owners.append(owner)
+            return written
+
+        monkeypatch.setattr(s3_utils.S3MultipartWriter, "write_held", write_held)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_checkpoints_own_cpu_tensors_are_uploaded_without_a_copy(
+    mode: str, bucket: str, monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    """Whole parts of a large CPU tensor go to the store straight from its memory (the original's in a sync save,
+    the snapshot's in an async one), once for a storage two tensors share; torch.load reads the object."""
+    spy = _HeldSpy(monkeypatch)
+    checkpoint = make_checkpoint(mib=23)
+    checkpoint["state_dict"]["row"] = checkpoint["state_dict"]["weight"][:7]  # a view of the same storage
+    plugin = S3CheckpointIO(f"s3://{bucket}/held", chunk_size_MB=5, async_checkpointing=mode == "async")
+    try:
+        url = f"s3://{bucket}/held/model.ckpt"
+        plugin.save_checkpoint(checkpoint, url)
+        plugin.wait_for_pending_saves()
+        loaded = plugin.load_checkpoint(url)
+    finally:
+        plugin.teardown()
+    assert spy.parts >= 3 and len(spy.owners) == 1  # the 23 MiB storage, once (the view shares it)
+    weight = checkpoint["state_dict"]["weight"]
+    owns_original = spy.owners[0].data_ptr() == weight.untyped_storage().data_ptr()
+    assert owns_original == (mode == "sync")
+    assert_same_checkpoint(loaded, checkpoint)
+    local = tmp_path / "model.ckpt"
+    s3_utils.S3Utils().download_s3_file_to_path(url, local)
+    assert_same_checkpoint(torch.load(local, weights_only=True), checkpoint)
+
+
 class _Unpicklable:
     def __reduce__(self):
         raise RuntimeError("cannot pickle this")

@@ -457,6 +457,82 @@ def test_part_size_doubles_so_objects_can_outgrow_ten_thousand_parts(s3_server, 
         assert downloaded.read_all() == data
 
 
+def test_held_writes_send_whole_parts_from_the_callers_memory_and_copy_only_the_edges(s3_server, bucket: str) -> None:
+    """`write_held` uploads every part that lines up with the object's part grid straight from the caller's bytes
+    (no part buffer), copies the bytes before the first boundary and after the last, keeps checksum boundaries
+    exact, and the object is byte for byte what plain writes give."""
+    utils = S3Utils(S3ClientSettings(endpoint_url=s3_server.endpoint_url, user_agent_extra="held-writes"))
+    head, held, tail = os.urandom(1000), bytearray(os.urandom(23 * MiB)), os.urandom(777)
+    url = f"s3://{bucket}/held"
+    with part_upload_headers(utils) as seen:
+        writer = utils.open_writer(url, chunk_size_MB=5, max_concurrency=2)
+        with writer:
+            writer.write(head)
+            writer.mark_checksum_boundary()
+            assert writer.write_held(memoryview(held).toreadonly(), held) == len(held)
+            writer.mark_checksum_boundary()
+            writer.write(tail)
+    assert writer._held_parts == 3  # 5 MiB parts 2-4; part 1 (head + the rest of its 5 MiB) and the tail copied
+    assert writer._buffers_made <= 2 and writer._most_buffers_held <= 2
+    assert sorted(int(headers["content-length"]) for headers in seen) == [
+        1000 + 23 * MiB + 777 - 4 * 5 * MiB,
+        *[5 * MiB] * 4,
+    ]
+    algorithm = writer._algorithm
+    assert writer.checksum_of(1000, 1000 + len(held)) == algorithm.update(bytes(held), 0)
+    with utils.download_to_memory(url) as downloaded:  # verifies the combined full-object checksum
+        assert downloaded.read_all() == head + bytes(held) + tail
+
+
+def test_held_writes_keep_at_most_max_concurrency_plus_one_parts_queued(
+    s3_server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    utils = S3Utils(S3ClientSettings(endpoint_url=s3_server.endpoint_url, user_agent_extra="held-bound"))
+    held = bytearray(os.urandom(40 * MiB))
+    writer = utils.open_writer(f"s3://{bucket}/held-bound", chunk_size_MB=5, max_concurrency=2)
+    unfinished: list[int] = []
+    real_send, real_upload = writer._send_part, writer._upload_part
+
+    def counting_send(*args: object, **kwargs: object) -> None:
+        real_send(*args, **kwargs)
+        unfinished.append(sum(not future.done() for future in writer._parts))
+
+    def slow_upload(*args: object, **kwargs: object) -> object:
+        threading.Event().wait(0.05)
+        return real_upload(*args, **kwargs)
+
+    monkeypatch.setattr(writer, "_send_part", counting_send)
+    monkeypatch.setattr(writer, "_upload_part", slow_upload)
+    with writer:
+        writer.write_held(held, held)
+    assert writer._held_parts == 8 and len(unfinished) == 8
+    assert max(unfinished) == 3  # max_concurrency + 1: the bound binds, and is kept
+    with utils.download_to_memory(f"s3://{bucket}/held-bound") as downloaded:
+        assert downloaded.read_all() == bytes(held)
+
+
+def test_a_failed_held_part_aborts_the_upload_and_no_thread_reads_the_bytes_after(
+    fault_proxy, s3_client, bucket: str
+) -> None:
+    fault_proxy.add_rule(
+        FaultRule(Fault.status(500, "InternalError"), method="PUT", query="partNumber=", after_requests=1)
+    )
+    utils = S3Utils(
+        S3ClientSettings(endpoint_url=fault_proxy.endpoint_url, user_agent_extra="held-fail"),
+        RetryPolicy(max_attempts=2, initial_backoff_s=0.01, max_backoff_s=0.02),
+    )
+    held = bytearray(os.urandom(30 * MiB))
+    url = f"s3://{bucket}/held-fail"
+    writer = utils.open_writer(url, chunk_size_MB=5, max_concurrency=2)
+    with pytest.raises(Exception) as caught:
+        with writer:
+            writer.write_held(held, held)
+    assert "InternalError" in str(caught.value)  # as for copied parts (the plugins' errors add the URL)
+    assert writer.state == "aborted" and open_uploads(s3_client, bucket) == []
+    assert all(future.done() for future in writer._parts)  # nothing queued or running reads `held` any more
+    assert "held-fail" not in keys(s3_client, bucket)
+
+
 def test_ranged_reads_stream_through_a_small_staging_buffer(s3_server, fault_proxy, bucket: str) -> None:
     """A load streams each range through one small per-thread staging buffer (no range-sized temporaries), and a
     range read to its end hands its connection back for the next request. Both checks need SeaweedFS: moto's server
