@@ -35,6 +35,7 @@ import inspect
 import io
 import json
 import logging
+import math
 import os
 import pickle
 import struct
@@ -102,9 +103,6 @@ _DIRECT_READ_MAX_OVERHEAD = 1 << 20
 more than that is not a plain tensor and takes the buffered path."""
 _ITEM_RECORD_VERSION = 1
 """The item-checksum record's format. Additions that older readers can ignore (such as ``"tensors"``) keep it."""
-_TENSOR_SPAN_MIN = 1 << 20
-"""Tensor items at least this large have their tensor bytes' span recorded (`_TensorSpan`): loads read smaller ones
-through shared buffers (`DEFAULT_DIRECT_READ_MIN_MB`), where the span would not be used."""
 
 
 def metadata_name(rank: int | None = None) -> str:
@@ -253,7 +251,8 @@ class _TensorSpan:
     """Where one tensor item's own bytes lie in its item, seen while ``torch.save`` wrote them: the one `write` whose
     buffer is the tensor's memory (same address, same length). Recorded in the item-checksum record (``"tensors"``),
     so that a load reads those bytes straight into the target without first fetching the item's zip framing to find
-    them, and checks them against their own checksum (from the upload's single pass)."""
+    them, and checks them against their own checksum (from the upload's single pass); a buffered item is decoded
+    from it without parsing its framing."""
 
     start: int  # from the item's first byte
     nbytes: int
@@ -631,9 +630,10 @@ class _S3StorageWriterImpl(_S3Settings):
                     tensor = data.detach().cpu()
                     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
                         tensor = tensor.clone()  # a view: save its elements only, not the storage behind it
-                    spanned = tensor.is_contiguous() and tensor.numel() * tensor.element_size() >= _TENSOR_SPAN_MIN
+                    nbytes = tensor.numel() * tensor.element_size()
                     own = tensor.data_ptr() == data.data_ptr() and data.device.type == "cpu"
-                    stream.begin_item(tensor if spanned else None, held=own)
+                    held = own and nbytes >= _s3.MIN_PART_SIZE  # only these can fill a whole part
+                    stream.begin_item(tensor if tensor.is_contiguous() and nbytes else None, held=held)
                     _ckpt_io.torch_save_without_zip_crc32(tensor, stream)
                 written.append((item, *stream.end_item(), stream.tensor_span))
         except BaseException as exc:
@@ -873,6 +873,7 @@ class _Item:
     checksum: int | None = None  # recorded at save time, None when the file is verified as a whole
     pieces: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (piece index, checksum) in order
     target: Any = None  # the planner's tensor, resolved once when the item may be read straight into it
+    span: Any = None  # where the writer saw its tensor's bytes (`_TensorSpan.record()`), if it recorded that
 
 
 @dataclass
@@ -954,8 +955,8 @@ class _S3StorageReaderImpl(_S3Settings):
         self._save_id: str | None = None
         self._stats_lock = threading.Lock()
         self.stats = {"requests": 0, "bytes": 0, "direct_items": 0, "recorded_spans": 0}
-        """Ranged GETs and bytes fetched by `read_data`, items read straight into their targets, and how many of those
-        through the tensor span the writer recorded (for tests and benchmarks)."""
+        """Ranged GETs and bytes fetched by `read_data`, items read straight into their targets, and tensor items
+        located through the span the writer recorded, read straight or buffered (for tests and benchmarks)."""
         self._remember_utils(
             _make_utils(
                 s3_utils,
@@ -1112,6 +1113,8 @@ class _S3StorageReaderImpl(_S3Settings):
                         "that .metadata points to: the checkpoint is inconsistent; do not use it"
                     )
                 item.checksum = int(recorded[1])
+                if record.get("byteorder") == sys.byteorder:
+                    item.span = record.get("tensors", {}).get(str(item.offset))
             etag = record["etag"] or None
             into_target = [self._direct_read(relative_path, url, item, etag, record, planner) for item in items]
             file_direct = [read for read in into_target if read is not None]
@@ -1368,7 +1371,8 @@ class _S3StorageReaderImpl(_S3Settings):
             self._check_whole_file(group, algorithm)
         view = memoryview(group.buffer)
         for item in group.items:
-            self._load_item(view[item.offset - group.start : item.offset - group.start + item.length], item, planner)
+            data = view[item.offset - group.start : item.offset - group.start + item.length]
+            self._load_item(data, item, planner, group)
         group.buffer = None
 
     def _check_whole_file(self, group: _Group, algorithm: Any) -> None:
@@ -1394,13 +1398,15 @@ class _S3StorageReaderImpl(_S3Settings):
                 f"{record['checksum']} was recorded when the checkpoint was written. Do not use it."
             )
 
-    def _load_item(self, data: memoryview, item: _Item, planner: Any) -> None:
+    def _load_item(self, data: memoryview, item: _Item, planner: Any, group: _Group) -> None:
         types = _dcp_types()
         tensor = None
         for request in item.requests:
             if request.type == types.LoadItemType.BYTE_IO:
                 planner.load_bytes(request, io.BytesIO(data))
                 continue
+            if tensor is None and item.span is not None:
+                tensor = self._tensor_at_span(data, item, group, _stored_chunk(planner, request))
             if tensor is None:
                 tensor = _decode_tensor(data)
             piece = types.narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths)
@@ -1412,6 +1418,46 @@ class _S3StorageReaderImpl(_S3Settings):
                 )
             target.copy_(piece)
             planner.commit_tensor(request, target)
+
+    def _tensor_at_span(self, data: memoryview, item: _Item, group: _Group, stored: tuple[Any, Any] | None) -> Any:
+        """The tensor of a verified item, as a view of its bytes where the writer recorded them, without parsing the
+        item's zip framing or unpickling it (a millisecond per item, most of the cost of a small one); None when
+        the record does not describe the chunk ``.metadata`` says is stored there (`stored`: its sizes and dtype),
+        inside the item (the framing is read instead). The record must agree with the item's verified checksum:
+        the checksums before and after the span, combined with the span's own, give the item's."""
+        torch = _torch()
+        try:
+            start, nbytes, checksum, dtype_name, shape = item.span
+            dtype = getattr(torch, dtype_name)
+            valid = (
+                stored is not None
+                and (tuple(shape), dtype) == stored
+                and isinstance(dtype, torch.dtype)
+                and isinstance(start, int)
+                and isinstance(checksum, int)
+                and 0 < nbytes <= len(data) - start
+                and start >= 0
+                and nbytes == math.prod(shape) * dtype.itemsize
+            )
+        except (TypeError, ValueError, AttributeError):
+            return None
+        if not valid:
+            return None
+        algorithm = _algorithm_of(self._records, group.relative_path)
+        combined = algorithm.combine(_checksum(algorithm, data[:start]), checksum, nbytes)
+        combined = algorithm.combine(combined, _checksum(algorithm, data[start + nbytes :]), len(data) - start - nbytes)
+        if combined != item.checksum:
+            raise _s3.ChecksumMismatchError(
+                f"{group.url}: the recorded checksum of the tensor bytes {item.offset + start}-"
+                f"{item.offset + start + nbytes} does not match their item's: the checkpoint's item record was "
+                "modified after it was written. Do not use it."
+            )
+        raw = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=start)
+        if raw.data_ptr() % dtype.itemsize:
+            raw = raw.clone()  # torch views need aligned elements; items are packed without padding
+        with self._stats_lock:
+            self.stats["recorded_spans"] += 1
+        return raw.view(dtype).reshape(shape)
 
     def _incomplete(self, url: str) -> CheckpointIncompleteError:
         try:
@@ -1426,6 +1472,22 @@ class _S3StorageReaderImpl(_S3Settings):
         return CheckpointIncompleteError(
             f"No DCP checkpoint at {self.path}: {url} does not exist and nothing is stored under the prefix"
         )
+
+
+def _stored_chunk(planner: Any, request: Any) -> tuple[tuple[int, ...], Any] | None:
+    """The sizes and dtype ``.metadata`` records for the stored chunk a read request reads from (None where the
+    planner does not expose the metadata, as DCP's default load planner does)."""
+    index = request.storage_index
+    tensor_md = getattr(getattr(planner, "metadata", None), "state_dict_metadata", {}).get(index.fqn)
+    chunks = getattr(tensor_md, "chunks", None)
+    if not chunks:
+        return None
+    hint = index.index
+    if hint is not None and 0 <= hint < len(chunks) and tuple(chunks[hint].offsets) == tuple(index.offset):
+        chunk = chunks[hint]
+    else:
+        chunk = next((c for c in chunks if tuple(c.offsets) == tuple(index.offset)), None)
+    return None if chunk is None else (tuple(chunk.sizes), tensor_md.properties.dtype)
 
 
 def _recorded_span(record: dict[str, Any], item: _Item, target: Any) -> list[Any] | None:

@@ -327,17 +327,18 @@ def _strip_tensor_spans(url: str) -> None:
     _put_item_record(url, record)
 
 
-def test_writer_records_where_each_large_contiguous_tensor_lies_from_the_upload_pass(
+def test_writer_records_where_each_contiguous_tensor_lies_from_the_upload_pass(
     bucket: str, s3_client: Any, tmp_path: Path
 ) -> None:
     """The span of a tensor's own bytes in its item is the `write` that carried the tensor's memory; its checksum is
-    combined from the upload's pass like the item's. Small, non-contiguous and bytes items get no span."""
+    combined from the upload's pass like the item's. Non-contiguous and bytes items get no span. Loads use the
+    spans for direct reads and to decode buffered items."""
     generator = torch.Generator().manual_seed(5)
     square = torch.randn(768, 768, generator=generator)
     state = {
         "flat": torch.randn(1_500_000, generator=generator),  # 5.7 MiB: its bytes cross a 5 MiB part boundary
         "rows": torch.randn(600, 1000, generator=generator).to(torch.bfloat16),
-        "small": torch.randn(1000, generator=generator),  # under 1 MiB: read through shared buffers anyway
+        "small": torch.randn(1000, generator=generator),  # read through a shared buffer
         "transposed": square.t(),  # its storage is its bytes, but in another order than its contiguous form
         "blob": io.BytesIO(os.urandom(2 << 20)),
     }
@@ -349,8 +350,8 @@ def test_writer_records_where_each_large_contiguous_tensor_lies_from_the_upload_
     assert record["byteorder"] == sys.byteorder
     metadata = dcp.FileSystemReader(str(tmp_path)).read_metadata()
     offsets = {index.fqn: info.offset for index, info in metadata.storage_data.items()}
-    assert sorted(record["tensors"]) == sorted(str(offsets[name]) for name in ("flat", "rows"))
-    for name in ("flat", "rows"):
+    assert sorted(record["tensors"]) == sorted(str(offsets[name]) for name in ("flat", "rows", "small"))
+    for name in ("flat", "rows", "small"):
         start, nbytes, checksum, dtype, shape = record["tensors"][str(offsets[name])]
         tensor = state[name]
         assert (dtype, shape) == (str(tensor.dtype).removeprefix("torch."), list(tensor.shape))
@@ -363,7 +364,11 @@ def test_writer_records_where_each_large_contiguous_tensor_lies_from_the_upload_
     loaded = _empty_like(state)
     reader = _load(loaded, f"s3://{bucket}/spans", direct_read_min_MB=0)
     _assert_same(loaded, state)
-    assert reader.stats["recorded_spans"] == 2 and reader.stats["direct_items"] == 3  # and "small" by its framing
+    assert reader.stats["recorded_spans"] == 3 and reader.stats["direct_items"] == 3  # and "transposed" decoded
+    loaded = _empty_like(state)
+    reader = _load(loaded, f"s3://{bucket}/spans")  # "flat" read straight, "rows" and "small" from a buffer
+    _assert_same(loaded, state)
+    assert reader.stats["recorded_spans"] == 3 and reader.stats["direct_items"] == 1
 
 
 def test_the_state_dicts_own_cpu_tensors_are_uploaded_without_a_copy(
@@ -415,6 +420,9 @@ def test_a_tensor_span_record_that_does_not_fit_its_target_or_bytes_is_not_trust
         reader = _load(loaded, url)
         assert torch.equal(loaded["w"], state["w"]) and reader.stats["recorded_spans"] == 0, wrong
         assert reader.stats["direct_items"] == 1, wrong
+        buffered = {"w": torch.zeros(1200, 1000)}
+        reader = _load(buffered, url, direct_read_min_MB=64)  # decoded from its framing instead
+        assert torch.equal(buffered["w"], state["w"]) and reader.stats["recorded_spans"] == 0, wrong
 
     for bad in ([*span[:2], span[2] ^ 1, *span[3:]], [span[0] + 4, *span[1:]]):  # another checksum, other bytes
         _put_item_record(url, {**genuine, "files": {"__0_0.distcp": {**entry, "tensors": {offset: bad}}}})
@@ -423,6 +431,11 @@ def test_a_tensor_span_record_that_does_not_fit_its_target_or_bytes_is_not_trust
         failure = caught.value.failures[0][0]
         assert isinstance(failure, s3_utils.ChecksumMismatchError)
         assert f"{url}/__0_0.distcp" in str(failure) and "tensor of item w" in str(failure)
+        with pytest.raises(CheckpointException) as caught:
+            _load({"w": torch.zeros(1200, 1000)}, url, direct_read_min_MB=64)
+        failure = caught.value.failures[0][0]
+        assert isinstance(failure, s3_utils.ChecksumMismatchError) and f"{url}/__0_0.distcp" in str(failure)
+        assert "item record was modified" in str(failure)
         report = s3_dcp.verify_checkpoint(url)
         assert any("tensor bytes" in problem and "__0_0.distcp" in problem for problem in report.problems), bad
 
