@@ -604,7 +604,10 @@ def _cpu_storages(obj: Any) -> dict[int, Any]:
         value = pending.pop()
         if isinstance(value, torch.Tensor):
             if value.device.type == "cpu" and value.layout == torch.strided:
-                storage = value.untyped_storage()
+                try:
+                    storage = value.untyped_storage()
+                except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage: copied as usual
+                    continue
                 if storage.data_ptr():
                     found[storage.data_ptr()] = storage
         elif isinstance(value, dict):

@@ -1114,7 +1114,7 @@ class _S3StorageReaderImpl(_S3Settings):
                     )
                 item.checksum = int(recorded[1])
                 if record.get("byteorder") == sys.byteorder:
-                    item.span = record.get("tensors", {}).get(str(item.offset))
+                    item.span = _tensor_spans(record).get(str(item.offset))
             etag = record["etag"] or None
             into_target = [self._direct_read(relative_path, url, item, etag, record, planner) for item in items]
             file_direct = [read for read in into_target if read is not None]
@@ -1490,13 +1490,19 @@ def _stored_chunk(planner: Any, request: Any) -> tuple[tuple[int, ...], Any] | N
     return None if chunk is None else (tuple(chunk.sizes), tensor_md.properties.dtype)
 
 
+def _tensor_spans(record: dict[str, Any]) -> dict[str, Any]:
+    """A file record's tensor spans by item offset (none when it has no well-formed ``"tensors"``)."""
+    spans = record.get("tensors")
+    return spans if isinstance(spans, dict) else {}
+
+
 def _recorded_span(record: dict[str, Any], item: _Item, target: Any) -> list[Any] | None:
     """The writer's record of where `item`'s tensor bytes lie (``[start, nbytes, checksum, dtype, shape]``), when it
     describes exactly `target` (dtype, shape, byte count, this machine's byte order) inside the item; else None and
     the reader locates the bytes from the item's framing, as for checkpoints without the record."""
     if record.get("byteorder") != sys.byteorder:
         return None
-    span = record.get("tensors", {}).get(str(item.offset))
+    span = _tensor_spans(record).get(str(item.offset))
     try:
         start, nbytes, checksum, dtype, shape = span  # type: ignore[misc]
         fits = (
@@ -2321,7 +2327,7 @@ def _verify_items(url: str, downloaded: _s3.DownloadedObject, record: dict[str, 
         return 0
     algorithm = _s3.checksum_algorithm(record["algorithm"])
     items = record.get("items", {})
-    spans = record.get("tensors", {})
+    spans = _tensor_spans(record)
     with downloaded.view() as view:
         for offset_text, (length, expected) in sorted(items.items(), key=lambda item: int(item[0])):
             offset = int(offset_text)

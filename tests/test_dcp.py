@@ -439,6 +439,12 @@ def test_a_tensor_span_record_that_does_not_fit_its_target_or_bytes_is_not_trust
         report = s3_dcp.verify_checkpoint(url)
         assert any("tensor bytes" in problem and "__0_0.distcp" in problem for problem in report.problems), bad
 
+    _put_item_record(url, {**genuine, "files": {"__0_0.distcp": {**entry, "tensors": [span]}}})  # not a mapping
+    loaded = {"w": torch.zeros(1200, 1000)}
+    reader = _load(loaded, url)
+    assert torch.equal(loaded["w"], state["w"]) and reader.stats["recorded_spans"] == 0
+    assert s3_dcp.verify_checkpoint(url).problems == []
+
     _put_item_record(url, genuine)
     assert s3_dcp.verify_checkpoint(url).problems == []
 
