@@ -857,6 +857,35 @@ def _decode_tensor(data: memoryview) -> Any:
     return torch.load(_ViewReader(data), map_location="cpu", weights_only=True)
 
 
+@dataclass(frozen=True)
+class _SpanBytes:
+    """A stored tensor's bytes inside a verified item buffer, with the dtype and shape its record gives."""
+
+    data: memoryview
+    dtype: Any
+    shape: tuple[int, ...]
+
+    def fills(self, target: Any, request: Any) -> bool:
+        """Whether `request` reads the whole stored tensor into the whole of `target`, a contiguous CPU tensor of the
+        same dtype and shape: then its bytes can be copied as they are."""
+        return (
+            not any(request.storage_offsets)
+            and tuple(request.lengths) == self.shape
+            and tuple(target.shape) == self.shape
+            and target.dtype == self.dtype
+            and target.device.type == "cpu"
+            and target.is_contiguous()
+        )
+
+    def tensor(self) -> Any:
+        """The bytes as a tensor (a view of the buffer where its elements are aligned, else a copy)."""
+        torch = _torch()
+        raw = torch.frombuffer(self.data, dtype=torch.uint8)
+        if raw.data_ptr() % self.dtype.itemsize:
+            raw = raw.clone()  # torch views need aligned elements; items are packed without padding
+        return raw.view(self.dtype).reshape(self.shape)
+
+
 def _writable_view(tensor: Any) -> memoryview:
     """The bytes of a contiguous CPU tensor as a writable memoryview (socket reads land in the tensor itself)."""
     nbytes = tensor.numel() * tensor.element_size()
@@ -1400,17 +1429,21 @@ class _S3StorageReaderImpl(_S3Settings):
 
     def _load_item(self, data: memoryview, item: _Item, planner: Any, group: _Group) -> None:
         types = _dcp_types()
-        tensor = None
+        tensor = span = None
         for request in item.requests:
             if request.type == types.LoadItemType.BYTE_IO:
                 planner.load_bytes(request, io.BytesIO(data))
                 continue
-            if tensor is None and item.span is not None:
-                tensor = self._tensor_at_span(data, item, group, _stored_chunk(planner, request))
-            if tensor is None:
-                tensor = _decode_tensor(data)
-            piece = types.narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths)
+            if span is None and tensor is None and item.span is not None:
+                span = self._span_bytes(data, item, group, _stored_chunk(planner, request))
             target = item.target if item.target is not None else planner.resolve_tensor(request).detach()
+            if span is not None and span.fills(target, request):
+                _writable_view(target)[:] = span.data  # the whole stored tensor into the whole target: one copy
+                planner.commit_tensor(request, target)
+                continue
+            if tensor is None:
+                tensor = span.tensor() if span is not None else _decode_tensor(data)
+            piece = types.narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths)
             if target.size() != piece.size():
                 raise ValueError(
                     f"{_join(self.path, self.storage_data[request.storage_index].relative_path)}: item "  # type: ignore[index]
@@ -1419,9 +1452,11 @@ class _S3StorageReaderImpl(_S3Settings):
             target.copy_(piece)
             planner.commit_tensor(request, target)
 
-    def _tensor_at_span(self, data: memoryview, item: _Item, group: _Group, stored: tuple[Any, Any] | None) -> Any:
-        """The tensor of a verified item, as a view of its bytes where the writer recorded them, without parsing the
-        item's zip framing or unpickling it (a millisecond per item, most of the cost of a small one); None when
+    def _span_bytes(
+        self, data: memoryview, item: _Item, group: _Group, stored: tuple[Any, Any] | None
+    ) -> _SpanBytes | None:
+        """The tensor bytes of a verified item, where the writer recorded them, without parsing the item's zip
+        framing or unpickling it (a millisecond per item, most of the cost of a small one); None when
         the record does not describe the chunk ``.metadata`` says is stored there (`stored`: its sizes and dtype),
         inside the item (the framing is read instead). The record must agree with the item's verified checksum:
         the checksums before and after the span, combined with the span's own, give the item's."""
@@ -1452,12 +1487,9 @@ class _S3StorageReaderImpl(_S3Settings):
                 f"{item.offset + start + nbytes} does not match their item's: the checkpoint's item record was "
                 "modified after it was written. Do not use it."
             )
-        raw = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=start)
-        if raw.data_ptr() % dtype.itemsize:
-            raw = raw.clone()  # torch views need aligned elements; items are packed without padding
         with self._stats_lock:
             self.stats["recorded_spans"] += 1
-        return raw.view(dtype).reshape(shape)
+        return _SpanBytes(data[start : start + nbytes], dtype, tuple(shape))
 
     def _incomplete(self, url: str) -> CheckpointIncompleteError:
         try:

@@ -328,7 +328,7 @@ def _strip_tensor_spans(url: str) -> None:
 
 
 def test_writer_records_where_each_contiguous_tensor_lies_from_the_upload_pass(
-    bucket: str, s3_client: Any, tmp_path: Path
+    bucket: str, s3_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The span of a tensor's own bytes in its item is the `write` that carried the tensor's memory; its checksum is
     combined from the upload's pass like the item's. Non-contiguous and bytes items get no span. Loads use the
@@ -365,10 +365,20 @@ def test_writer_records_where_each_contiguous_tensor_lies_from_the_upload_pass(
     reader = _load(loaded, f"s3://{bucket}/spans", direct_read_min_MB=0)
     _assert_same(loaded, state)
     assert reader.stats["recorded_spans"] == 3 and reader.stats["direct_items"] == 3  # and "transposed" decoded
+    decoded: list[Any] = []
+    real_tensor = s3_dcp._SpanBytes.tensor
+    monkeypatch.setattr(s3_dcp._SpanBytes, "tensor", lambda span: decoded.append(span) or real_tensor(span))
     loaded = _empty_like(state)
     reader = _load(loaded, f"s3://{bucket}/spans")  # "flat" read straight, "rows" and "small" from a buffer
     _assert_same(loaded, state)
     assert reader.stats["recorded_spans"] == 3 and reader.stats["direct_items"] == 1
+    assert decoded == []  # whole tensors into whole targets of their dtype: their bytes copied as they are
+    converted = {"rows": torch.zeros(600, 1000), "small": torch.zeros(1000, dtype=torch.float64)}
+    _load(converted, f"s3://{bucket}/spans")  # other dtypes: decoded from the span, then converted on copy
+    assert len(decoded) == 2
+    assert torch.equal(converted["rows"], state["rows"].float()) and torch.equal(
+        converted["small"], state["small"].double()
+    )
 
 
 def test_the_state_dicts_own_cpu_tensors_are_uploaded_without_a_copy(
