@@ -1175,7 +1175,7 @@ class _S3StorageReaderImpl(_S3Settings):
             return None
         if not 0 < overhead <= _DIRECT_READ_MAX_OVERHEAD:
             return None
-        span = _recorded_span(record, item, target)
+        span = _span_for_target(item, target)
         if span is not None:
             layout = _TensorLayout(span[0], span[1], None)
             return _DirectRead(relative_path, url, item, etag, record, bytearray(), bytearray(), layout, int(span[2]))
@@ -1275,9 +1275,7 @@ class _S3StorageReaderImpl(_S3Settings):
             planner.commit_tensor(item.requests[0], item.target)
             return
         tail_from = layout.start + layout.nbytes - (item.length - len(read.tail))
-        actual = _checksum(algorithm, memoryview(read.head)[: layout.start])
-        for n, future in enumerate(read.futures):
-            actual = algorithm.combine(actual, future.result(), min(chunk, layout.nbytes - n * chunk))
+        actual = _pieces_checksum(read, algorithm, chunk, _checksum(algorithm, memoryview(read.head)[: layout.start]))
         actual = algorithm.combine(
             actual, _checksum(algorithm, memoryview(read.tail)[tail_from:]), len(read.tail) - tail_from
         )
@@ -1291,9 +1289,7 @@ class _S3StorageReaderImpl(_S3Settings):
         """Check a tensor read through its recorded span against the checksum recorded for those bytes. The item's
         framing was not read, so the file's whole-file check is skipped (its items' checks cover what was read)."""
         assert read.layout is not None and read.recorded is not None
-        actual = 0
-        for n, future in enumerate(read.futures):
-            actual = algorithm.combine(actual, future.result(), min(chunk, read.layout.nbytes - n * chunk))
+        actual = _pieces_checksum(read, algorithm, chunk)
         if actual != read.recorded:
             start = read.item.offset + read.layout.start
             raise _s3.ChecksumMismatchError(
@@ -1479,14 +1475,7 @@ class _S3StorageReaderImpl(_S3Settings):
         if not valid:
             return None
         algorithm = _algorithm_of(self._records, group.relative_path)
-        combined = algorithm.combine(_checksum(algorithm, data[:start]), checksum, nbytes)
-        combined = algorithm.combine(combined, _checksum(algorithm, data[start + nbytes :]), len(data) - start - nbytes)
-        if combined != item.checksum:
-            raise _s3.ChecksumMismatchError(
-                f"{group.url}: the recorded checksum of the tensor bytes {item.offset + start}-"
-                f"{item.offset + start + nbytes} does not match their item's: the checkpoint's item record was "
-                "modified after it was written. Do not use it."
-            )
+        _require_span_in_item(group.url, algorithm, data, item.offset, item.checksum, start, nbytes, checksum)
         with self._stats_lock:
             self.stats["recorded_spans"] += 1
         return _SpanBytes(data[start : start + nbytes], dtype, tuple(shape))
@@ -1504,6 +1493,16 @@ class _S3StorageReaderImpl(_S3Settings):
         return CheckpointIncompleteError(
             f"No DCP checkpoint at {self.path}: {url} does not exist and nothing is stored under the prefix"
         )
+
+
+def _pieces_checksum(read: _DirectRead, algorithm: Any, chunk: int, before: int = 0) -> int:
+    """The checksum of `before`'s bytes followed by a direct read's tensor bytes, combined from the checksums the
+    fetching threads took of each `chunk`-sized piece."""
+    assert read.layout is not None
+    actual = before
+    for n, future in enumerate(read.futures):
+        actual = algorithm.combine(actual, future.result(), min(chunk, read.layout.nbytes - n * chunk))
+    return actual
 
 
 def _stored_chunk(planner: Any, request: Any) -> tuple[tuple[int, ...], Any] | None:
@@ -1528,13 +1527,11 @@ def _tensor_spans(record: dict[str, Any]) -> dict[str, Any]:
     return spans if isinstance(spans, dict) else {}
 
 
-def _recorded_span(record: dict[str, Any], item: _Item, target: Any) -> list[Any] | None:
-    """The writer's record of where `item`'s tensor bytes lie (``[start, nbytes, checksum, dtype, shape]``), when it
-    describes exactly `target` (dtype, shape, byte count, this machine's byte order) inside the item; else None and
-    the reader locates the bytes from the item's framing, as for checkpoints without the record."""
-    if record.get("byteorder") != sys.byteorder:
-        return None
-    span = _tensor_spans(record).get(str(item.offset))
+def _span_for_target(item: _Item, target: Any) -> list[Any] | None:
+    """`item`'s recorded span (``[start, nbytes, checksum, dtype, shape]``, set by `_plan_groups` where the record's
+    byte order is this machine's), when it describes exactly `target` (dtype, shape, byte count) inside the item;
+    else None and the reader locates the bytes from the item's framing, as for checkpoints without the record."""
+    span = item.span
     try:
         start, nbytes, checksum, dtype, shape = span  # type: ignore[misc]
         fits = (
@@ -2377,9 +2374,8 @@ def _verify_items(url: str, downloaded: _s3.DownloadedObject, record: dict[str, 
 
 
 def _check_span_record(url: str, algorithm: Any, item: memoryview, offset: int, checksum: int, span: Any) -> None:
-    """A recorded tensor span (which loads trust instead of the item's framing) must agree with its item's verified
-    checksum: the checksums of the bytes before and after it, combined with the span's recorded one, give the item's.
-    Checked without a second pass over the tensor bytes (a combine is determined by its inputs)."""
+    """A recorded tensor span (which loads trust instead of the item's framing) must be well formed and agree with its
+    item's verified checksum (`_require_span_in_item`)."""
     try:
         start, nbytes, recorded = int(span[0]), int(span[1]), int(span[2])
         if not 0 <= start <= len(item) - nbytes:
@@ -2388,6 +2384,15 @@ def _check_span_record(url: str, algorithm: Any, item: memoryview, offset: int, 
         raise _s3.ChecksumMismatchError(
             f"{url}: the tensor record of the item at byte {offset} is malformed ({exc}). Do not use the checkpoint."
         ) from exc
+    _require_span_in_item(url, algorithm, item, offset, checksum, start, nbytes, recorded)
+
+
+def _require_span_in_item(
+    url: str, algorithm: Any, item: memoryview, offset: int, checksum: Any, start: int, nbytes: int, recorded: int
+) -> None:
+    """Raise unless a recorded tensor span agrees with its item, whose bytes (at `offset` in the file) matched the
+    item's `checksum`: the checksums of the bytes before and after the span, combined with the span's recorded one,
+    must give the item's. No second pass over the tensor bytes (a combine is determined by its inputs)."""
     combined = algorithm.combine(_checksum(algorithm, item[:start]), recorded, nbytes)
     combined = algorithm.combine(combined, _checksum(algorithm, item[start + nbytes :]), len(item) - start - nbytes)
     if combined != checksum:

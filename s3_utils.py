@@ -2814,8 +2814,8 @@ def _py_buffer_api() -> _PyBufferAPI | None:
 
 def buffer_address(data: Any) -> int | None:
     """The address of the first byte of `data`, a buffer of one contiguous block (a read-only memoryview included),
-    or None where it cannot be exported as one or this interpreter offers no way to ask. s3_dcp compares it with a
-    tensor's ``data_ptr()`` to know that a write carries that tensor's own bytes."""
+    or None where it cannot be exported as one or this interpreter offers no way to ask. s3_dcp and s3_checkpoint_io
+    compare it with a tensor's ``data_ptr()`` to know that a write carries that tensor's own bytes."""
     api = _py_buffer_api()
     if api is None:
         return None
@@ -3177,9 +3177,9 @@ class S3MultipartWriter(io.RawIOBase):
                     self._send_held_part(view[:size], owner)
                     view = view[size:]
                 else:  # up to the next part boundary, through the part buffer
-                    room = size - self._filled if self._buffer is not None else size
-                    self._write(view[: min(room, len(view))])
-                    view = view[min(room, len(view)) :]
+                    count = min(size - self._filled if self._buffer is not None else size, len(view))
+                    self._write(view[:count])
+                    view = view[count:]
             return total
         except BaseException as exc:
             self.error = exc
