@@ -858,16 +858,41 @@ def _decode_tensor(data: memoryview) -> Any:
 
 
 @dataclass(frozen=True)
-class _SpanBytes:
-    """A stored tensor's bytes inside a verified item buffer, with the dtype and shape its record gives."""
+class _RecordedSpan:
+    """A well-formed tensor span record (`_TensorSpan.record()`) that describes the chunk ``.metadata`` says its item
+    stores: where the tensor's bytes lie in the item, their checksum, dtype and shape."""
 
-    data: memoryview
+    start: int
+    nbytes: int
+    checksum: int
     dtype: Any
     shape: tuple[int, ...]
 
+    @classmethod
+    def checked(cls, record: Any, item_length: int, stored: tuple[Any, Any] | None) -> _RecordedSpan | None:
+        """The span `record` describes, or None when it is malformed, lies outside its item, or disagrees with the
+        sizes and dtype ``.metadata`` records for the chunk stored there (`stored`; None when unknown)."""
+        torch = _torch()
+        try:
+            start, nbytes, checksum, dtype_name, shape = record
+            dtype = getattr(torch, dtype_name)
+            valid = (
+                stored is not None
+                and (tuple(shape), dtype) == stored
+                and isinstance(dtype, torch.dtype)
+                and isinstance(start, int)
+                and isinstance(checksum, int)
+                and 0 < nbytes <= item_length - start
+                and start >= 0
+                and nbytes == math.prod(shape) * dtype.itemsize
+            )
+        except (TypeError, ValueError, AttributeError):
+            return None
+        return cls(start, nbytes, checksum, dtype, tuple(shape)) if valid else None
+
     def fills(self, target: Any, request: Any) -> bool:
         """Whether `request` reads the whole stored tensor into the whole of `target`, a contiguous CPU tensor of the
-        same dtype and shape: then its bytes can be copied as they are."""
+        same dtype and shape: then its bytes can be copied (or read) as they are."""
         return (
             not any(request.storage_offsets)
             and tuple(request.lengths) == self.shape
@@ -877,13 +902,64 @@ class _SpanBytes:
             and target.is_contiguous()
         )
 
+
+@dataclass(frozen=True)
+class _SpanBytes:
+    """A stored tensor's bytes inside a verified item buffer, with the dtype and shape its record gives."""
+
+    data: memoryview
+    span: _RecordedSpan
+
+    def fills(self, target: Any, request: Any) -> bool:
+        return self.span.fills(target, request)
+
     def tensor(self) -> Any:
         """The bytes as a tensor (a view of the buffer where its elements are aligned, else a copy)."""
         torch = _torch()
         raw = torch.frombuffer(self.data, dtype=torch.uint8)
-        if raw.data_ptr() % self.dtype.itemsize:
+        if raw.data_ptr() % self.span.dtype.itemsize:
             raw = raw.clone()  # torch views need aligned elements; items are packed without padding
-        return raw.view(self.dtype).reshape(self.shape)
+        return raw.view(self.span.dtype).reshape(self.span.shape)
+
+
+def _unzeroed_buffer(nbytes: int) -> Any:
+    """A writable byte buffer of `nbytes` whose memory is not zeroed first (a ``bytearray`` would be: one more pass
+    over every buffered byte, on the consuming thread, before the GETs overwrite them all)."""
+    return _torch().empty(nbytes, dtype=_torch().uint8).numpy()
+
+
+_SCATTER_SKIP_BUFFER = 256 * 1024
+"""Bytes between a scattered group's items (no request needs them) are read through one buffer of at most this
+size, reused."""
+
+
+def _scatter(group: _Group, chunk: int) -> bool:
+    """Lay out where one GET of `group` puts each byte (`group.views`, in order): a filled item's framing into two
+    small buffers and its tensor bytes into its target; any other item into its own buffer; bytes between items
+    through a reused skip buffer. False (the group is read into one buffer instead) when it needs more than one GET
+    or its items overlap."""
+    if group.end - group.start > chunk:
+        return False
+    views: list[memoryview] = []
+    skip = None
+    position = group.start
+    for item in group.items:
+        if item.offset < position:
+            return False
+        while position < item.offset:
+            if skip is None:
+                skip = memoryview(bytearray(min(_SCATTER_SKIP_BUFFER, item.offset - position)))
+            views.append(skip[: min(len(skip), item.offset - position)])
+            position += len(views[-1])
+        if item.fill is not None:
+            head, tail = item.fill.start, item.length - item.fill.start - item.fill.nbytes
+            item.parts = [memoryview(bytearray(head)), _writable_view(item.target), memoryview(bytearray(tail))]
+        else:
+            item.parts = [memoryview(_unzeroed_buffer(item.length))]
+        views += item.parts
+        position = item.offset + item.length
+    group.views = views
+    return True
 
 
 def _writable_view(tensor: Any) -> memoryview:
@@ -903,6 +979,8 @@ class _Item:
     pieces: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (piece index, checksum) in order
     target: Any = None  # the planner's tensor, resolved once when the item may be read straight into it
     span: Any = None  # where the writer saw its tensor's bytes (`_TensorSpan.record()`), if it recorded that
+    fill: _RecordedSpan | None = None  # set when its group's GET puts the span's bytes straight into `target`
+    parts: list[memoryview] = dataclasses.field(default_factory=list)  # where a scattered GET puts its bytes
 
 
 @dataclass
@@ -935,7 +1013,8 @@ class _Group:
     whole_object: _s3.S3ObjectInfo | None = None  # set when the file is read whole and checked against this record
     expected: tuple[Any, str] | None = None
     file_record: dict[str, Any] | None = None  # the writer's record of the whole file (ours only)
-    buffer: bytearray | None = None
+    buffer: Any = None  # `_unzeroed_buffer` while its bytes are fetched and loaded
+    views: list[memoryview] | None = None  # instead of `buffer`: where its one GET puts each byte (`_scatter`)
     futures: list[Future[list[int]]] = dataclasses.field(default_factory=list)
 
 
@@ -1052,6 +1131,13 @@ class _S3StorageReaderImpl(_S3Settings):
         """Fetch the items of `plan` with parallel ranged GETs, verify them, and hand them to the planner: large
         tensors straight into their targets, the rest through buffers of coalesced ranges."""
         torch = _torch()
+        with torch.no_grad():  # targets are written in place; a DTensor's to_local() then skips autograd's apply
+            self._read_plan(plan, planner)
+        done_future = torch.futures.Future()
+        done_future.set_result(None)
+        return done_future
+
+    def _read_plan(self, plan: Any, planner: Any) -> None:
         self._file_progress: dict[str, list[Any]] = {}  # file: [reads not yet verified, (offset, length, crc)...]
         groups, direct = self._plan_groups(plan.items, planner)
         chunk = int(self.chunk_size_MB * _s3.MB)
@@ -1079,9 +1165,6 @@ class _S3StorageReaderImpl(_S3Settings):
                     for future in unit.futures:
                         future.cancel()
                 raise
-        done_future = torch.futures.Future()
-        done_future.set_result(None)
-        return done_future
 
     # ---- planning -------------------------------------------------------------------------------------------------
 
@@ -1148,6 +1231,8 @@ class _S3StorageReaderImpl(_S3Settings):
             into_target = [self._direct_read(relative_path, url, item, etag, record, planner) for item in items]
             file_direct = [read for read in into_target if read is not None]
             buffered = [item for item, read in zip(items, into_target, strict=True) if read is None]
+            for item in buffered:
+                self._plan_fill(item, planner)
             file_groups = self._coalesce(url, relative_path, buffered, gap, limit, etag)
             for group in file_groups:
                 group.file_record = record
@@ -1181,6 +1266,22 @@ class _S3StorageReaderImpl(_S3Settings):
             return _DirectRead(relative_path, url, item, etag, record, bytearray(), bytearray(), layout, int(span[2]))
         framing = min(overhead, item.length)
         return _DirectRead(relative_path, url, item, etag, record, bytearray(framing), bytearray(framing))
+
+    def _plan_fill(self, item: _Item, planner: Any) -> None:
+        """Mark a buffered item whose recorded span is the whole stored tensor of its one request, with a whole,
+        contiguous CPU target of that dtype and shape: its group's GET then puts the tensor bytes straight into the
+        target (its framing into small buffers), and they are checked against the span's and the item's checksums."""
+        types = _dcp_types()
+        if item.span is None or len(item.requests) != 1 or item.requests[0].type != types.LoadItemType.TENSOR:
+            return
+        request = item.requests[0]
+        span = _RecordedSpan.checked(item.span, item.length, _stored_chunk(planner, request))
+        if span is None:
+            return
+        if item.target is None:
+            item.target = planner.resolve_tensor(request).detach()
+        if span.fills(item.target, request):
+            item.fill = span
 
     def _coalesce(
         self, url: str, relative_path: str, items: list[_Item], gap: int, limit: int, etag: str | None
@@ -1305,7 +1406,10 @@ class _S3StorageReaderImpl(_S3Settings):
 
     def _accept_item(self, url: str, relative_path: str, item: _Item, algorithm: Any, actual: int) -> None:
         """Check an item's bytes against the checksum recorded at save time, and count them toward its file's
-        whole-file check."""
+        whole-file check. Files without a record (another writer's, loaded unverified with a warning) have nothing
+        to check."""
+        if algorithm is None or item.checksum is None:
+            return
         if actual != item.checksum:
             raise _s3.ChecksumMismatchError(
                 f"{url} is corrupt: bytes {item.offset}-{item.offset + item.length} (item "
@@ -1316,8 +1420,14 @@ class _S3StorageReaderImpl(_S3Settings):
 
     def _fetch_into(self, url: str, start: int, view: memoryview, etag: str | None, algorithm: Any) -> int:
         """Read bytes [start, start + len(view)) of `url` into `view`; their checksum (0 without `algorithm`)."""
+        self._get_range(url, start, [view], etag)
+        return _checksum(algorithm, view)
+
+    def _get_range(self, url: str, start: int, views: list[memoryview], etag: str | None) -> None:
+        """Fill `views` in order with the bytes of `url` from `start` on, in one ranged GET."""
+        length = sum(len(view) for view in views)
         try:
-            filled = self.s3.read_range_into(url, start, view, etag=etag) if len(view) else 0
+            filled = self.s3.read_range_into(url, start, views, etag=etag) if length else 0
         except Exception as exc:
             if _error_code(exc) in {"PreconditionFailed", "412"}:
                 raise _s3.ChecksumMismatchError(
@@ -1325,18 +1435,21 @@ class _S3StorageReaderImpl(_S3Settings):
                     "this checkpoint"
                 ) from exc
             raise
-        if filled != len(view):
+        if filled != length:
             raise _s3.ChecksumMismatchError(
                 f"{url} ends at byte {start + filled}, but the checkpoint's metadata needs bytes up to "
-                f"{start + len(view)}: the shard was truncated or replaced; do not use this checkpoint"
+                f"{start + length}: the shard was truncated or replaced; do not use this checkpoint"
             )
         with self._stats_lock:
-            self.stats["requests"] += 1 if len(view) else 0
-            self.stats["bytes"] += len(view)
-        return _checksum(algorithm, view)
+            self.stats["requests"] += 1 if length else 0
+            self.stats["bytes"] += length
 
     def _submit(self, pool: ThreadPoolExecutor, group: _Group, chunk: int) -> None:
-        group.buffer = bytearray(group.end - group.start)
+        if group.whole_object is None and _scatter(group, chunk):
+            algorithm = _algorithm_of(self._records, group.relative_path)
+            group.futures.append(pool.submit(self._fetch_scattered, group, algorithm))
+            return
+        group.buffer = _unzeroed_buffer(group.end - group.start)
         pieces = [(s, min(s + chunk, group.end)) for s in range(group.start, group.end, chunk)] or [(group.start,) * 2]
         if group.whole_object is not None:
             segments = [[(s - group.start, e - group.start)] for s, e in pieces]
@@ -1362,8 +1475,53 @@ class _S3StorageReaderImpl(_S3Settings):
         whole = memoryview(group.buffer)
         return [_checksum(algorithm, whole[lo:hi]) for lo, hi in segments]
 
+    def _fetch_scattered(self, group: _Group, algorithm: Any) -> list[tuple[int, int | None]]:
+        """One GET of a scattered group (`_scatter`); each item's checksum, and its span's where it was filled."""
+        assert group.views is not None
+        self._get_range(group.url, group.start, group.views, group.etag)
+        checksums: list[tuple[int, int | None]] = []
+        for item in group.items:
+            if item.fill is None:
+                checksums.append((_checksum(algorithm, item.parts[0]), None))
+                continue
+            head, tensor, tail = (_checksum(algorithm, part) for part in item.parts)
+            if algorithm is None:
+                checksums.append((0, None))
+                continue
+            whole = algorithm.combine(algorithm.combine(head, tensor, item.fill.nbytes), tail, len(item.parts[2]))
+            checksums.append((whole, tensor))
+        return checksums
+
+    def _consume_scattered(self, group: _Group, planner: Any) -> None:
+        """Verify a scattered group's items (each whole, and each filled tensor against its span's checksum), then
+        commit the filled targets and load the other items from their buffers."""
+        (checksums,) = [future.result() for future in group.futures]
+        algorithm = _algorithm_of(self._records, group.relative_path)
+        for item, (actual, tensor) in zip(group.items, checksums, strict=True):
+            self._accept_item(group.url, group.relative_path, item, algorithm, actual)
+            if item.fill is not None and algorithm is not None and tensor != item.fill.checksum:
+                start = item.offset + item.fill.start
+                raise _s3.ChecksumMismatchError(
+                    f"{group.url}: the recorded checksum of the tensor bytes {start}-{start + item.fill.nbytes} "
+                    "does not match their item's: the checkpoint's item record was modified after it was written. "
+                    "Do not use it."
+                )
+        if group.relative_path in self._file_progress:
+            self._check_whole_file(group, algorithm)
+        for item in group.items:
+            if item.fill is None:
+                self._load_item(item.parts[0], item, planner, group)
+                continue
+            planner.commit_tensor(item.requests[0], item.target)
+            with self._stats_lock:
+                self.stats["recorded_spans"] += 1
+        group.views = None
+
     def _consume(self, group: _Group, planner: Any) -> None:
         """Wait for a group's bytes, verify them, and load its items into the planner's tensors."""
+        if group.views is not None:
+            self._consume_scattered(group, planner)
+            return
         piece_checksums = [future.result() for future in group.futures]
         assert group.buffer is not None
         chunk = int(self.chunk_size_MB * _s3.MB)
@@ -1380,8 +1538,7 @@ class _S3StorageReaderImpl(_S3Settings):
                     f"{group.url} is corrupt: its {algorithm.name} is {algorithm.encode(total)}, but {expected} was "
                     "recorded when it was written. Do not use it; restore it from another copy or use an older one."
                 )
-        else:
-            algorithm = _algorithm_of(self._records, group.relative_path)
+        elif (algorithm := _algorithm_of(self._records, group.relative_path)) is not None:
             for item in group.items:
                 actual = 0
                 for n, (piece, segment) in enumerate(item.pieces):
@@ -1456,29 +1613,16 @@ class _S3StorageReaderImpl(_S3Settings):
         the record does not describe the chunk ``.metadata`` says is stored there (`stored`: its sizes and dtype),
         inside the item (the framing is read instead). The record must agree with the item's verified checksum:
         the checksums before and after the span, combined with the span's own, give the item's."""
-        torch = _torch()
-        try:
-            start, nbytes, checksum, dtype_name, shape = item.span
-            dtype = getattr(torch, dtype_name)
-            valid = (
-                stored is not None
-                and (tuple(shape), dtype) == stored
-                and isinstance(dtype, torch.dtype)
-                and isinstance(start, int)
-                and isinstance(checksum, int)
-                and 0 < nbytes <= len(data) - start
-                and start >= 0
-                and nbytes == math.prod(shape) * dtype.itemsize
-            )
-        except (TypeError, ValueError, AttributeError):
-            return None
-        if not valid:
+        span = _RecordedSpan.checked(item.span, len(data), stored)
+        if span is None:
             return None
         algorithm = _algorithm_of(self._records, group.relative_path)
-        _require_span_in_item(group.url, algorithm, data, item.offset, item.checksum, start, nbytes, checksum)
+        _require_span_in_item(
+            group.url, algorithm, data, item.offset, item.checksum, span.start, span.nbytes, span.checksum
+        )
         with self._stats_lock:
             self.stats["recorded_spans"] += 1
-        return _SpanBytes(data[start : start + nbytes], dtype, tuple(shape))
+        return _SpanBytes(data[span.start : span.start + span.nbytes], span)
 
     def _incomplete(self, url: str) -> CheckpointIncompleteError:
         try:
@@ -1766,7 +1910,8 @@ class _S3LoadPlannerImpl(_ArithmeticChunksPlanner):
         def must_ask(fqn: str) -> bool:  # torch skips keys the checkpoint lacks, and reads byte items as bytes
             return isinstance(saved.get(fqn), types.TensorStorageMetadata)
 
-        return self._plan_with_stand_ins(super().create_local_plan, must_ask)  # type: ignore[misc]
+        with _torch().no_grad():  # a DTensor's to_local() is then its local tensor, without autograd's apply
+            return self._plan_with_stand_ins(super().create_local_plan, must_ask)  # type: ignore[misc]
 
 
 _SAVE_PLANNER_DOC = """torch's ``DefaultSavePlanner`` (same arguments, same plans, same ``.metadata``) computing each

@@ -2440,18 +2440,24 @@ class S3Utils:
         """Read bytes ``[start, start + len(target))`` of an object into the writable buffer `target`; return how
         many arrived (fewer only at the end of the object, 0 at or past it).
 
+        `target` may also be a list of writable buffers: one ranged GET for their total length fills them in order
+        (a scatter read: bytes land where they belong, e.g. each tensor's in the tensor, with no buffer to copy
+        out of).
+
         Retried under the retry policy (each attempt refills `target` from its start). With `etag`, a replaced
         object fails (S3's ``PreconditionFailed``) instead of mixing two versions. Nothing is verified here: the
         caller checks what it read (e.g. against a checksum it stored). FileNotFoundError if there is no object.
         """
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
-        view = memoryview(target).cast("B")
+        views = [memoryview(buffer).cast("B") for buffer in (target if isinstance(target, list) else [target])]
+        views = [view for view in views if len(view)]
+        total = sum(len(view) for view in views)
         if start < 0:
             raise ValueError(f"start must be >= 0, got {start} (reading {url})")
-        if not len(view):
+        if not total:
             return 0
-        kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{start + len(view) - 1}"}
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{start + total - 1}"}
         if etag:
             kwargs["IfMatch"] = etag
 
@@ -2463,16 +2469,16 @@ class S3Utils:
                     return 0
                 raise
             body = response["Body"]
-            expected = int(response.get("ContentLength", len(view)))
+            expected = int(response.get("ContentLength", total))
             content_range = response.get("ContentRange") or ""
-            if not content_range.startswith(f"bytes {start}-") and (start or expected > len(view)):
+            if not content_range.startswith(f"bytes {start}-") and (start or expected > total):
                 body.close()
                 raise OSError(
                     f"Asked {url} for bytes from {start}, the store answered {content_range or 'the whole object'}: "
                     "it ignores Range requests; use another store or download the object whole"
                 )
             try:
-                filled = _read_body_into(body, view[:expected])
+                filled = _read_body_into(body, _first_bytes(views, expected))
             finally:
                 body.close()
             if filled != expected:
@@ -2747,15 +2753,31 @@ def _copy_body(
     return filled, checksum
 
 
-def _read_body_into(body: Any, view: memoryview) -> int:
-    """Read a botocore response body into `view` until it is full or the body ends; return the byte count."""
+def _first_bytes(views: list[memoryview], count: int) -> list[memoryview]:
+    """The first `count` bytes of the buffers `views` taken in order, as views of them."""
+    first = []
+    for view in views:
+        if count <= 0:
+            break
+        first.append(view[:count])
+        count -= len(view)
+    return first
+
+
+def _read_body_into(body: Any, views: list[memoryview]) -> int:
+    """Read a botocore response body into `views` in order until they are full or the body ends; return the byte
+    count. Small views are served from the response's socket buffer; large ones are read into directly."""
     read_into, finish = _socket_reader(body)
     filled = 0
-    while filled < len(view):
-        count = read_into(view[filled:])
-        if not count:
-            break
-        filled += count
+    for view in views:
+        done = 0
+        while done < len(view):
+            count = read_into(view[done:])
+            if not count:
+                finish()
+                return filled + done
+            done += count
+        filled += done
     finish()
     return filled
 

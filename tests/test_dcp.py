@@ -251,6 +251,27 @@ def test_checkpoint_id_url_resets_the_writer_and_reader(bucket: str) -> None:
     assert metadata.storage_meta.save_id == writer.save_id
 
 
+def test_a_checkpoint_uploaded_without_any_checksum_loads_unverified_with_a_warning(
+    bucket: str, s3_client: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another tool's upload with no checksum at all (none stored by S3, no record beside it): the shard is read in
+    coalesced ranges, small and large items alike, and loaded with a warning naming it."""
+    boto3 = pytest.importorskip("boto3")
+    config = pytest.importorskip("botocore.config").Config(request_checksum_calculation="when_required")
+    state = {"large": torch.randn(1_600_000), "small": torch.arange(10), "extra": {"step": 7}}  # 6.1 MiB, 80 B
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    plain = boto3.client("s3", endpoint_url=s3_client.meta.endpoint_url, config=config)
+    for path in tmp_path.iterdir():
+        plain.put_object(Bucket=bucket, Key=f"plain/{path.name}", Body=path.read_bytes())
+    url = f"s3://{bucket}/plain"
+    for options in ({"chunk_size_MB": 16}, {"chunk_size_MB": 5}):  # one GET, or two: the large item spans both
+        loaded = {"large": torch.zeros(1_600_000), "small": torch.zeros(10, dtype=torch.int64), "extra": {"step": 0}}
+        with caplog.at_level("WARNING", logger="s3_dcp"):
+            _load(loaded, url, **options)
+        _assert_same(loaded, state)
+        assert f"{url}/__0_0.distcp has no recorded checksum" in caplog.text
+
+
 @pytest.mark.parametrize("thread_count", [1, 2])
 def test_loads_a_checkpoint_torch_wrote_and_that_was_uploaded(bucket: str, tmp_path: Path, thread_count: int) -> None:
     state = _state(2)
@@ -269,13 +290,31 @@ def test_loads_a_checkpoint_torch_wrote_and_that_was_uploaded(bucket: str, tmp_p
     assert torch.equal(partial["weights"]["small"], state["weights"]["small"])
 
 
-def test_partial_load_coalesces_adjacent_items(bucket: str) -> None:
+def test_partial_load_coalesces_adjacent_items(bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
     state = {f"t{n:02d}": torch.full((1000,), float(n)) for n in range(40)}  # ~4 KiB each, one file
     _save(state, f"s3://{bucket}/many")
+    buffers: list[int] = []
+    real_buffer = s3_dcp._unzeroed_buffer
+    monkeypatch.setattr(s3_dcp, "_unzeroed_buffer", lambda nbytes: buffers.append(nbytes) or real_buffer(nbytes))
     everything = {key: torch.zeros(1000) for key in state}
+    addresses = {key: tensor.data_ptr() for key, tensor in everything.items()}
     reader = _load(everything, f"s3://{bucket}/many")
     _assert_same(everything, state)
     assert reader.stats["requests"] == 1  # 40 adjacent items, one ranged GET
+    # the writer recorded where each tensor's bytes lie: the GET puts them straight into the targets, no buffer
+    assert reader.stats["recorded_spans"] == 40 and buffers == []
+    assert {key: tensor.data_ptr() for key, tensor in everything.items()} == addresses
+
+    apart = {key: torch.zeros(1000) for key in ("t03", "t05")}  # t04 between them is read past, not loaded
+    reader = _load(apart, f"s3://{bucket}/many")
+    assert torch.equal(apart["t03"], state["t03"]) and torch.equal(apart["t05"], state["t05"])
+    assert reader.stats["requests"] == 1 and reader.stats["bytes"] > 12_000 and buffers == []
+
+    _strip_tensor_spans(f"s3://{bucket}/many")  # an earlier writer's checkpoint: each item into a buffer, decoded
+    everything = {key: torch.zeros(1000) for key in state}
+    reader = _load(everything, f"s3://{bucket}/many")
+    _assert_same(everything, state)
+    assert reader.stats["requests"] == 1 and reader.stats["recorded_spans"] == 0 and len(buffers) == 40
 
     some = {key: torch.zeros(1000) for key in ("t03", "t30")}
     reader = _load(some, f"s3://{bucket}/many", coalesce_gap_MB=0)

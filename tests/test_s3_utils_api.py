@@ -9,7 +9,7 @@ import io
 import os
 import sys
 import types
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 from fault_proxy import Fault, FaultRule
@@ -117,6 +117,25 @@ def test_read_range_into_fills_a_buffer_and_stops_at_the_end(bucket: str) -> Non
         utils.read_range_into(f"{url}-missing", 0, bytearray(10))
 
 
+def test_read_range_into_a_list_of_buffers_fills_them_in_order_with_one_get(bucket: str) -> None:
+    utils = S3Utils()
+    url = f"s3://{bucket}/scatter"
+    data = os.urandom(2 * MiB + 5)
+    utils.upload_file_stream_to_s3(io.BytesIO(data), url)
+    small, empty, large, last = bytearray(7), bytearray(0), bytearray(MiB + 3), memoryview(bytearray(300))
+    gets: list[Any] = []
+    utils.client.meta.events.register("before-send.s3.GetObject", lambda request, **_: gets.append(request.headers))
+    assert utils.read_range_into(url, 100, [small, empty, large, last]) == 7 + MiB + 3 + 300
+    assert bytes(small) == data[100:107]
+    assert bytes(large) == data[107 : 107 + MiB + 3]
+    assert bytes(last) == data[107 + MiB + 3 : 107 + MiB + 303]
+    assert len(gets) == 1 and gets[0]["Range"] == f"bytes=100-{100 + 7 + MiB + 3 + 300 - 1}".encode()
+    first, rest = bytearray(10), bytearray(100)
+    assert utils.read_range_into(url, len(data) - 50, [first, rest]) == 50  # the object ends in the second buffer
+    assert bytes(first) == data[-50:-40] and bytes(rest[:40]) == data[-40:]
+    assert utils.read_range_into(url, 0, [bytearray(0), bytearray(0)]) == 0
+
+
 def test_read_range_into_refuses_a_replaced_object(bucket: str) -> None:
     utils = S3Utils()
     url = f"s3://{bucket}/etag"
@@ -140,6 +159,12 @@ def test_read_range_into_retries_a_cut_response(s3_client, bucket: str, fault_pr
     assert utils.read_range_into(f"s3://{bucket}/cut", MiB, target) == MiB
     assert bytes(target) == data[MiB:]
     assert utils.retries == 1
+
+    fault_proxy.add_rule(FaultRule(Fault.reset_mid_response(after_bytes=5000), method="GET", times=1))
+    pieces = [bytearray(1000), bytearray(MiB), bytearray(MiB - 1000)]  # the cut falls in the second buffer
+    assert utils.read_range_into(f"s3://{bucket}/cut", 0, pieces) == 2 * MiB
+    assert b"".join(pieces) == data  # the retry refilled every buffer from the first
+    assert utils.retries == 2
 
 
 def test_read_ranges_into_reads_many_ranges_in_parallel(bucket: str) -> None:
