@@ -340,6 +340,90 @@ class _ItemStream(io.RawIOBase):
         pass
 
 
+@dataclass(frozen=True)
+class _Framing:
+    """The bytes ``torch.save`` (without zip CRCs) writes before and after a plain tensor's storage bytes. They
+    depend only on the tensor's dtype, shape, strides and storage size, not on its values: with no CRCs, the record
+    headers, the pickle and the serialization id are the same for every tensor of that kind (tests pin this)."""
+
+    head: bytes
+    tail: bytes
+
+
+class _FramingRecorder(io.RawIOBase):
+    """Passes ``torch.save``'s writes on to `stream` and keeps copies of those around the one write that is the
+    tensor's own memory (`_ItemStream._carries`): the `_Framing` of its kind, if that write came exactly once."""
+
+    def __init__(self, stream: _ItemStream, tensor: Any) -> None:
+        super().__init__()
+        self._stream = stream
+        self._tensor = tensor
+        self._head: list[bytes] = []
+        self._tail: list[bytes] | None = None
+        self._ambiguous = False
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        if _ItemStream._carries(self._tensor, data):
+            self._ambiguous = self._ambiguous or self._tail is not None
+            self._tail = []
+        else:
+            (self._head if self._tail is None else self._tail).append(bytes(data))
+        return self._stream.write(data)
+
+    def framing(self) -> _Framing | None:
+        if self._tail is None or self._ambiguous:
+            return None
+        return _Framing(b"".join(self._head), b"".join(self._tail))
+
+
+def _framing_key(tensor: Any) -> tuple[Any, ...] | None:
+    """What a tensor's `_Framing` depends on, for a plain contiguous CPU tensor that is its whole storage and that
+    ``torch.save`` stores as such (no subclass, attributes, autograd, conjugate or negative bit); else None."""
+    torch = _torch()
+    if (
+        type(tensor) is not torch.Tensor
+        or tensor.layout != torch.strided
+        or tensor.device.type != "cpu"
+        or tensor.requires_grad
+        or tensor.is_quantized
+        or tensor.is_conj()
+        or tensor.is_neg()
+        or tensor.__dict__
+        or tensor.storage_offset()
+        or not tensor.is_contiguous()
+    ):
+        return None
+    nbytes = tensor.numel() * tensor.element_size()
+    if not nbytes or tensor.untyped_storage().nbytes() != nbytes:
+        return None
+    return tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), nbytes
+
+
+def _save_tensor(tensor: Any, stream: _ItemStream, framings: dict[tuple[Any, ...], _Framing]) -> None:
+    """`s3_checkpoint_io.torch_save_without_zip_crc32` of one tensor item into `stream`, byte for byte. A tensor of a
+    kind already saved into this file (same dtype, shape, strides: a model's repeated layers, its many biases and
+    norms) gets that save's framing around its own bytes instead of running ``torch.save``'s pickler and zip writer
+    again, which cost a small item most of its save time."""
+    key = _framing_key(tensor) if _ckpt_io._zip_writer_without_crc32() else None
+    framing = framings.get(key) if key is not None else None
+    if framing is not None:
+        stream.write(framing.head)
+        stream.write(_writable_view(tensor))
+        stream.write(framing.tail)
+        return
+    if key is None:
+        _ckpt_io.torch_save_without_zip_crc32(tensor, stream)
+        return
+    recorder = _FramingRecorder(stream, tensor)
+    _ckpt_io.torch_save_without_zip_crc32(tensor, recorder)
+    found = recorder.framing()
+    if found is not None:
+        framings[key] = found
+
+
 def _item_nbytes(item: Any) -> int:
     size = 1
     for dim in item.tensor_data.size:
@@ -620,9 +704,11 @@ class _S3StorageWriterImpl(_S3Settings):
         ordered = [i for i in items if i.type == types.WriteItemType.BYTE_IO]
         ordered += [i for i in items if i.type != types.WriteItemType.BYTE_IO]
         written: list[tuple[Any, int, int, _TensorSpan | None]] = []
+        framings: dict[tuple[Any, ...], _Framing] = {}
         try:
             for item in ordered:
-                data = planner.resolve_data(item)
+                with _torch().no_grad():  # a DTensor's to_local() is then its local tensor, without autograd's apply
+                    data = planner.resolve_data(item)
                 if item.type == types.WriteItemType.BYTE_IO:
                     stream.begin_item()
                     stream.write(data.getbuffer())
@@ -634,7 +720,7 @@ class _S3StorageWriterImpl(_S3Settings):
                     own = tensor.data_ptr() == data.data_ptr() and data.device.type == "cpu"
                     held = own and nbytes >= _s3.MIN_PART_SIZE  # only these can fill a whole part
                     stream.begin_item(tensor if tensor.is_contiguous() and nbytes else None, held=held)
-                    _ckpt_io.torch_save_without_zip_crc32(tensor, stream)
+                    _save_tensor(tensor, stream, framings)
                 written.append((item, *stream.end_item(), stream.tensor_span))
         except BaseException as exc:
             raw.abort()

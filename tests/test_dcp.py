@@ -26,6 +26,7 @@ dcp = pytest.importorskip("torch.distributed.checkpoint")
 from fault_proxy import Fault, FaultRule  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
+import s3_checkpoint_io  # noqa: E402
 import s3_dcp  # noqa: E402
 import s3_utils  # noqa: E402
 
@@ -418,6 +419,43 @@ def test_writer_records_where_each_contiguous_tensor_lies_from_the_upload_pass(
     assert torch.equal(converted["rows"], state["rows"].float()) and torch.equal(
         converted["small"], state["small"].double()
     )
+
+
+def test_tensors_of_a_kind_already_saved_get_its_framing_byte_for_byte(
+    bucket: str, s3_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file's second, third... tensor of the same dtype, shape and strides is written as torch's archive framing
+    (taken from the first) around its own bytes, without running torch.save again: each item's bytes are exactly
+    what torch's writer (without zip CRCs) produces for that tensor, and torch's readers load them."""
+    generator = torch.Generator().manual_seed(11)
+    state = {f"bias{n}": torch.randn(3000, generator=generator) for n in range(5)}
+    state |= {f"norm{n}": torch.randn(64, 8, generator=generator).to(torch.bfloat16) for n in range(3)}
+    state |= {f"flipped{n}": torch.randn(16, 16, generator=generator).t() for n in range(2)}  # not contiguous
+    state["other"] = torch.randn(3001, generator=generator)
+    saves: list[Any] = []
+    real_save = s3_checkpoint_io.torch_save_without_zip_crc32
+    spy = lambda obj, stream: saves.append(obj) or real_save(obj, stream)  # noqa: E731
+    monkeypatch.setattr(s3_checkpoint_io, "torch_save_without_zip_crc32", spy)
+    _save(state, f"s3://{bucket}/kinds")
+    # torch.save ran for the first tensor of each kind (bias, norm, other) and for every non-contiguous one
+    assert len(saves) == 3 + 2
+    _download_prefix(s3_client, bucket, "kinds", tmp_path)
+    shard = (tmp_path / "__0_0.distcp").read_bytes()
+    metadata = dcp.FileSystemReader(str(tmp_path)).read_metadata()
+    for index, info in metadata.storage_data.items():
+        expected = io.BytesIO()
+        real_save(state[index.fqn].contiguous() if index.fqn.startswith("flipped") else state[index.fqn], expected)
+        item = shard[info.offset : info.offset + info.length]
+        if index.fqn.startswith("flipped"):
+            assert torch.equal(torch.load(io.BytesIO(item), weights_only=True), state[index.fqn])
+        else:
+            assert item == expected.getvalue(), index.fqn
+    local = _empty_like(state)
+    dcp.load(local, storage_reader=dcp.FileSystemReader(str(tmp_path)), no_dist=True)
+    _assert_same(local, state)
+    loaded = _empty_like(state)
+    _load(loaded, f"s3://{bucket}/kinds")
+    _assert_same(loaded, state)
 
 
 def test_the_state_dicts_own_cpu_tensors_are_uploaded_without_a_copy(
