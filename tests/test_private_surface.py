@@ -219,6 +219,27 @@ def test_torch_hands_write_each_storages_own_memory() -> None:
     assert s3_utils.buffer_address(memoryview(bytearray(8))[::2]) is None  # not one block
 
 
+def test_torch_archive_framing_without_zip_crcs_does_not_depend_on_the_values() -> None:
+    """Without zip CRCs, what torch's archive writer puts around a tensor's storage bytes (record headers, the
+    pickle, the serialization id) is the same for every tensor of one dtype, shape and strides: what lets s3_dcp
+    write a file's later tensors of a kind with the first one's framing (`s3_dcp._save_tensor`). If torch put
+    anything value-dependent there, that reuse would write wrong archives; this test says so first."""
+    assert s3_checkpoint_io._zip_writer_without_crc32()
+
+    def framing(tensor: Any) -> tuple[bytes, bytes]:
+        archive = io.BytesIO()
+        s3_checkpoint_io.torch_save_without_zip_crc32(tensor, archive)
+        data, payload = archive.getvalue(), tensor.numpy().tobytes()
+        start = data.index(payload)
+        return data[:start], data[start + len(payload) :]
+
+    generator = torch.Generator().manual_seed(3)
+    for shape in ((1000,), (7, 33)):
+        first, second = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+        assert framing(first) == framing(second)
+    assert framing(torch.randn(1000, generator=generator)) != framing(torch.randn(1001, generator=generator))
+
+
 # ---- torch: the checkpoint format checks of S3CheckpointIO.load_checkpoint ------------------------------------------
 
 
