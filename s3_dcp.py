@@ -955,17 +955,16 @@ class _RecordedSpan:
     shape: tuple[int, ...]
 
     @classmethod
-    def checked(cls, record: Any, item_length: int, stored: tuple[Any, Any] | None) -> _RecordedSpan | None:
-        """The span `record` describes, or None when it is malformed, lies outside its item, or disagrees with the
-        sizes and dtype ``.metadata`` records for the chunk stored there (`stored`; None when unknown)."""
+    def parsed(cls, record: Any, item_length: int) -> _RecordedSpan | None:
+        """The span `record` describes, or None when it is malformed (a dtype by another name than torch's own
+        included), lies outside its item of `item_length` bytes, or its byte count is not its shape's."""
         torch = _torch()
         try:
             start, nbytes, checksum, dtype_name, shape = record
             dtype = getattr(torch, dtype_name)
             valid = (
-                stored is not None
-                and (tuple(shape), dtype) == stored
-                and isinstance(dtype, torch.dtype)
+                isinstance(dtype, torch.dtype)
+                and str(dtype) == f"torch.{dtype_name}"
                 and isinstance(start, int)
                 and isinstance(checksum, int)
                 and 0 < nbytes <= item_length - start
@@ -975,6 +974,13 @@ class _RecordedSpan:
         except (TypeError, ValueError, AttributeError):
             return None
         return cls(start, nbytes, checksum, dtype, tuple(shape)) if valid else None
+
+    @classmethod
+    def checked(cls, record: Any, item_length: int, stored: tuple[Any, Any] | None) -> _RecordedSpan | None:
+        """`parsed`, when it also agrees with the sizes and dtype ``.metadata`` records for the chunk stored there
+        (`stored`; None when unknown, and then so is the span)."""
+        span = cls.parsed(record, item_length) if stored is not None else None
+        return span if span is not None and (span.shape, span.dtype) == (tuple(stored[0]), stored[1]) else None
 
     def fills(self, target: Any, request: Any) -> bool:
         """Whether `request` reads the whole stored tensor into the whole of `target`, a contiguous CPU tensor of the
@@ -1011,7 +1017,8 @@ class _SpanBytes:
 def _unzeroed_buffer(nbytes: int) -> Any:
     """A writable byte buffer of `nbytes` whose memory is not zeroed first (a ``bytearray`` would be: one more pass
     over every buffered byte, on the consuming thread, before the GETs overwrite them all)."""
-    return _torch().empty(nbytes, dtype=_torch().uint8).numpy()
+    torch = _torch()
+    return torch.empty(nbytes, dtype=torch.uint8).numpy()
 
 
 _SCATTER_SKIP_BUFFER = 256 * 1024
@@ -1348,8 +1355,8 @@ class _S3StorageReaderImpl(_S3Settings):
             return None
         span = _span_for_target(item, target)
         if span is not None:
-            layout = _TensorLayout(span[0], span[1], None)
-            return _DirectRead(relative_path, url, item, etag, record, bytearray(), bytearray(), layout, int(span[2]))
+            layout = _TensorLayout(span.start, span.nbytes, None)
+            return _DirectRead(relative_path, url, item, etag, record, bytearray(), bytearray(), layout, span.checksum)
         framing = min(overhead, item.length)
         return _DirectRead(relative_path, url, item, etag, record, bytearray(framing), bytearray(framing))
 
@@ -1565,15 +1572,14 @@ class _S3StorageReaderImpl(_S3Settings):
         """One GET of a scattered group (`_scatter`); each item's checksum, and its span's where it was filled."""
         assert group.views is not None
         self._get_range(group.url, group.start, group.views, group.etag)
+        if algorithm is None:  # a file nobody recorded checksums for: nothing to check
+            return [(0, None)] * len(group.items)
         checksums: list[tuple[int, int | None]] = []
         for item in group.items:
             if item.fill is None:
                 checksums.append((_checksum(algorithm, item.parts[0]), None))
                 continue
             head, tensor, tail = (_checksum(algorithm, part) for part in item.parts)
-            if algorithm is None:
-                checksums.append((0, None))
-                continue
             whole = algorithm.combine(algorithm.combine(head, tensor, item.fill.nbytes), tail, len(item.parts[2]))
             checksums.append((whole, tensor))
         return checksums
@@ -1586,13 +1592,8 @@ class _S3StorageReaderImpl(_S3Settings):
         for item, (actual, tensor) in zip(group.items, checksums, strict=True):
             self._accept_item(group.url, group.relative_path, item, algorithm, actual)
             if item.fill is not None and algorithm is not None and tensor != item.fill.checksum:
-                start = item.offset + item.fill.start
-                raise _s3.ChecksumMismatchError(
-                    f"{group.url}: the recorded checksum of the tensor bytes {start}-{start + item.fill.nbytes} "
-                    "does not match their item's: the checkpoint's item record was modified after it was written. "
-                    "Do not use it."
-                )
-        if group.relative_path in self._file_progress:
+                raise _span_record_modified(group.url, item.offset + item.fill.start, item.fill.nbytes)
+        if algorithm is not None:  # a file with our record (the others have no item checksums to combine)
             self._check_whole_file(group, algorithm)
         for item in group.items:
             if item.fill is None:
@@ -1757,24 +1758,14 @@ def _tensor_spans(record: dict[str, Any]) -> dict[str, Any]:
     return spans if isinstance(spans, dict) else {}
 
 
-def _span_for_target(item: _Item, target: Any) -> list[Any] | None:
-    """`item`'s recorded span (``[start, nbytes, checksum, dtype, shape]``, set by `_plan_groups` where the record's
-    byte order is this machine's), when it describes exactly `target` (dtype, shape, byte count) inside the item;
-    else None and the reader locates the bytes from the item's framing, as for checkpoints without the record."""
-    span = item.span
-    try:
-        start, nbytes, checksum, dtype, shape = span  # type: ignore[misc]
-        fits = (
-            isinstance(start, int)
-            and isinstance(checksum, int)
-            and 0 <= start <= item.length - nbytes
-            and nbytes == target.numel() * target.element_size()
-            and f"torch.{dtype}" == str(target.dtype)
-            and list(shape) == list(target.shape)
-        )
-    except (TypeError, ValueError):
+def _span_for_target(item: _Item, target: Any) -> _RecordedSpan | None:
+    """`item`'s recorded span (set by `_plan_groups` where the record's byte order is this machine's), when it
+    describes exactly `target` (dtype, shape, byte count) inside the item; else None and the reader locates the bytes
+    from the item's framing, as for checkpoints without the record."""
+    span = _RecordedSpan.parsed(item.span, item.length)
+    if span is None or span.dtype != target.dtype or span.shape != tuple(target.shape):
         return None
-    return span if fits else None
+    return span if span.nbytes == target.numel() * target.element_size() else None
 
 
 def _error_code(exc: BaseException) -> str:
@@ -2627,7 +2618,12 @@ def _require_span_in_item(
     combined = algorithm.combine(_checksum(algorithm, item[:start]), recorded, nbytes)
     combined = algorithm.combine(combined, _checksum(algorithm, item[start + nbytes :]), len(item) - start - nbytes)
     if combined != checksum:
-        raise _s3.ChecksumMismatchError(
-            f"{url}: the recorded checksum of the tensor bytes {offset + start}-{offset + start + nbytes} does not "
-            "match their item's: the checkpoint's item record was modified after it was written. Do not use it."
-        )
+        raise _span_record_modified(url, offset + start, nbytes)
+
+
+def _span_record_modified(url: str, start: int, nbytes: int) -> _s3.ChecksumMismatchError:
+    """The error for a verified item whose recorded tensor span (bytes `start`.. of the file) disagrees with it."""
+    return _s3.ChecksumMismatchError(
+        f"{url}: the recorded checksum of the tensor bytes {start}-{start + nbytes} does not match their item's: the "
+        "checkpoint's item record was modified after it was written. Do not use it."
+    )
