@@ -1040,10 +1040,11 @@ def _scatter(group: _Group, chunk: int) -> bool:
         if item.offset < position:
             return False
         while position < item.offset:
-            if skip is None:
-                skip = memoryview(bytearray(min(_SCATTER_SKIP_BUFFER, item.offset - position)))
-            views.append(skip[: min(len(skip), item.offset - position)])
-            position += len(views[-1])
+            wanted = min(_SCATTER_SKIP_BUFFER, item.offset - position)
+            if skip is None or len(skip) < wanted:  # grown for a wider gap: never many small reads through it
+                skip = memoryview(bytearray(wanted))
+            views.append(skip[:wanted])
+            position += wanted
         if item.fill is not None:
             head, tail = item.fill.start, item.length - item.fill.start - item.fill.nbytes
             item.parts = [memoryview(bytearray(head)), _writable_view(item.target), memoryview(bytearray(tail))]
@@ -1762,10 +1763,8 @@ def _span_for_target(item: _Item, target: Any) -> _RecordedSpan | None:
     """`item`'s recorded span (set by `_plan_groups` where the record's byte order is this machine's), when it
     describes exactly `target` (dtype, shape, byte count) inside the item; else None and the reader locates the bytes
     from the item's framing, as for checkpoints without the record."""
-    span = _RecordedSpan.parsed(item.span, item.length)
-    if span is None or span.dtype != target.dtype or span.shape != tuple(target.shape):
-        return None
-    return span if span.nbytes == target.numel() * target.element_size() else None
+    span = _RecordedSpan.parsed(item.span, item.length)  # its byte count is its shape's, or it is None
+    return span if span is not None and (span.dtype, span.shape) == (target.dtype, tuple(target.shape)) else None
 
 
 def _error_code(exc: BaseException) -> str:

@@ -324,6 +324,18 @@ def test_partial_load_coalesces_adjacent_items(bucket: str, monkeypatch: pytest.
     assert reader.stats["bytes"] < 20_000  # only what the two items occupy
 
 
+def test_a_scattered_read_skips_gaps_in_few_large_reads_whatever_the_first_gap() -> None:
+    """Bytes between a group's items go through one reused skip buffer: a narrow first gap must not size it, or a
+    wide gap after it would become hundreds of thousands of tiny reads."""
+    skip = s3_dcp._SCATTER_SKIP_BUFFER
+    items = [s3_dcp._Item(offset=8, length=10, requests=[]), s3_dcp._Item(offset=18 + 8 * skip, length=10, requests=[])]
+    group = s3_dcp._Group("__0_0.distcp", "s3://b/ckpt/__0_0.distcp", 0, items[-1].offset + 10, items, None)
+    assert s3_dcp._scatter(group, chunk=16 * skip)
+    assert group.views is not None
+    assert sum(len(view) for view in group.views) == group.end - group.start
+    assert [len(view) for view in group.views] == [8, 10] + [skip] * 8 + [10]
+
+
 def test_large_item_is_fetched_as_parallel_ranges_straight_into_its_target(bucket: str) -> None:
     state = {"huge": torch.randn(3 * 1024 * 1024)}  # 12 MiB
     _save(state, f"s3://{bucket}/huge")
