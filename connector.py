@@ -58,10 +58,11 @@ else:  # installed (or copied) as top-level modules
     import s3_utils as _s3
 
 
-def _sibling_s3_dcp() -> types.ModuleType | None:
-    """`s3_dcp` from beside this module (in the same package, or top-level), or None where it is absent: a fork may
-    copy only the four core files, and single-file checkpointing and resume need nothing from it. An s3_dcp that is
-    there but fails to import raises as usual."""
+@functools.cache
+def _s3_dcp() -> types.ModuleType | None:
+    """`s3_dcp` from beside this module (in the same package, or top-level), imported on first need (a DCP checkpoint
+    met on resume), or None where it is absent: a fork may copy only the four core files, and single-file
+    checkpointing and resume need nothing from it. An s3_dcp that is there but fails to import raises as usual."""
     name = f"{__package__}.s3_dcp" if __package__ else "s3_dcp"
     try:
         return importlib.import_module(name)
@@ -70,8 +71,6 @@ def _sibling_s3_dcp() -> types.ModuleType | None:
             raise
         return None
 
-
-_dcp = _sibling_s3_dcp()
 
 __all__ = [
     "CHECKPOINT_SUFFIX",
@@ -137,7 +136,7 @@ class DCPSupportMissingError(ImportError):
 
 
 def _require_dcp_support(url: str) -> None:
-    if _dcp is None and _urls.is_s3_url(url):
+    if _urls.is_s3_url(url) and _s3_dcp() is None:
         here = os.path.dirname(os.path.abspath(__file__))
         raise DCPSupportMissingError(
             f"{url} is a sharded (torch.distributed.checkpoint) checkpoint, and loading it from S3 needs s3_dcp.py, "
