@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import functools
 import importlib
 import inspect
@@ -58,10 +57,11 @@ else:  # installed (or copied) as top-level modules
     import s3_utils as _s3
 
 
-def _sibling_s3_dcp() -> types.ModuleType | None:
-    """`s3_dcp` from beside this module (in the same package, or top-level), or None where it is absent: a fork may
-    copy only the four core files, and single-file checkpointing and resume need nothing from it. An s3_dcp that is
-    there but fails to import raises as usual."""
+@functools.cache
+def _s3_dcp() -> types.ModuleType | None:
+    """`s3_dcp` from beside this module (in the same package, or top-level), imported on first need (a DCP checkpoint
+    met on resume), or None where it is absent: a fork may copy only the four core files, and single-file
+    checkpointing and resume need nothing from it. An s3_dcp that is there but fails to import raises as usual."""
     name = f"{__package__}.s3_dcp" if __package__ else "s3_dcp"
     try:
         return importlib.import_module(name)
@@ -70,8 +70,6 @@ def _sibling_s3_dcp() -> types.ModuleType | None:
             raise
         return None
 
-
-_dcp = _sibling_s3_dcp()
 
 __all__ = [
     "CHECKPOINT_SUFFIX",
@@ -83,8 +81,6 @@ __all__ = [
     "CheckpointAlreadyCompletedError",
     "CheckpointNotFoundError",
     "DCPSupportMissingError",
-    "Garbage",
-    "IncompleteCheckpoint",
     "NeMoCheckpointConnector",
     "NotFoundError",
     "ResumeCandidate",
@@ -98,14 +94,12 @@ __all__ = [
     "classify_checkpoint_name",
     "configure_s3_checkpointing",
     "distributed_checkpoint_problem",
-    "find_garbage",
     "find_resume_checkpoint",
     "global_rank",
     "install_checkpoint_connector",
     "is_global_rank_zero",
     "list_resume_candidates",
     "looks_like_distributed_checkpoint",
-    "remove_incomplete_checkpoint",
     "s3_model_checkpoint_class",
     "select_resume_candidate",
     "uninject_model_parallel_rank",
@@ -132,12 +126,13 @@ class CheckpointAlreadyCompletedError(ValueError):
 
 
 class DCPSupportMissingError(ImportError):
-    """The checkpoint to resume from is a sharded (DCP) checkpoint on S3, but ``s3_dcp.py`` is not beside this module
-    (a fork that copied only the four core files): nothing here could load it."""
+    """A sharded (DCP) checkpoint on S3 needs ``s3_dcp.py``, which is not beside this module (a fork that copied only
+    the four core files): raised when the checkpoint to resume from is one (nothing here could load it), and by
+    ``s3_checkpoint_admin`` where it meets one."""
 
 
 def _require_dcp_support(url: str) -> None:
-    if _dcp is None and _urls.is_s3_url(url):
+    if _urls.is_s3_url(url) and _s3_dcp() is None:
         here = os.path.dirname(os.path.abspath(__file__))
         raise DCPSupportMissingError(
             f"{url} is a sharded (torch.distributed.checkpoint) checkpoint, and loading it from S3 needs s3_dcp.py, "
@@ -324,12 +319,6 @@ _ITEM_CHECKSUMS_NAME = ".s3ckpt-items.json"
 _LIGHTNING_META_NAME = "meta.pt"
 _DCP_SHARD = re.compile(rf"__(\d+)_\d+{re.escape(_DCP_SHARD_SUFFIX)}")
 _DCP_RANK_METADATA = re.compile(rf"__(\d+){re.escape(_METADATA_NAME)}")
-_DCP_FILE = re.compile(
-    rf"(?:{_DCP_SHARD.pattern}|(?:__\d+)?(?:{re.escape(_METADATA_NAME)}|{re.escape(_ITEM_CHECKSUMS_NAME)})"
-    rf"|{re.escape(_LIGHTNING_META_NAME)})(?:{re.escape(_s3.CHECKSUM_SIDECAR_SUFFIX)})?"
-)
-"""A file a DCP save writes at the top of its directory (shards, commit markers, item records, Lightning's meta.pt),
-or the checksum record beside one."""
 
 
 def distributed_checkpoint_problem(names: Iterable[str]) -> str | None:
@@ -587,133 +576,6 @@ def find_resume_checkpoint(
         f"{message} Cannot resume. Set resume_ignore_no_checkpoint=True to start from scratch when there is none, "
         "or check the dirpath."
     )
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Garbage a killed job leaves: open multipart uploads, DCP checkpoints that never got .metadata (the CLI's gc)
-# --------------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class IncompleteCheckpoint:
-    """A DCP checkpoint directory on S3 whose save never committed (no ``.metadata``, see
-    `distributed_checkpoint_problem`)."""
-
-    url: str
-    newest: datetime.datetime
-    """The newest modification (by the store's clock) of anything under it, uploads in progress inside included."""
-    files: tuple[_s3.S3ObjectInfo, ...]
-    """The files its save wrote at its top level (shards, per-rank metadata and item records, Lightning's meta.pt,
-    their checksum records): what `remove_incomplete_checkpoint` deletes."""
-    kept: tuple[str, ...] = ()
-    """Any other object under it (another tool's files, a run's owner record): never deleted."""
-
-    @property
-    def size(self) -> int:
-        return sum(info.size for info in self.files)
-
-
-@dataclass(frozen=True)
-class Garbage:
-    """What `find_garbage` found under a prefix, older than the threshold by the store's clock."""
-
-    url: str
-    older_than: datetime.timedelta
-    store_time: datetime.datetime
-    """The store's clock when the search began; every age is measured against it."""
-    uploads: list[_s3.MultipartUploadInfo]
-    """Multipart uploads initiated before ``store_time - older_than``, with their parts counted."""
-    checkpoints: list[IncompleteCheckpoint]
-    """Incomplete DCP checkpoints whose newest object is older than the threshold (if they were asked for)."""
-    younger: int = 0
-    """Uploads and incomplete checkpoints left alone because they are younger (a save may still be running)."""
-
-    def age(self, item: _s3.MultipartUploadInfo | IncompleteCheckpoint) -> datetime.timedelta:
-        """How old an upload (since initiated) or an incomplete checkpoint (since its newest object) is."""
-        when = item.initiated if isinstance(item, _s3.MultipartUploadInfo) else item.newest
-        return self.store_time - when
-
-
-def find_garbage(
-    dirpath: str | os.PathLike[str],
-    older_than: datetime.timedelta,
-    *,
-    incomplete_checkpoints: bool = False,
-    s3_utils: _s3.S3Utils | None = None,
-) -> Garbage:
-    """The multipart uploads in progress under the S3 "directory" `dirpath` (any depth; ``s3://b/run`` never sees
-    ``s3://b/run_old/...``) initiated more than `older_than` ago, and, with `incomplete_checkpoints`, the DCP
-    checkpoints under it without ``.metadata`` whose newest object (or upload in progress inside) is older than that.
-
-    Ages are measured by the store's clock (`S3Utils.store_time`), taken before listing, so neither a skewed local
-    clock nor a slow listing can make a running save's upload look old. An upload without an initiation time is
-    never old. Nothing is changed: abort with `S3Utils.abort_multipart_upload`, remove with
-    `remove_incomplete_checkpoint`. FileNotFoundError if the bucket does not exist.
-    """
-    if older_than <= datetime.timedelta(0):
-        raise ValueError(f"older_than must be positive, got {older_than}: a running save's uploads are younger")
-    url = _urls.normalize_s3_url(dirpath)
-    bucket, _ = _urls.s3_dir_prefix(url)
-    s3 = s3_utils or _s3.S3Utils()
-    try:
-        now = s3.store_time(url)
-    except FileNotFoundError as exc:
-        raise FileNotFoundError(f"No such bucket: {_urls.build_s3_url(bucket)} (looking under {url})") from exc
-    cutoff = now - older_than
-    uploads = s3.list_multipart_uploads(url)
-    old = [u for u in uploads if u.initiated is not None and u.initiated < cutoff]
-    checkpoints = _incomplete_checkpoints(s3, url, uploads, now) if incomplete_checkpoints else []
-    old_checkpoints = [checkpoint for checkpoint in checkpoints if checkpoint.newest < cutoff]
-    younger = len(uploads) - len(old) + len(checkpoints) - len(old_checkpoints)
-    return Garbage(url, older_than, now, s3.count_upload_parts(old), old_checkpoints, younger)
-
-
-def _incomplete_checkpoints(
-    s3: _s3.S3Utils, url: str, uploads: list[_s3.MultipartUploadInfo], now: datetime.datetime
-) -> list[IncompleteCheckpoint]:
-    """Every DCP checkpoint under `url` (the prefix itself included, any depth) without its ``.metadata``."""
-    bucket, prefix = _urls.s3_dir_prefix(url)
-    objects = s3.list_objects(url, include_sidecars=True)
-    top_levels: dict[str, set[str]] = {}  # folder relative to the prefix ("": the prefix itself) -> names in it
-    for info in objects:
-        folder, _, name = info.key[len(prefix) :].rpartition("/")
-        top_levels.setdefault(folder, set()).add(name)
-    found = []
-    for folder, names in sorted(top_levels.items()):
-        if distributed_checkpoint_problem(names) is None:
-            continue
-        inside = prefix + folder + "/" if folder else prefix
-        below = [info for info in objects if info.key.startswith(inside)]
-        times = [info.last_modified for info in below] + [u.initiated for u in uploads if u.key.startswith(inside)]
-        files = tuple(info for info in below if _DCP_FILE.fullmatch(info.key[len(inside) :]))  # top level: no "/"
-        found.append(
-            IncompleteCheckpoint(
-                _urls.build_s3_url(bucket, inside.rstrip("/")),
-                max((t for t in times if t is not None), default=now),
-                files,
-                tuple(info.url for info in below if info not in files),
-            )
-        )
-    return found
-
-
-def remove_incomplete_checkpoint(checkpoint: IncompleteCheckpoint, *, s3_utils: _s3.S3Utils | None = None) -> bool:
-    """Delete the files of an incomplete DCP checkpoint (`IncompleteCheckpoint.files`; other objects stay), after
-    listing it again: False, deleting nothing, if it got its ``.metadata`` or anything under it changed since
-    `find_garbage` saw it (a save started there again)."""
-    s3 = s3_utils or _s3.S3Utils()
-    _, prefix = _urls.s3_dir_prefix(checkpoint.url)
-    objects = s3.list_objects(checkpoint.url, include_sidecars=True)
-    names = {info.key[len(prefix) :] for info in objects if "/" not in info.key[len(prefix) :]}
-    changed = any(info.url not in checkpoint.kept and info not in checkpoint.files for info in objects) or any(
-        upload.initiated is None or upload.initiated > checkpoint.newest
-        for upload in s3.list_multipart_uploads(checkpoint.url)
-    )
-    if distributed_checkpoint_problem(names) is None or changed:
-        logger.warning("Not removing %s: it changed since it was found incomplete", checkpoint.url)
-        return False
-    s3.remove_objects(info.url for info in checkpoint.files)
-    return True
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -70,20 +70,19 @@ import re
 import sys
 import threading
 import time
+import types
 from collections.abc import Sequence
 from typing import Any
 
 if __package__:
     from . import connector as _connector
-    from . import s3_checkpoint_convert as _convert
-    from . import s3_dcp as _dcp
+    from . import s3_checkpoint_admin as _admin
     from . import s3_dirpath_utils as _urls
     from . import s3_local_servers as _servers
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import connector as _connector
-    import s3_checkpoint_convert as _convert
-    import s3_dcp as _dcp
+    import s3_checkpoint_admin as _admin
     import s3_dirpath_utils as _urls
     import s3_local_servers as _servers
     import s3_utils as _s3
@@ -97,13 +96,10 @@ __all__ = [
     "EXIT_S3_ERROR",
     "EXIT_USAGE",
     "EXIT_VERIFY_FAILED",
-    "CheckpointEntry",
     "CliError",
     "build_parser",
-    "classify_checkpoint",
     "cmd_demo",
     "exit_code_for",
-    "list_checkpoints",
     "main",
 ]
 
@@ -133,86 +129,8 @@ class CliError(Exception):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Checkpoints in a bucket
+# Arguments in, checkpoints (s3_checkpoint_admin) found, sizes and times out
 # --------------------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointEntry:
-    """One checkpoint object as the operator commands see it."""
-
-    url: str
-    name: str  # key relative to the listed prefix
-    size: int
-    last_modified: datetime.datetime | None
-    step: int | None
-    kind: str  # "last", "end", "top-k", or "other" (not a *.ckpt, listed by ``ls --all``)
-    shards: int | None = None
-    """A DCP checkpoint's ``.distcp`` file count; None for a single-object checkpoint."""
-    complete: bool = True
-    """False for a DCP checkpoint without ``.metadata`` (its save never finished)."""
-
-    @property
-    def is_dcp(self) -> bool:
-        return self.shards is not None
-
-    @classmethod
-    def from_info(cls, info: _s3.S3ObjectInfo, name: str) -> CheckpointEntry:
-        step, kind = classify_checkpoint(name)
-        return cls(info.url, name, info.size, info.last_modified, step, kind)
-
-    @classmethod
-    def from_dcp(cls, url: str, name: str, objects: list[_s3.S3ObjectInfo], top_level: set[str]) -> CheckpointEntry:
-        """One entry for the DCP checkpoint at `url`: the objects under its prefix, `top_level` their names there."""
-        base = name.rpartition("/")[2]
-        modified = max((o.last_modified for o in objects if o.last_modified is not None), default=None)
-        return cls(
-            url,
-            name,
-            sum(o.size for o in objects),
-            modified,
-            _connector.checkpoint_step(base),
-            _connector.classify_checkpoint_name(base, True) or "top-k",
-            shards=sum(1 for n in top_level if n.endswith(_dcp.DCP_SHARD_SUFFIX)),
-            complete=_connector.distributed_checkpoint_problem(top_level) is None,
-        )
-
-    def as_json(self) -> dict[str, Any]:
-        modified = self.last_modified.astimezone(datetime.timezone.utc).isoformat() if self.last_modified else None
-        return {
-            "url": self.url,
-            "step": self.step,
-            "size": self.size,
-            "last_modified": modified,
-            "kind": self.kind,
-            "format": "dcp" if self.is_dcp else "file",
-            "shards": self.shards,
-            "complete": self.complete,
-        }
-
-
-def classify_checkpoint(name: str) -> tuple[int | None, str]:
-    """``(step, kind)`` of a checkpoint from its file name: the number in the last ``step=N`` (None if there is
-    none), and ``"end"`` (``*end.ckpt``), ``"last"`` (``*last.ckpt``, ``*last-vN.ckpt``) or ``"top-k"``: resume
-    discovery's own rules (`connector.checkpoint_step`, `connector.classify_checkpoint_name`), so what ``ls`` calls
-    last or end is what a job resumes from or stops at; ``"other"`` for names not ending in ``.ckpt``."""
-    base = name.rpartition("/")[2]
-    step = _connector.checkpoint_step(base)
-    if not base.endswith(_CKPT_SUFFIX):
-        return step, "other"
-    return step, _connector.classify_checkpoint_name(base) or "top-k"
-
-
-def _age_key(entry: CheckpointEntry) -> tuple[int, datetime.datetime]:
-    """Sort key "older first": by step, then modification time (callers only rank entries that have a step)."""
-    modified = entry.last_modified or datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
-    return (entry.step if entry.step is not None else -1, modified)
-
-
-def _display_key(entry: CheckpointEntry) -> tuple[int, int, datetime.datetime]:
-    """``ls`` order: stepped checkpoints by step, then those without a step (e.g. ``last.ckpt``), each by time."""
-    modified = entry.last_modified or datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
-    return (0, entry.step, modified) if entry.step is not None else (1, 0, modified)
 
 
 def _s3_url(text: str, what: str = "URL") -> str:
@@ -229,74 +147,17 @@ def _looks_like_s3(text: str) -> bool:
     return text[:3].lower() == "s3:"
 
 
-def list_checkpoints(
+def _targets(
     s3: _s3.S3Utils, url: str, *, recursive: bool = False, all_objects: bool = False
-) -> list[CheckpointEntry]:
-    """Checkpoints under the "directory" `url` in ``ls`` order (one listing). Raises FileNotFoundError for a missing
-    bucket. A DCP checkpoint (a sub-prefix whose top level looks like one) is one entry; if `url` itself is one, it
-    is the only entry."""
-    bucket, prefix = _urls.s3_dir_prefix(url)
-    listed = [(info.key[len(prefix) :], info) for info in s3.list_objects(url)]
-    top_levels: dict[str, set[str]] = {}  # folder (relative) -> names directly in it
-    for name, _ in listed:
-        folder, _, base = name.rpartition("/")
-        top_levels.setdefault(folder, set()).add(base)
-    if _connector.looks_like_distributed_checkpoint(top_levels.get("", ())):
-        objects = [info for _, info in listed]
-        dcp_url = _urls.build_s3_url(bucket, prefix.rstrip("/"))
-        return [CheckpointEntry.from_dcp(dcp_url, _urls.s3_url_name(dcp_url), objects, top_levels[""])]
-    folders = {
-        folder
-        for folder, names in top_levels.items()
-        if folder and (recursive or "/" not in folder) and _connector.looks_like_distributed_checkpoint(names)
-    }
-    grouped: dict[str, list[_s3.S3ObjectInfo]] = {}
-    entries = []
-    for name, info in listed:
-        owner = next((f for f in _ancestors(name) if f in folders), None)
-        if owner is not None:
-            grouped.setdefault(owner, []).append(info)
-            continue
-        if not name or name.endswith("/") or (not recursive and "/" in name):
-            continue
-        if all_objects or name.endswith(_CKPT_SUFFIX):
-            entries.append(CheckpointEntry.from_info(info, name))
-    for folder, objects in grouped.items():
-        entries.append(
-            CheckpointEntry.from_dcp(
-                f"{_urls.build_s3_url(bucket, prefix)}{folder}", folder, objects, top_levels[folder]
-            )
-        )
-    return sorted(entries, key=_display_key)
-
-
-def _ancestors(name: str) -> list[str]:
-    """``a/b/c`` -> ``["a", "a/b"]``: the folders holding a relative key, outermost first."""
-    parts = name.split("/")[:-1]
-    return ["/".join(parts[: i + 1]) for i in range(len(parts))]
-
-
-def _single_object(s3: _s3.S3Utils, url: str) -> CheckpointEntry | None:
-    """The object at exactly `url` as an entry, or None when the URL names no object (or a directory)."""
-    _, key = _urls.parse_s3_url(url)
-    if not key or key.endswith("/"):
-        return None
-    try:
-        info = s3.head_object(url)
-    except FileNotFoundError:
-        return None
-    return CheckpointEntry.from_info(info, _urls.s3_url_name(url))
-
-
-def _targets(s3: _s3.S3Utils, url: str, *, recursive: bool = False, all_objects: bool = False) -> list[CheckpointEntry]:
+) -> list[_admin.CheckpointEntry]:
     """The checkpoints a command acts on: those under the prefix `url`, else the single object `url` names.
 
     Raises CliError(EXIT_NOT_FOUND) when there is neither, FileNotFoundError when the bucket does not exist.
     """
-    entries = list_checkpoints(s3, url, recursive=recursive, all_objects=all_objects)
+    entries = _admin.list_checkpoints(url, recursive=recursive, all_objects=all_objects, s3_utils=s3)
     if entries:
         return entries
-    single = _single_object(s3, url)
+    single = _admin.checkpoint_entry(url, s3_utils=s3)
     if single is not None:
         return [single]
     if url.endswith(_CKPT_SUFFIX):
@@ -423,7 +284,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """Download each checkpoint and check it against its recorded checksum; exit 1 if any does not match."""
     url = _s3_url(args.url)
     s3 = _make_s3(args)
-    single = _single_object(s3, url)
+    single = _admin.checkpoint_entry(url, s3_utils=s3)
     entries = [single] if single is not None else _targets(s3, url, recursive=args.recursive)
     failed = 0
     for entry in entries:
@@ -456,11 +317,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _verify_dcp(s3: _s3.S3Utils, entry: CheckpointEntry, args: argparse.Namespace) -> bool:
+def _verify_dcp(s3: _s3.S3Utils, entry: _admin.CheckpointEntry, args: argparse.Namespace) -> bool:
     """Check every object of a DCP checkpoint (whole-file checksums and recorded item checksums); print a line per
     object and one for the checkpoint; True if it passed."""
     with _Progress(entry.size, f"verify {entry.name}", args.progress) as bar:
-        report = _dcp.verify_checkpoint(entry.url, s3, progress=bar.update)
+        report = _admin.verify_checkpoint(entry.url, s3, progress=bar.update)
     problems = list(report.problems)
     items = 0
     for file in report.files:
@@ -545,28 +406,19 @@ def cmd_rm(args: argparse.Namespace) -> int:
     if args.keep_last < 0:
         raise CliError(EXIT_USAGE, f"--keep-last must be >= 0, got {args.keep_last}")
     s3 = _make_s3(args)
-    entries = list_checkpoints(s3, url)
+    entries = _admin.list_checkpoints(url, s3_utils=s3)
     if not entries:
         raise CliError(EXIT_NOT_FOUND, f"no checkpoints (*{_CKPT_SUFFIX}) under {url}")
-    prunable = [e for e in entries if e.kind == "top-k" and e.step is not None and e.complete]
-    ranked = sorted(prunable, key=_age_key, reverse=True)
-    keep, delete = ranked[: args.keep_last], ranked[args.keep_last :]
-    protected = [e for e in entries if e not in prunable]
-    for entry in sorted(delete, key=_age_key):
+    pruning = _admin.plan_pruning(entries, args.keep_last)
+    for entry in pruning.delete:
         if not args.dry_run:
-            if entry.is_dcp:  # the whole /-bounded prefix: x.ckpt/..., never x.ckpt_old/...
-                s3.remove_objects_with_prefix(entry.url)
-            else:
-                s3.remove_object(entry.url)
+            _admin.remove_checkpoint(entry, s3_utils=s3)
         print(f"{'would delete' if args.dry_run else 'deleted':12}  {entry.url}", flush=True)
-    for entry in keep:
+    for entry in pruning.keep:
         print(f"{'keep':12}  {entry.url}")
-    for entry in protected:
-        reason = f"an {entry.kind} checkpoint" if entry.kind == "end" else f"a {entry.kind} checkpoint"
-        if entry.kind == "top-k":
-            reason = "no step= in its name" if entry.complete else "no .metadata: its save may still be running"
+    for entry, reason in pruning.protected:
         print(f"{'keep':12}  {entry.url}  ({reason})")
-    kept = len(keep) + len(protected)
+    delete, kept = pruning.delete, len(pruning.keep) + len(pruning.protected)
     if args.dry_run:
         print(f"dry run: {len(delete)} to delete, {kept} to keep under {url}; nothing was deleted")
     else:
@@ -579,7 +431,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     ``--incomplete-dcp``, DCP checkpoints that never got ``.metadata``; only what is older than ``--older-than``."""
     url = _s3_url(args.url)
     s3 = _make_s3(args)
-    garbage = _connector.find_garbage(url, args.older_than, incomplete_checkpoints=args.incomplete_dcp, s3_utils=s3)
+    garbage = _admin.find_garbage(url, args.older_than, incomplete_checkpoints=args.incomplete_dcp, s3_utils=s3)
     acted = 0
     for upload in garbage.uploads:
         ok = args.yes and s3.abort_multipart_upload(upload.url, upload.upload_id)
@@ -592,7 +444,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             flush=True,
         )
     for checkpoint in garbage.checkpoints:
-        ok = args.yes and _connector.remove_incomplete_checkpoint(checkpoint, s3_utils=s3)
+        ok = args.yes and _admin.remove_incomplete_checkpoint(checkpoint, s3_utils=s3)
         acted += ok
         status = "removed" if ok else "changed" if args.yes else "would remove"  # changed: a save started there
         kept = f"; {len(checkpoint.kept)} other object(s) kept" if checkpoint.kept else ""
@@ -637,7 +489,7 @@ def _duration(text: str) -> datetime.timedelta:
 def cmd_convert(args: argparse.Namespace) -> int:
     """Convert a DCP checkpoint into one safetensors or torch file, or one torch file into a DCP checkpoint."""
     try:
-        report = _convert.convert_checkpoint(
+        report = _sibling("s3_checkpoint_convert").convert_checkpoint(
             args.src,
             args.dst,
             only=args.only,
@@ -660,8 +512,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Train, get killed, resume from S3, report: `s3_checkpoint_demo`, imported only now (torch, Lightning)."""
-    demo = importlib.import_module(f"{__package__}.s3_checkpoint_demo" if __package__ else "s3_checkpoint_demo")
-    return demo.cmd_demo(args)
+    return int(_sibling("s3_checkpoint_demo").cmd_demo(args))
+
+
+def _sibling(name: str) -> types.ModuleType:
+    """A module beside this one, imported on first need: convert (which imports s3_dcp) and the demo (torch,
+    Lightning) load only for their own commands."""
+    return importlib.import_module(f"{__package__}.{name}" if __package__ else name)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -892,7 +749,8 @@ def exit_code_for(exc: BaseException) -> int:
     """The documented exit code for an exception raised by a command."""
     if isinstance(exc, CliError):
         return exc.exit_code
-    if isinstance(exc, (_s3.MissingOptionalDependencyError, _servers.ServerNotInstalledError)):
+    missing = (_s3.MissingOptionalDependencyError, _connector.DCPSupportMissingError, _servers.ServerNotInstalledError)
+    if isinstance(exc, missing):
         return EXIT_MISSING_DEPENDENCY
     if isinstance(exc, _servers.LocalServerError):  # the embedded server cannot run here (ports, lock, start)
         return EXIT_S3_ERROR

@@ -23,11 +23,13 @@ from collections.abc import Iterator
 from typing import Any
 
 if __package__:
+    from . import s3_checkpoint_admin as _admin
     from . import s3_checkpoint_cli as _cli
     from . import s3_dirpath_utils as _urls
     from . import s3_local_servers as _servers
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
+    import s3_checkpoint_admin as _admin
     import s3_checkpoint_cli as _cli
     import s3_dirpath_utils as _urls
     import s3_local_servers as _servers
@@ -411,7 +413,7 @@ def _print_report(result: dict[str, Any], dirpath: str, s3: _s3.S3Utils, async_s
     """Print the demo's report; True if the resumed weights are exactly the saved ones."""
     stats: _DemoStats = result["stats"]
     uploads = [record for record in stats.records if record.kind == "save"]
-    present = {entry.url: entry for entry in _cli.list_checkpoints(s3, dirpath)}
+    present = {entry.url: entry for entry in _admin.list_checkpoints(dirpath, s3_utils=s3)}
     by_url: dict[str, list[Any]] = {}
     for upload in uploads:
         by_url.setdefault(upload.url, []).append(upload)
@@ -420,7 +422,7 @@ def _print_report(result: dict[str, Any], dirpath: str, s3: _s3.S3Utils, async_s
     print(f"  {'KEY':22}  {'SIZE':>8}  {'CHECKSUM (last upload)':24}  {'UPLOADS':>7}  NOW")
 
     def order(url: str) -> tuple[int, int, datetime.datetime]:
-        step, kind = _cli.classify_checkpoint(_urls.s3_url_name(url))
+        step, kind = _admin.classify_checkpoint(_urls.s3_url_name(url))
         return (kind == "last", step if step is not None else -1, datetime.datetime.min)
 
     for url in sorted(by_url, key=order):

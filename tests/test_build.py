@@ -20,6 +20,7 @@ CORE_MODULES = [
     "s3_utils",
     "s3_checkpoint_io",
     "connector",
+    "s3_checkpoint_admin",
     "s3_checkpoint_cli",
     "s3_checkpoint_convert",
 ]

@@ -19,6 +19,7 @@ import pytest
 from fault_proxy import Fault, FaultProxy, FaultRule
 from optional_imports import DEMO_OPTIONAL_MODULES, HIDE_PREAMBLE, LIGHTNING_MODULES
 
+import s3_checkpoint_admin as admin
 import s3_checkpoint_cli as cli
 from s3_utils import CHECKSUM_SIDECAR_SUFFIX, S3Utils
 
@@ -91,7 +92,7 @@ def run_url(bucket: str) -> str:
     ],
 )
 def test_classify_checkpoint(name: str, expected: tuple[int | None, str]) -> None:
-    assert cli.classify_checkpoint(name) == expected
+    assert admin.classify_checkpoint(name) == expected
 
 
 def test_help_documents_commands_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:

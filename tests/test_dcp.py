@@ -26,6 +26,7 @@ dcp = pytest.importorskip("torch.distributed.checkpoint")
 from fault_proxy import Fault, FaultRule  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
+import s3_checkpoint_admin  # noqa: E402
 import s3_checkpoint_io  # noqa: E402
 import s3_dcp  # noqa: E402
 import s3_utils  # noqa: E402
@@ -535,17 +536,17 @@ def test_a_tensor_span_record_that_does_not_fit_its_target_or_bytes_is_not_trust
         failure = caught.value.failures[0][0]
         assert isinstance(failure, s3_utils.ChecksumMismatchError) and f"{url}/__0_0.distcp" in str(failure)
         assert "item record was modified" in str(failure)
-        report = s3_dcp.verify_checkpoint(url)
+        report = s3_checkpoint_admin.verify_checkpoint(url)
         assert any("tensor bytes" in problem and "__0_0.distcp" in problem for problem in report.problems), bad
 
     _put_item_record(url, {**genuine, "files": {"__0_0.distcp": {**entry, "tensors": [span]}}})  # not a mapping
     loaded = {"w": torch.zeros(1200, 1000)}
     reader = _load(loaded, url)
     assert torch.equal(loaded["w"], state["w"]) and reader.stats["recorded_spans"] == 0
-    assert s3_dcp.verify_checkpoint(url).problems == []
+    assert s3_checkpoint_admin.verify_checkpoint(url).problems == []
 
     _put_item_record(url, genuine)
-    assert s3_dcp.verify_checkpoint(url).problems == []
+    assert s3_checkpoint_admin.verify_checkpoint(url).problems == []
 
 
 def test_items_whose_bytes_do_not_match_their_target_take_the_buffered_path(bucket: str) -> None:

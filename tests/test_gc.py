@@ -1,6 +1,7 @@
 """``s3-checkpoint-io gc``: what killed jobs leave (open multipart uploads, DCP checkpoints without ``.metadata``),
 found by age on the store's clock and removed only with ``--yes``; the S3 primitives (`S3Utils`) and the policy
-(`connector.find_garbage`) under it. The age rule runs on SeaweedFS: moto reports every upload as initiated in 2010."""
+(`s3_checkpoint_admin.find_garbage`) under it. The age rule runs on SeaweedFS: moto reports every upload as
+initiated in 2010."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-import connector
+import s3_checkpoint_admin as admin
 import s3_checkpoint_cli as cli
 from s3_utils import CHECKSUM_SIDECAR_SUFFIX, S3Utils
 
@@ -139,10 +140,10 @@ def test_gc_touches_only_what_is_older_than_the_threshold_on_seaweedfs(
     assert "4 younger left alone" in lines[-1]  # 2 uploads; new-step=9, and busy-step=6 (an upload inside is young)
 
     # A save starts again in one of them between the listing and the removal: that one is left alone.
-    garbage = connector.find_garbage(f"s3://{bucket}/run", datetime.timedelta(seconds=2), incomplete_checkpoints=True)
+    garbage = admin.find_garbage(f"s3://{bucket}/run", datetime.timedelta(seconds=2), incomplete_checkpoints=True)
     put("run/deeper/x-step=7.ckpt/__1_0.distcp")
     s3 = S3Utils()
-    assert [connector.remove_incomplete_checkpoint(c, s3_utils=s3) for c in garbage.checkpoints] == [True, False]
+    assert [admin.remove_incomplete_checkpoint(c, s3_utils=s3) for c in garbage.checkpoints] == [True, False]
     assert s3.abort_multipart_upload(garbage.uploads[0].url, garbage.uploads[0].upload_id)
 
     assert {key for key, _ in open_uploads(s3_client, bucket)} == {

@@ -131,7 +131,7 @@ def test_core_modules_work_copied_into_a_package_folder(tmp_path: Path) -> None:
         import nemo_fork.utils.connector as connector
         assert "s3_utils" not in sys.modules and "s3_dirpath_utils" not in sys.modules, "imported the top-level copies"
         assert utils._urls.__name__ == "nemo_fork.utils.s3_dirpath_utils"
-        assert connector._dcp.__name__ == "nemo_fork.utils.s3_dcp"  # DCP features light up with the fifth file
+        assert connector._s3_dcp().__name__ == "nemo_fork.utils.s3_dcp"  # DCP features light up with the fifth file
         assert utils.S3Utils.parse_s3_url("s3://bucket/a/b.ckpt") == ("bucket", "a/b.ckpt")
         print("ok")
         """,
@@ -207,7 +207,7 @@ def fork(package, folder, url):
     loaded = plugin.load_checkpoint(found)
     assert torch.equal(loaded["w"], state["w"]) and loaded["global_step"] == 3
     plugin.teardown()
-    assert connector._dcp is None and not [name for name in sys.modules if name.endswith("s3_dcp")]
+    assert connector._s3_dcp() is None and not [name for name in sys.modules if name.endswith("s3_dcp")]
 
     # A newer sharded (DCP) checkpoint: neither a silent fall back to the older file nor an obscure failure.
     bucket, key = url[5:].split("/", 1)
@@ -263,6 +263,6 @@ def test_connector_spells_the_dcp_file_names_as_s3_dcp_does() -> None:
     import connector
     import s3_dcp
 
-    assert connector._dcp is s3_dcp
+    assert connector._s3_dcp() is s3_dcp
     names = ("METADATA_NAME", "DCP_SHARD_SUFFIX", "ITEM_CHECKSUMS_NAME", "LIGHTNING_META_NAME")
     assert [getattr(connector, f"_{name}") for name in names] == [getattr(s3_dcp, name) for name in names]

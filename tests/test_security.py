@@ -44,10 +44,18 @@ PACKAGE_MODULES = [
     "s3_checkpoint_io.py",
     "connector.py",
     "s3_local_servers.py",
+    "s3_checkpoint_admin.py",
     "s3_checkpoint_cli.py",
     "s3_checkpoint_demo.py",
 ]
-OUR_LOGGERS = ("s3_utils", "s3_checkpoint_io", "connector", "s3_checkpoint_cli", "s3_dirpath_utils")
+OUR_LOGGERS = (
+    "s3_utils",
+    "s3_checkpoint_io",
+    "connector",
+    "s3_checkpoint_admin",
+    "s3_checkpoint_cli",
+    "s3_dirpath_utils",
+)
 FAST = RetryPolicy(max_attempts=3, max_elapsed_s=5.0, initial_backoff_s=0.01, max_backoff_s=0.05)
 MiB = 1024 * 1024
 
