@@ -43,11 +43,12 @@ PACKAGE_MODULES = [
     "s3_utils.py",
     "s3_checkpoint_io.py",
     "connector.py",
+    "s3_node_sharing.py",
     "s3_local_servers.py",
     "s3_checkpoint_cli.py",
     "s3_checkpoint_demo.py",
 ]
-OUR_LOGGERS = ("s3_utils", "s3_checkpoint_io", "connector", "s3_checkpoint_cli", "s3_dirpath_utils")
+OUR_LOGGERS = ("s3_utils", "s3_checkpoint_io", "connector", "s3_checkpoint_cli", "s3_dirpath_utils", "s3_node_sharing")
 FAST = RetryPolicy(max_attempts=3, max_elapsed_s=5.0, initial_backoff_s=0.01, max_backoff_s=0.05)
 MiB = 1024 * 1024
 
