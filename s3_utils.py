@@ -201,13 +201,14 @@ def node_sharing() -> types.ModuleType | None:
                 raise
             _node_sharing.append(None)
     module = _node_sharing[0]
-    if module is None and not _node_sharing_warned and world_size() > 1:
+    processes = 1 if module is not None or _node_sharing_warned else world_size()
+    if processes > 1:
         _node_sharing_warned = True
         logger.warning(
             "This job has %d processes, but %s.py is not beside s3_utils.py in %s: each process paces its S3 requests "
             "on its own and every rank downloads the checkpoints it loads (no load_sharing='node' or 'job'). Copy "
             "%s.py from s3-checkpoint-io beside s3_utils.py (or pip install s3-checkpoint-io) for multi-node scale.",
-            world_size(),
+            processes,
             NODE_SHARING_MODULE,
             os.path.dirname(os.path.abspath(__file__)),
             NODE_SHARING_MODULE,
@@ -224,7 +225,7 @@ def node_sharing() -> types.ModuleType | None:
 # host's processes share is told apart by job. torch.distributed answers once its process group is up (torch is never
 # imported just to ask); before that, the launcher's environment.
 
-LAUNCHER_ENV_VARS: dict[str, tuple[str, ...]] = {
+LAUNCHER_ENV_VARS: Mapping[str, tuple[str, ...]] = {
     # torchrun (and Lightning's launcher), SLURM, Open MPI, MPICH / PMIx, MVAPICH: the first one set wins.
     "global_rank": ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK"),
     "world_size": ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"),
@@ -245,12 +246,14 @@ def _launcher_value(environ: Mapping[str, str], what: str) -> tuple[str, str] | 
     return None
 
 
-def _launcher_int(environ: Mapping[str, str], what: str) -> int | None:
-    found = _launcher_value(environ, what)
-    try:
-        return None if found is None else int(found[1])
-    except ValueError:
-        return None
+def _launcher_int(environ: Mapping[str, str], what: str, minimum: int = 0) -> int | None:
+    """The first of `what`'s launcher variables that holds a whole number of at least `minimum`."""
+    for name in LAUNCHER_ENV_VARS[what]:
+        with contextlib.suppress(ValueError):
+            value = int(environ.get(name, "").strip())
+            if value >= minimum:
+                return value
+    return None
 
 
 def _process_group() -> Any:
@@ -293,8 +296,7 @@ def world_size(environ: Mapping[str, str] | None = None) -> int:
         if group is not None:
             return max(1, int(group.get_world_size()))
         environ = os.environ
-    size = _launcher_int(environ, "world_size")
-    return size if size is not None and size > 0 else 1
+    return _launcher_int(environ, "world_size", minimum=1) or 1
 
 
 def node_key(node_rank: int | None = None, environ: Mapping[str, str] | None = None) -> str:
