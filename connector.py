@@ -39,7 +39,6 @@ import inspect
 import logging
 import os
 import re
-import sys
 import time
 import types
 import warnings
@@ -145,43 +144,10 @@ def _require_dcp_support(url: str) -> None:
 # Which rank am I (before the process group exists)?
 # --------------------------------------------------------------------------------------------------------------------
 
-# Global-rank variables in NeMo's order (``nemo/utils/get_rank.py``), plus the other common MPI launchers.
-_GLOBAL_RANK_ENV_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
-
-
-def _env_int(environ: Mapping[str, str], name: str) -> int | None:
-    value = environ.get(name, "").strip()
-    try:
-        return int(value)
-    except ValueError:
-        return None
-
-
-def global_rank(environ: Mapping[str, str] | None = None) -> int:
-    """This process's global rank: from ``torch.distributed`` if its process group is up, else from the environment.
-
-    Why the environment: resume discovery runs before Lightning creates the process group. The variables are read in
-    NeMo's order: ``RANK`` (torchrun, Lightning), ``SLURM_PROCID``, ``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``,
-    ``PMIX_RANK``, ``MV2_COMM_WORLD_RANK``; then ``NODE_RANK`` (or ``GROUP_RANK``) with ``LOCAL_RANK``, which
-    Lightning's own DDP launcher sets for the processes it starts. Nothing set means a single process: rank 0.
-    With only node and local rank the number is exact on node 0 and non-zero elsewhere (which is all that matters).
-    """
-    if environ is None:
-        torch = sys.modules.get("torch")  # never import torch just to ask
-        distributed = getattr(torch, "distributed", None)
-        if distributed is not None and distributed.is_available() and distributed.is_initialized():
-            return int(distributed.get_rank())
-        environ = os.environ
-    for name in _GLOBAL_RANK_ENV_VARS:
-        value = _env_int(environ, name)
-        if value is not None:
-            return value
-    node_rank = _env_int(environ, "NODE_RANK")
-    if node_rank is None:
-        node_rank = _env_int(environ, "GROUP_RANK") or 0
-    local_rank = _env_int(environ, "LOCAL_RANK") or 0
-    local_world_size = _env_int(environ, "LOCAL_WORLD_SIZE") or 1
-    return node_rank * max(local_world_size, local_rank + 1) + local_rank
+global_rank = _s3.global_rank
+"""This process's global rank (`s3_utils.global_rank`, re-exported under the name NeMo's code imports from here):
+torch.distributed's once its process group is up, else the launcher's environment, which resume discovery needs
+because it runs before Lightning creates the process group."""
 
 
 def is_global_rank_zero(environ: Mapping[str, str] | None = None) -> bool:

@@ -11,6 +11,8 @@ module holds the torch side of checkpointing; everything that talks to S3 is in 
   removal waits until every save issued before it is durable; background failures are raised at the next call;
 * fencing: saves and removals in an ``s3://`` directory go through an `s3_utils.DirectoryFence`, so a stale run
   (an older job still writing where a newer one took over) gets `CheckpointDirectoryTakenError` and changes nothing;
+* collective loads (`collective_resume`, `S3CheckpointIO.collective_load`): every rank loading one checkpoint
+  shares one download per node or job, through the optional sibling `s3_node_sharing` (without it: one per rank);
 * `register_with_lightning`: the class is a ``CheckpointIO`` of every installed Lightning family (``lightning`` and
   ``pytorch_lightning``), so both Trainers accept it; torch and Lightning are imported on first use.
 
@@ -21,18 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import datetime
 import functools
-import hashlib
 import inspect
 import io
-import json
 import logging
 import math
-import mmap
 import os
 import pickle
-import secrets
 import shutil
 import sys
 import tempfile
@@ -43,11 +40,6 @@ from collections.abc import Mapping
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - not POSIX: no load sharing
-    fcntl = None  # type: ignore[assignment]
 
 if __package__:
     from . import s3_dirpath_utils as _urls
@@ -184,7 +176,8 @@ class S3CheckpointIO:
         load_sharing: who downloads when every rank loads the same checkpoint together (Lightning's resume through
             the connector, or `collective_load`): ``"node"`` (default) one rank per node, the others map its pages;
             ``"job"`` global rank 0 only, the bytes travel over the process group; ``"rank"`` every rank. A load
-            on one rank alone always downloads on that rank. See the "Load sharing" block below.
+            on one rank alone always downloads on that rank. "node" and "job" need s3_node_sharing.py beside this
+            module (without it every rank downloads, and a job says so in one warning).
         fencing: one run owns an ``s3://`` checkpoint directory (a checkpoint's parent): the run's first save there
             takes it over, and a save or removal of a run that another (newer) run took it over from raises
             `CheckpointDirectoryTakenError` and changes nothing. One small request (a HEAD) per save and removal.
@@ -427,13 +420,22 @@ class S3CheckpointIO:
             elapsed = time.perf_counter() - started
             self._record(TransferRecord("load", path, os.path.getsize(path), elapsed, None, elapsed))
             return checkpoint
-        if armed is not None:
-            shared = _shared_load(self, path, load_kwargs, armed)
-            if shared is not None:
-                checkpoint, size = shared
-                elapsed = time.perf_counter() - started
-                self._record(TransferRecord("load", path, size, elapsed, None, elapsed))
-                return checkpoint
+        shared = None if armed is None else _download_shared(self, path, armed)
+        if shared is not None:
+            with shared:
+                is_zip = os.pread(shared.fd, len(_TORCH_ZIP_MAGIC), 0) == _TORCH_ZIP_MAGIC
+                checkpoint = _torch_load_checkpoint(torch, path, shared.path, shared.size, is_zip, load_kwargs)
+            elapsed = time.perf_counter() - started
+            logger.info(
+                "Loaded %s (%.1f MiB, %s, node of %d ranks) in %.2f s",
+                path,
+                shared.size / _s3.MB,
+                shared.source,
+                shared.node_ranks,
+                elapsed,
+            )
+            self._record(TransferRecord("load", path, shared.size, elapsed, None, elapsed))
+            return checkpoint
         with self.s3.download_to_memory(path, self.chunk_size_MB, self.max_read_concurrency) as downloaded:
             downloaded_s = time.perf_counter() - started
             verified = downloaded.verified_against
@@ -750,44 +752,17 @@ def _torch_load_checkpoint(
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Load sharing: on a collective resume, one download per node (or per job) instead of one per rank
+# Collective loads: the hook of load sharing (s3_node_sharing)
 # --------------------------------------------------------------------------------------------------------------------
 #
-# Why: Lightning's resume_start loads the checkpoint on every rank, so N ranks made N full downloads of one object
-# (about ranks x size / chunk GETs of one key, against S3's 5,500 GET/s per prefix) and held N copies per node.
-#
-# How (``load_sharing="node"``), when every rank of the default process group loads the same s3:// URL inside
-# `S3CheckpointIO.collective_load` (the connector's resume_start enters it, see `collective_resume`):
-#   1. three quick all-gathers (no download inside any collective): who is on which node (from the cluster
-#      environment, else a host id), then the lowest rank of each node creates two files in /dev/shm (exclusively,
-#      O_EXCL | O_NOFOLLOW, mode 0600: data and status), then the node's other ranks open them by name and check that
-#      they are those very files (owner, mode, device and inode). Then the names are unlinked: from here on the files
-#      live only as long as some rank holds them, so nothing is left in /dev/shm whatever happens later. If any of
-#      this fails anywhere (no /dev/shm, ranks that are not really on one host) every rank falls back to its own
-#      download, with a warning.
-#   2. the node's downloader fetches the object as usual (parallel ranged GETs, checksum verified) into the data file
-#      while holding an exclusive flock on it, writes the outcome into the status file, and releases the lock.
-#   3. the other ranks of the node poll the status file (no collective, so a long download cannot hit the process
-#      group's timeout). A status is the downloader's success or its error (raised on every rank of the node, naming
-#      the URL and the cause); a lock they can take while no status was written means the downloader died; a wait
-#      longer than the retry policy's budget plus the transfer at a slow rate gives up. All raise instead of hanging.
-#   4. every rank torch.load(mmap=True)s the same pages: node RAM holds one copy.
-# ``load_sharing="job"``: only global rank 0 downloads; the other nodes' downloaders receive the bytes from it over a
-# gloo process group (64 MiB broadcasts, whatever the default backend: NCCL would need each chunk staged on the GPU)
-# into their node's file, then steps 3-4 as above. ``"rank"``: every rank downloads (the behaviour without sharing).
-# Stale files (a job killed in the milliseconds between creating and unlinking them) are removed by the next
-# shared load on that host: files of this prefix, owned by this user, older than a minute, that no process holds.
+# Lightning's resume_start loads the checkpoint on every rank: N ranks, N downloads of one object. Inside
+# `S3CheckpointIO.collective_load` (the connector's resume enters it through `collective_resume`) a load of an s3://
+# URL is a collective call, which `s3_node_sharing.download_shared` turns into one download per node
+# (``load_sharing="node"``) or per job (``"job"``) that the node's ranks map (its block comment describes the
+# protocol). Without s3_node_sharing, or with ``"rank"``, every rank downloads its own copy.
 
 LOAD_SHARING_MODES = ("node", "job", "rank")
-"""`S3CheckpointIO(load_sharing=...)`: who downloads on a collective load (see the block comment above)."""
-SHARED_FILE_DIR = "/dev/shm"
-_SHARED_FILE_PREFIX = "s3ckpt-load-"
-_BROADCAST_CHUNK_BYTES = 64 * _s3.MB
-_POLL_INTERVAL_S = 0.05
-_STALE_AFTER_S = 60.0
-_SLOWEST_TRANSFER_BYTES_PER_S = 10 * _s3.MB
-_WAIT_SLACK_S = 30.0
-_NODE_ENV_VARS = ("GROUP_RANK", "SLURM_NODEID", "NODE_RANK")
+"""`S3CheckpointIO(load_sharing=...)`: who downloads on a collective load (see `s3_node_sharing.download_shared`)."""
 
 
 class SharedLoadError(RuntimeError):
@@ -855,339 +830,13 @@ def collective_resume(trainer: Any) -> Any:
         yield
 
 
-def _node_key(node_rank: int | None) -> str:
-    """Which node this process is on: the given node rank, else the launcher's (torchrun GROUP_RANK, SLURM_NODEID,
-    Lightning's NODE_RANK), else this host's boot id and name (ranks that share it share /dev/shm). A wrong answer
-    cannot hang or mix up ranks: step 1 checks that a node's ranks really see the same file."""
-    if node_rank is not None:
-        return f"node {node_rank}"
-    for name in _NODE_ENV_VARS:
-        value = os.environ.get(name, "").strip()
-        if value:
-            return f"node {value} ({name})"
-    boot_id = ""
-    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as stream:
-        boot_id = stream.read().strip()
-    return f"host {os.uname().nodename} {boot_id}"
-
-
-def _describe(exc: BaseException) -> str:
-    notes = "; ".join(getattr(exc, "__notes__", []))
-    return f"{type(exc).__name__}: {exc}" + (f" ({notes})" if notes else "")
-
-
-def _wait_budget_s(io: S3CheckpointIO, size: int) -> float:
-    """How long a rank waits for its node's downloader: two S3 calls at the retry policy's limit (HEAD, then the
-    ranges), each attempt up to the client's timeouts, plus the transfer at a slow rate."""
-    settings = io.s3.settings
-    per_call = io.s3.retry_policy.max_elapsed_s + settings.read_timeout_s + settings.connect_timeout_s
-    return 2 * per_call + _WAIT_SLACK_S + size / _SLOWEST_TRANSFER_BYTES_PER_S
-
-
-def _remove_stale_shared_files(directory: str, older_than_s: float = _STALE_AFTER_S) -> list[str]:
-    """Unlink this user's shared-load files in `directory` that are older than `older_than_s` and that no process
-    holds (every process of a live load keeps a lock on them); returns their paths."""
-    now = time.time()
-    removed = _s3.remove_unheld_shared_files(
-        directory, _SHARED_FILE_PREFIX, lambda seen: now - seen.st_mtime < older_than_s
-    )
-    if removed:
-        logger.info("Removed %d stale shared checkpoint file(s) of dead jobs from %s", len(removed), directory)
-    return removed
-
-
-@dataclass
-class _NodeFiles:
-    """This rank's handles on its node's shared files (their names are unlinked once every rank has opened them)."""
-
-    data_fd: int = -1
-    status_fd: int = -1
-    names: tuple[str, ...] = ()
-
-    def close(self) -> None:
-        for fd in (self.data_fd, self.status_fd):
-            if fd >= 0:
-                os.close(fd)
-        self.data_fd = self.status_fd = -1
-
-    def unlink(self) -> None:
-        for name in self.names:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name)
-        self.names = ()
-
-
-def _create_exclusive(path: str) -> int:
-    return _s3.create_shared_file(path)
-
-
-def _open_checked(path: str, identity: tuple[int, int]) -> int:
-    """Open a file the node's downloader created, refusing links and anything but that very file of this user."""
-    return _s3.open_shared_file(path, identity=identity)
-
-
-class _SharedLoad:
-    """One collective load of `url` by every rank of the default process group (see the block comment)."""
-
-    def __init__(self, io: S3CheckpointIO, url: str, node_rank: int | None) -> None:
-        self.io, self.url, self.node_rank = io, url, node_rank
-        self.dist = _torch().distributed
-        self.rank = self.dist.get_rank()
-        self.files = _NodeFiles()
-        self.size: int | None = None
-        self.head_error: Exception | None = None
-
-    def _all_gather(self, value: Any) -> list[Any]:
-        gathered: list[Any] = [None] * self.dist.get_world_size()
-        self.dist.all_gather_object(gathered, value)
-        return gathered
-
-    # ---- step 1: agree on nodes and files (quick collectives) -----------------------------------------------------
-
-    def setup(self) -> bool:
-        """Agree who downloads and open the node's files; False (on every rank alike) to fall back to per-rank."""
-        head_error = None
-        if self.io.load_sharing == "job" and self.rank == 0:
-            try:
-                self.size = self.io.s3.head_object(self.url).size  # sizes the transfer group's timeout
-            except Exception as exc:
-                head_error = exc
-        head_problem = None if head_error is None else _describe(head_error)
-        identities = self._all_gather((_node_key(self.node_rank), secrets.token_hex(8), self.size, head_problem))
-        if head_error is not None:
-            raise head_error
-        if identities[0][3] is not None:
-            problem = identities[0][3]
-            raise SharedLoadError(f"Could not load {self.url}: global rank 0, which downloads it, failed: {problem}")
-        self.size = identities[0][2]
-        nodes: dict[str, list[int]] = {}
-        for rank, (key, *_) in enumerate(identities):
-            nodes.setdefault(key, []).append(rank)
-        self.node_ranks = nodes[identities[self.rank][0]]
-        self.node_index = list(nodes).index(identities[self.rank][0])
-        self.leader = self.node_ranks[0]
-        self.leaders = [ranks[0] for ranks in nodes.values()]
-        self.mode = "job" if self.io.load_sharing == "job" and len(nodes) > 1 else "node"
-        if self.mode == "node" and all(len(ranks) == 1 for ranks in nodes.values()):
-            return False  # one rank per node: nothing to share
-
-        digest = hashlib.sha256(self.url.encode()).hexdigest()[:12]
-        job_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or ""
-        job = "".join(c for c in job_id if c.isalnum())
-        base = os.path.join(SHARED_FILE_DIR, f"{_SHARED_FILE_PREFIX}{job[:24] or 'job'}-{identities[0][1]}")
-        base += f"-node{self.node_index}-{digest}"
-        created: Any = None
-        if self.rank == self.leader:
-            created = self._create_files(base)
-        try:
-            reports = self._all_gather(created)
-            problems = [r for rank, r in enumerate(reports) if rank in self.leaders and isinstance(r, str)]
-            opened: str | None = None
-            if not problems and self.rank != self.leader:
-                opened = self._open_files(base, reports[self.leader])
-            outcomes = self._all_gather(opened)
-        except BaseException:  # a collective failed (a rank died): whoever is left removes the node's names
-            self.files.names = (base + ".status", base + ".data")
-            self.files.unlink()
-            self.files.close()
-            raise
-        self.files.unlink()  # every rank has the files open, or nobody will use them
-        problems += [outcome for outcome in outcomes if outcome]
-        if problems:
-            self.files.close()
-            logger.warning(
-                "Loading %s with one download per rank: sharing it through %s failed (%s)",
-                self.url,
-                SHARED_FILE_DIR,
-                problems[0],
-            )
-            return False
-        return True
-
-    def _create_files(self, base: str) -> Any:
-        if self.size is None:  # node mode: this node's downloader asks (its failure is reported once sharing is set)
-            try:
-                self.size = self.io.s3.head_object(self.url).size
-            except Exception as exc:
-                self.head_error = exc
-        if self.size is not None:
-            shm = os.statvfs(SHARED_FILE_DIR) if os.path.isdir(SHARED_FILE_DIR) else None
-            free = shm.f_bavail * shm.f_frsize if shm else 0
-            if free < self.size:  # e.g. a container's default 64 MiB /dev/shm: a per-rank memfd still works
-                return (
-                    f"{SHARED_FILE_DIR} has {free / _s3.MB:.0f} MiB free on global rank {self.rank}'s node, "
-                    f"{self.url} needs {self.size / _s3.MB:.0f} MiB (enlarge it, e.g. docker run --shm-size)"
-                )
-        _remove_stale_shared_files(SHARED_FILE_DIR)
-        names = (base + ".status", base + ".data")
-        try:
-            self.files.status_fd = _create_exclusive(names[0])
-            self.files.names = names[:1]
-            fcntl.flock(self.files.status_fd, fcntl.LOCK_SH)  # "in use" for `_remove_stale_shared_files`
-            self.files.data_fd = _create_exclusive(names[1])
-            self.files.names = names
-            fcntl.flock(self.files.data_fd, fcntl.LOCK_EX)  # released once the status is written: death shows
-            found = [os.fstat(fd) for fd in (self.files.status_fd, self.files.data_fd)]
-        except OSError as exc:
-            self.files.unlink()
-            self.files.close()
-            return f"global rank {self.rank} could not create {names[0]}: {exc}"
-        return [(st.st_dev, st.st_ino) for st in found]
-
-    def _open_files(self, base: str, identities: list[tuple[int, int]]) -> str | None:
-        try:
-            self.files.status_fd = _open_checked(base + ".status", tuple(identities[0]))  # type: ignore[arg-type]
-            self.files.data_fd = _open_checked(base + ".data", tuple(identities[1]))  # type: ignore[arg-type]
-        except OSError as exc:
-            self.files.close()
-            return f"global rank {self.rank} could not open the file global rank {self.leader} created: {exc}"
-        return None
-
-    # ---- steps 2-4 ------------------------------------------------------------------------------------------------
-
-    def run(self, load_kwargs: dict[str, Any]) -> tuple[dict[str, Any], int]:
-        started = time.perf_counter()
-        group = None
-        try:
-            if self.mode == "job":
-                timeout = datetime.timedelta(seconds=_wait_budget_s(self.io, self.size or 0))
-                group = self.dist.new_group(ranks=self.leaders, timeout=timeout, backend="gloo")
-            if self.rank == 0 or (self.mode == "node" and self.rank == self.leader):
-                self._download(group)
-                source = "downloaded"
-            elif self.rank == self.leader:
-                self._receive(group)
-                source = "received from global rank 0"
-            else:
-                self._wait_for_leader()
-                source = f"shared by global rank {self.leader}"
-            size = os.fstat(self.files.data_fd).st_size
-            is_zip = os.pread(self.files.data_fd, len(_TORCH_ZIP_MAGIC), 0) == _TORCH_ZIP_MAGIC
-            checkpoint = _torch_load_checkpoint(
-                _torch(), self.url, f"/proc/self/fd/{self.files.data_fd}", size, is_zip, load_kwargs
-            )
-        finally:
-            self.files.close()
-            if group is not None:
-                self.dist.destroy_process_group(group)
-        logger.info(
-            "Loaded %s (%.1f MiB, %s, node of %d ranks) in %.2f s",
-            self.url,
-            size / _s3.MB,
-            source,
-            len(self.node_ranks),
-            time.perf_counter() - started,
-        )
-        return checkpoint, size
-
-    def _set_status(self, error: BaseException | None) -> None:
-        """Tell the node's waiting ranks the outcome, then drop the lock whose release alone would mean "died"."""
-        status = {"ok": True} if error is None else {"ok": False, "error": _describe(error)}
-        payload = (json.dumps(status) + "\n").encode()
-        os.pwrite(self.files.status_fd, payload, 0)
-        fcntl.flock(self.files.data_fd, fcntl.LOCK_UN)
-
-    def _download(self, group: Any) -> None:
-        io = self.io
-        try:
-            if self.head_error is not None:
-                raise self.head_error
-            downloaded = io.s3.download_to_memory(
-                self.url, io.chunk_size_MB, io.max_read_concurrency, into_fd=self.files.data_fd
-            )
-            downloaded.close()  # the pages stay in the node's file, which stays open
-        except BaseException as exc:
-            self._set_status(exc)
-            if group is not None:
-                self._broadcast_header(group, ("error", _describe(exc)))
-            raise
-        self._set_status(None)
-        if group is not None:
-            size = os.fstat(self.files.data_fd).st_size
-            self._broadcast_header(group, ("ok", size))
-            self._broadcast_bytes(group, size)
-
-    def _broadcast_header(self, group: Any, header: Any) -> Any:
-        message = [header]
-        self.dist.broadcast_object_list(message, src=0, group=group)
-        return message[0]
-
-    def _broadcast_bytes(self, group: Any, size: int) -> None:
-        """Send (rank 0) or receive (the other nodes' downloaders) the data file in bounded broadcasts, straight
-        from and into the file's pages through a mapping of one chunk at a time (no staging copy)."""
-        torch = _torch()
-        for offset in range(0, size, _BROADCAST_CHUNK_BYTES):
-            length = min(_BROADCAST_CHUNK_BYTES, size - offset)
-            window = mmap.mmap(self.files.data_fd, length, offset=offset)
-            try:
-                chunk = torch.frombuffer(window, dtype=torch.uint8)
-                self.dist.broadcast(chunk, src=0, group=group)
-                del chunk
-            finally:
-                window.close()
-
-    def _receive(self, group: Any) -> None:
-        try:
-            kind, detail = self._broadcast_header(group, None)
-            if kind != "ok":
-                raise SharedLoadError(f"Could not load {self.url}: global rank 0, which downloads it, failed: {detail}")
-            os.ftruncate(self.files.data_fd, detail)
-            self._broadcast_bytes(group, detail)
-        except BaseException as exc:
-            if not isinstance(exc, SharedLoadError):
-                exc.add_note(f"while receiving {self.url} from global rank 0 (load_sharing='job')")
-            self._set_status(exc)
-            raise
-        self._set_status(None)
-
-    def _wait_for_leader(self) -> None:
-        """Poll the status file until the node's downloader reports, dies, or makes no progress for its budget (a
-        throttled download may take long, but the bytes it lands in the shared file show that it is moving)."""
-        started, landed = time.monotonic(), -1
-        while True:
-            raw = os.pread(self.files.status_fd, 1 << 16, 0)
-            if raw.endswith(b"\n"):
-                status = json.loads(raw)
-                if status["ok"]:
-                    return
-                raise SharedLoadError(
-                    f"Could not load {self.url}: global rank {self.leader}, which downloads it for this node, "
-                    f"failed: {status['error']}"
-                )
-            try:
-                fcntl.flock(self.files.data_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                pass
-            else:  # the downloader's lock is gone: a status written just before counts, else it died
-                fcntl.flock(self.files.data_fd, fcntl.LOCK_UN)
-                if not os.pread(self.files.status_fd, 1, 0):
-                    raise SharedLoadError(
-                        f"Could not load {self.url}: global rank {self.leader}, which was downloading it for this "
-                        "node, exited before finishing (killed?). Check that rank's log; restart the job."
-                    )
-                continue
-            stat = os.fstat(self.files.data_fd)
-            if stat.st_blocks > landed:
-                started, landed = time.monotonic(), stat.st_blocks
-            budget = _wait_budget_s(self.io, self.size or stat.st_size)
-            if time.monotonic() - started > budget:
-                raise SharedLoadError(
-                    f"Could not load {self.url}: global rank {self.leader}, downloading it for this node, has made "
-                    f"no progress for {budget:.0f} s (the retry policy's budget plus the transfer at "
-                    f"{_SLOWEST_TRANSFER_BYTES_PER_S // _s3.MB} MiB/s); giving up"
-                )
-            time.sleep(_POLL_INTERVAL_S)
-
-
-def _shared_load(io: S3CheckpointIO, url: str, load_kwargs: dict[str, Any], armed: _CollectiveLoad) -> Any:
-    """The checkpoint and its size, loaded with one download per node or job; None where every rank should download
-    its own."""
-    if io.load_sharing == "rank" or fcntl is None:
+def _download_shared(io: S3CheckpointIO, url: str, armed: _CollectiveLoad) -> Any:
+    """The checkpoint's bytes in a file its node's ranks share (`s3_node_sharing.SharedCheckpointFile`), or None
+    where this rank downloads its own: ``load_sharing="rank"``, a single process, or no s3_node_sharing."""
+    if io.load_sharing == "rank":
         return None
     dist = _torch().distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
         return None
-    shared = _SharedLoad(io, url, armed.node_rank)
-    if not shared.setup():
-        return None
-    return shared.run(load_kwargs)
+    sharing = _s3.node_sharing()
+    return None if sharing is None else sharing.download_shared(io, url, armed.node_rank)

@@ -2,9 +2,12 @@
 
 1. Optional dependencies: boto3, botocore, s3transfer and awscrt are imported on first use, so importing
    this module never fails; a missing one raises `MissingOptionalDependencyError` with the ``pip install`` line.
+   The optional sibling `s3_node_sharing` (what a host's processes share) too: `node_sharing`.
+   This process: `global_rank`, `world_size`, `node_key`, `job_key`, from torch.distributed or the launcher's
+   environment (`LAUNCHER_ENV_VARS`), the one place every module asks "which process am I".
 2. Retries: `RetryPolicy` and `is_retriable_error`, the single retry layer of every S3 request, and the request
-   pacer (`RequestPacer`, one per process and bucket, its state shared by a job's processes on one host through
-   /dev/shm) that slows the host's processes down when S3 answers SlowDown to any of them.
+   pacer (`RequestPacer`, one per process and bucket; with `s3_node_sharing` its state is shared by a job's processes
+   on one host through /dev/shm) that slows the process (or the host's processes) down when S3 answers SlowDown.
 3. Client: `S3ClientSettings` and `get_s3_client`, one thread-safe client per process and settings.
 4. Checksums: the CRC algorithms S3 knows, combining part checksums into the object's, and the checksum records
    (`RecordedChecksum`: the value S3 stores, or the sidecar object this package writes where a store does not).
@@ -23,7 +26,6 @@ README.md lists what this fixes in NeMo's version.
 
 from __future__ import annotations
 
-import atexit
 import base64
 import bisect
 import collections
@@ -32,7 +34,6 @@ import datetime
 import email.utils
 import enum
 import functools
-import hashlib
 import http.client
 import importlib
 import io
@@ -46,8 +47,6 @@ import random
 import re
 import secrets
 import socket
-import stat
-import struct
 import sys
 import tempfile
 import threading
@@ -58,12 +57,7 @@ import zlib
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields, replace
-from typing import IO, Any, BinaryIO, NamedTuple, NoReturn, TypeVar
-
-try:
-    import fcntl
-except ImportError:  # not on POSIX: no pacer shared between processes
-    fcntl = None  # type: ignore[assignment]
+from typing import IO, Any, BinaryIO, NamedTuple, NoReturn, Protocol, TypeVar
 
 if __package__:
     from . import s3_dirpath_utils as _urls
@@ -84,8 +78,12 @@ __all__ = [
     "DownloadedObject",
     "FenceToken",
     "MissingOptionalDependencyError",
+    "LAUNCHER_ENV_VARS",
     "MultipartUploadInfo",
+    "NODE_SHARING_MODULE",
+    "PACER_SHARING_ENV",
     "PacerLane",
+    "PacerLaneState",
     "RecordedChecksum",
     "RequestPacer",
     "RequestRates",
@@ -95,21 +93,25 @@ __all__ = [
     "S3ObjectInfo",
     "S3RequestOptions",
     "S3Utils",
+    "SharedLaneStore",
     "buffer_address",
-    "create_shared_file",
     "current_run",
     "forget_s3fs_instances",
     "fresh_s3fs_instances",
     "get_s3_client",
+    "global_rank",
     "import_optional_dependency",
     "invalidate_fsspec_cache",
     "is_retriable_error",
     "is_throttling_error",
-    "open_shared_file",
+    "job_key",
+    "node_key",
+    "node_sharing",
     "release_part_buffers",
     "request_pacer",
     "validate_checksum_algorithm",
     "user_agent",
+    "world_size",
 ]
 
 logger = logging.getLogger(__name__)
@@ -176,6 +178,148 @@ def import_optional_dependency(name: str, feature: str = "") -> types.ModuleType
 
 def _botocore_exceptions() -> types.ModuleType:
     return import_optional_dependency("botocore.exceptions", "S3 access")
+
+
+NODE_SHARING_MODULE = "s3_node_sharing"
+"""The optional sibling module with what a host's processes share (the pacer's state, checkpoint loads)."""
+_node_sharing: list[types.ModuleType | None] = []  # the import's outcome, once known
+_node_sharing_warned = False
+
+
+def node_sharing() -> types.ModuleType | None:
+    """`s3_node_sharing` from beside this module (in the same package, or top-level), imported on first use; None
+    where it is absent (a fork may copy only the four core files): then each process paces its S3 requests on its
+    own and every rank downloads what it loads, and a job of more than one process says so in one warning. A
+    module that is there but fails to import raises as usual."""
+    global _node_sharing_warned
+    if not _node_sharing:
+        name = f"{__package__}.{NODE_SHARING_MODULE}" if __package__ else NODE_SHARING_MODULE
+        try:
+            _node_sharing.append(importlib.import_module(name))
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            _node_sharing.append(None)
+    module = _node_sharing[0]
+    processes = 1 if module is not None or _node_sharing_warned else world_size()
+    if processes > 1:
+        _node_sharing_warned = True
+        logger.warning(
+            "This job has %d processes, but %s.py is not beside s3_utils.py in %s: each process paces its S3 requests "
+            "on its own and every rank downloads the checkpoints it loads (no load_sharing='node' or 'job'). Copy "
+            "%s.py from s3-checkpoint-io beside s3_utils.py (or pip install s3-checkpoint-io) for multi-node scale.",
+            processes,
+            NODE_SHARING_MODULE,
+            os.path.dirname(os.path.abspath(__file__)),
+            NODE_SHARING_MODULE,
+        )
+    return module
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# This process: which rank of which job on which node
+# --------------------------------------------------------------------------------------------------------------------
+#
+# One place answers "which process am I" for every module: resume discovery asks for the global rank before the
+# process group exists, a request budget is split by the world size, load sharing groups ranks by node, and what a
+# host's processes share is told apart by job. torch.distributed answers once its process group is up (torch is never
+# imported just to ask); before that, the launcher's environment.
+
+LAUNCHER_ENV_VARS: Mapping[str, tuple[str, ...]] = {
+    # torchrun (and Lightning's launcher), SLURM, Open MPI, MPICH / PMIx, MVAPICH: the first one set wins.
+    "global_rank": ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK"),
+    "world_size": ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"),
+    "node_rank": ("GROUP_RANK", "SLURM_NODEID", "NODE_RANK"),
+    "local_rank": ("LOCAL_RANK",),
+    "local_world_size": ("LOCAL_WORLD_SIZE",),
+    "job": ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "MASTER_ADDR", "MASTER_PORT"),
+}
+"""The launcher environment variables each answer of this part reads, in the order it reads them."""
+
+
+def _launcher_value(environ: Mapping[str, str], what: str) -> tuple[str, str] | None:
+    """The first of `what`'s launcher variables that is set (not empty), as (name, value)."""
+    for name in LAUNCHER_ENV_VARS[what]:
+        value = environ.get(name, "").strip()
+        if value:
+            return name, value
+    return None
+
+
+def _launcher_int(environ: Mapping[str, str], what: str, minimum: int = 0) -> int | None:
+    """The first of `what`'s launcher variables that holds a whole number of at least `minimum`."""
+    for name in LAUNCHER_ENV_VARS[what]:
+        with contextlib.suppress(ValueError):
+            value = int(environ.get(name, "").strip())
+            if value >= minimum:
+                return value
+    return None
+
+
+def _process_group() -> Any:
+    """torch.distributed if torch is imported and its default process group is up, else None."""
+    distributed = getattr(sys.modules.get("torch"), "distributed", None)
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        return distributed
+    return None
+
+
+def global_rank(environ: Mapping[str, str] | None = None) -> int:
+    """This process's global rank: from ``torch.distributed`` if its process group is up, else from the environment.
+
+    Why the environment: resume discovery runs before Lightning creates the process group. The variables are read in
+    NeMo's order (``nemo/utils/get_rank.py``): ``RANK`` (torchrun, Lightning), ``SLURM_PROCID``,
+    ``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``, ``PMIX_RANK``, ``MV2_COMM_WORLD_RANK``; then the node rank (``GROUP_RANK``,
+    ``SLURM_NODEID``, ``NODE_RANK``) with ``LOCAL_RANK``, which Lightning's own DDP launcher sets for the processes it
+    starts. Nothing set means a single process: rank 0. With only node and local rank the number is exact on node 0
+    and non-zero elsewhere (which is all that matters). An explicit `environ` is read alone.
+    """
+    if environ is None:
+        group = _process_group()
+        if group is not None:
+            return int(group.get_rank())
+        environ = os.environ
+    rank = _launcher_int(environ, "global_rank")
+    if rank is not None:
+        return rank
+    node_rank = _launcher_int(environ, "node_rank") or 0
+    local_rank = _launcher_int(environ, "local_rank") or 0
+    local_world_size = _launcher_int(environ, "local_world_size") or 1
+    return node_rank * max(local_world_size, local_rank + 1) + local_rank
+
+
+def world_size(environ: Mapping[str, str] | None = None) -> int:
+    """The job's process count: torch.distributed's once its process group is up, else the launcher's environment
+    (``WORLD_SIZE``, ``SLURM_NTASKS``, ``OMPI_COMM_WORLD_SIZE``), else 1. An explicit `environ` is read alone."""
+    if environ is None:
+        group = _process_group()
+        if group is not None:
+            return max(1, int(group.get_world_size()))
+        environ = os.environ
+    return _launcher_int(environ, "world_size", minimum=1) or 1
+
+
+def node_key(node_rank: int | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """Which node this process is on, as a label equal on every process of the node: the given node rank, else the
+    launcher's (``GROUP_RANK``, ``SLURM_NODEID``, ``NODE_RANK``), else this host's name and boot id (processes that
+    share it share /dev/shm)."""
+    if node_rank is not None:
+        return f"node {node_rank}"
+    found = _launcher_value(os.environ if environ is None else environ, "node_rank")
+    if found is not None:
+        return f"node {found[1]} ({found[0]})"
+    boot_id = ""
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as stream:
+        boot_id = stream.read().strip()
+    return f"host {os.uname().nodename} {boot_id}"
+
+
+def job_key(environ: Mapping[str, str] | None = None) -> str | None:
+    """What tells this job apart from other jobs of the same user on the host: torchrun's run id, SLURM's job and step,
+    the rendezvous address and port (two live jobs cannot share one), joined by ``|``; None outside any launcher."""
+    environ = os.environ if environ is None else environ
+    values = [environ.get(name, "").strip() for name in LAUNCHER_ENV_VARS["job"]]
+    return "|".join(values) if any(values) else None
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -377,392 +521,58 @@ class RequestRates:
         return cls(value, value)
 
 
-def _world_size() -> int:
-    """The job's process count: torch.distributed's once its process group is up (torch is never imported just to
-    ask), else the launcher's environment (``WORLD_SIZE``, ``SLURM_NTASKS``, ``OMPI_COMM_WORLD_SIZE``), else 1."""
-    distributed = getattr(sys.modules.get("torch"), "distributed", None)
-    if distributed is not None and distributed.is_available() and distributed.is_initialized():
-        return max(1, int(distributed.get_world_size()))
-    for name in ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
-        value = os.environ.get(name, "").strip()
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return 1
-
-
-# ---- the host's shared pacer state (/dev/shm) ------------------------------------------------------------------------
+# ---- the host's shared pacer state (optional: s3_node_sharing) -----------------------------------------------------
 #
-# Why: a per-process pacer learns from its own answers only (a rank of a large job sees few), and every process's
-# first burst goes out unpaced even after its neighbours were told to slow down. The processes of one job on one host
-# (the ranks of a node) therefore share one pacer state per endpoint and bucket: one token bucket per lane, whose
-# rate every rank's answers adapt, and whose first throttling answer wakes pacing in all of them.
-# How: a small file in `PACER_SHARED_DIR` (/dev/shm) per (user, job, endpoint, bucket), mmap'd, its state guarded
-# by a POSIX record lock on its first byte plus a thread lock (a record lock belongs to the process, not a thread).
-# It is created exclusively (`create_shared_file`: O_CREAT | O_EXCL | O_NOFOLLOW, mode 0600); another process opens
-# it with O_NOFOLLOW and checks with fstat that it is a regular file of this user with mode 0600
-# (`open_shared_file`); anything else (no /dev/shm, another owner, a link, a file that never gets initialised) is
-# logged once and the process keeps a pacer of its own. The file lists the pids using it (dead ones are pruned every
-# few seconds): their count is the lane's scale. Each user also holds a shared flock on the file: the last one to
-# leave (at exit) unlinks it, and one that finds nobody holding it (every user was killed) resets it to dormant. The
-# job is told apart by the launcher's environment (`_job_key`); a process outside any launcher keeps a pacer of its
-# own. A job whose processes were killed or left through os._exit (multiprocessing children skip exit handlers)
-# leaves its file (`_SharedPacerFile.SIZE`, 1,744 bytes, per job, endpoint and bucket) until the next job of the
-# same user on the host creates one: it removes every pacer file nobody holds (`_remove_unused_pacer_files`).
+# Inside a job, a process's pacer shares its lanes' state with the job's other processes on this host where
+# s3_node_sharing.py is installed (`s3_node_sharing.SharedPacerFile`, a small file in /dev/shm): a per-process pacer
+# learns from its own answers only, and its first burst goes out unpaced even after its neighbours were told to slow
+# down. Without that module (or with ``S3CKPT_PACER_SHARING=0``) each process paces on its own.
 
-PACER_SHARED_DIR = "/dev/shm"
-"""Where the shared pacer files live (a tmpfs every process of a host sees)."""
 PACER_SHARING_ENV = "S3CKPT_PACER_SHARING"
 """Set to ``0`` (or ``off``) to keep one pacer per process even inside a job."""
-_PACER_FILE_PREFIX = "s3ckpt-pacer-"
-_JOB_ENV_VARS = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _job_key() -> str | None:
-    """What tells this job apart from other jobs of the same user on the host: torchrun's run id, SLURM's job and step,
-    the rendezvous address and port (two live jobs cannot share one); None outside any launcher."""
-    values = [os.environ.get(name, "").strip() for name in _JOB_ENV_VARS]
-    return "|".join(values) if any(values) else None
+class PacerLaneState(NamedTuple):
+    """What a `PacerLane` keeps in its host's shared state (`SharedLaneStore`), loaded and stored under its lock."""
+
+    active: bool
+    rate: float
+    tokens: float
+    refilled_at: float
+    epoch: float
+    changed_at: float
+    streak: float
+    last_success: float
+    throttles: int
+    activations: int
+    sends: tuple[float, ...]
+    """Send times (oldest first), the newest 64."""
 
 
-def create_shared_file(path: str) -> int:
-    """Create `path` (a file other processes of this user on the host will open, in /dev/shm) for reading and
-    writing, failing if anything (a file, a link) is there already: O_CREAT | O_EXCL | O_NOFOLLOW, mode 0600."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # whatever the umask
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
+class SharedLaneStore(Protocol):
+    """The host-shared state behind the lanes of a `RequestPacer` (``s3_node_sharing.SharedPacerFile``)."""
+
+    processes: int
+    """The processes using the state, as of the last `locked` section."""
+
+    def locked(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def load(self, lane: int) -> PacerLaneState: ...
+
+    def store(self, lane: int, state: PacerLaneState) -> None: ...
+
+    def active_flag(self, lane: int) -> tuple[Any, int]: ...
+
+    def last_success(self, lane: int) -> float: ...
 
 
-def open_shared_file(path: str, flags: int = os.O_RDONLY, identity: tuple[int, int] | None = None) -> int:
-    """Open a file another process of this user made with `create_shared_file`, refusing a link (O_NOFOLLOW),
-    anything but a regular file of this user with mode 0600 (fstat), and with `identity` (its
-    ``(st_dev, st_ino)``) any other file; PermissionError names the path."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
-    found = os.fstat(fd)
-    if (
-        not stat.S_ISREG(found.st_mode)
-        or found.st_uid != os.geteuid()
-        or stat.S_IMODE(found.st_mode) != 0o600
-        or (identity is not None and (found.st_dev, found.st_ino) != identity)
-    ):
-        os.close(fd)
-        raise PermissionError(
-            f"{path} is not a file this user's processes created (owner {found.st_uid}, mode "
-            f"{stat.S_IMODE(found.st_mode):o}); remove it if it is stale"
-        )
-    return fd
-
-
-def _lock(fd: int) -> None:
-    """Take the pacer file's state lock: a POSIX record lock on its first byte (held by the process; its threads are
-    kept apart by `_SharedPacerFile`'s thread lock). The flock on the same file says who uses it."""
-    fcntl.lockf(fd, fcntl.LOCK_EX, 1, 0)
-
-
-def _unlock(fd: int) -> None:
-    fcntl.lockf(fd, fcntl.LOCK_UN, 1, 0)
-
-
-def _identity(found: os.stat_result) -> tuple[int, int]:
-    return found.st_dev, found.st_ino
-
-
-class _SharedPacerFile:
-    """One host's pacer state for one (job, endpoint, bucket): a header (magic, version, the processes using it) and
-    one block per lane, read and written under `locked`. Only a lane's ``active`` byte is read without the lock."""
-
-    MAGIC = b"S3CKPAC1"
-    VERSION = 1
-    HEADER = struct.Struct("<8sII d")  # magic, version, pid count, when the pids were last checked
-    PIDS = struct.Struct("<128i")
-    LANE = struct.Struct("<B7x 7d 2Q 2I 64d")
-    """active; rate, tokens, refilled_at, epoch, changed_at, streak, last_success; throttles, activations; the ring
-    of send times (next index, count) and its 64 times."""
-    HEADER_AT, PIDS_AT = 0, 32
-    LANES_AT = PIDS_AT + PIDS.size
-    SIZE = LANES_AT + 2 * LANE.size
-    PRUNE_EVERY_S = 5.0
-
-    def __init__(self, path: str, fd: int, mm: mmap.mmap) -> None:
-        self.path, self._fd, self._mm = path, fd, mm
-        self._thread_lock = threading.Lock()
-        self.processes = 1
-        """Processes using the file, as of the last `locked` section (the host lane's scale)."""
-        self.closed = False
-
-    @classmethod
-    def path_for(cls, key: str) -> str:
-        """The file of `key` (job, endpoint and bucket) for this user."""
-        digest = hashlib.sha256(key.encode()).hexdigest()[:24]
-        return os.path.join(PACER_SHARED_DIR, f"{_PACER_FILE_PREFIX}{os.geteuid()}-{digest}")
-
-    @classmethod
-    def attach(cls, key: str) -> _SharedPacerFile:
-        """Create or open the file for `key` and register this process in it; raises OSError on anything unsafe."""
-        if fcntl is None:
-            raise OSError("no fcntl on this platform")
-        if not os.path.isdir(PACER_SHARED_DIR):
-            raise FileNotFoundError(f"{PACER_SHARED_DIR} is not a directory")
-        path = cls.path_for(key)
-        for _ in range(20):  # a file unlinked by its last user while we opened it: open the new one
-            try:
-                fd = create_shared_file(path)
-                created = True
-            except FileExistsError:
-                fd = open_shared_file(path, os.O_RDWR)
-                created = False
-            try:
-                shared = cls._open(path, fd, created)
-            except BaseException:
-                os.close(fd)
-                raise
-            if shared is not None:
-                if created:  # a new job on this host: a good time to remove what killed or exited ones left
-                    _remove_unused_pacer_files(skip=path)
-                return shared
-            os.close(fd)
-        raise OSError(f"{path} kept being replaced while this process opened it")
-
-    @classmethod
-    def _open(cls, path: str, fd: int, created: bool) -> _SharedPacerFile | None:
-        if created:
-            _lock(fd)
-            os.ftruncate(fd, cls.SIZE)
-        else:
-            deadline = time.monotonic() + 2.0
-            while True:  # the creator initialises the file under the lock, right after creating it
-                _lock(fd)
-                found = os.fstat(fd)
-                if found.st_nlink == 0:
-                    _unlock(fd)
-                    return None  # its last user unlinked it: start over
-                if found.st_size == cls.SIZE and os.pread(fd, len(cls.MAGIC), 0) == cls.MAGIC:
-                    break
-                _unlock(fd)
-                if time.monotonic() > deadline:
-                    raise OSError(f"{path} is not a pacer file of this version (size {found.st_size})")
-                time.sleep(0.01)
-        try:
-            mm = mmap.mmap(fd, cls.SIZE)
-            shared = cls(path, fd, mm)
-            try:  # the flock says "in use"; the state lock (lockf) is another kind of lock on the same file
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                alone = True  # nobody uses it: new, or left by killed processes: start dormant
-            except BlockingIOError:
-                alone = False
-            if alone:
-                mm[:] = bytes(cls.SIZE)
-                cls.HEADER.pack_into(mm, cls.HEADER_AT, cls.MAGIC, cls.VERSION, 0, 0.0)
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            if not shared._register(os.getpid()):
-                raise OSError(f"{path} has no room for another process")
-        finally:
-            _unlock(fd)
-        return shared
-
-    def _pids(self) -> list[int]:
-        return list(self.PIDS.unpack_from(self._mm, self.PIDS_AT))
-
-    def _register(self, pid: int) -> bool:
-        pids = self._pids()
-        if pid not in pids:
-            if 0 not in pids:
-                self._prune(pids)
-            if 0 not in pids:
-                return False
-            pids[pids.index(0)] = pid
-            self.PIDS.pack_into(self._mm, self.PIDS_AT, *pids)
-        self._count(pids, time.monotonic())
-        return True
-
-    def _prune(self, pids: list[int]) -> None:
-        for n, pid in enumerate(pids):
-            if pid:
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    pids[n] = 0
-                except OSError:
-                    pass  # alive, someone else's (cannot happen for a 0600 file; kept as alive)
-        self.PIDS.pack_into(self._mm, self.PIDS_AT, *pids)
-
-    def _count(self, pids: list[int], now: float) -> None:
-        magic, version, _, _ = self.HEADER.unpack_from(self._mm, self.HEADER_AT)
-        self.processes = max(1, sum(1 for pid in pids if pid))
-        self.HEADER.pack_into(self._mm, self.HEADER_AT, magic, version, self.processes, now)
-
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        """Hold the state: this process's threads, then the host's processes; refresh the process count."""
-        with self._thread_lock:
-            _lock(self._fd)
-            try:
-                _, _, processes, checked = self.HEADER.unpack_from(self._mm, self.HEADER_AT)
-                now = time.monotonic()
-                if now - checked > self.PRUNE_EVERY_S:
-                    pids = self._pids()
-                    self._prune(pids)
-                    self._count(pids, now)
-                else:
-                    self.processes = max(1, processes)
-                yield
-            finally:
-                _unlock(self._fd)
-
-    def is_active(self, lane: int) -> bool:
-        """The lane's ``active`` byte, read without any lock (the whole cost of a dormant lane)."""
-        return self._mm[self.LANES_AT + lane * self.LANE.size] != 0
-
-    def last_success(self, lane: int) -> float:
-        """The host's last success through the lane (no lock: a stale value only delays giving up)."""
-        (value,) = struct.unpack_from("<d", self._mm, self.LANES_AT + lane * self.LANE.size + 8 + 6 * 8)
-        return value
-
-    def load(self, lane: int) -> tuple[Any, ...]:
-        return self.LANE.unpack_from(self._mm, self.LANES_AT + lane * self.LANE.size)
-
-    def store(self, lane: int, values: Iterable[Any]) -> None:
-        self.LANE.pack_into(self._mm, self.LANES_AT + lane * self.LANE.size, *values)
-
-    def close(self) -> None:
-        """Leave: take this process out, and unlink the file if no other process uses it."""
-        if self.closed or fcntl is None:
-            return
-        self.closed = True
-        with self._thread_lock:
-            try:
-                _lock(self._fd)
-                pids = self._pids()
-                if os.getpid() in pids:
-                    pids[pids.index(os.getpid())] = 0
-                    self.PIDS.pack_into(self._mm, self.PIDS_AT, *pids)
-                    self._count(pids, time.monotonic())
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
-                try:
-                    fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    pass  # others still use it
-                else:
-                    with contextlib.suppress(OSError):
-                        if _identity(os.stat(self.path, follow_symlinks=False)) == _identity(os.fstat(self._fd)):
-                            os.unlink(self.path)
-            except (OSError, ValueError):
-                pass
-            finally:
-                with contextlib.suppress(OSError, ValueError):
-                    self._mm.close()
-                with contextlib.suppress(OSError):
-                    os.close(self._fd)  # releases both locks
-
-
-def remove_unheld_shared_files(
-    directory: str, prefix: str, keep: Callable[[os.stat_result], bool], *, record_lock: bool = False
-) -> list[str]:
-    """Unlink this user's regular files named `prefix`... in `directory` that no process uses and `keep` does not
-    keep; returns their paths. Every user of such a file holds a flock on it (a shared one), so a file whose
-    exclusive flock can be taken is one that killed processes, or processes that skipped their exit handlers, left.
-    With `record_lock`, its POSIX record lock must be free too (held while a file is set up). Links, other users'
-    files and a file replaced between the look and the open are left alone."""
-    removed: list[str] = []
-    if fcntl is None:
-        return removed
-    try:
-        entries = [entry for entry in os.scandir(directory) if entry.name.startswith(prefix)]
-    except OSError:
-        return removed
-    for entry in entries:
-        try:
-            seen = entry.stat(follow_symlinks=False)
-            if not stat.S_ISREG(seen.st_mode) or seen.st_uid != os.geteuid() or keep(seen):
-                continue
-            fd = os.open(entry.path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            if _identity(os.fstat(fd)) == _identity(seen):
-                if record_lock:
-                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while any process uses it
-                os.unlink(entry.path)
-                removed.append(entry.path)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return removed
-
-
-def _remove_unused_pacer_files(skip: str) -> list[str]:
-    """Unlink this user's pacer files in `PACER_SHARED_DIR` that no process uses: those of jobs whose processes were
-    killed or left through ``os._exit`` (multiprocessing's children do), which skip the exit handler that removes
-    them. `skip` and the files this process has open are left alone (closing another descriptor of one would drop
-    this process's record lock on it)."""
-    ours = {_identity(os.fstat(f._fd)) for f in _shared_pacer_files.values() if f is not None and not f.closed}
-    removed = remove_unheld_shared_files(
-        PACER_SHARED_DIR,
-        _PACER_FILE_PREFIX,
-        lambda seen: _identity(seen) in ours or _identity(seen) == _path_identity(skip),
-        record_lock=True,  # not while someone sets it up
-    )
-    if removed:
-        logger.info(
-            "Removed %d unused S3 request pacer file(s) of finished jobs from %s", len(removed), PACER_SHARED_DIR
-        )
-    return removed
-
-
-def _path_identity(path: str) -> tuple[int, int] | None:
-    try:
-        return _identity(os.stat(path, follow_symlinks=False))
-    except OSError:
+def _shared_pacer_state(endpoint_url: str | None, bucket: str) -> SharedLaneStore | None:
+    """The host's shared state for this job's pacer of `bucket` at `endpoint_url`; None (a pacer of this process's
+    own) outside a job, where sharing is switched off, or without s3_node_sharing (`node_sharing` says so once)."""
+    if os.environ.get(PACER_SHARING_ENV, "").strip().lower() in ("0", "off", "false", "no") or job_key() is None:
         return None
-
-
-_shared_pacer_files: dict[tuple[int, str], _SharedPacerFile | None] = {}
-_shared_pacer_problems: set[str] = set()
-
-
-def _shared_pacer_key(endpoint_url: str | None, bucket: str) -> str | None:
-    job = _job_key()
-    return None if job is None else f"{job}\n{endpoint_url or ''}\n{bucket}"
-
-
-def _shared_pacer_file(endpoint_url: str | None, bucket: str) -> _SharedPacerFile | None:
-    """This process's handle on its host's shared pacer state for the job, endpoint and bucket; None (with one log
-    line per kind of problem) where there is no job, sharing is off, or the file cannot be used safely."""
-    if os.environ.get(PACER_SHARING_ENV, "").strip().lower() in ("0", "off", "false", "no"):
-        return None
-    key = _shared_pacer_key(endpoint_url, bucket)
-    if key is None:
-        return None
-    cache_key = (os.getpid(), key)
-    if cache_key in _shared_pacer_files:
-        return _shared_pacer_files[cache_key]
-    try:
-        shared: _SharedPacerFile | None = _SharedPacerFile.attach(key)
-    except (OSError, ValueError) as exc:
-        shared = None
-        problem = f"{type(exc).__name__}: {exc}"
-        if problem not in _shared_pacer_problems:
-            _shared_pacer_problems.add(problem)
-            logger.warning(
-                "S3 request pacing for s3://%s: this process paces on its own, not with the other processes of the "
-                "job on this host (%s); nothing to do unless S3 throttles this job",
-                bucket,
-                problem,
-            )
-    _shared_pacer_files[cache_key] = shared
-    return shared
-
-
-@atexit.register
-def _leave_shared_pacer_files() -> None:
-    for (pid, _), shared in list(_shared_pacer_files.items()):
-        if shared is not None and pid == os.getpid():
-            shared.close()
+    sharing = node_sharing()
+    return None if sharing is None else sharing.shared_pacer_file(endpoint_url, bucket)
 
 
 class PacerLane:
@@ -778,12 +588,12 @@ class PacerLane:
     per second of successes, the same for every process (which is what makes processes converge to equal shares).
     It never goes under `MIN_RATE`.
 
-    Shared by the processes of a job on one host (``shared``, see `_SharedPacerFile`), the lane's state lives in
-    /dev/shm and stands for all of them (`processes`, n): its rate is the host's, the first throttling answer any of
-    them gets wakes it for all, and every answer adapts it. It behaves as n per-process lanes in lock step that pool
-    what they learn: the floor, `CATCH_UP` and the budget share are n times a process's, a success adds 1/n to the
-    run of successes, and the growth step is the per-process one at the rate per process (``0.1 / sqrt(rate * n)``).
-    A dormant shared lane costs one unlocked read of a byte in the mapping per request.
+    Shared by the processes of a job on one host (``shared``, a `SharedLaneStore`: ``s3_node_sharing``), the lane's
+    state lives in /dev/shm and stands for all of them (`processes`, n): its rate is the host's, the first throttling
+    answer any of them gets wakes it for all, and every answer adapts it. It behaves as n per-process lanes in lock
+    step that pool what they learn: the floor, `CATCH_UP` and the budget share are n times a process's, a success
+    adds 1/n to the run of successes, and the growth step is the per-process one at the rate per process
+    (``0.1 / sqrt(rate * n)``). A dormant shared lane costs one unlocked read of a byte in the mapping per request.
 
     The arithmetic takes the time as an argument (`reserve`, `on_success`, `on_throttle`), so it can be tested with
     a made-up clock; `acquire` is the blocking wrapper the retry loop uses.
@@ -806,14 +616,14 @@ class PacerLane:
         self,
         name: str,
         limit: Callable[[], float | None] | None = None,
-        shared: _SharedPacerFile | None = None,
+        shared: SharedLaneStore | None = None,
         index: int = 0,
     ) -> None:
         self.name = name
         self._limit = limit
         self._shared = shared
         self._index = index
-        self._flag = (shared._mm, shared.LANES_AT + index * shared.LANE.size) if shared is not None else None
+        self._flag = shared.active_flag(index) if shared is not None else None
         """A shared lane's ``active`` byte (mapping, offset): the dormant path's one read."""
         self._cond = threading.Condition(threading.Lock())
         self._active = False
@@ -861,9 +671,8 @@ class PacerLane:
 
     @property
     def active(self) -> bool:
-        if self._shared is not None:
-            return self._shared.is_active(self._index)
-        return self._active
+        flag = self._flag
+        return self._active if flag is None else flag[0][flag[1]] != 0
 
     @property
     def rate(self) -> float:
@@ -896,25 +705,21 @@ class PacerLane:
                 yield
                 self._store(shared)
 
-    def _load(self, shared: _SharedPacerFile) -> None:
-        values = shared.load(self._index)
-        active, self._rate, self._tokens, self._refilled_at, self._epoch, self._changed_at, self._streak = values[:7]
-        self._host_last_success, self._host_throttles, self._host_activations, _, count = values[7:12]
-        self._active = bool(active)
-        if not self._active:
-            self._rate = math.inf
-        self._sends = collections.deque(values[12 : 12 + count], maxlen=64)
+    def _load(self, shared: SharedLaneStore) -> None:
+        state = shared.load(self._index)
+        self._active = state.active
+        self._rate = state.rate if state.active else math.inf
+        self._tokens, self._refilled_at, self._epoch, self._changed_at, self._streak = state[2:7]
+        self._host_last_success, self._host_throttles, self._host_activations = state[7:10]
+        self._sends = collections.deque(state.sends, maxlen=64)
         self._processes = shared.processes
 
-    def _store(self, shared: _SharedPacerFile) -> None:
-        sends = list(self._sends)
-        ring = sends + [0.0] * (64 - len(sends))
-        rate = self._rate if math.isfinite(self._rate) else 0.0
+    def _store(self, shared: SharedLaneStore) -> None:
         shared.store(
             self._index,
-            (
+            PacerLaneState(
                 self._active,
-                rate,
+                self._rate,
                 self._tokens,
                 self._refilled_at,
                 self._epoch,
@@ -923,9 +728,7 @@ class PacerLane:
                 self._host_last_success,
                 self._host_throttles,
                 self._host_activations,
-                0,
-                len(sends),
-                *ring,
+                tuple(self._sends),
             ),
         )
 
@@ -1081,13 +884,13 @@ _WRITE_OPERATIONS = frozenset(
 class RequestPacer:
     """The request pacer of one process for one bucket on one endpoint: a `PacerLane` for writes and one for reads,
     shared by every thread and `S3Utils` of the process (`request_pacer`), and, inside a job, by the job's other
-    processes on this host (``shared``: the lanes' state lives in /dev/shm, see `_SharedPacerFile`).
+    processes on this host (``shared``: the lanes' state lives in /dev/shm, see `SharedLaneStore`).
 
     Separate lanes because S3's limits are separate (3,500 writes and 5,500 reads per second per prefix): a save
     throttled on its PUTs must not slow the job's loads, nor a resume storm of GETs its saves.
     """
 
-    def __init__(self, endpoint_url: str | None, bucket: str, shared: _SharedPacerFile | None = None) -> None:
+    def __init__(self, endpoint_url: str | None, bucket: str, shared: SharedLaneStore | None = None) -> None:
         self.endpoint_url = endpoint_url
         self.bucket = bucket
         self._budget: RequestRates | None = None
@@ -1130,7 +933,7 @@ class RequestPacer:
         checked, world = self._world
         now = time.monotonic()
         if now - checked > 5.0:
-            world = _world_size()
+            world = world_size()
             self._world = (now, world)
         return rate / world
 
@@ -1148,7 +951,7 @@ _pacers_lock = threading.Lock()
 
 def request_pacer(endpoint_url: str | None, bucket: str) -> RequestPacer:
     """The process's `RequestPacer` for `bucket` at `endpoint_url` (None: AWS), made on first use: shared with the
-    job's other processes on this host where it can be (`_shared_pacer_file`). Pacers are kept per process id, so a
+    job's other processes on this host where it can be (`_shared_pacer_state`). Pacers are kept per process id, so a
     forked child starts with its own, dormant ones."""
     key = (os.getpid(), endpoint_url, bucket)
     pacer = _pacers.get(key)
@@ -1156,7 +959,7 @@ def request_pacer(endpoint_url: str | None, bucket: str) -> RequestPacer:
         with _pacers_lock:
             pacer = _pacers.get(key)
             if pacer is None:
-                pacer = _pacers[key] = RequestPacer(endpoint_url, bucket, _shared_pacer_file(endpoint_url, bucket))
+                pacer = _pacers[key] = RequestPacer(endpoint_url, bucket, _shared_pacer_state(endpoint_url, bucket))
     return pacer
 
 

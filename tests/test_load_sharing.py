@@ -26,6 +26,7 @@ from fault_proxy import Fault, FaultProxy, FaultRule
 from s3_servers import S3Endpoint, free_port, rank_environment, skip_unless_multirank_backend
 
 import s3_checkpoint_io
+import s3_node_sharing
 from s3_checkpoint_io import S3CheckpointIO
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,7 +38,7 @@ JOB_TIMEOUT_S = 240
 
 
 def shared_files() -> set[str]:
-    return set(glob.glob(os.path.join(s3_checkpoint_io.SHARED_FILE_DIR, "s3ckpt-load-*")))
+    return set(glob.glob(os.path.join(s3_node_sharing.SHARED_FILE_DIR, "s3ckpt-load-*")))
 
 
 def start_ranks(
@@ -228,7 +229,7 @@ def test_explicit_collective_loads_and_downloader_failures(
         {"name": "job", "sharing": "job", "url": urls["job"]},
         {"name": "no-shm", "sharing": "node", "url": urls["no-shm"], "shared_dir": str(tmp_path / "missing")},
     ]
-    stale = os.path.join(s3_checkpoint_io.SHARED_FILE_DIR, f"s3ckpt-load-deadjob-{os.getpid()}-node0-x.data")
+    stale = os.path.join(s3_node_sharing.SHARED_FILE_DIR, f"s3ckpt-load-deadjob-{os.getpid()}-node0-x.data")
     os.close(os.open(stale, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
     before = shared_files()
@@ -366,7 +367,7 @@ def test_stale_shared_files_removed_only_when_dead(tmp_path: Path) -> None:
     holder = os.open(held, os.O_RDONLY)
     try:
         fcntl.flock(holder, fcntl.LOCK_SH)  # a live load holds its files
-        removed = s3_checkpoint_io._remove_stale_shared_files(str(tmp_path))
+        removed = s3_node_sharing._remove_stale_shared_files(str(tmp_path))
     finally:
         os.close(holder)
     assert removed == [str(dead)]

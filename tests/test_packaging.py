@@ -1,13 +1,15 @@
-"""Packaging promises: no hard dependencies at import time, clear errors for missing extras, and the five core
-modules working unedited when copied into a package folder of a NeMo fork."""
+"""Packaging promises: no hard dependencies at import time, clear errors for missing extras, and the core modules
+(with or without the optional siblings s3_dcp and s3_node_sharing) working unedited when copied into a NeMo fork."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ from optional_imports import CORE_OPTIONAL_MODULES, HIDE_PREAMBLE, LIGHTNING_MOD
 from optional_imports import extras as optional_dependencies
 
 REPO = Path(__file__).resolve().parent.parent
-CORE_MODULES = ["s3_dirpath_utils", "s3_utils", "s3_checkpoint_io", "s3_dcp", "connector"]
+CORE_MODULES = ["s3_dirpath_utils", "s3_utils", "s3_checkpoint_io", "s3_dcp", "s3_node_sharing", "connector"]
 
 
 def run_python(code: str, *, hidden: tuple[str, ...] = (), cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
@@ -30,7 +32,7 @@ def test_core_modules_import_with_every_extra_hidden() -> None:
     hidden = CORE_OPTIONAL_MODULES
     result = run_python(
         """
-        import s3_dirpath_utils, s3_utils, s3_checkpoint_io, s3_dcp, connector
+        import s3_dirpath_utils, s3_utils, s3_checkpoint_io, s3_dcp, s3_node_sharing, connector
         assert s3_dirpath_utils.parse_s3_url("s3://bucket/key") == ("bucket", "key")
         print("ok")
         """,
@@ -132,6 +134,7 @@ def test_core_modules_work_copied_into_a_package_folder(tmp_path: Path) -> None:
         assert "s3_utils" not in sys.modules and "s3_dirpath_utils" not in sys.modules, "imported the top-level copies"
         assert utils._urls.__name__ == "nemo_fork.utils.s3_dirpath_utils"
         assert connector._s3_dcp().__name__ == "nemo_fork.utils.s3_dcp"  # DCP features light up with the fifth file
+        assert utils.node_sharing().__name__ == "nemo_fork.utils.s3_node_sharing"  # and host sharing with the sixth
         assert utils.S3Utils.parse_s3_url("s3://bucket/a/b.ckpt") == ("bucket", "a/b.ckpt")
         print("ok")
         """,
@@ -266,3 +269,101 @@ def test_connector_spells_the_dcp_file_names_as_s3_dcp_does() -> None:
     assert connector._s3_dcp() is s3_dcp
     names = ("METADATA_NAME", "DCP_SHARD_SUFFIX", "ITEM_CHECKSUMS_NAME", "LIGHTNING_META_NAME")
     assert [getattr(connector, f"_{name}") for name in names] == [getattr(s3_dcp, name) for name in names]
+
+
+FORK_RANK = """
+import importlib, json, logging, sys
+sys.path = [p for p in sys.path if p not in ("", {repo!r})]
+sys.path[:0] = [{package_root!r}, {flat!r}]
+sys.meta_path = [finder for finder in sys.meta_path if not finder.__module__.startswith("__editable__")]
+logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+report = {{}}
+for layout, package, folder in (("package", "nemo_fork.utils.", {package_folder!r}), ("top-level", "", {flat!r})):
+    s3_checkpoint_io = importlib.import_module(package + "s3_checkpoint_io")
+    assert s3_checkpoint_io.__file__.startswith(folder), s3_checkpoint_io.__file__
+    url = {url!r} + "/" + layout
+    plugin = s3_checkpoint_io.S3CheckpointIO(url, chunk_size_MB=5)  # load_sharing="node", the default
+    state = {{"w": torch.arange(10.0) + rank, "global_step": 3}}
+    plugin.save_checkpoint(state, f"{{url}}/rank{{rank}}/m-step=3.ckpt")
+    dist.barrier()
+    with plugin.collective_load():  # what the connector's resume does: every rank loads rank 0's checkpoint
+        loaded = plugin.load_checkpoint(f"{{url}}/rank0/m-step=3.ckpt")
+    assert torch.equal(loaded["w"], torch.arange(10.0)) and loaded["global_step"] == 3
+    plugin.teardown()
+    s3_utils = importlib.import_module(package + "s3_utils")
+    report[layout] = {{
+        "sharing_module": getattr(s3_utils.node_sharing(), "__file__", None),
+        "pacer_shared": s3_utils.request_pacer(None, "fork-bucket").shared,
+        "load_verified_here": plugin.records[-1].checksum is not None,  # a shared load maps the node's copy (None)
+    }}
+print(json.dumps(report), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("with_node_sharing", [False, True], ids=["four-files", "with-s3_node_sharing"])
+def test_a_two_rank_job_of_the_four_core_files_works_and_warns_once_that_host_sharing_is_missing(
+    bucket: str, s3_server: Any, tmp_path: Path, with_node_sharing: bool
+) -> None:
+    """Two real ranks (gloo, torchrun's environment) of a fork that copied the four core files, as a package and as
+    top-level modules: each saves, then all load rank 0's checkpoint collectively. Without s3_node_sharing.py each
+    rank paces on its own and downloads for itself, and says once (per copy of s3_utils) what is missing and what to
+    copy; with it beside them, the pacer is the host's, the load is shared, and nothing is said."""
+    from s3_servers import rank_environment, skip_unless_multirank_backend
+
+    skip_unless_multirank_backend(s3_server)
+    package_folder, flat = tmp_path / "nemo_fork" / "utils", tmp_path / "flat"
+    modules = FOUR_CORE_FILES + (["s3_node_sharing"] if with_node_sharing else [])
+    for folder in (package_folder, flat):
+        folder.mkdir(parents=True)
+        for module in modules:
+            shutil.copy(REPO / f"{module}.py", folder / f"{module}.py")
+    for init in (tmp_path / "nemo_fork", package_folder):
+        (init / "__init__.py").write_text("")
+    code = FORK_RANK.format(
+        repo=str(REPO),
+        package_root=str(tmp_path),
+        flat=str(flat),
+        package_folder=str(package_folder),
+        url=f"s3://{bucket}/fork",
+    )
+    base = rank_environment(s3_server, os.environ["AWS_ENDPOINT_URL_S3"], WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    base.update(PYTHONPATH="", TORCHELASTIC_RUN_ID=f"fork-{uuid.uuid4().hex}")
+    base.pop("S3CKPT_PACER_SHARING", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"},
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [proc.communicate(timeout=240) for proc in procs]
+    for rank, (proc, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank}: {err}"
+        report = json.loads(out.strip().splitlines()[-1])
+        warnings = [line for line in err.splitlines() if "s3_node_sharing.py is not beside s3_utils.py" in line]
+        for layout, folder in (("package", package_folder), ("top-level", flat)):
+            seen = report[layout]
+            if with_node_sharing:
+                assert seen["sharing_module"] == str(folder / "s3_node_sharing.py"), seen
+                assert seen["pacer_shared"] and not seen["load_verified_here"], (rank, seen)
+            else:
+                assert seen == {"sharing_module": None, "pacer_shared": False, "load_verified_here": True}, seen
+        if with_node_sharing:
+            assert warnings == [], err
+            continue
+        assert len(warnings) == 2, err  # once per process and copy of s3_utils: the package's and the top-level one
+        for warning, folder in zip(warnings, (package_folder, flat), strict=True):
+            assert "WARNING" in warning and "This job has 2 processes" in warning and f"in {folder}:" in warning
+            assert "each process paces its S3 requests on its own" in warning
+            assert "every rank downloads the checkpoints it loads" in warning
+            assert "Copy s3_node_sharing.py" in warning

@@ -30,6 +30,7 @@ from fault_proxy import FaultProxy, RateLimit, TokenBucket
 from s3_servers import S3Endpoint, rank_environment, skip_unless_multirank_backend
 
 import s3_checkpoint_cli as cli
+import s3_node_sharing
 import s3_utils
 from s3_utils import (
     PacerLane,
@@ -236,10 +237,10 @@ def test_a_budget_keeps_a_process_under_the_store_limit(fault_proxy: FaultProxy,
 
 PACER_PROCESS = r"""
 import json, os, sys, time
-import s3_utils
+import s3_node_sharing, s3_utils
 pacer = s3_utils.request_pacer("http://pacer-test.invalid", "bucket")
 lane = pacer.writes
-shared = next(iter(s3_utils._shared_pacer_files.values()), None)
+shared = next(iter(s3_node_sharing._shared_pacer_files.values()), None)
 print(json.dumps({"shared": pacer.shared, "path": shared and shared.path}), flush=True)
 for line in sys.stdin:
     command, *args = line.split()
@@ -299,7 +300,7 @@ def test_a_jobs_processes_on_a_host_share_one_pacer() -> None:
         assert first.hello["shared"] and first.hello["path"] == second.hello["path"] != other_job.hello["path"]
         found = os.stat(first.hello["path"], follow_symlinks=False)
         assert stat.S_ISREG(found.st_mode) and stat.S_IMODE(found.st_mode) == 0o600 and found.st_uid == os.geteuid()
-        assert found.st_size == s3_utils._SharedPacerFile.SIZE
+        assert found.st_size == s3_node_sharing.SharedPacerFile.SIZE
         assert os.path.exists(first.hello["path"])  # another job's new file removed only unused ones
 
         dormant = second("send 200")  # nothing throttled yet: nothing waits, in either process
@@ -324,33 +325,33 @@ def test_a_jobs_processes_on_a_host_share_one_pacer() -> None:
 @pytest.fixture
 def pacer_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Shared pacer files in `tmp_path` (not /dev/shm), for a job of this process's own."""
-    monkeypatch.setattr(s3_utils, "PACER_SHARED_DIR", str(tmp_path))
-    monkeypatch.setattr(s3_utils, "_shared_pacer_files", {})
-    monkeypatch.setattr(s3_utils, "_shared_pacer_problems", set())
+    monkeypatch.setattr(s3_node_sharing, "PACER_SHARED_DIR", str(tmp_path))
+    monkeypatch.setattr(s3_node_sharing, "_shared_pacer_files", {})
+    monkeypatch.setattr(s3_node_sharing, "_shared_pacer_problems", set())
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"test-{uuid.uuid4().hex}")
     monkeypatch.delenv("S3CKPT_PACER_SHARING", raising=False)
     return tmp_path
 
 
 def pacer_path(bucket: str) -> str:
-    key = s3_utils._shared_pacer_key(None, bucket)
+    key = s3_node_sharing._shared_pacer_key(None, bucket)
     assert key is not None
-    return s3_utils._SharedPacerFile.path_for(key)
+    return s3_node_sharing.SharedPacerFile.path_for(key)
 
 
 def test_the_shared_pacer_file_is_created_exclusively_with_mode_0600(pacer_dir: Path) -> None:
     leftover = str(pacer_dir / "s3ckpt-pacer-0-left-by-a-killed-job")
-    os.close(s3_utils.create_shared_file(leftover))  # nobody holds it
+    os.close(s3_node_sharing.create_shared_file(leftover))  # nobody holds it
     old = os.umask(0o277)  # a umask that takes even the owner's write bit: the file is still 0600
     try:
-        shared = s3_utils._shared_pacer_file(None, "bucket")
+        shared = s3_node_sharing.shared_pacer_file(None, "bucket")
     finally:
         os.umask(old)
     assert shared is not None and shared.path == pacer_path("bucket")
     try:
         assert stat.S_IMODE(os.stat(shared.path).st_mode) == 0o600
         with pytest.raises(FileExistsError):
-            s3_utils.create_shared_file(shared.path)  # O_EXCL: nobody creates it twice
+            s3_node_sharing.create_shared_file(shared.path)  # O_EXCL: nobody creates it twice
         assert RequestPacer(None, "bucket", shared).shared
         assert not os.path.exists(leftover)  # a new job's file: unused ones of finished jobs are removed
     finally:
@@ -359,9 +360,9 @@ def test_the_shared_pacer_file_is_created_exclusively_with_mode_0600(pacer_dir: 
 
 
 def _refused(bucket: str, caplog: pytest.LogCaptureFixture) -> str:
-    with caplog.at_level("WARNING", logger="s3_utils"):
-        assert s3_utils._shared_pacer_file(None, bucket) is None
-        assert s3_utils._shared_pacer_file(None, bucket) is None  # asked again: one warning
+    with caplog.at_level("WARNING", logger="s3_node_sharing"):
+        assert s3_node_sharing.shared_pacer_file(None, bucket) is None
+        assert s3_node_sharing.shared_pacer_file(None, bucket) is None  # asked again: one warning
     warnings = [r.getMessage() for r in caplog.records if "paces on its own" in r.getMessage()]
     assert len(warnings) == 1, warnings
     caplog.clear()
@@ -378,13 +379,13 @@ def test_a_link_or_a_file_not_ours_is_refused_and_the_process_paces_alone(
     assert target.read_bytes() == b""  # never written through the link
 
     readable = pacer_path("readable")
-    Path(readable).write_bytes(bytes(s3_utils._SharedPacerFile.SIZE))
+    Path(readable).write_bytes(bytes(s3_node_sharing.SharedPacerFile.SIZE))
     os.chmod(readable, 0o644)
     assert "mode 644" in _refused("readable", caplog)
 
     if os.geteuid() == 0:  # only root can make a file someone else owns
         foreign = pacer_path("foreign")
-        fd = s3_utils.create_shared_file(foreign)
+        fd = s3_node_sharing.create_shared_file(foreign)
         os.fchown(fd, 65534, 65534)
         os.close(fd)
         assert "owner 65534" in _refused("foreign", caplog)
@@ -397,15 +398,15 @@ def test_a_link_or_a_file_not_ours_is_refused_and_the_process_paces_alone(
 def test_without_dev_shm_or_a_job_each_process_paces_alone(
     pacer_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(s3_utils, "PACER_SHARED_DIR", str(pacer_dir / "missing"))
+    monkeypatch.setattr(s3_node_sharing, "PACER_SHARED_DIR", str(pacer_dir / "missing"))
     assert "not a directory" in _refused("bucket", caplog)
-    monkeypatch.setattr(s3_utils, "PACER_SHARED_DIR", str(pacer_dir))
-    for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "MASTER_ADDR", "MASTER_PORT"):
+    monkeypatch.setattr(s3_node_sharing, "PACER_SHARED_DIR", str(pacer_dir))
+    for name in s3_utils.LAUNCHER_ENV_VARS["job"]:
         monkeypatch.delenv(name, raising=False)
-    assert s3_utils._shared_pacer_file(None, "no-job") is None  # no launcher: nothing to share, nothing said
+    assert s3_node_sharing.shared_pacer_file(None, "no-job") is None  # no launcher: nothing to share, nothing said
     monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setenv("S3CKPT_PACER_SHARING", "0")
-    assert s3_utils._shared_pacer_file(None, "switched-off") is None
+    assert not s3_utils.request_pacer(None, "switched-off").shared  # S3CKPT_PACER_SHARING=0: never asks for a file
     assert list(pacer_dir.iterdir()) == []
 
 

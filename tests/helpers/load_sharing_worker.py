@@ -104,7 +104,7 @@ def run_load(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> Non
     [, "shared_dir"]}``) in turn, in one process group: the ranks that fail report why and go on to the next one."""
     import torch.distributed as dist
 
-    import s3_checkpoint_io
+    import s3_node_sharing
 
     scenarios = json.loads(args.scenarios) if args.scenarios else [{"name": "load", "sharing": args.sharing}]
     counters = {"gets": 0, "bytes": 0}
@@ -113,7 +113,7 @@ def run_load(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> Non
     report["scenarios"] = {}
     for scenario in scenarios:
         io = make_io(args, rank, scenario["sharing"], scenario.get("endpoint"))
-        s3_checkpoint_io.SHARED_FILE_DIR = scenario.get("shared_dir", "/dev/shm")
+        s3_node_sharing.SHARED_FILE_DIR = scenario.get("shared_dir", "/dev/shm")
         url = scenario.get("url", args.url)
         solo_rank = scenario.get("solo_rank")
         outcome: dict[str, Any] = {}
