@@ -2,7 +2,7 @@
 a User-Agent that names this package, errors that carry S3's request ids, retries of replies that cannot be parsed.
 
 Against the real servers of the suite (moto, SeaweedFS); what each store does with each option is pinned in
-`OPTION_BEHAVIOUR` and documented in README.md ("Production request options").
+`OPTION_BEHAVIOUR` and documented in docs/s3.md ("Production request options").
 """
 
 from __future__ import annotations
