@@ -378,13 +378,14 @@ def _retry_policy(args: argparse.Namespace) -> _s3.RetryPolicy | None:
 
 
 def _make_s3(args: argparse.Namespace) -> _s3.S3Utils:
-    settings = _s3.S3ClientSettings(
+    return _s3.S3Utils.from_arguments(
         endpoint_url=args.endpoint_url,
         region_name=args.region,
+        retry_policy=_retry_policy(args),
         request_options=_request_options(args),
         max_requests_per_second=getattr(args, "max_requests_per_second", None),
+        caller=PROG,
     )
-    return _s3.S3Utils(settings, _retry_policy(args))
 
 
 def _request_options(args: argparse.Namespace) -> _s3.S3RequestOptions | None:

@@ -23,8 +23,8 @@ from s3_utils import (
     RetryPolicy,
     S3ClientSettings,
     S3Utils,
-    _checksum_of,
     _ChecksumRecords,
+    checksum_of,
     forget_s3fs_instances,
     fresh_s3fs_instances,
     invalidate_fsspec_cache,
@@ -62,8 +62,8 @@ def test_recorded_checksum_names_what_a_download_is_verified_against(bucket: str
         assert downloaded.read_all() == data
         verified = downloaded.verified_against
     assert verified is not None and verified.algorithm == recorded.algorithm
-    algorithm = s3_utils._checksum_algorithm(verified.algorithm)
-    assert verified.value == algorithm.encode(_checksum_of(algorithm, data))  # the record matches the bytes
+    algorithm = s3_utils.ChecksumAlgorithm.named(verified.algorithm)
+    assert verified.value == algorithm.encode(checksum_of(algorithm, data))  # the record matches the bytes
     # the download verified against the record recorded_checksum names, or (a store that reports a checksum it never
     # checked, as moto does for multipart uploads) against the sidecar this package wrote for that store
     assert verified == recorded or (recorded.source, verified.source) == ("s3", "sidecar")
@@ -76,7 +76,7 @@ def test_a_sidecar_record_is_reported_and_verified(s3_client, bucket: str) -> No
     s3_client.put_object(Bucket=bucket, Key="side", Body=data)
     info = utils.head_object(f"s3://{bucket}/side")
     bare = s3_utils.S3ObjectInfo(info.bucket, info.key, info.size, info.etag)  # as if the store reported no checksum
-    algorithm = s3_utils._checksum_algorithm("CRC32")
+    algorithm = s3_utils.ChecksumAlgorithm.named("CRC32")
     value = algorithm.encode(algorithm.update(data, 0))
     record = {"algorithm": "CRC32", "checksum": value, "size": info.size, "etag": info.etag}
     _ChecksumRecords(utils).write_sidecar(bucket, "side", record)
