@@ -99,20 +99,15 @@ except ImportError as exc:
         def __new__(cls, *args: Any, **kwargs: Any) -> Any:
             _require_dcp()
 
-    class StorageWriter(_NeedsDCP):  # type: ignore[no-redef]
-        pass
+    class StorageWriter(_NeedsDCP): ...  # type: ignore[no-redef]
 
-    class BlockingAsyncStager(_NeedsDCP):  # type: ignore[no-redef]
-        pass
+    class BlockingAsyncStager(_NeedsDCP): ...  # type: ignore[no-redef]
 
-    class StorageReader(_NeedsDCP):  # type: ignore[no-redef]
-        pass
+    class StorageReader(_NeedsDCP): ...  # type: ignore[no-redef]
 
-    class DefaultSavePlanner(_NeedsDCP):  # type: ignore[no-redef]
-        pass
+    class DefaultSavePlanner(_NeedsDCP): ...  # type: ignore[no-redef]
 
-    class DefaultLoadPlanner(_NeedsDCP):  # type: ignore[no-redef]
-        pass
+    class DefaultLoadPlanner(_NeedsDCP): ...  # type: ignore[no-redef]
 
 else:
     _DCP_IMPORT_ERROR = None
@@ -457,7 +452,8 @@ class S3StorageWriter(StorageWriter, BlockingAsyncStager):
         max_write_concurrency: parallel part uploads per file (`DEFAULT_DCP_MAX_WRITE_CONCURRENCY`).
         thread_count: files per rank, written concurrently (``__{rank}_0.distcp`` ...), as in torch's writer.
         checksum_algorithm: ``"auto"`` (CRC32C with awscrt, else CRC32), ``"CRC32C"``, ``"CRC64NVME"`` or ``"CRC32"``.
-        endpoint_url, region_name, client_settings, retry_policy, s3_utils: how to reach S3 (as `S3CheckpointIO`).
+        endpoint_url, region_name, client_settings, retry_policy, s3_utils: how to reach S3 (as `S3CheckpointIO`;
+            `s3_utils.S3Utils.from_arguments` refuses arguments another would override).
         overwrite: with False, a save to a prefix that holds a checkpoint fails before anything is written.
         cache_staged_state_dict: ``async_save`` only: keep the staged host copy for the next save (torch's option).
         request_options: encryption, storage class, tags, expected bucket owner, requester pays for every object of
