@@ -81,6 +81,7 @@ try:
         LoadItemType,
         LoadPlan,
         LoadPlanner,
+        ReadItem,
         SavePlan,
         SavePlanner,
         TensorWriteData,
@@ -701,7 +702,7 @@ class S3StorageWriter(StorageWriter, BlockingAsyncStager):
         )
 
     def _write_file(
-        self, name: str, items: list[Any], planner: Any, cancelled: threading.Event, fence: Any = None
+        self, name: str, items: list[WriteItem], planner: SavePlanner, cancelled: threading.Event, fence: Any = None
     ) -> list[Any]:
         url = _join(self.path, name)
         algorithm = _s3.ChecksumAlgorithm.named(self.checksum_algorithm)
@@ -934,7 +935,7 @@ def _tensor_layout(stream: io.RawIOBase) -> _TensorLayout | None:
     return _TensorLayout(start, record.file_size, meta)
 
 
-def _decode_tensor(data: memoryview) -> Any:
+def _decode_tensor(data: memoryview) -> torch.Tensor:
     """The tensor stored in one item, as a view of `data` where its layout allows (no copy), else ``torch.load``."""
     layout = _tensor_layout(_ViewReader(data))
     if layout is not None and layout.nbytes and layout.start + layout.nbytes <= len(data):
@@ -983,7 +984,7 @@ class _RecordedSpan:
         span = cls.parsed(record, item_length) if stored is not None else None
         return span if span is not None and (span.shape, span.dtype) == (tuple(stored[0]), stored[1]) else None
 
-    def fills(self, target: Any, request: Any) -> bool:
+    def fills(self, target: torch.Tensor, request: ReadItem) -> bool:
         """Whether `request` reads the whole stored tensor into the whole of `target`, a contiguous CPU tensor of the
         same dtype and shape: then its bytes can be copied (or read) as they are."""
         return (
@@ -1003,10 +1004,10 @@ class _SpanBytes:
     data: memoryview
     span: _RecordedSpan
 
-    def fills(self, target: Any, request: Any) -> bool:
+    def fills(self, target: torch.Tensor, request: ReadItem) -> bool:
         return self.span.fills(target, request)
 
-    def tensor(self) -> Any:
+    def tensor(self) -> torch.Tensor:
         """The bytes as a tensor (a view of the buffer where its elements are aligned, else a copy)."""
         raw = torch.frombuffer(self.data, dtype=torch.uint8)
         if raw.data_ptr() % self.span.dtype.itemsize:
@@ -1247,7 +1248,7 @@ class S3StorageReader(StorageReader):
         done_future.set_result(None)
         return done_future
 
-    def _read_plan(self, plan: Any, planner: Any) -> None:
+    def _read_plan(self, plan: Any, planner: LoadPlanner) -> None:
         self._file_progress: dict[str, list[Any]] = {}  # file: [reads not yet verified, (offset, length, crc)...]
         groups, direct = self._plan_groups(plan.items, planner)
         chunk = int(self.chunk_size_MB * _s3.MB)
@@ -1301,7 +1302,7 @@ class S3StorageReader(StorageReader):
         self._records = record.get("files", {})
         return self._records
 
-    def _plan_groups(self, requests: Iterable[Any], planner: Any) -> tuple[list[_Group], list[_DirectRead]]:
+    def _plan_groups(self, requests: Iterable[Any], planner: LoadPlanner) -> tuple[list[_Group], list[_DirectRead]]:
         """Group the requests by item and file: coalesced buffered groups, and the items to read into targets."""
         assert self.storage_data is not None
         per_file: dict[str, dict[tuple[int, int], _Item]] = {}
@@ -1352,7 +1353,7 @@ class S3StorageReader(StorageReader):
         return groups, direct
 
     def _direct_read(
-        self, relative_path: str, url: str, item: _Item, etag: str | None, record: dict[str, Any], planner: Any
+        self, relative_path: str, url: str, item: _Item, etag: str | None, record: dict[str, Any], planner: LoadPlanner
     ) -> _DirectRead | None:
         """A plan to read `item` straight into its target, when it is one large tensor whose target is a whole,
         contiguous CPU tensor (checked again against the stored layout before any tensor byte is fetched)."""
@@ -1376,7 +1377,7 @@ class S3StorageReader(StorageReader):
         framing = min(overhead, item.length)
         return _DirectRead(relative_path, url, item, etag, record, bytearray(framing), bytearray(framing))
 
-    def _plan_fill(self, item: _Item, planner: Any) -> None:
+    def _plan_fill(self, item: _Item, planner: LoadPlanner) -> None:
         """Mark a buffered item whose recorded span is the whole stored tensor of its one request, with a whole,
         contiguous CPU target of that dtype and shape: its group's GET then puts the tensor bytes straight into the
         target (its framing into small buffers), and they are checked against the span's and the item's checksums."""
@@ -1473,7 +1474,7 @@ class S3StorageReader(StorageReader):
             piece = view[offset : offset + chunk]
             read.futures.append(pool.submit(self._fetch_into, read.url, start + offset, piece, read.etag, algorithm))
 
-    def _consume_direct(self, read: _DirectRead, planner: Any, chunk: int) -> None:
+    def _consume_direct(self, read: _DirectRead, planner: LoadPlanner, chunk: int) -> None:
         """Wait for an item's tensor bytes, verify the whole item (framing and tensor) against its recorded checksum,
         and commit the target."""
         assert read.layout is not None
@@ -1598,7 +1599,7 @@ class S3StorageReader(StorageReader):
             checksums.append((whole, tensor))
         return checksums
 
-    def _consume_scattered(self, group: _Group, planner: Any) -> None:
+    def _consume_scattered(self, group: _Group, planner: LoadPlanner) -> None:
         """Verify a scattered group's items (each whole, and each filled tensor against its span's checksum), then
         commit the filled targets and load the other items from their buffers."""
         (checksums,) = [future.result() for future in group.futures]
@@ -1618,7 +1619,7 @@ class S3StorageReader(StorageReader):
                 self.stats["recorded_spans"] += 1
         group.views = None
 
-    def _consume(self, group: _Group, planner: Any) -> None:
+    def _consume(self, group: _Group, planner: LoadPlanner) -> None:
         """Wait for a group's bytes, verify them, and load its items into the planner's tensors."""
         if group.views is not None:
             self._consume_scattered(group, planner)
@@ -1681,7 +1682,7 @@ class S3StorageReader(StorageReader):
                 f"{record['checksum']} was recorded when the checkpoint was written. Do not use it."
             )
 
-    def _load_item(self, data: memoryview, item: _Item, planner: Any, group: _Group) -> None:
+    def _load_item(self, data: memoryview, item: _Item, planner: LoadPlanner, group: _Group) -> None:
         tensor = span = None
         for request in item.requests:
             if request.type == LoadItemType.BYTE_IO:
@@ -1747,7 +1748,7 @@ def _tensor_pieces(read: _DirectRead, chunk: int) -> list[tuple[int, int]]:
     return [(future.result(), min(chunk, nbytes - n * chunk)) for n, future in enumerate(read.futures)]
 
 
-def _stored_chunk(planner: Any, request: Any) -> tuple[tuple[int, ...], Any] | None:
+def _stored_chunk(planner: LoadPlanner, request: Any) -> tuple[tuple[int, ...], Any] | None:
     """The sizes and dtype ``.metadata`` records for the stored chunk a read request reads from (None where the
     planner does not expose the metadata, as DCP's default load planner does)."""
     index = request.storage_index
@@ -1777,7 +1778,7 @@ def _span_for_target(item: _Item, target: Any) -> _RecordedSpan | None:
     return span if span is not None and (span.dtype, span.shape) == (target.dtype, tuple(target.shape)) else None
 
 
-def _algorithm_of(records: dict[str, Any] | None, relative_path: str) -> Any:
+def _algorithm_of(records: dict[str, Any] | None, relative_path: str) -> _s3.ChecksumAlgorithm | None:
     if records and relative_path in records:
         return _s3.ChecksumAlgorithm.named(records[relative_path]["algorithm"])
     return None
