@@ -249,7 +249,7 @@ class S3CheckpointIO:
         self.load_sharing = load_sharing
         self.fencing = bool(fencing)
         self._run = _s3.current_run()  # pickled along: a spawned copy of this plugin is the same run
-        self._fence_override: Any = None  # set by `using_fence`
+        self._fence_override: _s3.DirectoryFence | None = None  # set by `using_fence`
         self._collective: _CollectiveLoad | None = None
         self.dirpath = _urls.as_path_or_s3_url(dirpath) if dirpath is not None else None
         self.chunk_size_MB = chunk_size_MB
@@ -447,7 +447,7 @@ class S3CheckpointIO:
                 return
         self._remove_now(path)
 
-    def fence_for(self, path: str) -> Any:
+    def fence_for(self, path: str) -> _s3.DirectoryFence | None:
         """The fence this plugin's saves and removals at `path` check: this run's `s3_utils.DirectoryFence` on the
         directory holding `path`, or the one a `using_fence` block set (None: fencing off)."""
         if self._fence_override is not None:
@@ -457,7 +457,7 @@ class S3CheckpointIO:
         return _s3.DirectoryFence(self.s3, _urls.s3_url_parent(path), self._run)
 
     @contextlib.contextmanager
-    def using_fence(self, fence: Any) -> Iterator[None]:
+    def using_fence(self, fence: _s3.DirectoryFence | None) -> Iterator[None]:
         """Within the block, every save and removal of this plugin checks `fence` (e.g. a `DirectoryFence.once()`,
         checked once for several requests) instead of its own per-path fence. None changes nothing.
 

@@ -1946,8 +1946,6 @@ class S3Utils:
         """
         options = S3RequestOptions.from_mapping(request_options)  # an unknown or bad option fails here
         budget = RequestRates.from_value(max_requests_per_second)  # a bad value fails here
-        if retry_policy is not None and not isinstance(retry_policy, RetryPolicy):
-            raise TypeError(f"retry_policy must be an s3_utils.RetryPolicy, got {type(retry_policy).__name__}")
         given = {
             "endpoint_url": endpoint_url,
             "region_name": region_name,
