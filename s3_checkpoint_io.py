@@ -64,6 +64,7 @@ __all__ = [
     "SharedLoadError",
     "TransferRecord",
     "collective_resume",
+    "lightning_user_agent",
     "register_with_lightning",
     "snapshot_to_host",
     "torch_save_without_zip_crc32",
@@ -110,9 +111,9 @@ def register_with_lightning(cls: type) -> list[str]:
     return found
 
 
-def _lightning_user_agent() -> str | None:
+def lightning_user_agent() -> str | None:
     """``(lightning; 2.6.6)`` for each Lightning family the program has imported, as s3torchconnector reports it in
-    its User-Agent; None without Lightning."""
+    its User-Agent; None without Lightning. Clients built for Lightning (this plugin, s3_dcp's strategies) add it."""
     comments = []
     for family in ("lightning", "pytorch_lightning"):
         version = getattr(sys.modules.get(family), "__version__", None)
@@ -219,7 +220,7 @@ class S3CheckpointIO:
         fencing: bool = True,
         max_requests_per_second: float | Mapping[str, float] | _s3.RequestRates | None = None,
     ) -> None:
-        lightning_agent = _lightning_user_agent()  # before registering, which imports every installed family
+        lightning_agent = lightning_user_agent()  # before registering, which imports every installed family
         s3 = _s3.S3Utils.from_arguments(  # refuses arguments another would override, and bad options, first
             s3_utils=s3_utils,
             client_settings=client_settings,

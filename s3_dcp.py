@@ -2022,6 +2022,7 @@ class S3ShardedStrategyMixin:
             max_pool_connections=max(
                 options["max_read_concurrency"], options["thread_count"] * options["max_write_concurrency"]
             ),
+            user_agent_extra=_ckpt_io.lightning_user_agent(),
             caller=type(self).__name__,
         )
         """How this strategy reaches S3: its `S3CheckpointIO`, `S3StorageWriter` and `S3StorageReader` share it."""

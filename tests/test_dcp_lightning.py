@@ -232,6 +232,7 @@ def test_strategy_builds_its_client_one_way_shares_it_and_pickles_without_it() -
         data_parallel_size=1, tensor_parallel_size=1, endpoint_url="http://127.0.0.1:9", thread_count=8
     )
     assert strategy.s3.settings.endpoint_url == "http://127.0.0.1:9"
+    assert "(lightning; " in (strategy.s3.settings.user_agent_extra or "")  # as S3CheckpointIO reports Lightning
     assert strategy.s3.settings.max_pool_connections == 8 * s3_dcp.DEFAULT_DCP_MAX_WRITE_CONCURRENCY + 4
     assert strategy.s3_checkpoint_io.s3 is strategy.s3
     assert strategy.s3_storage_writer("s3://bucket/x").s3 is strategy.s3
