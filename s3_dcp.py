@@ -60,9 +60,7 @@ else:  # installed (or copied) as top-level modules
     import s3_dirpath_utils as _urls
     import s3_utils as _s3
 
-# ---- torch, imported once: every torch.distributed.checkpoint name this module uses --------------------------------
-# DCP's private `_StorageInfo` (so torch's FileSystemReader reads this module's metadata) and `narrow_tensor_by_index`
-# are pinned by tests/test_dcp.py.
+# ---- torch, imported once: every DCP name this module uses (the private ones are pinned by tests/test_dcp.py) -------
 try:
     import torch
     import torch.distributed.checkpoint as dcp
@@ -444,7 +442,27 @@ def _split_items(bins: int, items: list[Any], byte_io: Any) -> list[list[Any]]:
     return buckets
 
 
-class S3StorageWriter(StorageWriter, BlockingAsyncStager):
+class _CheckpointPrefix:
+    """What `S3StorageWriter` and `S3StorageReader` share: one checkpoint's ``s3://`` prefix as DCP's id for it."""
+
+    path: str
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint's ``s3://`` URL (DCP logs it and stores it in ``StorageMeta``)."""
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """True for ``s3://bucket/prefix`` URLs (str or path-like)."""
+        try:
+            _checkpoint_url(checkpoint_id)
+        except (ValueError, TypeError):
+            return False
+        return True
+
+
+class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
     """A ``torch.distributed.checkpoint`` StorageWriter for ``s3://`` checkpoints (see the module docstring).
 
     Args:
@@ -519,20 +537,6 @@ class S3StorageWriter(StorageWriter, BlockingAsyncStager):
         return {**self.__dict__, "state_dict_cache": None}
 
     # ---- StorageWriter --------------------------------------------------------------------------------------------
-
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint's ``s3://`` URL (DCP logs it and stores it in ``StorageMeta``)."""
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """True for ``s3://bucket/prefix`` URLs (str or path-like)."""
-        try:
-            _checkpoint_url(checkpoint_id)
-        except (ValueError, TypeError):
-            return False
-        return True
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
@@ -1113,7 +1117,7 @@ class _Group:
     futures: list[Future[list[int]]] = dataclasses.field(default_factory=list)
 
 
-class S3StorageReader(StorageReader):
+class S3StorageReader(_CheckpointPrefix, StorageReader):
     """A ``torch.distributed.checkpoint`` StorageReader for ``s3://`` checkpoints (see the module docstring).
 
     Reads checkpoints written by `S3StorageWriter` and by torch's own writers (uploaded as files).
@@ -1192,14 +1196,6 @@ class S3StorageReader(StorageReader):
         located through the span the writer recorded, read straight or buffered (for tests and benchmarks)."""
 
     # ---- StorageReader --------------------------------------------------------------------------------------------
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return S3StorageWriter.validate_checkpoint_id(checkpoint_id)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = None
