@@ -31,7 +31,7 @@ import logging
 import os
 import re
 import types
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -550,19 +550,11 @@ def verify_checkpoint(
 # tensor span's start is relative to its item and its checksum is that of the tensor bytes alone.
 
 
-def _checksum(algorithm: Any, view: memoryview | Sequence[int]) -> int:
-    """`algorithm`'s checksum of `view`, taken in 64 MiB pieces."""
-    value = 0
-    for start in range(0, len(view), 64 * _s3.MB):
-        value = algorithm.update(view[start : start + 64 * _s3.MB], value)
-    return value
-
-
 def _verify_items(url: str, downloaded: _s3.DownloadedObject, record: dict[str, Any] | None) -> int:
     """Check every item (and recorded tensor span) of a downloaded file against its record; the number checked."""
     if not record:
         return 0
-    algorithm = _s3.checksum_algorithm(record["algorithm"])
+    algorithm = _s3.ChecksumAlgorithm.named(record["algorithm"])
     items = record.get("items", {})
     spans = record.get("tensors")
     spans = spans if isinstance(spans, dict) else {}  # not a mapping: loads ignore it too
@@ -571,7 +563,7 @@ def _verify_items(url: str, downloaded: _s3.DownloadedObject, record: dict[str, 
             offset = int(offset_text)
             if offset + length > len(view):
                 raise _s3.ChecksumMismatchError(f"{url} is truncated: an item at bytes {offset}-{offset + length}")
-            actual = _checksum(algorithm, view[offset : offset + length])
+            actual = _s3.checksum_of(algorithm, view[offset : offset + length])
             if actual != expected:
                 raise _s3.ChecksumMismatchError(
                     f"{url} is corrupt: bytes {offset}-{offset + length} have {algorithm.name} {actual:#x}, but "
@@ -594,8 +586,9 @@ def _check_span_record(url: str, algorithm: Any, item: memoryview, offset: int, 
         raise _s3.ChecksumMismatchError(
             f"{url}: the tensor record of the item at byte {offset} is malformed ({exc}). Do not use the checkpoint."
         ) from exc
-    combined = algorithm.combine(_checksum(algorithm, item[:start]), recorded, nbytes)
-    combined = algorithm.combine(combined, _checksum(algorithm, item[start + nbytes :]), len(item) - start - nbytes)
+    combined = algorithm.combine(_s3.checksum_of(algorithm, item[:start]), recorded, nbytes)
+    after = item[start + nbytes :]
+    combined = algorithm.combine(combined, _s3.checksum_of(algorithm, after), len(after))
     if combined != checksum:
         raise _s3.ChecksumMismatchError(
             f"{url}: the recorded checksum of the tensor bytes {offset + start}-{offset + start + nbytes} does not "

@@ -133,7 +133,7 @@ class CliError(Exception):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _s3_url(text: str, what: str = "URL") -> str:
+def s3_url_argument(text: str, what: str = "URL") -> str:
     """`text` as a validated ``s3://`` URL, or a usage error naming the problem."""
     try:
         url = _urls.normalize_s3_url(text)
@@ -166,7 +166,8 @@ def _targets(
     raise CliError(EXIT_NOT_FOUND, f"no {what} under {url}")
 
 
-def _human_size(size: float) -> str:
+def human_size(size: float) -> str:
+    """`size` bytes for people: ``"512 B"``, ``"1.5 GiB"`` (the demo prints sizes as the CLI does)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(size) < 1024 or unit == "TiB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
@@ -234,18 +235,20 @@ class _Progress:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _retry_policy(args: argparse.Namespace) -> _s3.RetryPolicy | None:
+def retry_policy_argument(args: argparse.Namespace) -> _s3.RetryPolicy | None:
+    """The `s3_utils.RetryPolicy` the ``--max-attempts`` flag asks for (None: the default policy)."""
     return _s3.RetryPolicy(max_attempts=args.max_attempts) if args.max_attempts else None
 
 
 def _make_s3(args: argparse.Namespace) -> _s3.S3Utils:
-    settings = _s3.S3ClientSettings(
+    return _s3.S3Utils.from_arguments(
         endpoint_url=args.endpoint_url,
         region_name=args.region,
+        retry_policy=retry_policy_argument(args),
         request_options=_request_options(args),
         max_requests_per_second=getattr(args, "max_requests_per_second", None),
+        caller=PROG,
     )
-    return _s3.S3Utils(settings, _retry_policy(args))
 
 
 def _request_options(args: argparse.Namespace) -> _s3.S3RequestOptions | None:
@@ -259,7 +262,7 @@ def _request_options(args: argparse.Namespace) -> _s3.S3RequestOptions | None:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     """List checkpoints: step, size, last-modified (UTC), kind and URL; ``--json`` for scripts."""
-    url = _s3_url(args.url)
+    url = s3_url_argument(args.url)
     s3 = _make_s3(args)
     entries = _targets(s3, url, recursive=args.recursive, all_objects=args.all)
     if args.json:
@@ -269,20 +272,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
     print(f"{'STEP':>8}  {'SIZE':>10}  {'LAST MODIFIED (UTC)':19}  {'SHARDS':>6}  {'STATE':10}  {'KIND':5}  URL")
     for entry in entries:
         step = str(entry.step) if entry.step is not None else "-"
-        size, modified = _human_size(entry.size), _timestamp(entry.last_modified)
+        size, modified = human_size(entry.size), _timestamp(entry.last_modified)
         shards = str(entry.shards) if entry.is_dcp else "-"
         state = ("complete" if entry.complete else "incomplete") if entry.is_dcp else "-"
         print(f"{step:>8}  {size:>10}  {modified:19}  {shards:>6}  {state:10}  {entry.kind:5}  {entry.url}")
     total = sum(entry.size for entry in entries)
     incomplete = sum(1 for entry in entries if not entry.complete)
     detail = f", {incomplete} incomplete (no .metadata: never resumed from)" if incomplete else ""
-    print(f"{len(entries)} checkpoint(s), {_human_size(total)}{detail}")
+    print(f"{len(entries)} checkpoint(s), {human_size(total)}{detail}")
     return EXIT_OK
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Download each checkpoint and check it against its recorded checksum; exit 1 if any does not match."""
-    url = _s3_url(args.url)
+    url = s3_url_argument(args.url)
     s3 = _make_s3(args)
     single = _admin.checkpoint_entry(url, s3_utils=s3)
     entries = [single] if single is not None else _targets(s3, url, recursive=args.recursive)
@@ -310,7 +313,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             failed += 1
             continue
         checksum = str(verified) if verified else "size only (no checksum recorded)"
-        print(f"OK        {entry.url}  {_human_size(size)}  {checksum}")
+        print(f"OK        {entry.url}  {human_size(size)}  {checksum}")
     if failed:
         print(f"{PROG}: error: {failed} of {len(entries)} checkpoint(s) failed verification", file=sys.stderr)
         return EXIT_VERIFY_FAILED
@@ -331,14 +334,14 @@ def _verify_dcp(s3: _s3.S3Utils, entry: _admin.CheckpointEntry, args: argparse.N
             continue
         checksum = str(file.checksum) if file.checksum else "no full-object checksum recorded"
         detail = f", {file.items} item(s)" if file.items else ""
-        print(f"OK        {file.url}  {_human_size(file.size)}  {checksum}{detail}")
+        print(f"OK        {file.url}  {human_size(file.size)}  {checksum}{detail}")
     for problem in problems:
         print(f"FAILED    {problem}")
     summary = f"DCP checkpoint, {entry.shards} shard(s), {len(report.files)} object(s), {items} item(s) checked"
     if problems:
         print(f"FAILED    {entry.url}: {summary}; {len(problems)} problem(s)")
         return False
-    print(f"OK        {entry.url}  {_human_size(entry.size)}  {summary}")
+    print(f"OK        {entry.url}  {human_size(entry.size)}  {summary}")
     return True
 
 
@@ -349,8 +352,8 @@ def cmd_cp(args: argparse.Namespace) -> int:
         raise CliError(EXIT_USAGE, "cp copies between S3 and a local path: exactly one of SRC and DST must be s3://...")
     s3 = _make_s3(args)
     if src_s3:
-        return _download(s3, _s3_url(args.src, "SRC"), args.dst, args.progress)
-    return _upload(s3, args.src, _s3_url(args.dst, "DST"), args.progress)
+        return _download(s3, s3_url_argument(args.src, "SRC"), args.dst, args.progress)
+    return _upload(s3, args.src, s3_url_argument(args.dst, "DST"), args.progress)
 
 
 def _upload(s3: _s3.S3Utils, src: str, dst: str, progress: bool | None) -> int:
@@ -367,7 +370,7 @@ def _upload(s3: _s3.S3Utils, src: str, dst: str, progress: bool | None) -> int:
         info = s3.upload_file(src, dst, progress=bar.update)
     elapsed = time.perf_counter() - started
     checksum = " ".join(f"{name.removeprefix('Checksum')} {value}" for name, value in info.checksums.items())
-    print(f"{src} -> {info.url}  {_human_size(info.size)} in {elapsed:.2f} s  {checksum}".rstrip())
+    print(f"{src} -> {info.url}  {human_size(info.size)} in {elapsed:.2f} s  {checksum}".rstrip())
     return EXIT_OK
 
 
@@ -395,14 +398,14 @@ def _download(s3: _s3.S3Utils, src: str, dst: str, progress: bool | None) -> int
         verified = s3.download_s3_file_to_path(src, dst, progress=bar.update)
     elapsed = time.perf_counter() - started
     checksum = f"{verified} verified" if verified else "no checksum recorded: size checked only"
-    print(f"{src} -> {dst}  {_human_size(info.size)} in {elapsed:.2f} s  {checksum}")
+    print(f"{src} -> {dst}  {human_size(info.size)} in {elapsed:.2f} s  {checksum}")
     return EXIT_OK
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
     """Prune a checkpoint directory: keep the N newest top-k checkpoints by step (then time); never delete ``last``,
     ``end`` or step-less ones."""
-    url = _s3_url(args.url)
+    url = s3_url_argument(args.url)
     if args.keep_last < 0:
         raise CliError(EXIT_USAGE, f"--keep-last must be >= 0, got {args.keep_last}")
     s3 = _make_s3(args)
@@ -429,7 +432,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     """List (with ``--yes``: abort or remove) what killed jobs left under a prefix: open multipart uploads and, with
     ``--incomplete-dcp``, DCP checkpoints that never got ``.metadata``; only what is older than ``--older-than``."""
-    url = _s3_url(args.url)
+    url = s3_url_argument(args.url)
     s3 = _make_s3(args)
     garbage = _admin.find_garbage(url, args.older_than, incomplete_checkpoints=args.incomplete_dcp, s3_utils=s3)
     acted = 0
@@ -437,7 +440,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         ok = args.yes and s3.abort_multipart_upload(upload.url, upload.upload_id)
         acted += ok
         status = "aborted" if ok else "gone" if args.yes else "would abort"  # gone: completed or aborted meanwhile
-        size = _human_size(upload.size or 0)
+        size = human_size(upload.size or 0)
         print(
             f"{status:12}  {_age(garbage.age(upload)):>6}  {upload.parts:>5} parts  {size:>10}  {upload.url}  "
             f"(upload {upload.upload_id})",
@@ -448,16 +451,16 @@ def cmd_gc(args: argparse.Namespace) -> int:
         acted += ok
         status = "removed" if ok else "changed" if args.yes else "would remove"  # changed: a save started there
         kept = f"; {len(checkpoint.kept)} other object(s) kept" if checkpoint.kept else ""
-        size = _human_size(checkpoint.size)
+        size = human_size(checkpoint.size)
         print(
             f"{status:12}  {_age(garbage.age(checkpoint)):>6}  {len(checkpoint.files):>5} files  {size:>10}  "
             f"{checkpoint.url}/  (DCP checkpoint without .metadata{kept})",
             flush=True,
         )
     found = f"{len(garbage.uploads)} upload(s) ({sum(u.parts or 0 for u in garbage.uploads)} parts, "
-    found += f"{_human_size(sum(u.size or 0 for u in garbage.uploads))})"
+    found += f"{human_size(sum(u.size or 0 for u in garbage.uploads))})"
     if args.incomplete_dcp:
-        size = _human_size(sum(checkpoint.size for checkpoint in garbage.checkpoints))
+        size = human_size(sum(checkpoint.size for checkpoint in garbage.checkpoints))
         found += f" and {len(garbage.checkpoints)} incomplete DCP checkpoint(s) ({size})"
     found += f" older than {_age(garbage.older_than)} under {url}; {garbage.younger} younger left alone"
     if args.yes:
@@ -499,7 +502,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         )
     except (FileExistsError, ValueError) as exc:
         raise CliError(EXIT_USAGE, str(exc)) from None
-    summary = f"{report.format}, {report.tensors} tensor(s), {_human_size(report.size)} in {report.seconds:.2f} s"
+    summary = f"{report.format}, {report.tensors} tensor(s), {human_size(report.size)} in {report.seconds:.2f} s"
     print(f"{report.source} -> {report.destination}  {summary}  {report.checksum or ''}".rstrip())
     if report.skipped:
         print(

@@ -214,7 +214,7 @@ def convert_checkpoint(
         weights_only,
         progress,
     )
-    s3 = s3_utils or _s3.S3Utils()
+    s3 = _s3.S3Utils.from_arguments(s3_utils=s3_utils, caller="convert")
     started = time.monotonic()
     kind = _source_kind(source, s3)
     if kind == "dcp":
@@ -437,7 +437,7 @@ class _DcpSource:
             if entry is None:
                 raise _s3.ChecksumMismatchError(f"{record_path} records nothing for {name}: do not use it")
             path = os.path.join(self.location, name)
-            algorithm = _s3.checksum_algorithm(entry["algorithm"])
+            algorithm = _s3.ChecksumAlgorithm.named(entry["algorithm"])
             with open(path, "rb") as stream:
                 size = os.fstat(stream.fileno()).st_size
                 whole, found = _scan(
@@ -468,7 +468,7 @@ class _DcpSource:
             if recorded is None:
                 unverified.append(url)
                 continue
-            algorithm = _s3.checksum_algorithm(recorded.algorithm)
+            algorithm = _s3.ChecksumAlgorithm.named(recorded.algorithm)
             whole, found = _scan(
                 url,
                 functools.partial(self._read_window, url, info.etag),
@@ -741,7 +741,7 @@ def _partial_name(destination: str) -> str:
 
 def _tensor_view(tensor: Any) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    return _dcp._writable_view(tensor) if tensor.numel() else memoryview(b"")
+    return _dcp.tensor_bytes_view(tensor) if tensor.numel() else memoryview(b"")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1020,7 +1020,7 @@ def _record_bytes(archive: zipfile.ZipFile, stream: Any, record: zipfile.ZipInfo
     the object's own checksum covers it), which zipfile's reader would refuse: that record is read by its offset."""
     if record.CRC or record.compress_type != zipfile.ZIP_STORED:
         return archive.read(record)
-    start = _dcp._record_start(stream, record)
+    start = _dcp.zip_record_data_start(stream, record)
     if start is None:
         raise zipfile.BadZipFile(f"no local header for {record.filename}")
     stream.seek(start)

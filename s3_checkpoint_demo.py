@@ -40,7 +40,6 @@ __all__ = ["DEMO_BUCKET", "build_trainer", "cmd_demo"]
 logger = logging.getLogger(__name__)
 
 PROG = _cli.PROG
-_human_size = _cli._human_size
 CliError = _cli.CliError
 DEMO_BUCKET = "s3ckpt-demo"
 
@@ -328,7 +327,8 @@ def _run_demo(
     job1 = model_class()
     weights = 2 * plan.width * (plan.width + 1) * 4
     print(
-        f"job 1     trains a 2-layer MLP ({_human_size(weights)} of weights, Adam) for {plan.steps} steps, saving to "
+        f"job 1     trains a 2-layer MLP ({_cli.human_size(weights)} of weights, Adam) for {plan.steps} steps, "
+        "saving to "
         f"{dirpath}/ every {plan.every} step(s) ({'async' if async_saves else 'sync'}, save_top_k=2, save_last) ...",
         flush=True,
     )
@@ -418,7 +418,7 @@ def _print_report(result: dict[str, Any], dirpath: str, s3: _s3.S3Utils, async_s
     for upload in uploads:
         by_url.setdefault(upload.url, []).append(upload)
     total = sum(u.size for u in uploads)
-    print(f"\n== report ==\ncheckpoints written to {dirpath}/ ({len(uploads)} uploads, {_human_size(total)}):")
+    print(f"\n== report ==\ncheckpoints written to {dirpath}/ ({len(uploads)} uploads, {_cli.human_size(total)}):")
     print(f"  {'KEY':22}  {'SIZE':>8}  {'CHECKSUM (last upload)':24}  {'UPLOADS':>7}  NOW")
 
     def order(url: str) -> tuple[int, int, datetime.datetime]:
@@ -435,7 +435,7 @@ def _print_report(result: dict[str, Any], dirpath: str, s3: _s3.S3Utils, async_s
         else:
             now = "in S3"
         name = _urls.s3_url_name(url)
-        size, checksum = _human_size(latest.size), latest.checksum or "-"
+        size, checksum = _cli.human_size(latest.size), latest.checksum or "-"
         print(f"  {name:22}  {size:>8}  {checksum:24}  {len(by_url[url]):>7}  {now}")
     busy = sum(u.seconds for u in uploads)
     if uploads and busy > 0:
@@ -449,7 +449,7 @@ def _print_report(result: dict[str, Any], dirpath: str, s3: _s3.S3Utils, async_s
     for load in (record for record in stats.records if record.kind == "load"):
         _say(
             "load",
-            f"{_urls.s3_url_name(load.url)}, {_human_size(load.size)} in {load.seconds:.2f} s = "
+            f"{_urls.s3_url_name(load.url)}, {_cli.human_size(load.size)} in {load.seconds:.2f} s = "
             f"{load.size / _s3.MB / max(load.seconds, 1e-9):.1f} MiB/s: parallel ranged GETs, checksum verified, "
             "torch.load(mmap=True)",
         )
@@ -500,7 +500,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise CliError(_cli.EXIT_USAGE, f"--steps must be at least 4, got {args.steps}")
     if not 0 < args.size_mb <= 1024 * 1024:
         raise CliError(_cli.EXIT_USAGE, f"--size-mb must be positive (and at most 1 TiB), got {args.size_mb}")
-    dirpath = _cli._s3_url(args.dirpath, "--dirpath").rstrip("/") if args.dirpath else None
+    dirpath = _cli.s3_url_argument(args.dirpath, "--dirpath").rstrip("/") if args.dirpath else None
     if dirpath is not None and not _urls.parse_s3_url(dirpath)[1]:
         raise CliError(_cli.EXIT_USAGE, f"--dirpath needs a prefix inside the bucket, e.g. {dirpath}/demo")
     plan = _demo_plan(args.size_mb, args.steps)
@@ -545,7 +545,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 overrides["AWS_REGION"] = region
             stack.enter_context(_environment(None, overrides))  # s3fs (used by Lightning) reads these too
         settings = _s3.S3ClientSettings(endpoint_url=endpoint_url, region_name=region)
-        s3 = _s3.S3Utils(settings, _cli._retry_policy(args))
+        s3 = _s3.S3Utils(settings, _cli.retry_policy_argument(args))
         _prepare_bucket(s3, dirpath, create=args.create_bucket or args.dirpath is None)
         print(f"{PROG} demo: a training job checkpoints to S3, is killed part way, and a new job resumes", flush=True)
         if server is not None:
@@ -554,7 +554,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         threads = torch.get_num_threads()
         try:
             torch.set_num_threads(min(4, os.cpu_count() or 1))
-            result = _run_demo(dirpath, plan, not args.sync, settings, _cli._retry_policy(args))
+            result = _run_demo(dirpath, plan, not args.sync, settings, _cli.retry_policy_argument(args))
         except SystemExit as exc:
             if exc.code != 1:  # SIGTERM (see _sigterm_as_exit): exit with 128 + SIGTERM
                 raise

@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -56,6 +56,7 @@ __all__ = [
     "SharedLoadError",
     "TransferRecord",
     "collective_resume",
+    "lightning_user_agent",
     "register_with_lightning",
     "snapshot_to_host",
     "torch_save_without_zip_crc32",
@@ -102,9 +103,9 @@ def register_with_lightning(cls: type) -> list[str]:
     return found
 
 
-def _lightning_user_agent() -> str | None:
+def lightning_user_agent() -> str | None:
     """``(lightning; 2.6.6)`` for each Lightning family the program has imported, as s3torchconnector reports it in
-    its User-Agent; None without Lightning."""
+    its User-Agent; None without Lightning. Clients built for Lightning (this plugin, s3_dcp's strategies) add it."""
     comments = []
     for family in ("lightning", "pytorch_lightning"):
         version = getattr(sys.modules.get(family), "__version__", None)
@@ -187,9 +188,9 @@ class S3CheckpointIO:
             `s3_utils.RequestRates`). None (default): no budget; the process's request pacer still slows down from
             the first SlowDown on.
 
-    Arguments that would be ignored raise ValueError: `endpoint_url` / `region_name` together with `client_settings`
-    (put them in the settings) or with `s3_utils`, and `client_settings` / `retry_policy` together with `s3_utils`
-    (which has its own).
+    Arguments that would be ignored raise ValueError (`s3_utils.S3Utils.from_arguments` builds the client):
+    `endpoint_url` / `region_name` together with `client_settings` (put them in the settings), and any other client
+    argument together with `s3_utils` (which has its own settings and retry policy).
     """
 
     def __init__(
@@ -212,27 +213,24 @@ class S3CheckpointIO:
         fencing: bool = True,
         max_requests_per_second: float | Mapping[str, float] | _s3.RequestRates | None = None,
     ) -> None:
-        lightning_agent = _lightning_user_agent()  # before registering, which imports every installed family
-        options = _s3.S3RequestOptions.from_mapping(request_options)  # an unknown or bad option fails here
-        if options is not None and s3_utils is not None:
-            raise ValueError("request_options cannot apply to a given s3_utils: set S3ClientSettings(request_options=)")
-        budget = _s3.RequestRates.from_value(max_requests_per_second)  # a bad value fails here
-        if budget is not None and s3_utils is not None:
-            raise ValueError("max_requests_per_second cannot apply to a given s3_utils: set it in its S3ClientSettings")
+        lightning_agent = lightning_user_agent()  # before registering, which imports every installed family
+        s3 = _s3.S3Utils.from_arguments(  # refuses arguments another would override, and bad options, first
+            s3_utils=s3_utils,
+            client_settings=client_settings,
+            endpoint_url=endpoint_url,
+            region_name=region_name,
+            retry_policy=retry_policy,
+            request_options=request_options,
+            max_requests_per_second=max_requests_per_second,
+            max_pool_connections=max(max_read_concurrency, max_write_concurrency * max_saves_in_flight),
+            user_agent_extra=lightning_agent,
+            caller="S3CheckpointIO",
+        )
         _torch()
         register_with_lightning(type(self))
         if not (math.isfinite(chunk_size_MB) and chunk_size_MB * _s3.MB >= _s3.MIN_PART_SIZE):
             raise ValueError(f"chunk_size_MB must be a number >= 5 (S3's minimum part size), got {chunk_size_MB}")
         _s3.validate_checksum_algorithm(checksum_algorithm)
-        if retry_policy is not None and not isinstance(retry_policy, _s3.RetryPolicy):
-            raise TypeError(f"retry_policy must be an s3_utils.RetryPolicy, got {type(retry_policy).__name__}")
-        _check_client_arguments(
-            endpoint_url=endpoint_url,
-            region_name=region_name,
-            client_settings=client_settings,
-            retry_policy=retry_policy,
-            s3_utils=s3_utils,
-        )
         for name, value in [
             ("max_read_concurrency", max_read_concurrency),
             ("max_write_concurrency", max_write_concurrency),
@@ -245,7 +243,7 @@ class S3CheckpointIO:
         self.load_sharing = load_sharing
         self.fencing = bool(fencing)
         self._run = _s3.current_run()  # pickled along: a spawned copy of this plugin is the same run
-        self._fence_override: Any = None  # s3_dcp's sharded strategy: one fence for meta.pt and its removals
+        self._fence_override: _s3.DirectoryFence | None = None  # set by `using_fence`
         self._collective: _CollectiveLoad | None = None
         self.dirpath = _urls.as_path_or_s3_url(dirpath) if dirpath is not None else None
         self.chunk_size_MB = chunk_size_MB
@@ -254,21 +252,7 @@ class S3CheckpointIO:
         self.max_saves_in_flight = max_saves_in_flight
         self.checksum_algorithm = checksum_algorithm
         self._async_checkpointing = async_checkpointing
-        if s3_utils is None:
-            settings = client_settings or _s3.S3ClientSettings(
-                endpoint_url=endpoint_url,
-                region_name=region_name,
-                max_pool_connections=max(32, max_read_concurrency, max_write_concurrency * max_saves_in_flight) + 4,
-            )
-            if lightning_agent:
-                agent = " ".join(part for part in (settings.user_agent_extra, lightning_agent) if part)
-                settings = replace(settings, user_agent_extra=agent)
-            if options is not None:
-                settings = replace(settings, request_options=options)
-            if budget is not None:
-                settings = replace(settings, max_requests_per_second=budget)
-            s3_utils = _s3.S3Utils(settings, retry_policy)
-        self.s3 = s3_utils
+        self.s3 = s3
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._pending: deque[_PendingSave] = deque()
@@ -294,13 +278,10 @@ class S3CheckpointIO:
         state = self.__dict__.copy()
         for live in ("_lock", "_executor", "_pending", "_deferred", "_errors", "records", "_fence_override"):
             del state[live]
-        state["s3"] = (self.s3.settings, self.s3.retry_policy)
-        return state
+        return state  # `S3Utils` pickles as its settings and retry policy
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        settings, retry_policy = state.pop("s3")
         self.__dict__.update(state)
-        self.s3 = _s3.S3Utils(settings, retry_policy)
         self._lock = threading.Lock()
         self._executor = None
         self._pending = deque()
@@ -346,7 +327,7 @@ class S3CheckpointIO:
         started = time.perf_counter()
         checksum = None
         if _urls.is_s3_url(path):
-            fence = self._fence_for(path)
+            fence = self.fence_for(path)
             with self.s3.open_writer(
                 path, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm, fence=fence
             ) as writer:
@@ -369,11 +350,8 @@ class S3CheckpointIO:
         logger.info("Saved %s (%.1f MiB) in %.2f s", path, size / _s3.MB, elapsed)
         return TransferRecord("save", path, size, elapsed, checksum, elapsed)
 
-    def _record(self, record: TransferRecord | None, blocked_s: float | None = None) -> None:
-        """Keep `record` (with the caller's blocked time, if given). Tolerates a None from a wrapped `_save_now`:
-        bookkeeping must never break a save."""
-        if not isinstance(record, TransferRecord):
-            return
+    def _record(self, record: TransferRecord, blocked_s: float | None = None) -> None:
+        """Keep `record` (with the caller's blocked time, if given)."""
         if blocked_s is not None:
             record = replace(record, blocked_seconds=blocked_s)
         with self._lock:
@@ -472,17 +450,32 @@ class S3CheckpointIO:
                 return
         self._remove_now(path)
 
-    def _fence_for(self, path: str) -> Any:
-        """The `s3_utils.DirectoryFence` of this run on the directory holding `path` (None: fencing off)."""
+    def fence_for(self, path: str) -> _s3.DirectoryFence | None:
+        """The fence this plugin's saves and removals at `path` check: this run's `s3_utils.DirectoryFence` on the
+        directory holding `path`, or the one a `using_fence` block set (None: fencing off)."""
         if self._fence_override is not None:
             return self._fence_override
         if not self.fencing:
             return None
         return _s3.DirectoryFence(self.s3, _urls.s3_url_parent(path), self._run)
 
+    @contextlib.contextmanager
+    def using_fence(self, fence: _s3.DirectoryFence | None) -> Iterator[None]:
+        """Within the block, every save and removal of this plugin checks `fence` (e.g. a `DirectoryFence.once()`,
+        checked once for several requests) instead of its own per-path fence. None changes nothing.
+
+        s3_dcp's sharded strategies use it so that ``meta.pt`` and the removals before it cost one ownership check.
+        Not for concurrent use: the fence applies to the whole plugin until the block ends.
+        """
+        previous, self._fence_override = self._fence_override, fence
+        try:
+            yield
+        finally:
+            self._fence_override = previous
+
     def _remove_now(self, path: str) -> None:
         if _urls.is_s3_url(path):
-            self.s3.remove_object(path, fence=self._fence_for(path))
+            self.s3.remove_object(path, fence=self.fence_for(path))
             _s3.invalidate_fsspec_cache(path)
         elif os.path.isdir(path):
             shutil.rmtree(path)
@@ -703,23 +696,6 @@ def _atomic_local_save(torch: Any, checkpoint: dict[str, Any], path: str) -> Non
         with contextlib.suppress(FileNotFoundError):
             os.unlink(partial)
         raise
-
-
-def _check_client_arguments(**given: Any) -> None:
-    """Refuse S3 client arguments that another one given with them would silently override."""
-    overridden_by = {
-        "s3_utils": ("endpoint_url", "region_name", "client_settings", "retry_policy"),
-        "client_settings": ("endpoint_url", "region_name"),
-    }
-    for winner, losers in overridden_by.items():
-        if given[winner] is None:
-            continue
-        ignored = [name for name in losers if given[name] is not None]
-        if ignored:
-            raise ValueError(
-                f"S3CheckpointIO: {', '.join(ignored)} would be ignored because {winner} is given; "
-                f"configure them in {winner} instead (or pass only the separate arguments)"
-            )
 
 
 _TORCH_ZIP_MAGIC = b"PK\x03\x04"

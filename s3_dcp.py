@@ -22,8 +22,9 @@ own ``FileSystemReader`` loads it once the prefix is copied to a local directory
 * ``.metadata`` is unpickled with an allow-list: a checkpoint prefix someone else can write cannot run code on the
   ranks that load it.
 
-torch and Lightning are imported on first use: the DCP classes are built when first accessed (PEP 562), so importing
-this module never needs them.
+Importing this module never fails for a missing extra: without torch (or ``torch.distributed.checkpoint``) the
+classes are still defined, and building one raises the ImportError that names the install line. Lightning is
+imported only by `sharded_strategy_class` and the strategy names.
 """
 
 from __future__ import annotations
@@ -59,6 +60,57 @@ else:  # installed (or copied) as top-level modules
     import s3_dirpath_utils as _urls
     import s3_utils as _s3
 
+# ---- torch, imported once: every DCP name this module uses (the private ones are pinned by tests/test_dcp.py) -------
+try:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+    from torch.distributed.checkpoint.planner import (
+        LoadItemType,
+        LoadPlan,
+        LoadPlanner,
+        ReadItem,
+        SavePlan,
+        SavePlanner,
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+    from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError as exc:
+    _DCP_IMPORT_ERROR: ImportError | None = exc
+
+    class _NeedsDCP:
+        """Stands in for DCP's base classes without torch: the module imports, building a class raises."""
+
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            _require_dcp()
+
+    class StorageWriter(_NeedsDCP): ...  # type: ignore[no-redef]
+
+    class BlockingAsyncStager(_NeedsDCP): ...  # type: ignore[no-redef]
+
+    class StorageReader(_NeedsDCP): ...  # type: ignore[no-redef]
+
+    class DefaultSavePlanner(_NeedsDCP): ...  # type: ignore[no-redef]
+
+    class DefaultLoadPlanner(_NeedsDCP): ...  # type: ignore[no-redef]
+
+else:
+    _DCP_IMPORT_ERROR = None
+
 __all__ = [
     "DCP_SHARD_SUFFIX",
     "DEFAULT_DCP_MAX_WRITE_CONCURRENCY",
@@ -79,6 +131,8 @@ __all__ = [
     "load_metadata_bytes",
     "metadata_name",
     "sharded_strategy_class",
+    "tensor_bytes_view",
+    "zip_record_data_start",
 ]
 
 logger = logging.getLogger(__name__)
@@ -127,8 +181,11 @@ class UnsafeCheckpointMetadataError(pickle.UnpicklingError):
     """``.metadata`` references something other than DCP's metadata types; it was refused without running it."""
 
 
-def _torch() -> Any:
-    return _s3.import_optional_dependency("torch", "distributed checkpoints")
+def _require_dcp() -> None:
+    """Raise the ImportError naming the install line when torch or ``torch.distributed.checkpoint`` is missing."""
+    if _DCP_IMPORT_ERROR is not None:
+        _s3.import_optional_dependency("torch.distributed.checkpoint", "distributed checkpoints")
+        raise _DCP_IMPORT_ERROR
 
 
 def _join(base: str, name: str) -> str:
@@ -141,68 +198,6 @@ def _checkpoint_url(path: str | os.PathLike[str]) -> str:
     if not key:
         raise ValueError(f"{url}: a DCP checkpoint needs a key prefix inside the bucket, e.g. s3://{bucket}/ckpt")
     return url
-
-
-def _make_utils(
-    s3_utils: _s3.S3Utils | None,
-    client_settings: _s3.S3ClientSettings | None,
-    endpoint_url: str | None,
-    region_name: str | None,
-    retry_policy: _s3.RetryPolicy | None,
-    connections: int,
-    request_options: _s3.S3RequestOptions | dict[str, Any] | None = None,
-    max_requests_per_second: float | dict[str, float] | _s3.RequestRates | None = None,
-) -> _s3.S3Utils:
-    options = _s3.S3RequestOptions.from_mapping(request_options)  # an unknown or bad option fails here
-    if options is not None and s3_utils is not None:
-        raise ValueError("request_options cannot apply to a given s3_utils: set S3ClientSettings(request_options=)")
-    budget = _s3.RequestRates.from_value(max_requests_per_second)  # a bad value fails here
-    if budget is not None and s3_utils is not None:
-        raise ValueError(
-            "max_requests_per_second cannot apply to a given s3_utils: set it in its S3ClientSettings"
-        )
-    if s3_utils is not None:
-        return s3_utils
-    settings = client_settings or _s3.S3ClientSettings(
-        endpoint_url=endpoint_url, region_name=region_name, max_pool_connections=max(32, connections + 4)
-    )
-    if options is not None:
-        settings = dataclasses.replace(settings, request_options=options)
-    if budget is not None:
-        settings = dataclasses.replace(settings, max_requests_per_second=budget)
-    return _s3.S3Utils(settings, retry_policy)
-
-
-class _S3Settings:
-    """What writer and reader share: how to reach S3, rebuilt lazily after unpickling (no live client travels)."""
-
-    _utils_factory: tuple[_s3.S3ClientSettings, _s3.RetryPolicy]
-    _utils_instance: _s3.S3Utils | None
-
-    @property
-    def s3(self) -> _s3.S3Utils:
-        if self._utils_instance is None:
-            settings, policy = self._utils_factory
-            self._utils_instance = _s3.S3Utils(settings, policy)
-        return self._utils_instance
-
-    def _remember_utils(self, utils: _s3.S3Utils) -> None:
-        self._utils_factory = (utils.settings, utils.retry_policy)
-        self._utils_instance = utils
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Settings travel (``async_save`` with the process executor pickles the writer); clients and caches do not."""
-        state = self.__dict__.copy()
-        state["_utils_instance"] = None
-        state.pop("_stats_lock", None)
-        for live in self._live_attributes:
-            state[live] = None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-
-    _live_attributes: tuple[str, ...] = ()
 
 
 def _validate_sizes(chunk_size_MB: float, concurrency: int, concurrency_name: str) -> None:
@@ -382,7 +377,6 @@ class _FramingRecorder(io.RawIOBase):
 def _framing_key(tensor: Any) -> tuple[Any, ...] | None:
     """What a tensor's `_Framing` depends on, for a plain contiguous CPU tensor that is its whole storage and that
     ``torch.save`` stores as such (no subclass, attributes, autograd, conjugate or negative bit); else None."""
-    torch = _torch()
     if (
         type(tensor) is not torch.Tensor
         or tensor.layout != torch.strided
@@ -411,7 +405,7 @@ def _save_tensor(tensor: Any, stream: _ItemStream, framings: dict[tuple[Any, ...
     framing = framings.get(key) if key is not None else None
     if framing is not None:
         stream.write(framing.head)
-        stream.write(_writable_view(tensor))
+        stream.write(tensor_bytes_view(tensor))
         stream.write(framing.tail)
         return
     if key is None:
@@ -448,11 +442,44 @@ def _split_items(bins: int, items: list[Any], byte_io: Any) -> list[list[Any]]:
     return buckets
 
 
-class _S3StorageWriterImpl(_S3Settings):
-    """`S3StorageWriter`'s behaviour; the public class adds DCP's ``StorageWriter`` and ``BlockingAsyncStager`` bases
-    when first accessed (torch is imported only then)."""
+class _CheckpointPrefix:
+    """What `S3StorageWriter` and `S3StorageReader` share: one checkpoint's ``s3://`` prefix as DCP's id for it."""
 
-    _live_attributes = ("state_dict_cache",)
+    path: str
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint's ``s3://`` URL (DCP logs it and stores it in ``StorageMeta``)."""
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """True for ``s3://bucket/prefix`` URLs (str or path-like)."""
+        try:
+            _checkpoint_url(checkpoint_id)
+        except (ValueError, TypeError):
+            return False
+        return True
+
+
+class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
+    """A ``torch.distributed.checkpoint`` StorageWriter for ``s3://`` checkpoints (see the module docstring).
+
+    Args:
+        path: ``s3://bucket/prefix`` of the checkpoint; ``dcp.save(checkpoint_id=...)`` replaces it.
+        chunk_size_MB: multipart part size, in MiB.
+        max_write_concurrency: parallel part uploads per file (`DEFAULT_DCP_MAX_WRITE_CONCURRENCY`).
+        thread_count: files per rank, written concurrently (``__{rank}_0.distcp`` ...), as in torch's writer.
+        checksum_algorithm: ``"auto"`` (CRC32C with awscrt, else CRC32), ``"CRC32C"``, ``"CRC64NVME"`` or ``"CRC32"``.
+        endpoint_url, region_name, client_settings, retry_policy, s3_utils: how to reach S3 (as `S3CheckpointIO`;
+            `s3_utils.S3Utils.from_arguments` refuses arguments another would override).
+        overwrite: with False, a save to a prefix that holds a checkpoint fails before anything is written.
+        cache_staged_state_dict: ``async_save`` only: keep the staged host copy for the next save (torch's option).
+        request_options: encryption, storage class, tags, expected bucket owner, requester pays for every object of
+            the checkpoint (`s3_utils.S3RequestOptions` or a mapping, as `S3CheckpointIO`); not with `s3_utils`.
+        max_requests_per_second: the whole job's budget of S3 requests per second (as `S3CheckpointIO`); not with
+            `s3_utils`.
+    """
 
     def __init__(
         self,
@@ -477,8 +504,19 @@ class _S3StorageWriterImpl(_S3Settings):
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be an int >= 1, got {thread_count!r}")
         _s3.validate_checksum_algorithm(checksum_algorithm)
+        self.s3 = _s3.S3Utils.from_arguments(
+            s3_utils=s3_utils,
+            client_settings=client_settings,
+            endpoint_url=endpoint_url,
+            region_name=region_name,
+            retry_policy=retry_policy,
+            request_options=request_options,
+            max_requests_per_second=max_requests_per_second,
+            max_pool_connections=thread_count * max_write_concurrency,
+            caller="S3StorageWriter",
+        )
         super().__init__()
-        _init_stager(self, cache_staged_state_dict)
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         self.path = _checkpoint_url(path)
         self.chunk_size_MB = chunk_size_MB
         self.max_write_concurrency = max_write_concurrency
@@ -492,34 +530,13 @@ class _S3StorageWriterImpl(_S3Settings):
         self.fencing = bool(fencing)
         self._run = _s3.current_run()  # pickled along: DCP's process executor saves as this run
         self._replacing = False
-        self._remember_utils(
-            _make_utils(
-                s3_utils,
-                client_settings,
-                endpoint_url,
-                region_name,
-                retry_policy,
-                thread_count * max_write_concurrency,
-                request_options,
-                max_requests_per_second,
-            )
-        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Settings travel (``async_save`` with the process executor pickles the writer; `S3Utils` pickles as its
+        settings and retry policy); the staged state dict does not."""
+        return {**self.__dict__, "state_dict_cache": None}
 
     # ---- StorageWriter --------------------------------------------------------------------------------------------
-
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint's ``s3://`` URL (DCP logs it and stores it in ``StorageMeta``)."""
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """True for ``s3://bucket/prefix`` URLs (str or path-like)."""
-        try:
-            _checkpoint_url(checkpoint_id)
-        except (ValueError, TypeError):
-            return False
-        return True
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
@@ -531,15 +548,15 @@ class _S3StorageWriterImpl(_S3Settings):
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
 
-    def storage_meta(self) -> Any:
-        return _dcp_types().StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
+    def storage_meta(self) -> StorageMeta:
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
-    def prepare_local_plan(self, plan: Any) -> Any:
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self.rank is not None and not self.use_collectives:
             plan = dataclasses.replace(plan, storage_data=_FilePrefix(f"__{self.rank}_"))
         return plan
 
-    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Runs once before any rank writes (on the coordinator; on every rank without collectives): take the
         directory over for this run (its first save there), refuse an existing checkpoint with ``overwrite=False``,
         else retire its ``.metadata`` so it reads as incomplete until the new one lands; then give every rank its
@@ -555,13 +572,11 @@ class _S3StorageWriterImpl(_S3Settings):
             for plan, prefix in zip(plans, prefixes, strict=True)
         ]
 
-    def write_data(self, plan: Any, planner: Any) -> Any:
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
         """Stream this rank's items into ``thread_count`` files, concurrently; every file is complete and durable when
         the returned future is set. On failure no file of this rank appears and the error is raised."""
-        torch = _torch()
-        types = _dcp_types()
         prefix: _FilePrefix = plan.storage_data
-        buckets = _split_items(self.thread_count, plan.items, types.WriteItemType.BYTE_IO)
+        buckets = _split_items(self.thread_count, plan.items, WriteItemType.BYTE_IO)
         files = [(f"{prefix.prefix}{n}{DCP_SHARD_SUFFIX}", bucket) for n, bucket in enumerate(buckets)]
         fence = _s3.DirectoryFence.following(self.s3, prefix.fence).once() if prefix.fence is not None else None
         cancelled = threading.Event()
@@ -586,10 +601,9 @@ class _S3StorageWriterImpl(_S3Settings):
         done.set_result(results)
         return done
 
-    def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commit: record the item checksums, then write ``.metadata`` with one PUT. DCP calls this on the
         coordinator only after every rank's `write_data` succeeded, i.e. once all files are durable."""
-        types = _dcp_types()
         storage_data: dict[Any, Any] = {}
         files: dict[str, dict[str, Any]] = {}
         for result in (r for rank_results in results for r in rank_results):
@@ -606,7 +620,7 @@ class _S3StorageWriterImpl(_S3Settings):
             if record.tensor is not None:
                 entry["byteorder"] = sys.byteorder  # of the tensor bytes: torch.save writes them as they are in memory
                 entry.setdefault("tensors", {})[str(record.info.offset)] = record.tensor
-        metadata.version = types.CURRENT_DCP_VERSION
+        metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()
         rank = self._metadata_rank()
@@ -692,24 +706,23 @@ class _S3StorageWriterImpl(_S3Settings):
         )
 
     def _write_file(
-        self, name: str, items: list[Any], planner: Any, cancelled: threading.Event, fence: Any = None
+        self, name: str, items: list[WriteItem], planner: SavePlanner, cancelled: threading.Event, fence: Any = None
     ) -> list[Any]:
-        types = _dcp_types()
         url = _join(self.path, name)
-        algorithm = _s3.checksum_algorithm(self.checksum_algorithm)
+        algorithm = _s3.ChecksumAlgorithm.named(self.checksum_algorithm)
         raw = self.s3.open_writer(
             url, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm, fence=fence
         )
         stream = _ItemStream(raw, cancelled)
-        ordered = [i for i in items if i.type == types.WriteItemType.BYTE_IO]
-        ordered += [i for i in items if i.type != types.WriteItemType.BYTE_IO]
+        ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
+        ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
         written: list[tuple[Any, int, int, _TensorSpan | None]] = []
         framings: dict[tuple[Any, ...], _Framing] = {}
         try:
             for item in ordered:
-                with _torch().no_grad():  # a DTensor's to_local() is then its local tensor, without autograd's apply
+                with torch.no_grad():  # a DTensor's to_local() is then its local tensor, without autograd's apply
                     data = planner.resolve_data(item)
-                if item.type == types.WriteItemType.BYTE_IO:
+                if item.type == WriteItemType.BYTE_IO:
                     stream.begin_item()
                     stream.write(data.getbuffer())
                 else:
@@ -739,11 +752,11 @@ class _S3StorageWriterImpl(_S3Settings):
         assert info is not None
         obj = _ObjectRecord(info.size, info.etag, next(iter(info.checksums.values()), ""))
         return [
-            types.WriteResult(
+            WriteResult(
                 index=item.index,
                 size_in_bytes=length,
                 storage_data=_ItemRecord(
-                    types.StorageInfo(name, offset, length),
+                    _StorageInfo(name, offset, length),
                     raw.checksum_of(offset, offset + length),  # from the upload's own pass: none of our own
                     algorithm.name,
                     obj,
@@ -754,11 +767,6 @@ class _S3StorageWriterImpl(_S3Settings):
             )
             for item, offset, length, span in written
         ]
-
-
-def _init_stager(writer: Any, cache_staged_state_dict: bool) -> None:
-    staging = _s3.import_optional_dependency("torch.distributed.checkpoint.staging", "distributed checkpoints")
-    staging.BlockingAsyncStager.__init__(writer, cache_staged_state_dict=cache_staged_state_dict)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -799,7 +807,6 @@ class _MetadataUnpickler(pickle.Unpickler):
         if name in _SAFE_METADATA_CLASSES.get(module, ()):
             return super().find_class(module, name)
         if module == "torch" and "." not in name:
-            torch = _torch()
             value = getattr(torch, name, None)
             if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
                 return value
@@ -813,10 +820,11 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointMetadataError(f"Refusing to load {self._url}: its pickle uses persistent ids")
 
 
-def load_metadata_bytes(data: bytes, url: str) -> Any:
+def load_metadata_bytes(data: bytes, url: str) -> Metadata:
     """Unpickle DCP ``.metadata`` bytes with the allow-list; anything else raises `UnsafeCheckpointMetadataError`."""
+    _require_dcp()
     metadata = _MetadataUnpickler(io.BytesIO(data), url).load()
-    if type(metadata) is not _dcp_types().Metadata:
+    if type(metadata) is not Metadata:
         raise UnsafeCheckpointMetadataError(
             f"{url} is not DCP metadata: it holds a {type(metadata).__name__}, not a Metadata object"
         )
@@ -887,8 +895,9 @@ class _TensorLayout:
     meta: Any
 
 
-def _record_start(stream: io.RawIOBase, record: zipfile.ZipInfo) -> int | None:
-    """Where a stored zip record's bytes start (after its local header), or None if no local header is there."""
+def zip_record_data_start(stream: io.RawIOBase, record: zipfile.ZipInfo) -> int | None:
+    """Where a stored (uncompressed) zip record's bytes start in `stream`, after its local header; None if no local
+    header is there. ``torch.save`` writes each storage as such a record (convert and the reader locate tensors so)."""
     stream.seek(record.header_offset)
     header = stream.read(30)
     if len(header) != 30 or header[:4] != b"PK\x03\x04":
@@ -903,7 +912,6 @@ def _tensor_layout(stream: io.RawIOBase) -> _TensorLayout | None:
 
     Records are read by offset, not through ``zipfile``'s reader: archives written without zip CRCs
     (`s3_checkpoint_io.torch_save_without_zip_crc32`; the item checksum covers their bytes) would fail its check."""
-    torch = _torch()
     try:
         with zipfile.ZipFile(stream) as archive:
             records = archive.infolist()
@@ -912,14 +920,14 @@ def _tensor_layout(stream: io.RawIOBase) -> _TensorLayout | None:
         if len(storages) != 1 or storages[0].compress_type != zipfile.ZIP_STORED:
             return None
         if order:
-            order_start = _record_start(stream, order[0])
+            order_start = zip_record_data_start(stream, order[0])
             if order_start is None or order[0].compress_type != zipfile.ZIP_STORED:
                 return None
             stream.seek(order_start)
             if stream.read(order[0].file_size) != sys.byteorder.encode():
                 return None
         record = storages[0]
-        start = _record_start(stream, record)
+        start = zip_record_data_start(stream, record)
         if start is None:
             return None
         stream.seek(0)
@@ -931,9 +939,8 @@ def _tensor_layout(stream: io.RawIOBase) -> _TensorLayout | None:
     return _TensorLayout(start, record.file_size, meta)
 
 
-def _decode_tensor(data: memoryview) -> Any:
+def _decode_tensor(data: memoryview) -> torch.Tensor:
     """The tensor stored in one item, as a view of `data` where its layout allows (no copy), else ``torch.load``."""
-    torch = _torch()
     layout = _tensor_layout(_ViewReader(data))
     if layout is not None and layout.nbytes and layout.start + layout.nbytes <= len(data):
         meta = layout.meta
@@ -958,7 +965,6 @@ class _RecordedSpan:
     def parsed(cls, record: Any, item_length: int) -> _RecordedSpan | None:
         """The span `record` describes, or None when it is malformed (a dtype by another name than torch's own
         included), lies outside its item of `item_length` bytes, or its byte count is not its shape's."""
-        torch = _torch()
         try:
             start, nbytes, checksum, dtype_name, shape = record
             dtype = getattr(torch, dtype_name)
@@ -982,7 +988,7 @@ class _RecordedSpan:
         span = cls.parsed(record, item_length) if stored is not None else None
         return span if span is not None and (span.shape, span.dtype) == (tuple(stored[0]), stored[1]) else None
 
-    def fills(self, target: Any, request: Any) -> bool:
+    def fills(self, target: torch.Tensor, request: ReadItem) -> bool:
         """Whether `request` reads the whole stored tensor into the whole of `target`, a contiguous CPU tensor of the
         same dtype and shape: then its bytes can be copied (or read) as they are."""
         return (
@@ -1002,12 +1008,11 @@ class _SpanBytes:
     data: memoryview
     span: _RecordedSpan
 
-    def fills(self, target: Any, request: Any) -> bool:
+    def fills(self, target: torch.Tensor, request: ReadItem) -> bool:
         return self.span.fills(target, request)
 
-    def tensor(self) -> Any:
+    def tensor(self) -> torch.Tensor:
         """The bytes as a tensor (a view of the buffer where its elements are aligned, else a copy)."""
-        torch = _torch()
         raw = torch.frombuffer(self.data, dtype=torch.uint8)
         if raw.data_ptr() % self.span.dtype.itemsize:
             raw = raw.clone()  # torch views need aligned elements; items are packed without padding
@@ -1017,7 +1022,6 @@ class _SpanBytes:
 def _unzeroed_buffer(nbytes: int) -> Any:
     """A writable byte buffer of `nbytes` whose memory is not zeroed first (a ``bytearray`` would be: one more pass
     over every buffered byte, on the consuming thread, before the GETs overwrite them all)."""
-    torch = _torch()
     return torch.empty(nbytes, dtype=torch.uint8).numpy()
 
 
@@ -1047,7 +1051,7 @@ def _scatter(group: _Group, chunk: int) -> bool:
             position += wanted
         if item.fill is not None:
             head, tail = item.fill.start, item.length - item.fill.start - item.fill.nbytes
-            item.parts = [memoryview(bytearray(head)), _writable_view(item.target), memoryview(bytearray(tail))]
+            item.parts = [memoryview(bytearray(head)), tensor_bytes_view(item.target), memoryview(bytearray(tail))]
         else:
             item.parts = [memoryview(_unzeroed_buffer(item.length))]
         views += item.parts
@@ -1056,8 +1060,9 @@ def _scatter(group: _Group, chunk: int) -> bool:
     return True
 
 
-def _writable_view(tensor: Any) -> memoryview:
-    """The bytes of a contiguous CPU tensor as a writable memoryview (socket reads land in the tensor itself)."""
+def tensor_bytes_view(tensor: Any) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a writable memoryview of its own memory (no copy): socket reads land
+    in the tensor itself, and uploads read from it. The caller keeps the tensor alive while the view is used."""
     nbytes = tensor.numel() * tensor.element_size()
     return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
 
@@ -1112,13 +1117,32 @@ class _Group:
     futures: list[Future[list[int]]] = dataclasses.field(default_factory=list)
 
 
-class _S3StorageReaderImpl(_S3Settings):
-    """`S3StorageReader`'s behaviour; the public class adds DCP's ``StorageReader`` base when first accessed."""
+class S3StorageReader(_CheckpointPrefix, StorageReader):
+    """A ``torch.distributed.checkpoint`` StorageReader for ``s3://`` checkpoints (see the module docstring).
 
-    _live_attributes = ("storage_data", "_records", "_file_progress")
+    Reads checkpoints written by `S3StorageWriter` and by torch's own writers (uploaded as files).
+
+    Args:
+        path: ``s3://bucket/prefix`` of the checkpoint; ``dcp.load(checkpoint_id=...)`` replaces it.
+        chunk_size_MB: the largest ranged GET, in MiB; bigger items are fetched as several ranges in parallel.
+        max_read_concurrency: parallel ranged GETs per rank.
+        coalesce_gap_MB: items of one file closer than this are fetched by one GET.
+        direct_read_min_MB: tensor items at least this large are read straight into their target tensors when the
+            target is a whole, contiguous CPU tensor of the stored dtype and shape (one copy per byte, not three).
+        endpoint_url, region_name, client_settings, retry_policy, s3_utils: how to reach S3 (as `S3CheckpointIO`).
+        request_options: expected bucket owner, requester pays (`s3_utils.S3RequestOptions`); not with `s3_utils`.
+        max_requests_per_second: the whole job's budget of S3 requests per second (as `S3CheckpointIO`); not with
+            `s3_utils`.
+    """
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Settings travel (`S3Utils` pickles as its settings and retry policy); what a load read does not."""
+        state = {**self.__dict__, "storage_data": None, "_records": None, "_file_progress": None}
+        del state["_stats_lock"]
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
+        self.__dict__.update(state)
         self._stats_lock = threading.Lock()
 
     def __init__(
@@ -1142,6 +1166,17 @@ class _S3StorageReaderImpl(_S3Settings):
             raise ValueError(f"coalesce_gap_MB must be >= 0, got {coalesce_gap_MB!r}")
         if not direct_read_min_MB >= 0:
             raise ValueError(f"direct_read_min_MB must be >= 0, got {direct_read_min_MB!r}")
+        self.s3 = _s3.S3Utils.from_arguments(
+            s3_utils=s3_utils,
+            client_settings=client_settings,
+            endpoint_url=endpoint_url,
+            region_name=region_name,
+            retry_policy=retry_policy,
+            request_options=request_options,
+            max_requests_per_second=max_requests_per_second,
+            max_pool_connections=max_read_concurrency,
+            caller="S3StorageReader",
+        )
         super().__init__()
         self.path = _checkpoint_url(path)
         self.chunk_size_MB = chunk_size_MB
@@ -1159,28 +1194,8 @@ class _S3StorageReaderImpl(_S3Settings):
         self.stats = {"requests": 0, "bytes": 0, "direct_items": 0, "recorded_spans": 0}
         """Ranged GETs and bytes fetched by `read_data`, items read straight into their targets, and tensor items
         located through the span the writer recorded, read straight or buffered (for tests and benchmarks)."""
-        self._remember_utils(
-            _make_utils(
-                s3_utils,
-                client_settings,
-                endpoint_url,
-                region_name,
-                retry_policy,
-                max_read_concurrency,
-                request_options,
-                max_requests_per_second,
-            )
-        )
 
     # ---- StorageReader --------------------------------------------------------------------------------------------
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return _S3StorageWriterImpl.validate_checkpoint_id(checkpoint_id)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = None
@@ -1189,7 +1204,7 @@ class _S3StorageReaderImpl(_S3Settings):
             self.path = _checkpoint_url(checkpoint_id)
         self.load_id = str(uuid.uuid4())
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Download and verify ``.metadata`` (``__{rank}.metadata`` when DCP passes a rank) and unpickle it with the
         allow-list."""
         rank = kwargs.get("rank")
@@ -1200,38 +1215,36 @@ class _S3StorageReaderImpl(_S3Settings):
         except FileNotFoundError as exc:
             raise self._incomplete(url) from exc
         metadata = load_metadata_bytes(data, url)
-        types = _dcp_types()
         if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = types.StorageMeta()
+            metadata.storage_meta = StorageMeta()
         self._save_id = metadata.storage_meta.save_id
         metadata.storage_meta.load_id = self.load_id
         self._metadata_rank = rank
         return metadata
 
-    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
         if self.storage_data is None:
             raise ValueError(f"{_join(self.path, METADATA_NAME)} has no storage data: not a DCP checkpoint")
 
-    def prepare_local_plan(self, plan: Any) -> Any:
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
 
-    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def read_data(self, plan: Any, planner: Any) -> Any:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         """Fetch the items of `plan` with parallel ranged GETs, verify them, and hand them to the planner: large
         tensors straight into their targets, the rest through buffers of coalesced ranges."""
-        torch = _torch()
         with torch.no_grad():  # targets are written in place; a DTensor's to_local() then skips autograd's apply
             self._read_plan(plan, planner)
         done_future = torch.futures.Future()
         done_future.set_result(None)
         return done_future
 
-    def _read_plan(self, plan: Any, planner: Any) -> None:
+    def _read_plan(self, plan: Any, planner: LoadPlanner) -> None:
         self._file_progress: dict[str, list[Any]] = {}  # file: [reads not yet verified, (offset, length, crc)...]
         groups, direct = self._plan_groups(plan.items, planner)
         chunk = int(self.chunk_size_MB * _s3.MB)
@@ -1285,7 +1298,7 @@ class _S3StorageReaderImpl(_S3Settings):
         self._records = record.get("files", {})
         return self._records
 
-    def _plan_groups(self, requests: Iterable[Any], planner: Any) -> tuple[list[_Group], list[_DirectRead]]:
+    def _plan_groups(self, requests: Iterable[Any], planner: LoadPlanner) -> tuple[list[_Group], list[_DirectRead]]:
         """Group the requests by item and file: coalesced buffered groups, and the items to read into targets."""
         assert self.storage_data is not None
         per_file: dict[str, dict[tuple[int, int], _Item]] = {}
@@ -1336,15 +1349,14 @@ class _S3StorageReaderImpl(_S3Settings):
         return groups, direct
 
     def _direct_read(
-        self, relative_path: str, url: str, item: _Item, etag: str | None, record: dict[str, Any], planner: Any
+        self, relative_path: str, url: str, item: _Item, etag: str | None, record: dict[str, Any], planner: LoadPlanner
     ) -> _DirectRead | None:
         """A plan to read `item` straight into its target, when it is one large tensor whose target is a whole,
         contiguous CPU tensor (checked again against the stored layout before any tensor byte is fetched)."""
-        types = _dcp_types()
         if len(item.requests) != 1 or item.length < max(self.direct_read_min_MB * _s3.MB, 1):
             return None
         request = item.requests[0]
-        if request.type != types.LoadItemType.TENSOR or any(request.storage_offsets):
+        if request.type != LoadItemType.TENSOR or any(request.storage_offsets):
             return None
         target = planner.resolve_tensor(request).detach()
         item.target = target
@@ -1361,12 +1373,11 @@ class _S3StorageReaderImpl(_S3Settings):
         framing = min(overhead, item.length)
         return _DirectRead(relative_path, url, item, etag, record, bytearray(framing), bytearray(framing))
 
-    def _plan_fill(self, item: _Item, planner: Any) -> None:
+    def _plan_fill(self, item: _Item, planner: LoadPlanner) -> None:
         """Mark a buffered item whose recorded span is the whole stored tensor of its one request, with a whole,
         contiguous CPU target of that dtype and shape: its group's GET then puts the tensor bytes straight into the
         target (its framing into small buffers), and they are checked against the span's and the item's checksums."""
-        types = _dcp_types()
-        if item.span is None or len(item.requests) != 1 or item.requests[0].type != types.LoadItemType.TENSOR:
+        if item.span is None or len(item.requests) != 1 or item.requests[0].type != LoadItemType.TENSOR:
             return
         request = item.requests[0]
         span = _RecordedSpan.checked(item.span, item.length, _stored_chunk(planner, request))
@@ -1398,7 +1409,7 @@ class _S3StorageReaderImpl(_S3Settings):
         checksum when one is recorded; otherwise read what is needed, unverified, with a warning."""
         info = self.s3.head_object(url)
         recorded = self.s3.recorded_checksum(info)
-        expected = None if recorded is None else (_s3.checksum_algorithm(recorded.algorithm), recorded.value)
+        expected = None if recorded is None else (_s3.ChecksumAlgorithm.named(recorded.algorithm), recorded.value)
         if expected is None:
             logger.warning("%s has no recorded checksum (written by another tool?): loading it unverified", url)
             return self._coalesce(url, relative_path, items, gap, limit, info.etag or None)
@@ -1452,14 +1463,14 @@ class _S3StorageReaderImpl(_S3Settings):
 
     def _submit_direct(self, pool: ThreadPoolExecutor, read: _DirectRead, chunk: int) -> None:
         assert read.layout is not None
-        view = _writable_view(read.item.target)
+        view = tensor_bytes_view(read.item.target)
         start = read.item.offset + read.layout.start
         algorithm = _algorithm_of(self._records, read.relative_path)
         for offset in range(0, len(view), chunk):
             piece = view[offset : offset + chunk]
             read.futures.append(pool.submit(self._fetch_into, read.url, start + offset, piece, read.etag, algorithm))
 
-    def _consume_direct(self, read: _DirectRead, planner: Any, chunk: int) -> None:
+    def _consume_direct(self, read: _DirectRead, planner: LoadPlanner, chunk: int) -> None:
         """Wait for an item's tensor bytes, verify the whole item (framing and tensor) against its recorded checksum,
         and commit the target."""
         assert read.layout is not None
@@ -1470,10 +1481,9 @@ class _S3StorageReaderImpl(_S3Settings):
             planner.commit_tensor(item.requests[0], item.target)
             return
         tail_from = layout.start + layout.nbytes - (item.length - len(read.tail))
-        actual = _pieces_checksum(read, algorithm, chunk, _checksum(algorithm, memoryview(read.head)[: layout.start]))
-        actual = algorithm.combine(
-            actual, _checksum(algorithm, memoryview(read.tail)[tail_from:]), len(read.tail) - tail_from
-        )
+        head, tail = memoryview(read.head)[: layout.start], memoryview(read.tail)[tail_from:]
+        pieces = [(_s3.checksum_of(algorithm, head), len(head)), *_tensor_pieces(read, chunk)]
+        actual = _s3.combine_checksums(algorithm, [*pieces, (_s3.checksum_of(algorithm, tail), len(tail))])
         self._accept_item(read.url, read.relative_path, item, algorithm, actual)
         self._check_whole_file(read, algorithm)
         with self._stats_lock:
@@ -1484,7 +1494,7 @@ class _S3StorageReaderImpl(_S3Settings):
         """Check a tensor read through its recorded span against the checksum recorded for those bytes. The item's
         framing was not read, so the file's whole-file check is skipped (its items' checks cover what was read)."""
         assert read.layout is not None and read.recorded is not None
-        actual = _pieces_checksum(read, algorithm, chunk)
+        actual = _s3.combine_checksums(algorithm, _tensor_pieces(read, chunk))
         if actual != read.recorded:
             start = read.item.offset + read.layout.start
             raise _s3.ChecksumMismatchError(
@@ -1515,7 +1525,7 @@ class _S3StorageReaderImpl(_S3Settings):
     def _fetch_into(self, url: str, start: int, view: memoryview, etag: str | None, algorithm: Any) -> int:
         """Read bytes [start, start + len(view)) of `url` into `view`; their checksum (0 without `algorithm`)."""
         self._get_range(url, start, [view], etag)
-        return _checksum(algorithm, view)
+        return _s3.checksum_of(algorithm, view)
 
     def _get_range(self, url: str, start: int, views: list[memoryview], etag: str | None) -> None:
         """Fill `views` in order with the bytes of `url` from `start` on, in one ranged GET."""
@@ -1523,7 +1533,7 @@ class _S3StorageReaderImpl(_S3Settings):
         try:
             filled = self.s3.read_range_into(url, start, views, etag=etag) if length else 0
         except Exception as exc:
-            if _error_code(exc) in {"PreconditionFailed", "412"}:
+            if _s3.error_code(exc) in {"PreconditionFailed", "412"}:
                 raise _s3.ChecksumMismatchError(
                     f"{url} was replaced after the checkpoint was written (its ETag is no longer {etag}): do not use "
                     "this checkpoint"
@@ -1567,7 +1577,7 @@ class _S3StorageReaderImpl(_S3Settings):
             group.url, start, memoryview(group.buffer)[start - group.start : end - group.start], group.etag, None
         )
         whole = memoryview(group.buffer)
-        return [_checksum(algorithm, whole[lo:hi]) for lo, hi in segments]
+        return [_s3.checksum_of(algorithm, whole[lo:hi]) for lo, hi in segments]
 
     def _fetch_scattered(self, group: _Group, algorithm: Any) -> list[tuple[int, int | None]]:
         """One GET of a scattered group (`_scatter`); each item's checksum, and its span's where it was filled."""
@@ -1578,14 +1588,14 @@ class _S3StorageReaderImpl(_S3Settings):
         checksums: list[tuple[int, int | None]] = []
         for item in group.items:
             if item.fill is None:
-                checksums.append((_checksum(algorithm, item.parts[0]), None))
+                checksums.append((_s3.checksum_of(algorithm, item.parts[0]), None))
                 continue
-            head, tensor, tail = (_checksum(algorithm, part) for part in item.parts)
+            head, tensor, tail = (_s3.checksum_of(algorithm, part) for part in item.parts)
             whole = algorithm.combine(algorithm.combine(head, tensor, item.fill.nbytes), tail, len(item.parts[2]))
             checksums.append((whole, tensor))
         return checksums
 
-    def _consume_scattered(self, group: _Group, planner: Any) -> None:
+    def _consume_scattered(self, group: _Group, planner: LoadPlanner) -> None:
         """Verify a scattered group's items (each whole, and each filled tensor against its span's checksum), then
         commit the filled targets and load the other items from their buffers."""
         (checksums,) = [future.result() for future in group.futures]
@@ -1605,7 +1615,7 @@ class _S3StorageReaderImpl(_S3Settings):
                 self.stats["recorded_spans"] += 1
         group.views = None
 
-    def _consume(self, group: _Group, planner: Any) -> None:
+    def _consume(self, group: _Group, planner: LoadPlanner) -> None:
         """Wait for a group's bytes, verify them, and load its items into the planner's tensors."""
         if group.views is not None:
             self._consume_scattered(group, planner)
@@ -1668,23 +1678,22 @@ class _S3StorageReaderImpl(_S3Settings):
                 f"{record['checksum']} was recorded when the checkpoint was written. Do not use it."
             )
 
-    def _load_item(self, data: memoryview, item: _Item, planner: Any, group: _Group) -> None:
-        types = _dcp_types()
+    def _load_item(self, data: memoryview, item: _Item, planner: LoadPlanner, group: _Group) -> None:
         tensor = span = None
         for request in item.requests:
-            if request.type == types.LoadItemType.BYTE_IO:
+            if request.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(request, io.BytesIO(data))
                 continue
             if span is None and tensor is None and item.span is not None:
                 span = self._span_bytes(data, item, group, _stored_chunk(planner, request))
             target = item.target if item.target is not None else planner.resolve_tensor(request).detach()
             if span is not None and span.fills(target, request):
-                _writable_view(target)[:] = span.data  # the whole stored tensor into the whole target: one copy
+                tensor_bytes_view(target)[:] = span.data  # the whole stored tensor into the whole target: one copy
                 planner.commit_tensor(request, target)
                 continue
             if tensor is None:
                 tensor = span.tensor() if span is not None else _decode_tensor(data)
-            piece = types.narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths)
+            piece = narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths)
             if target.size() != piece.size():
                 raise ValueError(
                     f"{_join(self.path, self.storage_data[request.storage_index].relative_path)}: item "  # type: ignore[index]
@@ -1727,17 +1736,15 @@ class _S3StorageReaderImpl(_S3Settings):
         )
 
 
-def _pieces_checksum(read: _DirectRead, algorithm: Any, chunk: int, before: int = 0) -> int:
-    """The checksum of `before`'s bytes followed by a direct read's tensor bytes, combined from the checksums the
-    fetching threads took of each `chunk`-sized piece."""
+def _tensor_pieces(read: _DirectRead, chunk: int) -> list[tuple[int, int]]:
+    """``(checksum, length)`` of each `chunk`-sized piece of a direct read's tensor bytes, as its fetching threads
+    computed them (for `s3_utils.combine_checksums`)."""
     assert read.layout is not None
-    actual = before
-    for n, future in enumerate(read.futures):
-        actual = algorithm.combine(actual, future.result(), min(chunk, read.layout.nbytes - n * chunk))
-    return actual
+    nbytes = read.layout.nbytes
+    return [(future.result(), min(chunk, nbytes - n * chunk)) for n, future in enumerate(read.futures)]
 
 
-def _stored_chunk(planner: Any, request: Any) -> tuple[tuple[int, ...], Any] | None:
+def _stored_chunk(planner: LoadPlanner, request: Any) -> tuple[tuple[int, ...], Any] | None:
     """The sizes and dtype ``.metadata`` records for the stored chunk a read request reads from (None where the
     planner does not expose the metadata, as DCP's default load planner does)."""
     index = request.storage_index
@@ -1767,26 +1774,10 @@ def _span_for_target(item: _Item, target: Any) -> _RecordedSpan | None:
     return span if span is not None and (span.dtype, span.shape) == (target.dtype, tuple(target.shape)) else None
 
 
-def _error_code(exc: BaseException) -> str:
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        return str(response.get("Error", {}).get("Code", ""))
-    return ""
-
-
-def _algorithm_of(records: dict[str, Any] | None, relative_path: str) -> Any:
+def _algorithm_of(records: dict[str, Any] | None, relative_path: str) -> _s3.ChecksumAlgorithm | None:
     if records and relative_path in records:
-        return _s3.checksum_algorithm(records[relative_path]["algorithm"])
+        return _s3.ChecksumAlgorithm.named(records[relative_path]["algorithm"])
     return None
-
-
-def _checksum(algorithm: Any, view: memoryview) -> int:
-    if algorithm is None:
-        return 0
-    value = 0
-    for start in range(0, len(view), 64 * _s3.MB):
-        value = algorithm.update(view[start : start + 64 * _s3.MB], value)
-    return value
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1804,45 +1795,6 @@ def _checksum(algorithm: Any, view: memoryview) -> int:
 # and so ``.metadata``, are identical to the default planners' (tests/test_dcp_planner.py compares them).
 
 
-@dataclass(frozen=True)
-class _PlannerTypes:
-    DTensor: type
-    Shard: type
-    Replicate: type
-    Tensor: tuple[type, ...]
-    Size: type
-    WriteItem: type
-    WriteItemType: Any
-    TensorWriteData: type
-    ChunkStorageMetadata: type
-    TensorProperties: Any
-    MetadataIndex: type
-    TensorStorageMetadata: type
-
-
-@functools.cache
-def _planner_types() -> _PlannerTypes:
-    torch = _torch()
-    feature = "distributed checkpoints"
-    tensor = _s3.import_optional_dependency("torch.distributed.tensor", feature)
-    planner = _s3.import_optional_dependency("torch.distributed.checkpoint.planner", feature)
-    metadata = _s3.import_optional_dependency("torch.distributed.checkpoint.metadata", feature)
-    return _PlannerTypes(
-        DTensor=tensor.DTensor,
-        Shard=tensor.Shard,
-        Replicate=tensor.Replicate,
-        Tensor=(torch.Tensor, torch.nn.Parameter),
-        Size=torch.Size,
-        WriteItem=planner.WriteItem,
-        WriteItemType=planner.WriteItemType,
-        TensorWriteData=planner.TensorWriteData,
-        ChunkStorageMetadata=metadata.ChunkStorageMetadata,
-        TensorProperties=metadata.TensorProperties,
-        MetadataIndex=metadata.MetadataIndex,
-        TensorStorageMetadata=metadata.TensorStorageMetadata,
-    )
-
-
 def _shard_chunk(
     global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...], placements: tuple[Any, ...]
 ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -1853,16 +1805,15 @@ def _shard_chunk(
     Mesh dimensions apply left to right, each splitting what the earlier ones left as ``torch.chunk`` does
     (``Shard.local_shard_size_and_offset``): chunks of ceil(n / k), the last ones short or empty. An empty shard's
     offset along its dimension is the global size there, as torch records it."""
-    types = _planner_types()
     if not len(mesh_shape) == len(coordinate) == len(placements) or any(type(n) is not int for n in global_shape):
         return None  # symbolic sizes (tracing) are torch's business
     sizes = list(global_shape)
     offsets = [0] * len(sizes)
     for placement, count, rank in zip(placements, mesh_shape, coordinate, strict=True):
         kind = type(placement)
-        if kind is types.Replicate:
+        if kind is Replicate:
             continue
-        if kind is not types.Shard or type(count) is not int or type(rank) is not int or not 0 <= rank < count:
+        if kind is not Shard or type(count) is not int or type(rank) is not int or not 0 <= rank < count:
             return None
         dim = placement.dim
         if type(dim) is not int or not 0 <= dim < len(sizes):
@@ -1883,11 +1834,10 @@ class _PlannedDTensor:
     __slots__ = ("asked", "dtensor", "local", "offsets", "sizes")
 
     def __init__(self, dtensor: Any, local: Any, sizes: tuple[int, ...], offsets: tuple[int, ...]) -> None:
-        types = _planner_types()
         self.dtensor = dtensor
         self.local = local
-        self.sizes = types.Size(sizes)
-        self.offsets = types.Size(offsets)
+        self.sizes = torch.Size(sizes)
+        self.offsets = torch.Size(offsets)
         self.asked = False
 
     def size(self, *dim: int) -> Any:
@@ -1895,15 +1845,14 @@ class _PlannedDTensor:
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
         """What torch's ``_create_write_items_for_dtensor`` builds, field for field."""
-        types = _planner_types()
         self.asked = True
         return [
-            types.WriteItem(
-                index=types.MetadataIndex(fqn, self.offsets),
-                type=types.WriteItemType.SHARD,
-                tensor_data=types.TensorWriteData(
-                    chunk=types.ChunkStorageMetadata(offsets=self.offsets, sizes=self.sizes),
-                    properties=types.TensorProperties.create_from_tensor(self.local),
+            WriteItem(
+                index=MetadataIndex(fqn, self.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=self.offsets, sizes=self.sizes),
+                    properties=TensorProperties.create_from_tensor(self.local),
                     size=self.dtensor.size(),
                 ),
             )
@@ -1912,20 +1861,19 @@ class _PlannedDTensor:
     def __create_chunk_list__(self) -> list[Any]:
         """What torch's ``_create_chunk_from_dtensor`` builds."""
         self.asked = True
-        return [_planner_types().ChunkStorageMetadata(offsets=self.offsets, sizes=self.sizes)]
+        return [ChunkStorageMetadata(offsets=self.offsets, sizes=self.sizes)]
 
 
 def _stand_in(value: Any) -> _PlannedDTensor | None:
     """A `_PlannedDTensor` for `value` if it is a DTensor whose chunk `_shard_chunk` computes, else None."""
-    types = _planner_types()
-    if not isinstance(value, types.DTensor):
+    if not isinstance(value, DTensor):
         return None
     mesh = value.device_mesh
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # not on this rank's mesh: torch's planners skip it
         return None
     local = value.to_local()
-    if type(local) not in types.Tensor:  # a tensor subclass (fake, simulated ranks, its own checkpoint hooks)
+    if type(local) not in (torch.Tensor, torch.nn.Parameter):  # a subclass (fake, simulated ranks, own hooks)
         return None
     chunk = _shard_chunk(tuple(value.shape), tuple(mesh.shape), tuple(coordinate), tuple(value.placements))
     if chunk is None or chunk[0] != tuple(local.shape):  # a local tensor that disagrees: torch records what it says
@@ -1971,26 +1919,8 @@ class _ArithmeticChunksPlanner:
         return make_plan()
 
 
-class _S3SavePlannerImpl(_ArithmeticChunksPlanner):
-    def create_local_plan(self) -> Any:
-        return self._plan_with_stand_ins(super().create_local_plan, lambda fqn: True)  # type: ignore[misc]
-
-
-class _S3LoadPlannerImpl(_ArithmeticChunksPlanner):
-    metadata: Any
-
-    def create_local_plan(self) -> Any:
-        types = _planner_types()
-        saved = self.metadata.state_dict_metadata if self.metadata is not None else {}
-
-        def must_ask(fqn: str) -> bool:  # torch skips keys the checkpoint lacks, and reads byte items as bytes
-            return isinstance(saved.get(fqn), types.TensorStorageMetadata)
-
-        with _torch().no_grad():  # a DTensor's to_local() is then its local tensor, without autograd's apply
-            return self._plan_with_stand_ins(super().create_local_plan, must_ask)  # type: ignore[misc]
-
-
-_SAVE_PLANNER_DOC = """torch's ``DefaultSavePlanner`` (same arguments, same plans, same ``.metadata``) computing each
+class S3SavePlanner(_ArithmeticChunksPlanner, DefaultSavePlanner):
+    """torch's ``DefaultSavePlanner`` (same arguments, same plans, same ``.metadata``) computing each
     DTensor's chunk with integer arithmetic instead of torch's per-row index tensor (8 bytes per element of a 1-D
     shard).
 
@@ -1999,7 +1929,12 @@ _SAVE_PLANNER_DOC = """torch's ``DefaultSavePlanner`` (same arguments, same plan
         dcp.save(state, storage_writer=S3StorageWriter(url), planner=S3SavePlanner())
     """
 
-_LOAD_PLANNER_DOC = """torch's ``DefaultLoadPlanner`` (same arguments, same plans) computing each DTensor's chunk with
+    def create_local_plan(self) -> SavePlan:
+        return self._plan_with_stand_ins(super().create_local_plan, lambda fqn: True)  # type: ignore[misc]
+
+
+class S3LoadPlanner(_ArithmeticChunksPlanner, DefaultLoadPlanner):
+    """torch's ``DefaultLoadPlanner`` (same arguments, same plans) computing each DTensor's chunk with
     integer arithmetic instead of torch's per-row index tensor.
 
     For any storage reader; `S3ShardedStrategyMixin` uses it by default. Pass it where you call DCP yourself::
@@ -2007,19 +1942,14 @@ _LOAD_PLANNER_DOC = """torch's ``DefaultLoadPlanner`` (same arguments, same plan
         dcp.load(state, storage_reader=S3StorageReader(url), planner=S3LoadPlanner())
     """
 
+    def create_local_plan(self) -> LoadPlan:
+        saved = self.metadata.state_dict_metadata if self.metadata is not None else {}
 
-@functools.cache
-def _build_save_planner_class() -> type:
-    default = _s3.import_optional_dependency("torch.distributed.checkpoint.default_planner", "distributed checkpoints")
-    namespace = {"__module__": __name__, "__qualname__": "S3SavePlanner", "__doc__": _SAVE_PLANNER_DOC}
-    return type("S3SavePlanner", (_S3SavePlannerImpl, default.DefaultSavePlanner), namespace)
+        def must_ask(fqn: str) -> bool:  # torch skips keys the checkpoint lacks, and reads byte items as bytes
+            return isinstance(saved.get(fqn), TensorStorageMetadata)
 
-
-@functools.cache
-def _build_load_planner_class() -> type:
-    default = _s3.import_optional_dependency("torch.distributed.checkpoint.default_planner", "distributed checkpoints")
-    namespace = {"__module__": __name__, "__qualname__": "S3LoadPlanner", "__doc__": _LOAD_PLANNER_DOC}
-    return type("S3LoadPlanner", (_S3LoadPlannerImpl, default.DefaultLoadPlanner), namespace)
+        with torch.no_grad():  # a DTensor's to_local() is then its local tensor, without autograd's apply
+            return self._plan_with_stand_ins(super().create_local_plan, must_ask)  # type: ignore[misc]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -2079,74 +2009,68 @@ class S3ShardedStrategyMixin:
         _validate_sizes(options["chunk_size_MB"], options["max_write_concurrency"], "max_write_concurrency")
         _validate_sizes(options["chunk_size_MB"], options["max_read_concurrency"], "max_read_concurrency")
         _s3.validate_checksum_algorithm(options["checksum_algorithm"])
-        options["max_requests_per_second"] = _s3.RequestRates.from_value(options["max_requests_per_second"])
+        self.s3 = _s3.S3Utils.from_arguments(
+            client_settings=options["client_settings"],
+            endpoint_url=options["endpoint_url"],
+            region_name=options["region_name"],
+            retry_policy=options["retry_policy"],
+            max_requests_per_second=options["max_requests_per_second"],
+            max_pool_connections=max(
+                options["max_read_concurrency"], options["thread_count"] * options["max_write_concurrency"]
+            ),
+            user_agent_extra=_ckpt_io.lightning_user_agent(),
+            caller=type(self).__name__,
+        )
+        """How this strategy reaches S3: its `S3CheckpointIO`, `S3StorageWriter` and `S3StorageReader` share it."""
+        options["max_requests_per_second"] = self.s3.settings.max_requests_per_second
         super().__init__(*args, **kwargs)
         self.s3_options = options
-        self._s3_io: Any = None
+        self._s3_io: _ckpt_io.S3CheckpointIO | None = None
 
     # ---- helpers --------------------------------------------------------------------------------------------------
 
-    def _s3_settings(self) -> tuple[_s3.S3ClientSettings, _s3.RetryPolicy | None]:
-        o = self.s3_options
-        connections = max(o["max_read_concurrency"], o["thread_count"] * o["max_write_concurrency"])
-        settings = o["client_settings"] or _s3.S3ClientSettings(
-            endpoint_url=o["endpoint_url"], region_name=o["region_name"], max_pool_connections=max(32, connections + 4)
-        )
-        if o["max_requests_per_second"] is not None:
-            settings = dataclasses.replace(settings, max_requests_per_second=o["max_requests_per_second"])
-        return settings, o["retry_policy"]
-
     @property
-    def s3_checkpoint_io(self) -> Any:
+    def s3_checkpoint_io(self) -> _ckpt_io.S3CheckpointIO:
         """The `S3CheckpointIO` that writes full checkpoints and ``meta.pt`` (built on first use)."""
         if self._s3_io is None:
-            settings, policy = self._s3_settings()
             o = self.s3_options
             self._s3_io = _ckpt_io.S3CheckpointIO(
                 chunk_size_MB=o["chunk_size_MB"],
                 max_read_concurrency=o["max_read_concurrency"],
                 max_write_concurrency=o["max_write_concurrency"],
                 checksum_algorithm=o["checksum_algorithm"],
-                client_settings=settings,
-                retry_policy=policy,
+                s3_utils=self.s3,
                 fencing=o["fencing"],
             )
         return self._s3_io
 
-    def s3_storage_writer(self, path: str) -> Any:
-        settings, policy = self._s3_settings()
+    def s3_storage_writer(self, path: str) -> S3StorageWriter:
         o = self.s3_options
-        return _build_writer_class()(
+        return S3StorageWriter(
             path,
             chunk_size_MB=o["chunk_size_MB"],
             max_write_concurrency=o["max_write_concurrency"],
             thread_count=o["thread_count"],
             checksum_algorithm=o["checksum_algorithm"],
-            client_settings=settings,
-            retry_policy=policy,
+            s3_utils=self.s3,
             fencing=o["fencing"],
         )
 
-    def s3_storage_reader(self, path: str) -> Any:
-        settings, policy = self._s3_settings()
+    def s3_storage_reader(self, path: str) -> S3StorageReader:
         o = self.s3_options
-        return _build_reader_class()(
+        return S3StorageReader(
             path,
             chunk_size_MB=o["chunk_size_MB"],
             max_read_concurrency=o["max_read_concurrency"],
-            client_settings=settings,
-            retry_policy=policy,
+            s3_utils=self.s3,
         )
 
-    def _s3(self) -> _s3.S3Utils:
-        return self.s3_checkpoint_io.s3
-
-    def _dcp_planner(self, direction: str) -> Any:
+    def _dcp_planner(self, direction: str) -> S3SavePlanner | S3LoadPlanner | None:
         """`S3SavePlanner()` / `S3LoadPlanner()` (``direction`` "save" / "load"), or None (torch's default) with
         ``s3_planners=False``."""
         if not self.s3_options["s3_planners"]:
             return None
-        return (_build_save_planner_class if direction == "save" else _build_load_planner_class)()()
+        return S3SavePlanner() if direction == "save" else S3LoadPlanner()
 
     def _saves_sharded(self) -> bool:
         if self._s3_kind == "fsdp":
@@ -2157,7 +2081,7 @@ class S3ShardedStrategyMixin:
         """Whether `url` is a complete DCP checkpoint (rank 0 asks, every rank gets the answer)."""
         found = None
         if self.is_global_zero:  # type: ignore[attr-defined]
-            found = self._s3().s3_path_exists(_join(url, METADATA_NAME))
+            found = self.s3.s3_path_exists(_join(url, METADATA_NAME))
         return bool(self.broadcast(found))  # type: ignore[attr-defined]
 
     # ---- save / load / remove -------------------------------------------------------------------------------------
@@ -2176,7 +2100,7 @@ class S3ShardedStrategyMixin:
 
             def save_full() -> None:
                 sharded = url + "/"  # a sharded checkpoint of the same name
-                self._s3().remove_objects_with_prefix(sharded, fence=io._fence_for(url))
+                self.s3.remove_objects_with_prefix(sharded, fence=io.fence_for(url))
                 io.save_checkpoint(checkpoint, url)
 
             self._on_rank_zero(save_full, f"saving {url}")
@@ -2186,18 +2110,15 @@ class S3ShardedStrategyMixin:
         converted.update({f"optimizer_{n}": state for n, state in enumerate(checkpoint.pop("optimizer_states", []))})
 
         def save_meta() -> None:
-            fence = io._fence_for(url)  # the directory holding the checkpoint, checked once for all of this
-            io._fence_override = checked = fence.once() if fence is not None else None
-            try:
-                self._s3().remove_object(url, fence=checked)  # a full checkpoint of the same name
-                self._s3().remove_object(_join(url, METADATA_NAME), fence=checked)  # an older one is now incomplete
+            fence = io.fence_for(url)  # the directory holding the checkpoint, checked once for all of this
+            checked = fence.once() if fence is not None else None
+            with io.using_fence(checked):
+                self.s3.remove_object(url, fence=checked)  # a full checkpoint of the same name
+                self.s3.remove_object(_join(url, METADATA_NAME), fence=checked)  # an older one is now incomplete
                 io.save_checkpoint(checkpoint, _join(url, LIGHTNING_META_NAME))
                 io.wait_for_pending_saves()
-            finally:
-                io._fence_override = None
 
         self._on_rank_zero(save_meta, f"saving {_join(url, LIGHTNING_META_NAME)}")
-        dcp = _s3.import_optional_dependency("torch.distributed.checkpoint", "distributed checkpoints")
         dcp.save(converted, storage_writer=self.s3_storage_writer(url), planner=self._dcp_planner("save"))
         return None
 
@@ -2219,7 +2140,7 @@ class S3ShardedStrategyMixin:
         if self.is_global_zero:  # type: ignore[attr-defined]
             url = _checkpoint_url(filepath)
             self.s3_checkpoint_io.wait_for_pending_saves()
-            self._s3().remove_objects_with_prefix(url, fence=self.s3_checkpoint_io._fence_for(url))  # url and url/...
+            self.s3.remove_objects_with_prefix(url, fence=self.s3_checkpoint_io.fence_for(url))  # url and url/...
             _s3.invalidate_fsspec_cache(url)
         return None
 
@@ -2252,7 +2173,6 @@ class S3ShardedStrategyMixin:
 
     def _load_sharded_dtensor(self, url: str) -> None:
         """ModelParallelStrategy (FSDP2 / DTensor): what Lightning's ``_load_checkpoint`` does, reading from S3."""
-        dcp = _s3.import_optional_dependency("torch.distributed.checkpoint", "distributed checkpoints")
         helpers = _s3.import_optional_dependency("torch.distributed.checkpoint.state_dict", "distributed checkpoints")
         module = self.model  # type: ignore[attr-defined]
         strict = self.lightning_module.strict_loading  # type: ignore[attr-defined]
@@ -2268,7 +2188,6 @@ class S3ShardedStrategyMixin:
 
     def _load_sharded_fsdp1(self, url: str) -> None:
         """FSDPStrategy (FSDP1): what Lightning's ``FSDPStrategy.load_checkpoint`` does, reading from S3."""
-        dcp = _s3.import_optional_dependency("torch.distributed.checkpoint", "distributed checkpoints")
         optimizer_helpers = _s3.import_optional_dependency(
             "torch.distributed.checkpoint.optimizer", "distributed checkpoints"
         )
@@ -2305,7 +2224,7 @@ class S3ShardedStrategyMixin:
         full-checkpoint code restores it from the in-memory file. That code broadcasts its path from rank 0, and each
         rank's in-memory file has a path of its own, so the broadcast is skipped for that call (the URL was
         broadcast already)."""
-        utils = self._s3()
+        utils = self.s3
         o = self.s3_options
         with utils.download_to_memory(url, o["chunk_size_MB"], o["max_read_concurrency"]) as downloaded:
             self.broadcast = _no_broadcast  # type: ignore[method-assign]
@@ -2360,105 +2279,6 @@ def _build_strategy_class(kind: str, family: str) -> type:
     return type(name, (S3ShardedStrategyMixin, base), namespace)
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Lazily built public classes
-# --------------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _DcpTypes:
-    Metadata: Any
-    StorageMeta: Any
-    StorageInfo: Any
-    WriteResult: Any
-    WriteItemType: Any
-    LoadItemType: Any
-    CURRENT_DCP_VERSION: str
-    narrow_tensor_by_index: Callable[..., Any]
-
-
-@functools.cache
-def _dcp_types() -> _DcpTypes:
-    """The torch.distributed.checkpoint names this module uses; private ones are pinned by tests/test_dcp.py."""
-    _torch()
-    feature = "distributed checkpoints"
-    metadata = _s3.import_optional_dependency("torch.distributed.checkpoint.metadata", feature)
-    filesystem = _s3.import_optional_dependency("torch.distributed.checkpoint.filesystem", feature)
-    storage = _s3.import_optional_dependency("torch.distributed.checkpoint.storage", feature)
-    planner = _s3.import_optional_dependency("torch.distributed.checkpoint.planner", feature)
-    shard_utils = _s3.import_optional_dependency("torch.distributed._shard._utils", feature)
-    return _DcpTypes(
-        Metadata=metadata.Metadata,
-        StorageMeta=metadata.StorageMeta,
-        StorageInfo=filesystem._StorageInfo,
-        WriteResult=storage.WriteResult,
-        WriteItemType=planner.WriteItemType,
-        LoadItemType=planner.LoadItemType,
-        CURRENT_DCP_VERSION=filesystem.CURRENT_DCP_VERSION,
-        narrow_tensor_by_index=shard_utils.narrow_tensor_by_index,
-    )
-
-
-_WRITER_DOC = """A ``torch.distributed.checkpoint`` StorageWriter for ``s3://`` checkpoints (see the module docstring).
-
-    Args:
-        path: ``s3://bucket/prefix`` of the checkpoint; ``dcp.save(checkpoint_id=...)`` replaces it.
-        chunk_size_MB: multipart part size, in MiB.
-        max_write_concurrency: parallel part uploads per file (`DEFAULT_DCP_MAX_WRITE_CONCURRENCY`).
-        thread_count: files per rank, written concurrently (``__{rank}_0.distcp`` ...), as in torch's writer.
-        checksum_algorithm: ``"auto"`` (CRC32C with awscrt, else CRC32), ``"CRC32C"``, ``"CRC64NVME"`` or ``"CRC32"``.
-        endpoint_url, region_name, client_settings, retry_policy, s3_utils: how to reach S3 (as `S3CheckpointIO`).
-        overwrite: with False, a save to a prefix that holds a checkpoint fails before anything is written.
-        cache_staged_state_dict: ``async_save`` only: keep the staged host copy for the next save (torch's option).
-        request_options: encryption, storage class, tags, expected bucket owner, requester pays for every object of
-            the checkpoint (`s3_utils.S3RequestOptions` or a mapping, as `S3CheckpointIO`); not with `s3_utils`.
-        max_requests_per_second: the whole job's budget of S3 requests per second (as `S3CheckpointIO`); not with
-            `s3_utils`.
-    """
-
-_READER_DOC = """A ``torch.distributed.checkpoint`` StorageReader for ``s3://`` checkpoints (see the module docstring).
-
-    Reads checkpoints written by `S3StorageWriter` and by torch's own writers (uploaded as files).
-
-    Args:
-        path: ``s3://bucket/prefix`` of the checkpoint; ``dcp.load(checkpoint_id=...)`` replaces it.
-        chunk_size_MB: the largest ranged GET, in MiB; bigger items are fetched as several ranges in parallel.
-        max_read_concurrency: parallel ranged GETs per rank.
-        coalesce_gap_MB: items of one file closer than this are fetched by one GET.
-        direct_read_min_MB: tensor items at least this large are read straight into their target tensors when the
-            target is a whole, contiguous CPU tensor of the stored dtype and shape (one copy per byte, not three).
-        endpoint_url, region_name, client_settings, retry_policy, s3_utils: how to reach S3 (as `S3CheckpointIO`).
-        request_options: expected bucket owner, requester pays (`s3_utils.S3RequestOptions`); not with `s3_utils`.
-        max_requests_per_second: the whole job's budget of S3 requests per second (as `S3CheckpointIO`); not with
-            `s3_utils`.
-    """
-
-
-@functools.cache
-def _build_writer_class() -> type:
-    _torch()
-    storage = _s3.import_optional_dependency("torch.distributed.checkpoint.storage", "distributed checkpoints")
-    staging = _s3.import_optional_dependency("torch.distributed.checkpoint.staging", "distributed checkpoints")
-    namespace = {"__module__": __name__, "__qualname__": "S3StorageWriter", "__doc__": _WRITER_DOC}
-    return type(
-        "S3StorageWriter", (_S3StorageWriterImpl, storage.StorageWriter, staging.BlockingAsyncStager), namespace
-    )
-
-
-@functools.cache
-def _build_reader_class() -> type:
-    _torch()
-    storage = _s3.import_optional_dependency("torch.distributed.checkpoint.storage", "distributed checkpoints")
-    namespace = {"__module__": __name__, "__qualname__": "S3StorageReader", "__doc__": _READER_DOC}
-    return type("S3StorageReader", (_S3StorageReaderImpl, storage.StorageReader), namespace)
-
-
-S3StorageWriter: type
-"""Built on first access (torch imported then); see `_WRITER_DOC`."""
-S3StorageReader: type
-S3SavePlanner: type
-"""Built on first access; see `_SAVE_PLANNER_DOC`."""
-S3LoadPlanner: type
 S3ModelParallelStrategy: type
 """`sharded_strategy_class("model_parallel")`; ``S3ModelParallelStrategyPL`` for ``pytorch_lightning``."""
 S3FSDPStrategy: type
@@ -2466,17 +2286,8 @@ S3FSDPStrategy: type
 
 
 def __getattr__(name: str) -> Any:
-    """PEP 562: the DCP and Lightning classes are built on first access, so importing this module needs neither."""
-    builders: dict[str, Callable[[], type]] = {
-        "S3StorageWriter": _build_writer_class,
-        "S3StorageReader": _build_reader_class,
-        "S3SavePlanner": _build_save_planner_class,
-        "S3LoadPlanner": _build_load_planner_class,
-    }
-    if name in builders:
-        cls = builders[name]()
-        globals()[name] = cls
-        return cls
+    """PEP 562, for the Lightning strategies only: each is `S3ShardedStrategyMixin` on the base class of the Lightning
+    family that is installed, so it exists once Lightning is imported (importing this module never imports it)."""
     for kind, base_name in _STRATEGY_NAMES.items():
         if name == base_name:
             return sharded_strategy_class(kind)
@@ -2496,8 +2307,9 @@ def _require_span_in_item(
     """Raise unless a recorded tensor span agrees with its item, whose bytes (at `offset` in the file) matched the
     item's `checksum`: the checksums of the bytes before and after the span, combined with the span's recorded one,
     must give the item's. No second pass over the tensor bytes (a combine is determined by its inputs)."""
-    combined = algorithm.combine(_checksum(algorithm, item[:start]), recorded, nbytes)
-    combined = algorithm.combine(combined, _checksum(algorithm, item[start + nbytes :]), len(item) - start - nbytes)
+    combined = algorithm.combine(_s3.checksum_of(algorithm, item[:start]), recorded, nbytes)
+    after = item[start + nbytes :]
+    combined = algorithm.combine(combined, _s3.checksum_of(algorithm, after), len(after))
     if combined != checksum:
         raise _span_record_modified(url, offset + start, nbytes)
 

@@ -73,6 +73,7 @@ __all__ = [
     "OWNER_RECORD_NAME",
     "CheckpointDirectoryTakenError",
     "CheckpointRun",
+    "ChecksumAlgorithm",
     "ChecksumMismatchError",
     "DirectoryFence",
     "DownloadedObject",
@@ -95,7 +96,10 @@ __all__ = [
     "S3Utils",
     "SharedLaneStore",
     "buffer_address",
+    "checksum_of",
+    "combine_checksums",
     "current_run",
+    "error_code",
     "forget_s3fs_instances",
     "fresh_s3fs_instances",
     "get_s3_client",
@@ -442,7 +446,8 @@ def _optional_module(name: str) -> types.ModuleType | None:
         return None
 
 
-def _error_code(exc: BaseException) -> str:
+def error_code(exc: BaseException) -> str:
+    """S3's error code of a botocore error (``"NoSuchKey"``, ``"SlowDown"``...), else the exception's class name."""
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
         return str(response.get("Error", {}).get("Code", ""))
@@ -1246,8 +1251,9 @@ def _awscrt_checksums() -> types.ModuleType | None:
     return _optional_module("awscrt.checksums")
 
 
-class _ChecksumAlgorithm:
-    """One of S3's full-object CRCs: how to compute it, combine it and spell it in S3 requests and responses."""
+class ChecksumAlgorithm:
+    """One of S3's full-object CRCs: how to compute it, combine it and spell it in S3 requests and responses. Get one
+    with `ChecksumAlgorithm.named` (``"CRC32"``, ``"CRC32C"``, ``"CRC64NVME"`` or ``"auto"``)."""
 
     def __init__(
         self, name: str, nbytes: int, polynomial: int, zlib_update: Callable[[Any, int], int] | None = None
@@ -1260,6 +1266,22 @@ class _ChecksumAlgorithm:
 
     def __repr__(self) -> str:
         return f"<checksum {self.name}>"
+
+    @classmethod
+    def named(cls, name: str | None = "auto") -> ChecksumAlgorithm:
+        """The `ChecksumAlgorithm` `name` names (any case) or, for None/"auto", CRC32C where awscrt is installed and
+        CRC32 (zlib) otherwise. ValueError for an unknown name; the ImportError that names the install line for one
+        that needs awscrt without it."""
+        if name is None or name.lower() == "auto":
+            return _CHECKSUMS["CRC32C"] if _awscrt_checksums() else _CHECKSUMS["CRC32"]
+        try:
+            algorithm = _CHECKSUMS[name.upper()]
+        except KeyError:
+            known = sorted(_CHECKSUMS)
+            raise ValueError(f"Unknown checksum algorithm {name!r}; use one of {known} or 'auto'") from None
+        if algorithm.name != "CRC32":
+            import_optional_dependency("awscrt.checksums", f"{algorithm.name} checksums")
+        return algorithm
 
     @property
     def response_field(self) -> str:
@@ -1322,23 +1344,10 @@ def _zeros_operator(polynomial: int, width: int, length: int) -> tuple[int, ...]
 
 
 _CHECKSUMS = {
-    "CRC32": _ChecksumAlgorithm("CRC32", 4, 0xEDB88320, zlib.crc32),
-    "CRC32C": _ChecksumAlgorithm("CRC32C", 4, 0x82F63B78),
-    "CRC64NVME": _ChecksumAlgorithm("CRC64NVME", 8, 0x9A6C9329AC4BC9B5),
+    "CRC32": ChecksumAlgorithm("CRC32", 4, 0xEDB88320, zlib.crc32),
+    "CRC32C": ChecksumAlgorithm("CRC32C", 4, 0x82F63B78),
+    "CRC64NVME": ChecksumAlgorithm("CRC64NVME", 8, 0x9A6C9329AC4BC9B5),
 }
-
-
-def _checksum_algorithm(name: str | None) -> _ChecksumAlgorithm:
-    """`name` (any case) or, for None/"auto", CRC32C where awscrt is installed and CRC32 (zlib) otherwise."""
-    if name is None or name.lower() == "auto":
-        return _CHECKSUMS["CRC32C"] if _awscrt_checksums() else _CHECKSUMS["CRC32"]
-    try:
-        algorithm = _CHECKSUMS[name.upper()]
-    except KeyError:
-        raise ValueError(f"Unknown checksum algorithm {name!r}; use one of {sorted(_CHECKSUMS)} or 'auto'") from None
-    if algorithm.name != "CRC32":
-        import_optional_dependency("awscrt.checksums", f"{algorithm.name} checksums")
-    return algorithm
 
 
 def validate_checksum_algorithm(name: str | None) -> str:
@@ -1347,11 +1356,14 @@ def validate_checksum_algorithm(name: str | None) -> str:
     Raises ValueError for an unknown name and MissingOptionalDependencyError when it needs awscrt and awscrt is
     missing, so a misconfiguration fails when the plugin is built, not at the first save.
     """
-    return _checksum_algorithm(name).name
+    return ChecksumAlgorithm.named(name).name
 
 
-def _checksum_of(algorithm: _ChecksumAlgorithm, data: Any, block: int = 64 * MB) -> int:
-    """Checksum of a buffer, in blocks so that huge buffers never need a contiguous temporary copy."""
+def checksum_of(algorithm: ChecksumAlgorithm | None, data: Any, block: int = 64 * MB) -> int:
+    """Checksum of a buffer, in blocks so that huge buffers never need a contiguous temporary copy (0 without an
+    algorithm: a checkpoint that recorded none)."""
+    if algorithm is None:
+        return 0
     view = memoryview(data).cast("B")
     value = 0
     for start in range(0, len(view), block):
@@ -1359,7 +1371,7 @@ def _checksum_of(algorithm: _ChecksumAlgorithm, data: Any, block: int = 64 * MB)
     return value
 
 
-def _fold(algorithm: _ChecksumAlgorithm, parts: Iterable[tuple[int, int]]) -> int:
+def combine_checksums(algorithm: ChecksumAlgorithm, parts: Iterable[tuple[int, int]]) -> int:
     """The checksum of consecutive pieces from their ``(checksum, length)`` pairs, in order (0 for no pieces: the
     checksum of nothing, which combining leaves unchanged)."""
     total = 0
@@ -1437,7 +1449,7 @@ class _ChecksumRecords:
                 )
                 return None
             with contextlib.suppress(MissingOptionalDependencyError):
-                return RecordedChecksum(_checksum_algorithm(algorithm.name).name, value, "s3")
+                return RecordedChecksum(ChecksumAlgorithm.named(algorithm.name).name, value, "s3")
         return None
 
     def sidecar(self, info: S3ObjectInfo) -> RecordedChecksum | None:
@@ -1458,7 +1470,7 @@ class _ChecksumRecords:
                 f"recorded {sidecar['size']}/{sidecar['etag']}): refusing to load an unverified object"
             )
         try:
-            algorithm = _checksum_algorithm(sidecar["algorithm"])
+            algorithm = ChecksumAlgorithm.named(sidecar["algorithm"])
         except ValueError as exc:
             raise ChecksumMismatchError(f"The checksum record of {info.url} names an unknown algorithm: {exc}") from exc
         return RecordedChecksum(algorithm.name, sidecar["checksum"], "sidecar")
@@ -1468,7 +1480,7 @@ class _ChecksumRecords:
     ) -> RecordedChecksum:
         """Compare the downloaded bytes' checksum `actual` with `expected`; return the record that matched, or raise
         ChecksumMismatchError naming the URL."""
-        algorithm = _checksum_algorithm(expected.algorithm)
+        algorithm = ChecksumAlgorithm.named(expected.algorithm)
         actual_text = algorithm.encode(actual)
         if actual_text == expected.value:
             return expected
@@ -1476,9 +1488,9 @@ class _ChecksumRecords:
         if expected.source == "s3":
             sidecar = self.sidecar(info)
             if sidecar is not None:
-                sidecar_algorithm = _checksum_algorithm(sidecar.algorithm)
+                sidecar_algorithm = ChecksumAlgorithm.named(sidecar.algorithm)
                 with target.view() as view:
-                    sidecar_actual = sidecar_algorithm.encode(_checksum_of(sidecar_algorithm, view))
+                    sidecar_actual = sidecar_algorithm.encode(checksum_of(sidecar_algorithm, view))
                 if sidecar_actual == sidecar.value:
                     return sidecar
                 mismatch = f"its {sidecar.algorithm} is {sidecar_actual}, but {sidecar.value} was recorded"
@@ -1650,6 +1662,14 @@ class DownloadedObject:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def _refuse_overridden(caller: str, winner: str, overridden: list[str]) -> None:
+    if overridden:
+        raise ValueError(
+            f"{caller}: {', '.join(overridden)} would be ignored because {winner} is given; "
+            f"configure them in {winner} instead (or pass only the separate arguments)"
+        )
+
+
 class _ClassOrInstanceMethod:
     """A method that NeMo code may call on the class (``S3Utils.remove_object(url)``): it then runs on an instance
     built from default settings, the way NeMo's static methods behaved; called on an instance it uses that instance.
@@ -1665,8 +1685,6 @@ class _ClassOrInstanceMethod:
     def __get__(self, instance: Any, owner: type) -> Callable[..., Any]:
         return types.MethodType(self.__func__, instance if instance is not None else owner())
 
-
-_class_or_instance = _ClassOrInstanceMethod
 
 
 class S3Utils:
@@ -1685,14 +1703,89 @@ class S3Utils:
         retry_policy: RetryPolicy | None = None,
         *,
         client: Any = None,
+        list_page_size: int = 1000,
     ) -> None:
+        if retry_policy is not None and not isinstance(retry_policy, RetryPolicy):
+            raise TypeError(f"retry_policy must be an s3_utils.RetryPolicy, got {type(retry_policy).__name__}")
+        if not isinstance(list_page_size, int) or not 1 <= list_page_size <= 1000:
+            raise ValueError(f"list_page_size must be an int from 1 to 1000 (S3's page limit), got {list_page_size!r}")
         self.settings = (settings or S3ClientSettings()).resolved()
         self.retry_policy = retry_policy or RetryPolicy()
         self._client = client
         self._stats_lock = threading.Lock()
         self.retries = 0
         """How many times a call was retried by this instance (for tests, logs and benchmarks)."""
-        self.list_page_size = 1000
+        self.list_page_size = list_page_size
+        """Keys (or uploads, or parts) asked for per listing request."""
+
+    @classmethod
+    def from_arguments(
+        cls,
+        *,
+        s3_utils: S3Utils | None = None,
+        client_settings: S3ClientSettings | None = None,
+        endpoint_url: str | None = None,
+        region_name: str | None = None,
+        retry_policy: RetryPolicy | None = None,
+        request_options: S3RequestOptions | Mapping[str, Any] | None = None,
+        max_requests_per_second: float | Mapping[str, float] | RequestRates | None = None,
+        max_pool_connections: int | None = None,
+        user_agent_extra: str | None = None,
+        caller: str = "S3Utils.from_arguments",
+    ) -> S3Utils:
+        """The one way this package builds an `S3Utils` from a caller's loose arguments (`S3CheckpointIO`, the DCP
+        writer and reader, the sharded strategies, convert and the CLI all take the same ones).
+
+        `s3_utils` is used as given; else `client_settings`, else settings built from `endpoint_url` and
+        `region_name`. `request_options` and `max_requests_per_second` are added to the settings (checked first, so
+        a typo fails here). `max_pool_connections` sizes the connection pool of settings built here (the caller's
+        concurrency); `user_agent_extra` is appended to the settings' own. Neither applies to a given `s3_utils`.
+
+        Raises ValueError naming every argument another given one would silently override: anything but
+        `s3_utils` itself together with `s3_utils` (it has its settings and retry policy), `endpoint_url` /
+        `region_name` with `client_settings` (put them in the settings), and `request_options` /
+        `max_requests_per_second` with a `client_settings` that already sets them. `caller` names the class or
+        function in that message.
+        """
+        options = S3RequestOptions.from_mapping(request_options)  # an unknown or bad option fails here
+        budget = RequestRates.from_value(max_requests_per_second)  # a bad value fails here
+        given = {
+            "endpoint_url": endpoint_url,
+            "region_name": region_name,
+            "client_settings": client_settings,
+            "retry_policy": retry_policy,
+            "request_options": options,
+            "max_requests_per_second": budget,
+        }
+        if s3_utils is not None:
+            _refuse_overridden(caller, "s3_utils", [name for name, value in given.items() if value is not None])
+            return s3_utils
+        if client_settings is not None:
+            overridden = [name for name in ("endpoint_url", "region_name") if given[name] is not None]
+            if options is not None and client_settings.request_options is not None:
+                overridden.append("request_options")
+            if budget is not None and client_settings.max_requests_per_second is not None:
+                overridden.append("max_requests_per_second")
+            _refuse_overridden(caller, "client_settings", overridden)
+            settings = client_settings
+        else:
+            settings = S3ClientSettings(endpoint_url=endpoint_url, region_name=region_name)
+            if max_pool_connections is not None:
+                settings = replace(settings, max_pool_connections=max(32, max_pool_connections + 4))
+        if user_agent_extra:
+            settings = replace(
+                settings, user_agent_extra=" ".join(p for p in (settings.user_agent_extra, user_agent_extra) if p)
+            )
+        if options is not None:
+            settings = replace(settings, request_options=options)
+        if budget is not None:
+            settings = replace(settings, max_requests_per_second=budget)
+        return cls(settings, retry_policy)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its settings and retry policy (``ddp_spawn``, DCP's process executor): the live client,
+        its connections and the retry counter stay in the process that made them; the copy builds its own client."""
+        return (type(self), (self.settings, self.retry_policy))
 
     # ---- plumbing -------------------------------------------------------------------------------------------------
 
@@ -1708,9 +1801,12 @@ class S3Utils:
             lambda: getattr(self.client, operation)(**kwargs), operation, url, bucket=kwargs.get("Bucket")
         )
 
-    def with_retries(self, attempt: Callable[[], _T], operation: str, url: str, *, bucket: str | None = None) -> _T:
+    def with_retries(
+        self, attempt: Callable[[], _T], operation: str, url: str, *, bucket: str | None = None, detail: str = ""
+    ) -> _T:
         """Run `attempt` (one request to `bucket`, by default the bucket of `url`) through the process's request
-        pacer and under the retry policy; the final failure is the original exception, annotated with the URL.
+        pacer and under the retry policy; the final failure is the original exception, annotated with the URL (and
+        `detail`, e.g. ``"part 3"``).
 
         A throttling answer (`is_throttling_error`) does not use up an attempt while the job makes progress: the
         request is paced and tried again as long as some request of the same direction to the same bucket has
@@ -1719,7 +1815,8 @@ class S3Utils:
         its first occurrence, with exponential backoff and full jitter.
         """
         policy = self.retry_policy
-        pacer = request_pacer(self.settings.endpoint_url, bucket or _bucket_of(url))
+        pacer = request_pacer(self.settings.endpoint_url, bucket or _urls.parse_s3_url(url)[0])
+        url = f"{url} ({detail})" if detail else url
         if self.settings.max_requests_per_second is not None:
             pacer.limit(self.settings.max_requests_per_second)
         lane = pacer.lane(operation)
@@ -1756,7 +1853,7 @@ class S3Utils:
                     "S3 %s on %s failed with %s (attempt %d, %s); retrying%s",
                     operation,
                     url,
-                    _error_code(exc),
+                    error_code(exc),
                     attempts,
                     f"{counted} of {policy.max_attempts} counted" if not throttled else "throttled",
                     f" in {delay:.2f} s" if delay else " when the pacer allows",
@@ -1811,7 +1908,7 @@ class S3Utils:
 
     # ---- metadata and listing -------------------------------------------------------------------------------------
 
-    @_class_or_instance
+    @_ClassOrInstanceMethod
     def head_object(self, s3_path: str | os.PathLike[str]) -> S3ObjectInfo:
         """Size, ETag, modification time and stored checksums of one object; FileNotFoundError if there is none."""
         url = _urls.normalize_s3_url(s3_path)
@@ -1831,7 +1928,7 @@ class S3Utils:
             checksum_type=response.get("ChecksumType"),
         )
 
-    @_class_or_instance
+    @_ClassOrInstanceMethod
     def list_objects(self, s3_path: str | os.PathLike[str], *, include_sidecars: bool = False) -> list[S3ObjectInfo]:
         """Every object under the "directory" `s3_path` (key + ``/``), all pages, sorted by key; the bucket root lists
         everything. Directory buckets list in no particular order; sorting here keeps results the same everywhere.
@@ -1840,7 +1937,7 @@ class S3Utils:
         bucket, prefix = _urls.s3_dir_prefix(url)
         return sorted(self._iter_objects(bucket, prefix, url, include_sidecars), key=lambda info: info.key)
 
-    @_class_or_instance
+    @_ClassOrInstanceMethod
     def list_objects_with_key_prefix(self, s3_path: str | os.PathLike[str]) -> list[S3ObjectInfo]:
         """Every object whose key starts with the key of `s3_path` as a plain string (no ``/`` boundary added),
         e.g. ``s3://b/ckpt/model--step=10-`` for all checkpoints of step 10, sorted by key.
@@ -1879,7 +1976,7 @@ class S3Utils:
                 return
             token = page["NextContinuationToken"]
 
-    @_class_or_instance
+    @_ClassOrInstanceMethod
     def s3_path_exists(self, s3_path: str | os.PathLike[str], match_directory: bool = False) -> bool:
         """True if an object exists at exactly `s3_path`, or (with `match_directory`) any object under ``s3_path/``.
 
@@ -1906,7 +2003,7 @@ class S3Utils:
         except FileNotFoundError:
             return False
 
-    @_class_or_instance
+    @_ClassOrInstanceMethod
     def find_files_with_suffix(
         self,
         base_path: str | os.PathLike[str],
@@ -1948,7 +2045,7 @@ class S3Utils:
 
     # ---- removal --------------------------------------------------------------------------------------------------
 
-    @_class_or_instance
+    @_ClassOrInstanceMethod
     def remove_object(self, s3_path: str | os.PathLike[str], *, fence: DirectoryFence | None = None) -> None:
         """Delete one object (and the checksum record this package may keep beside it). Missing objects are fine.
         With a `fence`, only while the fence's run still owns the directory (else CheckpointDirectoryTakenError)."""
@@ -1958,7 +2055,7 @@ class S3Utils:
             raise IsADirectoryError(f"{url} is a bucket, not an object; use remove_objects_with_prefix")
         self._delete_keys(bucket, [key, key + CHECKSUM_SIDECAR_SUFFIX], url, fence)
 
-    @_class_or_instance
+    @_ClassOrInstanceMethod
     def remove_objects_with_prefix(
         self, s3_path: str | os.PathLike[str], *, fence: DirectoryFence | None = None
     ) -> int:
@@ -1975,7 +2072,7 @@ class S3Utils:
         self._delete_keys(bucket, keys, url, fence)
         return len(keys)
 
-    @_class_or_instance
+    @_ClassOrInstanceMethod
     def remove_objects(self, s3_paths: Iterable[str | os.PathLike[str]]) -> int:
         """Delete these objects and the checksum records this package may keep beside them, up to 1,000 keys per
         request; missing ones are fine. Returns how many keys were deleted (or found missing)."""
@@ -2012,7 +2109,7 @@ class S3Utils:
 
     # ---- in-progress multipart uploads -----------------------------------------------------------------------------
 
-    @_class_or_instance
+    @_ClassOrInstanceMethod
     def list_multipart_uploads(self, s3_path: str | os.PathLike[str]) -> list[MultipartUploadInfo]:
         """The in-progress multipart uploads under the "directory" `s3_path` (key + ``/``, at any depth; the bucket
         root lists all), all pages, sorted by key then initiation; parts and size are not counted here."""
@@ -2043,7 +2140,7 @@ class S3Utils:
             markers = following
         return sorted(uploads, key=lambda upload: (upload.key, str(upload.initiated), upload.upload_id))
 
-    @_class_or_instance
+    @_ClassOrInstanceMethod
     def count_upload_parts(
         self, uploads: Iterable[MultipartUploadInfo], max_concurrency: int = 16
     ) -> list[MultipartUploadInfo]:
@@ -2071,7 +2168,7 @@ class S3Utils:
                     **marker,
                 )
             except Exception as exc:
-                if _error_code(exc) == "NoSuchUpload":
+                if error_code(exc) == "NoSuchUpload":
                     return None
                 raise
             parts += len(page.get("Parts", []))
@@ -2080,7 +2177,7 @@ class S3Utils:
                 return replace(upload, parts=parts, size=size)
             marker = {"PartNumberMarker": page["NextPartNumberMarker"]}
 
-    @_class_or_instance
+    @_ClassOrInstanceMethod
     def abort_multipart_upload(self, s3_path: str | os.PathLike[str], upload_id: str) -> bool:
         """Abort the multipart upload `upload_id` to the object `s3_path`: its parts are deleted and it can no
         longer complete. False if it no longer exists (completed or aborted meanwhile)."""
@@ -2089,12 +2186,12 @@ class S3Utils:
         try:
             self.call("abort_multipart_upload", url, Bucket=bucket, Key=key, UploadId=upload_id)
         except Exception as exc:
-            if _error_code(exc) == "NoSuchUpload":
+            if error_code(exc) == "NoSuchUpload":
                 return False
             raise
         return True
 
-    @_class_or_instance
+    @_ClassOrInstanceMethod
     def store_time(self, s3_path: str | os.PathLike[str]) -> datetime.datetime:
         """The store's clock: the ``Date`` of its answer to a HEAD of the bucket of `s3_path` (this machine's clock
         if it sends none). Ages of uploads and objects are measured against it, so that a skewed local clock cannot
@@ -2110,7 +2207,7 @@ class S3Utils:
 
     # ---- streaming upload -----------------------------------------------------------------------------------------
 
-    @_class_or_instance
+    @_ClassOrInstanceMethod
     def open_writer(
         self,
         s3_path: str | os.PathLike[str],
@@ -2124,7 +2221,7 @@ class S3Utils:
         `fence`, the object is committed only while the fence's run owns the directory."""
         return S3MultipartWriter(self, s3_path, int(chunk_size_MB * MB), max_concurrency, checksum_algorithm, fence)
 
-    @_class_or_instance
+    @_ClassOrInstanceMethod
     def upload_file_stream_to_s3(
         self,
         bytes_buffer: BinaryIO,
@@ -2139,7 +2236,7 @@ class S3Utils:
         """
         self._upload_stream(bytes_buffer, s3_path, chunk_size_MB, max_concurrency)
 
-    @_class_or_instance
+    @_ClassOrInstanceMethod
     def upload_file(
         self,
         file_path: str | os.PathLike[str],
@@ -2187,7 +2284,7 @@ class S3Utils:
 
     # ---- download -------------------------------------------------------------------------------------------------
 
-    @_class_or_instance
+    @_ClassOrInstanceMethod
     def download_to_memory(
         self,
         s3_path: str | os.PathLike[str],
@@ -2213,7 +2310,7 @@ class S3Utils:
         target = DownloadedObject(info.size, fd=into_fd)
         try:
             part_size = max(int(chunk_size_MB * MB), MIN_PART_SIZE)
-            algorithm = _checksum_algorithm(expected.algorithm) if expected else None
+            algorithm = ChecksumAlgorithm.named(expected.algorithm) if expected else None
             actual = _RangedDownload(self, info, target, algorithm, progress).run(part_size, max_concurrency)
             if expected is not None:
                 assert actual is not None
@@ -2225,7 +2322,7 @@ class S3Utils:
             raise
         return target
 
-    @_class_or_instance
+    @_ClassOrInstanceMethod
     def recorded_checksum(self, info: S3ObjectInfo) -> RecordedChecksum | None:
         """The checksum a download of the object `info` (from `head_object`) is verified against, or None.
 
@@ -2236,7 +2333,7 @@ class S3Utils:
         """
         return self._checksum_records.expected(info)
 
-    @_class_or_instance
+    @_ClassOrInstanceMethod
     def read_range_into(
         self, s3_path: str | os.PathLike[str], start: int, target: Any, *, etag: str | None = None
     ) -> int:
@@ -2268,7 +2365,7 @@ class S3Utils:
             try:
                 response = self.client.get_object(**kwargs)
             except Exception as exc:
-                if _error_code(exc) == "InvalidRange":  # the range starts at or past the end of the object
+                if error_code(exc) == "InvalidRange":  # the range starts at or past the end of the object
                     return 0
                 raise
             body = response["Body"]
@@ -2290,7 +2387,7 @@ class S3Utils:
 
         return self.with_retries(attempt, "get_object", url, bucket=bucket)
 
-    @_class_or_instance
+    @_ClassOrInstanceMethod
     def read_ranges_into(
         self,
         s3_path: str | os.PathLike[str],
@@ -2309,7 +2406,7 @@ class S3Utils:
             futures = [pool.submit(self.read_range_into, s3_path, s, t, etag=etag) for s, t in ranges]
             return _results_or_first_error(futures)
 
-    @_class_or_instance
+    @_ClassOrInstanceMethod
     def download_s3_file_to_stream(
         self,
         s3_path: str | os.PathLike[str],
@@ -2320,7 +2417,7 @@ class S3Utils:
         with self.download_to_memory(s3_path, chunk_size_MB, max_concurrency) as downloaded:
             return io.BytesIO(downloaded.read_all())
 
-    @_class_or_instance
+    @_ClassOrInstanceMethod
     def download_s3_file_to_path(
         self,
         s3_path: str | os.PathLike[str],
@@ -2355,7 +2452,7 @@ class S3Utils:
 
 def _not_found_error(exc: BaseException, operation: str, url: str) -> FileNotFoundError | None:
     """ "No such key / bucket" as the FileNotFoundError Python code expects (the S3 error becomes its cause)."""
-    code = _error_code(exc)
+    code = error_code(exc)
     if code not in {"NoSuchKey", "404", "NotFound", "NoSuchBucket"}:
         return None
     what = "bucket" if code == "NoSuchBucket" else "object"
@@ -2368,7 +2465,7 @@ def _annotate(
     """Add the URL, what S3 said (HTTP status, request id, host id: what AWS support asks for) and, for common
     mistakes, what to do, to an exception that is re-raised unchanged (callers that match on botocore's
     ``ClientError`` codes keep working)."""
-    code = _error_code(exc)
+    code = error_code(exc)
     if code in {"AccessDenied", "403", "Forbidden"}:
         hint = "check the credentials and that their policy allows this action on this bucket and key"
         if options is not None and options.ExpectedBucketOwner:
@@ -2385,15 +2482,6 @@ def _annotate(
         hint = f"gave up after {tried}, the last answer {code}" + (f"; {hint}" if hint else "")
     if not any(url in note for note in getattr(exc, "__notes__", [])):
         exc.add_note(f"while running S3 {operation} on {url}{_response_ids(exc)}" + (f": {hint}" if hint else ""))
-
-
-def _bucket_of(url: str) -> str:
-    """The bucket of an ``s3://bucket/key`` URL as this package writes them in messages (possibly with a suffix such
-    as `` (part 3)``), without parsing the rest."""
-    rest = url[5:] if url.startswith("s3://") else url
-    if rest.startswith("arn:"):  # an access point ARN holds a "/" itself: arn:...:accesspoint/name
-        return "/".join(rest.split("/", 2)[:2])
-    return rest.split("/", 1)[0].split(" ", 1)[0]
 
 
 def _response_ids(exc: BaseException) -> str:
@@ -2435,14 +2523,14 @@ def _results_or_first_error(futures: list[Future[_T]]) -> list[_T]:
 
 class _RangedDownload:
     """One object fetched into a `DownloadedObject` by parallel ranged GETs, each checksummed on its way in; the
-    object's checksum is combined from the ranges' (`_fold`), so the bytes are read once."""
+    object's checksum is combined from the ranges' (`combine_checksums`), so the bytes are read once."""
 
     def __init__(
         self,
         utils: S3Utils,
         info: S3ObjectInfo,
         target: DownloadedObject,
-        algorithm: _ChecksumAlgorithm | None,
+        algorithm: ChecksumAlgorithm | None,
         progress: Callable[[int], None] | None = None,
     ) -> None:
         self.utils = utils
@@ -2463,7 +2551,8 @@ class _RangedDownload:
                 checksums = _results_or_first_error(futures)
         if self.algorithm is None:
             return None
-        return _fold(self.algorithm, [(crc, end - start) for (start, end), crc in zip(ranges, checksums, strict=True)])
+        pieces = [(crc, end - start) for (start, end), crc in zip(ranges, checksums, strict=True)]
+        return combine_checksums(self.algorithm, pieces)
 
     def _download_range(self, start: int, end: int, whole: bool) -> int:
         """GET bytes ``[start, end)`` (the whole object without a Range header if `whole`) into the target, checksummed
@@ -2505,12 +2594,6 @@ def _staging_buffer() -> memoryview:
     return buffer
 
 
-_body_reads = {"direct": 0, "fallback": 0}
-"""How many response bodies were read straight from the socket, and how many through botocore's public path (a
-fallback that stays correct but costs extra copies; tests/test_private_surface.py asserts it is not taken)."""
-_body_reads_lock = threading.Lock()
-
-
 def _socket_reader(body: Any) -> tuple[Callable[[Any], int], Callable[[], None]]:
     """``(readinto, finish)`` for a botocore response body: straight from the http.client response when possible.
 
@@ -2523,8 +2606,6 @@ def _socket_reader(body: Any) -> tuple[Callable[[Any], int], Callable[[], None]]
     raw = getattr(body, "_raw_stream", None)
     socket_response = getattr(raw, "_fp", None)
     direct = isinstance(socket_response, http.client.HTTPResponse) and hasattr(raw, "release_conn")
-    with _body_reads_lock:
-        _body_reads["direct" if direct else "fallback"] += 1
     if not direct:
         return body.readinto, lambda: None
 
@@ -2536,7 +2617,7 @@ def _socket_reader(body: Any) -> tuple[Callable[[Any], int], Callable[[], None]]
 
 
 def _copy_body(
-    body: Any, target: DownloadedObject, offset: int, length: int, algorithm: _ChecksumAlgorithm | None
+    body: Any, target: DownloadedObject, offset: int, length: int, algorithm: ChecksumAlgorithm | None
 ) -> tuple[int, int]:
     """Copy up to `length` bytes of a botocore response body into `target` at `offset` through the staging buffer;
     return how many came and their checksum (0 without an algorithm)."""
@@ -2834,12 +2915,12 @@ class _UploadedPart:
     pieces: tuple[tuple[int, int], ...]  # (checksum, length) of the part's pieces between marked boundaries
 
 
-def _piece_checksums(algorithm: _ChecksumAlgorithm, data: memoryview, cuts: Iterable[int]) -> list[tuple[int, int]]:
+def _piece_checksums(algorithm: ChecksumAlgorithm, data: memoryview, cuts: Iterable[int]) -> list[tuple[int, int]]:
     """``(checksum, length)`` of the pieces of `data` between the offsets `cuts` (ascending, inside `data`)."""
     pieces, start = [], 0
     for end in [*cuts, len(data)]:
         if end > start:
-            pieces.append((_checksum_of(algorithm, data[start:end]), end - start))
+            pieces.append((checksum_of(algorithm, data[start:end]), end - start))
             start = end
     return pieces
 
@@ -2908,12 +2989,10 @@ class S3MultipartWriter(io.RawIOBase):
         self._records = _ChecksumRecords(utils)
         self._part_size = part_size
         self._max_concurrency = max_concurrency
-        self._algorithm = _checksum_algorithm(checksum_algorithm)
+        self._algorithm = ChecksumAlgorithm.named(checksum_algorithm)
         self._size = 0
         self._free_buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
         self._buffers_made = 0  # buffers this writer holds (taken from `_part_buffers`)
-        self._most_buffers_held = 0  # its bound is max_concurrency + 1 (tests check it)
-        self._held_parts = 0  # parts uploaded straight from the caller's bytes (`write_held`; for tests)
         self._unfinished_parts = 0  # queued or in flight; `write_held` keeps it at most max_concurrency + 1
         self._part_settled = threading.Condition()
         self._held_bytes = 0
@@ -3131,7 +3210,6 @@ class S3MultipartWriter(io.RawIOBase):
                 if self._buffers_made <= self._max_concurrency:
                     buffer = _part_buffers.take(size)
                     self._buffers_made += 1
-                    self._most_buffers_held = max(self._most_buffers_held, self._buffers_made)
                     self._held_bytes += size
                     return buffer
                 buffer = self._free_buffers.get()  # every upload gives its buffer back, failed or not
@@ -3148,12 +3226,12 @@ class S3MultipartWriter(io.RawIOBase):
                 "create_multipart_upload", self.url, Bucket=self.bucket, Key=self.key, **checksum_args
             )
         except Exception as exc:
-            if _error_code(exc) not in {"InvalidArgument", "InvalidRequest", "NotImplemented"}:
+            if error_code(exc) not in {"InvalidArgument", "InvalidRequest", "NotImplemented"}:
                 raise
             logger.info(
                 "%s: the store rejects full-object checksums (%s); recording them beside the object",
                 self.url,
-                _error_code(exc),
+                error_code(exc),
             )
             self._native_checksums = False
             response = self._utils.call("create_multipart_upload", self.url, Bucket=self.bucket, Key=self.key)
@@ -3184,7 +3262,6 @@ class S3MultipartWriter(io.RawIOBase):
             self._part_settled.wait_for(lambda: self._unfinished_parts <= self._max_concurrency)
         self._send_part(view, len(view), owner)
         self._size += len(view)
-        self._held_parts += 1
 
     def _part_done(self, future: Future[_UploadedPart]) -> None:
         with self._part_settled:
@@ -3204,7 +3281,7 @@ class S3MultipartWriter(io.RawIOBase):
         try:
             part = memoryview(buffer)[:length]
             pieces = _piece_checksums(self._algorithm, part, cuts)
-            checksum = _fold(self._algorithm, pieces)
+            checksum = combine_checksums(self._algorithm, pieces)
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key, "UploadId": self._upload_id}
             if self._native_checksums:
                 kwargs[self._algorithm.response_field] = self._algorithm.encode(checksum)
@@ -3213,7 +3290,9 @@ class S3MultipartWriter(io.RawIOBase):
                     PartNumber=number, Body=_BufferReader(part, _SEND_BLOCK), **kwargs
                 ),
                 "upload_part",
-                f"{self.url} (part {number})",
+                self.url,
+                bucket=self.bucket,
+                detail=f"part {number}",
             )
             return _UploadedPart(number, response["ETag"], checksum, length, tuple(pieces))
         finally:
@@ -3257,7 +3336,7 @@ class S3MultipartWriter(io.RawIOBase):
         body = memoryview(self._buffer)[: self._filled] if self._buffer is not None else memoryview(b"")
         pieces = _piece_checksums(self._algorithm, body, [cut for cut in self._cuts if cut < len(body)])
         self._keep_pieces(pieces)
-        checksum = self._algorithm.encode(_fold(self._algorithm, pieces))
+        checksum = self._algorithm.encode(combine_checksums(self._algorithm, pieces))
         response = self._commit(
             lambda conditions: self._utils.with_retries(  # each attempt reads the body from its start
                 lambda: self._utils.client.put_object(
@@ -3280,7 +3359,8 @@ class S3MultipartWriter(io.RawIOBase):
         self._buffer = None
         parts = _results_or_first_error(self._parts)
         self._keep_pieces([piece for part in parts for piece in part.pieces])
-        checksum = self._algorithm.encode(_fold(self._algorithm, [(part.checksum, part.length) for part in parts]))
+        pieces = [(part.checksum, part.length) for part in parts]
+        checksum = self._algorithm.encode(combine_checksums(self._algorithm, pieces))
         listed = []
         for part in parts:
             entry = {"PartNumber": part.number, "ETag": part.etag}
@@ -3435,19 +3515,19 @@ def _precondition_failed(exc: BaseException, conditions: Mapping[str, str]) -> b
     gone (moto's answer, and S3's)."""
     response = getattr(exc, "response", None)
     status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict) else None
-    if _error_code(exc) in ("PreconditionFailed", "412") or status == 412:
+    if error_code(exc) in ("PreconditionFailed", "412") or status == 412:
         return True
     return "IfMatch" in conditions and isinstance(exc, FileNotFoundError)
 
 
 def _raise_if_no_bucket(exc: FileNotFoundError) -> None:
     """A missing record is a fact to act on; a missing bucket is the caller's error (raised with one request)."""
-    if exc.__cause__ is not None and _error_code(exc.__cause__) == "NoSuchBucket":
+    if exc.__cause__ is not None and error_code(exc.__cause__) == "NoSuchBucket":
         raise exc
 
 
 def _refuses_conditions(exc: BaseException) -> bool:
-    return _error_code(exc) in ("NotImplemented", "501")
+    return error_code(exc) in ("NotImplemented", "501")
 
 
 class DirectoryFence:
@@ -3566,7 +3646,7 @@ class DirectoryFence:
             "overwriting it (a writer outside this run changed it, or an earlier attempt of this request went "
             "through)",
             url,
-            _error_code(exc),
+            error_code(exc),
             self.run,
             self.directory,
         )
@@ -3659,7 +3739,7 @@ class DirectoryFence:
                 if conditions and _precondition_failed(exc, conditions):
                     continue  # another run wrote the record since it was read: read it again
                 if conditions and _refuses_conditions(exc):
-                    self._conditional_writes_unsupported(f"it answers {_error_code(exc)} to them")
+                    self._conditional_writes_unsupported(f"it answers {error_code(exc)} to them")
                     continue
                 raise
             if support is None:
@@ -3704,7 +3784,7 @@ class DirectoryFence:
                 _conditional_writes[self._store] = True
                 return
             if _refuses_conditions(exc):
-                self._conditional_writes_unsupported(f"it answers {_error_code(exc)} to them")
+                self._conditional_writes_unsupported(f"it answers {error_code(exc)} to them")
                 return
             raise
         self._conditional_writes_unsupported("it ignores them (a PUT with If-None-Match: * replaced an object)")
@@ -3832,15 +3912,3 @@ def fresh_s3fs_instances() -> Iterator[None]:
         yield
     finally:
         forget_s3fs_instances()
-
-
-# ====================================================================================================================
-# DCP support (used by s3_dcp): a public handle on the checksum algorithms, kept apart from their internals
-# ====================================================================================================================
-
-
-def checksum_algorithm(name: str | None = "auto") -> Any:
-    """The checksum algorithm `name` names (``"auto"``/None: CRC32C with awscrt, else CRC32), as an object with
-    ``name``, ``update(data, previous) -> int``, ``combine(first, second, second_length) -> int`` and
-    ``encode(value) -> str`` (S3's base64 spelling). s3_dcp checksums each item of a DCP shard with it."""
-    return _checksum_algorithm(name)

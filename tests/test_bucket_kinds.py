@@ -14,7 +14,7 @@ from fault_proxy import FaultProxy
 
 import connector
 from s3_checkpoint_io import S3CheckpointIO
-from s3_utils import S3ClientSettings, S3Utils, _checksum_algorithm
+from s3_utils import ChecksumAlgorithm, S3ClientSettings, S3Utils
 
 DIRECTORY = "ckpt--use1-az4--x-s3"
 ARN = "arn:aws:s3:us-east-1:123456789012:accesspoint/my-ap"
@@ -106,8 +106,8 @@ def test_default_checksum_is_one_directory_buckets_support() -> None:
     """AWS documents CRC32, CRC32C, SHA-1 and SHA-256 (and CRC64NVME since) for directory buckets; full-object
     checksums of multipart uploads are CRC-only. The default is CRC32C (CRC32 without awscrt): supported either way,
     and a store that still refuses full-object checksums gets the sidecar record instead (see the writer)."""
-    assert _checksum_algorithm("auto").name in {"CRC32", "CRC32C"}
-    assert _checksum_algorithm(None).name in {"CRC32", "CRC32C"}
+    assert ChecksumAlgorithm.named("auto").name in {"CRC32", "CRC32C"}
+    assert ChecksumAlgorithm.named(None).name in {"CRC32", "CRC32C"}
 
 
 # ---- access points end to end (the proxy maps the names to a real bucket and re-signs) ---------------------------

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from s3_utils import _CHECKSUMS, _fold, _piece_checksums
+from s3_utils import _CHECKSUMS, _piece_checksums, combine_checksums
 
 ALGORITHMS = sorted(_CHECKSUMS)
 
@@ -69,7 +69,7 @@ def test_gf2_fallback_agrees_with_awscrt_combine(name: str, first: int, second: 
 @settings(max_examples=50, deadline=None)
 def test_fold_of_piece_checksums_is_the_checksum_of_the_whole(name: str, pieces: list[bytes]) -> None:
     algorithm = _CHECKSUMS[name]
-    folded = _fold(algorithm, [(algorithm.update(piece, 0), len(piece)) for piece in pieces])
+    folded = combine_checksums(algorithm, [(algorithm.update(piece, 0), len(piece)) for piece in pieces])
     assert folded == algorithm.update(b"".join(pieces), 0)
 
 
@@ -93,8 +93,8 @@ def test_pieces_between_cuts_combine_to_the_checksum_of_every_span(name: str, da
     pieces = _piece_checksums(algorithm, memoryview(data), cuts)
     bounds = [0, *cuts, len(data)]
     assert [length for _, length in pieces] == [b - a for a, b in itertools.pairwise(bounds) if b > a]
-    assert _fold(algorithm, pieces) == algorithm.update(data, 0)
+    assert combine_checksums(algorithm, pieces) == algorithm.update(data, 0)
     for first in range(len(pieces)):
         for last in range(first, len(pieces)):
             span = data[bounds[first] : bounds[last + 1]]
-            assert _fold(algorithm, pieces[first : last + 1]) == algorithm.update(span, 0)
+            assert combine_checksums(algorithm, pieces[first : last + 1]) == algorithm.update(span, 0)

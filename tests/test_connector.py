@@ -272,8 +272,7 @@ class TestSelectionS3(SelectionRules):
     def test_listing_is_paginated(self, bucket: str) -> None:
         names = [f"ckpt/gpt--step={step}-last.ckpt" for step in range(25)]
         self.store.put(*names)
-        s3 = S3Utils()
-        s3.list_page_size = 7
+        s3 = S3Utils(list_page_size=7)
         assert (
             find_resume_checkpoint(f"s3://{bucket}/ckpt", s3_utils=s3) == f"s3://{bucket}/ckpt/gpt--step=24-last.ckpt"
         )

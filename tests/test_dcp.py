@@ -126,33 +126,34 @@ def test_private_torch_names_it_relies_on_are_still_there() -> None:
     constant, ``narrow_tensor_by_index`` and the ``torch.serialization._get_layout`` its pickles reference."""
     import dataclasses
 
+    from torch.distributed._shard._utils import narrow_tensor_by_index
     from torch.distributed.checkpoint import filesystem
+    from torch.distributed.checkpoint.storage import WriteResult
 
-    types = s3_dcp._dcp_types()
-    assert [f.name for f in dataclasses.fields(types.StorageInfo)] == [
+    assert [f.name for f in dataclasses.fields(filesystem._StorageInfo)] == [
         "relative_path",
         "offset",
         "length",
         "transform_descriptors",
     ]
-    assert types.StorageInfo is filesystem._StorageInfo
-    assert types.CURRENT_DCP_VERSION == "1.0.0"
-    assert torch.equal(types.narrow_tensor_by_index(torch.arange(10), [2], [3]), torch.tensor([2, 3, 4]))
+    assert filesystem.CURRENT_DCP_VERSION == "1.0.0"
+    assert torch.equal(narrow_tensor_by_index(torch.arange(10), [2], [3]), torch.tensor([2, 3, 4]))
     assert torch.serialization._get_layout("torch.strided") is torch.strided
     # The item-checksum record travels inside WriteResult.storage_data, which DCP passes through untouched.
-    assert "storage_data" in {f.name for f in dataclasses.fields(types.WriteResult)}
+    assert "storage_data" in {f.name for f in dataclasses.fields(WriteResult)}
 
 
 def test_importing_needs_no_torch_and_using_it_names_the_fix(tmp_path: Path) -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "import s3_dcp\n"
-        "try:\n    s3_dcp.S3StorageWriter\nexcept ImportError as exc:\n    print('ERR', exc)\n"
+        "for make in (lambda: s3_dcp.S3StorageWriter('s3://b/c'), lambda: s3_dcp.S3LoadPlanner()):\n"
+        "    try:\n        make()\n    except ImportError as exc:\n        print('ERR', exc)\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "ERR" in out.stdout and "pip install torch" in out.stdout
+    assert out.stdout.count("ERR") == 2 and "pip install torch" in out.stdout
 
 
 def test_validate_checkpoint_id() -> None:
@@ -222,7 +223,7 @@ def test_item_checksums_come_from_the_upload_pass_and_equal_direct_ones(
     _download_prefix(s3_client, bucket, "items", tmp_path)
     record = json.loads((tmp_path / s3_dcp.ITEM_CHECKSUMS_NAME).read_text())["files"]["__0_0.distcp"]
     shard = (tmp_path / "__0_0.distcp").read_bytes()
-    algorithm = s3_utils.checksum_algorithm(record["algorithm"])
+    algorithm = s3_utils.ChecksumAlgorithm.named(record["algorithm"])
     assert len(record["items"]) == len(state)
     for offset, (length, checksum) in record["items"].items():
         item = shard[int(offset) : int(offset) + length]
@@ -399,7 +400,7 @@ def test_writer_records_where_each_contiguous_tensor_lies_from_the_upload_pass(
     _download_prefix(s3_client, bucket, "spans", tmp_path)
     record = json.loads((tmp_path / s3_dcp.ITEM_CHECKSUMS_NAME).read_text())["files"]["__0_0.distcp"]
     shard = (tmp_path / "__0_0.distcp").read_bytes()
-    algorithm = s3_utils.checksum_algorithm(record["algorithm"])
+    algorithm = s3_utils.ChecksumAlgorithm.named(record["algorithm"])
     assert record["byteorder"] == sys.byteorder
     metadata = dcp.FileSystemReader(str(tmp_path)).read_metadata()
     offsets = {index.fqn: info.offset for index, info in metadata.storage_data.items()}

@@ -217,6 +217,32 @@ def test_strategy_classes_for_both_families_and_their_options() -> None:
         s3_dcp.sharded_strategy_class("ddp")
 
 
+def test_strategy_builds_its_client_one_way_shares_it_and_pickles_without_it() -> None:
+    """The strategy refuses client arguments another would override (as `S3CheckpointIO` does), its plugin, writers
+    and readers share its one `S3Utils`, and a pickled strategy (``ddp_spawn``) carries settings, not the client."""
+    import pickle
+
+    from s3_utils import S3ClientSettings
+
+    with pytest.raises(ValueError, match=r"^S3ModelParallelStrategy: endpoint_url would be ignored because client_set"):
+        s3_dcp.S3ModelParallelStrategy(endpoint_url="http://127.0.0.1:1", client_settings=S3ClientSettings())
+    with pytest.raises(ValueError, match="max_requests_per_second would be ignored because client_settings"):
+        s3_dcp.S3FSDPStrategy(max_requests_per_second=5, client_settings=S3ClientSettings(max_requests_per_second=9))
+    strategy = s3_dcp.S3ModelParallelStrategy(
+        data_parallel_size=1, tensor_parallel_size=1, endpoint_url="http://127.0.0.1:9", thread_count=8
+    )
+    assert strategy.s3.settings.endpoint_url == "http://127.0.0.1:9"
+    assert "(lightning; " in (strategy.s3.settings.user_agent_extra or "")  # as S3CheckpointIO reports Lightning
+    assert strategy.s3.settings.max_pool_connections == 8 * s3_dcp.DEFAULT_DCP_MAX_WRITE_CONCURRENCY + 4
+    assert strategy.s3_checkpoint_io.s3 is strategy.s3
+    assert strategy.s3_storage_writer("s3://bucket/x").s3 is strategy.s3
+    assert strategy.s3_storage_reader("s3://bucket/x").s3 is strategy.s3
+    _ = strategy.s3.client
+    copy = pickle.loads(pickle.dumps(strategy))
+    assert copy.s3 is not strategy.s3 and copy.s3.settings == strategy.s3.settings
+    assert copy.s3_checkpoint_io.s3.settings == strategy.s3.settings
+
+
 def test_lightning_names_it_relies_on_are_still_there() -> None:
     """Lightning's sharded strategies keep their non-model state in ``meta.pt`` and their switches under these
     private names; the strategies read them."""

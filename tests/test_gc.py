@@ -44,8 +44,7 @@ def test_list_count_and_abort_uploads_under_a_slash_bounded_prefix(bucket: str, 
     second = start_upload(s3_client, bucket, "run/a.ckpt", [])  # a retried save: a second upload at one key
     nested = start_upload(s3_client, bucket, "run/sub/__0_0.distcp", [b"w" * 7])
     sibling = start_upload(s3_client, bucket, "run_old/b.ckpt", [b"v"])
-    s3 = S3Utils()
-    s3.list_page_size = 2  # every listing takes several pages
+    s3 = S3Utils(list_page_size=2)  # every listing takes several pages
 
     uploads = s3.list_multipart_uploads(f"s3://{bucket}/run")
     assert sorted((u.key, u.upload_id) for u in uploads) == sorted(

@@ -98,7 +98,7 @@ def test_auto_checksum_falls_back_to_crc32_without_awscrt() -> None:
     result = run_python(
         """
         import s3_utils
-        print(s3_utils._checksum_algorithm("auto").name)
+        print(s3_utils.ChecksumAlgorithm.named("auto").name)
         """,
         hidden=("awscrt",),
     )

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import s3_utils
-from s3_checkpoint_io import S3CheckpointIO, snapshot_to_host
+from s3_checkpoint_io import S3CheckpointIO, TransferRecord, snapshot_to_host
 
 MiB = 1024 * 1024
 BOTH_BUCKET_KINDS = pytest.mark.parametrize("bucket", ["general_purpose", "directory"], indirect=True)
@@ -131,17 +131,20 @@ class _HeldSpy:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.parts = 0
         self.owners: list[object] = []
-        real = s3_utils.S3MultipartWriter.write_held
+        real, send_held = s3_utils.S3MultipartWriter.write_held, s3_utils.S3MultipartWriter._send_held_part
         spy = self
 
         def write_held(writer: s3_utils.S3MultipartWriter, data: object, owner: object) -> int:
-            before = writer._held_parts
             written = real(writer, data, owner)
-            spy.parts += writer._held_parts - before
             spy.owners.append(owner)
             return written
 
+        def send_held_part(writer: s3_utils.S3MultipartWriter, *args: object, **kwargs: object) -> None:
+            send_held(writer, *args, **kwargs)
+            spy.parts += 1
+
         monkeypatch.setattr(s3_utils.S3MultipartWriter, "write_held", write_held)
+        monkeypatch.setattr(s3_utils.S3MultipartWriter, "_send_held_part", send_held_part)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -241,11 +244,11 @@ class _GatedSaves:
         self._save_now = plugin._save_now
         plugin._save_now = self  # type: ignore[method-assign]
 
-    def __call__(self, checkpoint: dict, path: str) -> None:
+    def __call__(self, checkpoint: dict, path: str) -> TransferRecord:
         assert self.release.wait(30), "test never released the gate"
         if self.fail:
             raise ConnectionResetError(f"injected failure while uploading {path}")
-        self._save_now(checkpoint, path)
+        return self._save_now(checkpoint, path)
 
 
 @BOTH_BUCKET_KINDS

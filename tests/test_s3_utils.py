@@ -21,6 +21,7 @@ from s3_utils import (
     DownloadedObject,
     RetryPolicy,
     S3ClientSettings,
+    S3MultipartWriter,
     S3Utils,
     _BufferReader,
     _part_buffers,
@@ -31,6 +32,29 @@ from s3_utils import (
 MiB = 1024 * 1024
 BOTH_BUCKET_KINDS = pytest.mark.parametrize("bucket", ["general_purpose", "directory"], indirect=True)
 """Run a test on a general purpose bucket and on a directory bucket behind the directory-bucket proxy."""
+
+
+class _WriterSpy:
+    """Test instrumentation kept out of the writer: the most part buffers each writer held at once (read after every
+    `_take_buffer`) and the parts each sent straight from the caller's memory (`_send_held_part` calls)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.most_buffers: dict[int, int] = {}
+        self.held_parts: dict[int, int] = {}
+        take, send_held = S3MultipartWriter._take_buffer, S3MultipartWriter._send_held_part
+        spy = self
+
+        def take_buffer(writer: S3MultipartWriter) -> bytearray:
+            buffer = take(writer)
+            spy.most_buffers[id(writer)] = max(spy.most_buffers.get(id(writer), 0), writer._buffers_made)
+            return buffer
+
+        def send_held_part(writer: S3MultipartWriter, *args: object, **kwargs: object) -> None:
+            send_held(writer, *args, **kwargs)
+            spy.held_parts[id(writer)] = spy.held_parts.get(id(writer), 0) + 1
+
+        monkeypatch.setattr(S3MultipartWriter, "_take_buffer", take_buffer)
+        monkeypatch.setattr(S3MultipartWriter, "_send_held_part", send_held_part)
 
 
 def put(s3_client, bucket: str, key: str, body: bytes = b"x") -> None:
@@ -86,8 +110,7 @@ class TestDirectorySemantics:
     def test_listing_follows_every_page(self, s3_client, bucket: str) -> None:
         for index in range(23):
             put(s3_client, bucket, f"many/{index:03d}")
-        utils = S3Utils()
-        utils.list_page_size = 5
+        utils = S3Utils(list_page_size=5)
         listed = utils.list_objects(f"s3://{bucket}/many")
         assert [obj.key for obj in listed] == [f"many/{index:03d}" for index in range(23)]
         assert all(obj.size == 1 for obj in listed)
@@ -437,10 +460,13 @@ def test_download_threads_take_turns_writing(monkeypatch: pytest.MonkeyPatch) ->
     assert most_active[0] == 1
 
 
-def test_part_size_doubles_so_objects_can_outgrow_ten_thousand_parts(s3_server, bucket: str) -> None:
+def test_part_size_doubles_so_objects_can_outgrow_ten_thousand_parts(
+    s3_server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """S3 allows 10,000 parts; a streamed object's size is unknown up front, so the writer grows its part size."""
     settings = S3ClientSettings(endpoint_url=s3_server.endpoint_url, user_agent_extra="grow-parts")
     utils = S3Utils(settings)
+    spy = _WriterSpy(monkeypatch)
     data = os.urandom(33 * MiB)
     url = f"s3://{bucket}/grown"
     with part_upload_headers(utils) as seen:
@@ -452,16 +478,19 @@ def test_part_size_doubles_so_objects_can_outgrow_ten_thousand_parts(s3_server, 
                 writer.write(data[start : start + 3 * MiB])
     sizes = [int(headers["content-length"]) for headers in seen]
     assert sorted(sizes) == sorted([5 * MiB, 5 * MiB, 10 * MiB, 10 * MiB, 3 * MiB])
-    assert writer._most_buffers_held <= 3  # max_concurrency + 1 buffers alive at any time
+    assert spy.most_buffers[id(writer)] <= 3  # max_concurrency + 1 buffers alive at any time
     with utils.download_to_memory(url) as downloaded:  # verifies the combined full-object checksum
         assert downloaded.read_all() == data
 
 
-def test_held_writes_send_whole_parts_from_the_callers_memory_and_copy_only_the_edges(s3_server, bucket: str) -> None:
+def test_held_writes_send_whole_parts_from_the_callers_memory_and_copy_only_the_edges(
+    s3_server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`write_held` uploads every part that lines up with the object's part grid straight from the caller's bytes
     (no part buffer), copies the bytes before the first boundary and after the last, keeps checksum boundaries
     exact, and the object is byte for byte what plain writes give."""
     utils = S3Utils(S3ClientSettings(endpoint_url=s3_server.endpoint_url, user_agent_extra="held-writes"))
+    spy = _WriterSpy(monkeypatch)
     head, held, tail = os.urandom(1000), bytearray(os.urandom(23 * MiB)), os.urandom(777)
     url = f"s3://{bucket}/held"
     with part_upload_headers(utils) as seen:
@@ -472,8 +501,8 @@ def test_held_writes_send_whole_parts_from_the_callers_memory_and_copy_only_the_
             assert writer.write_held(memoryview(held).toreadonly(), held) == len(held)
             writer.mark_checksum_boundary()
             writer.write(tail)
-    assert writer._held_parts == 3  # 5 MiB parts 2-4; part 1 (head + the rest of its 5 MiB) and the tail copied
-    assert writer._buffers_made <= 2 and writer._most_buffers_held <= 2
+    assert spy.held_parts[id(writer)] == 3  # 5 MiB parts 2-4; part 1 (head + the rest of its 5 MiB) and the tail copied
+    assert writer._buffers_made <= 2 and spy.most_buffers[id(writer)] <= 2
     assert sorted(int(headers["content-length"]) for headers in seen) == [
         1000 + 23 * MiB + 777 - 4 * 5 * MiB,
         *[5 * MiB] * 4,
@@ -488,6 +517,7 @@ def test_held_writes_keep_at_most_max_concurrency_plus_one_parts_queued(
     s3_server, bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     utils = S3Utils(S3ClientSettings(endpoint_url=s3_server.endpoint_url, user_agent_extra="held-bound"))
+    spy = _WriterSpy(monkeypatch)
     held = bytearray(os.urandom(40 * MiB))
     writer = utils.open_writer(f"s3://{bucket}/held-bound", chunk_size_MB=5, max_concurrency=2)
     unfinished: list[int] = []
@@ -505,7 +535,7 @@ def test_held_writes_keep_at_most_max_concurrency_plus_one_parts_queued(
     monkeypatch.setattr(writer, "_upload_part", slow_upload)
     with writer:
         writer.write_held(held, held)
-    assert writer._held_parts == 8 and len(unfinished) == 8
+    assert spy.held_parts[id(writer)] == 8 and len(unfinished) == 8
     assert max(unfinished) == 3  # max_concurrency + 1: the bound binds, and is kept
     with utils.download_to_memory(f"s3://{bucket}/held-bound") as downloaded:
         assert downloaded.read_all() == bytes(held)
@@ -629,10 +659,13 @@ def test_listings_come_back_shuffled_and_are_sorted_here(s3_client, bucket: str)
 # ---- part buffers and checksum boundaries (one checksum pass per byte, no fresh pages per save) ----------------------
 
 
-def test_part_buffers_are_reused_across_saves_within_the_memory_bound(s3_server, bucket: str) -> None:
+def test_part_buffers_are_reused_across_saves_within_the_memory_bound(
+    s3_server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A second save takes its part buffers from the first one's (no new allocation), each writer holds at most
     max_concurrency + 1, and what the process keeps between saves is no more than writers held at once."""
     utils = S3Utils(S3ClientSettings(endpoint_url=s3_server.endpoint_url, user_agent_extra="buffer-reuse"))
+    spy = _WriterSpy(monkeypatch)
     data = os.urandom(23 * MiB)
     release_part_buffers()
     allocated, peaks = _part_buffers.allocated, []
@@ -641,7 +674,7 @@ def test_part_buffers_are_reused_across_saves_within_the_memory_bound(s3_server,
         with writer:
             for start in range(0, len(data), 3 * MiB):
                 writer.write(data[start : start + 3 * MiB])
-        peaks.append(writer._most_buffers_held)
+        peaks.append(spy.most_buffers[id(writer)])
         if n == 0:
             allocated_by_first = _part_buffers.allocated - allocated
     assert 1 <= allocated_by_first <= 3 and max(peaks) <= 3  # max_concurrency + 1

@@ -7,6 +7,8 @@ import concurrent.futures
 import gc
 import io
 import os
+import pickle
+import re
 import sys
 import types
 from typing import Any, ClassVar
@@ -23,8 +25,8 @@ from s3_utils import (
     RetryPolicy,
     S3ClientSettings,
     S3Utils,
-    _checksum_of,
     _ChecksumRecords,
+    checksum_of,
     forget_s3fs_instances,
     fresh_s3fs_instances,
     invalidate_fsspec_cache,
@@ -62,8 +64,8 @@ def test_recorded_checksum_names_what_a_download_is_verified_against(bucket: str
         assert downloaded.read_all() == data
         verified = downloaded.verified_against
     assert verified is not None and verified.algorithm == recorded.algorithm
-    algorithm = s3_utils._checksum_algorithm(verified.algorithm)
-    assert verified.value == algorithm.encode(_checksum_of(algorithm, data))  # the record matches the bytes
+    algorithm = s3_utils.ChecksumAlgorithm.named(verified.algorithm)
+    assert verified.value == algorithm.encode(checksum_of(algorithm, data))  # the record matches the bytes
     # the download verified against the record recorded_checksum names, or (a store that reports a checksum it never
     # checked, as moto does for multipart uploads) against the sidecar this package wrote for that store
     assert verified == recorded or (recorded.source, verified.source) == ("s3", "sidecar")
@@ -76,7 +78,7 @@ def test_a_sidecar_record_is_reported_and_verified(s3_client, bucket: str) -> No
     s3_client.put_object(Bucket=bucket, Key="side", Body=data)
     info = utils.head_object(f"s3://{bucket}/side")
     bare = s3_utils.S3ObjectInfo(info.bucket, info.key, info.size, info.etag)  # as if the store reported no checksum
-    algorithm = s3_utils._checksum_algorithm("CRC32")
+    algorithm = s3_utils.ChecksumAlgorithm.named("CRC32")
     value = algorithm.encode(algorithm.update(data, 0))
     record = {"algorithm": "CRC32", "checksum": value, "size": info.size, "etag": info.etag}
     _ChecksumRecords(utils).write_sidecar(bucket, "side", record)
@@ -306,23 +308,98 @@ def test_fresh_s3fs_instances_forgets_before_and_after_even_on_error(monkeypatch
     assert events == ["cleared", "inside", "cleared"]
 
 
-# ---- S3CheckpointIO refuses arguments it would ignore ---------------------------------------------------------------
+# ---- one way to build the client: every class refuses arguments another would override ----------------------------
+
+_PAYER = {"RequestPayer": "requester"}
+_BUDGETED = S3ClientSettings(max_requests_per_second=100)
+_OPTIONS = S3ClientSettings(request_options=s3_utils.S3RequestOptions(StorageClass="STANDARD_IA"))
+CONFLICTS = [
+    ({"endpoint_url": "http://127.0.0.1:1", "client_settings": S3ClientSettings()}, "endpoint_url", "client_settings"),
+    ({"region_name": "eu-west-1", "client_settings": S3ClientSettings()}, "region_name", "client_settings"),
+    ({"request_options": _PAYER, "client_settings": _OPTIONS}, "request_options", "client_settings"),
+    ({"max_requests_per_second": 5, "client_settings": _BUDGETED}, "max_requests_per_second", "client_settings"),
+    ({"endpoint_url": "http://127.0.0.1:1", "s3_utils": S3Utils()}, "endpoint_url", "s3_utils"),
+    ({"region_name": "eu-west-1", "s3_utils": S3Utils()}, "region_name", "s3_utils"),
+    ({"client_settings": S3ClientSettings(), "s3_utils": S3Utils()}, "client_settings", "s3_utils"),
+    ({"retry_policy": RetryPolicy(), "s3_utils": S3Utils()}, "retry_policy", "s3_utils"),
+    ({"request_options": {"StorageClass": "STANDARD"}, "s3_utils": S3Utils()}, "request_options", "s3_utils"),
+    ({"max_requests_per_second": 5, "s3_utils": S3Utils()}, "max_requests_per_second", "s3_utils"),
+]
+"""Arguments together with one that would silently override them: (arguments, the overridden one, the winner)."""
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "ignored"),
-    [
-        ({"endpoint_url": "http://127.0.0.1:1", "client_settings": S3ClientSettings()}, "endpoint_url"),
-        ({"region_name": "eu-west-1", "client_settings": S3ClientSettings()}, "region_name"),
-        ({"endpoint_url": "http://127.0.0.1:1", "s3_utils": S3Utils()}, "endpoint_url"),
-        ({"region_name": "eu-west-1", "s3_utils": S3Utils()}, "region_name"),
-        ({"client_settings": S3ClientSettings(), "s3_utils": S3Utils()}, "client_settings"),
-        ({"retry_policy": RetryPolicy(), "s3_utils": S3Utils()}, "retry_policy"),
-    ],
-)
-def test_checkpoint_io_refuses_arguments_it_would_ignore(kwargs: dict, ignored: str) -> None:
-    with pytest.raises(ValueError, match=ignored):
-        S3CheckpointIO("s3://bucket/run", **kwargs)
+def _client_builders() -> dict[str, Any]:
+    import s3_dcp
+
+    return {
+        "S3Utils.from_arguments": S3Utils.from_arguments,
+        "S3CheckpointIO": lambda **kwargs: S3CheckpointIO("s3://bucket/run", **kwargs),
+        "S3StorageWriter": lambda **kwargs: s3_dcp.S3StorageWriter("s3://bucket/run", **kwargs),
+        "S3StorageReader": lambda **kwargs: s3_dcp.S3StorageReader("s3://bucket/run", **kwargs),
+    }
+
+
+@pytest.mark.parametrize("builder", ["S3Utils.from_arguments", "S3CheckpointIO", "S3StorageWriter", "S3StorageReader"])
+@pytest.mark.parametrize(("kwargs", "ignored", "winner"), CONFLICTS)
+def test_every_client_builder_refuses_arguments_another_would_override(
+    builder: str, kwargs: dict, ignored: str, winner: str
+) -> None:
+    """The plugin, the DCP writer and reader (which once ignored these silently) and `S3Utils.from_arguments` itself
+    build their client one way and refuse the same combinations, naming both arguments."""
+    message = rf"^{re.escape(builder)}: {ignored} would be ignored because {winner} is given"
+    with pytest.raises(ValueError, match=message):
+        _client_builders()[builder](**kwargs)
+
+
+def test_from_arguments_builds_the_settings_it_is_given() -> None:
+    utils = S3Utils(S3ClientSettings(endpoint_url="http://127.0.0.1:1"))
+    assert S3Utils.from_arguments(s3_utils=utils, max_pool_connections=99, user_agent_extra="x") is utils
+    built = S3Utils.from_arguments(
+        endpoint_url="http://127.0.0.1:2",
+        region_name="eu-west-1",
+        retry_policy=FAST,
+        request_options={"StorageClass": "STANDARD_IA"},
+        max_requests_per_second={"write": 10, "read": 20},
+        max_pool_connections=60,
+        user_agent_extra="lightning/2.5",
+    )
+    settings = built.settings
+    assert (settings.endpoint_url, settings.region_name) == ("http://127.0.0.1:2", "eu-west-1")
+    assert built.retry_policy == FAST
+    assert settings.request_options == s3_utils.S3RequestOptions(StorageClass="STANDARD_IA")
+    assert settings.max_requests_per_second == s3_utils.RequestRates(write=10, read=20)
+    assert settings.max_pool_connections == 64 and settings.user_agent_extra == "lightning/2.5"
+    given = S3ClientSettings(endpoint_url="http://127.0.0.1:3", user_agent_extra="job/7", max_pool_connections=5)
+    extended = S3Utils.from_arguments(
+        client_settings=given,
+        request_options={"RequestPayer": "requester"},
+        max_pool_connections=60,
+        user_agent_extra="lightning/2.5",
+    ).settings
+    assert (extended.endpoint_url, extended.max_pool_connections) == ("http://127.0.0.1:3", 5)  # the settings decide
+    assert extended.user_agent_extra == "job/7 lightning/2.5" and extended.request_options is not None
+    with pytest.raises(ValueError, match="Unknown S3 request option"):
+        S3Utils.from_arguments(request_options={"StorageClas": "STANDARD"})
+    with pytest.raises(TypeError, match=r"retry_policy must be an s3_utils\.RetryPolicy"):
+        S3Utils.from_arguments(retry_policy={"max_attempts": 3})  # type: ignore[arg-type]
+
+
+def test_s3_utils_pickles_as_settings_and_retry_policy_and_works_after(bucket: str) -> None:
+    """What ``ddp_spawn`` and DCP's process executor do to every class that holds one: the live client stays behind,
+    the copy builds its own from the same settings and retry policy, and reaches the same objects."""
+    utils = S3Utils(S3ClientSettings(user_agent_extra="pickled"), FAST)
+    url = f"s3://{bucket}/pickled/object"
+    utils.upload_file_stream_to_s3(io.BytesIO(b"travels"), url)
+    assert utils.client is not None and utils.retries == 0
+    state = pickle.dumps(utils)
+    assert b"botocore" not in state
+    copy = pickle.loads(state)
+    assert type(copy) is S3Utils and copy is not utils
+    assert copy.settings == utils.settings and copy.retry_policy == FAST
+    assert copy.client is not None  # built anew on first use, from the same settings
+    with copy.download_to_memory(url) as downloaded:
+        assert downloaded.read_all() == b"travels"
+    assert copy.s3_path_exists(f"s3://{bucket}/pickled", match_directory=True)
 
 
 def test_checkpoint_io_accepts_each_way_of_configuring_the_client() -> None:

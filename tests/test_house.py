@@ -1,0 +1,127 @@
+"""House rules that keep the package easy to carry on, checked on the source itself.
+
+No module uses another first-party module's private (``_underscore``) names: what one module needs from another is
+public and documented there, or it moves. Private names of other libraries are a different matter: each is pinned
+by a test (tests/test_private_surface.py, tests/test_dcp.py).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULES = sorted(path.stem for path in ROOT.glob("*.py"))
+"""The package's modules: every ``.py`` file at the repository root (flat modules, as pyproject's py-modules)."""
+
+ALLOWED: set[tuple[str, str, str]] = {
+    # owned by the fast-path budget work (issue 32, item 8): framing reuse asks the plugin module whether torch's
+    # archive writer can run without zip CRCs; the lead drops this entry when that work lands.
+    ("s3_dcp", "s3_checkpoint_io", "_zip_writer_without_crc32"),
+}
+"""(module, other module, private name) uses that are known and owned elsewhere."""
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _first_party(dotted: str | None) -> str | None:
+    """The first-party module a (possibly relative or package-qualified) import names, else None."""
+    if not dotted:
+        return None
+    last = dotted.rsplit(".", 1)[-1]
+    return last if last in MODULES else None
+
+
+def _strings_in(node: ast.AST) -> list[str]:
+    return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def _module_aliases(tree: ast.Module) -> dict[str, str]:
+    """Names bound to a first-party module anywhere in `tree`: ``import s3_utils as _s3``, ``from . import s3_dcp
+    as _dcp``, and names assigned from a call that loads one (``_dcp = _sibling_s3_dcp()``,
+    ``importlib.import_module(f"{__package__}.s3_checkpoint_demo" ...)``)."""
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                module = _first_party(alias.name)
+                if module:
+                    aliases[alias.asname or alias.name] = module
+        elif isinstance(node, ast.ImportFrom) and (node.module is None or node.level):
+            for alias in node.names:  # from . import s3_utils as _s3
+                module = _first_party(alias.name)
+                if module and node.module is None:
+                    aliases[alias.asname or alias.name] = module
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            call = node.value
+            callee = call.func.id if isinstance(call.func, ast.Name) else getattr(call.func, "attr", "")
+            loaded = [m for m in MODULES if callee.endswith(f"_{m}")]
+            loaded += [m for text in _strings_in(call) for m in MODULES if text.endswith(m)]
+            if loaded:
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        aliases[target.id] = loaded[0]
+    return aliases
+
+
+def private_uses(module: str, source: str) -> list[tuple[str, str, int]]:
+    """``(other module, private name, line)`` for each use in `source` (module `module`) of another first-party
+    module's private name: ``alias._name`` or ``from other import _name``."""
+    tree = ast.parse(source)
+    aliases = _module_aliases(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and _private(node.attr):
+            other = aliases.get(node.value.id)
+            if other and other != module:
+                found.append((other, node.attr, node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            other = _first_party(node.module)
+            if other and other != module:
+                found += [(other, alias.name, node.lineno) for alias in node.names if _private(alias.name)]
+    return found
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_no_module_uses_another_modules_private_names(module: str) -> None:
+    uses = private_uses(module, (ROOT / f"{module}.py").read_text(encoding="utf-8"))
+    allowed = {(other, name) for mod, other, name in ALLOWED if mod == module}
+    unexpected = [f"{module}.py:{line}: {other}.{name}" for other, name, line in uses if (other, name) not in allowed]
+    assert not unexpected, "private names of another module (make them public and documented, or move the code):\n" + (
+        "\n".join(unexpected)
+    )
+
+
+def test_the_check_finds_each_way_of_reaching_in() -> None:
+    """The checker itself: aliases from imports, relative imports and loader calls, and ``from ... import _x``."""
+    source = (
+        "if __package__:\n    from . import s3_utils as _s3\nelse:\n    import s3_utils as _s3\n"
+        "import s3_dcp\n"
+        "from s3_checkpoint_io import _secret, public\n"
+        "_dcp = _sibling_s3_dcp()\n"
+        "demo = importlib.import_module(f'{__package__}.s3_checkpoint_demo')\n"
+        "_s3._a; s3_dcp._b; _dcp._c; demo._d; _s3.public; _s3.__doc__\n"
+    )
+    uses = sorted((other, name) for other, name, _ in private_uses("connector", source))
+    assert uses == [
+        ("s3_checkpoint_demo", "_d"),
+        ("s3_checkpoint_io", "_secret"),
+        ("s3_dcp", "_b"),
+        ("s3_dcp", "_c"),
+        ("s3_utils", "_a"),
+    ]
+    assert private_uses("s3_utils", "import s3_utils as _s3\n_s3._own") == []  # its own names are its business
+
+
+def test_no_allowed_exception_is_stale() -> None:
+    """An allow-list entry whose use is gone must go too, so the list only ever shrinks."""
+    used = {
+        (module, other, name)
+        for module in MODULES
+        for other, name, _ in private_uses(module, (ROOT / f"{module}.py").read_text(encoding="utf-8"))
+    }
+    assert ALLOWED <= used, f"stale entries: {sorted(ALLOWED - used)}"
