@@ -83,6 +83,7 @@ __all__ = [
     "DirectoryFence",
     "DownloadedObject",
     "FenceToken",
+    "LaunchIdentity",
     "MissingOptionalDependencyError",
     "MultipartUploadInfo",
     "PacerLane",
@@ -98,6 +99,7 @@ __all__ = [
     "buffer_address",
     "create_shared_file",
     "current_run",
+    "launch_identity",
     "forget_s3fs_instances",
     "fresh_s3fs_instances",
     "get_s3_client",
@@ -3528,17 +3530,100 @@ class S3MultipartWriter(io.RawIOBase):
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# This process: the launch it belongs to (its run, for fencing)
+# --------------------------------------------------------------------------------------------------------------------
+#
+# Why: the ranks of one job are one run; a relaunch (torchrun's restart, a SLURM requeue, a new job) is a newer one.
+# A launcher names both in the environment it gives each rank: what stays the same across relaunches (`job`) and which
+# launch this is (`attempt`, a tuple of counters that only grow). docs/runs.md says it for users.
+
+
+@dataclass(frozen=True)
+class LaunchIdentity:
+    """The launch this process belongs to, as its launcher's environment says (`launch_identity`)."""
+
+    launcher: str
+    """``"torchrun"``, ``"slurm"`` or ``"slurm+torchrun"``."""
+    job: str
+    """What a relaunch of the job keeps: ``slurm:<SLURM_JOB_ID>`` and/or ``torchrun:<TORCHELASTIC_RUN_ID>``; for
+    torchrun's default run id ``none`` outside SLURM, the torchrun agent on this host (``torchrun:none@host:pid:t``:
+    one run per node, see docs/runs.md)."""
+    attempt: tuple[int, ...]
+    """Which launch of `job` this is, compared as a tuple (higher is later): (``SLURM_RESTART_COUNT``,
+    ``SLURM_STEP_ID``) under SLURM, then ``TORCHELASTIC_RESTART_COUNT`` under torchrun."""
+    started: float | None = None
+    """When the launch started, where the launcher says (``SLURM_JOB_START_TIME``), else None."""
+
+    @property
+    def run_id(self) -> str:
+        return f"{self.job}#{'.'.join(str(n) for n in self.attempt)}"
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    try:
+        return int(value)
+    except ValueError:
+        return default
+
+
+def _torchrun_agent() -> str:
+    """This host and the torchrun agent that started this process (its parent: pid and start time in clock ticks
+    since boot, so that a reused pid is another agent)."""
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/stat", encoding="ascii", errors="replace") as stat_file:
+            started = stat_file.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = "?"
+    return f"{socket.gethostname()}:{parent}:{started}"
+
+
+def launch_identity() -> LaunchIdentity | None:
+    """The launch this process belongs to, from its launcher's environment, or None outside any launcher.
+
+    * torchrun: ``TORCHELASTIC_RUN_ID`` (the ``--rdzv-id``) and ``TORCHELASTIC_RESTART_COUNT``. Its default run id,
+      ``none``, names no job: outside SLURM the job is then the torchrun agent on this host (a multi-node job should
+      pass ``--rdzv-id``, or share rank 0's run: `adopt_run`).
+    * SLURM: ``SLURM_JOB_ID``, ``SLURM_STEP_ID`` and ``SLURM_RESTART_COUNT`` (a requeue counts up; a later ``srun``
+      step of one allocation is a later launch), and ``SLURM_JOB_START_TIME``.
+    * both (torchrun under ``srun`` or in a batch script): both, SLURM's counters first."""
+    slurm_job = os.environ.get("SLURM_JOB_ID", "").strip()
+    torch_run = os.environ.get("TORCHELASTIC_RUN_ID", "").strip()
+    in_torchrun = bool(torch_run) or "TORCHELASTIC_RESTART_COUNT" in os.environ
+    jobs: list[str] = []
+    attempt: list[int] = []
+    started: float | None = None
+    if slurm_job:
+        jobs.append(f"slurm:{slurm_job}")
+        attempt += [_env_int("SLURM_RESTART_COUNT", 0), _env_int("SLURM_STEP_ID", -1)]
+        start = _env_int("SLURM_JOB_START_TIME", 0)
+        started = float(start) if start > 0 else None
+    if in_torchrun:
+        if torch_run and torch_run != "none":
+            jobs.append(f"torchrun:{torch_run}")
+        elif not slurm_job:
+            jobs.append(f"torchrun:none@{_torchrun_agent()}")
+        attempt.append(_env_int("TORCHELASTIC_RESTART_COUNT", 0))
+    if not jobs:
+        return None
+    launcher = "+".join(name for name, present in (("slurm", slurm_job), ("torchrun", in_torchrun)) if present)
+    return LaunchIdentity(launcher, "/".join(jobs), tuple(attempt), started)
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # Directory ownership: only the newest run commits or removes checkpoints in a directory (fencing)
 # --------------------------------------------------------------------------------------------------------------------
 #
 # Why: a requeued or restarted job can leave two runs writing one checkpoint directory (the old one still flushing or
 # cut off from its scheduler); the stale run's saves and clean-up then overwrite and delete the new run's checkpoints.
 # How (README.md, "One run per checkpoint directory"):
-# * a run (`CheckpointRun`: a random id, host, pid and start time; one per process) takes a directory over at its
-#   first save there: it writes the owner record ``<directory>/.s3ckpt-owner.json`` with a conditional PUT, one
-#   generation up (``If-None-Match: *`` when there is none, else ``If-Match`` on the ETag it just read; a failed
-#   condition means another run got there first: read again). A run that started before the record's owner does not
-#   take it over: it is the stale one.
+# * a run (`CheckpointRun`: one launch, its ranks alike, see "This process"; a process outside any launcher is a run
+#   of its own) takes a directory over at its first save there: it writes the owner record
+#   ``<directory>/.s3ckpt-owner.json`` with a conditional PUT, one generation up (``If-None-Match: *`` when there is
+#   none, else ``If-Match`` on the ETag it just read; a failed condition means another process got there first: read
+#   again, and a record of its own run, written by another rank at the same moment, is adopted as its own). A run of
+#   an earlier launch than the record's owner (`CheckpointRun.is_newer_than`) does not take it over: it is stale.
 # * before every commit (the PUT or CompleteMultipartUpload that makes an object visible) and every removal there,
 #   one HEAD of the record: another ETag means another run took over; the operation raises
 #   `CheckpointDirectoryTakenError` and changes nothing (the upload is aborted). Once refused, always refused.
@@ -3561,26 +3646,56 @@ def _utc(timestamp: float) -> str:
 
 @dataclass(frozen=True)
 class CheckpointRun:
-    """Who writes checkpoints: one run per process (`current_run`), carried along when a plugin or a DCP writer is
-    pickled into another process (``ddp_spawn``, DCP's process executor), so those processes act as the same run."""
+    """Who writes checkpoints: one launch of a job (`current_run`). The ranks of one launch are one run (their
+    launcher's environment names it: `launch_identity`); a process outside any launcher is a run of its own. A run is
+    carried along when a plugin or a DCP writer is pickled into another process (``ddp_spawn``, DCP's process
+    executor), so those processes act as the same run. Which of two runs is newer: `is_newer_than`."""
 
     run_id: str
-    """Random, 16 hex digits."""
+    """``<job>#<attempt>`` for a launch (e.g. ``torchrun:4f1c#1``, ``slurm:4242#0.0``); 16 random hex digits for a
+    process outside any launcher."""
     host: str
     pid: int
+    """Of the process that made this run's record: any rank of a launch."""
     started: float
-    """When the process imported this module (seconds since the epoch): of two runs, the later one is the newer."""
+    """When the launch started (seconds since the epoch): SLURM's job start time where SLURM gives it (one clock, the
+    controller's, for every rank), else when this process imported this module."""
+    job: str = ""
+    """What a relaunch keeps (`LaunchIdentity.job`); empty outside any launcher."""
+    attempt: tuple[int, ...] = ()
+    """Which launch of `job` this is (`LaunchIdentity.attempt`): higher is later."""
+
+    def is_newer_than(self, other: CheckpointRun) -> bool:
+        """Whether this run is a later launch than `other`: of two launches of one job, the higher `attempt`
+        (the launcher's restart and step counts: no clock is asked); else the later `started` (each launch's own
+        clock: hosts' clocks must agree to better than the time between a launch and its replacement)."""
+        if self.job and self.job == other.job:
+            return self.attempt > other.attempt
+        return self.started > other.started
 
     def __str__(self) -> str:
         return f"run {self.run_id} (host {self.host}, pid {self.pid}, started {_utc(self.started)})"
 
 
-_PROCESS_RUN = CheckpointRun(secrets.token_hex(8), socket.gethostname(), os.getpid(), time.time())
+_PROCESS_STARTED = time.time()
+_process_run: CheckpointRun | None = None
+_process_run_lock = threading.Lock()
 
 
 def current_run() -> CheckpointRun:
-    """This process's run (see `CheckpointRun`)."""
-    return _PROCESS_RUN
+    """This process's run (see `CheckpointRun`): its launch's (`launch_identity`), or a run of its own outside any
+    launcher. Made at the first call and kept (a forked child that already has one stays that run)."""
+    global _process_run
+    with _process_run_lock:
+        if _process_run is None:
+            launch = launch_identity()
+            host, pid = socket.gethostname(), os.getpid()
+            if launch is None:
+                _process_run = CheckpointRun(secrets.token_hex(8), host, pid, _PROCESS_STARTED)
+            else:
+                started = launch.started if launch.started is not None else _PROCESS_STARTED
+                _process_run = CheckpointRun(launch.run_id, host, pid, started, launch.job, launch.attempt)
+        return _process_run
 
 
 class CheckpointDirectoryTakenError(RuntimeError):
@@ -3822,6 +3937,8 @@ class DirectoryFence:
             "host": self.run.host,
             "pid": self.run.pid,
             "started": self.run.started,
+            "job": self.run.job,
+            "attempt": list(self.run.attempt),
             "generation": generation,
             "taken": time.time(),
         }
@@ -3887,7 +4004,7 @@ class DirectoryFence:
             self._hold.etag = etag
             return True
         owner = _record_run(record)
-        if record is not None and owner is not None and owner.started > self.run.started:
+        if record is not None and owner is not None and owner.is_newer_than(self.run):
             self._refuse(url, action, record, newer=True)
         return False
 
@@ -3935,7 +4052,7 @@ class DirectoryFence:
     ) -> CheckpointDirectoryTakenError:
         holder = f"{owner}" if owner is not None else "another run (its owner record is unreadable)"
         if newer:
-            why = f"belongs to {holder}, which started after this run, {self.run}"
+            why = f"belongs to {holder}, a later launch than this run, {self.run}"
         else:
             why = f"was taken over (generation {generation}) by {holder}; this is {self.run}"
         return CheckpointDirectoryTakenError(
@@ -3958,7 +4075,9 @@ def _record_run(record: Mapping[str, Any] | None) -> CheckpointRun | None:
     if not isinstance(record, Mapping):
         return None
     try:
-        return CheckpointRun(str(record["run"]), str(record["host"]), int(record["pid"]), float(record["started"]))
+        job, attempt = str(record.get("job") or ""), tuple(int(n) for n in record.get("attempt") or ())
+        run, host, pid, started = str(record["run"]), str(record["host"]), int(record["pid"]), float(record["started"])
+        return CheckpointRun(run, host, pid, started, job, attempt)
     except (KeyError, TypeError, ValueError):
         return None
 
