@@ -162,8 +162,10 @@ def test_ddp_resume_discovery_lists_on_rank_zero_only(
         }
         assert loads == {0}, f"{mode} with {world_size} ranks: the checkpoint was downloaded by ranks {loads}"
         jobs[mode, world_size] = job
-        # Top-k bookkeeping survived the resume: step 2 was evicted through S3 (not orphaned) when step 6 arrived.
+        # Top-k bookkeeping survived the resume: step 2 was evicted through S3 (not orphaned) when step 6 arrived;
+        # the checkpoint the job resumed from is kept (the "last" clean-up would have removed it: Lightning #21813).
         assert ckpt_keys(s3_client, bucket, "run") == [
+            "run/tiny--step=4-last.ckpt",
             "run/tiny--step=4.ckpt",
             "run/tiny--step=6-last.ckpt",
             "run/tiny--step=6.ckpt",
