@@ -987,10 +987,22 @@ class S3ModelCheckpointMixin:
             self._s3_utils(trainer)
         connector = trainer._checkpoint_connector
         state = (getattr(connector, "_ckpt_path", None), getattr(connector, "_user_managed", False))
-        (ckpt_path, user_managed), last_model_path = _broadcast_from_rank_zero(trainer, (state, self.last_model_path))
+        shared = (state, self.last_model_path, self._run_of(trainer))
+        (ckpt_path, user_managed), last_model_path, run = _broadcast_from_rank_zero(trainer, shared)
         connector._ckpt_path = ckpt_path
         connector._user_managed = user_managed
         self.last_model_path = last_model_path
+        _s3.adopt_run(run)  # the ranks of one job are one run (docs/runs.md), whatever their launcher said
+
+    @staticmethod
+    def _run_of(trainer: Any) -> _s3.CheckpointRun:
+        """The run the trainer's `S3CheckpointIO` saves as (pickled along by ``ddp_spawn``), else this process's."""
+        plugin = getattr(getattr(trainer, "strategy", None), "_checkpoint_io", None)  # the property would make one
+        for _ in range(3):
+            if isinstance(plugin, _ckpt_io.S3CheckpointIO):
+                return plugin.run
+            plugin = getattr(plugin, "checkpoint_io", None)  # inside Lightning's AsyncCheckpointIO
+        return _s3.current_run()
 
     def file_exists(self, filepath: Any, trainer: Any, *args: Any, **kwargs: Any) -> bool:
         if not (isinstance(filepath, (str, os.PathLike)) and _urls.is_s3_url(filepath)):

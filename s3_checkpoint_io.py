@@ -251,7 +251,7 @@ class S3CheckpointIO:
             raise ValueError(f"load_sharing must be one of {LOAD_SHARING_MODES}, got {load_sharing!r}")
         self.load_sharing = load_sharing
         self.fencing = bool(fencing)
-        self._run = _s3.current_run()  # pickled along: a spawned copy of this plugin is the same run
+        self._run: _s3.CheckpointRun | None = None  # `run`, fixed at the first fenced operation or pickling
         self._fence_override: Any = None  # s3_dcp's sharded strategy: one fence for meta.pt and its removals
         self._collective: _CollectiveLoad | None = None
         self.dirpath = _urls.as_path_or_s3_url(dirpath) if dirpath is not None else None
@@ -290,6 +290,14 @@ class S3CheckpointIO:
     def async_checkpointing(self) -> bool:
         return self._async_checkpointing
 
+    @property
+    def run(self) -> _s3.CheckpointRun:
+        """The run this plugin saves and removes as (`s3_utils.CheckpointRun`): this process's run (`current_run`)
+        when it first needs one, kept from then on and pickled along: a spawned copy of this plugin is the same run."""
+        if self._run is None:
+            self._run = _s3.current_run()
+        return self._run
+
     def __getstate__(self) -> dict[str, Any]:
         """Picklable (``ddp_spawn`` and other launchers pickle the Trainer): settings travel, live state does not.
 
@@ -302,6 +310,7 @@ class S3CheckpointIO:
         for live in ("_lock", "_executor", "_pending", "_deferred", "_errors", "records", "_fence_override"):
             del state[live]
         state["s3"] = (self.s3.settings, self.s3.retry_policy)
+        state["_run"] = self.run
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -476,7 +485,7 @@ class S3CheckpointIO:
             return self._fence_override
         if not self.fencing:
             return None
-        return _s3.DirectoryFence(self.s3, _urls.s3_url_parent(path), self._run)
+        return _s3.DirectoryFence(self.s3, _urls.s3_url_parent(path), self.run)
 
     def _remove_now(self, path: str) -> None:
         if _urls.is_s3_url(path):

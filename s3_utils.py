@@ -13,8 +13,9 @@
    become the exceptions Python code expects (FileNotFoundError; a note naming the URL and what to do).
 7. The ranged reader: parallel ranged GETs copied from the socket into a download (`_RangedDownload`).
 8. The streaming writer: `S3MultipartWriter`, a binary stream that uploads while it is written.
-9. Directory ownership (fencing): `DirectoryFence`, the owner record that lets only the newest run (`CheckpointRun`)
-   commit or remove checkpoints in a directory (`CheckpointDirectoryTakenError` for a stale one).
+9. This process: the launch it belongs to (`launch_identity`), whose ranks are one run. Then directory ownership
+   (fencing): `DirectoryFence`, the owner record that lets only the newest run (`CheckpointRun`: a launch, see
+   docs/runs.md) commit or remove checkpoints in a directory (`CheckpointDirectoryTakenError` for a stale one).
 10. s3fs caches: `invalidate_fsspec_cache`, `forget_s3fs_instances` and `fresh_s3fs_instances`, for code that also
    goes through fsspec.
 
@@ -96,10 +97,10 @@ __all__ = [
     "S3ObjectInfo",
     "S3RequestOptions",
     "S3Utils",
+    "adopt_run",
     "buffer_address",
     "create_shared_file",
     "current_run",
-    "launch_identity",
     "forget_s3fs_instances",
     "fresh_s3fs_instances",
     "get_s3_client",
@@ -107,6 +108,7 @@ __all__ = [
     "invalidate_fsspec_cache",
     "is_retriable_error",
     "is_throttling_error",
+    "launch_identity",
     "open_shared_file",
     "release_part_buffers",
     "request_pacer",
@@ -3696,6 +3698,19 @@ def current_run() -> CheckpointRun:
                 started = launch.started if launch.started is not None else _PROCESS_STARTED
                 _process_run = CheckpointRun(launch.run_id, host, pid, started, launch.job, launch.attempt)
         return _process_run
+
+
+def adopt_run(run: CheckpointRun) -> None:
+    """Make `run` this process's run (`current_run`) from now on. For the ranks of one job once its process group is
+    up: they adopt rank 0's run, so that they are one run also where no launcher names the launch (``mp.spawn``, MPI,
+    torchrun's default run id across nodes). `S3ModelCheckpoint` does it in its ``setup``; without Lightning, after
+    ``init_process_group``: ``adopt_run(broadcast of rank 0's current_run())``. Plugins and writers that already
+    saved keep the run they saved as."""
+    global _process_run
+    with _process_run_lock:
+        if _process_run != run:
+            logger.debug("This process is now %s (was %s)", run, _process_run)
+        _process_run = run
 
 
 class CheckpointDirectoryTakenError(RuntimeError):

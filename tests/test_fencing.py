@@ -14,6 +14,7 @@ import logging
 import os
 import pickle
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -37,11 +38,13 @@ from s3_utils import (
     CheckpointDirectoryTakenError,
     CheckpointRun,
     DirectoryFence,
+    LaunchIdentity,
     RetryPolicy,
     S3ClientSettings,
     S3Utils,
     current_run,
     is_retriable_error,
+    launch_identity,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -673,3 +676,62 @@ def test_the_refusal_and_the_run_travel_to_other_processes() -> None:
     assert pickle.loads(pickle.dumps(plugin))._run == plugin._run
     writer = s3_dcp.S3StorageWriter("s3://bucket/run/ckpt")
     assert pickle.loads(pickle.dumps(writer))._run == current_run()
+
+
+LAUNCHER_ENVIRONMENTS = [
+    ({}, None),
+    (
+        {"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "2"},
+        LaunchIdentity("torchrun", "torchrun:abc", (2,)),
+    ),
+    (
+        {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "3", "SLURM_RESTART_COUNT": "1", "SLURM_JOB_START_TIME": "1700000000"},
+        LaunchIdentity("slurm", "slurm:42", (1, 3), 1700000000.0),
+    ),
+    ({"SLURM_JOB_ID": "42"}, LaunchIdentity("slurm", "slurm:42", (0, -1))),  # a batch script: no step, no requeue
+    (  # torchrun under srun: torchrun's default run id names nothing, SLURM's job does
+        {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "1"},
+        LaunchIdentity("slurm+torchrun", "slurm:42", (0, 0, 1)),
+    ),
+    (
+        {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "TORCHELASTIC_RUN_ID": "r7", "TORCHELASTIC_RESTART_COUNT": "0"},
+        LaunchIdentity("slurm+torchrun", "slurm:42/torchrun:r7", (0, 0, 0)),
+    ),
+]
+
+
+@pytest.mark.parametrize(("environment", "expected"), LAUNCHER_ENVIRONMENTS)
+def test_launch_identity_from_the_launchers_environment(
+    environment: dict[str, str], expected: LaunchIdentity | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "TORCHELASTIC_")):
+            monkeypatch.delenv(name)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert launch_identity() == expected
+
+
+def test_torchruns_default_run_id_names_the_agent_on_this_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "TORCHELASTIC_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    identity = launch_identity()
+    assert identity is not None and identity.job.startswith(f"torchrun:none@{socket.gethostname()}:{os.getppid()}:")
+    assert identity.run_id == f"{identity.job}#0"
+
+
+def test_which_run_is_newer() -> None:
+    def run(job: str, attempt: tuple[int, ...], started: float) -> CheckpointRun:
+        return CheckpointRun(f"{job}#{attempt}", "h", 1, started, job, attempt)
+
+    # one job: the attempt decides, whatever the clocks say
+    assert run("slurm:1", (1, 0), 100).is_newer_than(run("slurm:1", (0, 5), 200))
+    assert not run("slurm:1", (0, 5), 200).is_newer_than(run("slurm:1", (1, 0), 100))
+    assert not run("slurm:1", (1, 0), 100).is_newer_than(run("slurm:1", (1, 0), 50))  # the same launch
+    # two jobs, or processes outside any launcher: the later start
+    assert run("slurm:2", (0, 0), 200).is_newer_than(run("slurm:1", (3, 0), 100))
+    assert run("", (), 200).is_newer_than(run("torchrun:x", (9,), 100))
+    assert not run("", (), 100).is_newer_than(run("", (), 200))
