@@ -763,6 +763,8 @@ class S3ModelCheckpointMixin:
       names such as ``{filename}-last`` are matched too.
     * top-k bookkeeping (``best_k_models``...) survives a resume: ``s3://`` entries are kept (NeMo dropped them
       because ``os.path.isfile`` is False for URLs, orphaning the objects).
+    * a run never removes, on S3, the checkpoint it resumed from nor one outside its dirpath (`kept_from_removal`), as
+      Lightning does on a local directory (its ``_should_remove_checkpoint`` removes any remote path: #21813).
     * S3 is asked through the plugin's `S3Utils` (same endpoint, credentials and retries as the saves), also for
       Lightning's "directory not empty" warning, so s3fs needs no configuration of its own; every save and removal
       still drops the s3fs cache entries for that URL, so Lightning's remaining fsspec calls stay true.
@@ -813,10 +815,22 @@ class S3ModelCheckpointMixin:
             self._s3_utils(trainer)
         connector = trainer._checkpoint_connector
         state = (getattr(connector, "_ckpt_path", None), getattr(connector, "_user_managed", False))
-        (ckpt_path, user_managed), last_model_path = _broadcast_from_rank_zero(trainer, (state, self.last_model_path))
+        shared = (state, self.last_model_path, self._run_of(trainer))
+        (ckpt_path, user_managed), last_model_path, run = _broadcast_from_rank_zero(trainer, shared)
         connector._ckpt_path = ckpt_path
         connector._user_managed = user_managed
         self.last_model_path = last_model_path
+        _s3.adopt_run(run)  # the ranks of one job are one run (docs/runs.md), whatever their launcher said
+
+    @staticmethod
+    def _run_of(trainer: Any) -> _s3.CheckpointRun:
+        """The run the trainer's `S3CheckpointIO` saves as (pickled along by ``ddp_spawn``), else this process's."""
+        plugin = getattr(getattr(trainer, "strategy", None), "_checkpoint_io", None)  # the property would make one
+        for _ in range(3):
+            if isinstance(plugin, _ckpt_io.S3CheckpointIO):
+                return plugin.run
+            plugin = getattr(plugin, "checkpoint_io", None)  # inside Lightning's AsyncCheckpointIO
+        return _s3.current_run()
 
     def file_exists(self, filepath: Any, trainer: Any, *args: Any, **kwargs: Any) -> bool:
         if not (isinstance(filepath, (str, os.PathLike)) and _urls.is_s3_url(filepath)):
@@ -909,7 +923,36 @@ class S3ModelCheckpointMixin:
         if _urls.is_s3_url(filepath):
             _s3.invalidate_fsspec_cache(_urls.normalize_s3_url(filepath))
 
+    # ---- what a run never removes on S3 ---------------------------------------------------------------------------
+
+    def kept_from_removal(self, trainer: Any, filepath: Any) -> str | None:
+        """Why the ``s3://`` checkpoint `filepath` must not be removed by this callback (None: it may be): it is the
+        checkpoint the run resumed from (``trainer.ckpt_path``), or it lies outside this callback's S3 dirpath. On a
+        local directory Lightning's ``_should_remove_checkpoint`` says so; for a remote path it says "remove" (Lightning
+        #21813), so a resumed run's top-k, "last" and NeMo-style clean-ups deleted the checkpoint it resumed from."""
+        if not (isinstance(filepath, (str, os.PathLike)) and _urls.is_s3_url(filepath)):
+            return None
+        url = _urls.normalize_s3_url(filepath).rstrip("/")
+        resumed = getattr(trainer, "ckpt_path", None) if trainer is not None else None
+        if isinstance(resumed, (str, os.PathLike)) and _urls.is_s3_url(resumed):
+            if _urls.normalize_s3_url(resumed).rstrip("/") == url:
+                return "it is the checkpoint this run resumed from"
+        if not self._is_s3_dir() or not url.startswith(str(self.dirpath).rstrip("/") + "/"):
+            return f"it is outside this callback's dirpath {self.dirpath}"
+        return None
+
+    def _should_remove_checkpoint(self, trainer: Any, previous: str, current: str, *args: Any, **kwargs: Any) -> bool:
+        """Lightning's rule (keep the resumed-from checkpoint and any outside dirpath) for ``s3://`` paths too."""
+        if _urls.is_s3_url(previous) and self.kept_from_removal(trainer, previous) is not None:
+            return False
+        return bool(super()._should_remove_checkpoint(trainer, previous, current, *args, **kwargs))  # type: ignore[misc]
+
     def _remove_checkpoint(self, trainer: Any, filepath: str, *args: Any, **kwargs: Any) -> None:
+        # Also guards removals that do not ask _should_remove_checkpoint first (NeMo-style subclasses' clean-ups).
+        reason = self.kept_from_removal(trainer, filepath)
+        if reason is not None:
+            logger.info("Keeping %s (not removing it): %s", filepath, reason)
+            return
         super()._remove_checkpoint(trainer, filepath, *args, **kwargs)  # type: ignore[misc]
         if _urls.is_s3_url(filepath):
             _s3.invalidate_fsspec_cache(_urls.normalize_s3_url(filepath))
@@ -1047,7 +1090,7 @@ _S3_CONFIG_TO_IO_KWARGS = {
     "region_name": "region_name",
     "request_options": "request_options",  # a mapping of s3_utils.S3RequestOptions fields (S3's parameter names)
     "load_sharing": "load_sharing",
-    "fencing": "fencing",  # false: no owner record, a stale run is not refused (README: "One run per ...")
+    "fencing": "fencing",  # false: no owner record, a stale run is not refused (docs/fencing.md)
     "max_requests_per_second": "max_requests_per_second",  # a number, or {write: .., read: ..}: the whole job's
 }
 # NeMoModelCheckpoint-only keys of checkpoint_callback_params: accepted, logged, not used.

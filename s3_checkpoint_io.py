@@ -16,7 +16,7 @@ module holds the torch side of checkpointing; everything that talks to S3 is in 
 * `register_with_lightning`: the class is a ``CheckpointIO`` of every installed Lightning family (``lightning`` and
   ``pytorch_lightning``), so both Trainers accept it; torch and Lightning are imported on first use.
 
-README.md ("Use with Lightning") lists the guarantees and what NeMo's version got wrong.
+docs/lightning.md lists the guarantees; docs/nemo.md what NeMo's version got wrong.
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ class S3CheckpointIO:
         fencing: one run owns an ``s3://`` checkpoint directory (a checkpoint's parent): the run's first save there
             takes it over, and a save or removal of a run that another (newer) run took it over from raises
             `CheckpointDirectoryTakenError` and changes nothing. One small request (a HEAD) per save and removal.
-            False: no owner record, no check (README.md, "One run per checkpoint directory").
+            False: no owner record, no check (docs/fencing.md).
         max_requests_per_second: a budget of S3 requests per second for the whole job, split across its processes
             by world size: one number for writes and reads each, or ``{"write": 3000, "read": 5000}`` (see
             `s3_utils.RequestRates`). None (default): no budget; the process's request pacer still slows down from
@@ -242,7 +242,7 @@ class S3CheckpointIO:
             raise ValueError(f"load_sharing must be one of {LOAD_SHARING_MODES}, got {load_sharing!r}")
         self.load_sharing = load_sharing
         self.fencing = bool(fencing)
-        self._run = _s3.current_run()  # pickled along: a spawned copy of this plugin is the same run
+        self._run: _s3.CheckpointRun | None = None  # `run`, fixed at the first fenced operation or pickling
         self._fence_override: _s3.DirectoryFence | None = None  # set by `using_fence`
         self._collective: _CollectiveLoad | None = None
         self.dirpath = _urls.as_path_or_s3_url(dirpath) if dirpath is not None else None
@@ -267,6 +267,14 @@ class S3CheckpointIO:
     def async_checkpointing(self) -> bool:
         return self._async_checkpointing
 
+    @property
+    def run(self) -> _s3.CheckpointRun:
+        """The run this plugin saves and removes as (`s3_utils.CheckpointRun`): this process's run (`current_run`)
+        when it first needs one, kept from then on and pickled along: a spawned copy of this plugin is the same run."""
+        if self._run is None:
+            self._run = _s3.current_run()
+        return self._run
+
     def __getstate__(self) -> dict[str, Any]:
         """Picklable (``ddp_spawn`` and other launchers pickle the Trainer): settings travel, live state does not.
 
@@ -278,6 +286,7 @@ class S3CheckpointIO:
         state = self.__dict__.copy()
         for live in ("_lock", "_executor", "_pending", "_deferred", "_errors", "records", "_fence_override"):
             del state[live]
+        state["_run"] = self.run  # a spawned copy of this plugin is the same run
         return state  # `S3Utils` pickles as its settings and retry policy
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -457,7 +466,7 @@ class S3CheckpointIO:
             return self._fence_override
         if not self.fencing:
             return None
-        return _s3.DirectoryFence(self.s3, _urls.s3_url_parent(path), self._run)
+        return _s3.DirectoryFence(self.s3, _urls.s3_url_parent(path), self.run)
 
     @contextlib.contextmanager
     def using_fence(self, fence: _s3.DirectoryFence | None) -> Iterator[None]:

@@ -3,8 +3,9 @@
 1. Optional dependencies: boto3, botocore, s3transfer and awscrt are imported on first use, so importing
    this module never fails; a missing one raises `MissingOptionalDependencyError` with the ``pip install`` line.
    The optional sibling `s3_node_sharing` (what a host's processes share) too: `node_sharing`.
-   This process: `global_rank`, `world_size`, `node_key`, `job_key`, from torch.distributed or the launcher's
-   environment (`LAUNCHER_ENV_VARS`), the one place every module asks "which process am I".
+   This process: `global_rank`, `world_size`, `node_key`, `job_key` and the launch it belongs to
+   (`launch_identity`, whose ranks are one run), from torch.distributed or the launcher's environment
+   (`LAUNCHER_ENV_VARS`): the one place every module asks "which process am I".
 2. Retries: `RetryPolicy` and `is_retriable_error`, the single retry layer of every S3 request, and the request
    pacer (`RequestPacer`, one per process and bucket; with `s3_node_sharing` its state is shared by a job's processes
    on one host through /dev/shm) that slows the process (or the host's processes) down when S3 answers SlowDown.
@@ -16,12 +17,12 @@
    become the exceptions Python code expects (FileNotFoundError; a note naming the URL and what to do).
 7. The ranged reader: parallel ranged GETs copied from the socket into a download (`_RangedDownload`).
 8. The streaming writer: `S3MultipartWriter`, a binary stream that uploads while it is written.
-9. Directory ownership (fencing): `DirectoryFence`, the owner record that lets only the newest run (`CheckpointRun`)
-   commit or remove checkpoints in a directory (`CheckpointDirectoryTakenError` for a stale one).
+9. Directory ownership (fencing): `DirectoryFence`, the owner record that lets only the newest run (`CheckpointRun`: a launch, see
+   docs/runs.md) commit or remove checkpoints in a directory (`CheckpointDirectoryTakenError` for a stale one).
 10. s3fs caches: `invalidate_fsspec_cache`, `forget_s3fs_instances` and `fresh_s3fs_instances`, for code that also
    goes through fsspec.
 
-README.md lists what this fixes in NeMo's version.
+docs/nemo.md lists what this fixes in NeMo's version.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ __all__ = [
     "DirectoryFence",
     "DownloadedObject",
     "FenceToken",
+    "LaunchIdentity",
     "MissingOptionalDependencyError",
     "LAUNCHER_ENV_VARS",
     "MultipartUploadInfo",
@@ -95,6 +97,7 @@ __all__ = [
     "S3RequestOptions",
     "S3Utils",
     "SharedLaneStore",
+    "adopt_run",
     "buffer_address",
     "checksum_of",
     "combine_checksums",
@@ -109,6 +112,7 @@ __all__ = [
     "is_retriable_error",
     "is_throttling_error",
     "job_key",
+    "launch_identity",
     "node_key",
     "node_sharing",
     "release_part_buffers",
@@ -324,6 +328,88 @@ def job_key(environ: Mapping[str, str] | None = None) -> str | None:
     environ = os.environ if environ is None else environ
     values = [environ.get(name, "").strip() for name in LAUNCHER_ENV_VARS["job"]]
     return "|".join(values) if any(values) else None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# This process, continued: the launch it belongs to (its run, for fencing)
+# --------------------------------------------------------------------------------------------------------------------
+#
+# Why: the ranks of one job are one run; a relaunch (torchrun's restart, a SLURM requeue, a new job) is a newer one.
+# A launcher names both in the environment it gives each rank: what stays the same across relaunches (`job`) and which
+# launch this is (`attempt`, a tuple of counters that only grow). docs/runs.md says it for users.
+
+
+@dataclass(frozen=True)
+class LaunchIdentity:
+    """The launch this process belongs to, as its launcher's environment says (`launch_identity`)."""
+
+    launcher: str
+    """``"torchrun"``, ``"slurm"`` or ``"slurm+torchrun"``."""
+    job: str
+    """What a relaunch of the job keeps: ``slurm:<SLURM_JOB_ID>`` and/or ``torchrun:<TORCHELASTIC_RUN_ID>``; for
+    torchrun's default run id ``none`` outside SLURM, the torchrun agent on this host (``torchrun:none@host:pid:t``:
+    one run per node, see docs/runs.md)."""
+    attempt: tuple[int, ...]
+    """Which launch of `job` this is, compared as a tuple (higher is later): (``SLURM_RESTART_COUNT``,
+    ``SLURM_STEP_ID``) under SLURM, then ``TORCHELASTIC_RESTART_COUNT`` under torchrun."""
+    started: float | None = None
+    """When the launch started, where the launcher says (``SLURM_JOB_START_TIME``), else None."""
+
+    @property
+    def run_id(self) -> str:
+        return f"{self.job}#{'.'.join(str(n) for n in self.attempt)}"
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    try:
+        return int(value)
+    except ValueError:
+        return default
+
+
+def _torchrun_agent() -> str:
+    """This host and the torchrun agent that started this process (its parent: pid and start time in clock ticks
+    since boot, so that a reused pid is another agent)."""
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/stat", encoding="ascii", errors="replace") as stat_file:
+            started = stat_file.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = "?"
+    return f"{socket.gethostname()}:{parent}:{started}"
+
+
+def launch_identity() -> LaunchIdentity | None:
+    """The launch this process belongs to, from its launcher's environment, or None outside any launcher.
+
+    * torchrun: ``TORCHELASTIC_RUN_ID`` (the ``--rdzv-id``) and ``TORCHELASTIC_RESTART_COUNT``. Its default run id,
+      ``none``, names no job: outside SLURM the job is then the torchrun agent on this host (a multi-node job should
+      pass ``--rdzv-id``, or share rank 0's run: `adopt_run`).
+    * SLURM: ``SLURM_JOB_ID``, ``SLURM_STEP_ID`` and ``SLURM_RESTART_COUNT`` (a requeue counts up; a later ``srun``
+      step of one allocation is a later launch), and ``SLURM_JOB_START_TIME``.
+    * both (torchrun under ``srun`` or in a batch script): both, SLURM's counters first."""
+    slurm_job = os.environ.get("SLURM_JOB_ID", "").strip()
+    torch_run = os.environ.get("TORCHELASTIC_RUN_ID", "").strip()
+    in_torchrun = bool(torch_run) or "TORCHELASTIC_RESTART_COUNT" in os.environ
+    jobs: list[str] = []
+    attempt: list[int] = []
+    started: float | None = None
+    if slurm_job:
+        jobs.append(f"slurm:{slurm_job}")
+        attempt += [_env_int("SLURM_RESTART_COUNT", 0), _env_int("SLURM_STEP_ID", -1)]
+        start = _env_int("SLURM_JOB_START_TIME", 0)
+        started = float(start) if start > 0 else None
+    if in_torchrun:
+        if torch_run and torch_run != "none":
+            jobs.append(f"torchrun:{torch_run}")
+        elif not slurm_job:
+            jobs.append(f"torchrun:none@{_torchrun_agent()}")
+        attempt.append(_env_int("TORCHELASTIC_RESTART_COUNT", 0))
+    if not jobs:
+        return None
+    launcher = "+".join(name for name, present in (("slurm", slurm_job), ("torchrun", in_torchrun)) if present)
+    return LaunchIdentity(launcher, "/".join(jobs), tuple(attempt), started)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -3416,12 +3502,13 @@ class S3MultipartWriter(io.RawIOBase):
 #
 # Why: a requeued or restarted job can leave two runs writing one checkpoint directory (the old one still flushing or
 # cut off from its scheduler); the stale run's saves and clean-up then overwrite and delete the new run's checkpoints.
-# How (README.md, "One run per checkpoint directory"):
-# * a run (`CheckpointRun`: a random id, host, pid and start time; one per process) takes a directory over at its
-#   first save there: it writes the owner record ``<directory>/.s3ckpt-owner.json`` with a conditional PUT, one
-#   generation up (``If-None-Match: *`` when there is none, else ``If-Match`` on the ETag it just read; a failed
-#   condition means another run got there first: read again). A run that started before the record's owner does not
-#   take it over: it is the stale one.
+# How (docs/fencing.md and docs/runs.md):
+# * a run (`CheckpointRun`: one launch, its ranks alike, see "This process"; a process outside any launcher is a run
+#   of its own) takes a directory over at its first save there: it writes the owner record
+#   ``<directory>/.s3ckpt-owner.json`` with a conditional PUT, one generation up (``If-None-Match: *`` when there is
+#   none, else ``If-Match`` on the ETag it just read; a failed condition means another process got there first: read
+#   again, and a record of its own run, written by another rank at the same moment, is adopted as its own). A run of
+#   an earlier launch than the record's owner (`CheckpointRun.is_newer_than`) does not take it over: it is stale.
 # * before every commit (the PUT or CompleteMultipartUpload that makes an object visible) and every removal there,
 #   one HEAD of the record: another ETag means another run took over; the operation raises
 #   `CheckpointDirectoryTakenError` and changes nothing (the upload is aborted). Once refused, always refused.
@@ -3444,26 +3531,69 @@ def _utc(timestamp: float) -> str:
 
 @dataclass(frozen=True)
 class CheckpointRun:
-    """Who writes checkpoints: one run per process (`current_run`), carried along when a plugin or a DCP writer is
-    pickled into another process (``ddp_spawn``, DCP's process executor), so those processes act as the same run."""
+    """Who writes checkpoints: one launch of a job (`current_run`). The ranks of one launch are one run (their
+    launcher's environment names it: `launch_identity`); a process outside any launcher is a run of its own. A run is
+    carried along when a plugin or a DCP writer is pickled into another process (``ddp_spawn``, DCP's process
+    executor), so those processes act as the same run. Which of two runs is newer: `is_newer_than`."""
 
     run_id: str
-    """Random, 16 hex digits."""
+    """``<job>#<attempt>`` for a launch (e.g. ``torchrun:4f1c#1``, ``slurm:4242#0.0``); 16 random hex digits for a
+    process outside any launcher."""
     host: str
     pid: int
+    """Of the process that made this run's record: any rank of a launch."""
     started: float
-    """When the process imported this module (seconds since the epoch): of two runs, the later one is the newer."""
+    """When the launch started (seconds since the epoch): SLURM's job start time where SLURM gives it (one clock, the
+    controller's, for every rank), else when this process imported this module."""
+    job: str = ""
+    """What a relaunch keeps (`LaunchIdentity.job`); empty outside any launcher."""
+    attempt: tuple[int, ...] = ()
+    """Which launch of `job` this is (`LaunchIdentity.attempt`): higher is later."""
+
+    def is_newer_than(self, other: CheckpointRun) -> bool:
+        """Whether this run is a later launch than `other`: of two launches of one job, the higher `attempt`
+        (the launcher's restart and step counts: no clock is asked); else the later `started` (each launch's own
+        clock: hosts' clocks must agree to better than the time between a launch and its replacement)."""
+        if self.job and self.job == other.job:
+            return self.attempt > other.attempt
+        return self.started > other.started
 
     def __str__(self) -> str:
         return f"run {self.run_id} (host {self.host}, pid {self.pid}, started {_utc(self.started)})"
 
 
-_PROCESS_RUN = CheckpointRun(secrets.token_hex(8), socket.gethostname(), os.getpid(), time.time())
+_PROCESS_STARTED = time.time()
+_process_run: CheckpointRun | None = None
+_process_run_lock = threading.Lock()
 
 
 def current_run() -> CheckpointRun:
-    """This process's run (see `CheckpointRun`)."""
-    return _PROCESS_RUN
+    """This process's run (see `CheckpointRun`): its launch's (`launch_identity`), or a run of its own outside any
+    launcher. Made at the first call and kept (a forked child that already has one stays that run)."""
+    global _process_run
+    with _process_run_lock:
+        if _process_run is None:
+            launch = launch_identity()
+            host, pid = socket.gethostname(), os.getpid()
+            if launch is None:
+                _process_run = CheckpointRun(secrets.token_hex(8), host, pid, _PROCESS_STARTED)
+            else:
+                started = launch.started if launch.started is not None else _PROCESS_STARTED
+                _process_run = CheckpointRun(launch.run_id, host, pid, started, launch.job, launch.attempt)
+        return _process_run
+
+
+def adopt_run(run: CheckpointRun) -> None:
+    """Make `run` this process's run (`current_run`) from now on. For the ranks of one job once its process group is
+    up: they adopt rank 0's run, so that they are one run also where no launcher names the launch (``mp.spawn``, MPI,
+    torchrun's default run id across nodes). `S3ModelCheckpoint` does it in its ``setup``; without Lightning, after
+    ``init_process_group``: ``adopt_run(broadcast of rank 0's current_run())``. Plugins and writers that already
+    saved keep the run they saved as."""
+    global _process_run
+    with _process_run_lock:
+        if _process_run != run:
+            logger.debug("This process is now %s (was %s)", run, _process_run)
+        _process_run = run
 
 
 class CheckpointDirectoryTakenError(RuntimeError):
@@ -3705,6 +3835,8 @@ class DirectoryFence:
             "host": self.run.host,
             "pid": self.run.pid,
             "started": self.run.started,
+            "job": self.run.job,
+            "attempt": list(self.run.attempt),
             "generation": generation,
             "taken": time.time(),
         }
@@ -3770,7 +3902,7 @@ class DirectoryFence:
             self._hold.etag = etag
             return True
         owner = _record_run(record)
-        if record is not None and owner is not None and owner.started > self.run.started:
+        if record is not None and owner is not None and owner.is_newer_than(self.run):
             self._refuse(url, action, record, newer=True)
         return False
 
@@ -3818,7 +3950,7 @@ class DirectoryFence:
     ) -> CheckpointDirectoryTakenError:
         holder = f"{owner}" if owner is not None else "another run (its owner record is unreadable)"
         if newer:
-            why = f"belongs to {holder}, which started after this run, {self.run}"
+            why = f"belongs to {holder}, a later launch than this run, {self.run}"
         else:
             why = f"was taken over (generation {generation}) by {holder}; this is {self.run}"
         return CheckpointDirectoryTakenError(
@@ -3841,7 +3973,9 @@ def _record_run(record: Mapping[str, Any] | None) -> CheckpointRun | None:
     if not isinstance(record, Mapping):
         return None
     try:
-        return CheckpointRun(str(record["run"]), str(record["host"]), int(record["pid"]), float(record["started"]))
+        job, attempt = str(record.get("job") or ""), tuple(int(n) for n in record.get("attempt") or ())
+        run, host, pid, started = str(record["run"]), str(record["host"]), int(record["pid"]), float(record["started"])
+        return CheckpointRun(run, host, pid, started, job, attempt)
     except (KeyError, TypeError, ValueError):
         return None
 

@@ -138,7 +138,9 @@ def test_ddp_resume_discovery_lists_on_rank_zero_only(
     dirpath = f"s3://{bucket}/run"
     last_url = f"{dirpath}/tiny--step=4-last.ckpt"
     # 1. Train 4 steps with 2 ranks (checkpoints at steps 2 and 4), stop, and keep a copy of what it wrote.
-    run_job(s3_server, fault_proxy, "train", dirpath, 2, 4, tmp_path / "train")
+    train = run_job(s3_server, fault_proxy, "train", dirpath, 2, 4, tmp_path / "train")
+    # Started without a launcher's run id, the ranks are still one run: rank 0's, adopted by every rank in setup.
+    assert len({report["run"] for report in train.reports}) == 1, [report["run"] for report in train.reports]
     assert ckpt_keys(s3_client, bucket, "run") == [
         "run/tiny--step=2.ckpt",
         "run/tiny--step=4-last.ckpt",
@@ -162,8 +164,10 @@ def test_ddp_resume_discovery_lists_on_rank_zero_only(
         }
         assert loads == {0}, f"{mode} with {world_size} ranks: the checkpoint was downloaded by ranks {loads}"
         jobs[mode, world_size] = job
-        # Top-k bookkeeping survived the resume: step 2 was evicted through S3 (not orphaned) when step 6 arrived.
+        # Top-k bookkeeping survived the resume: step 2 was evicted through S3 (not orphaned) when step 6 arrived;
+        # the checkpoint the job resumed from is kept (the "last" clean-up would have removed it: Lightning #21813).
         assert ckpt_keys(s3_client, bucket, "run") == [
+            "run/tiny--step=4-last.ckpt",
             "run/tiny--step=4.ckpt",
             "run/tiny--step=6-last.ckpt",
             "run/tiny--step=6.ckpt",

@@ -172,12 +172,54 @@ def test_config_wiring_trains_then_resumes_and_keeps_top_k(family: str, s3_clien
     assert module.started_at["global_step"] == 6
     callback = second.checkpoint_callback
     assert set(callback.best_k_models) == {f"{dirpath}/tiny--step=8.ckpt", f"{dirpath}/tiny--step=10.ckpt"}
-    # The first run's top-k entries were restored and evicted through S3, not orphaned (NeMo wiped them).
+    # The first run's top-k entries were restored and evicted through S3, not orphaned (NeMo wiped them); the
+    # checkpoint the run resumed from is kept (the "last" clean-up would have removed it: Lightning #21813).
     assert sorted(objects(s3_client, bucket)) == [
         "exp/checkpoints/tiny--step=10-last.ckpt",
         "exp/checkpoints/tiny--step=10.ckpt",
+        "exp/checkpoints/tiny--step=6-last.ckpt",
         "exp/checkpoints/tiny--step=8.ckpt",
     ]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_resumed_run_keeps_the_checkpoint_it_resumed_from_and_those_outside_its_dirpath(
+    family: str, s3_client, bucket: str
+) -> None:
+    """Lightning keeps both on a local directory (``_should_remove_checkpoint``) but removes any remote path (#21813):
+    a resumed run's top-k deleted the checkpoint it resumed from, and with it the only one left if it then failed."""
+    pl = lightning_family(family)
+    callback_class = connector.s3_model_checkpoint_class(family)
+    module_class = tiny_module_class(pl, optimizer="sgd", samples=4)  # 1 step per epoch
+
+    def fit(dirpath: str, epochs: int, ckpt_path: str | None = None, **options) -> None:
+        callback = callback_class(dirpath=dirpath, save_top_k=1, **options)
+        trainer = tiny_trainer(
+            pl, -1, max_epochs=epochs, plugins=[S3CheckpointIO(dirpath, chunk_size_MB=5)], callbacks=[callback]
+        )
+        trainer.fit(module_class(), ckpt_path=ckpt_path)
+
+    run = f"s3://{bucket}/run"
+    fit(run, 2)  # run 1: top-1 keeps the newest
+    assert sorted(objects(s3_client, bucket)) == ["run/epoch=1-step=2.ckpt"]
+    fit(run, 4, ckpt_path=f"{run}/epoch=1-step=2.ckpt")  # run 2 trains on: its own top-1 still turns over
+    assert sorted(objects(s3_client, bucket)) == ["run/epoch=1-step=2.ckpt", "run/epoch=3-step=4.ckpt"]
+
+    # Another dirpath resuming from run/last.ckpt: the restored best model (run/epoch=...) is outside its dirpath.
+    fit(run, 5, ckpt_path=f"{run}/epoch=3-step=4.ckpt", save_last=True)
+    before = objects(s3_client, bucket, "run/")
+    fit(f"s3://{bucket}/other", 6, ckpt_path=f"{run}/last.ckpt")
+    assert objects(s3_client, bucket, "run/") == before
+    assert sorted(objects(s3_client, bucket, "other/")) == ["other/epoch=5-step=6.ckpt"]
+
+    callback = callback_class(dirpath=run)
+    trainer = tiny_trainer(pl, 1, callbacks=[callback])
+    trainer.ckpt_path = f"{run}/epoch=1-step=2.ckpt"
+    assert callback.kept_from_removal(trainer, f"{run}/epoch=1-step=2.ckpt") == (
+        "it is the checkpoint this run resumed from"
+    )
+    assert "outside" in callback.kept_from_removal(trainer, f"s3://{bucket}/run_old/a.ckpt")
+    assert callback.kept_from_removal(trainer, f"{run}/epoch=3-step=4.ckpt") is None
 
 
 @BOTH_BUCKET_KINDS

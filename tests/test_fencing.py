@@ -14,6 +14,7 @@ import logging
 import os
 import pickle
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -25,8 +26,8 @@ from typing import Any
 import pytest
 import torch
 from botocore.exceptions import ClientError
-from fault_proxy import Fault, FaultProxy, FaultRule
-from s3_servers import S3Endpoint, empty_and_delete_bucket
+from fault_proxy import Fault, FaultProxy, FaultRule, RateLimit
+from s3_servers import S3Endpoint, empty_and_delete_bucket, rank_environment
 
 import s3_checkpoint_cli
 import s3_dcp
@@ -37,11 +38,13 @@ from s3_utils import (
     CheckpointDirectoryTakenError,
     CheckpointRun,
     DirectoryFence,
+    LaunchIdentity,
     RetryPolicy,
     S3ClientSettings,
     S3Utils,
     current_run,
     is_retriable_error,
+    launch_identity,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -443,7 +446,7 @@ def test_an_older_run_never_takes_a_directory_over_and_a_lost_record_is_taken_ag
     owner = plugin_of(run_at(0))
     owner.save_checkpoint(state(1), f"{directory}/last.ckpt")
     started_before = plugin_of(run_at(-3600))  # e.g. a preempted job that never saved here before its replacement
-    with pytest.raises(CheckpointDirectoryTakenError, match="which started after this run"):
+    with pytest.raises(CheckpointDirectoryTakenError, match="a later launch than this run"):
         started_before.save_checkpoint(state(0), f"{directory}/last.ckpt")
     assert owner.load_checkpoint(f"{directory}/last.ckpt")["step"] == 1
 
@@ -476,6 +479,180 @@ def test_fencing_can_be_turned_off_by_argument_and_config(s3_server: S3Endpoint,
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# A run is a launch: its ranks never refuse each other; a relaunch fences the previous launch's stragglers
+# --------------------------------------------------------------------------------------------------------------------
+
+LAUNCH_WORKER = HELPERS / "launch_worker.py"
+
+
+def launch(
+    server: S3Endpoint, endpoint_url: str, directory: str, out: Path, launcher: str, run_id: str, **options: Any
+) -> list[dict[str, Any]]:
+    """Run `launch_worker` (one launch of `options["world"]` ranks, each saving and removing its own files in
+    `directory` at the same instant); every rank's report."""
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, str(LAUNCH_WORKER), "--launcher", launcher, "--run-id", run_id]
+    command += ["--dir", directory, "--out", str(out)]
+    for name, value in options.items():
+        command += [f"--{name.replace('_', '-')}", str(value)]
+    env = rank_environment(server, endpoint_url)
+    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
+
+
+def assert_one_run_without_refusals(reports: list[dict[str, Any]], world: int, run_id: str) -> None:
+    assert len(reports) == world
+    for report in reports:
+        assert "error" not in report, report["error"]
+        failed = {name: error for name, error in report["steps"].items() if error is not None}
+        assert not failed, f"rank {report['rank']} of run {report['run']}: {failed}"
+    assert {report["run"] for report in reports} == {run_id}
+
+
+@pytest.mark.parametrize(
+    ("launcher", "job", "mib", "expected"),
+    [
+        ("torchrun", "job-{id}", 6, "torchrun:job-{id}#2"),  # multipart: CompleteMultipartUpload commits
+        ("torchrun", "none", 0, "torchrun:none@"),  # torchrun's default run id: the agent (this process) names it
+        ("slurm", "{id}", 0, "slurm:{id}#2.0"),
+    ],
+    ids=["torchrun", "torchrun-default-run-id", "slurm"],
+)
+def test_four_ranks_of_one_launch_save_and_remove_in_one_directory_without_refusals(
+    launcher: str,
+    job: str,
+    mib: float,
+    expected: str,
+    s3_server: S3Endpoint,
+    bucket: str,
+    s3_client: Any,
+    tmp_path: Path,
+) -> None:
+    if s3_server.name != "moto":
+        pytest.skip("the same code on every backend: moto is enough")
+    unique = str(uuid.uuid4().int % 10**8)
+    job, expected = job.format(id=unique), expected.format(id=unique)
+    directory = f"s3://{bucket}/ranks"
+    reports = launch(s3_server, s3_server.endpoint_url, directory, tmp_path, launcher, job, world=4, restart=2, mib=mib)
+    run_id = reports[0]["run"]
+    assert run_id.startswith(expected) if job == "none" else run_id == expected
+    assert_one_run_without_refusals(reports, 4, run_id)
+    listed = sorted(obj["Key"] for obj in s3_client.list_objects_v2(Bucket=bucket, Prefix="ranks/")["Contents"])
+    assert [key for key in listed if key.endswith(".ckpt")] == [f"ranks/rank{r}-step=2.ckpt" for r in range(4)]
+    record = json.loads(s3_client.get_object(Bucket=bucket, Key=f"ranks/{OWNER_RECORD_NAME}")["Body"].read())
+    assert record["run"] == run_id and record["generation"] == 1  # taken over once, by whichever rank came first
+    assert s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+@pytest.mark.slow
+def test_eight_ranks_of_one_launch_saving_in_one_directory_under_throttling_refuse_nothing(
+    s3_server: S3Endpoint, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    if s3_server.name != "moto":
+        pytest.skip("the same code on every backend: moto is enough")
+    directory = f"s3://{bucket}/throttled"
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        limit = proxy.add_rule(RateLimit(writes_per_s=12, reads_per_s=40, burst_s=0.1, path_regex=f"^/{bucket}/"))
+        job = f"throttled-{uuid.uuid4().hex[:8]}"
+        reports = launch(s3_server, proxy.endpoint_url, directory, tmp_path, "torchrun", job, world=8, mib=0)
+        assert_one_run_without_refusals(reports, 8, f"torchrun:{job}#0")
+        assert limit.throttled["write"] > 0, (limit.admitted, limit.throttled)  # S3 said SlowDown, and all went on
+    listed = sorted(obj["Key"] for obj in s3_client.list_objects_v2(Bucket=bucket, Prefix="throttled/")["Contents"])
+    assert [key for key in listed if key.endswith(".ckpt")] == [f"throttled/rank{r}-step=2.ckpt" for r in range(8)]
+
+
+RELAUNCHES = {
+    # (the straggler's launch, the relaunch's): launcher environments of one job, or of two jobs
+    "torchrun-restart": (
+        {"TORCHELASTIC_RUN_ID": "job-{id}", "TORCHELASTIC_RESTART_COUNT": "0", "RANK": "1", "WORLD_SIZE": "2"},
+        {"TORCHELASTIC_RUN_ID": "job-{id}", "TORCHELASTIC_RESTART_COUNT": "1", "RANK": "0", "WORLD_SIZE": "2"},
+    ),
+    "slurm-requeue": (
+        {"SLURM_JOB_ID": "{id}", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"},
+        {"SLURM_JOB_ID": "{id}", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_RESTART_COUNT": "1"},
+    ),
+    "new-torchrun-run-id": (  # two jobs: the later launch (start time) is the newer
+        {"TORCHELASTIC_RUN_ID": "old-{id}", "TORCHELASTIC_RESTART_COUNT": "0", "RANK": "1", "WORLD_SIZE": "2"},
+        {"TORCHELASTIC_RUN_ID": "new-{id}", "TORCHELASTIC_RESTART_COUNT": "0", "RANK": "0", "WORLD_SIZE": "2"},
+    ),
+}
+
+
+@pytest.mark.parametrize("relaunch", list(RELAUNCHES))
+def test_a_relaunch_fences_the_previous_launchs_straggler(
+    relaunch: str, s3_server: S3Endpoint, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """The straggler (a rank of the previous launch still running) saved before the relaunch; after the relaunch's
+    first save every save, overwrite and removal of the straggler is refused and changes nothing. Within one job the
+    restart count decides, not the clock: there the relaunch's process is started first."""
+    if s3_server.name != "moto":
+        pytest.skip("the same code on every backend: moto is enough")
+    unique = str(uuid.uuid4().int % 10**8)
+    old_env, new_env = ({k: v.format(id=unique) for k, v in env.items()} for env in RELAUNCHES[relaunch])
+    env = rank_environment(s3_server, s3_server.endpoint_url)
+    env["PYTHONPATH"] = os.pathsep.join([str(HELPERS), env["PYTHONPATH"]])
+    one_job = relaunch != "new-torchrun-run-id"
+    runs: list[Run] = []
+    try:
+        if one_job:  # the relaunch's process starts (and takes its start time) before the straggler's
+            runs.append(Run({**env, **new_env}, tmp_path / "new.log"))
+            runs.insert(0, Run({**env, **old_env}, tmp_path / "stale.log"))
+        else:
+            runs.append(Run({**env, **old_env}, tmp_path / "stale.log"))
+            runs.append(Run({**env, **new_env}, tmp_path / "new.log"))
+        stale, new = (run.ready() for run in runs)
+        assert stale.run_id != new.run_id and "#" in stale.run_id and "#" in new.run_id
+        directory = f"s3://{bucket}/relaunch"
+        for name in ("step=10.ckpt", "last.ckpt"):
+            assert stale("save", url=f"{directory}/{name}", step=10)["ok"]
+        for name in ("step=20.ckpt", "last.ckpt"):  # the relaunch's first save takes the directory over
+            assert new("save", url=f"{directory}/{name}", step=20)["ok"]
+        before = snapshot(s3_client, bucket, "relaunch/")
+        for answer in [
+            stale("save", url=f"{directory}/step=11.ckpt", step=11),
+            stale("save", url=f"{directory}/last.ckpt", step=11),
+            stale("remove", url=f"{directory}/step=20.ckpt"),
+            stale("remove", url=f"{directory}/step=10.ckpt"),
+        ]:
+            assert_refused(answer, stale, new, directory)
+        assert snapshot(s3_client, bucket, "relaunch/") == before
+        assert new("resume", dirpath=directory)["step"] == 20
+    finally:
+        for run in runs:
+            run.close()
+
+
+def test_a_straggler_that_never_saved_does_not_take_the_relaunchs_directory(
+    s3_server: S3Endpoint, bucket: str, s3_client: Any
+) -> None:
+    """In one process, by the runs' fields: the previous launch's rank arrives after the relaunch took the directory
+    (and after its start time), and is still the stale one; ranks of one launch adopt each other's record."""
+    if s3_server.name != "moto":
+        pytest.skip("the same code on every backend: moto is enough")
+    started = current_run().started
+
+    def rank_of(restart: int, pid: int, offset_s: float) -> CheckpointRun:
+        return CheckpointRun(f"torchrun:j#{restart}", f"node{pid}", pid, started + offset_s, "torchrun:j", (restart,))
+
+    directory = f"s3://{bucket}/late"
+    relaunch_rank0, relaunch_rank1 = plugin_of(rank_of(1, 1, 0)), plugin_of(rank_of(1, 2, 5))
+    relaunch_rank0.save_checkpoint(state(20), f"{directory}/rank0.ckpt")
+    relaunch_rank1.save_checkpoint(state(20), f"{directory}/rank1.ckpt")  # the same run: adopted, not taken over
+    relaunch_rank1.remove_checkpoint(f"{directory}/rank0.ckpt")
+    straggler = plugin_of(rank_of(0, 3, 60))  # started a minute after the relaunch's ranks, by its clock
+    before = snapshot(s3_client, bucket, "late/")
+    with pytest.raises(CheckpointDirectoryTakenError, match="a later launch than this run"):
+        straggler.save_checkpoint(state(11), f"{directory}/rank0.ckpt")
+    with pytest.raises(CheckpointDirectoryTakenError):
+        straggler.remove_checkpoint(f"{directory}/rank1.ckpt")
+    assert snapshot(s3_client, bucket, "late/") == before
+    record = json.loads(s3_client.get_object(Bucket=bucket, Key=f"late/{OWNER_RECORD_NAME}")["Body"].read())
+    owner = (record["run"], record["job"], record["attempt"], record["generation"])
+    assert owner == ("torchrun:j#1", "torchrun:j", [1], 1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # No server
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -499,3 +676,62 @@ def test_the_refusal_and_the_run_travel_to_other_processes() -> None:
     assert pickle.loads(pickle.dumps(plugin))._run == plugin._run
     writer = s3_dcp.S3StorageWriter("s3://bucket/run/ckpt")
     assert pickle.loads(pickle.dumps(writer))._run == current_run()
+
+
+LAUNCHER_ENVIRONMENTS = [
+    ({}, None),
+    (
+        {"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "2"},
+        LaunchIdentity("torchrun", "torchrun:abc", (2,)),
+    ),
+    (
+        {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "3", "SLURM_RESTART_COUNT": "1", "SLURM_JOB_START_TIME": "1700000000"},
+        LaunchIdentity("slurm", "slurm:42", (1, 3), 1700000000.0),
+    ),
+    ({"SLURM_JOB_ID": "42"}, LaunchIdentity("slurm", "slurm:42", (0, -1))),  # a batch script: no step, no requeue
+    (  # torchrun under srun: torchrun's default run id names nothing, SLURM's job does
+        {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "1"},
+        LaunchIdentity("slurm+torchrun", "slurm:42", (0, 0, 1)),
+    ),
+    (
+        {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "TORCHELASTIC_RUN_ID": "r7", "TORCHELASTIC_RESTART_COUNT": "0"},
+        LaunchIdentity("slurm+torchrun", "slurm:42/torchrun:r7", (0, 0, 0)),
+    ),
+]
+
+
+@pytest.mark.parametrize(("environment", "expected"), LAUNCHER_ENVIRONMENTS)
+def test_launch_identity_from_the_launchers_environment(
+    environment: dict[str, str], expected: LaunchIdentity | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "TORCHELASTIC_")):
+            monkeypatch.delenv(name)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert launch_identity() == expected
+
+
+def test_torchruns_default_run_id_names_the_agent_on_this_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "TORCHELASTIC_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    identity = launch_identity()
+    assert identity is not None and identity.job.startswith(f"torchrun:none@{socket.gethostname()}:{os.getppid()}:")
+    assert identity.run_id == f"{identity.job}#0"
+
+
+def test_which_run_is_newer() -> None:
+    def run(job: str, attempt: tuple[int, ...], started: float) -> CheckpointRun:
+        return CheckpointRun(f"{job}#{attempt}", "h", 1, started, job, attempt)
+
+    # one job: the attempt decides, whatever the clocks say
+    assert run("slurm:1", (1, 0), 100).is_newer_than(run("slurm:1", (0, 5), 200))
+    assert not run("slurm:1", (0, 5), 200).is_newer_than(run("slurm:1", (1, 0), 100))
+    assert not run("slurm:1", (1, 0), 100).is_newer_than(run("slurm:1", (1, 0), 50))  # the same launch
+    # two jobs, or processes outside any launcher: the later start
+    assert run("slurm:2", (0, 0), 200).is_newer_than(run("slurm:1", (3, 0), 100))
+    assert run("", (), 200).is_newer_than(run("torchrun:x", (9,), 100))
+    assert not run("", (), 100).is_newer_than(run("", (), 200))

@@ -471,6 +471,7 @@ def test_model_checkpoint_hooks(pl: Any) -> None:
         ("_ModelCheckpoint__warn_if_dir_not_empty", ["self", "dirpath"], True),
         ("_save_checkpoint", ["self", "trainer", "filepath"], True),
         ("_remove_checkpoint", ["self", "trainer", "filepath"], True),
+        ("_should_remove_checkpoint", ["self", "trainer", "previous", "current"], True),  # kept_from_removal
         ("file_exists", ["self", "filepath", "trainer"], True),
     ]:
         function = getattr(model_checkpoint, hook, None)

@@ -40,7 +40,7 @@ def main() -> None:
 
     import connector
     from s3_checkpoint_io import S3CheckpointIO
-    from s3_utils import S3ClientSettings
+    from s3_utils import S3ClientSettings, current_run
 
     # Weights differ on every rank (only a real restore makes them agree); 256 rows give 16+ batches per rank and
     # epoch, so no epoch ends within 6 steps whatever the world size.
@@ -76,6 +76,7 @@ def main() -> None:
     report: dict = {
         "end": {"global_step": trainer.global_step, "rank": trainer.global_rank},
         "connector": type(trainer._checkpoint_connector).__name__,
+        "run": current_run().run_id,  # no launcher variable names the launch: rank 0's run, shared in setup
     }
     start = model.started_at
     if start is not None:  # training ran
