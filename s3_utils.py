@@ -18,7 +18,8 @@
 7. The ranged reader: parallel ranged GETs copied from the socket into a download (`_RangedDownload`).
 8. The streaming writer: `S3MultipartWriter`, a binary stream that uploads while it is written.
 9. Directory ownership (fencing): `DirectoryFence`, the owner record that lets only the newest run
-   (`CheckpointRun`: a launch, see docs/runs.md) commit or remove checkpoints in a directory (`CheckpointDirectoryTakenError` for a stale one).
+   (`CheckpointRun`: a launch, see docs/runs.md) commit or remove checkpoints in a directory
+   (`CheckpointDirectoryTakenError` for a stale one).
 10. s3fs caches: `invalidate_fsspec_cache`, `forget_s3fs_instances` and `fresh_s3fs_instances`, for code that also
    goes through fsspec.
 
