@@ -12,6 +12,8 @@ for (tests/helpers/mcore_stub.py). Without megatron-core every test here is skip
 
 from __future__ import annotations
 
+import inspect
+import io
 import json
 import os
 import subprocess
@@ -22,10 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mcore_stub import megatron_core_installed, stand_in_for_triton_leaf
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
-sys.path.insert(0, str(HELPERS))
-from mcore_stub import megatron_core_installed, stand_in_for_triton_leaf  # noqa: E402
 
 if not megatron_core_installed():
     pytest.skip("megatron-core is not installed (see the Makefile's test set-up)", allow_module_level=True)
@@ -34,6 +35,8 @@ pytest.importorskip("moto")  # the rank processes reach the suite's servers thro
 
 from fault_proxy import Fault, FaultProxy, FaultRule  # noqa: E402
 from s3_servers import empty_and_delete_bucket, rank_environment, skip_unless_multirank_backend  # noqa: E402
+
+import s3_mcore  # noqa: E402
 
 pytestmark = [pytest.mark.megatron]
 
@@ -198,3 +201,203 @@ def test_nemo_checkpoint_io_keeps_urls(mcore_run: dict[str, Any]) -> None:
 
 def test_reshard_two_to_one(mcore_run: dict[str, Any]) -> None:
     _outcomes(mcore_run["outs"][1], "reshard", world_size=1)
+
+
+# ---- this process: the routing, the module without megatron-core -----------------------------------------------------
+
+
+def test_urls_megatron_core_hands_over() -> None:
+    assert s3_mcore.megatron_s3_url("s3://bkt/run/iter_0000001/") == "s3://bkt/run/iter_0000001"
+    assert s3_mcore.megatron_s3_url(Path("s3://bkt/run/iter_0000001")) == "s3://bkt/run/iter_0000001"
+    assert s3_mcore.megatron_s3_url(str(Path("s3://bkt/run"))) == "s3://bkt/run"  # megatron-core's str(Path(...))
+    assert s3_mcore.megatron_s3_url("s3://bkt") == "s3://bkt"
+    for other in ("/tmp/ckpt", Path("/tmp/ckpt"), "msc://profile/ckpt", "ckpt/s3:/x", None, 3):
+        assert s3_mcore.megatron_s3_url(other) is None
+
+
+def test_importing_s3_mcore_needs_no_megatron_core() -> None:
+    """Importing never fails; using it names the pip line."""
+    from optional_imports import HIDE_PREAMBLE
+
+    code = HIDE_PREAMBLE.format(hidden={"megatron", "nemo"}) + (
+        "import s3_mcore, s3_utils\n"
+        "assert s3_mcore.megatron_s3_url('s3://bkt/k') == 's3://bkt/k'\n"
+        "for use in (lambda: s3_mcore.S3TorchDistSaveShardedStrategy, s3_mcore.install_s3_routing,\n"
+        "            lambda: s3_mcore.megatron_checkpoint_io_class()):\n"
+        "    try:\n"
+        "        use()\n"
+        "    except s3_utils.MissingOptionalDependencyError as exc:\n"
+        "        print(exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 3, done.stdout
+    assert all(s3_mcore.MEGATRON_CORE_PIP in line for line in lines[:2])
+    assert "nemo-toolkit 2.x" in lines[2]
+
+
+@pytest.fixture
+def routed(megatron: Any) -> Iterator[Any]:
+    from megatron.core import msc_utils
+
+    assert s3_mcore.routing() is None
+    yield msc_utils
+    active = s3_mcore.routing()
+    if active is not None:
+        active.uninstall()
+
+
+def test_routing_installs_once_and_uninstalls(routed: Any, tmp_path: Path) -> None:
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategies
+
+    msc_utils = routed
+    before = (type(msc_utils.maybe_msc), torch_strategies._get_filesystem_reader, serialization._get_filesystem_reader)
+    first = s3_mcore.install_s3_routing()
+    assert s3_mcore.install_s3_routing(reader_options={"max_read_concurrency": 3}) is first
+    assert first.mechanism == "maybe_msc" and first.reader_options == {"max_read_concurrency": 3}
+    assert not msc_utils.MultiStorageClientFeature.is_enabled()  # the MSC flag is left alone
+    maybe = msc_utils.maybe_msc
+    # local paths: what megatron-core used before
+    (tmp_path / "metadata.json").write_text("{}")
+    with maybe.open(str(tmp_path / "metadata.json")) as file:
+        assert file.read() == "{}"
+    assert isinstance(maybe.Path(str(tmp_path)), Path)
+    assert maybe.path_isdir(str(tmp_path), strict=False) and maybe.os.path.exists(str(tmp_path / "metadata.json"))
+    from torch.distributed.checkpoint import FileSystemReader
+
+    assert type(torch_strategies._get_filesystem_reader(str(tmp_path))) is FileSystemReader
+    # s3:// and its collapsed forms: this package
+    assert str(maybe.Path(str(Path("s3://bkt/run/iter_0000001")))) == "s3://bkt/run/iter_0000001"
+    reader = serialization._get_filesystem_reader(Path("s3://bkt/run/iter_0000001"))
+    assert type(reader).__name__ == "S3StorageReader" and reader.path == "s3://bkt/run/iter_0000001"
+    assert reader.max_read_concurrency == 3
+    first.uninstall()
+    after = (type(msc_utils.maybe_msc), torch_strategies._get_filesystem_reader, serialization._get_filesystem_reader)
+    assert after == before and s3_mcore.routing() is None
+
+
+class FakeMultiStorageClient:
+    """Stands in for the multistorageclient module: records what it was asked."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        outer = self
+
+        class Os:
+            class path:  # noqa: N801 (the module's name)
+                @staticmethod
+                def exists(p: Any) -> bool:
+                    outer.calls.append(("exists", p))
+                    return True
+
+                @staticmethod
+                def isdir(p: Any, strict: bool = True) -> bool:
+                    outer.calls.append(("isdir", p))
+                    return True
+
+        self.os = Os
+
+    def open(self, path: Any, mode: str = "r") -> Any:
+        self.calls.append(("open", path))
+        return io.StringIO("{}")
+
+
+def test_a_real_multi_storage_client_keeps_its_paths(routed: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    msc_utils = routed
+    fake = FakeMultiStorageClient()
+    monkeypatch.setattr(msc_utils, "msc", fake)
+    monkeypatch.setattr(msc_utils.MultiStorageClientFeature, "_enabled", True)
+    routing = s3_mcore.install_s3_routing()
+    maybe = msc_utils.maybe_msc
+    with maybe.open("msc://profile/run/metadata.json") as file:
+        assert file.read() == "{}"
+    assert maybe.path_isdir("msc://profile/run", strict=False)
+    assert fake.calls == [("open", "msc://profile/run/metadata.json"), ("isdir", "msc://profile/run")]
+    assert str(maybe.Path("s3://bkt/run")) == "s3://bkt/run"  # s3:// is still this package's
+    routing.uninstall()
+    assert msc_utils.msc is fake and msc_utils.MultiStorageClientFeature.is_enabled()
+
+
+def test_routing_without_maybe_msc_replaces_the_msc_module(routed: Any, monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """megatron-core <= 0.18 has no ``maybe_msc``: the routing stands in for multi-storage-client's module and turns
+    the MSC flag on; every other path still reaches the stdlib, and uninstall puts both back."""
+    msc_utils = routed
+    monkeypatch.delattr(msc_utils, "maybe_msc")
+    previous = msc_utils.msc
+    routing = s3_mcore.install_s3_routing()
+    try:
+        assert routing.mechanism == "msc_module" and msc_utils.MultiStorageClientFeature.is_enabled()
+        facade = msc_utils.MultiStorageClientFeature.import_package()
+        (tmp_path / "common.pt").write_bytes(b"x")
+        assert facade.os.path.isdir(str(tmp_path), strict=False) and facade.os.path.exists(str(tmp_path / "common.pt"))
+        with facade.open(str(tmp_path / "common.pt"), "rb") as file:
+            assert file.read() == b"x"
+        assert isinstance(facade.Path(str(tmp_path)), Path)
+        local_reader = facade.torch.MultiStorageFileSystemReader(str(tmp_path), thread_count=2)
+        assert type(local_reader).__name__ == "FileSystemReader"
+        assert type(facade.torch.MultiStorageFileSystemReader("s3://bkt/ckpt")).__name__ == "S3StorageReader"
+        assert str(facade.Path("s3://bkt/ckpt") / "common.pt") == "s3://bkt/ckpt/common.pt"
+    finally:
+        routing.uninstall()
+    assert msc_utils.msc is previous and not msc_utils.MultiStorageClientFeature.is_enabled()
+
+
+def test_bad_writer_options_fail_when_the_strategy_is_built(megatron: Any) -> None:
+    with pytest.raises(ValueError, match="chunk_size_MB"):
+        s3_mcore.S3TorchDistSaveShardedStrategy(chunk_size_MB=1)
+
+
+# ---- megatron-core names s3_mcore relies on (pinned: a release that changes them fails here first) -------------------
+
+
+def test_pinned_strategy_internals(megatron: Any) -> None:
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategies
+
+    params = inspect.signature(torch_strategies._replace_state_dict_keys_with_sharded_keys).parameters
+    assert list(params)[:2] == ["sharded_state_dict", "keep_only_main_replica"]
+    conversion = inspect.signature(torch_strategies.mcore_to_pyt_state_dict).parameters
+    assert list(conversion)[:2] == ["state_dict", "is_loading"]
+    planner_params = inspect.signature(torch_strategies.MCoreSavePlanner.__init__).parameters
+    assert {"dedup_replicated_tensors", "can_run_decentralized_global_plan"} <= set(planner_params)
+    init = inspect.signature(torch_strategies.TorchDistSaveShardedStrategy.__init__).parameters
+    assert list(init)[1:5] == ["backend", "version", "keep_only_main_replica", "thread_count"]
+    assert "checkpoint_dir" in inspect.signature(torch_strategies._get_filesystem_reader).parameters
+    assert hasattr(torch_strategies, "TorchDistLoadShardedStrategy")
+
+
+def test_pinned_file_operation_hooks(megatron: Any) -> None:
+    """0.19: every file operation outside the writer goes through ``msc_utils.maybe_msc`` (open/os/Path/torch through
+    its class's ``__getattr__``, ``path_isdir(path, strict)``), the DCP reader through ``_get_filesystem_reader``, also
+    imported by name into ``serialization``; the MSC flag and module (<= 0.18's hook) keep their names."""
+    from megatron.core import msc_utils
+    from megatron.core.dist_checkpointing import core, serialization, validation
+    from megatron.core.dist_checkpointing.strategies import common
+
+    maybe_class = type(msc_utils.maybe_msc)
+    assert "__getattr__" in vars(maybe_class) and "path_isdir" in vars(maybe_class)
+    assert list(inspect.signature(maybe_class.path_isdir).parameters) == ["self", "path", "strict"]
+    for module in (core, serialization, validation, common):
+        assert module.maybe_msc is msc_utils.maybe_msc
+    assert serialization._get_filesystem_reader is megatron.dist_checkpointing.strategies.torch._get_filesystem_reader
+    flag = msc_utils.MultiStorageClientFeature
+    assert callable(flag.enable) and callable(flag.disable) and callable(flag.is_enabled) and hasattr(msc_utils, "msc")
+    assert core.CONFIG_FNAME == s3_mcore.CONFIG_NAME
+
+
+def test_pinned_async_and_dcp_internals(megatron: Any) -> None:
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from torch.distributed.checkpoint.utils import _DistWrapper
+
+    assert AsyncRequest._fields[:3] == ("async_fn", "async_fn_args", "finalize_fns")
+    assert callable(AsyncRequest.add_finalize_fn)
+    assert {"schedule_async_request", "maybe_finalize_async_calls", "close"} <= set(dir(AsyncCallsQueue))
+    assert list(inspect.signature(FullyParallelSaveStrategyWrapper.__init__).parameters)[1:3] == [
+        "strategy",
+        "parallelization_group",
+    ]
+    assert list(inspect.signature(_DistWrapper.__init__).parameters)[1:4] == ["group", "use_dist", "coordinator_rank"]
+    for method in (_DistWrapper.reduce_scatter, _DistWrapper.all_reduce):
+        assert list(inspect.signature(method).parameters)[1:] == ["step", "map_fun", "reduce_fun"]
