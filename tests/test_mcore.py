@@ -384,6 +384,9 @@ def test_pinned_file_operation_hooks(megatron: Any) -> None:
     flag = msc_utils.MultiStorageClientFeature
     assert callable(flag.enable) and callable(flag.disable) and callable(flag.is_enabled) and hasattr(msc_utils, "msc")
     assert core.CONFIG_FNAME == s3_mcore.CONFIG_NAME
+    import connector
+
+    assert connector._MEGATRON_CONFIG_NAME == s3_mcore.CONFIG_NAME  # resume discovery spells it too
 
 
 def test_pinned_async_and_dcp_internals(megatron: Any) -> None:
