@@ -10,28 +10,50 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import sys
 import types
 from collections.abc import Iterator
 from typing import Any
 
 PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
+"""The leaf that imports triton in megatron-core 0.19; 0.16-0.18 import it one level up, in ``moe.paged_stash``."""
+PAGED_STASH_BEFORE_0_19 = "megatron.core.transformer.moe.paged_stash"
 
 
 def _kernel(*args: Any, **kwargs: Any) -> None:
-    raise RuntimeError("triton is not installed: the MoE paged-stash kernels are stood in for by the test suite")
+    raise RuntimeError("triton is not installed: the MoE paged-stash code is stood in for by the test suite")
+
+
+def _any_kernel(attribute: str) -> Any:
+    if attribute.startswith("__"):
+        raise AttributeError(attribute)
+    return _kernel
+
+
+def _triton_leaf() -> str:
+    """Which module imports triton in the installed megatron-core (found by file, without importing megatron.core)."""
+    spec = importlib.util.find_spec("megatron")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if os.path.isdir(os.path.join(folder, "core")):  # the megatron.core that `import` finds first
+            if os.path.exists(os.path.join(folder, "core", "transformer", "moe", "ops", "paged_stash.py")):
+                return PAGED_STASH
+            break
+    return PAGED_STASH_BEFORE_0_19
 
 
 def stand_in_for_triton_leaf() -> bool:
     """Put the stand-in leaf in ``sys.modules`` unless triton is installed (or it is there already); True if it was
-    put there by this call."""
-    if PAGED_STASH in sys.modules or importlib.util.find_spec("triton") is not None:
+    put there by this call. Any name imported from it is a function that refuses to run."""
+    if importlib.util.find_spec("triton") is not None:
         return False
-    leaf = types.ModuleType(PAGED_STASH, "stand-in: triton is not installed (tests/helpers/mcore_stub.py)")
+    name = _triton_leaf()
+    if name in sys.modules:
+        return False
+    leaf = types.ModuleType(name, "stand-in: triton is not installed (tests/helpers/mcore_stub.py)")
     leaf.GLOBAL_BLOCK_SIZE = 1024  # type: ignore[attr-defined]
-    leaf.paged_stash_copy_kernel = _kernel  # type: ignore[attr-defined]
-    leaf.paged_stash_pop_kernel = _kernel  # type: ignore[attr-defined]
-    sys.modules[PAGED_STASH] = leaf
+    leaf.__getattr__ = _any_kernel  # type: ignore[method-assign]
+    sys.modules[name] = leaf
     return True
 
 
