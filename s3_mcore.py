@@ -51,9 +51,11 @@ from typing import Any
 
 if __package__:
     from . import s3_dcp as _dcp
+    from . import s3_dirpath_utils as _urls
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_dcp as _dcp
+    import s3_dirpath_utils as _urls
     import s3_utils as _s3
 
 __all__ = [
@@ -335,8 +337,7 @@ def _build_strategy_class() -> type:
         def async_save(self, sharded_state_dict: Any, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
             url = megatron_s3_url(checkpoint_dir)
             if url is None:
-                with _local_writer_without_msc():
-                    return super().async_save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+                return super().async_save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
             save = self._plan(sharded_state_dict, url)
             staged = _stage(save.plan, save.planner)
             result_dir = tempfile.mkdtemp(prefix="s3ckpt-mcore-")
@@ -386,13 +387,9 @@ def _save_planner(keep_only_main_replica: bool) -> Any:
 
 
 @contextlib.contextmanager
-def _local_writer_without_msc() -> Iterator[None]:
-    """megatron-core <= 0.18 routing enables its MSC flag (see `install_s3_routing`); its local writer would then import
-    multi-storage-client for a local directory. While our strategy saves locally, the flag is as the user left it."""
-    active = _ROUTING.routing
-    if active is None or active.previous_flag is None:
-        yield
-        return
+def _msc_flag_as_before(active: S3Routing) -> Iterator[None]:
+    """megatron-core's MSC flag as the user left it, while its writer is built for a local directory (see
+    `_route_msc_module`)."""
     flag = _msc_utils().MultiStorageClientFeature
     if not active.previous_flag:
         flag.disable()
@@ -420,15 +417,17 @@ def _strategy_class() -> type:
 class _S3File(io.BytesIO):
     """An object written by megatron-core (``metadata.json``, ``common.pt``): buffered, uploaded whole on close."""
 
-    def __init__(self, s3: _s3.S3Utils, url: str) -> None:
+    def __init__(self, s3: _s3.S3Utils, url: str, fence: _s3.DirectoryFence | None = None) -> None:
         super().__init__()
         self.s3 = s3
         self.url = url
+        self.fence = fence
 
     def close(self) -> None:
         if not self.closed:
             body = self.getvalue()
-            with self.s3.open_writer(self.url, max(_s3.DEFAULT_CHUNK_SIZE_MB, len(body) / _s3.MB + 1), 1) as out:
+            size_mb = max(_s3.DEFAULT_CHUNK_SIZE_MB, len(body) / _s3.MB + 1)
+            with self.s3.open_writer(self.url, size_mb, 1, fence=self.fence) as out:
                 out.write(body)
             _s3.invalidate_fsspec_cache(self.url)
         super().close()
@@ -594,6 +593,9 @@ class S3Routing:
 
     s3: _s3.S3Utils
     reader_options: dict[str, Any] = field(default_factory=dict)
+    fencing: bool = True
+    """megatron-core's own writes (``metadata.json``; ``common.pt`` before 0.19) are fenced as the checkpoint's
+    files: refused with `s3_utils.CheckpointDirectoryTakenError` once a newer run owns the directory holding it."""
     mechanism: str = ""
     """``"maybe_msc"`` (megatron-core >= 0.19: its ``maybe_msc`` object is taught ``s3://``) or ``"msc_module"``
     (<= 0.18: a stand-in for multi-storage-client's module, with megatron-core's MSC flag on)."""
@@ -603,7 +605,9 @@ class S3Routing:
     def open(self, url: str, mode: str = "r") -> Any:
         """Read (whole, verified) or write (uploaded on close) one object; text modes decode UTF-8."""
         if any(flag in mode for flag in "wax"):
-            file: Any = _S3File(self.s3, url)
+            checkpoint = _urls.s3_url_parent(url)  # megatron-core writes its files at the checkpoint's top level
+            fence = _s3.DirectoryFence(self.s3, _urls.s3_url_parent(checkpoint)) if self.fencing else None
+            file: Any = _S3File(self.s3, url, fence)
             return file if "b" in mode else io.TextIOWrapper(file, encoding="utf-8")
         with self.s3.download_to_memory(url) as downloaded:
             data = downloaded.read_all()
@@ -636,7 +640,7 @@ def routing() -> S3Routing | None:
 
 
 def install_s3_routing(
-    s3_utils: _s3.S3Utils | None = None, *, reader_options: dict[str, Any] | None = None
+    s3_utils: _s3.S3Utils | None = None, *, reader_options: dict[str, Any] | None = None, fencing: bool = True
 ) -> S3Routing:
     """Route megatron-core's own file operations for ``s3://`` paths to this package, in this process.
 
@@ -655,6 +659,8 @@ def install_s3_routing(
             environment, as the writer's and reader's defaults).
         reader_options: keyword arguments for `s3_dcp.S3StorageReader` (``client_settings``, ``retry_policy``,
             ``max_read_concurrency``, ``max_requests_per_second``, ...).
+        fencing: fence megatron-core's own writes as the writer fences the checkpoint's files (`S3Routing.fencing`;
+            pass the same as the strategy's ``fencing`` option).
     """
     msc_utils = _msc_utils()
     torch_strategies = _torch_strategies()
@@ -663,14 +669,15 @@ def install_s3_routing(
         if active is not None:
             active.s3 = s3_utils or active.s3
             active.reader_options = dict(reader_options or {})
+            active.fencing = fencing
             return active
-        routing_ = S3Routing(s3_utils or _s3.S3Utils(), dict(reader_options or {}))
+        routing_ = S3Routing(s3_utils or _s3.S3Utils(), dict(reader_options or {}), fencing)
         _route_filesystem_reader(routing_, torch_strategies)
         maybe = getattr(msc_utils, "maybe_msc", None)
         if maybe is not None:
             _route_maybe_msc(routing_, maybe)
         else:
-            _route_msc_module(routing_, msc_utils)
+            _route_msc_module(routing_, msc_utils, torch_strategies)
         _ROUTING.routing = routing_
         logger.info("megatron-core's file operations for s3:// go through s3-checkpoint-io (%s)", routing_.mechanism)
         return routing_
@@ -720,10 +727,12 @@ def _route_maybe_msc(routing_: S3Routing, maybe: Any) -> None:
     routing_._undo.append(lambda: setattr(maybe, "__class__", original_class))
 
 
-def _route_msc_module(routing_: S3Routing, msc_utils: Any) -> None:
+def _route_msc_module(routing_: S3Routing, msc_utils: Any, torch_strategies: Any) -> None:
     """megatron-core <= 0.18 asks ``MultiStorageClientFeature.is_enabled()`` at every file operation and then uses the
     module ``msc_utils.msc``: that module is replaced by `_S3Facade` and the flag switched on. What was there (a real
-    multi-storage-client, enabled or not) answers every path that is not ``s3://``."""
+    multi-storage-client, enabled or not) answers every path that is not ``s3://``. megatron-core's own writer reads
+    the flag too (and then imports multi-storage-client itself): its ``async_save`` (which its sync ``save`` calls)
+    sees the flag as it was for any directory that is not ``s3://``."""
     flag = msc_utils.MultiStorageClientFeature
     previous_module = msc_utils.msc
     previous_flag = flag.is_enabled()  # False without a real multi-storage-client
@@ -739,6 +748,18 @@ def _route_msc_module(routing_: S3Routing, msc_utils: Any) -> None:
             flag.disable()
 
     routing_._undo.append(undo)
+    base = torch_strategies.TorchDistSaveShardedStrategy
+    original = base.async_save
+
+    @functools.wraps(original)
+    def async_save(self: Any, sharded_state_dict: Any, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
+        if megatron_s3_url(checkpoint_dir) is not None:
+            return original(self, sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        with _msc_flag_as_before(routing_):
+            return original(self, sharded_state_dict, checkpoint_dir, *args, **kwargs)
+
+    base.async_save = async_save
+    routing_._undo.append(functools.partial(setattr, base, "async_save", original))
 
 
 # --------------------------------------------------------------------------------------------------------------------
