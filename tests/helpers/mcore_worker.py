@@ -353,7 +353,7 @@ def scenario_fencing(ctx: Context) -> dict[str, Any]:
     if importlib.metadata.version("megatron-core") < "0.19":  # rank 0 alone writes common.pt first (test skips)
         return {"differences": [], "skipped": "megatron-core <= 0.18"}
 
-    base = ctx.base.rsplit("/", 1)[0] + "/fenced"
+    base = ctx.base + "-fenced"  # its own directory: a newer run takes it over
     first, second = f"{base}/iter_0000001", f"{base}/iter_0000002"
     from megatron.core import dist_checkpointing
 
@@ -454,7 +454,8 @@ def scenario_reshard(ctx: Context) -> dict[str, Any]:
     """What 2 ranks saved (under the fully-parallel wrapper), loaded whole at this world size."""
     from megatron.core import dist_checkpointing
 
-    loaded = dist_checkpointing.load(reshard_targets(ctx, SAVED_WORLD), ctx.url("iter_0000020"))
+    source = f"{ctx.args.reshard_base or ctx.base}/iter_0000020"
+    loaded = dist_checkpointing.load(reshard_targets(ctx, SAVED_WORLD), source)
     return {"differences": differences(ctx, loaded, 2, saved_world=SAVED_WORLD)}
 
 
@@ -522,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--direct-endpoint", default="")
     parser.add_argument("--out", required=True, help="local directory for outcomes")
+    parser.add_argument("--reshard-base", default="", help="where `reshard` finds what 2 ranks saved (--base)")
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args(argv)
