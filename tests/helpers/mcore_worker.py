@@ -251,11 +251,11 @@ def scenario_async(ctx: Context) -> dict[str, Any]:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     name = "iter_0000030"
-    with cuda_calls_of_megatron_core():
+    request = dist_checkpointing.save(  # this package's part: no CUDA stand-in
+        sharded_state(ctx, 3), ctx.url(name), sharded_strategy=ctx.strategy(), async_sharded_save=True
+    )
+    with cuda_calls_of_megatron_core():  # megatron-core's queue synchronises CUDA and all-reduces on a CUDA device
         queue = AsyncCallsQueue()
-        request = dist_checkpointing.save(
-            sharded_state(ctx, 3), ctx.url(name), sharded_strategy=ctx.strategy(), async_sharded_save=True
-        )
         queue.schedule_async_request(request)
         shards = [f"__{r}_0.distcp" for r in range(ctx.world_size)]
         _wait_for(ctx, name, shards)
@@ -282,11 +282,11 @@ def scenario_fault_async(ctx: Context) -> dict[str, Any]:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     name = "iter_0000041"
+    request = dist_checkpointing.save(
+        sharded_state(ctx, 4), ctx.url(name), sharded_strategy=ctx.strategy(), async_sharded_save=True
+    )
     with cuda_calls_of_megatron_core():
         queue = AsyncCallsQueue()
-        request = dist_checkpointing.save(
-            sharded_state(ctx, 4), ctx.url(name), sharded_strategy=ctx.strategy(), async_sharded_save=True
-        )
         queue.schedule_async_request(request)
         error = _failure(lambda: queue.maybe_finalize_async_calls(blocking=True))
         queue.close()
@@ -420,11 +420,11 @@ def scenario_nemo_io(ctx: Context) -> dict[str, Any]:
     found = differences(ctx, loaded, 1)
     async_io = io_class(async_save=True, s3_writer_options=options)
     step2 = ctx.url("nemo/model--step=2")
+    request = async_io.save_checkpoint(sharded_state(ctx, 2), step2, {})
+    finalized_by_caller: list[bool] = []
+    request.add_finalize_fn(lambda: finalized_by_caller.append(True))  # as AsyncFinalizableCheckpointIO adds its own
     with cuda_calls_of_megatron_core():
         queue = AsyncCallsQueue()  # what NeMo's AsyncFinalizableCheckpointIO holds and drives
-        request = async_io.save_checkpoint(sharded_state(ctx, 2), step2, {})
-        finalized_by_caller: list[bool] = []
-        request.add_finalize_fn(lambda: finalized_by_caller.append(True))
         queue.schedule_async_request(request)
         queue.maybe_finalize_async_calls(blocking=True)
         queue.close()
