@@ -67,6 +67,7 @@ __all__ = [
     "install_s3_routing",
     "megatron_checkpoint_io_class",
     "megatron_s3_url",
+    "nemo_checkpoint_url",
     "routing",
     "verify_checkpoint",
 ]
@@ -799,6 +800,13 @@ WEIGHTS_SUBDIR = "weights"
 """NeMo 2.x keeps the distributed checkpoint in ``<checkpoint>/weights`` (``ckpt_to_weights_subdir``)."""
 
 
+def nemo_checkpoint_url(path: Any) -> str | None:
+    """The ``s3://`` URL of the NeMo 2.x checkpoint directory `path` names (text, Path or collapsed Path), without the
+    ``.ckpt`` suffix Lightning gives checkpoint names (as NeMo's ``ckpt_to_dir``); None if it is not ``s3://``."""
+    url = megatron_s3_url(path)
+    return url.removesuffix(".ckpt") if url is not None else None
+
+
 class _S3MegatronCheckpointIOMixin:
     """The ``s3://`` half of `megatron_checkpoint_io_class`: NeMo's ``MegatronCheckpointIO`` turns the URL into a
     ``pathlib.Path`` (``s3:/bucket/...``) and makes local directories for it; these methods keep it a URL."""
@@ -828,7 +836,7 @@ class _S3MegatronCheckpointIOMixin:
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> Any:
         """As NeMo's, for ``s3://``: saves to ``<url>/weights``; returns megatron-core's ``AsyncRequest`` when
         ``async_save`` is on (for NeMo's ``AsyncFinalizableCheckpointIO``), else None."""
-        url = megatron_s3_url(path)
+        url = nemo_checkpoint_url(path)
         if url is None:
             return super().save_checkpoint(checkpoint, path, storage_options)  # type: ignore[misc]
         weights = url if url.endswith("/" + WEIGHTS_SUBDIR) else _join(url, WEIGHTS_SUBDIR)
@@ -856,7 +864,7 @@ class _S3MegatronCheckpointIOMixin:
         self, path: Any, sharded_state_dict: Any = None, map_location: Any = None, **kwargs: Any
     ) -> dict[str, Any]:
         """As NeMo's, for ``s3://``: loads ``<url>/weights`` when it exists (NeMo 2.x's layout), else ``<url>``."""
-        url = megatron_s3_url(path)
+        url = nemo_checkpoint_url(path)
         if url is None:
             return super().load_checkpoint(path, sharded_state_dict, map_location, **kwargs)  # type: ignore[misc]
         if map_location is not None:
@@ -877,7 +885,7 @@ class _S3MegatronCheckpointIOMixin:
 
     def remove_checkpoint(self, path: Any) -> None:
         """Removes every object under the checkpoint's prefix (``.metadata`` first, so it never looks complete)."""
-        url = megatron_s3_url(path)
+        url = nemo_checkpoint_url(path)
         if url is None:
             return super().remove_checkpoint(path)  # type: ignore[misc]
         s3 = _ROUTING.routing.s3 if _ROUTING.routing is not None else _s3.S3Utils()

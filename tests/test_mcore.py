@@ -220,6 +220,9 @@ def test_urls_megatron_core_hands_over() -> None:
     assert s3_mcore.megatron_s3_url("s3://bkt") == "s3://bkt"
     for other in ("/tmp/ckpt", Path("/tmp/ckpt"), "msc://profile/ckpt", "ckpt/s3:/x", None, 3):
         assert s3_mcore.megatron_s3_url(other) is None
+    # NeMo's checkpoint names carry Lightning's .ckpt; its checkpoint directory does not (ckpt_to_dir)
+    assert s3_mcore.nemo_checkpoint_url(Path("s3://bkt/run/model--step=9-last.ckpt")) == "s3://bkt/run/model--step=9-last"
+    assert s3_mcore.nemo_checkpoint_url("/tmp/x.ckpt") is None
 
 
 def test_importing_s3_mcore_needs_no_megatron_core() -> None:
