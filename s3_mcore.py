@@ -158,7 +158,8 @@ def _build_writer_class() -> type:
         plans = base.prepare_global_plan(self, plans)
         config = _join(self.path, CONFIG_NAME)
         if self.s3.s3_path_exists(config):
-            self.s3.remove_object(config)
+            fence = _s3.DirectoryFence(self.s3, _urls.s3_url_parent(self.path)) if self.fencing else None
+            self.s3.remove_object(config, fence=fence)  # the directory is this run's: the plan just took it
             _s3.invalidate_fsspec_cache(self.path)
         return plans
 
