@@ -33,6 +33,7 @@ SCENARIOS = [
     "metadata",
     "fully_parallel",
     "async",
+    "async_persistent",
     "fault_sync",
     "fault_async",
     "overwrite_fail",

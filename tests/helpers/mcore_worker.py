@@ -267,6 +267,24 @@ def scenario_async(ctx: Context) -> dict[str, Any]:
     return {**_load_and_compare(ctx, ctx.url(name), 3), "before_finalize": before, "finalized": finalized}
 
 
+def scenario_async_persistent(ctx: Context) -> dict[str, Any]:
+    """As `async`, with megatron-core's persistent upload worker (spawned once; the request is pickled to it). GPU
+    machines only: that worker calls ``torch.cuda.set_device`` first."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    name = "iter_0000032"
+    request = dist_checkpointing.save(
+        sharded_state(ctx, 3), ctx.url(name), sharded_strategy=ctx.strategy(), async_sharded_save=True
+    )
+    queue = AsyncCallsQueue(persistent=True)
+    queue.schedule_async_request(request)
+    finalized = queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    ctx.barrier()
+    return {**_load_and_compare(ctx, ctx.url(name), 3), "finalized": finalized}
+
+
 def scenario_fault_sync(ctx: Context) -> dict[str, Any]:
     """The test fails every upload of rank 1's file under iter_0000040: every rank must see the failure."""
     error = _failure(lambda: _save(ctx, "iter_0000040", 4))
