@@ -262,6 +262,8 @@ def classify_checkpoint_name(name: str, is_directory: bool = False) -> str | Non
     (``*end`` for a directory: the run finished), ``"last"`` for ``*last.ckpt`` / ``*last-vN.ckpt`` (``*last`` /
     ``*last-vN`` for a directory), else None (top-k checkpoints and other files are not resumed from)."""
     if is_directory:
+        if MEGATRON_ITERATION_PATTERN.fullmatch(name):
+            return "last"
         name = name.removesuffix(CHECKPOINT_SUFFIX)
         if name.endswith(END_FILE_SUFFIX.removesuffix(CHECKPOINT_SUFFIX)):
             return "end"
@@ -274,7 +276,31 @@ def classify_checkpoint_name(name: str, is_directory: bool = False) -> str | Non
 def checkpoint_step(name: str) -> int | None:
     """The ``N`` of the last ``step=N`` in a checkpoint name (``mystep=N`` does not count), or None."""
     steps = STEP_PATTERN.findall(name)
+    if not steps and (iteration := MEGATRON_ITERATION_PATTERN.fullmatch(name)):
+        return int(iteration.group(1))
     return int(steps[-1]) if steps else None
+
+
+# ---- megatron-core and NeMo 2.x checkpoints (s3_mcore writes them on S3) -------------------------------------------
+MEGATRON_ITERATION_PATTERN = re.compile(r"iter_(\d{7,})")
+"""Megatron-LM's checkpoint directories, ``<save>/iter_0000100``: resumable, their step is the iteration."""
+_MEGATRON_CONFIG_NAME = "metadata.json"  # megatron-core's marker, written after DCP's .metadata
+_MEGATRON_COMMON_NAME = "common.pt"  # megatron-core <= 0.18's common state
+_NEMO_WEIGHTS_FOLDER = "weights"  # NeMo 2.x keeps the distributed checkpoint in <checkpoint>/weights
+
+
+def megatron_checkpoint_problem(names: Iterable[str], is_megatron: bool = False) -> str | None:
+    """`distributed_checkpoint_problem`, plus megatron-core's own marker: a megatron-core checkpoint (`is_megatron`,
+    e.g. NeMo 2.x's ``weights/`` or Megatron-LM's ``iter_NNNNNNN``, or one with megatron-core's ``common.pt``) is
+    complete only once ``metadata.json`` follows ``.metadata``; megatron-core refuses to load it without."""
+    names = set(names)
+    problem = distributed_checkpoint_problem(names)
+    megatron = is_megatron or _MEGATRON_COMMON_NAME in names
+    if problem is None and megatron and _MEGATRON_CONFIG_NAME not in names:
+        if looks_like_distributed_checkpoint(names):
+            return f"it is a megatron-core checkpoint without {_MEGATRON_CONFIG_NAME}: its save never finished"
+        return "it holds no distributed checkpoint files"
+    return problem
 
 
 # DCP's file names. s3_dcp defines them; they are spelled out here too so that a fork without s3_dcp.py still
@@ -331,6 +357,7 @@ def _candidates_from_entries(base: str, entries: Iterable[tuple[str, float]]) ->
     files: dict[str, dict[str, float]] = {}  # name -> shard folder -> mtime
     directories: dict[str, float] = {}  # distributed checkpoint directory -> newest mtime inside
     directory_files: dict[str, set[str]] = {}  # distributed checkpoint directory -> names at its top level
+    weights_files: dict[str, set[str]] = {}  # NeMo 2.x checkpoint directory -> names in its weights/ folder
     top_level: set[str] = set()
     for relative, modified in entries:
         parts = relative.split("/")
@@ -345,6 +372,8 @@ def _candidates_from_entries(base: str, entries: Iterable[tuple[str, float]]) ->
             directories[parts[0]] = max(modified, directories.get(parts[0], modified))
             if len(parts) == 2 and parts[1]:
                 directory_files.setdefault(parts[0], set()).add(parts[1])
+            elif len(parts) == 3 and parts[1] == _NEMO_WEIGHTS_FOLDER and parts[2]:
+                weights_files.setdefault(parts[0], set()).add(parts[2])
     separator = "" if base.endswith("/") else "/"
     candidates = []
     for name, shards in files.items():
@@ -364,8 +393,9 @@ def _candidates_from_entries(base: str, entries: Iterable[tuple[str, float]]) ->
         )
     for name, modified in directories.items():
         marker = _unfinished_marker_name(name)
-        names = directory_files.get(name, set())
-        problem = distributed_checkpoint_problem(names)
+        nested = name in weights_files  # NeMo 2.x: the checkpoint's files are in weights/
+        names = weights_files[name] if nested else directory_files.get(name, set())
+        problem = megatron_checkpoint_problem(names, nested or bool(MEGATRON_ITERATION_PATTERN.fullmatch(name)))
         if problem is None and marker in top_level:
             problem = f"its unfinished marker {marker} exists"
         candidates.append(
@@ -413,6 +443,8 @@ def _local_entries(directory: str) -> list[tuple[str, float]]:
                             newest = max(newest, os.stat(os.path.join(root, name)).st_mtime)
                         if root == entry.path:  # its top-level names tell whether a DCP checkpoint is complete
                             entries.append((f"{entry.name}/{name}", newest))
+                        elif root == os.path.join(entry.path, _NEMO_WEIGHTS_FOLDER):  # or, for NeMo 2.x, these
+                            entries.append((f"{entry.name}/{_NEMO_WEIGHTS_FOLDER}/{name}", newest))
                 entries.append((f"{entry.name}/", newest))
     return entries
 

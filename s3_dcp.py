@@ -785,7 +785,9 @@ _SAFE_METADATA_CLASSES = {
         "StorageMeta",
         "_MEM_FORMAT_ENCODING",
     },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
+    # megatron-core's own writer keeps every rank's save plan in .metadata (``Metadata.all_local_plans``): plain data
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
     "torch": {"Size"},
     "torch.serialization": {"_get_layout"},
     "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},

@@ -1,0 +1,954 @@
+"""megatron-core distributed checkpoints (``dist_checkpointing``, the ``torch_dist`` format) on S3.
+
+Megatron-LM, Megatron-Bridge and NeMo 2.x save through megatron-core's ``dist_checkpointing``, whose writer is local
+files only. This module puts those checkpoints on ``s3://`` through `s3_dcp` (verified multipart uploads, ``.metadata``
+as the commit marker, fencing, the request pacer)::
+
+    import s3_mcore
+    from megatron.core import dist_checkpointing
+
+    s3_mcore.install_s3_routing()                      # once per process: megatron-core's own file operations
+    strategy = s3_mcore.S3TorchDistSaveShardedStrategy()
+    dist_checkpointing.save(sharded_sd, "s3://bucket/run/iter_0000100", sharded_strategy=strategy)
+    state = dist_checkpointing.load(sharded_sd, "s3://bucket/run/iter_0000100")
+
+Three parts, each usable alone:
+
+* `S3TorchDistSaveShardedStrategy`, a ``TorchDistSaveShardedStrategy`` that writes ``s3://`` checkpoints with
+  `s3_dcp.S3StorageWriter` (sync, or async through megatron-core's ``AsyncRequest`` with the commit in its finalize
+  step; also inside ``FullyParallelSaveStrategyWrapper``). Other paths go to megatron-core's own writer.
+* `install_s3_routing`: megatron-core reads ``metadata.json``, checks directories and loads through module-level
+  helpers (``megatron.core.msc_utils``, its hook for NVIDIA's multi-storage-client, and its filesystem reader). The
+  call routes ``s3://`` URLs (and the ``s3:/...`` that ``pathlib`` makes of them) there to this package, leaves
+  every other path where it went, and is undone by `S3Routing.uninstall`. Loads then use megatron-core's own load
+  strategy and planner with `s3_dcp.S3StorageReader`.
+* `megatron_checkpoint_io_class` / ``S3MegatronCheckpointIO``: NeMo 2.x's ``MegatronCheckpointIO`` keeping
+  ``s3://`` URLs as text (docs/megatron.md has the recipe).
+
+megatron-core is imported on first use: importing this module never needs it. Versions: 0.19.x is tested; 0.16-0.18
+(NeMo 2.x's) are handled by feature detection (docs/megatron.md says what differs). No call here needs CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import io
+import json
+import logging
+import os
+import pathlib
+import pickle
+import shutil
+import tempfile
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+if __package__:
+    from . import s3_dcp as _dcp
+    from . import s3_dirpath_utils as _urls
+    from . import s3_utils as _s3
+else:  # installed (or copied) as top-level modules
+    import s3_dcp as _dcp
+    import s3_dirpath_utils as _urls
+    import s3_utils as _s3
+
+__all__ = [
+    "CONFIG_NAME",
+    "MEGATRON_CORE_PIP",
+    "MegatronS3StorageWriter",
+    "S3Routing",
+    "S3TorchDistSaveShardedStrategy",
+    "install_s3_routing",
+    "megatron_checkpoint_io_class",
+    "megatron_s3_url",
+    "nemo_checkpoint_url",
+    "routing",
+    "verify_checkpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+MEGATRON_CORE_PIP = "pip install --no-deps megatron-core==0.19.2 numpy packaging"
+"""How to install megatron-core for this module (its wheel declares far more than ``dist_checkpointing`` uses).
+NeMo 2.x users keep the megatron-core their NeMo pins (0.16-0.18)."""
+CONFIG_NAME = "metadata.json"
+"""megatron-core's "this is a distributed checkpoint" marker, written after DCP's ``.metadata``."""
+COMMON_STATE_NAME = "common.pt"
+"""Non-sharded state of megatron-core <= 0.18 checkpoints (0.19 keeps it inside the DCP files)."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# megatron-core, imported on first use
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _mcore(module: str = "") -> Any:
+    """``megatron.core`` or one of its submodules; ImportError naming the pip line when megatron-core is missing."""
+    name = "megatron.core" + (f".{module}" if module else "")
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise _s3.MissingOptionalDependencyError(
+            f"s3_mcore needs megatron-core ({name} could not be imported: {exc}). Install it with: "
+            f"{MEGATRON_CORE_PIP}",
+            name="megatron",
+        ) from exc
+
+
+def _torch_strategies() -> Any:
+    return _mcore("dist_checkpointing.strategies.torch")
+
+
+def _async_utils() -> Any:
+    return _mcore("dist_checkpointing.strategies.async_utils")
+
+
+def _msc_utils() -> Any:
+    return _mcore("msc_utils")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# URLs: megatron-core turns directories into Path objects and back into text
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def megatron_s3_url(path: Any) -> str | None:
+    """The ``s3://`` URL `path` names, or None for anything else (local paths, ``msc://``, None).
+
+    Accepts ``s3://`` text, a ``Path`` made from one (``pathlib`` collapses it to ``s3:/bucket/key``) and the text of
+    such a Path (megatron-core calls ``str()`` on the directories it is given: ``str(Path("s3://b/k"))`` is
+    ``"s3:/b/k"``). Only inside megatron-core's calls is that collapsed text taken as S3: a local directory named
+    ``s3:`` is not something a checkpoint lives in."""
+    if path is None or not isinstance(path, (str, os.PathLike)):
+        return None
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        return None
+    if text.startswith("s3://"):
+        url = text
+    elif text.startswith("s3:/"):
+        url = "s3://" + text[len("s3:/") :]
+    else:
+        return None
+    return url.rstrip("/") if url.count("/") > 3 else url
+
+
+def _join(url: str, *names: str) -> str:
+    return "/".join([url.rstrip("/"), *names])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Saving: the strategy and its writer
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _build_writer_class() -> type:
+    base = _dcp.S3StorageWriter
+
+    def prepare_global_plan(self: Any, plans: list[Any]) -> list[Any]:
+        """`s3_dcp.S3StorageWriter.prepare_global_plan` (take the directory over, retire an old ``.metadata``), then
+        retire megatron-core's ``metadata.json`` of the checkpoint being replaced: it would otherwise outlive the old
+        ``.metadata`` until this save's finalize step writes the new one."""
+        plans = base.prepare_global_plan(self, plans)
+        config = _join(self.path, CONFIG_NAME)
+        if self.s3.s3_path_exists(config):
+            fence = _s3.DirectoryFence(self.s3, _urls.s3_url_parent(self.path)) if self.fencing else None
+            self.s3.remove_object(config, fence=fence)  # the directory is this run's: the plan just took it
+            _s3.invalidate_fsspec_cache(self.path)
+        return plans
+
+    namespace = {
+        "__module__": __name__,
+        "__qualname__": "MegatronS3StorageWriter",
+        "__doc__": "`s3_dcp.S3StorageWriter` for megatron-core checkpoints: an overwrite also retires the old "
+        "checkpoint's ``metadata.json`` before anything is written (same arguments as S3StorageWriter).",
+        "prepare_global_plan": prepare_global_plan,
+    }
+    return type("MegatronS3StorageWriter", (base,), namespace)
+
+
+class _StagedItems:
+    """What `s3_dcp.S3StorageWriter.write_data` asks a planner for, answered from host copies made before the upload
+    started: the upload process (forked or persistent) needs neither the planner nor the live tensors."""
+
+    def __init__(self, data: dict[Any, Any]) -> None:
+        self.data = data
+
+    def resolve_data(self, item: Any) -> Any:
+        return self.data[item.index]
+
+
+def _stage(plan: Any, planner: Any) -> _StagedItems:
+    """Host copies of this rank's items (device tensors copied to CPU, CPU tensors cloned): training may change the
+    live tensors while the upload runs. Objects are already serialised by the planner."""
+    torch = _s3.import_optional_dependency("torch", "megatron-core checkpoints")
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    staged: dict[Any, Any] = {}
+    with torch.no_grad():
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                staged[item.index] = io.BytesIO(data.getbuffer().tobytes())
+            else:
+                tensor = data.detach()
+                staged[item.index] = tensor.clone() if tensor.device.type == "cpu" else tensor.to("cpu")
+    return _StagedItems(staged)
+
+
+def _upload_in_background(writer: Any, plan: Any, staged: _StagedItems, result_path: str) -> None:
+    """megatron-core's ``async_fn``: runs in its upload process (forked, or its persistent worker). Uploads this
+    rank's files and leaves the outcome in `result_path` for the finalize step; never raises (an exception in that
+    process would only be printed)."""
+    try:
+        writer = pickle.loads(pickle.dumps(writer))  # a fresh client in this process, no sockets shared with training
+        future = writer.write_data(plan, staged)
+        future.wait()
+        outcome: tuple[str, Any] = ("ok", future.value())
+    except BaseException as exc:  # reported to every rank by the finalize step
+        outcome = ("error", exc)
+    try:
+        body = pickle.dumps(outcome)
+    except Exception:  # an exception that does not pickle: keep its text
+        detail = "".join(traceback.format_exception(outcome[1])) if outcome[0] == "error" else "unpicklable results"
+        body = pickle.dumps(("error", _dcp.CheckpointWriteError(f"{writer.path}: the upload failed: {detail}")))
+    partial = result_path + ".partial"
+    with open(partial, "wb") as file:
+        file.write(body)
+    os.replace(partial, result_path)
+
+
+def _read_outcome(result_path: str, url: str) -> list[Any]:
+    try:
+        with open(result_path, "rb") as file:
+            status, value = pickle.load(file)
+    except FileNotFoundError:
+        raise _dcp.CheckpointWriteError(
+            f"The upload process of {url} ended without reporting (killed?); nothing was committed. Save again."
+        ) from None
+    if status != "ok":
+        raise value
+    return value
+
+
+@dataclass
+class _PlannedSave:
+    """A save after planning: every rank's plan is fixed and the coordinator holds the checkpoint's metadata."""
+
+    url: str
+    writer: Any
+    planner: Any
+    plan: Any
+    metadata: Any
+    dist: Any
+
+
+def _plan_save(pyt_state_dict: dict[str, Any], writer: Any, planner: Any) -> _PlannedSave:
+    """DCP's planning step, as ``dcp.save`` runs it, without writing: every rank's local plan to the coordinator,
+    which builds the global plan (and, in `S3StorageWriter.prepare_global_plan`, takes the directory over and retires
+    a checkpoint being replaced). A failure there is raised on every rank as a ``CheckpointException``."""
+    from torch.distributed.checkpoint.utils import _DistWrapper
+
+    dist = _DistWrapper(None, True, 0)
+    metadata: list[Any] = [None]
+
+    def local_step() -> Any:
+        planner.set_up_planner(
+            state_dict=pyt_state_dict, storage_meta=writer.storage_meta(), is_coordinator=dist.is_coordinator
+        )
+        writer.set_up_storage_writer(dist.is_coordinator, rank=dist.rank, use_collectives=True)
+        return writer.prepare_local_plan(planner.create_local_plan())
+
+    def global_step(all_plans: list[Any]) -> list[Any]:
+        all_plans, metadata[0] = planner.create_global_plan(all_plans)
+        return writer.prepare_global_plan(all_plans)
+
+    central = dist.reduce_scatter("plan", local_step, global_step)
+    return _PlannedSave(writer.path, writer, planner, planner.finish_plan(central), metadata[0], dist)
+
+
+def _commit(save: _PlannedSave, write_results: Callable[[], list[Any]]) -> None:
+    """Gather every rank's write results (or its failure) on the coordinator, which commits with ``.metadata`` only if
+    none failed; a failure anywhere is raised on every rank as a ``CheckpointException``."""
+
+    def finish(all_results: list[list[Any]]) -> None:
+        save.writer.finish(metadata=save.metadata, results=all_results)
+
+    save.dist.all_reduce("write", write_results, finish)
+
+
+def _build_strategy_class() -> type:
+    torch_strategies = _torch_strategies()
+    base = torch_strategies.TorchDistSaveShardedStrategy
+
+    class S3TorchDistSaveShardedStrategy(base):  # type: ignore[misc, valid-type]
+        """megatron-core's ``torch_dist`` save strategy writing ``s3://`` checkpoints through `s3_dcp`.
+
+        For an ``s3://`` directory (or a Path made from one) the state goes through megatron-core's own conversion
+        and save planner, then `MegatronS3StorageWriter` uploads every rank's files and the coordinator commits with
+        ``.metadata``; megatron-core's ``metadata.json`` follows in its finalize step. Any other directory goes to
+        megatron-core's writer unchanged. `install_s3_routing` must be active (megatron-core lists the directory
+        and writes ``metadata.json`` itself).
+
+        Args:
+            backend, version, keep_only_main_replica, thread_count: as ``TorchDistSaveShardedStrategy``
+                (`thread_count` is also the number of files each rank writes to S3).
+            **writer_options: keyword arguments for `s3_dcp.S3StorageWriter` (``client_settings``,
+                ``retry_policy``, ``chunk_size_MB``, ``max_write_concurrency``, ``fencing``, ``overwrite``,
+                ``max_requests_per_second``, ``request_options``, ...).
+
+        ``async_save`` returns megatron-core's ``AsyncRequest``: host copies of the shards are taken at once, the
+        upload runs in megatron-core's upload process, and the commit happens in the request's finalize step
+        (``AsyncCallsQueue.maybe_finalize_async_calls``) on every rank. Its ``async_strategy`` argument
+        (``"nvrx"``/``"mcore"``) is accepted and ignored: the upload is this package's either way.
+        """
+
+        def __init__(
+            self,
+            backend: str = "torch_dist",
+            version: int = 1,
+            keep_only_main_replica: bool = False,
+            thread_count: int = 1,
+            **writer_options: Any,
+        ) -> None:
+            super().__init__(backend, version, keep_only_main_replica=keep_only_main_replica, thread_count=thread_count)
+            writer_options.setdefault("thread_count", thread_count)
+            self.writer_options = writer_options
+            _dcp.S3StorageWriter("s3://validate/options", **writer_options)  # a bad option fails here, not mid-save
+
+        def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
+            url = megatron_s3_url(checkpoint_dir)
+            if url is None:
+                return super().save(sharded_state_dict, checkpoint_dir)
+            save = self._plan(sharded_state_dict, url)
+
+            def write() -> list[Any]:
+                future = save.writer.write_data(save.plan, save.planner)
+                future.wait()
+                return future.value()
+
+            _commit(save, write)
+            return None
+
+        def async_save(self, sharded_state_dict: Any, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
+            url = megatron_s3_url(checkpoint_dir)
+            if url is None:
+                return super().async_save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+            save = self._plan(sharded_state_dict, url)
+            staged = _stage(save.plan, save.planner)
+            result_dir = tempfile.mkdtemp(prefix="s3ckpt-mcore-")
+            result_path = os.path.join(result_dir, "outcome.pickle")
+
+            def finalize() -> None:
+                try:
+                    _commit(save, lambda: _read_outcome(result_path, url))
+                finally:
+                    shutil.rmtree(result_dir, ignore_errors=True)
+
+            request = _async_utils().AsyncRequest(
+                async_fn=_upload_in_background,
+                async_fn_args=(save.writer, save.plan, staged, result_path),
+                finalize_fns=[finalize],
+            )
+            return request
+
+        @property
+        def can_handle_sharded_objects(self) -> bool:
+            return True
+
+        def _plan(self, sharded_state_dict: Any, url: str) -> _PlannedSave:
+            sharded, _, _ = torch_strategies._replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, self.keep_only_main_replica
+            )
+            pyt_state_dict = torch_strategies.mcore_to_pyt_state_dict(sharded, False)
+            writer = _writer_class()(url, **self.writer_options)
+            return _plan_save(pyt_state_dict, writer, _save_planner(self.keep_only_main_replica))
+
+    S3TorchDistSaveShardedStrategy.__module__ = __name__
+    return S3TorchDistSaveShardedStrategy
+
+
+def _save_planner(keep_only_main_replica: bool) -> Any:
+    """megatron-core's save planner, with the keyword arguments this version knows (0.19 added the flatten ones)."""
+    planner_class = _torch_strategies().MCoreSavePlanner
+    wanted = {
+        "dedup_replicated_tensors": not keep_only_main_replica,
+        "can_run_decentralized_global_plan": False,
+        "flatten_state_dict": False,
+        "flatten_sharded_tensors": False,
+    }
+    accepted = set(inspect.signature(planner_class.__init__).parameters)
+    takes_any = "kwargs" in accepted
+    return planner_class(**{k: v for k, v in wanted.items() if k in accepted or takes_any})
+
+
+@contextlib.contextmanager
+def _msc_flag_as_before(active: S3Routing) -> Iterator[None]:
+    """megatron-core's MSC flag as the user left it, while its writer is built for a local directory (see
+    `_route_msc_module`)."""
+    flag = _msc_utils().MultiStorageClientFeature
+    if not active.previous_flag:
+        flag.disable()
+    try:
+        yield
+    finally:
+        flag.enable()
+
+
+@functools.cache
+def _writer_class() -> type:
+    return _build_writer_class()
+
+
+@functools.cache
+def _strategy_class() -> type:
+    return _build_strategy_class()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Routing megatron-core's own file operations (metadata.json, directory checks, common state, the reader)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _S3File(io.BytesIO):
+    """An object written by megatron-core (``metadata.json``, ``common.pt``): buffered, uploaded whole on close."""
+
+    def __init__(self, s3: _s3.S3Utils, url: str, fence: _s3.DirectoryFence | None = None) -> None:
+        super().__init__()
+        self.s3 = s3
+        self.url = url
+        self.fence = fence
+
+    def close(self) -> None:
+        if not self.closed:
+            body = self.getvalue()
+            size_mb = max(_s3.DEFAULT_CHUNK_SIZE_MB, len(body) / _s3.MB + 1)
+            with self.s3.open_writer(self.url, size_mb, 1, fence=self.fence) as out:
+                out.write(body)
+            _s3.invalidate_fsspec_cache(self.url)
+        super().close()
+
+
+class _S3Path:
+    """What megatron-core asks of ``Path`` objects for an ``s3://`` directory: ``exists``, ``iterdir``, ``is_dir``,
+    ``/``, ``name``; ``str()`` gives the ``s3://`` URL."""
+
+    def __init__(self, routing: S3Routing, url: str) -> None:
+        self._routing = routing
+        self.url = url
+
+    def __str__(self) -> str:
+        return self.url
+
+    def __fspath__(self) -> str:
+        return self.url
+
+    def __repr__(self) -> str:
+        return f"S3Path({self.url!r})"
+
+    def __truediv__(self, name: str) -> _S3Path:
+        return _S3Path(self._routing, _join(self.url, str(name)))
+
+    @property
+    def name(self) -> str:
+        return self.url.rstrip("/").rsplit("/", 1)[-1]
+
+    def exists(self) -> bool:
+        return self._routing.s3.s3_path_exists(self.url, match_directory=True)
+
+    def is_dir(self) -> bool:
+        return self._routing.s3.s3_path_exists(self.url, match_directory=True) and not self.is_file()
+
+    def is_file(self) -> bool:
+        return self._routing.s3.s3_path_exists(self.url)
+
+    def iterdir(self) -> Iterator[_S3Path]:
+        """The entries right under this prefix (objects and sub-prefixes), as a directory listing shows them."""
+        prefix = self.url.rstrip("/") + "/"
+        names = {info.url[len(prefix) :].split("/", 1)[0] for info in self._routing.s3.list_objects(self.url)}
+        return iter([self / name for name in sorted(names)])
+
+    def mkdir(self, *args: Any, **kwargs: Any) -> None:
+        """S3 has no directories: nothing to create."""
+
+
+class _Router:
+    """One of megatron-core's ``open`` / ``os`` / ``Path`` / ``torch`` entry points: ``s3://`` paths to this package,
+    anything else to what megatron-core would have used without the routing (`fallback`)."""
+
+    def __init__(self, routing: S3Routing, fallback: Any) -> None:
+        self._routing = routing
+        self._fallback = fallback
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fallback, name)
+
+
+class _RoutedOpen(_Router):
+    def __call__(self, path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        url = megatron_s3_url(path)
+        if url is None:
+            return self._fallback(path, mode, *args, **kwargs)
+        return self._routing.open(url, mode)
+
+
+class _RoutedPath(_Router):
+    def __call__(self, path: Any, *args: Any) -> Any:
+        url = megatron_s3_url(path)
+        return self._fallback(path, *args) if url is None else _S3Path(self._routing, url)
+
+
+class _RoutedOsPath(_Router):
+    def exists(self, path: Any) -> bool:
+        url = megatron_s3_url(path)
+        return self._fallback.exists(path) if url is None else self._routing.s3.s3_path_exists(url)
+
+    def isdir(self, path: Any, *args: Any, **kwargs: Any) -> bool:
+        url = megatron_s3_url(path)
+        if url is None:
+            if self._fallback is os.path:
+                return os.path.isdir(path)  # the stdlib takes no `strict` (multi-storage-client's does)
+            return self._fallback.isdir(path, *args, **kwargs)
+        return self._routing.s3.s3_path_exists(url, match_directory=True)
+
+
+class _RoutedOs(_Router):
+    @property
+    def path(self) -> _RoutedOsPath:
+        return _RoutedOsPath(self._routing, self._fallback.path)
+
+    def makedirs(self, path: Any, *args: Any, **kwargs: Any) -> None:
+        if megatron_s3_url(path) is None:
+            self._fallback.makedirs(path, *args, **kwargs)
+
+
+class _RoutedTorch(_Router):
+    def save(self, obj: Any, path: Any, *args: Any, **kwargs: Any) -> None:
+        url = megatron_s3_url(path)
+        if url is None:
+            return self._fallback.save(obj, path, *args, **kwargs)
+        with self._routing.open(url, "wb") as file:
+            _s3.import_optional_dependency("torch").save(obj, file, *args, **kwargs)
+        return None
+
+    def load(self, path: Any, *args: Any, **kwargs: Any) -> Any:
+        url = megatron_s3_url(path)
+        if url is None:
+            return self._fallback.load(path, *args, **kwargs)
+        with self._routing.open(url, "rb") as file:
+            return _s3.import_optional_dependency("torch").load(file, *args, **kwargs)
+
+    def MultiStorageFileSystemReader(self, path: Any, *args: Any, **kwargs: Any) -> Any:
+        url = megatron_s3_url(path)
+        if url is not None:
+            return self._routing.reader(url)
+        if getattr(self._fallback, "MultiStorageFileSystemReader", None) is not None:
+            return self._fallback.MultiStorageFileSystemReader(path, *args, **kwargs)
+        from torch.distributed.checkpoint import FileSystemReader
+
+        return FileSystemReader(path)
+
+
+class _StdlibFiles:
+    """megatron-core's file operations without multi-storage-client: the builtins it falls back to."""
+
+    open = staticmethod(open)
+    os = os
+    Path = pathlib.Path
+
+    @property
+    def torch(self) -> Any:
+        return _s3.import_optional_dependency("torch")
+
+
+class _S3Facade:
+    """What megatron-core <= 0.18 takes as ``msc_utils.msc`` (multi-storage-client's module) once the routing is
+    installed: ``open``, ``os``, ``Path``, ``torch``; paths that are not ``s3://`` go to `fallback` (the real
+    multi-storage-client when it was installed and enabled, else the stdlib)."""
+
+    def __init__(self, routing: S3Routing, fallback: Any) -> None:
+        self._fallback = fallback
+        self.open = _RoutedOpen(routing, fallback.open)
+        self.os = _RoutedOs(routing, fallback.os)
+        self.Path = _RoutedPath(routing, fallback.Path)
+        self.torch = _RoutedTorch(routing, fallback.torch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fallback, name)
+
+
+@dataclass
+class S3Routing:
+    """The routing `install_s3_routing` put in place; `uninstall` restores what was there.
+
+    Attributes:
+        s3: the `s3_utils.S3Utils` megatron-core's own small files (``metadata.json``, ``common.pt``) and listings go
+            through.
+        reader_options: keyword arguments for the `s3_dcp.S3StorageReader` that loads use.
+    """
+
+    s3: _s3.S3Utils
+    reader_options: dict[str, Any] = field(default_factory=dict)
+    fencing: bool = True
+    """megatron-core's own writes (``metadata.json``; ``common.pt`` before 0.19) are fenced as the checkpoint's
+    files: refused with `s3_utils.CheckpointDirectoryTakenError` once a newer run owns the directory holding it."""
+    mechanism: str = ""
+    """``"maybe_msc"`` (megatron-core >= 0.19: its ``maybe_msc`` object is taught ``s3://``) or ``"msc_module"``
+    (<= 0.18: a stand-in for multi-storage-client's module, with megatron-core's MSC flag on)."""
+    previous_flag: bool | None = None
+    _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def open(self, url: str, mode: str = "r") -> Any:
+        """Read (whole, verified) or write (uploaded on close) one object; text modes decode UTF-8."""
+        if any(flag in mode for flag in "wax"):
+            checkpoint = _urls.s3_url_parent(url)  # megatron-core writes its files at the checkpoint's top level
+            fence = _s3.DirectoryFence(self.s3, _urls.s3_url_parent(checkpoint)) if self.fencing else None
+            file: Any = _S3File(self.s3, url, fence)
+            return file if "b" in mode else io.TextIOWrapper(file, encoding="utf-8")
+        with self.s3.download_to_memory(url) as downloaded:
+            data = downloaded.read_all()
+        return io.BytesIO(data) if "b" in mode else io.StringIO(bytes(data).decode("utf-8"))
+
+    def reader(self, url: str) -> Any:
+        """The DCP reader for an ``s3://`` checkpoint (megatron-core's filesystem reader, routed)."""
+        return _dcp.S3StorageReader(url, **self.reader_options)
+
+    def uninstall(self) -> None:
+        """Put megatron-core's file operations back as they were before `install_s3_routing`."""
+        with _ROUTING.lock:
+            while self._undo:
+                self._undo.pop()()
+            if _ROUTING.routing is self:
+                _ROUTING.routing = None
+
+
+class _RoutingState:
+    lock = threading.Lock()
+    routing: S3Routing | None = None
+
+
+_ROUTING = _RoutingState()
+
+
+def routing() -> S3Routing | None:
+    """The active `S3Routing`, or None."""
+    return _ROUTING.routing
+
+
+def install_s3_routing(
+    s3_utils: _s3.S3Utils | None = None, *, reader_options: dict[str, Any] | None = None, fencing: bool = True
+) -> S3Routing:
+    """Route megatron-core's own file operations for ``s3://`` paths to this package, in this process.
+
+    megatron-core lists the directory before a save, writes and reads ``metadata.json``, checks that a checkpoint
+    directory exists, reads common state and opens its DCP reader through helpers in ``megatron.core.msc_utils`` and
+    ``dist_checkpointing.strategies.torch``; after this call those take ``s3://`` URLs (and their collapsed
+    ``s3:/`` Path forms), so ``dist_checkpointing.load``, ``load_tensors_metadata``, ``load_sharded_metadata``,
+    ``load_common_state_dict`` and ``verify_checkpoint`` work on S3 with megatron-core's own load strategy and
+    planner, reading through `s3_dcp.S3StorageReader`. Local and ``msc://`` paths, and a real multi-storage-client,
+    are left as they were (megatron-core <= 0.18 has one switch for all paths; see docs/megatron.md).
+
+    Idempotent: a second call returns the active routing with the new settings. Undo with `S3Routing.uninstall`.
+
+    Args:
+        s3_utils: how to reach S3 for ``metadata.json`` and listings (default: `s3_utils.S3Utils` from the
+            environment, as the writer's and reader's defaults).
+        reader_options: keyword arguments for `s3_dcp.S3StorageReader` (``client_settings``, ``retry_policy``,
+            ``max_read_concurrency``, ``max_requests_per_second``, ...).
+        fencing: fence megatron-core's own writes as the writer fences the checkpoint's files (`S3Routing.fencing`;
+            pass the same as the strategy's ``fencing`` option).
+    """
+    msc_utils = _msc_utils()
+    torch_strategies = _torch_strategies()
+    with _ROUTING.lock:
+        active = _ROUTING.routing
+        if active is not None:
+            active.s3 = s3_utils or active.s3
+            active.reader_options = dict(reader_options or {})
+            active.fencing = fencing
+            return active
+        routing_ = S3Routing(s3_utils or _s3.S3Utils(), dict(reader_options or {}), fencing)
+        _route_filesystem_reader(routing_, torch_strategies)
+        maybe = getattr(msc_utils, "maybe_msc", None)
+        if maybe is not None:
+            _route_maybe_msc(routing_, maybe)
+        else:
+            _route_msc_module(routing_, msc_utils, torch_strategies)
+        _ROUTING.routing = routing_
+        logger.info("megatron-core's file operations for s3:// go through s3-checkpoint-io (%s)", routing_.mechanism)
+        return routing_
+
+
+def _route_filesystem_reader(routing_: S3Routing, torch_strategies: Any) -> None:
+    """megatron-core's loads take their DCP reader from ``strategies.torch._get_filesystem_reader`` (imported by name
+    into ``serialization`` in 0.19): an ``s3://`` directory gets `s3_dcp.S3StorageReader`."""
+    original = torch_strategies._get_filesystem_reader
+
+    @functools.wraps(original)
+    def get_reader(checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
+        url = megatron_s3_url(checkpoint_dir)
+        return original(checkpoint_dir, *args, **kwargs) if url is None else routing_.reader(url)
+
+    for module in (torch_strategies, _mcore("dist_checkpointing.serialization")):
+        if getattr(module, "_get_filesystem_reader", None) is original:
+            module._get_filesystem_reader = get_reader
+            routing_._undo.append(functools.partial(setattr, module, "_get_filesystem_reader", original))
+
+
+def _route_maybe_msc(routing_: S3Routing, maybe: Any) -> None:
+    """megatron-core >= 0.19 sends every file operation outside its writer through one ``maybe_msc`` object, whose
+    class answers ``open``/``os``/``Path``/``torch`` (multi-storage-client's when enabled, else the builtins). Its
+    class is swapped for a subclass that puts `_Router`s in front of those answers; the MSC flag is not touched."""
+    original_class = type(maybe)
+    routers = {"open": _RoutedOpen, "os": _RoutedOs, "Path": _RoutedPath, "torch": _RoutedTorch}
+
+    def __getattr__(self: Any, name: str) -> Any:  # noqa: N807
+        answer = original_class.__getattr__(self, name)
+        router = routers.get(name)
+        return answer if router is None else router(routing_, answer)
+
+    def path_isdir(self: Any, path: Any, strict: bool = True) -> bool:
+        url = megatron_s3_url(path)
+        if url is None:
+            return original_class.path_isdir(self, path, strict=strict)
+        return routing_.s3.s3_path_exists(url, match_directory=True)
+
+    routed_class = type(
+        "S3RoutedMaybeMultiStorageClient",
+        (original_class,),
+        {"__getattr__": __getattr__, "path_isdir": path_isdir, "__module__": __name__},
+    )
+    maybe.__class__ = routed_class
+    routing_.mechanism = "maybe_msc"
+    routing_._undo.append(lambda: setattr(maybe, "__class__", original_class))
+
+
+def _route_msc_module(routing_: S3Routing, msc_utils: Any, torch_strategies: Any) -> None:
+    """megatron-core <= 0.18 asks ``MultiStorageClientFeature.is_enabled()`` at every file operation and then uses the
+    module ``msc_utils.msc``: that module is replaced by `_S3Facade` and the flag switched on. What was there (a real
+    multi-storage-client, enabled or not) answers every path that is not ``s3://``. megatron-core's own writer reads
+    the flag too (and then imports multi-storage-client itself): its ``async_save`` (which its sync ``save`` calls)
+    sees the flag as it was for any directory that is not ``s3://``."""
+    flag = msc_utils.MultiStorageClientFeature
+    previous_module = msc_utils.msc
+    previous_flag = flag.is_enabled()  # False without a real multi-storage-client
+    fallback = previous_module if previous_flag else _StdlibFiles()
+    msc_utils.msc = _S3Facade(routing_, fallback)
+    flag.enable()
+    routing_.mechanism = "msc_module"
+    routing_.previous_flag = previous_flag
+
+    def undo() -> None:
+        msc_utils.msc = previous_module
+        if not previous_flag:
+            flag.disable()
+
+    routing_._undo.append(undo)
+    base = torch_strategies.TorchDistSaveShardedStrategy
+    original = base.async_save
+
+    @functools.wraps(original)
+    def async_save(self: Any, sharded_state_dict: Any, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
+        if megatron_s3_url(checkpoint_dir) is not None:
+            return original(self, sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        with _msc_flag_as_before(routing_):
+            return original(self, sharded_state_dict, checkpoint_dir, *args, **kwargs)
+
+    base.async_save = async_save
+    routing_._undo.append(functools.partial(setattr, base, "async_save", original))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Verifying a megatron-core checkpoint on S3
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def verify_checkpoint(path: Any, s3_utils: _s3.S3Utils | None = None) -> _dcp.CheckpointVerification:
+    """`s3_dcp.verify_checkpoint` for a megatron-core checkpoint (``s3://`` text or its collapsed Path): every file
+    against its recorded checksums, plus megatron-core's ``metadata.json`` (present and naming a backend). Needs
+    neither torch nor megatron-core."""
+    url = megatron_s3_url(path)
+    if url is None:
+        raise ValueError(f"{path!r} is not an s3:// URL")
+    s3 = s3_utils or _s3.S3Utils()
+    report = _dcp.verify_checkpoint(url, s3)
+    config_url = _join(url, CONFIG_NAME)
+    try:
+        with s3.download_to_memory(config_url) as downloaded:
+            config = json.loads(bytes(downloaded.read_all()))
+        if not isinstance(config, dict) or "sharded_backend" not in config:
+            report.problems.append(f"{config_url} is not megatron-core's checkpoint config: {config!r}")
+    except FileNotFoundError:
+        report.problems.append(
+            f"{config_url} does not exist: the save did not finish its finalize step; megatron-core will not load it"
+        )
+    except (ValueError, _s3.ChecksumMismatchError) as exc:
+        report.problems.append(f"{config_url} is unreadable or corrupt: {exc}")
+    return report
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# NeMo 2.x: MegatronCheckpointIO keeping s3:// URLs as text
+# --------------------------------------------------------------------------------------------------------------------
+
+WEIGHTS_SUBDIR = "weights"
+"""NeMo 2.x keeps the distributed checkpoint in ``<checkpoint>/weights`` (``ckpt_to_weights_subdir``)."""
+
+
+def nemo_checkpoint_url(path: Any) -> str | None:
+    """The ``s3://`` URL of the NeMo 2.x checkpoint directory `path` names (text, Path or collapsed Path), without the
+    ``.ckpt`` suffix Lightning gives checkpoint names (as NeMo's ``ckpt_to_dir``); None if it is not ``s3://``."""
+    url = megatron_s3_url(path)
+    return url.removesuffix(".ckpt") if url is not None else None
+
+
+class _S3MegatronCheckpointIOMixin:
+    """The ``s3://`` half of `megatron_checkpoint_io_class`: NeMo's ``MegatronCheckpointIO`` turns the URL into a
+    ``pathlib.Path`` (``s3:/bucket/...``) and makes local directories for it; these methods keep it a URL."""
+
+    def __init__(self, *args: Any, s3_writer_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.s3_writer_options = dict(s3_writer_options or {})
+        install_s3_routing()
+
+    @property
+    def s3_save_sharded_strategy(self) -> Any:
+        """`S3TorchDistSaveShardedStrategy`, inside ``FullyParallelSaveStrategyWrapper`` when NeMo's
+        ``parallel_save`` is on (its default), as NeMo builds its own."""
+        cached = self.__dict__.get("_s3_save_strategy")
+        if cached is None:
+            cached = _strategy_class()(**self.s3_writer_options)
+            if getattr(self, "parallel_save", False):
+                fully_parallel = _mcore("dist_checkpointing.strategies.fully_parallel")
+                within_dp = getattr(self, "parallel_save_within_dp", False)
+                group = None
+                if within_dp:
+                    group = _mcore("parallel_state").get_data_parallel_group(with_context_parallel=True)
+                cached = fully_parallel.FullyParallelSaveStrategyWrapper(cached, group)
+            self.__dict__["_s3_save_strategy"] = cached
+        return cached
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> Any:
+        """As NeMo's, for ``s3://``: saves to ``<url>/weights``; returns megatron-core's ``AsyncRequest`` when
+        ``async_save`` is on (for NeMo's ``AsyncFinalizableCheckpointIO``), else None."""
+        url = nemo_checkpoint_url(path)
+        if url is None:
+            return super().save_checkpoint(checkpoint, path, storage_options)  # type: ignore[misc]
+        weights = url if url.endswith("/" + WEIGHTS_SUBDIR) else _join(url, WEIGHTS_SUBDIR)
+        serialization = _mcore("dist_checkpointing.serialization")
+        kwargs: dict[str, Any] = {}
+        content_metadata = (storage_options or {}).get("content_metadata")
+        if content_metadata is not None:
+            kwargs["content_metadata"] = content_metadata
+        constant = getattr(self, "assume_constant_structure", False)
+        validate = not (getattr(self, "validated_consistency", False) and constant)
+        self.validated_consistency = True
+        asynchronous = bool(getattr(self, "async_save", False))
+        request = serialization.save(
+            sharded_state_dict=checkpoint,
+            checkpoint_dir=weights,
+            sharded_strategy=self.s3_save_sharded_strategy,
+            validate_access_integrity=validate,
+            async_sharded_save=asynchronous,
+            **kwargs,
+        )
+        logger.info("Saved the distributed checkpoint %s%s", weights, " (upload scheduled)" if asynchronous else "")
+        return request if asynchronous else None
+
+    def load_checkpoint(
+        self, path: Any, sharded_state_dict: Any = None, map_location: Any = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        """As NeMo's, for ``s3://``: loads ``<url>/weights`` when it exists (NeMo 2.x's layout), else ``<url>``."""
+        url = nemo_checkpoint_url(path)
+        if url is None:
+            return super().load_checkpoint(path, sharded_state_dict, map_location, **kwargs)  # type: ignore[misc]
+        if map_location is not None:
+            raise ValueError("map_location is not supported for distributed checkpoints (as in NeMo's checkpoint IO)")
+        if sharded_state_dict is None:
+            raise ValueError("a distributed checkpoint needs the model's sharded_state_dict to load")
+        s3 = _ROUTING.routing.s3 if _ROUTING.routing is not None else _s3.S3Utils()
+        weights = _join(url, WEIGHTS_SUBDIR)
+        checkpoint_dir = weights if s3.s3_path_exists(_join(weights, CONFIG_NAME)) else url
+        serialization = _mcore("dist_checkpointing.serialization")
+        load_kwargs = {"strict": kwargs["strict"]} if "strict" in kwargs else {}
+        strategy = None
+        if getattr(self, "parallel_load", False):  # NeMo's ckpt_parallel_load (megatron-core's wrapper needs CUDA)
+            fully_parallel = _mcore("dist_checkpointing.strategies.fully_parallel")
+            base_strategy = _torch_strategies().TorchDistLoadShardedStrategy()
+            strategy = fully_parallel.FullyParallelLoadStrategyWrapper(base_strategy)
+        return serialization.load(sharded_state_dict, checkpoint_dir, sharded_strategy=strategy, **load_kwargs)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Removes every object under the checkpoint's prefix (``.metadata`` first, so it never looks complete)."""
+        url = nemo_checkpoint_url(path)
+        if url is None:
+            return super().remove_checkpoint(path)  # type: ignore[misc]
+        s3 = _ROUTING.routing.s3 if _ROUTING.routing is not None else _s3.S3Utils()
+        for marker in (_join(url, WEIGHTS_SUBDIR, _dcp.METADATA_NAME), _join(url, _dcp.METADATA_NAME)):
+            if s3.s3_path_exists(marker):
+                s3.remove_object(marker)
+        s3.remove_objects_with_prefix(url)
+        return None
+
+
+def megatron_checkpoint_io_class(base: type | None = None) -> type:
+    """NeMo 2.x's ``MegatronCheckpointIO`` (or `base`) with ``s3://`` support: ``S3MegatronCheckpointIO``.
+
+    Built on NeMo's class (``nemo.lightning.io.pl.MegatronCheckpointIO``), so it is what NeMo's
+    ``AsyncFinalizableCheckpointIO`` accepts. It takes NeMo's arguments plus ``s3_writer_options`` (keyword
+    arguments for `s3_dcp.S3StorageWriter`), installs `install_s3_routing`, and for ``s3://`` paths saves and loads
+    ``<url>/weights`` with `S3TorchDistSaveShardedStrategy` (other paths go to NeMo's code). `base` is for other
+    frameworks with NeMo's interface (and tests without NeMo)."""
+    if base is None:
+        base = _nemo_megatron_checkpoint_io()
+    return _checkpoint_io_class(base)
+
+
+@functools.cache
+def _checkpoint_io_class(base: type) -> type:
+    namespace = {
+        "__module__": __name__,
+        "__qualname__": "S3MegatronCheckpointIO",
+        "__doc__": _S3MegatronCheckpointIOMixin.__doc__,
+    }
+    return type("S3MegatronCheckpointIO", (_S3MegatronCheckpointIOMixin, base), namespace)
+
+
+def _nemo_megatron_checkpoint_io() -> type:
+    try:
+        return importlib.import_module("nemo.lightning.io.pl").MegatronCheckpointIO
+    except ImportError as exc:
+        raise _s3.MissingOptionalDependencyError(
+            f"S3MegatronCheckpointIO builds on NeMo 2.x's MegatronCheckpointIO, which could not be imported ({exc}). "
+            "Install nemo-toolkit 2.x (with the megatron-core it pins), or use S3TorchDistSaveShardedStrategy with "
+            "megatron-core directly.",
+            name="nemo",
+        ) from exc
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Lazily built public classes
+# --------------------------------------------------------------------------------------------------------------------
+
+MegatronS3StorageWriter: type
+"""`s3_dcp.S3StorageWriter` that also retires megatron-core's ``metadata.json`` on overwrite (built on first access)."""
+S3TorchDistSaveShardedStrategy: type
+"""megatron-core's ``TorchDistSaveShardedStrategy`` for ``s3://`` (built on first access; megatron-core needed)."""
+
+
+def __getattr__(name: str) -> Any:
+    """PEP 562: classes that subclass megatron-core's, NeMo's or torch's are built on first access."""
+    builders: dict[str, Callable[[], type]] = {
+        "MegatronS3StorageWriter": _writer_class,
+        "S3TorchDistSaveShardedStrategy": _strategy_class,
+        "S3MegatronCheckpointIO": megatron_checkpoint_io_class,
+    }
+    if name in builders:
+        return builders[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,419 @@
+"""megatron-core ``dist_checkpointing`` (torch_dist) checkpoints on S3 through `s3_mcore`.
+
+Two launches of real ranks (tests/helpers/mcore_worker.py; gloo on CPU) serve every multi-rank case: 2 ranks save and
+load sync, async (megatron-core's AsyncCallsQueue), under FullyParallelSaveStrategyWrapper and through the NeMo-style
+checkpoint IO, fail on one rank's upload, overwrite, get fenced and throttled, exchange checkpoints with stock
+megatron-core; then 1 rank reshards what 2 saved. The single-process tests cover the routing's install / uninstall,
+what stays local, the module without megatron-core, and pin the megatron-core names the module uses.
+
+megatron-core is installed by the test set-up (``--no-deps``, see the Makefile); triton's one leaf module is stood in
+for (tests/helpers/mcore_stub.py). Without megatron-core every test here is skipped.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import io
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mcore_stub import megatron_core_installed, stand_in_for_triton_leaf
+
+HELPERS = Path(__file__).resolve().parent / "helpers"
+
+if not megatron_core_installed():
+    pytest.skip("megatron-core is not installed (see the Makefile's test set-up)", allow_module_level=True)
+pytest.importorskip("torch")
+pytest.importorskip("moto")  # the rank processes reach the suite's servers through boto3
+
+from fault_proxy import Fault, FaultProxy, FaultRule  # noqa: E402
+from s3_servers import empty_and_delete_bucket, rank_environment, skip_unless_multirank_backend  # noqa: E402
+
+import s3_mcore  # noqa: E402
+
+pytestmark = [pytest.mark.megatron]
+
+MEGATRON_CORE_VERSION = tuple(int(part) for part in importlib.metadata.version("megatron-core").split(".")[:2])
+BEFORE_0_19 = MEGATRON_CORE_VERSION < (0, 19)
+"""megatron-core 0.16-0.18 (NeMo 2.x's): common state in its own common.pt, no ``maybe_msc`` (CI runs 0.19)."""
+
+TWO_RANK_SCENARIOS = [
+    "sync",
+    "metadata",
+    "fully_parallel",
+    "async",
+    "fault_sync",
+    "fault_async",
+    "overwrite_fail",
+    "load_previous",
+    "from_stock",
+    "to_stock",
+    "fencing",
+    "throttled",
+    "nemo_io",
+    "overwrite",
+]
+
+
+@pytest.fixture(scope="module")
+def megatron() -> Any:
+    """megatron-core, imported in this process with triton's leaf stood in for where triton is missing."""
+    stand_in_for_triton_leaf()
+    import megatron.core.dist_checkpointing
+
+    return megatron.core
+
+
+def _run_ranks(world_size: int, scenarios: list[str], base: str, endpoints: tuple[str, str], out: Path, server: Any):
+    env = rank_environment(server, endpoints[0])
+    env["PYTHONPATH"] = os.pathsep.join([str(HELPERS), env["PYTHONPATH"]])
+    command = [sys.executable, "-m", "mcore_worker", "--world-size", str(world_size)]
+    command += ["--scenarios", ",".join(scenarios)]
+    command += ["--base", base, "--endpoint", endpoints[0], "--direct-endpoint", endpoints[1], "--out", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"ranks failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+
+
+def _outcomes(out: Path, scenario: str, world_size: int = 2) -> list[dict[str, Any]]:
+    outcomes = [json.loads((out / f"{scenario}-rank{rank}.json").read_text()) for rank in range(world_size)]
+    for rank, outcome in enumerate(outcomes):
+        assert outcome["ok"], f"{scenario} rank {rank}: {outcome.get('error')}\n{outcome.get('trace')}"
+        assert outcome["differences"] == [], f"{scenario} rank {rank}: {outcome['differences']}"
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def mcore_run(s3_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Runs every scenario once: 2 ranks, then 1 rank loading what 2 saved."""
+    skip_unless_multirank_backend(s3_server)
+    client = s3_server.client()
+    bucket = f"mcore-{uuid.uuid4().hex[:8]}"
+    client.create_bucket(Bucket=bucket)
+    base = f"s3://{bucket}/run"
+    outs = {n: tmp_path_factory.mktemp(f"mcore-{n}-ranks") for n in (1, 2)}
+    try:
+        with FaultProxy(s3_server.endpoint_url) as proxy:
+            for name in ("iter_0000040", "iter_0000041", "iter_0000050"):
+                proxy.add_rule(FaultRule(Fault.status(500), method="PUT", path_regex=rf"/run/{name}/__1_0\.distcp$"))
+            throttle = FaultRule(Fault.slow_down(), method="PUT", path_regex=r"/run/throttled/__\d_0\.distcp$", times=3)
+            proxy.add_rule(throttle)
+            endpoints = (proxy.endpoint_url, s3_server.endpoint_url)
+            _run_ranks(2, TWO_RANK_SCENARIOS, base, endpoints, outs[2], s3_server)
+            _run_ranks(1, ["reshard"], base, endpoints, outs[1], s3_server)
+            yield {"client": client, "bucket": bucket, "outs": outs, "throttle": throttle}
+    finally:
+        empty_and_delete_bucket(client, bucket)
+
+
+# ---- 2 ranks --------------------------------------------------------------------------------------------------------
+
+CHECKPOINT_FILES = [".metadata", ".s3ckpt-items.json", "__0_0.distcp", "__1_0.distcp"]
+CHECKPOINT_FILES += ["common.pt", "metadata.json"] if BEFORE_0_19 else ["metadata.json"]
+
+
+def test_sync_save_and_load(mcore_run: dict[str, Any]) -> None:
+    """1-D and 2-D (bf16) shards, a replicated tensor, ShardedObjects and common state round-trip; the objects are
+    DCP's layout plus megatron-core's metadata.json."""
+    for outcome in _outcomes(mcore_run["outs"][2], "sync"):
+        assert outcome["names"] == CHECKPOINT_FILES
+
+
+def test_metadata_readers_take_urls_and_collapsed_paths(mcore_run: dict[str, Any]) -> None:
+    expected = {"layer.a": [16], "layer.w": [4, 6], "bias": [3]}
+    for outcome in _outcomes(mcore_run["outs"][2], "metadata"):
+        assert outcome["shapes"] == {"str": expected, "path": expected}
+        assert {"layer.a", "layer.w", "bias"} <= set(outcome["sharded_keys"])
+        assert any(key.startswith("rng/shard_") for key in outcome["sharded_keys"])
+        assert outcome["common"] == {"iteration": 41, "note": "mcore"}
+        assert outcome["verified"], outcome["problems"]
+        assert "does not exist" in outcome["missing"] and "never-saved" in outcome["missing"]
+
+
+def test_fully_parallel_wrapper(mcore_run: dict[str, Any]) -> None:
+    for outcome in _outcomes(mcore_run["outs"][2], "fully_parallel"):
+        assert outcome["names"] == CHECKPOINT_FILES
+
+
+def test_async_save_commits_in_finalize(mcore_run: dict[str, Any]) -> None:
+    """The shards were uploaded by megatron-core's upload process, but neither .metadata nor metadata.json existed
+    until the finalize step ran on every rank."""
+    for outcome in _outcomes(mcore_run["outs"][2], "async"):
+        assert outcome["finalized"] == [0]  # the first call of its queue
+        assert ".metadata" not in outcome["before_finalize"] and "metadata.json" not in outcome["before_finalize"]
+        assert {"__0_0.distcp", "__1_0.distcp"} <= set(outcome["before_finalize"])
+
+
+@pytest.mark.parametrize("scenario", ["fault_sync", "fault_async"])
+def test_one_ranks_upload_failure_fails_every_rank(mcore_run: dict[str, Any], scenario: str) -> None:
+    for outcome in _outcomes(mcore_run["outs"][2], scenario):
+        assert outcome["error"].startswith("CheckpointException"), outcome["error"]
+        assert "__1_0.distcp" in outcome["error"]
+        assert ".metadata" not in outcome["names"] and "metadata.json" not in outcome["names"]
+        assert "__1_0.distcp" not in outcome["names"]
+        assert outcome["uploads"] == 0
+    _outcomes(mcore_run["outs"][2], "load_previous")
+
+
+def test_failed_overwrite_retired_the_old_checkpoint(mcore_run: dict[str, Any]) -> None:
+    for outcome in _outcomes(mcore_run["outs"][2], "overwrite_fail"):
+        assert outcome["saved"] == CHECKPOINT_FILES
+        assert outcome["error"].startswith("CheckpointException"), outcome["error"]
+        assert ".metadata" not in outcome["names"] and "metadata.json" not in outcome["names"]
+
+
+def test_overwrite_loads_the_new_values(mcore_run: dict[str, Any]) -> None:
+    for outcome in _outcomes(mcore_run["outs"][2], "overwrite"):
+        assert outcome["names"] == CHECKPOINT_FILES
+
+
+def test_stock_megatron_checkpoint_uploaded_loads_from_s3(mcore_run: dict[str, Any]) -> None:
+    for outcome in _outcomes(mcore_run["outs"][2], "from_stock"):
+        assert {".metadata", "metadata.json", "__0_0.distcp"} <= set(outcome["local_names"])
+
+
+def test_s3_checkpoint_downloaded_loads_with_stock_megatron(mcore_run: dict[str, Any]) -> None:
+    _outcomes(mcore_run["outs"][2], "to_stock")
+
+
+@pytest.mark.skipif(BEFORE_0_19, reason="<= 0.18: rank 0 alone writes common.pt first; fenced, the others wait")
+def test_fenced_save_fails_on_every_rank(mcore_run: dict[str, Any]) -> None:
+    for outcome in _outcomes(mcore_run["outs"][2], "fencing"):
+        assert outcome["error"].startswith("CheckpointException"), outcome["error"]
+        assert "CheckpointDirectoryTakenError" in outcome["error"] or "newer run" in outcome["error"]
+        assert outcome["names"] == []
+
+
+def test_throttled_save_completes(mcore_run: dict[str, Any]) -> None:
+    _outcomes(mcore_run["outs"][2], "throttled")
+    assert mcore_run["throttle"].fired >= 1
+
+
+def test_nemo_checkpoint_io_keeps_urls(mcore_run: dict[str, Any]) -> None:
+    """NeMo's layout (<checkpoint>/weights) on S3, sync and async (scheduled and finalized as NeMo's
+    AsyncFinalizableCheckpointIO does, with a finalize function of the caller's), then removed."""
+    for outcome in _outcomes(mcore_run["outs"][2], "nemo_io"):
+        assert outcome["names"] == [f"weights/{name}" for name in CHECKPOINT_FILES]
+        assert outcome["async_names"] == [f"weights/{name}" for name in CHECKPOINT_FILES]
+        assert outcome["extra_finalize"] == [True]
+        assert outcome["removed"] == []
+
+
+def test_reshard_two_to_one(mcore_run: dict[str, Any]) -> None:
+    _outcomes(mcore_run["outs"][1], "reshard", world_size=1)
+
+
+# ---- this process: the routing, the module without megatron-core -----------------------------------------------------
+
+
+def test_urls_megatron_core_hands_over() -> None:
+    assert s3_mcore.megatron_s3_url("s3://bkt/run/iter_0000001/") == "s3://bkt/run/iter_0000001"
+    assert s3_mcore.megatron_s3_url(Path("s3://bkt/run/iter_0000001")) == "s3://bkt/run/iter_0000001"
+    assert s3_mcore.megatron_s3_url(str(Path("s3://bkt/run"))) == "s3://bkt/run"  # megatron-core's str(Path(...))
+    assert s3_mcore.megatron_s3_url("s3://bkt") == "s3://bkt"
+    for other in ("/tmp/ckpt", Path("/tmp/ckpt"), "msc://profile/ckpt", "ckpt/s3:/x", None, 3):
+        assert s3_mcore.megatron_s3_url(other) is None
+    # NeMo's checkpoint names carry Lightning's .ckpt; its checkpoint directory does not (ckpt_to_dir)
+    assert s3_mcore.nemo_checkpoint_url(Path("s3://bkt/run/model--step=9-last.ckpt")) == "s3://bkt/run/model--step=9-last"
+    assert s3_mcore.nemo_checkpoint_url("/tmp/x.ckpt") is None
+
+
+def test_importing_s3_mcore_needs_no_megatron_core() -> None:
+    """Importing never fails; using it names the pip line."""
+    from optional_imports import HIDE_PREAMBLE
+
+    code = HIDE_PREAMBLE.format(hidden={"megatron", "nemo"}) + (
+        "import s3_mcore, s3_utils\n"
+        "assert s3_mcore.megatron_s3_url('s3://bkt/k') == 's3://bkt/k'\n"
+        "for use in (lambda: s3_mcore.S3TorchDistSaveShardedStrategy, s3_mcore.install_s3_routing,\n"
+        "            lambda: s3_mcore.megatron_checkpoint_io_class()):\n"
+        "    try:\n"
+        "        use()\n"
+        "    except s3_utils.MissingOptionalDependencyError as exc:\n"
+        "        print(exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 3, done.stdout
+    assert all(s3_mcore.MEGATRON_CORE_PIP in line for line in lines[:2])
+    assert "nemo-toolkit 2.x" in lines[2]
+
+
+@pytest.fixture
+def routed(megatron: Any) -> Iterator[Any]:
+    from megatron.core import msc_utils
+
+    assert s3_mcore.routing() is None
+    yield msc_utils
+    active = s3_mcore.routing()
+    if active is not None:
+        active.uninstall()
+
+
+@pytest.mark.skipif(BEFORE_0_19, reason="megatron-core >= 0.19's maybe_msc")
+def test_routing_installs_once_and_uninstalls(routed: Any, tmp_path: Path) -> None:
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategies
+
+    msc_utils = routed
+    before = (type(msc_utils.maybe_msc), torch_strategies._get_filesystem_reader, serialization._get_filesystem_reader)
+    first = s3_mcore.install_s3_routing()
+    assert s3_mcore.install_s3_routing(reader_options={"max_read_concurrency": 3}) is first
+    assert first.mechanism == "maybe_msc" and first.reader_options == {"max_read_concurrency": 3}
+    assert not msc_utils.MultiStorageClientFeature.is_enabled()  # the MSC flag is left alone
+    maybe = msc_utils.maybe_msc
+    # local paths: what megatron-core used before
+    (tmp_path / "metadata.json").write_text("{}")
+    with maybe.open(str(tmp_path / "metadata.json")) as file:
+        assert file.read() == "{}"
+    assert isinstance(maybe.Path(str(tmp_path)), Path)
+    assert maybe.path_isdir(str(tmp_path), strict=False) and maybe.os.path.exists(str(tmp_path / "metadata.json"))
+    from torch.distributed.checkpoint import FileSystemReader
+
+    assert type(torch_strategies._get_filesystem_reader(str(tmp_path))) is FileSystemReader
+    # s3:// and its collapsed forms: this package
+    assert str(maybe.Path(str(Path("s3://bkt/run/iter_0000001")))) == "s3://bkt/run/iter_0000001"
+    reader = serialization._get_filesystem_reader(Path("s3://bkt/run/iter_0000001"))
+    assert type(reader).__name__ == "S3StorageReader" and reader.path == "s3://bkt/run/iter_0000001"
+    assert reader.max_read_concurrency == 3
+    first.uninstall()
+    after = (type(msc_utils.maybe_msc), torch_strategies._get_filesystem_reader, serialization._get_filesystem_reader)
+    assert after == before and s3_mcore.routing() is None
+
+
+class FakeMultiStorageClient:
+    """Stands in for the multistorageclient module: records what it was asked."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        outer = self
+
+        class Os:
+            class path:  # noqa: N801 (the module's name)
+                @staticmethod
+                def exists(p: Any) -> bool:
+                    outer.calls.append(("exists", p))
+                    return True
+
+                @staticmethod
+                def isdir(p: Any, strict: bool = True) -> bool:
+                    outer.calls.append(("isdir", p))
+                    return True
+
+        self.os = Os
+
+    def open(self, path: Any, mode: str = "r") -> Any:
+        self.calls.append(("open", path))
+        return io.StringIO("{}")
+
+
+@pytest.mark.skipif(BEFORE_0_19, reason="megatron-core >= 0.19's maybe_msc")
+def test_a_real_multi_storage_client_keeps_its_paths(routed: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    msc_utils = routed
+    fake = FakeMultiStorageClient()
+    monkeypatch.setattr(msc_utils, "msc", fake)
+    monkeypatch.setattr(msc_utils.MultiStorageClientFeature, "_enabled", True)
+    routing = s3_mcore.install_s3_routing()
+    maybe = msc_utils.maybe_msc
+    with maybe.open("msc://profile/run/metadata.json") as file:
+        assert file.read() == "{}"
+    assert maybe.path_isdir("msc://profile/run", strict=False)
+    assert fake.calls == [("open", "msc://profile/run/metadata.json"), ("isdir", "msc://profile/run")]
+    assert str(maybe.Path("s3://bkt/run")) == "s3://bkt/run"  # s3:// is still this package's
+    routing.uninstall()
+    assert msc_utils.msc is fake and msc_utils.MultiStorageClientFeature.is_enabled()
+
+
+def test_routing_without_maybe_msc_replaces_the_msc_module(routed: Any, monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """megatron-core <= 0.18 has no ``maybe_msc``: the routing stands in for multi-storage-client's module and turns
+    the MSC flag on; every other path still reaches the stdlib, and uninstall puts both back."""
+    msc_utils = routed
+    monkeypatch.delattr(msc_utils, "maybe_msc", raising=False)
+    previous = msc_utils.msc
+    routing = s3_mcore.install_s3_routing()
+    try:
+        assert routing.mechanism == "msc_module" and msc_utils.MultiStorageClientFeature.is_enabled()
+        facade = msc_utils.MultiStorageClientFeature.import_package()
+        (tmp_path / "common.pt").write_bytes(b"x")
+        assert facade.os.path.isdir(str(tmp_path), strict=False) and facade.os.path.exists(str(tmp_path / "common.pt"))
+        with facade.open(str(tmp_path / "common.pt"), "rb") as file:
+            assert file.read() == b"x"
+        assert isinstance(facade.Path(str(tmp_path)), Path)
+        local_reader = facade.torch.MultiStorageFileSystemReader(str(tmp_path), thread_count=2)
+        assert type(local_reader).__name__ == "FileSystemReader"
+        assert type(facade.torch.MultiStorageFileSystemReader("s3://bkt/ckpt")).__name__ == "S3StorageReader"
+        assert str(facade.Path("s3://bkt/ckpt") / "common.pt") == "s3://bkt/ckpt/common.pt"
+    finally:
+        routing.uninstall()
+    assert msc_utils.msc is previous and not msc_utils.MultiStorageClientFeature.is_enabled()
+
+
+def test_bad_writer_options_fail_when_the_strategy_is_built(megatron: Any) -> None:
+    with pytest.raises(ValueError, match="chunk_size_MB"):
+        s3_mcore.S3TorchDistSaveShardedStrategy(chunk_size_MB=1)
+
+
+# ---- megatron-core names s3_mcore relies on (pinned: a release that changes them fails here first) -------------------
+
+
+def test_pinned_strategy_internals(megatron: Any) -> None:
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategies
+
+    params = inspect.signature(torch_strategies._replace_state_dict_keys_with_sharded_keys).parameters
+    assert list(params)[:2] == ["sharded_state_dict", "keep_only_main_replica"]
+    conversion = inspect.signature(torch_strategies.mcore_to_pyt_state_dict).parameters
+    assert list(conversion)[:2] == ["state_dict", "is_loading"]
+    planner_params = inspect.signature(torch_strategies.MCoreSavePlanner.__init__).parameters
+    assert {"dedup_replicated_tensors", "can_run_decentralized_global_plan"} <= set(planner_params)
+    init = inspect.signature(torch_strategies.TorchDistSaveShardedStrategy.__init__).parameters
+    assert list(init)[1:5] == ["backend", "version", "keep_only_main_replica", "thread_count"]
+    assert "checkpoint_dir" in inspect.signature(torch_strategies._get_filesystem_reader).parameters
+    assert hasattr(torch_strategies, "TorchDistLoadShardedStrategy")
+
+
+@pytest.mark.skipif(BEFORE_0_19, reason="megatron-core >= 0.19's hooks")
+def test_pinned_file_operation_hooks(megatron: Any) -> None:
+    """0.19: every file operation outside the writer goes through ``msc_utils.maybe_msc`` (open/os/Path/torch through
+    its class's ``__getattr__``, ``path_isdir(path, strict)``), the DCP reader through ``_get_filesystem_reader``, also
+    imported by name into ``serialization``; the MSC flag and module (<= 0.18's hook) keep their names."""
+    from megatron.core import msc_utils
+    from megatron.core.dist_checkpointing import core, serialization, validation
+    from megatron.core.dist_checkpointing.strategies import common
+
+    maybe_class = type(msc_utils.maybe_msc)
+    assert "__getattr__" in vars(maybe_class) and "path_isdir" in vars(maybe_class)
+    assert list(inspect.signature(maybe_class.path_isdir).parameters) == ["self", "path", "strict"]
+    for module in (core, serialization, validation, common):
+        assert module.maybe_msc is msc_utils.maybe_msc
+    assert serialization._get_filesystem_reader is megatron.dist_checkpointing.strategies.torch._get_filesystem_reader
+    flag = msc_utils.MultiStorageClientFeature
+    assert callable(flag.enable) and callable(flag.disable) and callable(flag.is_enabled) and hasattr(msc_utils, "msc")
+    assert core.CONFIG_FNAME == s3_mcore.CONFIG_NAME
+    import connector
+
+    assert connector._MEGATRON_CONFIG_NAME == s3_mcore.CONFIG_NAME  # resume discovery spells it too
+
+
+def test_pinned_async_and_dcp_internals(megatron: Any) -> None:
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from torch.distributed.checkpoint.utils import _DistWrapper
+
+    assert AsyncRequest._fields[:3] == ("async_fn", "async_fn_args", "finalize_fns")
+    assert callable(AsyncRequest.add_finalize_fn)
+    assert {"schedule_async_request", "maybe_finalize_async_calls", "close"} <= set(dir(AsyncCallsQueue))
+    assert list(inspect.signature(FullyParallelSaveStrategyWrapper.__init__).parameters)[1:3] == [
+        "strategy",
+        "parallelization_group",
+    ]
+    assert list(inspect.signature(_DistWrapper.__init__).parameters)[1:4] == ["group", "use_dist", "coordinator_rank"]
+    for method in (_DistWrapper.reduce_scatter, _DistWrapper.all_reduce):
+        assert list(inspect.signature(method).parameters)[1:] == ["step", "map_fun", "reduce_fun"]
