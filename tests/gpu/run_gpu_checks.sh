@@ -21,6 +21,6 @@ LOG="$OUT/gpu-checks.log"
     # Dummy credentials for the local moto server only (the scripts set the endpoint themselves)
     export AWS_ACCESS_KEY_ID=gpu-checks AWS_SECRET_ACCESS_KEY=gpu-checks AWS_DEFAULT_REGION=us-east-1
     export OUT
-    timeout 540 "$PYTHON" tests/gpu/gpu_checks.py
+    timeout "${GPU_CHECKS_TIMEOUT:-540}" "$PYTHON" tests/gpu/gpu_checks.py
     echo "exit: $?"
 } 2>&1 | tee "$LOG"
