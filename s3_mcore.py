@@ -50,10 +50,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 if __package__:
+    from . import s3_checkpoint_admin as _admin
     from . import s3_dcp as _dcp
     from . import s3_dirpath_utils as _urls
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
+    import s3_checkpoint_admin as _admin
     import s3_dcp as _dcp
     import s3_dirpath_utils as _urls
     import s3_utils as _s3
@@ -769,15 +771,15 @@ def _route_msc_module(routing_: S3Routing, msc_utils: Any, torch_strategies: Any
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def verify_checkpoint(path: Any, s3_utils: _s3.S3Utils | None = None) -> _dcp.CheckpointVerification:
-    """`s3_dcp.verify_checkpoint` for a megatron-core checkpoint (``s3://`` text or its collapsed Path): every file
-    against its recorded checksums, plus megatron-core's ``metadata.json`` (present and naming a backend). Needs
-    neither torch nor megatron-core."""
+def verify_checkpoint(path: Any, s3_utils: _s3.S3Utils | None = None) -> _admin.CheckpointVerification:
+    """`s3_checkpoint_admin.verify_checkpoint` for a megatron-core checkpoint (``s3://`` text or its collapsed
+    Path): every file against its recorded checksums, plus megatron-core's ``metadata.json`` (present and naming a
+    backend). Needs neither torch nor megatron-core."""
     url = megatron_s3_url(path)
     if url is None:
         raise ValueError(f"{path!r} is not an s3:// URL")
     s3 = s3_utils or _s3.S3Utils()
-    report = _dcp.verify_checkpoint(url, s3)
+    report = _admin.verify_checkpoint(url, s3_utils=s3)
     config_url = _join(url, CONFIG_NAME)
     try:
         with s3.download_to_memory(config_url) as downloaded:
