@@ -129,7 +129,7 @@ def test_torch_save_pieces_for_archives_without_zip_crc32() -> None:
     except for the CRC fields."""
     assert tuple(inspect.signature(torch.serialization._save).parameters) == s3_checkpoint_io._TORCH_SAVE_PARAMETERS
     assert inspect.signature(torch.serialization._get_storage_alignment).parameters == {}
-    assert s3_checkpoint_io._zip_writer_without_crc32()
+    assert s3_checkpoint_io.zip_writer_without_crc32()
     value = {"w": torch.randn(300, 7), "b": torch.arange(5, dtype=torch.int16), "meta": {"step": 3}}
     ours, theirs = io.BytesIO(), io.BytesIO()
     s3_checkpoint_io.torch_save_without_zip_crc32(value, ours)
@@ -200,7 +200,7 @@ def test_torch_writes_each_storage_in_one_write_call() -> None:
 def test_torch_hands_write_each_storages_own_memory() -> None:
     """The view torch's archive writer gives `write` for a CPU storage is that storage's memory itself (no copy):
     what lets s3_dcp record where a tensor's bytes lie and both plugins upload whole parts from it without a copy
-    (`S3MultipartWriter.write_held`). If torch copied first, the address check would send every byte through part
+    (`S3MultipartWriter.write_borrowed`). If torch copied first, the address check would send every byte through part
     buffers again, correct but slower; this test says so first."""
     tensor = torch.arange(3 * MiB, dtype=torch.float32)
     seen: list[tuple[int, int | None]] = []
@@ -224,7 +224,7 @@ def test_torch_archive_framing_without_zip_crcs_does_not_depend_on_the_values() 
     pickle, the serialization id) is the same for every tensor of one dtype, shape and strides: what lets s3_dcp
     write a file's later tensors of a kind with the first one's framing (`s3_dcp._save_tensor`). If torch put
     anything value-dependent there, that reuse would write wrong archives; this test says so first."""
-    assert s3_checkpoint_io._zip_writer_without_crc32()
+    assert s3_checkpoint_io.zip_writer_without_crc32()
 
     def framing(tensor: Any) -> tuple[bytes, bytes]:
         archive = io.BytesIO()

@@ -126,22 +126,22 @@ class TestRoundTrip:
 
 
 class _HeldSpy:
-    """Counts the parts S3MultipartWriter.write_held sends straight from the caller's memory, and whose memory."""
+    """Counts the parts S3MultipartWriter.write_borrowed sends straight from the caller's memory, and whose memory."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.parts = 0
         self.owners: list[object] = []
-        real = s3_utils.S3MultipartWriter.write_held
+        real = s3_utils.S3MultipartWriter.write_borrowed
         spy = self
 
-        def write_held(writer: s3_utils.S3MultipartWriter, data: object, owner: object) -> int:
+        def write_borrowed(writer: s3_utils.S3MultipartWriter, data: object, owner: object) -> int:
             before = writer._held_parts
             written = real(writer, data, owner)
             spy.parts += writer._held_parts - before
             spy.owners.append(owner)
             return written
 
-        monkeypatch.setattr(s3_utils.S3MultipartWriter, "write_held", write_held)
+        monkeypatch.setattr(s3_utils.S3MultipartWriter, "write_borrowed", write_borrowed)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

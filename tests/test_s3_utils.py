@@ -458,7 +458,7 @@ def test_part_size_doubles_so_objects_can_outgrow_ten_thousand_parts(s3_server, 
 
 
 def test_held_writes_send_whole_parts_from_the_callers_memory_and_copy_only_the_edges(s3_server, bucket: str) -> None:
-    """`write_held` uploads every part that lines up with the object's part grid straight from the caller's bytes
+    """`write_borrowed` uploads every part that lines up with the object's part grid straight from the caller's bytes
     (no part buffer), copies the bytes before the first boundary and after the last, keeps checksum boundaries
     exact, and the object is byte for byte what plain writes give."""
     utils = S3Utils(S3ClientSettings(endpoint_url=s3_server.endpoint_url, user_agent_extra="held-writes"))
@@ -469,10 +469,10 @@ def test_held_writes_send_whole_parts_from_the_callers_memory_and_copy_only_the_
         with writer:
             writer.write(head)
             writer.mark_checksum_boundary()
-            assert writer.write_held(memoryview(held).toreadonly(), held) == len(held)
+            assert writer.write_borrowed(memoryview(held).toreadonly(), held) == len(held)
             writer.mark_checksum_boundary()
             writer.write(tail)
-    assert writer._held_parts == 3  # 5 MiB parts 2-4; part 1 (head + the rest of its 5 MiB) and the tail copied
+    assert writer._held_parts == 3  # 5 MiB parts 2-4; the rest is lent to parts 1 and 5 (head and tail copied)
     assert writer._buffers_made <= 2 and writer._most_buffers_held <= 2
     assert sorted(int(headers["content-length"]) for headers in seen) == [
         1000 + 23 * MiB + 777 - 4 * 5 * MiB,
@@ -482,6 +482,38 @@ def test_held_writes_send_whole_parts_from_the_callers_memory_and_copy_only_the_
     assert writer.checksum_of(1000, 1000 + len(held)) == algorithm.update(bytes(held), 0)
     with utils.download_to_memory(url) as downloaded:  # verifies the combined full-object checksum
         assert downloaded.read_all() == head + bytes(held) + tail
+
+
+def test_borrowed_writes_as_large_as_a_part_off_the_part_grid_are_not_copied(
+    s3_server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tensors as large as a part, each after a few bytes of framing (so none lines up with the part grid): their
+    bytes are lent to the parts they fall in, not copied into part buffers. The object and the
+    checksum of each tensor's span are what plain writes give."""
+    utils = S3Utils(S3ClientSettings(endpoint_url=s3_server.endpoint_url, user_agent_extra="lent-writes"))
+    tensors = [bytearray(os.urandom(5 * MiB)) for _ in range(4)]
+    copied: list[int] = []
+    real_copy = s3_utils._copy_into
+    spy = lambda target, offset, source: copied.append(len(source)) or real_copy(target, offset, source)  # noqa: E731
+    monkeypatch.setattr(s3_utils, "_copy_into", spy)
+    url = f"s3://{bucket}/lent"
+    expected, spans = b"", []
+    writer = utils.open_writer(url, chunk_size_MB=5, max_concurrency=2)
+    with writer:
+        for n, tensor in enumerate(tensors):
+            frame = bytes([n]) * 64
+            writer.write(frame)
+            writer.mark_checksum_boundary()
+            spans.append((len(expected) + 64, len(expected) + 64 + len(tensor)))
+            writer.write_borrowed(tensor, tensor)
+            writer.mark_checksum_boundary()
+            expected += frame + bytes(tensor)
+    # only the framing and the few bytes of a tensor past a part's end (under `_LEND_MIN`) went through part buffers
+    assert sum(copied) < 4 * 1024 and max(copied) < s3_utils._LEND_MIN
+    for (start, end), tensor in zip(spans, tensors, strict=True):
+        assert writer.checksum_of(start, end) == writer._algorithm.update(bytes(tensor), 0)
+    with utils.download_to_memory(url) as downloaded:  # verifies the combined full-object checksum
+        assert downloaded.read_all() == expected
 
 
 def test_held_writes_keep_at_most_max_concurrency_plus_one_parts_queued(
@@ -504,7 +536,7 @@ def test_held_writes_keep_at_most_max_concurrency_plus_one_parts_queued(
     monkeypatch.setattr(writer, "_send_part", counting_send)
     monkeypatch.setattr(writer, "_upload_part", slow_upload)
     with writer:
-        writer.write_held(held, held)
+        writer.write_borrowed(held, held)
     assert writer._held_parts == 8 and len(unfinished) == 8
     assert max(unfinished) == 3  # max_concurrency + 1: the bound binds, and is kept
     with utils.download_to_memory(f"s3://{bucket}/held-bound") as downloaded:
@@ -526,7 +558,7 @@ def test_a_failed_held_part_aborts_the_upload_and_no_thread_reads_the_bytes_afte
     writer = utils.open_writer(url, chunk_size_MB=5, max_concurrency=2)
     with pytest.raises(Exception) as caught:
         with writer:
-            writer.write_held(held, held)
+            writer.write_borrowed(held, held)
     assert "InternalError" in str(caught.value)  # as for copied parts (the plugins' errors add the URL)
     assert writer.state == "aborted" and open_uploads(s3_client, bucket) == []
     assert all(future.done() for future in writer._parts)  # nothing queued or running reads `held` any more
