@@ -2792,13 +2792,13 @@ REFERENCE_PATHS_ENV = "S3CKPT_REFERENCE_PATHS"
 the same byte for byte (tests compare both); only the cost differs. For benchmarks and for ruling a fast path out
 when debugging; docs/internals.md lists the paths."""
 
-FAST_PATHS = ("borrowed_parts", "gil_free_copy", "framing_reuse", "direct_reads", "scatter_reads", "span_reads")
+FAST_PATHS = ("borrowed_parts", "framing_reuse", "direct_reads", "scatter_reads", "span_reads")
 """The fast paths behind the switch: `S3MultipartWriter.write_borrowed` uploading parts from the caller's memory;
-copies into part buffers with the GIL released (`_copy_into`); s3_dcp reusing a tensor kind's archive framing; and
-s3_dcp's reader putting a large tensor's bytes straight into its target (``direct_reads``), one GET scattering a
-group's bytes into their targets and small buffers (``scatter_reads``), and locating a tensor's bytes through the
-span its writer recorded instead of decoding its archive (``span_reads``; without it, scatter reads have no tensor
-spans to fill)."""
+s3_dcp reusing a tensor kind's archive framing; and s3_dcp's reader putting a large tensor's bytes straight into its
+target (``direct_reads``), one GET scattering a group's bytes into their targets and small buffers
+(``scatter_reads``), and locating a tensor's bytes through the span its writer recorded instead of decoding its
+archive (``span_reads``; without it, scatter reads have no tensor spans to fill). benchmarks/realistic.md weighs
+each on a real model's checkpoint; a path that gains under 5% there is removed."""
 
 
 def fast_path(name: str) -> bool:
@@ -2820,11 +2820,6 @@ def fast_path(name: str) -> bool:
 _LEND_MIN = 1 * MB
 """`S3MultipartWriter.write_borrowed` lends at least this many bytes to a part, or copies them: a lent piece costs a
 segment of its part body (one more send and checksum call), worth it only where a copy would cost more."""
-
-_GIL_FREE_COPY_MIN = 1 * MB
-"""Copies of at least this many bytes into part buffers release the GIL (`_copy_into`); smaller ones (torch's pickle
-records, small tensors) stay plain slice assignments, for which a ctypes call would cost more than it frees."""
-
 
 class _PyBufferAPI(NamedTuple):
     """CPython's buffer protocol through ctypes: ``get(obj, byref(view), flags)`` and ``release(byref(view))``."""
@@ -2888,60 +2883,9 @@ def buffer_address(data: Any) -> int | None:
         api.release(ctypes.byref(view))
 
 
-@functools.cache
-def _gil_free_memmove() -> Callable[[bytearray, int, memoryview], bool] | None:
-    """A function ``move(target, offset, source) -> bool`` that copies the contiguous `source` into `target` at
-    `offset` with the GIL released, or returns False (copying nothing) where `source` cannot be exported as one
-    block; None where this interpreter offers no way to do it (`_py_buffer_api`).
-
-    ``ctypes.memmove`` is a foreign function call, which ctypes makes with the GIL released. The addresses come from
-    ``PyObject_GetBuffer``, and both buffers stay exported until the copy is done, so neither exporter can free, move
-    or resize its memory meanwhile.
-    """
-    api = _py_buffer_api()
-    if api is None:
-        return None
-    import ctypes
-
-    simple, writable = 0, 1  # PyBUF_SIMPLE (one contiguous block of bytes), PyBUF_WRITABLE
-
-    def move(target: bytearray, offset: int, source: memoryview) -> bool:
-        into, out_of = api.view(), api.view()
-        try:  # ctypes raises the exporter's error (BufferError) for a failed call through pythonapi
-            api.get(source, ctypes.byref(out_of), simple)
-        except (BufferError, TypeError):
-            return False
-        try:
-            try:
-                api.get(target, ctypes.byref(into), writable)
-            except (BufferError, TypeError):
-                return False
-            try:
-                if offset < 0 or offset + out_of.len > into.len:
-                    raise ValueError(f"a copy of {out_of.len} bytes at {offset} does not fit {into.len} bytes")
-                ctypes.memmove(into.buf + offset, out_of.buf, out_of.len)
-            finally:
-                api.release(ctypes.byref(into))
-        finally:
-            api.release(ctypes.byref(out_of))
-        return True
-
-    return move
-
-
 def _copy_into(target: bytearray, offset: int, source: memoryview) -> None:
-    """``target[offset : offset + len(source)] = source`` for a byte view `source`, with the GIL released during the
-    memcpy of a large copy.
-
-    A slice assignment holds the GIL while it copies (3-6 ms for a 16 MiB part on the benchmark VM), and during an async
-    save every such copy stops the training loop's own Python. Copies of at least `_GIL_FREE_COPY_MIN` bytes go
-    through `_gil_free_memmove` instead; smaller ones, strided views and interpreters without it take the plain
-    assignment.
-    """
-    if source.nbytes >= _GIL_FREE_COPY_MIN and source.c_contiguous and fast_path("gil_free_copy"):
-        move = _gil_free_memmove()
-        if move is not None and move(target, offset, source):
-            return
+    """``target[offset : offset + len(source)] = source``: the one place a write's bytes are copied into a part
+    buffer (a plain slice assignment; a GIL-free ctypes copy gained nothing measurable, benchmarks/realistic.md)."""
     memoryview(target)[offset : offset + len(source)] = source
 
 
@@ -3247,7 +3191,7 @@ class S3MultipartWriter(io.RawIOBase):
             if self._buffer is None:
                 self._buffer, self._filled = self._take_buffer(), 0
             count = min(len(view), len(self._buffer) - self._filled)
-            _copy_into(self._buffer, self._filled, view[:count])  # without the GIL when large
+            _copy_into(self._buffer, self._filled, view[:count])
             self._filled += count
             view = view[count:]
             if self._filled == len(self._buffer):

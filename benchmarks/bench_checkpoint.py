@@ -91,7 +91,7 @@ def knob_groups(spec: str) -> dict[str, list[tuple[str, str, dict[str, Any], str
 
 
 def reference_groups(spec: str) -> dict[str, list[tuple[str, str, dict[str, Any], str, str]]]:
-    """``--reference "borrowed_parts;gil_free_copy"`` -> this package's save, async save and load with those fast paths
+    """``--reference "borrowed_parts;all"`` -> this package's save, async save and load with those fast paths
     on their reference paths (s3_utils.REFERENCE_PATHS_ENV), beside the default "ours" groups."""
     groups = {}
     for item in filter(None, (s.strip() for s in spec.split(";"))):

@@ -83,7 +83,7 @@ def test_the_switch_names_only_known_paths(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-@pytest.mark.parametrize("reference", ["borrowed_parts", "gil_free_copy", "all"])
+@pytest.mark.parametrize("reference", ["borrowed_parts", "all"])
 def test_single_file_save_is_the_same_object_on_either_path(
     reference: str, mode: str, bucket: str, s3_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -102,8 +102,7 @@ def test_single_file_save_is_the_same_object_on_either_path(
         plugin.save_checkpoint(checkpoint, url)
         plugin.teardown()
         bodies[label] = _body(s3_client, bucket, url.split("/", 3)[3])
-        if reference != "gil_free_copy":
-            assert bool(borrowed) == (label == "fast"), label  # the fast path ran only when on
+        assert bool(borrowed) == (label == "fast"), label  # the fast path ran only when on
     assert bodies["fast"] == bodies["reference"]
     loaded = torch.load(io.BytesIO(bodies["fast"]), weights_only=True)
     assert torch.equal(loaded["state_dict"]["wte.weight"], checkpoint["state_dict"]["wte.weight"])

@@ -143,41 +143,25 @@ def test_torch_save_pieces_for_archives_without_zip_crc32() -> None:
     assert loaded["meta"] == {"step": 3}
 
 
-# ---- CPython and ctypes: the GIL-free copies into part buffers (s3_utils._gil_free_memmove) -----------------------
+# ---- CPython and ctypes: the buffer protocol that finds a write's address (s3_utils.buffer_address) ----------------
 
 
-def test_ctypes_memmove_releases_the_gil_and_pythonapi_holds_it() -> None:
-    """ctypes calls a function without ``_FUNCFLAG_PYTHONAPI`` with the GIL released, which is what lets the training
-    loop's Python run while an async save copies a part (``ctypes.memmove``); ``pythonapi`` functions keep the GIL,
-    as ``PyObject_GetBuffer`` needs. If memmove gained the flag, large copies would quietly hold the GIL again."""
+def test_py_buffer_layout_gives_the_exporters_address() -> None:
+    """``Py_buffer`` as `_py_buffer_api` declares it: `buffer_address` gives the address the exporter gives, for a
+    writable bytearray and for read-only bytes (torch hands `write` read-only views), and None for what is not one
+    block. If the layout were wrong, borrowed parts would quietly never be recognised."""
     import ctypes
 
-    assert not type(ctypes.memmove)._flags_ & ctypes._FUNCFLAG_PYTHONAPI
-    assert ctypes.pythonapi._func_flags_ & ctypes._FUNCFLAG_PYTHONAPI
-    assert callable(ctypes.pythonapi.PyObject_GetBuffer) and callable(ctypes.pythonapi.PyBuffer_Release)
-
-
-def test_py_buffer_layout_gives_the_exporters_address_and_length() -> None:
-    """``Py_buffer`` as `_gil_free_memmove` declares it: the address and length the exporter gives, for a writable
-    bytearray and for read-only bytes, and a bytearray with an export cannot be resized (the copy pins it)."""
-    import ctypes
-
-    move = s3_utils._gil_free_memmove()
-    assert move is not None
     target = bytearray(b"-" * 64)
-    assert move(target, 8, memoryview(b"abcdef").toreadonly()) and target[6:16] == b"--abcdef--"
-    pinned = (ctypes.c_char * 64).from_buffer(target)
-    assert ctypes.string_at(ctypes.addressof(pinned) + 8, 6) == b"abcdef"
-    with pytest.raises(BufferError):
-        target.extend(b"x")  # what an export does to a bytearray, and why a copy can hold one safely
-    del pinned
-    assert not move(target, 0, memoryview(bytearray(20))[::2])  # not one block: refused, nothing copied
-    assert target[6:16] == b"--abcdef--"
+    assert s3_utils.buffer_address(memoryview(target)[8:]) == ctypes.addressof(ctypes.c_char.from_buffer(target)) + 8
+    data = b"abcdef"
+    assert ctypes.string_at(s3_utils.buffer_address(memoryview(data).toreadonly()), 6) == data
+    assert s3_utils.buffer_address(memoryview(bytearray(20))[::2]) is None  # not one block
 
 
 def test_torch_writes_each_storage_in_one_write_call() -> None:
     """torch's archive writer hands `write` a tensor's bytes in one read-only view per storage, so a large tensor's
-    bytes reach the part buffer through the GIL-free copy (small writes take the plain assignment)."""
+    bytes reach `S3MultipartWriter.write_borrowed` in one piece, to be lent or borrowed whole."""
 
     class Recorder(io.RawIOBase):
         def __init__(self) -> None:
@@ -194,7 +178,7 @@ def test_torch_writes_each_storage_in_one_write_call() -> None:
     recorder = Recorder()
     s3_checkpoint_io.torch_save_without_zip_crc32({"w": torch.zeros(MiB), "b": torch.ones(3)}, recorder)
     assert (4 * MiB, True) in recorder.sizes
-    assert sum(size for size, _ in recorder.sizes if size >= s3_utils._GIL_FREE_COPY_MIN) == 4 * MiB
+    assert sum(size for size, _ in recorder.sizes if size >= MiB) == 4 * MiB
 
 
 def test_torch_hands_write_each_storages_own_memory() -> None:

@@ -338,19 +338,9 @@ def test_snapshot_copies_tensors_and_containers() -> None:
     assert copy["c"] == "text"
 
 
-def test_async_save_of_odd_tensors_round_trips_through_gil_free_copies(
-    async_plugin: S3CheckpointIO, bucket: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_async_save_of_odd_tensors_round_trips(async_plugin: S3CheckpointIO, bucket: str) -> None:
     """Odd byte counts, a transposed (non-contiguous) tensor and a view into a larger storage, across 5 MiB parts:
-    what the background save wrote through the GIL-free copies loads back equal."""
-    move = s3_utils._gil_free_memmove()
-    copies: list[int] = []
-
-    def counting(target: bytearray, offset: int, source: memoryview) -> bool:
-        copies.append(source.nbytes)
-        return move(target, offset, source)
-
-    monkeypatch.setattr(s3_utils, "_gil_free_memmove", lambda: counting)
+    what the background save wrote (lent, borrowed and copied bytes) loads back equal."""
     generator = torch.Generator().manual_seed(7)
     base = torch.randn(700, 1001, generator=generator)
     checkpoint = {
@@ -369,7 +359,6 @@ def test_async_save_of_odd_tensors_round_trips_through_gil_free_copies(
     for name, tensor in checkpoint["state_dict"].items():
         assert torch.equal(loaded["state_dict"][name], tensor), name
     assert loaded["global_step"] == 3
-    assert copies and sum(copies) >= 5 * MiB  # the large records went through the GIL-free copy
 
 
 class TestLocalPaths:

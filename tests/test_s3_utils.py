@@ -332,49 +332,7 @@ def test_writer_copies_written_bytes_once(bucket: str) -> None:
     assert peak < MiB // 4, f"a write allocated {peak} bytes"
 
 
-@pytest.fixture
-def gil_free_copies(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:
-    """``(offset, bytes, copied)`` of every copy that went through the GIL-free memmove."""
-    move = s3_utils._gil_free_memmove()
-    assert move is not None, "CPython with ctypes: large copies release the GIL"
-    calls: list[tuple[int, int, bool]] = []
-
-    def counting(target: bytearray, offset: int, source: memoryview) -> bool:
-        copied = move(target, offset, source)
-        calls.append((offset, source.nbytes, copied))
-        return copied
-
-    monkeypatch.setattr(s3_utils, "_gil_free_memmove", lambda: counting)
-    return calls
-
-
-def test_gil_free_copies_give_the_same_bytes_as_slice_assignment(gil_free_copies: list) -> None:
-    large = s3_utils._GIL_FREE_COPY_MIN
-    data = os.urandom(3 * large + 5)
-    cases = [  # (source view, offset, GIL-free)
-        (memoryview(data)[: large - 1], 3, False),  # small: a plain assignment
-        (memoryview(data)[:large], 0, True),
-        (memoryview(data)[1 : 2 * large + 4], 7, True),  # odd length, odd source and target offsets
-        (memoryview(bytearray(data))[5:], large + 1, True),  # writable source
-        (memoryview(bytearray(data))[::2], 1, False),  # strided: not one block, a plain assignment
-        (memoryview(bytearray(data))[1 : 2 * large + 2 : 1], 0, True),  # a step-1 slice is contiguous
-    ]
-    for source, offset, gil_free in cases:
-        before = len(gil_free_copies)
-        target = bytearray(b"\xaa" * (5 * large))
-        expected = bytearray(target)
-        memoryview(expected)[offset : offset + len(source)] = source
-        s3_utils._copy_into(target, offset, source)
-        assert target == expected, (len(source), offset)
-        assert (len(gil_free_copies) > before) == gil_free, (len(source), offset)
-    assert all(copied for _, _, copied in gil_free_copies)
-    with pytest.raises(ValueError, match="does not fit"):  # never past the end of a part buffer
-        s3_utils._copy_into(bytearray(2 * large), large + 1, memoryview(data)[:large])
-    with pytest.raises(ValueError):  # the plain assignment refuses it too
-        s3_utils._copy_into(bytearray(10), 5, memoryview(data)[:6])
-
-
-def test_writes_across_part_boundaries_upload_the_same_bytes(bucket: str, gil_free_copies: list) -> None:
+def test_writes_across_part_boundaries_upload_the_same_bytes(bucket: str) -> None:
     """Writes of odd sizes, large and small, straddling 5 MiB part boundaries: the object is the bytes written."""
     data = os.urandom(13 * MiB + 3)
     url = f"s3://{bucket}/gil-free"
@@ -388,7 +346,6 @@ def test_writes_across_part_boundaries_upload_the_same_bytes(bucket: str, gil_fr
             offset += size
     with utils.download_to_memory(url, chunk_size_MB=5) as downloaded:
         assert downloaded.read_all() == data
-    assert len(gil_free_copies) >= 4  # the large writes, and the large pieces of those cut at part ends
 
 
 def test_part_body_reader_hands_out_views_of_the_part() -> None:
