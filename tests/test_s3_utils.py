@@ -363,6 +363,27 @@ def test_part_body_reader_hands_out_views_of_the_part() -> None:
     assert bytes(reader.read(None)) == part[90:]
 
 
+def test_a_part_body_of_segments_reads_and_checksums_as_the_joined_bytes() -> None:
+    """A part body made of its buffer's bytes and lent views (`write_borrowed`): read block by block, one segment at
+    a time and never joined, and checksummed piece by piece across segment edges, it is the joined bytes."""
+    data = os.urandom(1000)
+    segments = [memoryview(data)[:10], memoryview(bytearray(data[10:600])), memoryview(data)[600:]]
+    reader = _BufferReader(list(segments), 1 << 62)
+    blocks = []
+    while block := reader.read(64):
+        blocks.append(block)
+    assert [len(block) for block in blocks] == [10, 590, 400] and b"".join(map(bytes, blocks)) == data
+    reader.seek(5)
+    target = bytearray(700)
+    assert reader.readinto(target) == 700 and target == data[5:705] and reader.tell() == 705
+    assert reader.seek(0, io.SEEK_END) == 1000
+    algorithm = _CHECKSUMS["CRC32"]
+    cuts = [3, 10, 250, 600, 999]
+    assert s3_utils._piece_checksums(algorithm, segments, cuts) == s3_utils._piece_checksums(
+        algorithm, memoryview(data), cuts
+    )
+
+
 @pytest.mark.skipif(not hasattr(os, "pwrite"), reason="pwrite is what the writers take turns on")
 def test_download_threads_take_turns_writing(monkeypatch: pytest.MonkeyPatch) -> None:
     """Range threads write one at a time (a writer waiting inside the kernel for the file's lock would spin on a CPU
