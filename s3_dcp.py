@@ -402,6 +402,24 @@ def _framing_key(tensor: Any) -> tuple[Any, ...] | None:
     return tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), nbytes
 
 
+def _in_state_dict(planner: Any, item: Any, data: Any) -> bool:
+    """Whether `data` (what the planner resolved for `item`) is the memory of the CPU tensor, or DTensor's local
+    shard, in the state dict the caller passed to ``dcp.save``, which stays unchanged until the save returns: only
+    such memory is lent to the upload (`_ItemStream.begin_item`). A tensor a planner makes, such as one read into a
+    buffer that the next item reuses (s3_checkpoint_convert), is copied. ``lookup_object`` is DefaultSavePlanner's;
+    planners without it get copies."""
+    lookup = getattr(planner, "lookup_object", None)
+    if lookup is None or data.device.type != "cpu":
+        return False
+    try:
+        value = lookup(item.index)
+    except Exception:
+        return False
+    if hasattr(value, "to_local"):  # a DTensor: its local shard is what was resolved
+        value = value.to_local()
+    return isinstance(value, _torch().Tensor) and value.device.type == "cpu" and value.data_ptr() == data.data_ptr()
+
+
 def _save_tensor(tensor: Any, stream: _ItemStream, framings: dict[tuple[Any, ...], _Framing]) -> None:
     """`s3_checkpoint_io.torch_save_without_zip_crc32` of one tensor item into `stream`, byte for byte. A tensor of a
     kind already saved into this file (same dtype, shape, strides: a model's repeated layers, its many biases and
@@ -719,7 +737,7 @@ class _S3StorageWriterImpl(_S3Settings):
                     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
                         tensor = tensor.clone()  # a view: save its elements only, not the storage behind it
                     nbytes = tensor.numel() * tensor.element_size()
-                    own = tensor.data_ptr() == data.data_ptr() and data.device.type == "cpu"
+                    own = tensor.data_ptr() == data.data_ptr() and _in_state_dict(planner, item, data)
                     stream.begin_item(tensor if tensor.is_contiguous() and nbytes else None, borrow=own)
                     _save_tensor(tensor, stream, framings)
                 written.append((item, *stream.end_item(), stream.tensor_span))
