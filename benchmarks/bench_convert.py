@@ -168,6 +168,17 @@ def _reference(size_mib: int) -> dict[str, Any]:
     return {f"layer{n}.weight": torch.cat([shards[0][n], shards[1][n]]) for n in range(bench_dcp.TENSORS)}
 
 
+def _flattened(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested state dict (a torch file converted from DCP nests as the saved state did) by DCP's dotted names."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out.update(_flattened(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def _check_outputs(utils: Any, size_mib: int, rep: int) -> list[str]:
     """Every tensor of the first rep's outputs against the regenerated state (after the clock)."""
     import safetensors.torch
@@ -184,7 +195,7 @@ def _check_outputs(utils: Any, size_mib: int, rep: int) -> list[str]:
     if set(exported) != set(expected) or not all(torch.equal(exported[k], v) for k, v in expected.items()):
         problems.append("model.safetensors differs from the saved state")
     with utils.download_to_memory(f"{out}/model.pt") as downloaded:
-        loaded = torch.load(downloaded.path, mmap=True, weights_only=True)
+        loaded = _flattened(torch.load(downloaded.path, mmap=True, weights_only=True))
     if set(loaded) != set(expected) or not all(torch.equal(loaded[k], v) for k, v in expected.items()):
         problems.append("model.pt differs from the saved state")
     del exported, loaded
