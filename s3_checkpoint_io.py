@@ -341,7 +341,7 @@ class S3CheckpointIO:
                 path, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm, fence=fence
             ) as writer:
                 try:  # the writer's CRC covers every byte; the checkpoint's own tensors go without a copy
-                    torch_save_without_zip_crc32(checkpoint, _HeldStorageStream(writer, checkpoint))
+                    torch_save_without_zip_crc32(checkpoint, _BorrowingStream(writer, checkpoint))
                 except Exception as exc:
                     # torch.save turns a failed write into its own RuntimeError without the URL: raise the S3 error
                     if writer.error is not None and writer.error is not exc:
@@ -568,16 +568,17 @@ class S3CheckpointIO:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-class _HeldStorageStream(io.RawIOBase):
+class _BorrowingStream(io.RawIOBase):
     """The stream ``torch.save`` writes a checkpoint into, in front of an `S3MultipartWriter`: a write that carries
     one of the checkpoint's own CPU tensor storages, whole (``torch.save`` hands each storage's memory to ``write``
-    as it is), goes through `S3MultipartWriter.write_held`, so its whole parts are uploaded without a copy into part
-    buffers; any other write (pickle records, copies torch makes of GPU tensors) is copied as usual.
+    as it is), goes through `S3MultipartWriter.write_borrowed`, so its whole parts are uploaded without a copy into
+    part buffers (the fast path ``borrowed_parts``); any other write (pickle records, copies torch makes of GPU
+    tensors) is copied as usual.
 
     Safe because `_save_now` returns only once the upload is complete or aborted: a synchronous save holds its
     caller until then, and an async save writes its private snapshot."""
 
-    _min_held = 1 << 20  # smaller writes are copied: no whole part can come of them, and asking costs a ctypes call
+    _min_borrowed = 1 << 20  # smaller writes are copied: no whole part can come of them, and asking costs a ctypes call
 
     def __init__(self, writer: _s3.S3MultipartWriter, checkpoint: Any) -> None:
         super().__init__()
@@ -589,10 +590,10 @@ class _HeldStorageStream(io.RawIOBase):
 
     def write(self, data: Any) -> int:
         nbytes = memoryview(data).nbytes
-        if nbytes >= self._min_held:
+        if nbytes >= self._min_borrowed:
             storage = self._storages.get(_s3.buffer_address(data) or 0)
             if storage is not None and storage.nbytes() == nbytes:
-                return self._writer.write_held(data, storage)
+                return self._writer.write_borrowed(data, storage)
         return self._writer.write(data)
 
     def flush(self) -> None:  # the writer uploads full parts by itself
@@ -649,8 +650,9 @@ _TORCH_SAVE_PARAMETERS = ("obj", "zip_file", "pickle_module", "pickle_protocol",
 
 
 @functools.cache
-def _zip_writer_without_crc32() -> bool:
-    """Whether this torch has the private pieces `torch_save_without_zip_crc32` builds on, as it expects them."""
+def zip_writer_without_crc32() -> bool:
+    """Whether this torch has the private pieces `torch_save_without_zip_crc32` builds on, as it expects them (else
+    that function is plain ``torch.save``, and s3_dcp does not reuse archive framing, which assumes no CRCs)."""
     torch = _torch()
     serialization = torch.serialization
     try:
@@ -675,7 +677,7 @@ def torch_save_without_zip_crc32(obj: Any, stream: Any) -> None:
     differ (tests/test_private_surface.py pins them), it is plain ``torch.save``.
     """
     torch = _torch()
-    if not _zip_writer_without_crc32():
+    if not zip_writer_without_crc32():
         torch.save(obj, stream)
         return
     serialization = torch.serialization

@@ -275,7 +275,7 @@ class _ItemStream(io.RawIOBase):
         self._position = 0
         self._item_start = 0
         self._expected: Any = None  # the contiguous tensor the current item stores, when its span is wanted
-        self._held = False  # whether that tensor is the caller's own memory (sent without a copy, `write_held`)
+        self._borrow = False  # whether that tensor is the caller's own memory (sent without a copy, `write_borrowed`)
         self.tensor_span: _TensorSpan | None = None  # of the last item, set by `write` when its tensor bytes pass
         self.error: BaseException | None = None
 
@@ -285,15 +285,15 @@ class _ItemStream(io.RawIOBase):
     def tell(self) -> int:
         return self._position
 
-    def begin_item(self, tensor: Any = None, held: bool = False) -> None:
+    def begin_item(self, tensor: Any = None, borrow: bool = False) -> None:
         """Start an item; with `tensor` (contiguous, its storage exactly its bytes) also look for the write of its
-        bytes, and mark checksum boundaries around it (`tensor_span`). With `held` that write's whole parts go to
-        the store straight from the tensor's memory (`S3MultipartWriter.write_held`): only for the caller's own
+        bytes, and mark checksum boundaries around it (`tensor_span`). With `borrow` that write's whole parts go to
+        the store straight from the tensor's memory (`S3MultipartWriter.write_borrowed`): only for the caller's own
         tensors, which stay unchanged until the save returns, never for a temporary copy."""
         self._raw.mark_checksum_boundary()
         self._item_start = self._position
         self._expected = tensor
-        self._held = held
+        self._borrow = borrow
         self.tensor_span = None
 
     def end_item(self) -> tuple[int, int]:
@@ -310,7 +310,7 @@ class _ItemStream(io.RawIOBase):
             if tensor is not None and self.tensor_span is None and self._carries(tensor, data):
                 self._raw.mark_checksum_boundary()
                 start = self._position - self._item_start
-                written = self._raw.write_held(data, tensor) if self._held else self._raw.write(data)
+                written = self._raw.write_borrowed(data, tensor) if self._borrow else self._raw.write(data)
                 self._raw.mark_checksum_boundary()
                 dtype = str(tensor.dtype).removeprefix("torch.")
                 self.tensor_span = _TensorSpan(start, written, dtype, tuple(tensor.shape))
@@ -396,12 +396,32 @@ def _framing_key(tensor: Any) -> tuple[Any, ...] | None:
     return tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), nbytes
 
 
+def _in_state_dict(planner: Any, item: Any, data: Any) -> bool:
+    """Whether `data` (what the planner resolved for `item`) is the memory of the CPU tensor, or DTensor's local
+    shard, in the state dict the caller passed to ``dcp.save``, which stays unchanged until the save returns: only
+    such memory is lent to the upload (`_ItemStream.begin_item`). A tensor a planner makes, such as one read into a
+    buffer that the next item reuses (s3_checkpoint_convert), is copied. ``lookup_object`` is DefaultSavePlanner's;
+    planners without it get copies."""
+    lookup = getattr(planner, "lookup_object", None)
+    if lookup is None or data.device.type != "cpu":
+        return False
+    try:
+        value = lookup(item.index)
+    except Exception:
+        return False
+    if hasattr(value, "to_local"):  # a DTensor: its local shard is what was resolved
+        value = value.to_local()
+    return isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.data_ptr() == data.data_ptr()
+
+
 def _save_tensor(tensor: Any, stream: _ItemStream, framings: dict[tuple[Any, ...], _Framing]) -> None:
     """`s3_checkpoint_io.torch_save_without_zip_crc32` of one tensor item into `stream`, byte for byte. A tensor of a
     kind already saved into this file (same dtype, shape, strides: a model's repeated layers, its many biases and
     norms) gets that save's framing around its own bytes instead of running ``torch.save``'s pickler and zip writer
-    again, which cost a small item most of its save time."""
-    key = _framing_key(tensor) if _ckpt_io._zip_writer_without_crc32() else None
+    again, which cost a small item most of its save time (the fast path ``framing_reuse``; switched off, every item
+    runs ``torch.save``)."""
+    reuse = _ckpt_io.zip_writer_without_crc32() and _s3.fast_path("framing_reuse")
+    key = _framing_key(tensor) if reuse else None
     framing = framings.get(key) if key is not None else None
     if framing is not None:
         stream.write(framing.head)
@@ -730,9 +750,8 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
                     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
                         tensor = tensor.clone()  # a view: save its elements only, not the storage behind it
                     nbytes = tensor.numel() * tensor.element_size()
-                    own = tensor.data_ptr() == data.data_ptr() and data.device.type == "cpu"
-                    held = own and nbytes >= _s3.MIN_PART_SIZE  # only these can fill a whole part
-                    stream.begin_item(tensor if tensor.is_contiguous() and nbytes else None, held=held)
+                    own = tensor.data_ptr() == data.data_ptr() and _in_state_dict(planner, item, data)
+                    stream.begin_item(tensor if tensor.is_contiguous() and nbytes else None, borrow=own)
                     _save_tensor(tensor, stream, framings)
                 written.append((item, *stream.end_item(), stream.tensor_span))
         except BaseException as exc:
@@ -1036,8 +1055,8 @@ def _scatter(group: _Group, chunk: int) -> bool:
     """Lay out where one GET of `group` puts each byte (`group.views`, in order): a filled item's framing into two
     small buffers and its tensor bytes into its target; any other item into its own buffer; bytes between items
     through a reused skip buffer. False (the group is read into one buffer instead) when it needs more than one GET
-    or its items overlap."""
-    if group.end - group.start > chunk:
+    or its items overlap, or the fast path ``scatter_reads`` is switched off."""
+    if group.end - group.start > chunk or not _s3.fast_path("scatter_reads"):
         return False
     views: list[memoryview] = []
     skip = None
@@ -1334,7 +1353,7 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
                         "that .metadata points to: the checkpoint is inconsistent; do not use it"
                     )
                 item.checksum = int(recorded[1])
-                if record.get("byteorder") == sys.byteorder:
+                if record.get("byteorder") == sys.byteorder and _s3.fast_path("span_reads"):
                     item.span = _tensor_spans(record).get(str(item.offset))
             etag = record["etag"] or None
             into_target = [self._direct_read(relative_path, url, item, etag, record, planner) for item in items]
@@ -1356,6 +1375,8 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         """A plan to read `item` straight into its target, when it is one large tensor whose target is a whole,
         contiguous CPU tensor (checked again against the stored layout before any tensor byte is fetched)."""
         if len(item.requests) != 1 or item.length < max(self.direct_read_min_MB * _s3.MB, 1):
+            return None
+        if not _s3.fast_path("direct_reads"):
             return None
         request = item.requests[0]
         if request.type != LoadItemType.TENSOR or any(request.storage_offsets):
@@ -1380,6 +1401,8 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         contiguous CPU target of that dtype and shape: its group's GET then puts the tensor bytes straight into the
         target (its framing into small buffers), and they are checked against the span's and the item's checksums."""
         if item.span is None or len(item.requests) != 1 or item.requests[0].type != LoadItemType.TENSOR:
+            return
+        if not _s3.fast_path("scatter_reads"):
             return
         request = item.requests[0]
         span = _RecordedSpan.checked(item.span, item.length, _stored_chunk(planner, request))

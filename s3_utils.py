@@ -39,6 +39,7 @@ import functools
 import http.client
 import importlib
 import io
+import itertools
 import json
 import logging
 import math
@@ -2754,14 +2755,42 @@ def _read_body_into(body: Any, views: list[memoryview]) -> int:
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# Fast paths and their reference paths (one switch for all)
+# --------------------------------------------------------------------------------------------------------------------
+
+REFERENCE_PATHS_ENV = "S3CKPT_REFERENCE_PATHS"
+"""Comma-separated names from `FAST_PATHS` (or ``all``) that take their plain reference path instead. The output is
+the same byte for byte (tests compare both); only the cost differs. For benchmarks and for ruling a fast path out
+when debugging; docs/internals.md lists the paths."""
+
+FAST_PATHS = ("borrowed_parts", "framing_reuse", "direct_reads", "scatter_reads", "span_reads")
+"""The fast paths behind the switch: `S3MultipartWriter.write_borrowed` uploading parts from the caller's memory;
+s3_dcp reusing a tensor kind's archive framing; and s3_dcp's reader putting a large tensor's bytes straight into its
+target (``direct_reads``), one GET scattering a group's bytes into their targets and small buffers
+(``scatter_reads``), and locating a tensor's bytes through the span its writer recorded instead of decoding its
+archive (``span_reads``; without it, scatter reads have no tensor spans to fill). benchmarks/realistic.md weighs
+each on a real model's checkpoint; a path that gains under 5% there is removed."""
+
+
+def fast_path(name: str) -> bool:
+    """Whether the fast path `name` (one of `FAST_PATHS`) is on: it is unless `REFERENCE_PATHS_ENV` names it."""
+    if name not in FAST_PATHS:
+        raise ValueError(f"unknown fast path {name!r}; known: {', '.join(FAST_PATHS)}")
+    chosen = os.environ.get(REFERENCE_PATHS_ENV, "")
+    if not chosen:
+        return True
+    names = {part.strip() for part in chosen.split(",")}
+    return name not in names and "all" not in names
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # Streaming multipart writer
 # --------------------------------------------------------------------------------------------------------------------
 
 
-_GIL_FREE_COPY_MIN = 1 * MB
-"""Copies of at least this many bytes into part buffers release the GIL (`_copy_into`); smaller ones (torch's pickle
-records, small tensors) stay plain slice assignments, for which a ctypes call would cost more than it frees."""
-
+_LEND_MIN = 1 * MB
+"""`S3MultipartWriter.write_borrowed` lends at least this many bytes to a part, or copies them: a lent piece costs a
+segment of its part body (one more send and checksum call), worth it only where a copy would cost more."""
 
 class _PyBufferAPI(NamedTuple):
     """CPython's buffer protocol through ctypes: ``get(obj, byref(view), flags)`` and ``release(byref(view))``."""
@@ -2825,60 +2854,9 @@ def buffer_address(data: Any) -> int | None:
         api.release(ctypes.byref(view))
 
 
-@functools.cache
-def _gil_free_memmove() -> Callable[[bytearray, int, memoryview], bool] | None:
-    """A function ``move(target, offset, source) -> bool`` that copies the contiguous `source` into `target` at
-    `offset` with the GIL released, or returns False (copying nothing) where `source` cannot be exported as one
-    block; None where this interpreter offers no way to do it (`_py_buffer_api`).
-
-    ``ctypes.memmove`` is a foreign function call, which ctypes makes with the GIL released. The addresses come from
-    ``PyObject_GetBuffer``, and both buffers stay exported until the copy is done, so neither exporter can free, move
-    or resize its memory meanwhile.
-    """
-    api = _py_buffer_api()
-    if api is None:
-        return None
-    import ctypes
-
-    simple, writable = 0, 1  # PyBUF_SIMPLE (one contiguous block of bytes), PyBUF_WRITABLE
-
-    def move(target: bytearray, offset: int, source: memoryview) -> bool:
-        into, out_of = api.view(), api.view()
-        try:  # ctypes raises the exporter's error (BufferError) for a failed call through pythonapi
-            api.get(source, ctypes.byref(out_of), simple)
-        except (BufferError, TypeError):
-            return False
-        try:
-            try:
-                api.get(target, ctypes.byref(into), writable)
-            except (BufferError, TypeError):
-                return False
-            try:
-                if offset < 0 or offset + out_of.len > into.len:
-                    raise ValueError(f"a copy of {out_of.len} bytes at {offset} does not fit {into.len} bytes")
-                ctypes.memmove(into.buf + offset, out_of.buf, out_of.len)
-            finally:
-                api.release(ctypes.byref(into))
-        finally:
-            api.release(ctypes.byref(out_of))
-        return True
-
-    return move
-
-
 def _copy_into(target: bytearray, offset: int, source: memoryview) -> None:
-    """``target[offset : offset + len(source)] = source`` for a byte view `source`, with the GIL released during the
-    memcpy of a large copy.
-
-    A slice assignment holds the GIL while it copies (3-6 ms for a 16 MiB part on the benchmark VM), and during an async
-    save every such copy stops the training loop's own Python. Copies of at least `_GIL_FREE_COPY_MIN` bytes go
-    through `_gil_free_memmove` instead; smaller ones, strided views and interpreters without it take the plain
-    assignment.
-    """
-    if source.nbytes >= _GIL_FREE_COPY_MIN and source.c_contiguous:
-        move = _gil_free_memmove()
-        if move is not None and move(target, offset, source):
-            return
+    """``target[offset : offset + len(source)] = source``: the one place a write's bytes are copied into a part
+    buffer (a plain slice assignment; a GIL-free ctypes copy gained nothing measurable, benchmarks/realistic.md)."""
     memoryview(target)[offset : offset + len(source)] = source
 
 
@@ -2950,14 +2928,27 @@ urllib3 alone would ask for 128 KiB blocks (128 trips per 16 MiB part), and 1 Mi
 
 
 class _BufferReader(io.RawIOBase):
-    """A seekable read-only stream over a buffer, so a part body reaches the socket without being copied (botocore
-    copies ``bytes``/``bytearray`` bodies before sending them; it reads file-like bodies in place)."""
+    """A seekable read-only stream over a buffer, or over the segments one part body is made of (part-buffer bytes
+    and memory lent by `S3MultipartWriter.write_borrowed`), so a part body reaches the socket without being copied
+    (botocore copies ``bytes``/``bytearray`` bodies before sending them; it reads file-like bodies in place)."""
 
-    def __init__(self, buffer: memoryview, min_block: int = 0) -> None:
+    def __init__(self, buffer: memoryview | list[memoryview], min_block: int = 0) -> None:
         super().__init__()
-        self._buffer = buffer
+        self._segments = buffer if isinstance(buffer, list) else [buffer]
+        self._starts = list(itertools.accumulate((len(segment) for segment in self._segments[:-1]), initial=0))
+        self._length = sum(len(segment) for segment in self._segments)
         self._position = 0
         self._min_block = min_block
+
+    def _block(self, size: int) -> memoryview:
+        """Up to `size` bytes from the position, from one segment (never joined: that would be a copy)."""
+        if self._position >= self._length or size <= 0:
+            return memoryview(b"")
+        index = bisect.bisect_right(self._starts, self._position) - 1
+        segment, start = self._segments[index], self._position - self._starts[index]
+        block = segment[start : start + size]
+        self._position += len(block)
+        return block
 
     def readable(self) -> bool:
         return True
@@ -2972,20 +2963,21 @@ class _BufferReader(io.RawIOBase):
         fewer, larger ones leave more of it to the training loop's own Python during an async save."""
         if size is not None and 0 <= size < self._min_block:
             size = self._min_block
-        end = len(self._buffer) if size is None or size < 0 else min(len(self._buffer), self._position + size)
-        block = self._buffer[self._position : end]
-        self._position = max(self._position, end)
-        return block
+        return self._block(self._length if size is None or size < 0 else size)
 
     def readinto(self, target: Any) -> int:
-        end = min(len(self._buffer), self._position + len(target))
-        block = self._buffer[self._position : end]
-        self._position = max(self._position, end)
-        target[: len(block)] = block
-        return len(block)
+        target = memoryview(target).cast("B")
+        done = 0
+        while done < len(target):
+            block = self._block(len(target) - done)
+            if not block:
+                break
+            target[done : done + len(block)] = block
+            done += len(block)
+        return done
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._buffer)}[whence]
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
         self._position = max(0, base + offset)
         return self._position
 
@@ -3002,14 +2994,46 @@ class _UploadedPart:
     pieces: tuple[tuple[int, int], ...]  # (checksum, length) of the part's pieces between marked boundaries
 
 
-def _piece_checksums(algorithm: ChecksumAlgorithm, data: memoryview, cuts: Iterable[int]) -> list[tuple[int, int]]:
-    """``(checksum, length)`` of the pieces of `data` between the offsets `cuts` (ascending, inside `data`)."""
-    pieces, start = [], 0
-    for end in [*cuts, len(data)]:
-        if end > start:
-            pieces.append((checksum_of(algorithm, data[start:end]), end - start))
-            start = end
+def _piece_checksums(
+    algorithm: ChecksumAlgorithm, data: memoryview | list[memoryview], cuts: Iterable[int]
+) -> list[tuple[int, int]]:
+    """``(checksum, length)`` of the pieces of `data` (one buffer, or the segments of one part body, in order)
+    between the offsets `cuts` (ascending, inside `data`)."""
+    segments = data if isinstance(data, list) else [data]
+    pieces, start, index, base = [], 0, 0, 0  # segments[index] starts at offset `base`
+    for end in [*cuts, sum(len(segment) for segment in segments)]:
+        if end <= start:
+            continue
+        checksum, position = 0, start
+        while position < end:
+            while base + len(segments[index]) <= position:
+                base += len(segments[index])
+                index += 1
+            segment = segments[index]
+            stop = min(end, base + len(segment))
+            checksum = algorithm.combine(
+                checksum, checksum_of(algorithm, segment[position - base : stop - base]), stop - position
+            )
+            position = stop
+        pieces.append((checksum, end - start))
+        start = end
     return pieces
+
+
+def _spliced(part: memoryview, lent: list[tuple[int, memoryview, object]]) -> memoryview | list[memoryview]:
+    """A part body: the part buffer's bytes with the lent pieces (``(offset, view, owner)``, in order) in their
+    places; the buffer itself when nothing was lent."""
+    if not lent:
+        return part
+    segments, position = [], 0
+    for offset, view, _ in lent:
+        if offset > position:
+            segments.append(part[position:offset])
+        segments.append(view)
+        position = offset + len(view)
+    if position < len(part):
+        segments.append(part[position:])
+    return segments
 
 
 class _WriterState(enum.Enum):
@@ -3080,13 +3104,14 @@ class S3MultipartWriter(io.RawIOBase):
         self._size = 0
         self._free_buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
         self._buffers_made = 0  # buffers this writer holds (taken from `_part_buffers`)
-        self._unfinished_parts = 0  # queued or in flight; `write_held` keeps it at most max_concurrency + 1
+        self._unfinished_parts = 0  # queued or in flight; `write_borrowed` keeps it at most max_concurrency + 1
         self._part_settled = threading.Condition()
         self._held_bytes = 0
         self._cuts: list[int] = []  # marked boundaries inside the part being filled (offsets into it)
         self._pieces: list[tuple[int, int, int]] = []  # (offset, length, checksum) tiling the object, once complete
         self._buffer: bytearray | None = None  # the part being filled
         self._filled = 0
+        self._lent: list[tuple[int, memoryview, object]] = []  # (offset, view, owner) lent into that part
         self._upload_id: str | None = None  # set while a multipart upload is open on S3
         self._native_checksums = True
         self._parts: list[Future[_UploadedPart]] = []
@@ -3135,7 +3160,7 @@ class S3MultipartWriter(io.RawIOBase):
             if self._buffer is None:
                 self._buffer, self._filled = self._take_buffer(), 0
             count = min(len(view), len(self._buffer) - self._filled)
-            _copy_into(self._buffer, self._filled, view[:count])  # without the GIL when large
+            _copy_into(self._buffer, self._filled, view[:count])
             self._filled += count
             view = view[count:]
             if self._filled == len(self._buffer):
@@ -3144,11 +3169,14 @@ class S3MultipartWriter(io.RawIOBase):
         self._size += total
         return total
 
-    def write_held(self, data: Any, owner: object) -> int:
-        """`write` for bytes that stay where they are, unchanged, for as long as `owner` is referenced (a tensor's
-        own memory, handed to ``write`` by ``torch.save``): every whole part that lines up with the object's part
-        boundaries is uploaded straight from them, with no copy into a part buffer; the bytes before the first
-        boundary and after the last are copied as `write` does.
+    def write_borrowed(self, data: Any, owner: object) -> int:
+        """`write` for bytes the writer may borrow: they stay where they are, unchanged, for as long as `owner` is
+        referenced (a tensor's own memory, handed to ``write`` by ``torch.save``). Every whole part that lines up
+        with the object's part boundaries is uploaded straight from them, with no copy into a part buffer. The bytes
+        before the first boundary and after the last are lent to the parts they fall in (each such part body is sent
+        as segments, its part buffer's bytes and the lent ones, still without a copy), unless fewer than `_LEND_MIN`
+        are left, which are copied as `write` copies them. With the fast path ``borrowed_parts`` switched off
+        (`REFERENCE_PATHS_ENV`) it is `write`.
 
         The writer keeps `owner` referenced until those parts are uploaded, and at most ``max_concurrency + 1``
         parts are queued or in flight (as with part buffers). Whoever calls this must not change the bytes until
@@ -3158,19 +3186,29 @@ class S3MultipartWriter(io.RawIOBase):
             raise ValueError(f"write to a closed S3 writer ({self.url}, {self._state.value})")
         try:
             view = memoryview(data)
-            if not view.c_contiguous:
+            if not view.c_contiguous or not fast_path("borrowed_parts"):
                 return self._write(view)
             view = view.cast("B")
             total = len(view)
             while view:
                 size = self.part_size_of(len(self._parts) + 1)
                 if self._buffer is None and len(view) >= size:
-                    self._send_held_part(view[:size], owner)
+                    self._send_borrowed_part(view[:size], owner)
                     view = view[size:]
-                else:  # up to the next part boundary, through the part buffer
-                    count = min(size - self._filled if self._buffer is not None else size, len(view))
-                    self._write(view[:count])
+                elif len(view) < _LEND_MIN:
+                    self._write(view)
+                    break
+                else:  # lent to the part being filled, up to its end
+                    if self._buffer is None:
+                        self._buffer, self._filled = self._take_buffer(), 0
+                    count = min(len(self._buffer) - self._filled, len(view))
+                    self._lent.append((self._filled, view[:count], owner))
+                    self._filled += count
+                    self._size += count
                     view = view[count:]
+                    if self._filled == len(self._buffer):
+                        self._send_part(self._buffer, self._filled)
+                        self._buffer = None
             return total
         except BaseException as exc:
             self.error = exc
@@ -3245,6 +3283,7 @@ class S3MultipartWriter(io.RawIOBase):
             if self._buffer is not None:  # the part being filled (or a small object's whole body) was never sent
                 self._free_buffers.put(self._buffer)
                 self._buffer = None
+            self._lent = []
             self._return_buffers()
             super().close()
 
@@ -3326,8 +3365,8 @@ class S3MultipartWriter(io.RawIOBase):
         self._pool = _thread_pool(self._max_concurrency, "put")
 
     def _send_part(self, buffer: bytearray | memoryview, length: int, owner: object = None) -> None:
-        """Queue one part for upload. A part buffer belongs to the upload until it is given back to the pool; a held
-        part (`owner` set, see `write_held`) is a view of the caller's bytes, kept alive by `owner`."""
+        """Queue one part for upload. A part buffer belongs to the upload until it is given back to the pool; a
+        borrowed part (`owner` set, see `write_borrowed`) is a view of the caller's bytes, kept alive by `owner`."""
         self._raise_failed_part()
         if self._upload_id is None:
             self._start_multipart()
@@ -3336,13 +3375,14 @@ class S3MultipartWriter(io.RawIOBase):
             raise ValueError(f"{self.url}: more than {MAX_PARTS} parts, past S3's object size limit")
         assert self._pool is not None
         cuts, self._cuts = tuple(cut for cut in self._cuts if cut < length), []
+        lent, self._lent = self._lent, []
         with self._part_settled:
             self._unfinished_parts += 1
-        future = self._pool.submit(self._upload_part, number, buffer, length, cuts, owner)
+        future = self._pool.submit(self._upload_part, number, buffer, length, cuts, owner, lent)
         future.add_done_callback(self._part_done)
         self._parts.append(future)
 
-    def _send_held_part(self, view: memoryview, owner: object) -> None:
+    def _send_borrowed_part(self, view: memoryview, owner: object) -> None:
         """Queue a whole part straight from the caller's bytes, once at most ``max_concurrency`` parts are still
         queued or in flight (the bound part buffers give the copying path)."""
         with self._part_settled:
@@ -3363,10 +3403,16 @@ class S3MultipartWriter(io.RawIOBase):
             self._failed_part.result()
 
     def _upload_part(
-        self, number: int, buffer: bytearray | memoryview, length: int, cuts: tuple[int, ...], owner: object = None
+        self,
+        number: int,
+        buffer: bytearray | memoryview,
+        length: int,
+        cuts: tuple[int, ...],
+        owner: object = None,
+        lent: list[tuple[int, memoryview, object]] | None = None,
     ) -> _UploadedPart:
         try:
-            part = memoryview(buffer)[:length]
+            part = _spliced(memoryview(buffer)[:length], lent or [])
             pieces = _piece_checksums(self._algorithm, part, cuts)
             checksum = combine_checksums(self._algorithm, pieces)
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key, "UploadId": self._upload_id}
@@ -3385,7 +3431,7 @@ class S3MultipartWriter(io.RawIOBase):
         finally:
             if owner is None:
                 self._free_buffers.put(buffer)  # type: ignore[arg-type]
-            # a held part's view (and `owner` with it) is dropped with this call's frame
+            # a borrowed part's view and the lent pieces (and their owners) are dropped with this call's frame
 
     # ---- completion -----------------------------------------------------------------------------------------------
 
@@ -3420,8 +3466,9 @@ class S3MultipartWriter(io.RawIOBase):
 
     def _put_whole(self) -> tuple[dict[str, Any], str]:
         """A small object (less than one part): one PUT."""
-        body = memoryview(self._buffer)[: self._filled] if self._buffer is not None else memoryview(b"")
-        pieces = _piece_checksums(self._algorithm, body, [cut for cut in self._cuts if cut < len(body)])
+        buffer = memoryview(self._buffer)[: self._filled] if self._buffer is not None else memoryview(b"")
+        body = _spliced(buffer, self._lent)
+        pieces = _piece_checksums(self._algorithm, body, [cut for cut in self._cuts if cut < self._filled])
         self._keep_pieces(pieces)
         checksum = self._algorithm.encode(combine_checksums(self._algorithm, pieces))
         response = self._commit(
@@ -3429,7 +3476,7 @@ class S3MultipartWriter(io.RawIOBase):
                 lambda: self._utils.client.put_object(
                     Bucket=self.bucket,
                     Key=self.key,
-                    Body=_BufferReader(body, _SEND_BLOCK) if body else b"",
+                    Body=_BufferReader(body, _SEND_BLOCK) if len(buffer) else b"",
                     ChecksumAlgorithm=self._algorithm.name,
                     **{self._algorithm.response_field: checksum},
                     **conditions,

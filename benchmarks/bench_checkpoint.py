@@ -45,6 +45,10 @@ GROUPS: dict[str, list[tuple[str, str, dict[str, Any], str, str]]] = {
         ("raw: boto3 get_object (single GET)", "raw-get-boto3", {}, "main", "load"),
         ("raw: curl GET (single, to /dev/null)", "raw-get-curl", {}, "main", "load"),
     ],
+    "raw-ranged": [
+        ("raw: boto3 put_object (single PUT)", "raw-put-boto3", {}, "main", "save"),
+        ("raw: ranged GETs 16MiBx15 (S3Utils.read_ranges_into)", "raw-ranged-get", {}, "main", "load"),
+    ],
     "raw-curl": [("raw: curl PUT (single)", "raw-put-curl", {}, "main", "save")],
     "raw-mpu": [
         ("raw: s3transfer multipart upload 64MBx10", "raw-mpu-put", {}, "main", "save"),
@@ -83,6 +87,20 @@ def knob_groups(spec: str) -> dict[str, list[tuple[str, str, dict[str, Any], str
             (f"ours: sync save @{tag}", "ours-save", params, "main", "save"),
             (f"ours: load @{tag}", "ours-load", params, "main", "load"),
         ]
+    return groups
+
+
+def reference_groups(spec: str) -> dict[str, list[tuple[str, str, dict[str, Any], str, str]]]:
+    """``--reference "borrowed_parts;all"`` -> this package's save, async save and load with those fast paths
+    on their reference paths (s3_utils.REFERENCE_PATHS_ENV), beside the default "ours" groups."""
+    groups = {}
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        params = {"reference": item}
+        groups[f"ours@ref={item}"] = [
+            (f"ours: sync save @ref={item}", "ours-save", params, "main", "save"),
+            (f"ours: load @ref={item}", "ours-load", params, "main", "load"),
+        ]
+        groups[f"ours-async@ref={item}"] = [(f"ours: async save @ref={item}", "ours-async-save", params, "main", "save")]
     return groups
 
 
@@ -507,6 +525,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--knobs", default="", help='extra configs of this package, e.g. "chunk=16;chunk=32,wc=4;chunk=64,rc=8"'
     )
+    ap.add_argument(
+        "--reference", default="", help='fast paths on their reference path, per extra config: "borrowed_parts;all"'
+    )
+    ap.add_argument(
+        "--state",
+        default="equal",
+        choices=("equal", "realistic"),
+        help="equal float32 tensors of --tensor-mib, or a GPT-style Lightning checkpoint (realistic_state.py)",
+    )
+    ap.add_argument("--d", type=int, default=768, help="model width of the realistic state")
+    ap.add_argument("--layers", type=int, default=8, help="layers of the realistic state")
     ap.add_argument("--data-dir", default=None, help="SeaweedFS data dir (default: a fresh dir on /dev/shm)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--tag", default="", help="suffix for the result file name")
@@ -531,6 +560,12 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [args.size] if args.size else [int(s) for s in args.sizes.split(",") if s]
     groups = {name: GROUPS[name] for name in args.groups.split(",") if name}
     groups.update(knob_groups(args.knobs))
+    groups.update(reference_groups(args.reference))
+    if args.state == "realistic":
+        sys.path.insert(0, str(HERE))
+        import realistic_state
+
+        sizes = [round(realistic_state.size_mib(args.d, args.layers))]
     for i, g in enumerate(groups.values()):
         for j, item in enumerate(g):
             ORDER.setdefault(item[0], i * 10 + j)
@@ -571,6 +606,9 @@ def main(argv: list[str] | None = None) -> int:
                             "params": params,
                             "weed_pid": weed_pid,
                             "repo": str(REPO),
+                            "state": args.state,
+                            "d": args.d,
+                            "layers": args.layers,
                         }
                         res = _run_worker(kind, spec, env, args.timeout)
                         res.update(
@@ -603,6 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         "reps": args.reps,
         "ours_chunk_mib": _package_default_chunk_mib(),
         "tensor_mib": args.tensor_mib,
+        "state": args.state if args.state == "equal" else f"realistic d={args.d} layers={args.layers}",
         "sizes": sizes,
         "runs": runs,
     }

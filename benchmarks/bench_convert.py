@@ -75,7 +75,14 @@ def _save_source(rank: int, spec: dict[str, Any], port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         mesh = init_device_mesh("cpu", (2,))
-        state = bench_dcp._state(mesh, bench_dcp._local_tensors(rank, spec["size_mib"], fill=True))
+        if spec.get("gpt"):
+            import realistic_state
+
+            d, layers = spec["gpt"]
+            named = realistic_state.local_tensors(d, layers, rank, 2, fill=True)
+            state = realistic_state.sharded_state(mesh, named, d, layers, tensors_only=True)
+        else:
+            state = bench_dcp._state(mesh, bench_dcp._local_tensors(rank, spec["size_mib"], fill=True))
         dcp.save(state, storage_writer=s3_dcp.S3StorageWriter(SOURCE))
         warm = bench_dcp._state(mesh, [torch.ones(4, 4)])
         dcp.save(warm, storage_writer=s3_dcp.S3StorageWriter(f"{SOURCE}-warmup"))
@@ -144,12 +151,32 @@ def _measure_run(spec: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+GPT: tuple[int, int] | None = None
+"""``(d, layers)`` with ``--gpt``: the source is the realistic state's tensors (realistic_state.py)."""
+
+
 def _reference(size_mib: int) -> dict[str, Any]:
     """The full tensors of the source, regenerated from the seeds (both ranks' row shards, concatenated)."""
     import torch
 
+    if GPT is not None:
+        import realistic_state
+
+        return realistic_state.full_tensors(*GPT)
+
     shards = [bench_dcp._local_tensors(rank, size_mib, fill=True) for rank in range(2)]
     return {f"layer{n}.weight": torch.cat([shards[0][n], shards[1][n]]) for n in range(bench_dcp.TENSORS)}
+
+
+def _flattened(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested state dict (a torch file converted from DCP nests as the saved state did) by DCP's dotted names."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out.update(_flattened(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _check_outputs(utils: Any, size_mib: int, rep: int) -> list[str]:
@@ -168,7 +195,7 @@ def _check_outputs(utils: Any, size_mib: int, rep: int) -> list[str]:
     if set(exported) != set(expected) or not all(torch.equal(exported[k], v) for k, v in expected.items()):
         problems.append("model.safetensors differs from the saved state")
     with utils.download_to_memory(f"{out}/model.pt") as downloaded:
-        loaded = torch.load(downloaded.path, mmap=True, weights_only=True)
+        loaded = _flattened(torch.load(downloaded.path, mmap=True, weights_only=True))
     if set(loaded) != set(expected) or not all(torch.equal(loaded[k], v) for k, v in expected.items()):
         problems.append("model.pt differs from the saved state")
     del exported, loaded
@@ -328,9 +355,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--tag", default="")
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--gpt", default="", help='"D,LAYERS": the realistic state (realistic_state.py), e.g. "768,8"')
     args = parser.parse_args(argv)
     if args.worker:
         return _worker(args.worker)
+    global GPT
+    if args.gpt:
+        import realistic_state
+
+        d, layers = (int(x) for x in args.gpt.split(","))
+        GPT = (d, layers)
+        args.size = round(realistic_state.size_mib(d, layers))
 
     methods = [m for m in args.methods.split(",") if m]
     if "to-dcp" in methods and "torch" not in methods:
@@ -345,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
             env.update(endpoint.env())
             env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(BENCH)])
-            base = {"size_mib": args.size, "chunk_mb": args.chunk_mb}
+            base = {"size_mib": args.size, "chunk_mb": args.chunk_mb, "gpt": GPT}
             print(f"setup: 2 ranks save {args.size} MiB ...", flush=True)
             setup = subprocess.run(
                 [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps({**base, "method": "setup"})],
@@ -375,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         "size_mib": args.size,
         "reps": args.reps,
         "chunk_mb": args.chunk_mb,
+        "gpt": GPT,
         "machine": f"{os.cpu_count()} CPUs",
         "check": check,
         "notes": ["the client and SeaweedFS share this machine's CPUs: all numbers compete for them"],

@@ -82,7 +82,16 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-LAYOUTS = ("2d", "1d", "mixed")
+LAYOUTS = ("2d", "1d", "mixed", "gpt")
+GPT = {"d": 768, "layers": 8}
+"""The ``gpt`` layout's model (`realistic_state`): set from ``--d`` / ``--layers``, passed to the ranks in the spec."""
+
+
+def _gpt_size_mib(d: int, layers: int) -> int:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import realistic_state
+
+    return round(realistic_state.size_mib(d, layers))
 
 
 def _local_shapes(size_mib: int, layout: str) -> list[tuple[int, ...]]:
@@ -177,11 +186,13 @@ def _measure(operation: Any) -> dict[str, float]:
 
 def _raw(spec: dict[str, Any], rank: int, tensors: list[Any]) -> dict[str, Any]:
     sys.path.insert(0, str(REPO))
+    import torch
+
     import s3_utils
 
     utils = s3_utils.S3Utils(s3_utils.S3ClientSettings(endpoint_url=spec["endpoint"]))
     client = utils.client
-    payload = b"".join(t.numpy().tobytes() for t in tensors)
+    payload = b"".join(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in tensors)
     client.put_object(Bucket=BUCKET, Key=f"raw/warmup-rank{rank}", Body=b"x" * 1024)  # connection up first
     key = f"raw/rank{rank}-{spec['layout']}-{spec['rep']}"
     outcome = {"save": _measure(lambda: client.put_object(Bucket=BUCKET, Key=key, Body=payload))}
@@ -205,8 +216,18 @@ def _rank_main(rank: int, spec: dict[str, Any], port: int) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    gpt = spec["layout"] == "gpt"
+    if gpt:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        import realistic_state
+
+        d, layers = spec["gpt"]["d"], spec["gpt"]["layers"]
     try:
-        tensors = _local_tensors(rank, spec["size_mib"], fill=True, layout=spec["layout"])
+        if gpt:
+            named = realistic_state.local_tensors(d, layers, rank, WORLD_SIZE, fill=True)
+            tensors = [t for _, t in named]
+        else:
+            tensors = _local_tensors(rank, spec["size_mib"], fill=True, layout=spec["layout"])
         if spec["method"] == "raw":
             outcome = _raw(spec, rank, tensors)
         else:
@@ -218,19 +239,27 @@ def _rank_main(rank: int, spec: dict[str, Any], port: int) -> None:
             warm = {"warm": _state(mesh, [torch.ones(4, 4)])["layer0.weight"]}
             dcp.save(warm, storage_writer=writer, checkpoint_id=f"{url}-warmup", planner=planners["save"])
             dcp.load(warm, storage_reader=reader, checkpoint_id=f"{url}-warmup", planner=planners["load"])
-            state = {"model": _state(mesh, tensors)}
+            state = realistic_state.sharded_state(mesh, named, d, layers) if gpt else {"model": _state(mesh, tensors)}
             outcome = {
                 "save": _measure(
                     lambda: dcp.save(state, storage_writer=writer, checkpoint_id=url, planner=planners["save"])
                 )
             }
             del state
-            targets = _local_tensors(rank, spec["size_mib"], fill=False, layout=spec["layout"])
-            loaded = {"model": _state(mesh, targets)}
+            if gpt:
+                named_targets = realistic_state.local_tensors(d, layers, rank, WORLD_SIZE, fill=False)
+                targets = [t for _, t in named_targets]
+                loaded = realistic_state.sharded_state(mesh, named_targets, d, layers)
+            else:
+                targets = _local_tensors(rank, spec["size_mib"], fill=False, layout=spec["layout"])
+                loaded = {"model": _state(mesh, targets)}
             outcome["load"] = _measure(
                 lambda: dcp.load(loaded, storage_reader=reader, checkpoint_id=url, planner=planners["load"])
             )
-            outcome["load"]["identical"] = all(torch.equal(t, e) for t, e in zip(targets, tensors, strict=True))
+            outcome["load"]["identical"] = all(
+                torch.equal(t.view(-1).view(torch.uint8), e.view(-1).view(torch.uint8))
+                for t, e in zip(targets, tensors, strict=True)
+            )
         Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(outcome))
     finally:
         dist.destroy_process_group()
@@ -283,9 +312,14 @@ def _run(
     layout: str = "2d",
 ) -> dict[str, Any]:
     python = str(PEERS_PYTHON) if method == "s3tc" else sys.executable
+    label = method
+    if method.startswith("ours@ref="):  # ours, with these fast paths on their reference paths
+        env = {**env, "S3CKPT_REFERENCE_PATHS": method.removeprefix("ours@ref=")}
+        method = "ours"
     with tempfile.TemporaryDirectory(prefix="bench-dcp-") as out:
         spec = {"method": method, "rep": rep, "size_mib": size_mib, "endpoint": endpoint, "out": out, "layout": layout}
         spec["ours_options"] = ours
+        spec["gpt"] = GPT
         done = subprocess.run(
             [python, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
             env=env,
@@ -294,9 +328,9 @@ def _run(
             timeout=timeout,
         )
         if done.returncode != 0:
-            return {"method": method, "rep": rep, "layout": layout, "error": done.stderr[-3000:]}
+            return {"method": label, "rep": rep, "layout": layout, "error": done.stderr[-3000:]}
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
-    result: dict[str, Any] = {"method": method, "rep": rep, "layout": layout}
+    result: dict[str, Any] = {"method": label, "rep": rep, "layout": layout}
     gib = size_mib / 1024
     for direction in ("save", "load"):
         if direction not in ranks[0]:
@@ -325,7 +359,7 @@ def _label(run: dict[str, Any]) -> str:
 def _labels(medians: dict[str, Any]) -> list[str]:
     """Rows in order: layout by layout, methods in their usual order."""
     order = [_label({"method": m, "layout": layout}) for layout in LAYOUTS for m in METHODS]
-    return [label for label in order if label in medians]
+    return [label for label in order if label in medians] + sorted(set(medians) - set(order))
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -453,6 +487,16 @@ def main(argv: list[str] | None = None) -> int:
         default="2d",
         help=f"comma-separated tensor layouts, each a set of rows ({', '.join(LAYOUTS)}; see _local_shapes)",
     )
+    parser.add_argument("--d", type=int, default=768, help="model width of the gpt layout (realistic_state.py)")
+    parser.add_argument("--layers", type=int, default=8, help="layers of the gpt layout")
+    parser.add_argument(
+        "--reference",
+        default="",
+        help='extra methods: ours with these fast paths on their reference paths, e.g. "framing_reuse;all"',
+    )
+    parser.add_argument(
+        "--reference-layouts", default="", help="layouts the --reference methods run on (default: every layout)"
+    )
     parser.add_argument("--tag", default="")
     parser.add_argument(
         "--ours",
@@ -465,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
         return _worker(args.worker)
 
     methods = [m for m in args.methods.split(",") if m]
+    methods += [f"ours@ref={item}" for item in args.reference.split(";") if item]
+    GPT.update(d=args.d, layers=args.layers)
     notes = []
     if "s3tc" in methods:
         why = _peers_ready()
@@ -484,9 +530,13 @@ def main(argv: list[str] | None = None) -> int:
             for rep in range(args.reps):
                 for layout in [layout for layout in args.layouts.split(",") if layout]:
                     for method in methods:
+                        if method.startswith("ours@ref=") and args.reference_layouts:
+                            if layout not in args.reference_layouts.split(","):
+                                continue
                         print(f"rep {rep} {method} {layout} ...", flush=True)
                         ours = json.loads(args.ours)
-                        run = _run(method, rep, args.size, endpoint.endpoint_url, env, args.timeout, ours, layout)
+                        size = _gpt_size_mib(args.d, args.layers) if layout == "gpt" else args.size
+                        run = _run(method, rep, size, endpoint.endpoint_url, env, args.timeout, ours, layout)
                         print(json.dumps(run)[:400], flush=True)
                         runs.append(run)
     finally:
@@ -498,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{os.cpu_count()} CPUs",
         "methods": methods,
         "layouts": args.layouts.split(","),
+        "gpt": dict(GPT),
         "ours_options": json.loads(args.ours),
         "notes": [*notes, "the two ranks and SeaweedFS share this machine's CPUs: all numbers compete for them"],
         "runs": runs,

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 MiB = 1024**2
@@ -198,13 +199,44 @@ def make_tensor(numel: int, seed: int) -> Any:
     return torch.rand(numel, generator=g, dtype=torch.float32)
 
 
+REALISTIC: tuple[int, int] | None = None
+"""``(d, layers)`` when the spec asks for the realistic state (`realistic_state.checkpoint`) instead of equal
+float32 tensors; set by `run`."""
+
+
 def make_checkpoint(size_mib: int, tensor_mib: int) -> dict[str, Any]:
+    if REALISTIC is not None:
+        import realistic_state
+
+        return realistic_state.checkpoint(*REALISTIC)
     state = {name: make_tensor(n, s) for name, n, s in tensor_specs(size_mib, tensor_mib)}
     return {"state_dict": state, "global_step": 1234, "epoch": 3, "hyper_parameters": {"lr": 1e-3}}
 
 
+def _tensors(obj: Any) -> Iterator[Any]:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)
+
+
 def verify(loaded: dict[str, Any], size_mib: int, tensor_mib: int) -> None:
     import torch
+
+    if REALISTIC is not None:
+        import realistic_state
+
+        try:
+            realistic_state.assert_equal(loaded, realistic_state.checkpoint(*REALISTIC))
+        except AssertionError as exc:
+            raise SystemExit(f"VERIFY FAILED: {exc}") from None
+        return
 
     state = loaded["state_dict"]
     specs = tensor_specs(size_mib, tensor_mib)
@@ -226,8 +258,9 @@ def make_resident(loaded: dict[str, Any]) -> None:
     """
     import torch
 
-    for tensor in loaded["state_dict"].values():
-        tensor.view(torch.uint8).view(-1)[::4096].sum()
+    for tensor in _tensors(loaded):
+        if tensor.numel():
+            tensor.view(-1).view(torch.uint8)[::4096].sum()
 
 
 def serialise(ckpt: dict[str, Any]) -> bytes:
@@ -295,6 +328,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3", "")
     out: dict[str, Any] = {}
     loaded: Any = None
+    global REALISTIC
+    if spec.get("state") == "realistic":
+        REALISTIC = (int(spec["d"]), int(spec["layers"]))
+    if p.get("reference"):  # fast paths that take their reference path (s3_utils.REFERENCE_PATHS_ENV)
+        os.environ["S3CKPT_REFERENCE_PATHS"] = p["reference"]
 
     import torch
 
@@ -457,6 +495,23 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             with Measure(weed) as m:
                 client.upload_fileobj(io.BytesIO(payload), bucket, key, Config=cfg)
         out.update(m.result)
+    elif method == "raw-ranged-get":
+        sys.path.insert(0, spec["repo"])
+        import s3_utils
+
+        utils = s3_utils.S3Utils(s3_utils.S3ClientSettings(endpoint_url=endpoint))
+        n = utils.client.head_object(Bucket=bucket, Key=key)["ContentLength"]
+        chunk = int(p.get("chunk", 16)) * MiB
+        utils.read_range_into(url, 0, bytearray(1024))  # connection up first
+        with Measure(weed) as m:
+            target = bytearray(n)
+            view = memoryview(target)
+            utils.read_ranges_into(
+                url, [(start, view[start : start + chunk]) for start in range(0, n, chunk)], max_concurrency=15
+            )
+            view[::4096].tobytes()  # touched, as make_resident touches a load's tensors
+        out.update(m.result)
+        loaded = torch.load(io.BytesIO(target), map_location="cpu", weights_only=False)
     elif method in ("raw-get-boto3", "raw-get-curl", "raw-mpu-get"):
         if method == "raw-get-curl":
             with Measure(weed) as m:

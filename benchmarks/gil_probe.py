@@ -58,7 +58,7 @@ def main() -> int:
         "memoryview slice assignment (main's part-buffer copy)": lambda: memoryview(target).__setitem__(
             slice(None), memoryview(source)
         ),
-        "s3_utils._copy_into (ctypes.memmove)": lambda: s3_utils._copy_into(target, 0, memoryview(source).toreadonly()),
+        "s3_utils._copy_into (slice assignment)": lambda: s3_utils._copy_into(target, 0, memoryview(source).toreadonly()),
         "tensor.to('cpu', copy=True) (snapshot_to_host)": lambda: tensor.to("cpu", copy=True),
         "zlib.crc32": lambda: zlib.crc32(source),
     }

@@ -469,3 +469,20 @@ def test_the_reader_takes_item_checksums_it_is_given(bucket: str, s3_server: Any
     source.reader._records = record
     with pytest.raises(s3_utils.ChecksumMismatchError, match="is corrupt"):
         source.read(["w"])
+
+
+@pytest.mark.parametrize("reference", ["", "borrowed_parts"])
+def test_torch_file_to_dcp_of_same_size_large_tensors_through_the_reused_buffer(
+    reference: str, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """convert reads every storage into one reused buffer: the DCP writer must not upload from that memory after
+    the next storage overwrote it (a borrowed or lent part would send another tensor's bytes)."""
+    monkeypatch.setenv(s3_utils.REFERENCE_PATHS_ENV, reference)
+    generator = torch.Generator().manual_seed(3)
+    original = {f"w{n}": torch.randn(6 * 1024 * 1024 // 4, generator=generator) for n in range(4)}
+    torch.save(original, tmp_path / "same.pt")
+    _utils().upload_file(tmp_path / "same.pt", f"s3://{bucket}/same.pt")
+    _convert(f"s3://{bucket}/same.pt", f"s3://{bucket}/same-dcp")
+    template = {k: torch.zeros_like(v) for k, v in original.items()}
+    dcp.load(template, storage_reader=s3_dcp.S3StorageReader(f"s3://{bucket}/same-dcp"))
+    assert differences(template, original) == []

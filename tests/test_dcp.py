@@ -478,13 +478,13 @@ def test_the_state_dicts_own_cpu_tensors_are_uploaded_without_a_copy(
     """A DCP save sends whole parts of a large CPU tensor straight from the state dict's memory; a tensor the writer
     must copy first (a view of a larger storage, cloned) is never held past its write. torch's reader loads it."""
     owners: list[Any] = []
-    real = s3_utils.S3MultipartWriter.write_held
+    real = s3_utils.S3MultipartWriter.write_borrowed
 
-    def write_held(writer: Any, data: Any, owner: Any) -> int:
+    def write_borrowed(writer: Any, data: Any, owner: Any) -> int:
         owners.append(owner)
         return real(writer, data, owner)
 
-    monkeypatch.setattr(s3_utils.S3MultipartWriter, "write_held", write_held)
+    monkeypatch.setattr(s3_utils.S3MultipartWriter, "write_borrowed", write_borrowed)
     generator = torch.Generator().manual_seed(8)
     big = torch.randn(4 * 1024 * 1024, generator=generator)  # 16 MiB
     wide = torch.randn(2048, 1024, generator=generator)

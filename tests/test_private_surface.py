@@ -136,7 +136,7 @@ def test_torch_save_pieces_for_archives_without_zip_crc32() -> None:
     except for the CRC fields."""
     assert tuple(inspect.signature(torch.serialization._save).parameters) == s3_checkpoint_io._TORCH_SAVE_PARAMETERS
     assert inspect.signature(torch.serialization._get_storage_alignment).parameters == {}
-    assert s3_checkpoint_io._zip_writer_without_crc32()
+    assert s3_checkpoint_io.zip_writer_without_crc32()
     value = {"w": torch.randn(300, 7), "b": torch.arange(5, dtype=torch.int16), "meta": {"step": 3}}
     ours, theirs = io.BytesIO(), io.BytesIO()
     s3_checkpoint_io.torch_save_without_zip_crc32(value, ours)
@@ -150,41 +150,25 @@ def test_torch_save_pieces_for_archives_without_zip_crc32() -> None:
     assert loaded["meta"] == {"step": 3}
 
 
-# ---- CPython and ctypes: the GIL-free copies into part buffers (s3_utils._gil_free_memmove) -----------------------
+# ---- CPython and ctypes: the buffer protocol that finds a write's address (s3_utils.buffer_address) ----------------
 
 
-def test_ctypes_memmove_releases_the_gil_and_pythonapi_holds_it() -> None:
-    """ctypes calls a function without ``_FUNCFLAG_PYTHONAPI`` with the GIL released, which is what lets the training
-    loop's Python run while an async save copies a part (``ctypes.memmove``); ``pythonapi`` functions keep the GIL,
-    as ``PyObject_GetBuffer`` needs. If memmove gained the flag, large copies would quietly hold the GIL again."""
+def test_py_buffer_layout_gives_the_exporters_address() -> None:
+    """``Py_buffer`` as `_py_buffer_api` declares it: `buffer_address` gives the address the exporter gives, for a
+    writable bytearray and for read-only bytes (torch hands `write` read-only views), and None for what is not one
+    block. If the layout were wrong, borrowed parts would quietly never be recognised."""
     import ctypes
 
-    assert not type(ctypes.memmove)._flags_ & ctypes._FUNCFLAG_PYTHONAPI
-    assert ctypes.pythonapi._func_flags_ & ctypes._FUNCFLAG_PYTHONAPI
-    assert callable(ctypes.pythonapi.PyObject_GetBuffer) and callable(ctypes.pythonapi.PyBuffer_Release)
-
-
-def test_py_buffer_layout_gives_the_exporters_address_and_length() -> None:
-    """``Py_buffer`` as `_gil_free_memmove` declares it: the address and length the exporter gives, for a writable
-    bytearray and for read-only bytes, and a bytearray with an export cannot be resized (the copy pins it)."""
-    import ctypes
-
-    move = s3_utils._gil_free_memmove()
-    assert move is not None
     target = bytearray(b"-" * 64)
-    assert move(target, 8, memoryview(b"abcdef").toreadonly()) and target[6:16] == b"--abcdef--"
-    pinned = (ctypes.c_char * 64).from_buffer(target)
-    assert ctypes.string_at(ctypes.addressof(pinned) + 8, 6) == b"abcdef"
-    with pytest.raises(BufferError):
-        target.extend(b"x")  # what an export does to a bytearray, and why a copy can hold one safely
-    del pinned
-    assert not move(target, 0, memoryview(bytearray(20))[::2])  # not one block: refused, nothing copied
-    assert target[6:16] == b"--abcdef--"
+    assert s3_utils.buffer_address(memoryview(target)[8:]) == ctypes.addressof(ctypes.c_char.from_buffer(target)) + 8
+    data = b"abcdef"
+    assert ctypes.string_at(s3_utils.buffer_address(memoryview(data).toreadonly()), 6) == data
+    assert s3_utils.buffer_address(memoryview(bytearray(20))[::2]) is None  # not one block
 
 
 def test_torch_writes_each_storage_in_one_write_call() -> None:
     """torch's archive writer hands `write` a tensor's bytes in one read-only view per storage, so a large tensor's
-    bytes reach the part buffer through the GIL-free copy (small writes take the plain assignment)."""
+    bytes reach `S3MultipartWriter.write_borrowed` in one piece, to be lent or borrowed whole."""
 
     class Recorder(io.RawIOBase):
         def __init__(self) -> None:
@@ -201,13 +185,13 @@ def test_torch_writes_each_storage_in_one_write_call() -> None:
     recorder = Recorder()
     s3_checkpoint_io.torch_save_without_zip_crc32({"w": torch.zeros(MiB), "b": torch.ones(3)}, recorder)
     assert (4 * MiB, True) in recorder.sizes
-    assert sum(size for size, _ in recorder.sizes if size >= s3_utils._GIL_FREE_COPY_MIN) == 4 * MiB
+    assert sum(size for size, _ in recorder.sizes if size >= MiB) == 4 * MiB
 
 
 def test_torch_hands_write_each_storages_own_memory() -> None:
     """The view torch's archive writer gives `write` for a CPU storage is that storage's memory itself (no copy):
     what lets s3_dcp record where a tensor's bytes lie and both plugins upload whole parts from it without a copy
-    (`S3MultipartWriter.write_held`). If torch copied first, the address check would send every byte through part
+    (`S3MultipartWriter.write_borrowed`). If torch copied first, the address check would send every byte through part
     buffers again, correct but slower; this test says so first."""
     tensor = torch.arange(3 * MiB, dtype=torch.float32)
     seen: list[tuple[int, int | None]] = []
@@ -231,7 +215,7 @@ def test_torch_archive_framing_without_zip_crcs_does_not_depend_on_the_values() 
     pickle, the serialization id) is the same for every tensor of one dtype, shape and strides: what lets s3_dcp
     write a file's later tensors of a kind with the first one's framing (`s3_dcp._save_tensor`). If torch put
     anything value-dependent there, that reuse would write wrong archives; this test says so first."""
-    assert s3_checkpoint_io._zip_writer_without_crc32()
+    assert s3_checkpoint_io.zip_writer_without_crc32()
 
     def framing(tensor: Any) -> tuple[bytes, bytes]:
         archive = io.BytesIO()

@@ -36,12 +36,12 @@ BOTH_BUCKET_KINDS = pytest.mark.parametrize("bucket", ["general_purpose", "direc
 
 class _WriterSpy:
     """Test instrumentation kept out of the writer: the most part buffers each writer held at once (read after every
-    `_take_buffer`) and the parts each sent straight from the caller's memory (`_send_held_part` calls)."""
+    `_take_buffer`) and the parts each sent straight from the caller's memory (`_send_borrowed_part` calls)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.most_buffers: dict[int, int] = {}
-        self.held_parts: dict[int, int] = {}
-        take, send_held = S3MultipartWriter._take_buffer, S3MultipartWriter._send_held_part
+        self.borrowed_parts: dict[int, int] = {}
+        take, send_borrowed = S3MultipartWriter._take_buffer, S3MultipartWriter._send_borrowed_part
         spy = self
 
         def take_buffer(writer: S3MultipartWriter) -> bytearray:
@@ -49,12 +49,12 @@ class _WriterSpy:
             spy.most_buffers[id(writer)] = max(spy.most_buffers.get(id(writer), 0), writer._buffers_made)
             return buffer
 
-        def send_held_part(writer: S3MultipartWriter, *args: object, **kwargs: object) -> None:
-            send_held(writer, *args, **kwargs)
-            spy.held_parts[id(writer)] = spy.held_parts.get(id(writer), 0) + 1
+        def send_borrowed_part(writer: S3MultipartWriter, *args: object, **kwargs: object) -> None:
+            send_borrowed(writer, *args, **kwargs)
+            spy.borrowed_parts[id(writer)] = spy.borrowed_parts.get(id(writer), 0) + 1
 
         monkeypatch.setattr(S3MultipartWriter, "_take_buffer", take_buffer)
-        monkeypatch.setattr(S3MultipartWriter, "_send_held_part", send_held_part)
+        monkeypatch.setattr(S3MultipartWriter, "_send_borrowed_part", send_borrowed_part)
 
 
 def put(s3_client, bucket: str, key: str, body: bytes = b"x") -> None:
@@ -355,49 +355,7 @@ def test_writer_copies_written_bytes_once(bucket: str) -> None:
     assert peak < MiB // 4, f"a write allocated {peak} bytes"
 
 
-@pytest.fixture
-def gil_free_copies(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:
-    """``(offset, bytes, copied)`` of every copy that went through the GIL-free memmove."""
-    move = s3_utils._gil_free_memmove()
-    assert move is not None, "CPython with ctypes: large copies release the GIL"
-    calls: list[tuple[int, int, bool]] = []
-
-    def counting(target: bytearray, offset: int, source: memoryview) -> bool:
-        copied = move(target, offset, source)
-        calls.append((offset, source.nbytes, copied))
-        return copied
-
-    monkeypatch.setattr(s3_utils, "_gil_free_memmove", lambda: counting)
-    return calls
-
-
-def test_gil_free_copies_give_the_same_bytes_as_slice_assignment(gil_free_copies: list) -> None:
-    large = s3_utils._GIL_FREE_COPY_MIN
-    data = os.urandom(3 * large + 5)
-    cases = [  # (source view, offset, GIL-free)
-        (memoryview(data)[: large - 1], 3, False),  # small: a plain assignment
-        (memoryview(data)[:large], 0, True),
-        (memoryview(data)[1 : 2 * large + 4], 7, True),  # odd length, odd source and target offsets
-        (memoryview(bytearray(data))[5:], large + 1, True),  # writable source
-        (memoryview(bytearray(data))[::2], 1, False),  # strided: not one block, a plain assignment
-        (memoryview(bytearray(data))[1 : 2 * large + 2 : 1], 0, True),  # a step-1 slice is contiguous
-    ]
-    for source, offset, gil_free in cases:
-        before = len(gil_free_copies)
-        target = bytearray(b"\xaa" * (5 * large))
-        expected = bytearray(target)
-        memoryview(expected)[offset : offset + len(source)] = source
-        s3_utils._copy_into(target, offset, source)
-        assert target == expected, (len(source), offset)
-        assert (len(gil_free_copies) > before) == gil_free, (len(source), offset)
-    assert all(copied for _, _, copied in gil_free_copies)
-    with pytest.raises(ValueError, match="does not fit"):  # never past the end of a part buffer
-        s3_utils._copy_into(bytearray(2 * large), large + 1, memoryview(data)[:large])
-    with pytest.raises(ValueError):  # the plain assignment refuses it too
-        s3_utils._copy_into(bytearray(10), 5, memoryview(data)[:6])
-
-
-def test_writes_across_part_boundaries_upload_the_same_bytes(bucket: str, gil_free_copies: list) -> None:
+def test_writes_across_part_boundaries_upload_the_same_bytes(bucket: str) -> None:
     """Writes of odd sizes, large and small, straddling 5 MiB part boundaries: the object is the bytes written."""
     data = os.urandom(13 * MiB + 3)
     url = f"s3://{bucket}/gil-free"
@@ -411,7 +369,6 @@ def test_writes_across_part_boundaries_upload_the_same_bytes(bucket: str, gil_fr
             offset += size
     with utils.download_to_memory(url, chunk_size_MB=5) as downloaded:
         assert downloaded.read_all() == data
-    assert len(gil_free_copies) >= 4  # the large writes, and the large pieces of those cut at part ends
 
 
 def test_part_body_reader_hands_out_views_of_the_part() -> None:
@@ -427,6 +384,27 @@ def test_part_body_reader_hands_out_views_of_the_part() -> None:
     assert bytes(reader.read(-1)) == part
     reader.seek(-10, io.SEEK_END)
     assert bytes(reader.read(None)) == part[90:]
+
+
+def test_a_part_body_of_segments_reads_and_checksums_as_the_joined_bytes() -> None:
+    """A part body made of its buffer's bytes and lent views (`write_borrowed`): read block by block, one segment at
+    a time and never joined, and checksummed piece by piece across segment edges, it is the joined bytes."""
+    data = os.urandom(1000)
+    segments = [memoryview(data)[:10], memoryview(bytearray(data[10:600])), memoryview(data)[600:]]
+    reader = _BufferReader(list(segments), 1 << 62)
+    blocks = []
+    while block := reader.read(64):
+        blocks.append(block)
+    assert [len(block) for block in blocks] == [10, 590, 400] and b"".join(map(bytes, blocks)) == data
+    reader.seek(5)
+    target = bytearray(700)
+    assert reader.readinto(target) == 700 and target == data[5:705] and reader.tell() == 705
+    assert reader.seek(0, io.SEEK_END) == 1000
+    algorithm = _CHECKSUMS["CRC32"]
+    cuts = [3, 10, 250, 600, 999]
+    assert s3_utils._piece_checksums(algorithm, segments, cuts) == s3_utils._piece_checksums(
+        algorithm, memoryview(data), cuts
+    )
 
 
 @pytest.mark.skipif(not hasattr(os, "pwrite"), reason="pwrite is what the writers take turns on")
@@ -486,7 +464,7 @@ def test_part_size_doubles_so_objects_can_outgrow_ten_thousand_parts(
 def test_held_writes_send_whole_parts_from_the_callers_memory_and_copy_only_the_edges(
     s3_server, bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`write_held` uploads every part that lines up with the object's part grid straight from the caller's bytes
+    """`write_borrowed` uploads every part that lines up with the object's part grid straight from the caller's bytes
     (no part buffer), copies the bytes before the first boundary and after the last, keeps checksum boundaries
     exact, and the object is byte for byte what plain writes give."""
     utils = S3Utils(S3ClientSettings(endpoint_url=s3_server.endpoint_url, user_agent_extra="held-writes"))
@@ -498,10 +476,10 @@ def test_held_writes_send_whole_parts_from_the_callers_memory_and_copy_only_the_
         with writer:
             writer.write(head)
             writer.mark_checksum_boundary()
-            assert writer.write_held(memoryview(held).toreadonly(), held) == len(held)
+            assert writer.write_borrowed(memoryview(held).toreadonly(), held) == len(held)
             writer.mark_checksum_boundary()
             writer.write(tail)
-    assert spy.held_parts[id(writer)] == 3  # 5 MiB parts 2-4; part 1 (head + the rest of its 5 MiB) and the tail copied
+    assert spy.borrowed_parts[id(writer)] == 3  # 5 MiB parts 2-4; the rest lent to parts 1 and 5
     assert writer._buffers_made <= 2 and spy.most_buffers[id(writer)] <= 2
     assert sorted(int(headers["content-length"]) for headers in seen) == [
         1000 + 23 * MiB + 777 - 4 * 5 * MiB,
@@ -511,6 +489,38 @@ def test_held_writes_send_whole_parts_from_the_callers_memory_and_copy_only_the_
     assert writer.checksum_of(1000, 1000 + len(held)) == algorithm.update(bytes(held), 0)
     with utils.download_to_memory(url) as downloaded:  # verifies the combined full-object checksum
         assert downloaded.read_all() == head + bytes(held) + tail
+
+
+def test_borrowed_writes_as_large_as_a_part_off_the_part_grid_are_not_copied(
+    s3_server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tensors as large as a part, each after a few bytes of framing (so none lines up with the part grid): their
+    bytes are lent to the parts they fall in, not copied into part buffers. The object and the
+    checksum of each tensor's span are what plain writes give."""
+    utils = S3Utils(S3ClientSettings(endpoint_url=s3_server.endpoint_url, user_agent_extra="lent-writes"))
+    tensors = [bytearray(os.urandom(5 * MiB)) for _ in range(4)]
+    copied: list[int] = []
+    real_copy = s3_utils._copy_into
+    spy = lambda target, offset, source: copied.append(len(source)) or real_copy(target, offset, source)  # noqa: E731
+    monkeypatch.setattr(s3_utils, "_copy_into", spy)
+    url = f"s3://{bucket}/lent"
+    expected, spans = b"", []
+    writer = utils.open_writer(url, chunk_size_MB=5, max_concurrency=2)
+    with writer:
+        for n, tensor in enumerate(tensors):
+            frame = bytes([n]) * 64
+            writer.write(frame)
+            writer.mark_checksum_boundary()
+            spans.append((len(expected) + 64, len(expected) + 64 + len(tensor)))
+            writer.write_borrowed(tensor, tensor)
+            writer.mark_checksum_boundary()
+            expected += frame + bytes(tensor)
+    # only the framing and the few bytes of a tensor past a part's end (under `_LEND_MIN`) went through part buffers
+    assert sum(copied) < 4 * 1024 and max(copied) < s3_utils._LEND_MIN
+    for (start, end), tensor in zip(spans, tensors, strict=True):
+        assert writer.checksum_of(start, end) == writer._algorithm.update(bytes(tensor), 0)
+    with utils.download_to_memory(url) as downloaded:  # verifies the combined full-object checksum
+        assert downloaded.read_all() == expected
 
 
 def test_held_writes_keep_at_most_max_concurrency_plus_one_parts_queued(
@@ -534,8 +544,8 @@ def test_held_writes_keep_at_most_max_concurrency_plus_one_parts_queued(
     monkeypatch.setattr(writer, "_send_part", counting_send)
     monkeypatch.setattr(writer, "_upload_part", slow_upload)
     with writer:
-        writer.write_held(held, held)
-    assert spy.held_parts[id(writer)] == 8 and len(unfinished) == 8
+        writer.write_borrowed(held, held)
+    assert spy.borrowed_parts[id(writer)] == 8 and len(unfinished) == 8
     assert max(unfinished) == 3  # max_concurrency + 1: the bound binds, and is kept
     with utils.download_to_memory(f"s3://{bucket}/held-bound") as downloaded:
         assert downloaded.read_all() == bytes(held)
@@ -556,7 +566,7 @@ def test_a_failed_held_part_aborts_the_upload_and_no_thread_reads_the_bytes_afte
     writer = utils.open_writer(url, chunk_size_MB=5, max_concurrency=2)
     with pytest.raises(Exception) as caught:
         with writer:
-            writer.write_held(held, held)
+            writer.write_borrowed(held, held)
     assert "InternalError" in str(caught.value)  # as for copied parts (the plugins' errors add the URL)
     assert writer.state == "aborted" and open_uploads(s3_client, bucket) == []
     assert all(future.done() for future in writer._parts)  # nothing queued or running reads `held` any more
