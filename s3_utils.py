@@ -1640,25 +1640,45 @@ class _ChecksumRecords:
     def sidecar(self, info: S3ObjectInfo) -> RecordedChecksum | None:
         """The checksum recorded beside the object, if any; ChecksumMismatchError if that record is unusable or
         belongs to an older object at the same key (a record is never silently ignored)."""
-        sidecar = self._read_sidecar(info)
-        if sidecar is None:
-            return None
+        entries = self.sidecar_entries(info)
+        return entries[0] if entries else None
+
+    def sidecar_entries(self, info: S3ObjectInfo) -> list[RecordedChecksum]:
+        """Every checksum the record beside the object may hold for it, the one bound to its ETag first.
+
+        A record is bound to one object by its size and ETag once that object is committed. Before a commit the
+        writer records the checksum it is about to commit unbound (``"etag": ""``), keeping the entries of the
+        objects the key may still hold in ``"earlier"`` (see `S3MultipartWriter`, "Crash safety"): an unbound entry
+        of the object's size is a candidate that only the bytes can confirm (`check`)."""
+        record = self._read_sidecar(info)
+        if record is None:
+            return []
+        entries = [record, *(record.get("earlier") or [])] if isinstance(record.get("earlier", []), list) else []
         fields = {"algorithm": str, "checksum": str, "size": int, "etag": str}
-        if any(not isinstance(sidecar.get(k), t) for k, t in fields.items()):
+        if not entries or any(not isinstance(e, dict) or any(not isinstance(e.get(k), t) for k, t in fields.items())
+                              for e in entries):
             raise ChecksumMismatchError(
                 f"The checksum record of {info.url} ({info.key}{CHECKSUM_SIDECAR_SUFFIX}) is malformed: "
                 "refusing to load an unverified object; delete the record only if you trust the object"
             )
-        if sidecar["etag"] != info.etag or sidecar["size"] != info.size:
+        bound = [e for e in entries if e["etag"] and e["etag"] == info.etag and e["size"] == info.size]
+        unbound = [e for e in entries if not e["etag"] and e["size"] == info.size]
+        if not bound and not unbound:
             raise ChecksumMismatchError(
                 f"{info.url} was replaced after its checksum was recorded (size/ETag {info.size}/{info.etag}, "
-                f"recorded {sidecar['size']}/{sidecar['etag']}): refusing to load an unverified object"
+                f"recorded {record['size']}/{record['etag'] or 'not yet committed'}): refusing to load an "
+                "unverified object"
             )
-        try:
-            algorithm = _checksum_algorithm(sidecar["algorithm"])
-        except ValueError as exc:
-            raise ChecksumMismatchError(f"The checksum record of {info.url} names an unknown algorithm: {exc}") from exc
-        return RecordedChecksum(algorithm.name, sidecar["checksum"], "sidecar")
+        found = []
+        for entry in bound[:1] or unbound:
+            try:
+                algorithm = _checksum_algorithm(entry["algorithm"])
+            except ValueError as exc:
+                raise ChecksumMismatchError(
+                    f"The checksum record of {info.url} names an unknown algorithm: {exc}"
+                ) from exc
+            found.append(RecordedChecksum(algorithm.name, entry["checksum"], "sidecar"))
+        return found
 
     def check(
         self, info: S3ObjectInfo, target: DownloadedObject, expected: RecordedChecksum, actual: int
@@ -1670,15 +1690,17 @@ class _ChecksumRecords:
         if actual_text == expected.value:
             return expected
         mismatch = f"its {expected.algorithm} is {actual_text}, but {expected.value} was recorded ({expected.source})"
-        if expected.source == "s3":
-            sidecar = self.sidecar(info)
-            if sidecar is not None:
-                sidecar_algorithm = _checksum_algorithm(sidecar.algorithm)
+        others = self.sidecar_entries(info) if expected.source == "s3" else self.sidecar_entries(info)[1:]
+        for other in others:
+            other_algorithm = _checksum_algorithm(other.algorithm)
+            if other_algorithm.name == algorithm.name:
+                other_actual = actual_text
+            else:
                 with target.view() as view:
-                    sidecar_actual = sidecar_algorithm.encode(_checksum_of(sidecar_algorithm, view))
-                if sidecar_actual == sidecar.value:
-                    return sidecar
-                mismatch = f"its {sidecar.algorithm} is {sidecar_actual}, but {sidecar.value} was recorded"
+                    other_actual = other_algorithm.encode(_checksum_of(other_algorithm, view))
+            if other_actual == other.value:
+                return other
+            mismatch = f"its {other.algorithm} is {other_actual}, but {other.value} was recorded ({other.source})"
         raise ChecksumMismatchError(
             f"{info.url} is corrupt: {mismatch}. Do not use it; restore it from another copy or use an older one."
         )
@@ -1689,6 +1711,32 @@ class _ChecksumRecords:
         body = json.dumps(record, sort_keys=True).encode()
         self._utils.call(
             "put_object", _urls.build_s3_url(bucket, sidecar_key), Bucket=bucket, Key=sidecar_key, Body=body
+        )
+
+    def write_pending(self, bucket: str, key: str, algorithm: str, checksum: str, size: int) -> None:
+        """Before a commit: record the checksum of the object about to be committed at ``bucket/key``, unbound
+        (its ETag is known only after the commit), keeping the entries of the objects the key may still hold (the
+        current one, and those of commits a kill may have cut short) under ``"earlier"``."""
+        url = _urls.build_s3_url(bucket, key)
+        earlier: list[Any] = []
+        try:
+            current = self._read_sidecar(S3ObjectInfo(bucket, key, size))
+        except ChecksumMismatchError:  # a malformed record describes nothing: the new one replaces it
+            logger.warning("%s: replacing its malformed checksum record", url)
+            current = None
+        if current is not None:
+            previous = current.get("earlier")
+            earlier = [{k: current.get(k) for k in ("algorithm", "checksum", "size", "etag")}]
+            if not current.get("etag") and isinstance(previous, list):
+                earlier += previous  # the key holds one of these, or the unbound one: keep them all
+        record = {"algorithm": algorithm, "checksum": checksum, "size": size, "etag": "", "earlier": earlier[:8]}
+        self.write_sidecar(bucket, key, record)
+
+    def remove_sidecar(self, bucket: str, key: str) -> None:
+        """Delete the record beside ``bucket/key`` (missing is fine)."""
+        sidecar_key = key + CHECKSUM_SIDECAR_SUFFIX
+        self._utils.call(
+            "delete_object", _urls.build_s3_url(bucket, sidecar_key), Bucket=bucket, Key=sidecar_key
         )
 
     def _read_sidecar(self, info: S3ObjectInfo) -> dict[str, Any] | None:
@@ -3050,6 +3098,33 @@ class _WriterState(enum.Enum):
     ABORTED = "aborted"  # nothing became visible; the multipart upload, if any, was aborted
 
 
+# Crash safety: a checksum record never lags its object. A store that keeps the full-object checksum sent with the
+# commit (S3) needs no record; for one that does not (or is not yet known to), the writer records the checksum
+# *before* the commit, unbound (`_ChecksumRecords.write_pending`), then binds it to the committed ETag. A kill between
+# any two requests leaves the previous object verifiable by the entry kept for it, or the new object verifiable by
+# the unbound entry of its size (checked against its bytes). Which stores keep checksums is learned per process from
+# commit answers, per endpoint, bucket and kind of commit.
+
+_CHECKSUM_KEEPING: dict[tuple[str, str, str], bool] = {}
+_CHECKSUM_KEEPING_LOCK = threading.Lock()
+
+
+def _checksum_keeping_key(utils: S3Utils, bucket: str, kind: str) -> tuple[str, str, str]:
+    endpoint = getattr(getattr(utils.client, "meta", None), "endpoint_url", "") or ""
+    return (str(endpoint), bucket, kind)
+
+
+def _keeps_checksums(utils: S3Utils, bucket: str, kind: str) -> bool:
+    """Whether the last commit of this kind to this bucket came back with the checksum the store keeps."""
+    with _CHECKSUM_KEEPING_LOCK:
+        return _CHECKSUM_KEEPING.get(_checksum_keeping_key(utils, bucket, kind), False)
+
+
+def _remember_checksum_keeping(utils: S3Utils, bucket: str, kind: str, keeps: bool) -> None:
+    with _CHECKSUM_KEEPING_LOCK:
+        _CHECKSUM_KEEPING[_checksum_keeping_key(utils, bucket, kind)] = keeps
+
+
 class S3MultipartWriter(io.RawIOBase):
     """A binary stream whose bytes go to one S3 object while they are written (``torch.save(obj, writer)``).
 
@@ -3124,6 +3199,8 @@ class S3MultipartWriter(io.RawIOBase):
         self._failed_part: Future[_UploadedPart] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._fence = fence
+        self._commit_kind = ""  # "put" or "multipart" (-unchecked where the store refused its checksum), at commit
+        self._wrote_pending = False
         self._state = _WriterState.OPEN
         self.info: S3ObjectInfo | None = None
         """Set by `close()`: the committed object's size, ETag and checksum."""
@@ -3430,12 +3507,18 @@ class S3MultipartWriter(io.RawIOBase):
         stored = response.get(self._algorithm.response_field)
         if stored is not None and stored != checksum:
             raise ChecksumMismatchError(f"S3 stored checksum {stored} for {self.url}, but {checksum} was uploaded")
+        _remember_checksum_keeping(self._utils, self.bucket, self._commit_kind, stored is not None)
         if stored is None:  # the store ignored the checksum: record it ourselves, bound to this exact object
             self._records.write_sidecar(
                 self.bucket,
                 self.key,
                 {"algorithm": self._algorithm.name, "checksum": checksum, "size": self._size, "etag": etag},
             )
+        elif self._wrote_pending:  # the store keeps it: the unbound record written before the commit is not needed
+            try:
+                self._records.remove_sidecar(self.bucket, self.key)
+            except Exception as exc:  # harmless where it stays: the store's checksum comes first
+                logger.debug("%s: could not remove its unneeded checksum record: %r", self.url, exc)
         self.info = S3ObjectInfo(
             self.bucket, self.key, self._size, etag, checksums={self._algorithm.response_field: checksum}
         )
@@ -3455,7 +3538,9 @@ class S3MultipartWriter(io.RawIOBase):
         pieces = _piece_checksums(self._algorithm, body, [cut for cut in self._cuts if cut < len(body)])
         self._keep_pieces(pieces)
         checksum = self._algorithm.encode(_fold(self._algorithm, pieces))
+        self._commit_kind = "put"
         response = self._commit(
+            checksum,
             lambda conditions: self._utils.with_retries(  # each attempt reads the body from its start
                 lambda: self._utils.client.put_object(
                     Bucket=self.bucket,
@@ -3487,7 +3572,9 @@ class S3MultipartWriter(io.RawIOBase):
         extra: dict[str, Any] = {}
         if self._native_checksums:
             extra = {self._algorithm.response_field: checksum, "ChecksumType": "FULL_OBJECT"}
+        self._commit_kind = "multipart" if self._native_checksums else "multipart-unchecked"
         response = self._commit(
+            checksum,
             lambda conditions: self._utils.call(
                 "complete_multipart_upload",
                 self.url,
@@ -3504,17 +3591,22 @@ class S3MultipartWriter(io.RawIOBase):
         self._pool.shutdown(wait=False)
         return response, checksum
 
-    def _commit(self, request: Callable[[dict[str, str]], dict[str, Any]]) -> dict[str, Any]:
+    def _commit(self, checksum: str, request: Callable[[dict[str, str]], dict[str, Any]]) -> dict[str, Any]:
         """Send the request that makes the object visible (`request(conditions)`), fenced when there is a fence: its
         run must still own the directory, and the object must still be what this run last left at the key
         (``If-Match``/``If-None-Match``). A failed condition is settled by the fence: another run took the
         directory over (CheckpointDirectoryTakenError), or this run still owns it and the commit is sent again
         without the condition (a writer outside the fence changed the key, or an earlier attempt of this request
-        succeeded)."""
+        succeeded). Unless the store is known to keep the object's checksum itself, the checksum record is written
+        first (`_ChecksumRecords.write_pending`): no instant shows the object without it."""
         fence = self._fence
+        if fence is not None:
+            fence.before_mutation(self.url, "save")
+        if not _keeps_checksums(self._utils, self.bucket, self._commit_kind):
+            self._records.write_pending(self.bucket, self.key, self._algorithm.name, checksum, self._size)
+            self._wrote_pending = True
         if fence is None:
             return request({})
-        fence.before_mutation(self.url, "save")
         conditions = fence.conditions(self.key)
         try:
             response = request(conditions)
