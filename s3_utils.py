@@ -1569,8 +1569,12 @@ class ChecksumMismatchError(IOError):
     """The bytes read from S3 do not match the checksum recorded when the object was written."""
 
 
-CHECKSUM_SOURCES = ("s3", "sidecar")
-"""Where a checksum can be recorded: by the store itself ("s3"), or by this package in a sidecar object."""
+CHECKSUM_SOURCES = ("s3", "metadata", "sidecar")
+"""Where a checksum can be recorded: by the store itself ("s3"), in the object's user metadata written with it by
+this package ("metadata", single-PUT objects), or by this package in a sidecar object."""
+CHECKSUM_METADATA_KEY = "s3ckpt-checksum"
+"""The user-metadata key (``x-amz-meta-s3ckpt-checksum``) under which a single PUT carries its checksum:
+``"<ALGORITHM> <value>"``."""
 
 
 @dataclass(frozen=True)
@@ -1582,8 +1586,9 @@ class RecordedChecksum:
     value: str
     """The checksum as S3 spells it (base64 of the big-endian bytes)."""
     source: str
-    """``"s3"``: the store keeps it with the object (a HEAD returns it); ``"sidecar"``: the store ignored it, so this
-    package recorded it in ``<key>.s3ckpt-checksum.json`` beside the object, bound to the object's size and ETag."""
+    """``"s3"``: the store keeps it with the object (a HEAD returns it); ``"metadata"``: the object's user metadata
+    carries it (written in the same PUT); ``"sidecar"``: the store ignored it, so this package recorded it in
+    ``<key>.s3ckpt-checksum.json`` beside the object, bound to the object's size and ETag."""
 
     def __str__(self) -> str:
         return f"{self.algorithm} {self.value} ({self.source})"
@@ -1605,8 +1610,20 @@ class _ChecksumRecords:
         self._utils = utils
 
     def expected(self, info: S3ObjectInfo) -> RecordedChecksum | None:
-        """The record a download of `info` is verified against: the store's, else the sidecar, else None."""
-        return self.native(info) or self.sidecar(info)
+        """The record a download of `info` is verified against: the store's, else the one its metadata carries, else
+        the sidecar, else None."""
+        return self.native(info) or self.carried(info) or self.sidecar(info)
+
+    @staticmethod
+    def carried(info: S3ObjectInfo) -> RecordedChecksum | None:
+        """The checksum the object's user metadata carries (`CHECKSUM_METADATA_KEY`), if any (and readable)."""
+        algorithm, _, value = info.metadata.get(CHECKSUM_METADATA_KEY, "").partition(" ")
+        if not value:
+            return None
+        try:
+            return RecordedChecksum(_checksum_algorithm(algorithm).name, value, "metadata")
+        except (ValueError, MissingOptionalDependencyError):
+            return None
 
     @staticmethod
     def native(info: S3ObjectInfo) -> RecordedChecksum | None:
@@ -1690,7 +1707,11 @@ class _ChecksumRecords:
         if actual_text == expected.value:
             return expected
         mismatch = f"its {expected.algorithm} is {actual_text}, but {expected.value} was recorded ({expected.source})"
-        others = self.sidecar_entries(info) if expected.source == "s3" else self.sidecar_entries(info)[1:]
+        others = self.sidecar_entries(info)
+        if expected.source == "s3":
+            others = [c for c in [self.carried(info)] if c is not None] + others
+        elif expected.source == "sidecar":
+            others = others[1:]
         for other in others:
             other_algorithm = _checksum_algorithm(other.algorithm)
             if other_algorithm.name == algorithm.name:
@@ -1713,10 +1734,11 @@ class _ChecksumRecords:
             "put_object", _urls.build_s3_url(bucket, sidecar_key), Bucket=bucket, Key=sidecar_key, Body=body
         )
 
-    def write_pending(self, bucket: str, key: str, algorithm: str, checksum: str, size: int) -> None:
+    def write_pending(self, bucket: str, key: str, algorithm: str, checksum: str, size: int) -> bool:
         """Before a commit: record the checksum of the object about to be committed at ``bucket/key``, unbound
         (its ETag is known only after the commit), keeping the entries of the objects the key may still hold (the
-        current one, and those of commits a kill may have cut short) under ``"earlier"``."""
+        current one, and those of commits a kill may have cut short) under ``"earlier"``. Returns whether the key had
+        a record before."""
         url = _urls.build_s3_url(bucket, key)
         earlier: list[Any] = []
         try:
@@ -1731,6 +1753,7 @@ class _ChecksumRecords:
                 earlier += previous  # the key holds one of these, or the unbound one: keep them all
         record = {"algorithm": algorithm, "checksum": checksum, "size": size, "etag": "", "earlier": earlier[:8]}
         self.write_sidecar(bucket, key, record)
+        return current is not None
 
     def remove_sidecar(self, bucket: str, key: str) -> None:
         """Delete the record beside ``bucket/key`` (missing is fine)."""
@@ -1775,6 +1798,8 @@ class S3ObjectInfo:
     last_modified: Any = None  # datetime.datetime
     checksums: dict[str, str] = field(default_factory=dict)
     checksum_type: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    """User metadata (``x-amz-meta-*``, without the prefix), as a HEAD returns it; empty from listings."""
 
     @property
     def url(self) -> str:
@@ -2074,6 +2099,7 @@ class S3Utils:
                 name: response[name] for name in response if name.startswith("Checksum") and name != "ChecksumType"
             },
             checksum_type=response.get("ChecksumType"),
+            metadata=dict(response.get("Metadata") or {}),
         )
 
     @_class_or_instance
@@ -3098,8 +3124,9 @@ class _WriterState(enum.Enum):
     ABORTED = "aborted"  # nothing became visible; the multipart upload, if any, was aborted
 
 
-# Crash safety: a checksum record never lags its object. A store that keeps the full-object checksum sent with the
-# commit (S3) needs no record; for one that does not (or is not yet known to), the writer records the checksum
+# Crash safety: a checksum record never lags its object. A single PUT carries its checksum in the object's user
+# metadata. A store that keeps the full-object checksum sent with the commit (S3) needs no record; for a multipart
+# upload to one that does not (or is not yet known to), the writer records the checksum
 # *before* the commit, unbound (`_ChecksumRecords.write_pending`), then binds it to the committed ETag. A kill between
 # any two requests leaves the previous object verifiable by the entry kept for it, or the new object verifiable by
 # the unbound entry of its size (checked against its bytes). Which stores keep checksums is learned per process from
@@ -3548,6 +3575,7 @@ class S3MultipartWriter(io.RawIOBase):
                     Body=_BufferReader(body, _SEND_BLOCK) if body else b"",
                     ChecksumAlgorithm=self._algorithm.name,
                     **{self._algorithm.response_field: checksum},
+                    Metadata={CHECKSUM_METADATA_KEY: f"{self._algorithm.name} {checksum}"},
                     **conditions,
                 ),
                 "put_object",
@@ -3597,26 +3625,44 @@ class S3MultipartWriter(io.RawIOBase):
         (``If-Match``/``If-None-Match``). A failed condition is settled by the fence: another run took the
         directory over (CheckpointDirectoryTakenError), or this run still owns it and the commit is sent again
         without the condition (a writer outside the fence changed the key, or an earlier attempt of this request
-        succeeded). Unless the store is known to keep the object's checksum itself, the checksum record is written
-        first (`_ChecksumRecords.write_pending`): no instant shows the object without it."""
+        succeeded). A single PUT carries its checksum in its metadata too; for a multipart upload, unless the store is
+        known to keep the object's checksum itself, the checksum record is written first
+        (`_ChecksumRecords.write_pending`): no instant shows the object without one."""
         fence = self._fence
         if fence is not None:
             fence.before_mutation(self.url, "save")
-        if not _keeps_checksums(self._utils, self.bucket, self._commit_kind):
-            self._records.write_pending(self.bucket, self.key, self._algorithm.name, checksum, self._size)
+        had_record = True
+        if self._commit_kind != "put" and not _keeps_checksums(self._utils, self.bucket, self._commit_kind):
+            had_record = self._records.write_pending(self.bucket, self.key, self._algorithm.name, checksum, self._size)
             self._wrote_pending = True
-        if fence is None:
-            return request({})
-        conditions = fence.conditions(self.key)
         try:
-            response = request(conditions)
-        except Exception as exc:
-            if not (conditions and _precondition_failed(exc, conditions)):
-                raise
-            fence.precondition_failed(self.url, self.key, exc)
-            response = request({})
+            if fence is None:
+                return request({})
+            conditions = fence.conditions(self.key)
+            try:
+                response = request(conditions)
+            except Exception as exc:
+                if not (conditions and _precondition_failed(exc, conditions)):
+                    raise
+                fence.precondition_failed(self.url, self.key, exc)
+                response = request({})
+        except BaseException:
+            if not had_record:
+                self._forget_pending_record()
+            raise
         fence.committed(self.key, response.get("ETag", ""))
         return response
+
+    def _forget_pending_record(self) -> None:
+        """After a failed commit to a key that had no record: remove the record written for it, unless an object is
+        there after all (a commit whose answer was lost may have succeeded: the record then vouches for it)."""
+        try:
+            self._utils.head_object(self.url)
+        except FileNotFoundError:
+            with contextlib.suppress(Exception):
+                self._records.remove_sidecar(self.bucket, self.key)
+        except Exception as exc:  # the record stays: harmless, the next save at this key replaces it
+            logger.debug("%s: kept the checksum record of a failed commit: %r", self.url, exc)
 
 
 # --------------------------------------------------------------------------------------------------------------------

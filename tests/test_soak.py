@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from soak import SoakConfig, run_soak
+from soak import Launch, SoakConfig, launch_environment, run_soak, weights
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -42,3 +42,47 @@ def test_kills_and_relaunches_never_strand_the_job(
         # then skips that checkpoint (it no longer verifies), which the checks above passed.
         pytest.xfail(f"a DCP straggler overwrote the relaunch's files: {report.straggler_changes}")
     assert report.straggler_changes == []
+
+
+@pytest.mark.parametrize(("mode", "sharing"), [("single", "node"), ("single", "job"), ("dcp", "node")])
+def test_both_ranks_fall_back_alike_from_a_newest_checkpoint_that_does_not_verify(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path, mode: str, sharing: str
+) -> None:
+    """Two ranks, the newest checkpoint corrupt: both skip it (through node or job load sharing, or dcp.load) and
+    resume bit-exactly from the next newest; the corrupt one is still there."""
+    import torch.distributed.checkpoint as dcp
+
+    from s3_checkpoint_io import S3CheckpointIO
+    from s3_dcp import S3StorageWriter
+
+    base = f"s3://{bucket}/job"
+    numel = 2**20 // 4
+    io = S3CheckpointIO(chunk_size_MB=5, fencing=False)
+    for step in (1, 2):
+        if mode == "single":
+            io.save_checkpoint({"step": step, "w": weights(step, numel)}, f"{base}/step={step}.ckpt")
+        else:
+            shards = {f"w{rank}": weights(step, numel)[rank::2].clone() for rank in range(2)}
+            writer = S3StorageWriter(f"{base}/step={step}.ckpt")
+            dcp.save({"step": step, **shards}, storage_writer=writer, no_dist=True)
+    newest = f"{base}/step=2-last.ckpt"
+    if mode == "single":  # truncated by another tool, which sends no checksum: it downloads, but does not unpickle
+        io.save_checkpoint({"step": 2, "w": weights(2, numel)}, newest)
+        data = s3_client.get_object(Bucket=bucket, Key="job/step=2-last.ckpt")["Body"].read()
+        other_tool = s3_server.client(request_checksum_calculation="when_required")
+        other_tool.put_object(Bucket=bucket, Key="job/step=2-last.ckpt", Body=data[: len(data) // 2])
+    else:  # a shard lost
+        shards = {f"w{rank}": weights(2, numel)[rank::2].clone() for rank in range(2)}
+        dcp.save({"step": 2, **shards}, storage_writer=S3StorageWriter(newest), no_dist=True)
+        s3_client.delete_object(Bucket=bucket, Key="job/step=2-last.ckpt/__0_0.distcp")
+    env = launch_environment(s3_server.env(), f"fallback-{mode}-{sharing}", SOAK_LOAD_SHARING=sharing)
+    launch = Launch(0, env, [base, mode, "3", "--mib", "1", "--more", "0"], tmp_path)
+    try:
+        resumed = [launch.wait_for(lambda e, r=r: e.get("event") == "resumed" and e["rank"] == r, 180) for r in (0, 1)]
+        logs = "\n".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob("*.log")))
+        assert all(resumed), logs
+        outcome = [(e["url"], e["step"], e["exact"], e["skipped"]) for e in resumed]
+        assert outcome == [(f"{base}/step=2.ckpt", 2, True, 1)] * 2, logs
+    finally:
+        launch.kill()
+    assert io.s3.s3_path_exists(newest if mode == "single" else f"{newest}/.metadata")  # skipped, never deleted

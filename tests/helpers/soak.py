@@ -44,6 +44,13 @@ _LAUNCHER_VARIABLES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_")
 _RANK_VARIABLES = {"RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE"}
 
 
+def weights(step: int, numel: int) -> Any:
+    """The job's weights at `step`: a pure function of the step (float32, `numel` values)."""
+    import torch  # only here: the harness itself runs without torch
+
+    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 + step))
+
+
 @dataclass
 class SoakConfig:
     mode: str = "single"
@@ -173,6 +180,22 @@ class Launch:
         return max(steps, default=0)
 
 
+def launch_environment(server_env: dict[str, str], run_id: str, **extra: str) -> dict[str, str]:
+    """The environment of a launch's ranks (`Launch` adds each rank's own): this process's without any launcher's
+    variables, the store's keys, the repository on PYTHONPATH, torchrun's job id."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_VARIABLES) and k not in _RANK_VARIABLES}
+    env.update(server_env)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        MASTER_ADDR="127.0.0.1",
+        OMP_NUM_THREADS="1",
+        TORCHELASTIC_RUN_ID=run_id,
+        S3CKPT_PACER_SHARING="0",
+    )
+    env.update(extra)
+    return env
+
+
 def _fault_rules(seed: int) -> list[FaultRule]:
     """503s, resets and stalled answers on uploads, commits and reads, at random (reproducibly)."""
     return [
@@ -209,19 +232,7 @@ def run_soak(
     report = SoakReport(config.mode)
     rng = random.Random(config.seed)
     base = f"s3://{bucket}/{prefix.strip('/')}"
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(_LAUNCHER_VARIABLES) and k not in _RANK_VARIABLES
-    }
-    env.update(server_env)
-    env.update(
-        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        MASTER_ADDR="127.0.0.1",
-        OMP_NUM_THREADS="1",
-        TORCHELASTIC_RUN_ID=f"soak-{config.mode}-{config.seed}",
-        S3CKPT_PACER_SHARING="0",
-    )
+    env = launch_environment(server_env, f"soak-{config.mode}-{config.seed}")
     log_dir.mkdir(parents=True, exist_ok=True)
     with FaultProxy(endpoint_url) as proxy:
         fault_rules = _fault_rules(config.seed) if config.faults else []

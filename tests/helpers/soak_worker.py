@@ -39,6 +39,7 @@ sys.modules.setdefault("pytorch_lightning", None)  # type: ignore[arg-type]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
+from soak import weights  # noqa: E402
 
 from connector import find_resume_checkpoints, load_newest_usable  # noqa: E402
 from s3_checkpoint_io import S3CheckpointIO  # noqa: E402
@@ -54,11 +55,6 @@ _print_lock = threading.Lock()
 def emit(event: str, **fields: Any) -> None:
     with _print_lock:
         print(json.dumps({"event": event, "rank": RANK, "launch": LAUNCH, **fields}), flush=True)
-
-
-def weights(step: int, numel: int) -> torch.Tensor:
-    """The job's weights at `step`: a pure function of the step."""
-    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 + step))
 
 
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -91,7 +87,10 @@ def main() -> None:
     settings = S3ClientSettings(user_agent_extra=f"soak-launch-{LAUNCH}")
     retries = RetryPolicy(max_attempts=8, initial_backoff_s=0.05, max_backoff_s=0.5)
     utils = S3Utils(settings, retries)
-    io = S3CheckpointIO(chunk_size_MB=5, async_checkpointing=args.mode == "single", s3_utils=utils)
+    sharing = os.environ.get("SOAK_LOAD_SHARING", "node")
+    io = S3CheckpointIO(
+        chunk_size_MB=5, async_checkpointing=args.mode == "single", s3_utils=utils, load_sharing=sharing
+    )
 
     # ---- resume
     found: list[Any] = [None]
