@@ -174,3 +174,47 @@ def test_cli_verify_says_what_resume_skips(
     assert code == 1
     assert f"SKIPPED   {base}/step=2-last.ckpt" in out
     assert f"starts from {base}/step=2.ckpt" in out
+
+
+@pytest.mark.lightning
+@pytest.mark.parametrize("strict", [False, True], ids=["fallback", "strict"])
+def test_a_lightning_resume_falls_back_unless_strict(
+    s3_server: Any, bucket: str, s3_client: Any, monkeypatch: pytest.MonkeyPatch, strict: bool
+) -> None:
+    """check_resume (NeMo-style config) picks the newest "-last", which does not load: fit resumes from the top-k
+    checkpoint of the same step; with ``resume_fallback: false`` the fit fails as before."""
+    from tiny_lightning import TOP_K_CHECKPOINT, lightning_family, tiny_module_class, tiny_trainer
+
+    import connector
+
+    for name in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    pl = lightning_family("lightning.pytorch")
+    dirpath = f"s3://{bucket}/exp/checkpoints"
+
+    def config(**exp_manager: Any) -> dict[str, Any]:
+        params = {**TOP_K_CHECKPOINT, "dirpath": dirpath, "filename": "tiny--{step}"}
+        return {
+            "s3_checkpointing": {"chunk_size_MB": 5, "max_write_concurrency": 2, "max_read_concurrency": 2},
+            "exp_manager": {"checkpoint_callback_params": params, **exp_manager},
+        }
+
+    connector.configure_s3_checkpointing(trainer := tiny_trainer(pl, 6), config(resume_if_exists=False))
+    trainer.fit(tiny_module_class(pl, optimizer="sgd")())
+    key = "exp/checkpoints/tiny--step=6-last.ckpt"
+    data = s3_client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    replace_bytes(s3_client, bucket, key, data[: len(data) // 2])  # truncated by another tool: does not unpickle
+
+    resumed = tiny_trainer(pl, 8)
+    parts = connector.configure_s3_checkpointing(
+        resumed, config(resume_if_exists=True, resume_fallback=not strict)
+    )
+    assert parts.resume_path == f"{dirpath}/tiny--step=6-last.ckpt"
+    module = tiny_module_class(pl, optimizer="sgd")()
+    if strict:
+        with pytest.raises(NotACheckpointError):
+            resumed.fit(module)
+        return
+    resumed.fit(module)
+    assert module.started_at["global_step"] == 6
+    assert resumed.ckpt_path == f"{dirpath}/tiny--step=6.ckpt"
