@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import logging
 import os
 import platform
 import statistics
@@ -73,6 +74,7 @@ def main() -> int:
     parser.add_argument("--no-faults", action="store_true")
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     reports = []
     with moto_server() as server, tempfile.TemporaryDirectory(prefix="soak-logs-") as logs:
