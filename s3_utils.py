@@ -1598,6 +1598,14 @@ _MULTIPART_ETAG = re.compile(r'-\d+"?$')
 """The ETag of an object made by a multipart upload: ``"<md5 of the part md5s>-<part count>"``."""
 
 
+_CHECKSUM_ENTRY_FIELDS = {"algorithm": str, "checksum": str, "size": int, "etag": str}
+
+
+def _is_checksum_entry(entry: Any) -> bool:
+    """Whether `entry` is a well-formed checksum entry of a record (its fields of their types)."""
+    return isinstance(entry, dict) and all(isinstance(entry.get(k), t) for k, t in _CHECKSUM_ENTRY_FIELDS.items())
+
+
 class _ChecksumRecords:
     """Reads, writes and checks the checksum records of objects, through the calls (and retries) of an `S3Utils`.
 
@@ -1671,9 +1679,7 @@ class _ChecksumRecords:
         if record is None:
             return []
         entries = [record, *(record.get("earlier") or [])] if isinstance(record.get("earlier", []), list) else []
-        fields = {"algorithm": str, "checksum": str, "size": int, "etag": str}
-        if not entries or any(not isinstance(e, dict) or any(not isinstance(e.get(k), t) for k, t in fields.items())
-                              for e in entries):
+        if not entries or not all(map(_is_checksum_entry, entries)):
             raise ChecksumMismatchError(
                 f"The checksum record of {info.url} ({info.key}{CHECKSUM_SIDECAR_SUFFIX}) is malformed: "
                 "refusing to load an unverified object; delete the record only if you trust the object"
@@ -1748,9 +1754,10 @@ class _ChecksumRecords:
             current = None
         if current is not None:
             previous = current.get("earlier")
-            earlier = [{k: current.get(k) for k in ("algorithm", "checksum", "size", "etag")}]
+            earlier = [{k: current.get(k) for k in _CHECKSUM_ENTRY_FIELDS}]
             if not current.get("etag") and isinstance(previous, list):
                 earlier += previous  # the key holds one of these, or the unbound one: keep them all
+            earlier = [entry for entry in earlier if _is_checksum_entry(entry)]
         record = {"algorithm": algorithm, "checksum": checksum, "size": size, "etag": "", "earlier": earlier[:8]}
         self.write_sidecar(bucket, key, record)
         return current is not None
