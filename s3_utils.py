@@ -3637,12 +3637,15 @@ class S3MultipartWriter(io.RawIOBase):
         (`_ChecksumRecords.write_pending`): no instant shows the object without one."""
         fence = self._fence
         if fence is not None:
-            fence.before_mutation(self.url, "save")
+            fence.before_mutation(self.url, "save")  # a stale run writes nothing, not even the record
         had_record = True
         if self._commit_kind != "put" and not _keeps_checksums(self._utils, self.bucket, self._commit_kind):
             had_record = self._records.write_pending(self.bucket, self.key, self._algorithm.name, checksum, self._size)
             self._wrote_pending = True
         try:
+            if fence is not None and self._wrote_pending:
+                # once more right before the commit: the gap after a check is where a stale run slips through
+                fence.before_mutation(self.url, "save")
             if fence is None:
                 return request({})
             conditions = fence.conditions(self.key)
