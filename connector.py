@@ -10,6 +10,8 @@ regressed so that every rank lists again, and Lightning's own ``ckpt_path="last"
   already finished.
 * `check_resume` (NeMo's ``exp_manager.check_resume``): for an ``s3://`` dirpath only global rank 0 lists (the rank
   comes from the environment, the process group does not exist yet) and sets ``trainer.ckpt_path``.
+* Resume never sticks: a chosen checkpoint that does not verify or load is skipped, on every rank alike, for the next
+  newest (`find_resume_checkpoints`, `load_newest_usable`; ``resume_fallback=False`` keeps the strict behaviour).
 * `NeMoCheckpointConnector` (subclass of Lightning's ``_CheckpointConnector``): ``resume_start`` loads the path that
   rank 0 chose, broadcast to every rank, whatever Lightning passed in on the other ranks; ``ckpt_path="last"`` is
   resolved on rank 0 only.
@@ -38,8 +40,11 @@ import importlib
 import inspect
 import logging
 import os
+import pickle
 import re
+import sys
 import time
+import traceback
 import types
 import warnings
 from collections.abc import Iterable, Mapping
@@ -83,6 +88,7 @@ __all__ = [
     "NeMoCheckpointConnector",
     "NotFoundError",
     "ResumeCandidate",
+    "ResumeFailedError",
     "S3Checkpointing",
     "S3ModelCheckpoint",
     "S3ModelCheckpointMixin",
@@ -94,10 +100,13 @@ __all__ = [
     "configure_s3_checkpointing",
     "distributed_checkpoint_problem",
     "find_resume_checkpoint",
+    "find_resume_checkpoints",
     "global_rank",
     "install_checkpoint_connector",
     "is_global_rank_zero",
+    "is_unusable_checkpoint_error",
     "list_resume_candidates",
+    "load_newest_usable",
     "looks_like_distributed_checkpoint",
     "s3_model_checkpoint_class",
     "select_resume_candidate",
@@ -242,7 +251,8 @@ class ResumeCandidate:
     url: str
     """What to pass to Lightning: ``s3://bucket/dir/<name>`` or ``<dir>/<name>``, without any shard folder."""
     kind: str
-    """``"last"`` or ``"end"`` (the run finished)."""
+    """``"last"``, ``"end"`` (the run finished), or ``"step"`` (a top-k checkpoint with ``step=N`` in its name: a
+    fallback only, see `list_resume_candidates`)."""
     step: int | None
     """The ``step=N`` in the name, if any."""
     modified: float
@@ -346,7 +356,17 @@ def _unfinished_marker_name(name: str) -> str:
     return name + _UNFINISHED_SUFFIX
 
 
-def _candidates_from_entries(base: str, entries: Iterable[tuple[str, float]]) -> list[ResumeCandidate]:
+def _resume_kind(name: str, is_directory: bool, include_steps: bool) -> str | None:
+    """`classify_checkpoint_name`, plus ``"step"`` for another ``*.ckpt`` with ``step=N`` when `include_steps`."""
+    kind = classify_checkpoint_name(name, is_directory)
+    if kind is None and include_steps and name.endswith(CHECKPOINT_SUFFIX) and checkpoint_step(name) is not None:
+        return "step"
+    return kind
+
+
+def _candidates_from_entries(
+    base: str, entries: Iterable[tuple[str, float]], include_steps: bool = False
+) -> list[ResumeCandidate]:
     """Build candidates from ``(path relative to the checkpoint directory, mtime)`` pairs of every file below it.
 
     Only names directly in the directory, in a shard folder directly below it, or in a distributed-checkpoint
@@ -363,12 +383,12 @@ def _candidates_from_entries(base: str, entries: Iterable[tuple[str, float]]) ->
         parts = relative.split("/")
         if len(parts) == 1:
             top_level.add(parts[0])
-            if classify_checkpoint_name(parts[0], False):
+            if _resume_kind(parts[0], False, include_steps):
                 files.setdefault(parts[0], {})[""] = modified
         elif len(parts) == 2 and _RANK_FOLDER.fullmatch(parts[0]):
-            if parts[1] and classify_checkpoint_name(parts[1], False):
+            if parts[1] and _resume_kind(parts[1], False, include_steps):
                 files.setdefault(parts[1], {})[parts[0]] = modified
-        elif parts[0] and not _RANK_FOLDER.fullmatch(parts[0]) and classify_checkpoint_name(parts[0], True):
+        elif parts[0] and not _RANK_FOLDER.fullmatch(parts[0]) and _resume_kind(parts[0], True, include_steps):
             directories[parts[0]] = max(modified, directories.get(parts[0], modified))
             if len(parts) == 2 and parts[1]:
                 directory_files.setdefault(parts[0], set()).add(parts[1])
@@ -384,7 +404,7 @@ def _candidates_from_entries(base: str, entries: Iterable[tuple[str, float]]) ->
             ResumeCandidate(
                 name=name,
                 url=f"{base}{separator}{name}",
-                kind=classify_checkpoint_name(name, False) or "",
+                kind=_resume_kind(name, False, include_steps) or "",
                 step=checkpoint_step(name),
                 modified=max(shards.values()),
                 shards=tuple(sorted(shards)),
@@ -402,7 +422,7 @@ def _candidates_from_entries(base: str, entries: Iterable[tuple[str, float]]) ->
             ResumeCandidate(
                 name=name,
                 url=f"{base}{separator}{name}",
-                kind=classify_checkpoint_name(name, True) or "",
+                kind=_resume_kind(name, True, include_steps) or "",
                 step=checkpoint_step(name),
                 modified=modified,
                 is_directory=True,
@@ -450,9 +470,11 @@ def _local_entries(directory: str) -> list[tuple[str, float]]:
 
 
 def list_resume_candidates(
-    dirpath: str | os.PathLike[str], *, s3_utils: _s3.S3Utils | None = None
+    dirpath: str | os.PathLike[str], *, s3_utils: _s3.S3Utils | None = None, include_steps: bool = False
 ) -> list[ResumeCandidate]:
-    """Every ``*last`` / ``*end`` checkpoint in `dirpath` (``s3://`` or local), usable or not, sorted by URL.
+    """Every ``*last`` / ``*end`` checkpoint in `dirpath` (``s3://`` or local), usable or not, sorted by URL; with
+    `include_steps` also the other ``*.ckpt`` checkpoints with ``step=N`` in their name (kind ``"step"``: top-k
+    checkpoints, which resume falls back to, see `find_resume_checkpoints`).
 
     One S3 listing of ``dirpath/`` (all pages; ``s3://b/ckpt`` never sees ``s3://b/ckpt_old/...``). A local
     directory that does not exist has no candidates; a missing bucket raises `CheckpointNotFoundError`.
@@ -467,11 +489,11 @@ def list_resume_candidates(
                 f"Cannot look for a checkpoint to resume from in {url}: the bucket {bucket!r} does not exist "
                 "(or these credentials cannot see it). Create the bucket, or fix the checkpoint dirpath."
             ) from exc
-        return _candidates_from_entries(url, entries)
+        return _candidates_from_entries(url, entries, include_steps)
     directory = _urls.as_path_or_s3_url(dirpath)  # refuses s3:/..., S3://..., http://... rather than going local
     if not os.path.isdir(directory):
         return []
-    return _candidates_from_entries(directory, _local_entries(directory))
+    return _candidates_from_entries(directory, _local_entries(directory), include_steps)
 
 
 def _newest_first_key(all_have_steps: bool) -> Any:
@@ -506,7 +528,7 @@ def select_resume_candidate(
     4. If the newest is a DCP checkpoint on S3 and `s3_dcp` is not beside this module: `DCPSupportMissingError`
        (never a silent fall back to an older checkpoint).
     """
-    candidates = list(candidates)
+    candidates = [candidate for candidate in candidates if candidate.kind != "step"]  # fallbacks only
     usable = []
     for candidate in candidates:
         if candidate.problem:
@@ -545,7 +567,26 @@ def find_resume_checkpoint(
     *,
     s3_utils: _s3.S3Utils | None = None,
 ) -> str | None:
-    """The ``s3://`` URL (or local path) to resume from in `dirpath`, or None.
+    """The ``s3://`` URL (or local path) to resume from in `dirpath`, or None: the first of `find_resume_checkpoints`
+    (see there for the rules and errors)."""
+    found = find_resume_checkpoints(
+        dirpath, resume_past_end, resume_ignore_no_checkpoint, s3_utils=s3_utils, fallbacks=False
+    )
+    return found[0] if found else None
+
+
+def find_resume_checkpoints(
+    dirpath: str | os.PathLike[str],
+    resume_past_end: bool = False,
+    resume_ignore_no_checkpoint: bool = False,
+    *,
+    s3_utils: _s3.S3Utils | None = None,
+    fallbacks: bool = True,
+) -> list[str]:
+    """The ``s3://`` URLs (or local paths) to resume from in `dirpath`, newest first: the one to resume from, then
+    (with `fallbacks`) the checkpoints to fall back to, in order, if it does not verify or load (`load_newest_usable`):
+    the other usable ``*last`` / ``*end`` checkpoints and the top-k checkpoints with ``step=N`` in their names, newest
+    first by the same rule. Empty when there is none and `resume_ignore_no_checkpoint`.
 
     Lists `dirpath` once, on whatever rank calls it (`check_resume` calls it on global rank 0 only) and applies
     `select_resume_candidate`. Model-parallel checkpoints come back without their shard folder
@@ -559,21 +600,159 @@ def find_resume_checkpoint(
         raise ValueError("find_resume_checkpoint needs the checkpoint directory (an s3:// URL or a local path)")
     shown = _urls.normalize_s3_url(dirpath).rstrip("/") if _urls.is_s3_url(dirpath) else os.fspath(dirpath)
     started = time.perf_counter()
-    candidates = list_resume_candidates(dirpath, s3_utils=s3_utils)
+    candidates = list_resume_candidates(dirpath, s3_utils=s3_utils, include_steps=fallbacks)
     chosen = select_resume_candidate(candidates, resume_past_end=resume_past_end, dirpath=shown)
     logger.debug("Resume discovery in %s took %.3f s", shown, time.perf_counter() - started)
     if chosen is not None:
-        return chosen.url
-    skipped = len(candidates)
+        return [chosen.url, *_fallback_urls(candidates, chosen)]
+    skipped = sum(candidate.kind != "step" for candidate in candidates)
     detail = f" ({skipped} incomplete or unfinished checkpoint(s) skipped)" if skipped else ""
     message = f"There were no checkpoints (*last.ckpt or *end.ckpt) to resume from in {shown}{detail}."
     if resume_ignore_no_checkpoint:
         logger.warning("%s Training from scratch (resume_ignore_no_checkpoint=True).", message)
-        return None
+        return []
     raise CheckpointNotFoundError(
         f"{message} Cannot resume. Set resume_ignore_no_checkpoint=True to start from scratch when there is none, "
         "or check the dirpath."
     )
+
+
+def _fallback_urls(candidates: list[ResumeCandidate], chosen: ResumeCandidate) -> list[str]:
+    """The usable candidates other than `chosen`, newest first (`_newest_first_key`); DCP ones only where s3_dcp is
+    there to load them."""
+    usable = [
+        candidate
+        for candidate in candidates
+        if candidate is not chosen
+        and not candidate.problem
+        and not (candidate.is_dcp and _s3_dcp() is None and _urls.is_s3_url(candidate.url))
+    ]
+    key = _newest_first_key(all(c.step is not None for c in [*usable, chosen]))
+    return [candidate.url for candidate in sorted(usable, key=key, reverse=True)]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Resume never sticks: a checkpoint that does not verify or load is skipped (never deleted) for the next newest
+# --------------------------------------------------------------------------------------------------------------------
+#
+# Why: a newest checkpoint that fails its checksum (or lost a shard, or holds an unreadable .metadata) made every
+# relaunch pick it and fail the same way: a crash became a crash loop until a person deleted objects by hand.
+# How: discovery gives the checkpoints newest first (`find_resume_checkpoints`, on global rank 0, broadcast); every
+# rank tries the same one; the ranks exchange their outcomes (one all-gather per try) and all move on to the next one
+# when any rank found the checkpoint unusable (`is_unusable_checkpoint_error`), so every rank resumes from the same
+# checkpoint. Other failures (network, credentials, a run fenced off) are raised: an older checkpoint would not help.
+
+
+def is_unusable_checkpoint_error(exc: BaseException) -> bool:
+    """Whether `exc`, raised by loading a checkpoint, says that checkpoint itself is unusable: its bytes do not match
+    the recorded checksum (`s3_utils.ChecksumMismatchError`), an object or shard is missing (FileNotFoundError,
+    `s3_dcp.CheckpointIncompleteError`), or it does not unpickle (a truncated or unreadable file or ``.metadata``).
+    DCP's ``CheckpointException`` counts when any rank's failure inside it does. A refusal of ``weights_only`` is a
+    setting, not a broken checkpoint: not unusable. DCP's load reports a ``.metadata`` it could not read as an
+    AssertionError whose text says so: that counts too."""
+    seen: set[int] = set()
+    pending: list[BaseException] = [exc]
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, _s3.CheckpointDirectoryTakenError):
+            return False
+        if isinstance(current, (_s3.ChecksumMismatchError, FileNotFoundError, EOFError)):
+            return True
+        if isinstance(current, pickle.UnpicklingError) and "weights_only" not in str(current).lower():
+            return True
+        if isinstance(current, AssertionError) and "metadata read failed" in str(current):
+            return True  # dcp.load's planning step reports a .metadata that does not read as this text only
+        for failure in (getattr(current, "failures", None) or {}).values():  # DCP's CheckpointException
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException):
+                pending.append(inner)
+        if current.__cause__ is not None:
+            pending.append(current.__cause__)
+    return False
+
+
+class ResumeFailedError(RuntimeError):
+    """Another rank could not load the checkpoint every rank was resuming from; the message names it and the cause."""
+
+
+def _describe_failure(exc: BaseException) -> str:
+    """One line: the exception (for DCP's CheckpointException, each rank's failure inside it, without tracebacks)."""
+    failures = getattr(exc, "failures", None) or {}
+    if failures:
+        inner = {rank: f[0] if isinstance(f, tuple) else f for rank, f in failures.items()}
+        return "; ".join(f"rank {rank}: {_describe_failure(e)}" for rank, e in inner.items())[:2000]
+    return "".join(traceback.format_exception_only(exc)).strip().replace("\n", "; ")[:2000]
+
+
+def _gather_outcomes(outcome: tuple[str, str] | None) -> list[tuple[str, str] | None]:
+    """Every rank's outcome of one try, in rank order (only this one outside a process group)."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    if dist is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return [outcome]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, outcome)
+    return gathered
+
+
+def load_newest_usable(urls: Iterable[str], load: Any, *, fallback: bool = True) -> tuple[str, Any]:
+    """``(url, load(url))`` for the first of `urls` (newest first) that loads on every rank; each skipped one is
+    logged as a WARNING with the reason, and left where it is.
+
+    Collective when a ``torch.distributed`` process group is up: every rank must call it with the same `urls`
+    (`find_resume_checkpoints` on global rank 0, broadcast), and after each try the ranks exchange their outcomes,
+    so all of them end on the same checkpoint. A try that failed on some rank with an error that makes the checkpoint
+    unusable (`is_unusable_checkpoint_error`) moves every rank to the next URL; any other failure is raised (on a
+    rank whose own load succeeded, as `ResumeFailedError`). `fallback=False`: only the first URL is tried (strict).
+    When no URL is left the last failure is raised, with a note naming the checkpoints skipped."""
+    urls = list(urls)
+    if not urls:
+        raise ValueError("load_newest_usable needs at least one checkpoint URL")
+    if not fallback:
+        urls = urls[:1]
+    skipped: list[str] = []
+    for index, url in enumerate(urls):
+        error: BaseException | None = None
+        result = None
+        try:
+            result = load(url)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            error = exc
+        outcome = None
+        if error is not None:
+            outcome = ("unusable" if is_unusable_checkpoint_error(error) else "error", _describe_failure(error))
+        outcomes = _gather_outcomes(outcome)
+        if all(o is None for o in outcomes):
+            if skipped:
+                logger.warning("Resumed from %s after skipping %d newer checkpoint(s): %s", url, len(skipped), skipped)
+            return url, result
+        failures = [(rank, o) for rank, o in enumerate(outcomes) if o is not None]
+        unusable = [(rank, o) for rank, o in failures if o[0] == "unusable"]
+        rank, (kind, reason) = (unusable or failures)[0]
+        if kind == "unusable" and index + 1 < len(urls):
+            logger.warning(
+                "Not resuming from %s: it does not verify or load on rank %d (%s). It is left in place (not deleted); "
+                "falling back to the next newest checkpoint, %s",
+                url,
+                rank,
+                reason,
+                urls[index + 1],
+            )
+            skipped.append(url)
+            continue
+        if error is None:
+            error = ResumeFailedError(f"Global rank {rank} could not load {url}: {reason}")
+        if skipped:
+            error.add_note(f"resume skipped these newer checkpoints, which do not verify or load: {skipped}")
+        if kind == "unusable" and not fallback:
+            error.add_note("resume_fallback is off (strict): older checkpoints were not tried")
+        raise error
+    raise AssertionError("unreachable")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -603,6 +782,7 @@ def check_resume(
     resume_from_checkpoint: str | os.PathLike[str] | None = None,
     *,
     s3_utils: _s3.S3Utils | None = None,
+    resume_fallback: bool = True,
 ) -> str | None:
     """NeMo's ``exp_manager.check_resume``: find the checkpoint to resume from and set ``trainer.ckpt_path``.
 
@@ -612,6 +792,9 @@ def check_resume(
       get the path by broadcast in `NeMoCheckpointConnector.resume_start` and `S3ModelCheckpoint.setup`.
       Local directories are searched on every rank, as in NeMo.
     * Errors as `find_resume_checkpoint`. NeMo's moving of old log files into ``run_N`` is not done here.
+    * `resume_fallback` (default True): if the checkpoint found does not verify or load when ``fit`` loads it, every
+      rank falls back to the next newest one that does (`find_resume_checkpoints`, `load_newest_usable`), with a
+      WARNING naming the one skipped and why; nothing is deleted. False: strict, the load error is raised as before.
 
     Also installs `NeMoCheckpointConnector` on a Lightning trainer (see `install_checkpoint_connector`), so the
     order of the two calls no longer matters. Returns the path set on this rank (None if none).
@@ -635,14 +818,16 @@ def check_resume(
                 "Rank %d: not listing %s; global rank 0 finds the checkpoint and broadcasts it", rank, directory
             )
         else:
-            found = find_resume_checkpoint(
+            found = find_resume_checkpoints(
                 directory,
                 resume_past_end=resume_past_end,
                 resume_ignore_no_checkpoint=resume_ignore_no_checkpoint,
                 s3_utils=s3_utils or _s3_utils_of_trainer(trainer),
+                fallbacks=resume_fallback,
             )
-            if found is not None:
-                checkpoint = found
+            if found:
+                checkpoint = found[0]
+                _set_resume_fallbacks(trainer, found[0], found[1:], resume_fallback)
             elif checkpoint is not None:
                 logger.warning("Training from resume_from_checkpoint=%s instead", checkpoint)
     if checkpoint is not None:
@@ -654,6 +839,15 @@ def check_resume(
 # --------------------------------------------------------------------------------------------------------------------
 # Lightning glue: the behaviour (plain mixins) ...
 # --------------------------------------------------------------------------------------------------------------------
+
+
+def _set_resume_fallbacks(trainer: Any, chosen: str, fallbacks: list[str], enabled: bool = True) -> None:
+    """Tell the trainer's `BroadcastResumeConnectorMixin` (if it has one) what to fall back to should `chosen` not
+    load; only the rank that ran discovery knows, ``resume_start`` broadcasts it."""
+    connector = getattr(trainer, "_checkpoint_connector", None)
+    if isinstance(connector, BroadcastResumeConnectorMixin):
+        connector.resume_fallback = enabled
+        connector.resume_fallbacks = {chosen: list(fallbacks)} if enabled else {}
 
 
 def _broadcast_from_rank_zero(trainer: Any, value: Any) -> Any:
@@ -700,23 +894,40 @@ class BroadcastResumeConnectorMixin:
       would each list the bucket), from one listing per `S3ModelCheckpoint` (newest modification time, Lightning's
       rule); the answer reaches the other ranks through ``resume_start``. If some candidate lives elsewhere (a local
       or plain ModelCheckpoint, an OnExceptionCheckpoint) Lightning's own resolution runs, still on rank 0 only.
+    * A checkpoint that discovery chose (`check_resume`, ``ckpt_path="last"``) and that does not verify or load on
+      some rank is skipped on every rank for the next newest (`load_newest_usable`), unless `resume_fallback` is off.
     """
 
     trainer: Any
+    resume_fallback: bool = True
+    """Fall back to the next newest checkpoint when the one discovery chose does not verify or load (`check_resume`
+    sets it from its ``resume_fallback``); only for checkpoints that discovery chose, never a ``ckpt_path`` given."""
+    resume_fallbacks: dict[str, list[str]] = {}  # noqa: RUF012 (replaced, never mutated)
+    """On the rank that ran discovery: the chosen checkpoint -> the ones to fall back to, newest first."""
 
     def resume_start(self, checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> None:
         trainer = self.trainer
-        chosen = _broadcast_from_rank_zero(trainer, checkpoint_path)
+        fallbacks = self.resume_fallbacks.get(checkpoint_path, []) if self.resume_fallback and checkpoint_path else []
+        chosen, fallbacks = _broadcast_from_rank_zero(trainer, (checkpoint_path, fallbacks))
         rank = getattr(trainer, "global_rank", 0)
         if chosen != checkpoint_path:
             logger.info("Rank %d: resuming from %s as chosen on rank 0 (was given %r)", rank, chosen, checkpoint_path)
         elif chosen:
             logger.info("Rank %d: resuming from checkpoint %s", rank, chosen)
         started = time.perf_counter()
-        with _ckpt_io.collective_resume(trainer):  # every rank loads `chosen` now: one download per node or job
-            super().resume_start(chosen, *args, **kwargs)  # type: ignore[misc]
-        if chosen:
-            logger.info("Rank %d: loaded %s in %.2f s", rank, chosen, time.perf_counter() - started)
+
+        def load(url: Any) -> None:
+            with _ckpt_io.collective_resume(trainer):  # every rank loads `url` now: one download per node or job
+                super(BroadcastResumeConnectorMixin, self).resume_start(url, *args, **kwargs)  # type: ignore[misc]
+
+        if not chosen:
+            load(chosen)
+            return
+        if fallbacks:
+            chosen, _ = load_newest_usable([chosen, *fallbacks], load)
+        else:
+            load(chosen)
+        logger.info("Rank %d: loaded %s in %.2f s", rank, chosen, time.perf_counter() - started)
 
     def _parse_ckpt_path(self, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
         if ckpt_path == "last" and _has_s3_checkpoint_dir(self.trainer):
@@ -726,7 +937,10 @@ class BroadcastResumeConnectorMixin:
                 return None
             sources = _last_checkpoint_sources(self.trainer)
             if sources is not None:
-                return _newest_last_checkpoint(self.trainer, sources, state_fn)
+                newest_first = _last_checkpoints_newest_first(self.trainer, sources, state_fn)
+                if newest_first:
+                    self.resume_fallbacks = {newest_first[0]: newest_first[1:]}
+                return newest_first[0] if newest_first else None
         return super()._parse_ckpt_path(  # type: ignore[misc]
             state_fn, ckpt_path, model_provided=model_provided, model_connected=model_connected
         )
@@ -744,8 +958,9 @@ def _last_checkpoint_sources(trainer: Any) -> list[S3ModelCheckpointMixin] | Non
     return sources
 
 
-def _newest_last_checkpoint(trainer: Any, sources: list[S3ModelCheckpointMixin], state_fn: Any) -> str | None:
-    """Lightning's rule for ``"last"`` (the most recently modified last checkpoint), from one listing per callback."""
+def _last_checkpoints_newest_first(trainer: Any, sources: list[S3ModelCheckpointMixin], state_fn: Any) -> list[str]:
+    """Lightning's rule for ``"last"`` (the most recently modified last checkpoint) first, from one listing per
+    callback, then the other last checkpoints in that order (fallbacks)."""
     times: dict[str, float] = {}
     for callback in sources:
         times.update(callback.last_checkpoint_times(trainer))
@@ -758,13 +973,17 @@ def _newest_last_checkpoint(trainer: Any, sources: list[S3ModelCheckpointMixin],
             UserWarning,
             stacklevel=2,
         )
-        return None
-    return _newest_url(times)
+        return []
+    return sorted(times, key=_newest_url_key(times), reverse=True)
+
+
+def _newest_url_key(times: dict[str, float]) -> Any:
+    """Lightning's "last": the newest modification time (then the higher step, then the URL)."""
+    return lambda url: (times[url], checkpoint_step(url.rpartition("/")[2]) or -1, url)
 
 
 def _newest_url(times: dict[str, float]) -> str:
-    """Lightning's "last": the newest modification time (then the higher step, then the URL)."""
-    return max(times, key=lambda url: (times[url], checkpoint_step(url.rpartition("/")[2]) or -1, url))
+    return max(times, key=_newest_url_key(times))
 
 
 def _normalize_dirpath(dirpath: Any) -> Any:
@@ -1227,7 +1446,13 @@ def build_s3_checkpointing(
 
     resume = {
         key: exp[key]
-        for key in ("resume_if_exists", "resume_past_end", "resume_ignore_no_checkpoint", "resume_from_checkpoint")
+        for key in (
+            "resume_if_exists",
+            "resume_past_end",
+            "resume_ignore_no_checkpoint",
+            "resume_from_checkpoint",
+            "resume_fallback",
+        )
         if exp.get(key) is not None
     }
     return S3Checkpointing(checkpoint_io, callback, resume=resume)

@@ -59,6 +59,7 @@ __all__ = [
     "prune_checkpoints",
     "remove_checkpoint",
     "remove_incomplete_checkpoint",
+    "resume_after_failures",
     "verify_checkpoint",
 ]
 
@@ -485,6 +486,24 @@ class CheckpointVerification:
 
 def _join(base: str, name: str) -> str:
     return base.rstrip("/") + "/" + name
+
+
+def resume_after_failures(
+    url: str, failed_urls: set[str], *, s3_utils: _s3.S3Utils | None = None
+) -> tuple[list[str], str | None]:
+    """What resume does in the directory `url` when the checkpoints `failed_urls` do not verify: the ones it skips,
+    newest first (`connector.find_resume_checkpoints` order), and the one it starts from (None when none is left).
+    Nothing is deleted: resume only skips them (docs/crash-safety.md)."""
+    order = _connector.find_resume_checkpoints(
+        url, resume_past_end=True, resume_ignore_no_checkpoint=True, s3_utils=s3_utils
+    )
+    failed = {failed_url.rstrip("/") for failed_url in failed_urls}
+    skipped: list[str] = []
+    for candidate in order:
+        if candidate.rstrip("/") not in failed:
+            return skipped, candidate
+        skipped.append(candidate)
+    return skipped, None
 
 
 def verify_checkpoint(

@@ -290,9 +290,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     single = _admin.checkpoint_entry(url, s3_utils=s3)
     entries = [single] if single is not None else _targets(s3, url, recursive=args.recursive)
     failed = 0
+    failed_urls: set[str] = set()
     for entry in entries:
         if entry.is_dcp:
-            failed += not _verify_dcp(s3, entry, args)
+            if not _verify_dcp(s3, entry, args):
+                failed += 1
+                failed_urls.add(entry.url.rstrip("/"))
             continue
         # One verified download per checkpoint: it finds the recorded checksum itself and says which one matched.
         with _Progress(entry.size, f"verify {entry.name}", args.progress) as bar:
@@ -307,6 +310,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             except _s3.ChecksumMismatchError as exc:
                 print(f"FAILED    {entry.url}: {exc}")
                 failed += 1
+                failed_urls.add(entry.url)
                 continue
         if verified is None and not args.allow_unverified:
             print(f"FAILED    {entry.url}: no checksum was recorded for it (written by another tool?)")
@@ -314,10 +318,27 @@ def cmd_verify(args: argparse.Namespace) -> int:
             continue
         checksum = str(verified) if verified else "size only (no checksum recorded)"
         print(f"OK        {entry.url}  {human_size(size)}  {checksum}")
+    if single is None and failed_urls:
+        _print_resume_fallback(s3, url, failed_urls)
     if failed:
         print(f"{PROG}: error: {failed} of {len(entries)} checkpoint(s) failed verification", file=sys.stderr)
         return EXIT_VERIFY_FAILED
     return EXIT_OK
+
+
+def _print_resume_fallback(s3: _s3.S3Utils, url: str, failed_urls: set[str]) -> None:
+    """Say what resume does in `url` given the checkpoints that failed: which it skips and where it starts."""
+    try:
+        skipped, start = _admin.resume_after_failures(url, failed_urls, s3_utils=s3)
+    except Exception as exc:  # the verification report stands on its own
+        logger.debug("No resume report for %s: %r", url, exc)
+        return
+    for candidate in skipped:
+        print(f"SKIPPED   {candidate}: resume would skip it (it does not verify; it is not deleted)")
+    if start is None and skipped:
+        print(f"RESUME    no checkpoint in {url} that resume could start from verifies")
+    elif skipped:
+        print(f"RESUME    resume skips the newer checkpoint(s) above that failed and starts from {start}")
 
 
 def _verify_dcp(s3: _s3.S3Utils, entry: _admin.CheckpointEntry, args: argparse.Namespace) -> bool:

@@ -1472,8 +1472,12 @@ class ChecksumMismatchError(IOError):
     """The bytes read from S3 do not match the checksum recorded when the object was written."""
 
 
-CHECKSUM_SOURCES = ("s3", "sidecar")
-"""Where a checksum can be recorded: by the store itself ("s3"), or by this package in a sidecar object."""
+CHECKSUM_SOURCES = ("s3", "metadata", "sidecar")
+"""Where a checksum can be recorded: by the store itself ("s3"), in the object's user metadata written with it by
+this package ("metadata", single-PUT objects), or by this package in a sidecar object."""
+CHECKSUM_METADATA_KEY = "s3ckpt-checksum"
+"""The user-metadata key (``x-amz-meta-s3ckpt-checksum``) under which a single PUT carries its checksum:
+``"<ALGORITHM> <value>"``."""
 
 
 @dataclass(frozen=True)
@@ -1485,8 +1489,9 @@ class RecordedChecksum:
     value: str
     """The checksum as S3 spells it (base64 of the big-endian bytes)."""
     source: str
-    """``"s3"``: the store keeps it with the object (a HEAD returns it); ``"sidecar"``: the store ignored it, so this
-    package recorded it in ``<key>.s3ckpt-checksum.json`` beside the object, bound to the object's size and ETag."""
+    """``"s3"``: the store keeps it with the object (a HEAD returns it); ``"metadata"``: the object's user metadata
+    carries it (written in the same PUT); ``"sidecar"``: the store ignored it, so this package recorded it in
+    ``<key>.s3ckpt-checksum.json`` beside the object, bound to the object's size and ETag."""
 
     def __str__(self) -> str:
         return f"{self.algorithm} {self.value} ({self.source})"
@@ -1494,6 +1499,14 @@ class RecordedChecksum:
 
 _MULTIPART_ETAG = re.compile(r'-\d+"?$')
 """The ETag of an object made by a multipart upload: ``"<md5 of the part md5s>-<part count>"``."""
+
+
+_CHECKSUM_ENTRY_FIELDS = {"algorithm": str, "checksum": str, "size": int, "etag": str}
+
+
+def _is_checksum_entry(entry: Any) -> bool:
+    """Whether `entry` is a well-formed checksum entry of a record (its fields of their types)."""
+    return isinstance(entry, dict) and all(isinstance(entry.get(k), t) for k, t in _CHECKSUM_ENTRY_FIELDS.items())
 
 
 class _ChecksumRecords:
@@ -1508,8 +1521,20 @@ class _ChecksumRecords:
         self._utils = utils
 
     def expected(self, info: S3ObjectInfo) -> RecordedChecksum | None:
-        """The record a download of `info` is verified against: the store's, else the sidecar, else None."""
-        return self.native(info) or self.sidecar(info)
+        """The record a download of `info` is verified against: the store's, else the one its metadata carries, else
+        the sidecar, else None."""
+        return self.native(info) or self.carried(info) or self.sidecar(info)
+
+    @staticmethod
+    def carried(info: S3ObjectInfo) -> RecordedChecksum | None:
+        """The checksum the object's user metadata carries (`CHECKSUM_METADATA_KEY`), if any (and readable)."""
+        algorithm, _, value = info.metadata.get(CHECKSUM_METADATA_KEY, "").partition(" ")
+        if not value:
+            return None
+        try:
+            return RecordedChecksum(ChecksumAlgorithm.named(algorithm).name, value, "metadata")
+        except (ValueError, MissingOptionalDependencyError):
+            return None
 
     @staticmethod
     def native(info: S3ObjectInfo) -> RecordedChecksum | None:
@@ -1543,25 +1568,43 @@ class _ChecksumRecords:
     def sidecar(self, info: S3ObjectInfo) -> RecordedChecksum | None:
         """The checksum recorded beside the object, if any; ChecksumMismatchError if that record is unusable or
         belongs to an older object at the same key (a record is never silently ignored)."""
-        sidecar = self._read_sidecar(info)
-        if sidecar is None:
-            return None
-        fields = {"algorithm": str, "checksum": str, "size": int, "etag": str}
-        if any(not isinstance(sidecar.get(k), t) for k, t in fields.items()):
+        entries = self.sidecar_entries(info)
+        return entries[0] if entries else None
+
+    def sidecar_entries(self, info: S3ObjectInfo) -> list[RecordedChecksum]:
+        """Every checksum the record beside the object may hold for it, the one bound to its ETag first.
+
+        A record is bound to one object by its size and ETag once that object is committed. Before a commit the
+        writer records the checksum it is about to commit unbound (``"etag": ""``), keeping the entries of the
+        objects the key may still hold in ``"earlier"`` (see `S3MultipartWriter`, "Crash safety"): an unbound entry
+        of the object's size is a candidate that only the bytes can confirm (`check`)."""
+        record = self._read_sidecar(info)
+        if record is None:
+            return []
+        entries = [record, *(record.get("earlier") or [])] if isinstance(record.get("earlier", []), list) else []
+        if not entries or not all(map(_is_checksum_entry, entries)):
             raise ChecksumMismatchError(
                 f"The checksum record of {info.url} ({info.key}{CHECKSUM_SIDECAR_SUFFIX}) is malformed: "
                 "refusing to load an unverified object; delete the record only if you trust the object"
             )
-        if sidecar["etag"] != info.etag or sidecar["size"] != info.size:
+        bound = [e for e in entries if e["etag"] and e["etag"] == info.etag and e["size"] == info.size]
+        unbound = [e for e in entries if not e["etag"] and e["size"] == info.size]
+        if not bound and not unbound:
             raise ChecksumMismatchError(
                 f"{info.url} was replaced after its checksum was recorded (size/ETag {info.size}/{info.etag}, "
-                f"recorded {sidecar['size']}/{sidecar['etag']}): refusing to load an unverified object"
+                f"recorded {record['size']}/{record['etag'] or 'not yet committed'}): refusing to load an "
+                "unverified object"
             )
-        try:
-            algorithm = ChecksumAlgorithm.named(sidecar["algorithm"])
-        except ValueError as exc:
-            raise ChecksumMismatchError(f"The checksum record of {info.url} names an unknown algorithm: {exc}") from exc
-        return RecordedChecksum(algorithm.name, sidecar["checksum"], "sidecar")
+        found = []
+        for entry in bound[:1] or unbound:
+            try:
+                algorithm = ChecksumAlgorithm.named(entry["algorithm"])
+            except ValueError as exc:
+                raise ChecksumMismatchError(
+                    f"The checksum record of {info.url} names an unknown algorithm: {exc}"
+                ) from exc
+            found.append(RecordedChecksum(algorithm.name, entry["checksum"], "sidecar"))
+        return found
 
     def check(
         self, info: S3ObjectInfo, target: DownloadedObject, expected: RecordedChecksum, actual: int
@@ -1573,15 +1616,21 @@ class _ChecksumRecords:
         if actual_text == expected.value:
             return expected
         mismatch = f"its {expected.algorithm} is {actual_text}, but {expected.value} was recorded ({expected.source})"
+        others = self.sidecar_entries(info)
         if expected.source == "s3":
-            sidecar = self.sidecar(info)
-            if sidecar is not None:
-                sidecar_algorithm = ChecksumAlgorithm.named(sidecar.algorithm)
+            others = [c for c in [self.carried(info)] if c is not None] + others
+        elif expected.source == "sidecar":
+            others = others[1:]
+        for other in others:
+            other_algorithm = ChecksumAlgorithm.named(other.algorithm)
+            if other_algorithm.name == algorithm.name:
+                other_actual = actual_text
+            else:
                 with target.view() as view:
-                    sidecar_actual = sidecar_algorithm.encode(checksum_of(sidecar_algorithm, view))
-                if sidecar_actual == sidecar.value:
-                    return sidecar
-                mismatch = f"its {sidecar.algorithm} is {sidecar_actual}, but {sidecar.value} was recorded"
+                    other_actual = other_algorithm.encode(checksum_of(other_algorithm, view))
+            if other_actual == other.value:
+                return other
+            mismatch = f"its {other.algorithm} is {other_actual}, but {other.value} was recorded ({other.source})"
         raise ChecksumMismatchError(
             f"{info.url} is corrupt: {mismatch}. Do not use it; restore it from another copy or use an older one."
         )
@@ -1592,6 +1641,35 @@ class _ChecksumRecords:
         body = json.dumps(record, sort_keys=True).encode()
         self._utils.call(
             "put_object", _urls.build_s3_url(bucket, sidecar_key), Bucket=bucket, Key=sidecar_key, Body=body
+        )
+
+    def write_pending(self, bucket: str, key: str, algorithm: str, checksum: str, size: int) -> bool:
+        """Before a commit: record the checksum of the object about to be committed at ``bucket/key``, unbound
+        (its ETag is known only after the commit), keeping the entries of the objects the key may still hold (the
+        current one, and those of commits a kill may have cut short) under ``"earlier"``. Returns whether the key had
+        a record before."""
+        url = _urls.build_s3_url(bucket, key)
+        earlier: list[Any] = []
+        try:
+            current = self._read_sidecar(S3ObjectInfo(bucket, key, size))
+        except ChecksumMismatchError:  # a malformed record describes nothing: the new one replaces it
+            logger.warning("%s: replacing its malformed checksum record", url)
+            current = None
+        if current is not None:
+            previous = current.get("earlier")
+            earlier = [{k: current.get(k) for k in _CHECKSUM_ENTRY_FIELDS}]
+            if not current.get("etag") and isinstance(previous, list):
+                earlier += previous  # the key holds one of these, or the unbound one: keep them all
+            earlier = [entry for entry in earlier if _is_checksum_entry(entry)]
+        record = {"algorithm": algorithm, "checksum": checksum, "size": size, "etag": "", "earlier": earlier[:8]}
+        self.write_sidecar(bucket, key, record)
+        return current is not None
+
+    def remove_sidecar(self, bucket: str, key: str) -> None:
+        """Delete the record beside ``bucket/key`` (missing is fine)."""
+        sidecar_key = key + CHECKSUM_SIDECAR_SUFFIX
+        self._utils.call(
+            "delete_object", _urls.build_s3_url(bucket, sidecar_key), Bucket=bucket, Key=sidecar_key
         )
 
     def _read_sidecar(self, info: S3ObjectInfo) -> dict[str, Any] | None:
@@ -1630,6 +1708,8 @@ class S3ObjectInfo:
     last_modified: Any = None  # datetime.datetime
     checksums: dict[str, str] = field(default_factory=dict)
     checksum_type: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    """User metadata (``x-amz-meta-*``, without the prefix), as a HEAD returns it; empty from listings."""
 
     @property
     def url(self) -> str:
@@ -2014,6 +2094,7 @@ class S3Utils:
                 name: response[name] for name in response if name.startswith("Checksum") and name != "ChecksumType"
             },
             checksum_type=response.get("ChecksumType"),
+            metadata=dict(response.get("Metadata") or {}),
         )
 
     @_ClassOrInstanceMethod
@@ -3045,6 +3126,34 @@ class _WriterState(enum.Enum):
     ABORTED = "aborted"  # nothing became visible; the multipart upload, if any, was aborted
 
 
+# Crash safety: a checksum record never lags its object. A single PUT carries its checksum in the object's user
+# metadata. A store that keeps the full-object checksum sent with the commit (S3) needs no record; for a multipart
+# upload to one that does not (or is not yet known to), the writer records the checksum
+# *before* the commit, unbound (`_ChecksumRecords.write_pending`), then binds it to the committed ETag. A kill between
+# any two requests leaves the previous object verifiable by the entry kept for it, or the new object verifiable by
+# the unbound entry of its size (checked against its bytes). Which stores keep checksums is learned per process from
+# commit answers, per endpoint, bucket and kind of commit.
+
+_CHECKSUM_KEEPING: dict[tuple[str, str, str], bool] = {}
+_CHECKSUM_KEEPING_LOCK = threading.Lock()
+
+
+def _checksum_keeping_key(utils: S3Utils, bucket: str, kind: str) -> tuple[str, str, str]:
+    endpoint = getattr(getattr(utils.client, "meta", None), "endpoint_url", "") or ""
+    return (str(endpoint), bucket, kind)
+
+
+def _keeps_checksums(utils: S3Utils, bucket: str, kind: str) -> bool:
+    """Whether the last commit of this kind to this bucket came back with the checksum the store keeps."""
+    with _CHECKSUM_KEEPING_LOCK:
+        return _CHECKSUM_KEEPING.get(_checksum_keeping_key(utils, bucket, kind), False)
+
+
+def _remember_checksum_keeping(utils: S3Utils, bucket: str, kind: str, keeps: bool) -> None:
+    with _CHECKSUM_KEEPING_LOCK:
+        _CHECKSUM_KEEPING[_checksum_keeping_key(utils, bucket, kind)] = keeps
+
+
 class S3MultipartWriter(io.RawIOBase):
     """A binary stream whose bytes go to one S3 object while they are written (``torch.save(obj, writer)``).
 
@@ -3118,6 +3227,8 @@ class S3MultipartWriter(io.RawIOBase):
         self._failed_part: Future[_UploadedPart] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._fence = fence
+        self._commit_kind = ""  # "put" or "multipart" (-unchecked where the store refused its checksum), at commit
+        self._wrote_pending = False
         self._state = _WriterState.OPEN
         self.info: S3ObjectInfo | None = None
         """Set by `close()`: the committed object's size, ETag and checksum."""
@@ -3445,12 +3556,18 @@ class S3MultipartWriter(io.RawIOBase):
         stored = response.get(self._algorithm.response_field)
         if stored is not None and stored != checksum:
             raise ChecksumMismatchError(f"S3 stored checksum {stored} for {self.url}, but {checksum} was uploaded")
+        _remember_checksum_keeping(self._utils, self.bucket, self._commit_kind, stored is not None)
         if stored is None:  # the store ignored the checksum: record it ourselves, bound to this exact object
             self._records.write_sidecar(
                 self.bucket,
                 self.key,
                 {"algorithm": self._algorithm.name, "checksum": checksum, "size": self._size, "etag": etag},
             )
+        elif self._wrote_pending:  # the store keeps it: the unbound record written before the commit is not needed
+            try:
+                self._records.remove_sidecar(self.bucket, self.key)
+            except Exception as exc:  # harmless where it stays: the store's checksum comes first
+                logger.debug("%s: could not remove its unneeded checksum record: %r", self.url, exc)
         self.info = S3ObjectInfo(
             self.bucket, self.key, self._size, etag, checksums={self._algorithm.response_field: checksum}
         )
@@ -3471,7 +3588,9 @@ class S3MultipartWriter(io.RawIOBase):
         pieces = _piece_checksums(self._algorithm, body, [cut for cut in self._cuts if cut < self._filled])
         self._keep_pieces(pieces)
         checksum = self._algorithm.encode(combine_checksums(self._algorithm, pieces))
+        self._commit_kind = "put"
         response = self._commit(
+            checksum,
             lambda conditions: self._utils.with_retries(  # each attempt reads the body from its start
                 lambda: self._utils.client.put_object(
                     Bucket=self.bucket,
@@ -3479,6 +3598,7 @@ class S3MultipartWriter(io.RawIOBase):
                     Body=_BufferReader(body, _SEND_BLOCK) if len(buffer) else b"",
                     ChecksumAlgorithm=self._algorithm.name,
                     **{self._algorithm.response_field: checksum},
+                    Metadata={CHECKSUM_METADATA_KEY: f"{self._algorithm.name} {checksum}"},
                     **conditions,
                 ),
                 "put_object",
@@ -3504,7 +3624,9 @@ class S3MultipartWriter(io.RawIOBase):
         extra: dict[str, Any] = {}
         if self._native_checksums:
             extra = {self._algorithm.response_field: checksum, "ChecksumType": "FULL_OBJECT"}
+        self._commit_kind = "multipart" if self._native_checksums else "multipart-unchecked"
         response = self._commit(
+            checksum,
             lambda conditions: self._utils.call(
                 "complete_multipart_upload",
                 self.url,
@@ -3521,27 +3643,53 @@ class S3MultipartWriter(io.RawIOBase):
         self._pool.shutdown(wait=False)
         return response, checksum
 
-    def _commit(self, request: Callable[[dict[str, str]], dict[str, Any]]) -> dict[str, Any]:
+    def _commit(self, checksum: str, request: Callable[[dict[str, str]], dict[str, Any]]) -> dict[str, Any]:
         """Send the request that makes the object visible (`request(conditions)`), fenced when there is a fence: its
         run must still own the directory, and the object must still be what this run last left at the key
         (``If-Match``/``If-None-Match``). A failed condition is settled by the fence: another run took the
         directory over (CheckpointDirectoryTakenError), or this run still owns it and the commit is sent again
         without the condition (a writer outside the fence changed the key, or an earlier attempt of this request
-        succeeded)."""
+        succeeded). A single PUT carries its checksum in its metadata too; for a multipart upload, unless the store is
+        known to keep the object's checksum itself, the checksum record is written first
+        (`_ChecksumRecords.write_pending`): no instant shows the object without one."""
         fence = self._fence
-        if fence is None:
-            return request({})
-        fence.before_mutation(self.url, "save")
-        conditions = fence.conditions(self.key)
+        if fence is not None:
+            fence.before_mutation(self.url, "save")  # a stale run writes nothing, not even the record
+        had_record = True
+        if self._commit_kind != "put" and not _keeps_checksums(self._utils, self.bucket, self._commit_kind):
+            had_record = self._records.write_pending(self.bucket, self.key, self._algorithm.name, checksum, self._size)
+            self._wrote_pending = True
         try:
-            response = request(conditions)
-        except Exception as exc:
-            if not (conditions and _precondition_failed(exc, conditions)):
-                raise
-            fence.precondition_failed(self.url, self.key, exc)
-            response = request({})
+            if fence is not None and self._wrote_pending:
+                # once more right before the commit: the gap after a check is where a stale run slips through
+                fence.before_mutation(self.url, "save")
+            if fence is None:
+                return request({})
+            conditions = fence.conditions(self.key)
+            try:
+                response = request(conditions)
+            except Exception as exc:
+                if not (conditions and _precondition_failed(exc, conditions)):
+                    raise
+                fence.precondition_failed(self.url, self.key, exc)
+                response = request({})
+        except BaseException:
+            if not had_record:
+                self._forget_pending_record()
+            raise
         fence.committed(self.key, response.get("ETag", ""))
         return response
+
+    def _forget_pending_record(self) -> None:
+        """After a failed commit to a key that had no record: remove the record written for it, unless an object is
+        there after all (a commit whose answer was lost may have succeeded: the record then vouches for it)."""
+        try:
+            self._utils.head_object(self.url)
+        except FileNotFoundError:
+            with contextlib.suppress(Exception):
+                self._records.remove_sidecar(self.bucket, self.key)
+        except Exception as exc:  # the record stays: harmless, the next save at this key replaces it
+            logger.debug("%s: kept the checksum record of a failed commit: %r", self.url, exc)
 
 
 # --------------------------------------------------------------------------------------------------------------------

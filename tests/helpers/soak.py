@@ -1,0 +1,360 @@
+"""The kill-and-relaunch soak (issue 33, item 4): tests/test_soak.py runs it short, benchmarks/bench_soak.py long.
+
+A launch is two ranks of `soak_worker` (gloo) under a torchrun-style environment: ``TORCHELASTIC_RUN_ID`` fixed for
+the job, ``TORCHELASTIC_RESTART_COUNT`` the launch number, ``RANK`` / ``LOCAL_RANK`` / ``GROUP_RANK`` / ``WORLD_SIZE``
+/ ``LOCAL_WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``. Every launch talks to S3 through a `FaultProxy` injecting
+503 SlowDown, connection resets (also on commits) and stalled answers at random. Each launch but the last is
+SIGKILLed at a random instant: while it resumes, or while it trains and saves (uploads, commits, record writes,
+removals and the "-last" clean-up all run then). Sometimes the launch is not killed but stopped (SIGSTOP) and left
+as a straggler: the relaunch starts, saves, and only then the straggler continues (SIGCONT) for a while before it is
+killed. The last launch trains a few steps to the end.
+
+Checked after every relaunch (a failure is counted and described, never raised, so a benchmark reports them all):
+* every rank resumed from the same checkpoint, and its weights equal the closed form for its step bit for bit;
+* the resumed step is not older than the newest "-last" save any killed launch reported durable;
+* a straggler, once continued, committed, removed or took over nothing (no successful commit, DeleteObjects or
+  owner-record PUT from its processes after SIGCONT, as the proxy saw them);
+and at the end: ``s3-checkpoint-io gc --yes`` aborts every multipart upload the kills left open (none remain).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fault_proxy import Fault, FaultProxy, FaultRule
+
+from s3_local_servers import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parent / "soak_worker.py"
+WORLD = 2
+_LAUNCHER_VARIABLES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_")
+_RANK_VARIABLES = {"RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE"}
+
+
+def weights(step: int, numel: int) -> Any:
+    """The job's weights at `step`: a pure function of the step (float32, `numel` values)."""
+    import torch  # only here: the harness itself runs without torch
+
+    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 + step))
+
+
+@dataclass
+class SoakConfig:
+    mode: str = "single"
+    """``"single"`` (async S3CheckpointIO, global rank 0 saves) or ``"dcp"`` (every rank, dcp.save)."""
+    kills: int = 3
+    straggler_probability: float = 0.25
+    straggler_launches: tuple[int, ...] | None = None
+    """Which launches are left as stragglers (instead of `straggler_probability`; tests pick them)."""
+    early_kill_probability: float = 0.2
+    """How often the kill falls while the launch resumes (after discovery, during the load)."""
+    kill_window_s: tuple[float, float] = (0.2, 2.5)
+    """A kill during training falls this long after the launch resumed (uniform)."""
+    final_steps: int = 4
+    mib: float = 6.0
+    step_s: float = 0.05
+    faults: bool = True
+    seed: int = 0
+    launch_timeout_s: float = 180.0
+
+
+@dataclass
+class SoakReport:
+    mode: str
+    kills: int = 0
+    stragglers: int = 0
+    early_kills: int = 0
+    resumes: int = 0
+    fresh_starts: int = 0
+    fallbacks: int = 0
+    """Resumes that skipped a newer checkpoint (it did not verify or load)."""
+    steps_lost: list[int] = field(default_factory=list)
+    """Per kill: the newest step the killed launch reached minus the step the relaunch resumed from."""
+    faults_injected: int = 0
+    faults_by_kind: dict[str, int] = field(default_factory=dict)
+    requests: int = 0
+    uploads_left_open: int = 0
+    uploads_aborted_by_gc: int = 0
+    uploads_after_gc: int = 0
+    failures: list[str] = field(default_factory=list)
+    straggler_changes: list[str] = field(default_factory=list)
+    """What stragglers changed of the relaunch's objects after they continued (the relaunch's resume then has to
+    skip the damaged checkpoint); kept apart from `failures`, see benchmarks/soak.md."""
+    seconds: float = 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+class Launch:
+    """The two rank processes of one launch and the events they print."""
+
+    def __init__(self, number: int, env: dict[str, str], argv: list[str], log_dir: Path) -> None:
+        self.number = number
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.seen: list[dict[str, Any]] = []
+        self.procs: list[subprocess.Popen[str]] = []
+        port = str(free_port())
+        for rank in range(WORLD):
+            rank_env = dict(
+                env,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                GROUP_RANK="0",
+                NODE_RANK="0",
+                WORLD_SIZE=str(WORLD),
+                LOCAL_WORLD_SIZE=str(WORLD),
+                MASTER_PORT=port,
+                TORCHELASTIC_RESTART_COUNT=str(number),
+            )
+            log = open(log_dir / f"launch{number}-rank{rank}.log", "wb")
+            proc = subprocess.Popen(
+                [sys.executable, str(WORKER), *argv], stdout=subprocess.PIPE, stderr=log, env=rank_env, text=True,
+                cwd=REPO,
+            )
+            log.close()
+            self.procs.append(proc)
+            threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                if isinstance(event, dict):
+                    event["t"] = time.monotonic()
+                    self.events.put(event)
+
+    def drain(self) -> list[dict[str, Any]]:
+        while True:
+            try:
+                self.seen.append(self.events.get_nowait())
+            except queue.Empty:
+                return self.seen
+
+    def wait_for(self, predicate: Any, timeout: float) -> dict[str, Any] | None:
+        """The first event (seen or to come) matching `predicate`, or None after `timeout` or once both ranks exited."""
+        deadline = time.monotonic() + timeout
+        for event in self.drain():
+            if predicate(event):
+                return event
+        while time.monotonic() < deadline:
+            try:
+                event = self.events.get(timeout=0.05)
+            except queue.Empty:
+                if all(proc.poll() is not None for proc in self.procs) and self.events.empty():
+                    return None
+                continue
+            self.seen.append(event)
+            if predicate(event):
+                return event
+        return None
+
+    def signal(self, signum: int) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signum)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGCONT)  # a stopped process dies on SIGKILL too, but let it read nothing more
+        self.signal(signal.SIGKILL)
+        for proc in self.procs:
+            proc.wait(timeout=30)
+
+    def newest(self, event: str) -> int:
+        steps = [e["step"] for e in self.drain() if e.get("event") == event]
+        return max(steps, default=0)
+
+
+def launch_environment(server_env: dict[str, str], run_id: str, **extra: str) -> dict[str, str]:
+    """The environment of a launch's ranks (`Launch` adds each rank's own): this process's without any launcher's
+    variables, the store's keys, the repository on PYTHONPATH, torchrun's job id."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_VARIABLES) and k not in _RANK_VARIABLES}
+    env.update(server_env)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        MASTER_ADDR="127.0.0.1",
+        OMP_NUM_THREADS="1",
+        TORCHELASTIC_RUN_ID=run_id,
+        S3CKPT_PACER_SHARING="0",
+    )
+    env.update(extra)
+    return env
+
+
+def _fault_rules(seed: int) -> list[FaultRule]:
+    """503s, resets and stalled answers on uploads, commits and reads, at random (reproducibly)."""
+    return [
+        FaultRule(Fault.slow_down(), method="PUT", probability=0.03, seed=seed + 1),
+        FaultRule(Fault.status(503, "ServiceUnavailable"), method="GET", probability=0.02, seed=seed + 2),
+        FaultRule(Fault.reset_before_response(), method="PUT", query="partNumber=", probability=0.02, seed=seed + 3),
+        FaultRule(Fault.reset_before_response(), method="POST", query="uploadId=", probability=0.05, seed=seed + 4),
+        FaultRule(Fault.stall(0.3), method="HEAD", probability=0.02, seed=seed + 5),
+        FaultRule(Fault.slow_down(), method="POST", query="delete", probability=0.05, seed=seed + 6),
+    ]
+
+
+def _is_mutation(request: Any, straggler_agent: str) -> bool:
+    """A successful request of the straggler that changed what the relaunch sees: a commit (a PUT of an object that
+    is not a checksum record, or CompleteMultipartUpload), a DeleteObjects/DeleteObject, or an owner-record PUT."""
+    if straggler_agent not in request.user_agent or request.status is None or not 200 <= request.status < 300:
+        return False
+    if request.method == "PUT" and "partNumber=" not in request.query:
+        return not request.path.endswith(".s3ckpt-checksum.json")
+    if request.method == "POST" and ("uploadId=" in request.query or "delete" in request.query):
+        return True
+    return request.method == "DELETE" and "uploadId=" not in request.query
+
+
+def run_soak(
+    server_env: dict[str, str], endpoint_url: str, bucket: str, prefix: str, config: SoakConfig, log_dir: Path
+) -> SoakReport:
+    """Run the soak against the store at `endpoint_url` (keys in `server_env`); see the module docstring."""
+    import boto3  # only here: the helper module imports without the S3 extra
+
+    import s3_checkpoint_cli
+
+    started = time.monotonic()
+    report = SoakReport(config.mode)
+    rng = random.Random(config.seed)
+    base = f"s3://{bucket}/{prefix.strip('/')}"
+    env = launch_environment(server_env, f"soak-{config.mode}-{config.seed}")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with FaultProxy(endpoint_url) as proxy:
+        fault_rules = _fault_rules(config.seed) if config.faults else []
+        for rule in fault_rules:
+            proxy.add_rule(rule)
+        env["AWS_ENDPOINT_URL_S3"] = proxy.endpoint_url
+        floor = 0  # the newest "-last" step any killed launch reported durable
+        progress = 0  # the newest step any launch reached
+        straggler: Launch | None = None
+        for number in range(config.kills + 1):
+            final = number == config.kills
+            argv = [base, config.mode, str(10**6), "--mib", str(config.mib), "--step-s", str(config.step_s)]
+            if final:
+                argv += ["--more", str(config.final_steps)]
+            launch = Launch(number, env, argv, log_dir)
+            stays = (
+                number in config.straggler_launches
+                if config.straggler_launches is not None
+                else rng.random() < config.straggler_probability
+            )
+            early = not final and not stays and straggler is None and rng.random() < config.early_kill_probability
+            if early:  # kill it while it loads: after discovery, at a random instant of the load
+                if launch.wait_for(lambda e: e.get("event") == "resuming", config.launch_timeout_s) is None:
+                    report.failures.append(f"launch {number} did not start resuming: {_errors(launch)}")
+                time.sleep(rng.uniform(0.0, 0.3))
+                report.early_kills += 1
+            else:
+                _check_resume(launch, config, report, floor, progress)
+            if straggler is not None:
+                _release_straggler(straggler, launch, proxy, config, report)
+                straggler = None
+            if final:
+                done = launch.wait_for(lambda e: e.get("event") == "done" and e["rank"] == 0, config.launch_timeout_s)
+                if done is None:
+                    report.failures.append(f"launch {number}: the final launch did not finish: {_errors(launch)}")
+                launch.kill()
+                break
+            if not early:
+                time.sleep(rng.uniform(*config.kill_window_s))
+            errors = _errors(launch)
+            if errors:
+                report.failures.append(f"launch {number} failed before its kill: {errors}")
+            if stays:
+                launch.signal(signal.SIGSTOP)
+                straggler = launch
+                report.stragglers += 1
+            else:
+                launch.kill()
+            report.kills += 1
+            floor = max(floor, launch.newest("durable"))
+            progress = max(progress, launch.newest("step"), launch.newest("durable"))
+        report.faults_injected = sum(rule.fired for rule in fault_rules)
+        for request in proxy.requests:
+            if request.fault:
+                kind = request.fault.split(":")[0]
+                report.faults_by_kind[kind] = report.faults_by_kind.get(kind, 0) + 1
+        report.requests = len(proxy.requests)
+    client = boto3.client("s3", endpoint_url=endpoint_url)
+    open_uploads = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
+    report.uploads_left_open = len(open_uploads)
+    time.sleep(1.1)  # gc aborts only what is older than --older-than (1 s), by the store's clock
+    with contextlib.redirect_stdout(open(os.devnull, "w")):
+        code = s3_checkpoint_cli.main(["gc", base, "--older-than", "1s", "--yes", "--incomplete-dcp"])
+    if code != 0:
+        report.failures.append(f"gc exited {code}")
+    left = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
+    report.uploads_after_gc = len(left)
+    report.uploads_aborted_by_gc = report.uploads_left_open - len(left)
+    if left:
+        report.failures.append(f"gc left {len(left)} open upload(s): {[u['Key'] for u in left]}")
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _errors(launch: Launch) -> list[str]:
+    return [f"rank {e['rank']}: {e['type']}: {e['message'][:300]}" for e in launch.drain() if e.get("event") == "error"]
+
+
+def _check_resume(launch: Launch, config: SoakConfig, report: SoakReport, floor: int, progress: int) -> None:
+    """Wait for both ranks' "resumed" events and check them."""
+    resumed = []
+    for rank in range(WORLD):
+        event = launch.wait_for(
+            lambda e, r=rank: e.get("event") == "resumed" and e["rank"] == r, config.launch_timeout_s
+        )
+        if event is None:
+            report.failures.append(f"launch {launch.number}: rank {rank} did not resume: {_errors(launch)}")
+            return
+        resumed.append(event)
+    steps = {e["step"] for e in resumed}
+    urls = {e["url"] for e in resumed}
+    step = resumed[0]["step"]
+    if len(steps) > 1 or len(urls) > 1:
+        report.failures.append(f"launch {launch.number}: the ranks resumed from different checkpoints: {resumed}")
+    if not all(e["exact"] for e in resumed):
+        report.failures.append(f"launch {launch.number}: resumed weights differ from the closed form at step {step}")
+    if step < floor:
+        report.failures.append(
+            f"launch {launch.number}: resumed from step {step}, older than step {floor} a killed launch saw durable"
+        )
+    if resumed[0]["url"] is None:
+        report.fresh_starts += 1
+    else:
+        report.resumes += 1
+    report.fallbacks += any(e["skipped"] for e in resumed)
+    if launch.number:
+        report.steps_lost.append(max(0, progress - step))
+
+
+def _release_straggler(
+    straggler: Launch, relaunch: Launch, proxy: FaultProxy, config: SoakConfig, report: SoakReport
+) -> None:
+    """Once the relaunch has saved, let the straggler run for a while, then kill it; count what it changed."""
+    saved = relaunch.wait_for(lambda e: e.get("event") == "durable", config.launch_timeout_s)
+    if saved is None:
+        report.failures.append(f"launch {relaunch.number} saved nothing while a straggler waited: {_errors(relaunch)}")
+    mark = len(proxy.requests)
+    straggler.signal(signal.SIGCONT)
+    time.sleep(1.5)
+    straggler.kill()
+    agent = f"soak-launch-{straggler.number}"
+    changed = [r for r in proxy.requests[mark:] if _is_mutation(r, agent)]
+    if changed:
+        described = [f"{r.method} {r.path}?{r.query} -> {r.status}" for r in changed[:5]]
+        report.straggler_changes.append(f"straggler launch {straggler.number} changed: {described}")

@@ -1,0 +1,165 @@
+"""One rank of the kill-and-relaunch soak job (tests/helpers/soak.py starts it; issue 33, item 4).
+
+    python soak_worker.py DIR_URL MODE STEPS [--mib M] [--step-s S]
+
+Runs under a launcher's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``GROUP_RANK``, ``MASTER_ADDR``/
+``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``), one gloo process group. The job is
+deterministic: the weights at step ``s`` are `weights(s)`, a pure function of ``s``, so a resumed checkpoint can be
+checked bit for bit against the closed form.
+
+1. Resume: global rank 0 runs discovery (`find_resume_checkpoints`, newest first, fallbacks after it) and broadcasts
+   the list; every rank loads with `load_newest_usable` (falls back alike on every rank), through node load sharing
+   (``MODE=single``: `S3CheckpointIO.collective_load`) or ``dcp.load`` (``MODE=dcp``), and checks the weights.
+2. Train ``STEPS`` steps; after each, save:
+   * ``single``: global rank 0 only (as Lightning does) saves asynchronously ``step=N.ckpt`` and ``step=N-last.ckpt``
+     with `S3CheckpointIO` (multipart at ``--mib`` >= 5; its "-last" clean-up removes the older ``-last``), and
+     removes ``step=N-2.ckpt`` (top-2); the removal waits until the saves before it are durable.
+   * ``dcp``: every rank saves its shard of the weights with ``dcp.save`` into ``step=N-last.ckpt/`` (the coordinator
+     commits and fences), then global rank 0 removes ``step=N-2-last.ckpt/`` under its fence (top-2).
+Events go to stdout as JSON lines (``{"event": ..., "rank": r, ...}``; events: resuming, resumed, step, durable, done,
+error):
+"durable" is sent by global rank 0 once a "-last" save is committed (async saves: when their record appears).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+# A plain loop, no Trainer: S3CheckpointIO registers itself with one Lightning family, not both (importing
+# pytorch_lightning too costs seconds per launch).
+sys.modules.setdefault("pytorch_lightning", None)  # type: ignore[arg-type]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from soak import weights  # noqa: E402
+
+from connector import find_resume_checkpoints, load_newest_usable  # noqa: E402
+from s3_checkpoint_io import S3CheckpointIO  # noqa: E402
+from s3_dcp import S3StorageReader, S3StorageWriter  # noqa: E402
+from s3_utils import DirectoryFence, RetryPolicy, S3ClientSettings, S3Utils, current_run  # noqa: E402
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+LAUNCH = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+_print_lock = threading.Lock()
+
+
+def emit(event: str, **fields: Any) -> None:
+    with _print_lock:
+        print(json.dumps({"event": event, "rank": RANK, "launch": LAUNCH, **fields}), flush=True)
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a.view(torch.int32), b.view(torch.int32)))
+
+
+def watch_durable(io: S3CheckpointIO, stop: threading.Event) -> None:
+    """Report each "-last" save once its record appears (the save committed, with its checksum record)."""
+    seen: set[str] = set()
+    while not stop.is_set():
+        for record in list(io.records):
+            if record.kind == "save" and record.url.endswith("-last.ckpt") and record.url not in seen:
+                seen.add(record.url)
+                emit("durable", step=int(record.url.rpartition("step=")[2].split("-")[0]), url=record.url)
+        stop.wait(0.005)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("dir")
+    parser.add_argument("mode", choices=["single", "dcp"])
+    parser.add_argument("steps", type=int)
+    parser.add_argument("--mib", type=float, default=6.0)
+    parser.add_argument("--step-s", type=float, default=0.05)
+    parser.add_argument("--more", type=int, default=None, help="train this many steps past the resumed one, then end")
+    args = parser.parse_args()
+    base = args.dir.rstrip("/")
+    numel = int(args.mib * 2**20) // 4
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    settings = S3ClientSettings(user_agent_extra=f"soak-launch-{LAUNCH}")
+    retries = RetryPolicy(max_attempts=8, initial_backoff_s=0.05, max_backoff_s=0.5)
+    utils = S3Utils(settings, retries)
+    sharing = os.environ.get("SOAK_LOAD_SHARING", "node")
+    io = S3CheckpointIO(
+        chunk_size_MB=5, async_checkpointing=args.mode == "single", s3_utils=utils, load_sharing=sharing
+    )
+
+    # ---- resume
+    found: list[Any] = [None]
+    if RANK == 0:
+        found[0] = find_resume_checkpoints(base, resume_ignore_no_checkpoint=True, s3_utils=utils)
+    dist.broadcast_object_list(found, src=0)
+    urls: list[str] = found[0]
+    emit("resuming", candidates=len(urls))
+    step = 0
+    if urls:
+
+        def load(url: str) -> dict[str, Any]:
+            if args.mode == "single":
+                with io.collective_load():
+                    return io.load_checkpoint(url, weights_only=True)
+            target: dict[str, Any] = {"step": 0, f"w{RANK}": torch.zeros(len(range(RANK, numel, WORLD)))}
+            dcp.load(target, storage_reader=S3StorageReader(url, s3_utils=utils))
+            return target
+
+        url, checkpoint = load_newest_usable(urls, load)
+        step = int(checkpoint["step"])
+        expected = weights(step, numel)
+        got = checkpoint["w"] if args.mode == "single" else checkpoint[f"w{RANK}"]
+        exact = bit_equal(got, expected if args.mode == "single" else expected[RANK::WORLD].clone())
+        emit("resumed", step=step, url=url, exact=exact, skipped=urls.index(url))
+    else:
+        emit("resumed", step=0, url=None, exact=True, skipped=0)
+
+    # ---- train and save
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch_durable, args=(io, stop), daemon=True)
+    if RANK == 0 and args.mode == "single":
+        watcher.start()
+    fence = DirectoryFence(utils, base, current_run()) if RANK == 0 else None
+    last = step + args.more if args.more is not None else args.steps
+    for current in range(step + 1, last + 1):
+        time.sleep(args.step_s)
+        w = weights(current, numel)
+        if args.mode == "single":
+            if RANK == 0:
+                checkpoint = {"step": current, "w": w}
+                io.save_checkpoint(checkpoint, f"{base}/step={current}.ckpt")
+                io.save_checkpoint(checkpoint, f"{base}/step={current}-last.ckpt")
+                if current - 2 >= 1:
+                    io.remove_checkpoint(f"{base}/step={current - 2}.ckpt")
+        else:
+            url = f"{base}/step={current}-last.ckpt"
+            shard = {"step": current, f"w{RANK}": w[RANK::WORLD].clone()}
+            dcp.save(shard, storage_writer=S3StorageWriter(url, s3_utils=utils))
+            if RANK == 0:
+                emit("durable", step=current, url=url)
+                if current - 2 >= 1:
+                    utils.remove_objects_with_prefix(f"{base}/step={current - 2}-last.ckpt", fence=fence)
+        if RANK == 0:
+            emit("step", step=current)
+        dist.barrier()
+    io.teardown()
+    stop.set()
+    if watcher.is_alive():
+        watcher.join()
+    dist.barrier()
+    emit("done", step=last)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException as exc:
+        emit("error", type=type(exc).__name__, message=str(exc)[:2000])
+        raise
+    sys.exit(0)

@@ -1,0 +1,87 @@
+"""Kill-and-relaunch soak, short (issue 33, item 4): see tests/helpers/soak.py for what it does and checks.
+
+Two ranks under a torchrun-style environment, SIGKILLed at random instants (also while resuming), relaunched as a
+new launch, once left as a straggler that continues after the relaunch saved, through a proxy injecting 503s, resets
+and stalls. The longer version with its table: benchmarks/bench_soak.py (benchmarks/soak.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from soak import Launch, SoakConfig, launch_environment, run_soak, weights
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        SoakConfig(mode="single", kills=3, seed=3, straggler_launches=(1,), early_kill_probability=0.5),
+        SoakConfig(mode="dcp", kills=2, seed=2, straggler_launches=(0,), early_kill_probability=0.0),
+    ],
+    ids=["single", "dcp"],
+)
+def test_kills_and_relaunches_never_strand_the_job(
+    s3_server: Any, bucket: str, tmp_path: Path, config: SoakConfig
+) -> None:
+    report = run_soak(s3_server.env(), s3_server.endpoint_url, bucket, "soak", config, tmp_path / "logs")
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((tmp_path / "logs").glob("*.log")))
+    print(json.dumps(report.as_json()))
+    assert report.failures == [], f"{json.dumps(report.as_json(), indent=1)}\n{logs}"
+    assert report.kills == config.kills
+    assert report.resumes + report.fresh_starts == config.kills + 1 - report.early_kills
+    assert report.uploads_after_gc == 0
+    assert report.stragglers == len(config.straggler_launches or ())
+    if report.straggler_changes:
+        # Known (benchmarks/soak.md, for the fencing work): a straggler stopped right after its fence check was
+        # answered still sends the commit or removal it guards when it continues (a DCP rank checks once per save:
+        # wider still). Every check above passed regardless; the relaunch skips a checkpoint that no longer verifies.
+        pytest.xfail(f"a straggler wrote through the fence's check-then-act gap: {report.straggler_changes}")
+
+
+@pytest.mark.parametrize(("mode", "sharing"), [("single", "node"), ("single", "job"), ("dcp", "node")])
+def test_both_ranks_fall_back_alike_from_a_newest_checkpoint_that_does_not_verify(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path, mode: str, sharing: str
+) -> None:
+    """Two ranks, the newest checkpoint corrupt: both skip it (through node or job load sharing, or dcp.load) and
+    resume bit-exactly from the next newest; the corrupt one is still there."""
+    import torch.distributed.checkpoint as dcp
+
+    from s3_checkpoint_io import S3CheckpointIO
+    from s3_dcp import S3StorageWriter
+
+    base = f"s3://{bucket}/job"
+    numel = 2**20 // 4
+    io = S3CheckpointIO(chunk_size_MB=5, fencing=False)
+    for step in (1, 2):
+        if mode == "single":
+            io.save_checkpoint({"step": step, "w": weights(step, numel)}, f"{base}/step={step}.ckpt")
+        else:
+            shards = {f"w{rank}": weights(step, numel)[rank::2].clone() for rank in range(2)}
+            writer = S3StorageWriter(f"{base}/step={step}.ckpt")
+            dcp.save({"step": step, **shards}, storage_writer=writer, no_dist=True)
+    newest = f"{base}/step=2-last.ckpt"
+    if mode == "single":  # truncated by another tool, which sends no checksum: it downloads, but does not unpickle
+        io.save_checkpoint({"step": 2, "w": weights(2, numel)}, newest)
+        data = s3_client.get_object(Bucket=bucket, Key="job/step=2-last.ckpt")["Body"].read()
+        other_tool = s3_server.client(request_checksum_calculation="when_required")
+        other_tool.put_object(Bucket=bucket, Key="job/step=2-last.ckpt", Body=data[: len(data) // 2])
+    else:  # a shard lost
+        shards = {f"w{rank}": weights(2, numel)[rank::2].clone() for rank in range(2)}
+        dcp.save({"step": 2, **shards}, storage_writer=S3StorageWriter(newest), no_dist=True)
+        s3_client.delete_object(Bucket=bucket, Key="job/step=2-last.ckpt/__0_0.distcp")
+    env = launch_environment(s3_server.env(), f"fallback-{mode}-{sharing}", SOAK_LOAD_SHARING=sharing)
+    launch = Launch(0, env, [base, mode, "3", "--mib", "1", "--more", "0"], tmp_path)
+    try:
+        resumed = [launch.wait_for(lambda e, r=r: e.get("event") == "resumed" and e["rank"] == r, 180) for r in (0, 1)]
+        logs = "\n".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob("*.log")))
+        assert all(resumed), logs
+        outcome = [(e["url"], e["step"], e["exact"], e["skipped"]) for e in resumed]
+        assert outcome == [(f"{base}/step=2.ckpt", 2, True, 1)] * 2, logs
+    finally:
+        launch.kill()
+    assert io.s3.s3_path_exists(newest if mode == "single" else f"{newest}/.metadata")  # skipped, never deleted
