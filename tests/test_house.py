@@ -16,12 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MODULES = sorted(path.stem for path in ROOT.glob("*.py"))
 """The package's modules: every ``.py`` file at the repository root (flat modules, as pyproject's py-modules)."""
 
-ALLOWED: set[tuple[str, str, str]] = {
-    # owned by the fast-path budget work (issue 32, item 8): framing reuse asks the plugin module whether torch's
-    # archive writer can run without zip CRCs; the lead drops this entry when that work lands.
-    ("s3_dcp", "s3_checkpoint_io", "_zip_writer_without_crc32"),
-}
-"""(module, other module, private name) uses that are known and owned elsewhere."""
+ALLOWED: set[tuple[str, str, str]] = set()
+"""(module, other module, private name) uses that are known and owned elsewhere: none."""
 
 
 def _private(name: str) -> bool:
