@@ -81,7 +81,10 @@ def test_a_record_written_before_a_commit_that_never_came_does_not_vouch_for_ano
     url = f"s3://{bucket}/run/x.ckpt"
     assert save(url, MULTIPART, 0x11) is not None
     record_key = "run/x.ckpt" + CHECKSUM_SIDECAR_SUFFIX
-    current = json.loads(s3_client.get_object(Bucket=bucket, Key=record_key)["Body"].read())
+    try:
+        current = json.loads(s3_client.get_object(Bucket=bucket, Key=record_key)["Body"].read())
+    except s3_client.exceptions.NoSuchKey:
+        pytest.skip("this store keeps multipart checksums itself: no checksum record is written")
     pending = {"algorithm": "CRC32", "checksum": "AAAAAA==", "size": MULTIPART, "etag": "", "earlier": [current]}
     s3_client.put_object(Bucket=bucket, Key=record_key, Body=json.dumps(pending).encode())  # killed before commit
     assert content(url) == (MULTIPART, 0x11)  # the entry kept for the object still at the key
