@@ -555,7 +555,7 @@ def verify_checkpoint(
             continue
         try:
             with s3.download_to_memory(file_url, progress=progress) as downloaded:
-                items = _verify_items(file_url, downloaded, record)
+                items = _verify_items(s3_dcp, file_url, downloaded, record)
                 report.files.append(VerifiedFile(file_url, downloaded.size, downloaded.verified_against, items))
         except FileNotFoundError:
             report.problems.append(f"{file_url} was deleted while verifying")
@@ -569,7 +569,9 @@ def verify_checkpoint(
 # tensor span's start is relative to its item and its checksum is that of the tensor bytes alone.
 
 
-def _verify_items(url: str, downloaded: _s3.DownloadedObject, record: dict[str, Any] | None) -> int:
+def _verify_items(
+    s3_dcp: types.ModuleType, url: str, downloaded: _s3.DownloadedObject, record: dict[str, Any] | None
+) -> int:
     """Check every item (and recorded tensor span) of a downloaded file against its record; the number checked."""
     if not record:
         return 0
@@ -589,14 +591,17 @@ def _verify_items(url: str, downloaded: _s3.DownloadedObject, record: dict[str, 
                     f"{expected:#x} was recorded when the checkpoint was written. Do not use it."
                 )
             if offset_text in spans:
-                _check_span_record(url, algorithm, view[offset : offset + length], offset, expected, spans[offset_text])
+                item = view[offset : offset + length]
+                _check_span_record(s3_dcp, url, algorithm, item, offset, expected, spans[offset_text])
     return len(items)
 
 
-def _check_span_record(url: str, algorithm: Any, item: memoryview, offset: int, checksum: int, span: Any) -> None:
+def _check_span_record(
+    s3_dcp: types.ModuleType, url: str, algorithm: Any, item: memoryview, offset: int, checksum: int, span: Any
+) -> None:
     """A recorded tensor span (which loads trust instead of the item's framing) must be well formed and agree with its
     item's verified `checksum`: the checksums of the bytes before and after the span, combined with the span's
-    recorded one, must give the item's (the check `s3_dcp.S3StorageReader` makes before trusting a span)."""
+    recorded one, must give the item's (`s3_dcp.require_span_in_item`: the reader's own check)."""
     try:
         start, nbytes, recorded = int(span[0]), int(span[1]), int(span[2])
         if not 0 <= start <= len(item) - nbytes:
@@ -605,11 +610,4 @@ def _check_span_record(url: str, algorithm: Any, item: memoryview, offset: int, 
         raise _s3.ChecksumMismatchError(
             f"{url}: the tensor record of the item at byte {offset} is malformed ({exc}). Do not use the checkpoint."
         ) from exc
-    combined = algorithm.combine(_s3.checksum_of(algorithm, item[:start]), recorded, nbytes)
-    after = item[start + nbytes :]
-    combined = algorithm.combine(combined, _s3.checksum_of(algorithm, after), len(after))
-    if combined != checksum:
-        raise _s3.ChecksumMismatchError(
-            f"{url}: the recorded checksum of the tensor bytes {offset + start}-{offset + start + nbytes} does not "
-            "match their item's: the checkpoint's item record was modified after it was written. Do not use it."
-        )
+    s3_dcp.require_span_in_item(url, algorithm, item, offset, checksum, start, nbytes, recorded)

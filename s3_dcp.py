@@ -130,6 +130,7 @@ __all__ = [
     "item_checksums_name",
     "load_metadata_bytes",
     "metadata_name",
+    "require_span_in_item",
     "sharded_strategy_class",
     "tensor_bytes_view",
     "zip_record_data_start",
@@ -1739,7 +1740,7 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         if span is None:
             return None
         algorithm = _algorithm_of(self._records, group.relative_path)
-        _require_span_in_item(
+        require_span_in_item(
             group.url, algorithm, data, item.offset, item.checksum, span.start, span.nbytes, span.checksum
         )
         with self._stats_lock:
@@ -2326,7 +2327,7 @@ def __getattr__(name: str) -> Any:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _require_span_in_item(
+def require_span_in_item(
     url: str, algorithm: Any, item: memoryview, offset: int, checksum: Any, start: int, nbytes: int, recorded: int
 ) -> None:
     """Raise unless a recorded tensor span agrees with its item, whose bytes (at `offset` in the file) matched the
