@@ -341,6 +341,23 @@ def scenario_load_again(ctx: Context) -> dict[str, Any]:
 SCENARIOS = {name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 
+def run_scenarios(scenarios: dict[str, Any], names: str, ctx: Any, rank: int) -> None:
+    """Run the comma-separated `names` of `scenarios` on this rank, in order: each outcome (or its error and
+    traceback) goes to ``{ctx.out}/{name}-rank{rank}.json``, and the ranks meet after each one, so a failing
+    scenario does not stop the others (mcore_worker runs its scenarios the same way)."""
+    import torch.distributed as dist
+
+    for name in names.split(","):
+        started = time.monotonic()
+        try:
+            outcome = {"ok": True, **scenarios[name](ctx)}
+        except BaseException as exc:
+            outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+        outcome["seconds"] = round(time.monotonic() - started, 2)
+        (ctx.out / f"{name}-rank{rank}.json").write_text(json.dumps(outcome, default=str))
+        dist.barrier()
+
+
 def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     os.environ.update(
         RANK=str(rank),
@@ -356,15 +373,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
     ctx = Context(args, rank, args.world_size)
     try:
-        for name in args.scenarios.split(","):
-            started = time.monotonic()
-            try:
-                outcome = {"ok": True, **SCENARIOS[name](ctx)}
-            except BaseException as exc:
-                outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
-            outcome["seconds"] = round(time.monotonic() - started, 2)
-            (ctx.out / f"{name}-rank{rank}.json").write_text(json.dumps(outcome, default=str))
-            dist.barrier()
+        run_scenarios(SCENARIOS, args.scenarios, ctx, rank)
     finally:
         dist.destroy_process_group()
 

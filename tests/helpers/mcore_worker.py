@@ -13,13 +13,10 @@ number, so any rank count can check what it loaded.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import socket
 import sys
 import time
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,12 +24,6 @@ from typing import Any
 warnings.filterwarnings("ignore")
 
 SAVED_WORLD = 2  # the checkpoints the 1-rank run reshards were saved by 2 ranks
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ---- the state ------------------------------------------------------------------------------------------------------
@@ -499,6 +490,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.world_size), MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+    from dcp_worker import run_scenarios
     from mcore_stub import stand_in_for_triton_leaf
 
     stand_in_for_triton_leaf()
@@ -519,15 +511,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         ctx.s3, reader_options={"client_settings": ctx.settings, "retry_policy": ctx.retry_policy}
     )
     try:
-        for name in args.scenarios.split(","):
-            started = time.monotonic()
-            try:
-                outcome = {"ok": True, **SCENARIOS[name](ctx)}
-            except BaseException as exc:
-                outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
-            outcome["seconds"] = round(time.monotonic() - started, 2)
-            (ctx.out / f"{name}-rank{rank}.json").write_text(json.dumps(outcome, default=str))
-            dist.barrier()
+        run_scenarios(SCENARIOS, args.scenarios, ctx, rank)
     finally:
         routing.uninstall()
         dist.destroy_process_group()
@@ -548,8 +532,10 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     import torch.multiprocessing as mp
 
+    from s3_local_servers import free_port
+
     started = time.monotonic()
-    mp.spawn(_rank_main, args=(args, _free_port()), nprocs=args.world_size, join=True)
+    mp.spawn(_rank_main, args=(args, free_port()), nprocs=args.world_size, join=True)
     print(f"{args.world_size} ranks ran {args.scenarios} in {time.monotonic() - started:.1f} s")
     return 0
 
