@@ -17,11 +17,7 @@ Writes ``<out>/rank<N>.json``: its run id and, per step, None or the error (type
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
-import traceback
-from pathlib import Path
 from typing import Any
 
 
@@ -98,33 +94,18 @@ def main() -> None:
     parser.add_argument("--mib", type=float, default=0.0)
     args = parser.parse_args()
     import torch  # noqa: F401
+    from throttle_worker import fork_ranks
 
     import s3_checkpoint_io  # noqa: F401 (Lightning too, as a job's would)
 
     args.start_at = time.time() + 1.0
-    children = {}
-    for rank in range(args.world):
-        pid = os.fork()
-        if pid == 0:
-            os.environ.update(launcher_environment(args.launcher, rank, args))
-            code = 1
-            try:
-                report: dict[str, Any] = {"rank": rank, "steps": {}}
-                try:
-                    run(args, rank, report)
-                except Exception as exc:
-                    report["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-                Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
-                code = 0
-            finally:
-                os._exit(code)
-        children[pid] = rank
-    failed = []
-    for _ in range(args.world):
-        pid, status = os.wait()
-        if os.waitstatus_to_exitcode(status) != 0:
-            failed.append(children[pid])
-    raise SystemExit(f"ranks {sorted(failed)} failed" if failed else 0)
+    fork_ranks(
+        args.world,
+        lambda rank: launcher_environment(args.launcher, rank, args),
+        lambda rank, report: run(args, rank, report),
+        args.out,
+        error_code=0,  # a rank's error is read from its report
+    )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ import os
 import time
 import traceback
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 MiB = 1 << 20
 
@@ -54,33 +55,50 @@ def main() -> None:
     import s3_checkpoint_io  # noqa: F401 (imports Lightning too, as a job's would)
     import s3_dcp  # noqa: F401
 
+    def environment(rank: int) -> dict[str, str]:
+        node, local = divmod(rank, args.per_node)
+        return {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local),
+            "GROUP_RANK": str(node),
+            "WORLD_SIZE": str(args.world),
+            "LOCAL_WORLD_SIZE": str(args.per_node),
+        }
+
+    fork_ranks(args.world, environment, lambda rank, report: run(args, rank, report), args.out, error_code=3)
+
+
+def fork_ranks(
+    world: int,
+    environment: Callable[[int], dict[str, str]],
+    run_rank: Callable[[int, dict[str, Any]], None],
+    out: str,
+    *,
+    error_code: int,
+) -> NoReturn:
+    """Fork `world` ranks of this interpreter (its imports done once): each sets `environment(rank)`, runs
+    `run_rank(rank, report)`, writes the report (with any error and its traceback) to ``{out}/rank{rank}.json`` and
+    exits 0, or `error_code` if it failed; then exit naming the ranks that did not exit 0 (launch_worker too)."""
     children = {}
-    for rank in range(args.world):
+    for rank in range(world):
         pid = os.fork()
         if pid == 0:
-            node, local = divmod(rank, args.per_node)
-            os.environ.update(
-                RANK=str(rank),
-                LOCAL_RANK=str(local),
-                GROUP_RANK=str(node),
-                WORLD_SIZE=str(args.world),
-                LOCAL_WORLD_SIZE=str(args.per_node),
-            )
+            os.environ.update(environment(rank))
             code = 1
             try:
                 report: dict[str, Any] = {"rank": rank, "steps": {}}
                 try:
-                    run(args, rank, report)
+                    run_rank(rank, report)
                 except Exception as exc:
                     notes = getattr(exc, "__notes__", "")
                     report["error"] = f"{type(exc).__name__}: {exc} {notes}\n{traceback.format_exc()}"
-                Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
-                code = 0 if "error" not in report else 3
+                Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+                code = 0 if "error" not in report else error_code
             finally:
                 os._exit(code)
         children[pid] = rank
     failed = []
-    for _ in range(args.world):
+    for _ in range(world):
         pid, status = os.wait()
         if os.waitstatus_to_exitcode(status) != 0:
             failed.append(children[pid])
