@@ -141,10 +141,6 @@ def megatron_s3_url(path: Any) -> str | None:
     return url.rstrip("/") if url.count("/") > 3 else url
 
 
-def _join(url: str, *names: str) -> str:
-    return "/".join([url.rstrip("/"), *names])
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # Saving: the strategy and its writer
 # --------------------------------------------------------------------------------------------------------------------
@@ -158,7 +154,7 @@ def _build_writer_class() -> type:
         retire megatron-core's ``metadata.json`` of the checkpoint being replaced: it would otherwise outlive the old
         ``.metadata`` until this save's finalize step writes the new one."""
         plans = base.prepare_global_plan(self, plans)
-        config = _join(self.path, CONFIG_NAME)
+        config = _urls.join_s3_url(self.path, CONFIG_NAME)
         if self.s3.s3_path_exists(config):
             fence = _s3.DirectoryFence(self.s3, _urls.s3_url_parent(self.path)) if self.fencing else None
             self.s3.remove_object(config, fence=fence)  # the directory is this run's: the plan just took it
@@ -455,7 +451,7 @@ class _S3Path:
         return f"S3Path({self.url!r})"
 
     def __truediv__(self, name: str) -> _S3Path:
-        return _S3Path(self._routing, _join(self.url, str(name)))
+        return _S3Path(self._routing, _urls.join_s3_url(self.url, str(name)))
 
     @property
     def name(self) -> str:
@@ -780,7 +776,7 @@ def verify_checkpoint(path: Any, s3_utils: _s3.S3Utils | None = None) -> _admin.
         raise ValueError(f"{path!r} is not an s3:// URL")
     s3 = s3_utils or _s3.S3Utils()
     report = _admin.verify_checkpoint(url, s3_utils=s3)
-    config_url = _join(url, CONFIG_NAME)
+    config_url = _urls.join_s3_url(url, CONFIG_NAME)
     try:
         with s3.download_to_memory(config_url) as downloaded:
             config = json.loads(bytes(downloaded.read_all()))
@@ -842,7 +838,7 @@ class _S3MegatronCheckpointIOMixin:
         url = nemo_checkpoint_url(path)
         if url is None:
             return super().save_checkpoint(checkpoint, path, storage_options)  # type: ignore[misc]
-        weights = url if url.endswith("/" + WEIGHTS_SUBDIR) else _join(url, WEIGHTS_SUBDIR)
+        weights = url if url.endswith("/" + WEIGHTS_SUBDIR) else _urls.join_s3_url(url, WEIGHTS_SUBDIR)
         serialization = _mcore("dist_checkpointing.serialization")
         kwargs: dict[str, Any] = {}
         content_metadata = (storage_options or {}).get("content_metadata")
@@ -875,8 +871,8 @@ class _S3MegatronCheckpointIOMixin:
         if sharded_state_dict is None:
             raise ValueError("a distributed checkpoint needs the model's sharded_state_dict to load")
         s3 = _ROUTING.routing.s3 if _ROUTING.routing is not None else _s3.S3Utils()
-        weights = _join(url, WEIGHTS_SUBDIR)
-        checkpoint_dir = weights if s3.s3_path_exists(_join(weights, CONFIG_NAME)) else url
+        weights = _urls.join_s3_url(url, WEIGHTS_SUBDIR)
+        checkpoint_dir = weights if s3.s3_path_exists(_urls.join_s3_url(weights, CONFIG_NAME)) else url
         serialization = _mcore("dist_checkpointing.serialization")
         load_kwargs = {"strict": kwargs["strict"]} if "strict" in kwargs else {}
         strategy = None
@@ -892,7 +888,9 @@ class _S3MegatronCheckpointIOMixin:
         if url is None:
             return super().remove_checkpoint(path)  # type: ignore[misc]
         s3 = _ROUTING.routing.s3 if _ROUTING.routing is not None else _s3.S3Utils()
-        for marker in (_join(url, WEIGHTS_SUBDIR, _dcp.METADATA_NAME), _join(url, _dcp.METADATA_NAME)):
+        weights = _urls.join_s3_url(url, WEIGHTS_SUBDIR)
+        markers = (_urls.join_s3_url(weights, _dcp.METADATA_NAME), _urls.join_s3_url(url, _dcp.METADATA_NAME))
+        for marker in markers:
             if s3.s3_path_exists(marker):
                 s3.remove_object(marker)
         s3.remove_objects_with_prefix(url)
