@@ -38,10 +38,14 @@ TOP_K_CHECKPOINT: dict[str, Any] = {
 
 def close_process_group() -> None:
     """Lightning leaves the process group open; a gloo group still alive at interpreter exit can abort the process
-    ("terminate called without an active exception") after all its work is done, failing the rank's exit status."""
+    ("terminate called without an active exception") after all its work is done, failing the rank's exit status.
+    The ranks meet in a barrier first: rank 0 hosts the rendezvous store, and a rank 0 that tears its group down
+    and exits while a peer is still finishing its own collectives leaves that peer's gloo threads talking to a
+    closed socket, which aborts the peer the same way."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
