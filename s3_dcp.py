@@ -599,7 +599,9 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         prefix: _FilePrefix = plan.storage_data
         buckets = _split_items(self.thread_count, plan.items, WriteItemType.BYTE_IO)
         files = [(f"{prefix.prefix}{n}{DCP_SHARD_SUFFIX}", bucket) for n, bucket in enumerate(buckets)]
-        fence = _s3.DirectoryFence.following(self.s3, prefix.fence).once() if prefix.fence is not None else None
+        # checked right before each file's commit (not once per save: a rank stopped after one check must not commit
+        # its other files on it), each commit carrying the coordinator's ETag conditions
+        fence = _s3.DirectoryFence.following(self.s3, prefix.fence) if prefix.fence is not None else None
         cancelled = threading.Event()
         results: list[Any] = []
         if len(files) == 1:
@@ -646,12 +648,11 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         metadata.storage_meta = self.storage_meta()
         rank = self._metadata_rank()
         record = {"version": _ITEM_RECORD_VERSION, "save_id": self.save_id, "files": files}
-        fence = self._fence()
-        checked = fence.once() if fence is not None else None  # one check for the record, .metadata and clean-up
-        self._put(item_checksums_name(rank), json.dumps(record, sort_keys=True).encode(), checked)
-        self._put(metadata_name(rank), pickle.dumps(metadata), checked)
+        fence = self._fence()  # checked before the record, before .metadata and before each removal
+        self._put(item_checksums_name(rank), json.dumps(record, sort_keys=True).encode(), fence)
+        self._put(metadata_name(rank), pickle.dumps(metadata), fence)
         if self._replacing and rank is None:  # only the coordinator of a collective save knows every file
-            self._remove_stale_shards(set(files), checked)
+            self._remove_stale_shards(set(files), fence)
         self._replacing = False
         _s3.invalidate_fsspec_cache(self.path)  # Lightning's ModelCheckpoint asks s3fs what exists
         logger.info("Committed DCP checkpoint %s (%d files)", _join(self.path, metadata_name(rank)), len(files))

@@ -3666,13 +3666,21 @@ class S3MultipartWriter(io.RawIOBase):
             if fence is None:
                 return request({})
             conditions = fence.conditions(self.key)
-            try:
-                response = request(conditions)
-            except Exception as exc:
-                if not (conditions and _precondition_failed(exc, conditions)):
-                    raise
-                fence.precondition_failed(self.url, self.key, exc)
-                response = request({})
+            for attempt in range(1, _CONDITIONAL_COMMIT_ATTEMPTS + 1):
+                try:
+                    response = request(conditions)
+                    break
+                except Exception as exc:
+                    if not (conditions and _precondition_failed(exc, conditions)):
+                        raise
+                    if attempt == _CONDITIONAL_COMMIT_ATTEMPTS:
+                        exc.add_note(
+                            f"{self.url} changed under each of {attempt} conditional commits while this run owned "
+                            f"its directory: another writer outside fencing is writing this key; stop it, then save "
+                            "again"
+                        )
+                        raise
+                    conditions = fence.precondition_failed(self.url, self.key, exc)
         except BaseException:
             if not had_record:
                 self._forget_pending_record()
@@ -3708,15 +3716,23 @@ class S3MultipartWriter(io.RawIOBase):
 # * before every commit (the PUT or CompleteMultipartUpload that makes an object visible) and every removal there,
 #   one HEAD of the record: another ETag means another run took over; the operation raises
 #   `CheckpointDirectoryTakenError` and changes nothing (the upload is aborted). Once refused, always refused.
-# * a commit of a key this run wrote or removed before carries ``If-Match: <that ETag>`` / ``If-None-Match: *``, so an
-#   object another run wrote in the instant between that HEAD and the commit is not overwritten either.
+# * every commit carries an ETag condition: ``If-Match: <ETag>`` on a key this run committed, ``If-None-Match: *``
+#   on any other (one this run removed, or never touched). A stale run stopped between its HEAD and its commit (the
+#   check-then-act gap) therefore cannot overwrite what the newer run wrote meanwhile: its commit fails the
+#   condition, it reads the record, finds another run there, and is refused (its upload aborted). The owner meeting
+#   a failed condition (a key an earlier run left, or an earlier attempt of this very request that went through)
+#   reads the record, finds itself, and sends the commit again without the condition. What is left of the gap: a
+#   stale run may still create a key the newer run has not written (yet), and removals carry no condition.
 # * the other ranks of a sharded save check against the coordinator's `FenceToken` (in DCP's plan) before they
-#   commit their files; they never take a directory over.
+#   commit their files, with the same conditions; they never take a directory over.
 # * stores that refuse (501) or ignore conditional headers are found once per store and bucket (a conditional PUT
 #   that must fail), with one warning; the record is then written without conditions and still checked.
 
 _OWNER_RECORD_VERSION = 1
 _TAKE_OVER_ATTEMPTS = 5
+_CONDITIONAL_COMMIT_ATTEMPTS = 5
+"""A commit whose ETag condition fails while its run still owns the directory is sent again on what is there now;
+this many times at most (each failure means another writer changed the key in the moment between)."""
 _REMEMBERED_KEYS = 10_000
 """At most this many keys per directory whose last state (ETag, or removed) a run remembers for its conditions."""
 
@@ -3817,6 +3833,9 @@ class FenceToken:
     directory: str
     etag: str
     run: CheckpointRun
+    conditional: bool = False
+    """Whether the store honours ETag conditions on writes (as the coordinator found it): the ranks' commits then
+    carry them too."""
 
 
 class _Hold:
@@ -3873,9 +3892,12 @@ class DirectoryFence:
         run: CheckpointRun | None = None,
         *,
         follows: str | None = None,
+        conditional: bool = False,
     ) -> None:
-        """`follows`: see `following` (the ETag the coordinator's run holds the record at)."""
+        """`follows`, `conditional`: see `following` (the ETag the coordinator's run holds the record at, and
+        whether the store honours ETag conditions)."""
         self._follows = follows
+        self._follows_conditionally = conditional
         self.directory = _urls.normalize_s3_url(directory).rstrip("/")
         self.bucket, prefix = _urls.s3_dir_prefix(self.directory)
         self.record_key = prefix + OWNER_RECORD_NAME
@@ -3892,8 +3914,9 @@ class DirectoryFence:
     @classmethod
     def following(cls, utils: S3Utils, token: FenceToken) -> DirectoryFence:
         """The fence of a rank that commits files for the run that holds `token` (every rank of a sharded save): it
-        checks that the directory is still that run's, never takes it over and sends no ETag conditions."""
-        return cls(utils, token.directory, token.run, follows=token.etag)
+        checks that the directory is still that run's and never takes it over; its commits carry the same ETag
+        conditions as the coordinator's."""
+        return cls(utils, token.directory, token.run, follows=token.etag, conditional=token.conditional)
 
     def once(self) -> _CheckedOnce:
         """This fence, checked at most once: for operations that follow one another within moments (the files of one
@@ -3910,7 +3933,7 @@ class DirectoryFence:
             if self._hold.etag is None:
                 self._take_over(url, "save")
             assert self._hold.etag is not None
-            return FenceToken(self.directory, self._hold.etag, self.run)
+            return FenceToken(self.directory, self._hold.etag, self.run, self._conditional())
 
     def before_mutation(self, url: str, action: str) -> None:
         """Before a commit (`action` ``"save"``) or a ``"removal"`` of `url`: take the directory over (this run's
@@ -3936,16 +3959,19 @@ class DirectoryFence:
             self._refuse(url, action, record or {})
 
     def conditions(self, key: str) -> dict[str, str]:
-        """The ETag condition for a commit of `key`: ``If-Match`` on the ETag this run committed there,
-        ``If-None-Match: *`` where this run removed it, none for keys it has not touched (or on stores without
-        conditional writes)."""
-        if self._follows or _conditional_writes.get(self._store) is not True:
+        """The ETag condition for a commit of `key`: ``If-Match`` on the ETag this run committed there, else
+        ``If-None-Match: *`` (a key this run removed or has not touched); none on stores without conditional
+        writes."""
+        if not self._conditional():
             return {}
         with self._hold.lock:
-            state = self._hold.objects.get(key, _UNKNOWN)
-        if state is _UNKNOWN:
-            return {}
-        return {"IfNoneMatch": "*"} if state is None else {"IfMatch": str(state)}
+            state = self._hold.objects.get(key)
+        return {"IfMatch": state} if isinstance(state, str) else {"IfNoneMatch": "*"}
+
+    def _conditional(self) -> bool:
+        if self._follows:
+            return self._follows_conditionally
+        return _conditional_writes.get(self._store) is True
 
     def committed(self, key: str, etag: str) -> None:
         self._remember({key: etag or _UNKNOWN})  # no ETag in the answer: nothing to condition the next commit on
@@ -3953,29 +3979,40 @@ class DirectoryFence:
     def removed(self, keys: Iterable[str]) -> None:
         self._remember(dict.fromkeys(keys))
 
-    def precondition_failed(self, url: str, key: str, exc: BaseException) -> None:
-        """A commit's ETag condition failed: raise CheckpointDirectoryTakenError if another run holds the directory
-        now; else (this run still does) forget the key's state and return, so that the commit is sent again without
-        the condition."""
+    def precondition_failed(self, url: str, key: str, exc: BaseException) -> dict[str, str]:
+        """A commit's ETag condition failed. Read what is at the key now (one HEAD), then the owner record: another
+        run's raises CheckpointDirectoryTakenError (the store's 412 its cause); this run's returns the conditions to
+        send the commit again with: ``If-Match`` on the object now there, else ``If-None-Match: *``. The object is
+        read before the record, so a stale commit landing in between fails the retry's condition again. Expected
+        for a key an earlier run left (a run's first save over it); a warning where this run committed the key."""
         with self._hold.lock:
-            self._hold.objects.pop(key, None)
+            committed_here = isinstance(self._hold.objects.pop(key, None), str)
+            try:
+                now: str | None = self._utils.call("head_object", url, Bucket=self.bucket, Key=key).get("ETag")
+            except FileNotFoundError as missing:
+                _raise_if_no_bucket(missing)
+                now = None
             record, etag = self._read_record()
             if record is not None and not _is_run_of(record, self.run):
                 try:
                     self._refuse(url, "save", record)
                 except CheckpointDirectoryTakenError as refusal:
                     raise refusal from exc
-            if record is not None:
+            if record is not None and not self._follows:
                 self._hold.etag = etag
-        logger.warning(
+        logger.log(
+            logging.WARNING if committed_here else logging.DEBUG,
             "%s is not what this run last left there (S3 answered %s to its ETag condition), but %s still owns %s: "
-            "overwriting it (a writer outside this run changed it, or an earlier attempt of this request went "
-            "through)",
+            "overwriting it (%s)",
             url,
             error_code(exc),
             self.run,
             self.directory,
+            "a writer outside this run changed it, or an earlier attempt of this request went through"
+            if committed_here
+            else "an object an earlier run left there",
         )
+        return {"IfMatch": now} if now else {"IfNoneMatch": "*"}
 
     # ---- the owner record -----------------------------------------------------------------------------------------
 
@@ -3991,8 +4028,8 @@ class DirectoryFence:
             raise
 
     def _remember(self, states: dict[str, Any]) -> None:
-        if self._follows:
-            return  # a rank's files: the coordinator's run keeps no state for them
+        """Keep what this run last left at each key (an ETag, or None: removed) for its next commit's condition;
+        every rank keeps its own files' (the hold is this process's, for its run)."""
         with self._hold.lock:
             objects = self._hold.objects
             for key, state in states.items():

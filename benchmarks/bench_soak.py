@@ -47,7 +47,7 @@ def table(reports: list[dict[str, Any]]) -> str:
     rows = [
         "| mode | kills (during resume) | stragglers | resumes (fresh starts) | fallbacks | steps lost per kill: "
         "mean / p50 / max | faults injected | uploads left open / aborted by gc / left after gc | failures | "
-        "straggler changes | minutes |",
+        "straggler overwrites / new keys / removals | minutes |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
@@ -58,7 +58,8 @@ def table(reports: list[dict[str, Any]]) -> str:
             f"({r['fresh_starts']}) | {r['fallbacks']} | {statistics.mean(lost):.1f} / {statistics.median(lost):g} / "
             f"{max(lost)} | {r['faults_injected']} ({faults}) | {r['uploads_left_open']} / "
             f"{r['uploads_aborted_by_gc']} / {r['uploads_after_gc']} | {len(r['failures'])} | "
-            f"{len(r['straggler_changes'])} | {r['seconds'] / 60:.1f} |"
+            f"{len(r['straggler_changes'])} / {r.get('straggler_created', 0)} / {r.get('straggler_removals', 0)} | "
+            f"{r['seconds'] / 60:.1f} |"
         )
     return "\n".join(rows)
 

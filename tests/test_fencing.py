@@ -265,6 +265,76 @@ def test_if_match_refuses_a_takeover_between_check_and_commit(
     assert s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
 
+@pytest.mark.parametrize("mib", [0, 6], ids=["put", "multipart"])
+def test_if_none_match_refuses_a_stale_run_stopped_before_committing_a_key_it_never_wrote(
+    mib: float, s3_server: S3Endpoint, bucket: str, s3_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The straggler of a relaunch: stopped right after its fence check (the check-then-act gap), it goes on after
+    the newer run saved the same key. Its commit carries If-None-Match (it never wrote that key), fails, and the
+    record it then reads names the newer run: refused, the newer run's object intact, no upload left open."""
+    older, newer = run_at(-60), run_at(0)
+    stale, new = plugin_of(older), plugin_of(newer)
+    stale.save_checkpoint(state(1), f"s3://{bucket}/gap/step=1.ckpt")  # the stale run held the directory
+    url = f"s3://{bucket}/gap/step=2.ckpt"
+    conditions = DirectoryFence.conditions
+    raced: list[str] = []
+
+    def newer_run_between_the_last_check_and_the_commit(self: DirectoryFence, key: str) -> dict[str, str]:
+        sent = conditions(self, key)  # what the commit will carry, asked for right before it is sent
+        if self.run == older and not raced:
+            raced.append(key)
+            new.save_checkpoint(state(20), url)  # the relaunch takes the directory over and saves the same step
+        return sent
+
+    monkeypatch.setattr(DirectoryFence, "conditions", newer_run_between_the_last_check_and_the_commit)
+    with pytest.raises(CheckpointDirectoryTakenError) as refused:
+        stale.save_checkpoint(state(2, mib), url)
+    monkeypatch.undo()
+    assert raced == ["gap/step=2.ckpt"] and newer.run_id in str(refused.value)
+    assert isinstance(refused.value.__cause__, ClientError)  # the store's 412 to If-None-Match
+    assert new.load_checkpoint(url)["step"] == 20
+    assert s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+def test_a_dcp_rank_stopped_after_its_check_cannot_overwrite_the_relaunchs_file(
+    s3_server: S3Endpoint, bucket: str, s3_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank of the stale run's sharded save passes its check against the plan's token, stops, and goes on after
+    the relaunch wrote the same shard: its commit carries the coordinator's ETag conditions (If-None-Match here)
+    and is refused; the relaunch's shard is intact."""
+    planner_module = pytest.importorskip("torch.distributed.checkpoint.default_planner")
+    older, newer = run_at(-60), run_at(0)
+    url = f"s3://{bucket}/straggler/step=5.ckpt"
+    coordinator = s3_dcp.S3StorageWriter(url, chunk_size_MB=5)
+    coordinator._run = older
+    coordinator.set_up_storage_writer(True, rank=0, use_collectives=True)
+    planner = planner_module.DefaultSavePlanner()
+    planner.set_up_planner(state_dict={"w": torch.arange(8.0)}, storage_meta=None, is_coordinator=True)
+    plans, _ = planner.create_global_plan([coordinator.prepare_local_plan(planner.create_local_plan())])
+    plan = planner.finish_plan(coordinator.prepare_global_plan(plans)[0])
+    assert plan.storage_data.fence.conditional  # the store honours conditions: the ranks' commits carry them
+    conditions = DirectoryFence.conditions
+    raced: list[str] = []
+
+    def relaunch_between_the_check_and_the_commit(self: DirectoryFence, key: str) -> dict[str, str]:
+        sent = conditions(self, key)
+        if self.run == older and key.endswith("/__0_0.distcp") and not raced:
+            raced.append(key)
+            plugin_of(newer).save_checkpoint(state(7), f"s3://{bucket}/straggler/last.ckpt")  # takes it over
+            s3_client.put_object(Bucket=bucket, Key=key, Body=b"the relaunch's shard")  # and saves this step too
+        return sent
+
+    rank = s3_dcp.S3StorageWriter(url, chunk_size_MB=5)  # another rank: it only has the plan
+    rank.set_up_storage_writer(False, rank=1, use_collectives=True)
+    monkeypatch.setattr(DirectoryFence, "conditions", relaunch_between_the_check_and_the_commit)
+    with pytest.raises(CheckpointDirectoryTakenError, match=newer.run_id):
+        rank.write_data(plan, planner).wait()
+    monkeypatch.undo()
+    assert raced == ["straggler/step=5.ckpt/__0_0.distcp"]
+    assert s3_client.get_object(Bucket=bucket, Key=raced[0])["Body"].read() == b"the relaunch's shard"
+    assert s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
 def test_dcp_rank_is_refused_when_the_directory_changes_hands_after_the_plan(
     s3_server: S3Endpoint, bucket: str, s3_client: Any
 ) -> None:
@@ -374,10 +444,13 @@ def test_a_dcp_save_pays_one_small_request_per_rank_and_one_for_its_commit(
         dcp.save({"a": torch.arange(8.0), "b": torch.ones(8)}, storage_writer=writer, no_dist=True)
         return [(r.method, r.status) for r in fault_proxy.requests if r.path == record]
 
-    # the coordinator takes the directory over while planning; then the rank's files, then the commit
-    assert save("one.ckpt", 1) == [("GET", 404), ("PUT", 200), ("PUT", 412), ("HEAD", 200), ("HEAD", 200)]
-    assert save("two.ckpt", 2) == [("HEAD", 200)] * 2  # two files of one rank share its check
-    assert save("two.ckpt", 1) == [("HEAD", 200)] * 3  # an overwrite: retiring the old .metadata is a removal
+    # the coordinator takes the directory over while planning; then one check per file, record and .metadata
+    assert save("one.ckpt", 1) == [("GET", 404), ("PUT", 200), ("PUT", 412)] + [("HEAD", 200)] * 3
+    assert save("two.ckpt", 2) == [("HEAD", 200)] * 4  # each of a rank's files is checked right before its commit
+    # an overwrite: retiring the old .metadata (one check for its removals), the file, the record, .metadata, and
+    # removing the shard the new save does not write; the file's commit carries If-Match on the ETag this run
+    # committed there, so it does not fail
+    assert save("two.ckpt", 1) == [("HEAD", 200)] * 5
     metadata_puts = [r.status for r in fault_proxy.requests if r.method == "PUT" and r.path.endswith("/.metadata")]
     assert metadata_puts == [200]  # If-None-Match: * on the retired .metadata, no fallback
 

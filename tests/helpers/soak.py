@@ -24,6 +24,7 @@ import json
 import os
 import queue
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -91,8 +92,11 @@ class SoakReport:
     uploads_after_gc: int = 0
     failures: list[str] = field(default_factory=list)
     straggler_changes: list[str] = field(default_factory=list)
-    """What stragglers changed of the relaunch's objects after they continued (the relaunch's resume then has to
-    skip the damaged checkpoint); kept apart from `failures`, see benchmarks/soak.md."""
+    """Stragglers' commits (after they continued) over keys the relaunch had committed (`straggler_effects`)."""
+    straggler_created: int = 0
+    """Commits of stragglers (after they continued) at keys the relaunch had not written: the gap fencing leaves."""
+    straggler_removals: int = 0
+    """Removals of stragglers that went through after they continued (which keys, the proxy does not see)."""
     seconds: float = 0.0
 
     def as_json(self) -> dict[str, Any]:
@@ -208,16 +212,61 @@ def _fault_rules(seed: int) -> list[FaultRule]:
     ]
 
 
-def _is_mutation(request: Any, straggler_agent: str) -> bool:
-    """A successful request of the straggler that changed what the relaunch sees: a commit (a PUT of an object that
-    is not a checksum record, or CompleteMultipartUpload), a DeleteObjects/DeleteObject, or an owner-record PUT."""
-    if straggler_agent not in request.user_agent or request.status is None or not 200 <= request.status < 300:
-        return False
+def _sent_by(request: Any, agent: str) -> bool:
+    """Whether `agent` (``soak-launch-N``) sent `request` and it succeeded (``soak-launch-1`` is not ``-12``)."""
+    ok = request.status is not None and 200 <= request.status < 300
+    return ok and re.search(re.escape(agent) + r"(?![0-9])", request.user_agent) is not None
+
+
+def _commit_key(request: Any, agent: str) -> str | None:
+    """The key a successful commit of `agent` made visible (a PUT of an object that is not a checksum record, or a
+    CompleteMultipartUpload), else None."""
+    if not _sent_by(request, agent):
+        return None
     if request.method == "PUT" and "partNumber=" not in request.query:
-        return not request.path.endswith(".s3ckpt-checksum.json")
-    if request.method == "POST" and ("uploadId=" in request.query or "delete" in request.query):
+        return None if request.path.endswith(".s3ckpt-checksum.json") else request.path
+    if request.method == "POST" and "uploadId=" in request.query:
+        return request.path
+    return None
+
+
+def _is_removal(request: Any, agent: str) -> bool:
+    """A successful DeleteObjects / DeleteObject of `agent`."""
+    if not _sent_by(request, agent):
+        return False
+    if request.method == "POST" and "delete" in request.query:
         return True
     return request.method == "DELETE" and "uploadId=" not in request.query
+
+
+@dataclass
+class StragglerEffects:
+    """What a straggler's requests did once it continued (`straggler_effects`)."""
+
+    overwrites: list[Any] = field(default_factory=list)
+    """Commits over a key the relaunch had committed before (an object, or the owner record): what must not be."""
+    created: list[Any] = field(default_factory=list)
+    """Commits of keys the relaunch had not written (yet): the gap fencing leaves (docs/fencing.md)."""
+    removals: list[Any] = field(default_factory=list)
+    """DeleteObjects / DeleteObject requests that went through (the proxy does not see which keys: reported)."""
+
+
+def straggler_effects(requests: list[Any], straggler_agent: str, relaunch_agent: str) -> StragglerEffects:
+    """Sort the straggler's successful mutations among `requests` (in the order the proxy saw them) by what they did
+    to the relaunch's objects."""
+    relaunch_keys: set[str] = set()
+    effects = StragglerEffects()
+    for request in requests:
+        key = _commit_key(request, relaunch_agent)
+        if key is not None:
+            relaunch_keys.add(key)
+            continue
+        key = _commit_key(request, straggler_agent)
+        if key is not None:
+            (effects.overwrites if key in relaunch_keys else effects.created).append(request)
+        elif _is_removal(request, straggler_agent):
+            effects.removals.append(request)
+    return effects
 
 
 def run_soak(
@@ -353,8 +402,11 @@ def _release_straggler(
     straggler.signal(signal.SIGCONT)
     time.sleep(1.5)
     straggler.kill()
-    agent = f"soak-launch-{straggler.number}"
-    changed = [r for r in proxy.requests[mark:] if _is_mutation(r, agent)]
-    if changed:
-        described = [f"{r.method} {r.path}?{r.query} -> {r.status}" for r in changed[:5]]
-        report.straggler_changes.append(f"straggler launch {straggler.number} changed: {described}")
+    straggler_agent, relaunch_agent = f"soak-launch-{straggler.number}", f"soak-launch-{relaunch.number}"
+    seen = [r for i, r in enumerate(proxy.requests) if i >= mark or _sent_by(r, relaunch_agent)]
+    effects = straggler_effects(seen, straggler_agent, relaunch_agent)
+    report.straggler_created += len(effects.created)
+    report.straggler_removals += len(effects.removals)
+    if effects.overwrites:
+        described = [f"{r.method} {r.path}?{r.query} -> {r.status}" for r in effects.overwrites[:5]]
+        report.straggler_changes.append(f"straggler launch {straggler.number} overwrote: {described}")
