@@ -1,34 +1,16 @@
 """Resume from S3 at thousands of ranks: rank-0 discovery, broadcast, an S3-aware ``ModelCheckpoint``, one-call wiring.
 
-Why: if every rank lists the bucket to find the checkpoint to resume from, a large job throttles S3 before it
-trains a step. NeMo's design is to let global rank 0 find the checkpoint and broadcast the path; its guard later
-regressed so that every rank lists again, and Lightning's own ``ckpt_path="last"`` lists on every rank and drops the
-``s3://`` prefix (Lightning bug #18261). This module restores the design and keeps NeMo's names and meaning:
+If every rank lists the bucket to find the checkpoint, a large job throttles S3 before its first step; NeMo's design
+(global rank 0 finds it, then broadcasts) regressed, and Lightning's ``ckpt_path="last"`` lists on every rank and
+drops the ``s3://`` prefix (#18261). This module restores the design with NeMo's names and meaning: discovery by
+rules independent of listing order (`find_resume_checkpoint`, `check_resume`: on S3 only rank 0 lists), skipping a
+checkpoint that does not load for the next newest (`load_newest_usable`), `NeMoCheckpointConnector` (every rank loads
+rank 0's choice), `S3ModelCheckpoint` and `configure_s3_checkpointing` (all of it from a NeMo-style config).
 
-* `find_resume_checkpoint` (no Lightning needed): the ``s3://`` URL (or local path) to resume from, chosen by rules
-  that do not depend on listing order (see `select_resume_candidate`); clear errors when nothing is found or the run
-  already finished.
-* `check_resume` (NeMo's ``exp_manager.check_resume``): for an ``s3://`` dirpath only global rank 0 lists (the rank
-  comes from the environment, the process group does not exist yet) and sets ``trainer.ckpt_path``.
-* Resume never sticks: a chosen checkpoint that does not verify or load is skipped, on every rank alike, for the next
-  newest (`find_resume_checkpoints`, `load_newest_usable`; ``resume_fallback=False`` keeps the strict behaviour).
-* `NeMoCheckpointConnector` (subclass of Lightning's ``_CheckpointConnector``): ``resume_start`` loads the path that
-  rank 0 chose, broadcast to every rank, whatever Lightning passed in on the other ranks; ``ckpt_path="last"`` is
-  resolved on rank 0 only.
-* `S3ModelCheckpoint` (subclass of Lightning's ``ModelCheckpoint``, or `S3ModelCheckpointMixin` for other
-  subclasses such as NeMo's): ``setup()`` broadcasts ``trainer.ckpt_path`` and ``last_model_path`` from rank 0, top-k
-  bookkeeping survives a resume, ``"last"`` keeps its ``s3://`` URL, and existence checks (which decide Lightning's
-  ``-v1`` names) ask S3 on rank 0 instead of a stale s3fs listing cache.
-* `configure_s3_checkpointing` / `build_s3_checkpointing`: everything above from a NeMo-style config
-  (``s3_checkpointing:`` block plus ``exp_manager.checkpoint_callback_params.dirpath``).
-
-Lightning classes exist in two families (``lightning.pytorch`` and ``pytorch_lightning``) whose Trainers reject each
-other's classes, and neither may be imported when this module is. So the Lightning subclasses are built on first use,
-once per family, by `checkpoint_connector_class(family)` and `s3_model_checkpoint_class(family)`; the module-level
-names ``NeMoCheckpointConnector`` and ``S3ModelCheckpoint`` (PEP 562 ``__getattr__``) are the ``lightning.pytorch``
-classes (``pytorch_lightning`` if only that is installed), ``NeMoCheckpointConnectorPL`` and ``S3ModelCheckpointPL``
-the ``pytorch_lightning`` ones. The behaviour lives in two plain mixins, `BroadcastResumeConnectorMixin` and
-`S3ModelCheckpointMixin`, so it can be read (and mixed into other subclasses) without Lightning.
+Lightning's two families reject each other's classes, and neither is imported here: `checkpoint_connector_class` and
+`s3_model_checkpoint_class` build the subclasses on first use; ``NeMoCheckpointConnector`` / ``S3ModelCheckpoint``
+(PEP 562) are the default family's, ``...PL`` ``pytorch_lightning``'s. The behaviour lives in the plain mixins
+`BroadcastResumeConnectorMixin` and `S3ModelCheckpointMixin`.
 """
 
 from __future__ import annotations
@@ -39,6 +21,7 @@ import functools
 import importlib
 import inspect
 import logging
+import math
 import os
 import pickle
 import re
@@ -63,9 +46,7 @@ else:  # installed (or copied) as top-level modules
 
 @functools.cache
 def _s3_dcp() -> types.ModuleType | None:
-    """`s3_dcp` from beside this module (in the same package, or top-level), imported on first need (a DCP checkpoint
-    met on resume), or None where it is absent: a fork may copy only the four core files, and single-file
-    checkpointing and resume need nothing from it. An s3_dcp that is there but fails to import raises as usual."""
+    """`s3_dcp` from beside this module, imported on first need, or None where a fork copied only the core files."""
     name = f"{__package__}.s3_dcp" if __package__ else "s3_dcp"
     try:
         return importlib.import_module(name)
@@ -134,9 +115,7 @@ class CheckpointAlreadyCompletedError(ValueError):
 
 
 class DCPSupportMissingError(ImportError):
-    """A sharded (DCP) checkpoint on S3 needs ``s3_dcp.py``, which is not beside this module (a fork that copied only
-    the four core files): raised when the checkpoint to resume from is one (nothing here could load it), and by
-    ``s3_checkpoint_admin`` where it meets one."""
+    """A DCP checkpoint on S3 needs ``s3_dcp.py``, not beside this module (a fork that copied only the core files)."""
 
 
 def _require_dcp_support(url: str) -> None:
@@ -154,9 +133,7 @@ def _require_dcp_support(url: str) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 global_rank = _s3.global_rank
-"""This process's global rank (`s3_utils.global_rank`, re-exported under the name NeMo's code imports from here):
-torch.distributed's once its process group is up, else the launcher's environment, which resume discovery needs
-because it runs before Lightning creates the process group."""
+"""`s3_utils.global_rank` under NeMo's name: torch.distributed's rank, else the launcher's (before the group exists)."""
 
 
 def is_global_rank_zero(environ: Mapping[str, str] | None = None) -> bool:
@@ -174,8 +151,7 @@ _RANK_FOLDER = re.compile(
     r"(?:mp_rank_(?P<mp>\d+)|tp_rank_(?P<tp>\d+)_pp_rank_(?P<pp>\d+))(?:_fsdp_shard_(?P<fsdp>\d+))?"
     r"|fsdp_shard_(?P<fsdp_only>\d+)"
 )
-# Checkpoint names (after NeMo's ``*last.ckpt`` / ``*end.ckpt`` globs). Public so that tools (the CLI) apply the
-# same rules as resume discovery.
+# Checkpoint names (NeMo's ``*last.ckpt`` / ``*end.ckpt`` globs), public so that tools apply discovery's rules.
 CHECKPOINT_SUFFIX = ".ckpt"
 STEP_PATTERN = re.compile(r"(?<![A-Za-z0-9_])step=(\d+)")
 """``step=N`` in a checkpoint name (not ``mystep=N``); the last one counts."""
@@ -189,11 +165,8 @@ _UNFINISHED_SUFFIX = "-unfinished"  # NeMo's unfinished-checkpoint marker (NeMoM
 
 
 def uninject_model_parallel_rank(path: str | os.PathLike[str]) -> str:
-    """`path` without its model-parallel shard folder: ``.../mp_rank_00/x.ckpt`` -> ``.../x.ckpt``.
-
-    Like NeMo's function of the same name, but it only strips a real shard folder (NeMo stripped the parent of any
-    path containing ``mp_rank``/``tp_rank``/``fsdp_shard`` anywhere) and keeps an ``s3://`` URL intact.
-    """
+    """`path` without its model-parallel shard folder (``.../mp_rank_00/x.ckpt`` -> ``.../x.ckpt``); unlike NeMo's,
+    only a real shard folder, and an ``s3://`` URL stays intact."""
     text = _urls.normalize_s3_url(path) if _urls.is_s3_url(path) else os.fspath(path)
     head, sep, name = text.rpartition("/")
     if not sep:
@@ -218,12 +191,7 @@ def _shard_index(folder: str) -> tuple[str, tuple[int, ...]]:
 
 
 def _shard_problem(shards: Iterable[str]) -> str | None:
-    """Why a checkpoint's shard folders do not form a complete set, or None if they do.
-
-    A set is complete when all folders use one layout and their indices fill the grid from 0 to the largest index
-    in every dimension (``tp_rank_00..NN`` x ``pp_rank_000..MMM``). A missing top index cannot be detected from the
-    names alone; that case is caught when loading.
-    """
+    """Why a checkpoint's shard folders are not a full grid (one layout, each index 0 to the largest), or None."""
     shards = sorted(shards)
     if shards == [""]:
         return None
@@ -233,10 +201,7 @@ def _shard_problem(shards: Iterable[str]) -> str | None:
     if len({layout for layout, _ in layouts}) > 1:
         return f"its shard folders mix layouts ({', '.join(shards)})"
     indices = {index for _, index in layouts}
-    sizes = [max(index[dim] for index in indices) + 1 for dim in range(len(next(iter(indices))))]
-    expected = 1
-    for size in sizes:
-        expected *= size
+    expected = math.prod(max(index[dim] for index in indices) + 1 for dim in range(len(next(iter(indices)))))
     if len(indices) != expected:
         return f"only {len(indices)} of its {expected} model-parallel shards exist ({', '.join(shards)})"
     return None
@@ -251,8 +216,7 @@ class ResumeCandidate:
     url: str
     """What to pass to Lightning: ``s3://bucket/dir/<name>`` or ``<dir>/<name>``, without any shard folder."""
     kind: str
-    """``"last"``, ``"end"`` (the run finished), or ``"step"`` (a top-k checkpoint with ``step=N`` in its name: a
-    fallback only, see `list_resume_candidates`)."""
+    """``"last"``, ``"end"`` (the run finished), or ``"step"`` (a top-k ``step=N`` checkpoint: a fallback only)."""
     step: int | None
     """The ``step=N`` in the name, if any."""
     modified: float
@@ -268,9 +232,8 @@ class ResumeCandidate:
 
 
 def classify_checkpoint_name(name: str, is_directory: bool = False) -> str | None:
-    """The kind of checkpoint a file (or directory) name denotes for resuming: ``"end"`` for NeMo's ``*end.ckpt``
-    (``*end`` for a directory: the run finished), ``"last"`` for ``*last.ckpt`` / ``*last-vN.ckpt`` (``*last`` /
-    ``*last-vN`` for a directory), else None (top-k checkpoints and other files are not resumed from)."""
+    """What a file (or directory) name denotes for resuming: ``"end"`` (``*end.ckpt``, ``*end``: the run finished),
+    ``"last"`` (``*last[-vN].ckpt``, directories ``*last[-vN]`` and ``iter_NNNNNNN``), else None."""
     if is_directory:
         if MEGATRON_ITERATION_PATTERN.fullmatch(name):
             return "last"
@@ -300,9 +263,8 @@ _NEMO_WEIGHTS_FOLDER = "weights"  # NeMo 2.x keeps the distributed checkpoint in
 
 
 def megatron_checkpoint_problem(names: Iterable[str], is_megatron: bool = False) -> str | None:
-    """`distributed_checkpoint_problem`, plus megatron-core's own marker: a megatron-core checkpoint (`is_megatron`,
-    e.g. NeMo 2.x's ``weights/`` or Megatron-LM's ``iter_NNNNNNN``, or one with megatron-core's ``common.pt``) is
-    complete only once ``metadata.json`` follows ``.metadata``; megatron-core refuses to load it without."""
+    """`distributed_checkpoint_problem`, plus megatron-core's marker: a megatron-core checkpoint (`is_megatron`, or one
+    holding ``common.pt``) is complete only once ``metadata.json`` follows ``.metadata`` (megatron-core needs it)."""
     names = set(names)
     problem = distributed_checkpoint_problem(names)
     megatron = is_megatron or _MEGATRON_COMMON_NAME in names
@@ -313,8 +275,7 @@ def megatron_checkpoint_problem(names: Iterable[str], is_megatron: bool = False)
     return problem
 
 
-# DCP's file names. s3_dcp defines them; they are spelled out here too so that a fork without s3_dcp.py still
-# recognises a DCP checkpoint (tests/test_packaging.py checks that both agree).
+# DCP's file names as s3_dcp defines them, for a fork without s3_dcp.py (tests/test_packaging.py checks they agree).
 _METADATA_NAME = ".metadata"
 _DCP_SHARD_SUFFIX = ".distcp"
 _ITEM_CHECKSUMS_NAME = ".s3ckpt-items.json"
@@ -324,11 +285,8 @@ _DCP_RANK_METADATA = re.compile(rf"__(\d+){re.escape(_METADATA_NAME)}")
 
 
 def distributed_checkpoint_problem(names: Iterable[str]) -> str | None:
-    """Why a directory whose top level holds `names` is an incomplete DCP checkpoint, or None if it is complete or
-    not a DCP checkpoint at all (no ``.distcp`` shard, ``.metadata``, item record or Lightning ``meta.pt``).
-
-    ``.metadata`` is DCP's commit marker, written last. A save made with ``use_collectives=False`` commits one
-    ``__{rank}.metadata`` per rank instead: complete when every rank holding shards has its own."""
+    """Why a directory whose top level holds `names` is an incomplete DCP checkpoint (no ``.metadata``, nor with
+    ``use_collectives=False`` a ``__{rank}.metadata`` for each rank holding shards), or None."""
     names = set(names)
     if _METADATA_NAME in names or not looks_like_distributed_checkpoint(names):
         return None
@@ -340,8 +298,7 @@ def distributed_checkpoint_problem(names: Iterable[str]) -> str | None:
 
 
 def looks_like_distributed_checkpoint(names: Iterable[str]) -> bool:
-    """Whether the names at the top level of a directory are those of a DCP checkpoint, complete or not: a
-    ``__{rank}_{n}.distcp`` shard, ``.metadata`` / ``__{rank}.metadata``, the item record or Lightning's ``meta.pt``."""
+    """Whether top-level `names` are a DCP checkpoint's, complete or not (shards, .metadata, item record, meta.pt)."""
     names = set(names)
     markers = {_METADATA_NAME, _ITEM_CHECKSUMS_NAME, _LIGHTNING_META_NAME}
     return not names.isdisjoint(markers) or any(
@@ -367,13 +324,8 @@ def _resume_kind(name: str, is_directory: bool, include_steps: bool) -> str | No
 def _candidates_from_entries(
     base: str, entries: Iterable[tuple[str, float]], include_steps: bool = False
 ) -> list[ResumeCandidate]:
-    """Build candidates from ``(path relative to the checkpoint directory, mtime)`` pairs of every file below it.
-
-    Only names directly in the directory, in a shard folder directly below it, or in a distributed-checkpoint
-    directory directly below it count; anything nested deeper (other runs, backups) is ignored. A DCP checkpoint
-    directory (``x-last.ckpt/`` holding ``.distcp`` shards) counts only once its ``.metadata`` is there (see
-    `distributed_checkpoint_problem`); that key is in the same listing, so no request per directory is made.
-    """
+    """Candidates from ``(path relative to the checkpoint directory, mtime)`` of every file below it; only names in
+    it, or in a shard folder or checkpoint directory directly below it, count (deeper ones are other runs, backups)."""
     files: dict[str, dict[str, float]] = {}  # name -> shard folder -> mtime
     directories: dict[str, float] = {}  # distributed checkpoint directory -> newest mtime inside
     directory_files: dict[str, set[str]] = {}  # distributed checkpoint directory -> names at its top level
@@ -395,41 +347,25 @@ def _candidates_from_entries(
             elif len(parts) == 3 and parts[1] == _NEMO_WEIGHTS_FOLDER and parts[2]:
                 weights_files.setdefault(parts[0], set()).add(parts[2])
     separator = "" if base.endswith("/") else "/"
-    candidates = []
-    for name, shards in files.items():
-        problem = _shard_problem(shards)
-        if problem is None and _unfinished_marker_name(name) in top_level:
-            problem = f"its unfinished marker {_unfinished_marker_name(name)} exists"
-        candidates.append(
-            ResumeCandidate(
-                name=name,
-                url=f"{base}{separator}{name}",
-                kind=_resume_kind(name, False, include_steps) or "",
-                step=checkpoint_step(name),
-                modified=max(shards.values()),
-                shards=tuple(sorted(shards)),
-                problem=problem,
-            )
-        )
-    for name, modified in directories.items():
+
+    def candidate(name: str, is_directory: bool, problem: str | None, **fields: Any) -> ResumeCandidate:
         marker = _unfinished_marker_name(name)
+        if problem is None and marker in top_level:
+            problem = f"its unfinished marker {marker} exists"
+        kind = _resume_kind(name, is_directory, include_steps) or ""
+        url, step = f"{base}{separator}{name}", checkpoint_step(name)
+        return ResumeCandidate(name, url, kind, step, is_directory=is_directory, problem=problem, **fields)
+
+    candidates = [
+        candidate(name, False, _shard_problem(shards), modified=max(shards.values()), shards=tuple(sorted(shards)))
+        for name, shards in files.items()
+    ]
+    for name, modified in directories.items():
         nested = name in weights_files  # NeMo 2.x: the checkpoint's files are in weights/
         names = weights_files[name] if nested else directory_files.get(name, set())
         problem = megatron_checkpoint_problem(names, nested or bool(MEGATRON_ITERATION_PATTERN.fullmatch(name)))
-        if problem is None and marker in top_level:
-            problem = f"its unfinished marker {marker} exists"
-        candidates.append(
-            ResumeCandidate(
-                name=name,
-                url=f"{base}{separator}{name}",
-                kind=_resume_kind(name, True, include_steps) or "",
-                step=checkpoint_step(name),
-                modified=modified,
-                is_directory=True,
-                is_dcp=looks_like_distributed_checkpoint(names),
-                problem=problem,
-            )
-        )
+        is_dcp = looks_like_distributed_checkpoint(names)
+        candidates.append(candidate(name, True, problem, modified=modified, is_dcp=is_dcp))
     return sorted(candidates, key=lambda candidate: candidate.url)
 
 
@@ -472,13 +408,9 @@ def _local_entries(directory: str) -> list[tuple[str, float]]:
 def list_resume_candidates(
     dirpath: str | os.PathLike[str], *, s3_utils: _s3.S3Utils | None = None, include_steps: bool = False
 ) -> list[ResumeCandidate]:
-    """Every ``*last`` / ``*end`` checkpoint in `dirpath` (``s3://`` or local), usable or not, sorted by URL; with
-    `include_steps` also the other ``*.ckpt`` checkpoints with ``step=N`` in their name (kind ``"step"``: top-k
-    checkpoints, which resume falls back to, see `find_resume_checkpoints`).
-
-    One S3 listing of ``dirpath/`` (all pages; ``s3://b/ckpt`` never sees ``s3://b/ckpt_old/...``). A local
-    directory that does not exist has no candidates; a missing bucket raises `CheckpointNotFoundError`.
-    """
+    """Every ``*last`` / ``*end`` checkpoint in `dirpath` (``s3://`` or local), usable or not, sorted by URL, and with
+    `include_steps` the top-k ``step=N`` ones (kind ``"step"``), from one ``/``-bounded listing. A missing local
+    directory has none; a missing bucket raises `CheckpointNotFoundError`."""
     if _urls.is_s3_url(dirpath):
         url = _urls.normalize_s3_url(dirpath).rstrip("/")
         bucket, _ = _urls.parse_s3_url(url)
@@ -497,11 +429,8 @@ def list_resume_candidates(
 
 
 def _newest_first_key(all_have_steps: bool) -> Any:
-    """Order candidates by step when every one has a step (mtime breaks ties), else by modification time.
-
-    At the same step an ``end`` checkpoint counts as newer than a ``last`` one: they hold the same state and the run
-    finished there. Never by name: S3 lists in byte order, where ``step=9`` sorts after ``step=10``.
-    """
+    """By step when every candidate has one (mtime breaks ties), else by mtime; at one step ``end`` is newer than
+    ``last`` (same state, and the run finished). Never by name: S3 lists ``step=9`` after ``step=10``."""
 
     def key(candidate: ResumeCandidate) -> tuple[Any, ...]:
         is_end = candidate.kind == "end"
@@ -515,26 +444,16 @@ def _newest_first_key(all_have_steps: bool) -> Any:
 def select_resume_candidate(
     candidates: Iterable[ResumeCandidate], *, resume_past_end: bool = False, dirpath: str = ""
 ) -> ResumeCandidate | None:
-    """The candidate to resume from, or None if none is usable. The rules:
-
-    1. Unusable candidates are skipped with a warning: model-parallel checkpoints whose shard folders
-       (``mp_rank_XX``, ``tp_rank_XX_pp_rank_YYY``, ``fsdp_shard_XXXXX``) do not form a complete grid, and
-       checkpoints with NeMo's ``-unfinished`` marker.
-    2. The newest usable one wins: by ``step=N`` in the name when every candidate has one (then by modification
-       time), else by modification time (Lightning's rule for ``last``).
-    3. If the newest is an ``*end`` checkpoint the previous run finished: `CheckpointAlreadyCompletedError` unless
-       `resume_past_end`. (NeMo raised as soon as any ``*end.ckpt`` existed; here a newer ``*last`` means training
-       was resumed past the end before, and it is what you resume from.)
-    4. If the newest is a DCP checkpoint on S3 and `s3_dcp` is not beside this module: `DCPSupportMissingError`
-       (never a silent fall back to an older checkpoint).
-    """
+    """The candidate to resume from, or None if none is usable. Unusable ones (incomplete shard grids, NeMo's
+    ``-unfinished`` marker) are skipped with a warning; the newest usable one wins, by ``step=N`` when every candidate
+    has one (then mtime), else by mtime. If it is an ``*end`` one the run finished: `CheckpointAlreadyCompletedError`
+    unless `resume_past_end` (NeMo raised when any ``*end.ckpt`` existed; a newer ``*last`` means the run went past
+    its end). A DCP one on S3 without `s3_dcp` beside this module: `DCPSupportMissingError`, never a fallback."""
     candidates = [candidate for candidate in candidates if candidate.kind != "step"]  # fallbacks only
-    usable = []
     for candidate in candidates:
         if candidate.problem:
             logger.warning("Not resuming from %s: %s", candidate.url, candidate.problem)
-        else:
-            usable.append(candidate)
+    usable = [candidate for candidate in candidates if not candidate.problem]
     if not usable:
         return None
     newest = max(usable, key=_newest_first_key(all(c.step is not None for c in usable)))
@@ -567,8 +486,7 @@ def find_resume_checkpoint(
     *,
     s3_utils: _s3.S3Utils | None = None,
 ) -> str | None:
-    """The ``s3://`` URL (or local path) to resume from in `dirpath`, or None: the first of `find_resume_checkpoints`
-    (see there for the rules and errors)."""
+    """The ``s3://`` URL (or local path) to resume from in `dirpath`, or None: `find_resume_checkpoints`'s first."""
     found = find_resume_checkpoints(
         dirpath, resume_past_end, resume_ignore_no_checkpoint, s3_utils=s3_utils, fallbacks=False
     )
@@ -583,19 +501,11 @@ def find_resume_checkpoints(
     s3_utils: _s3.S3Utils | None = None,
     fallbacks: bool = True,
 ) -> list[str]:
-    """The ``s3://`` URLs (or local paths) to resume from in `dirpath`, newest first: the one to resume from, then
-    (with `fallbacks`) the checkpoints to fall back to, in order, if it does not verify or load (`load_newest_usable`):
-    the other usable ``*last`` / ``*end`` checkpoints and the top-k checkpoints with ``step=N`` in their names, newest
-    first by the same rule. Empty when there is none and `resume_ignore_no_checkpoint`.
-
-    Lists `dirpath` once, on whatever rank calls it (`check_resume` calls it on global rank 0 only) and applies
-    `select_resume_candidate`. Model-parallel checkpoints come back without their shard folder
-    (``s3://b/ckpt/x-last.ckpt`` for ``s3://b/ckpt/mp_rank_00/x-last.ckpt`` ...), as NeMo's strategy injects it again.
-
-    Raises `CheckpointNotFoundError` when nothing usable exists (returns None instead if
-    `resume_ignore_no_checkpoint`) or when the bucket does not exist (always: saving would fail too), and
-    `CheckpointAlreadyCompletedError` when the previous run finished and not `resume_past_end`.
-    """
+    """The ``s3://`` URLs (or local paths) to resume from in `dirpath`, newest first: `select_resume_candidate`'s,
+    then with `fallbacks` the other usable ``*last`` / ``*end`` and top-k ``step=N`` ones, by the same rule. One
+    listing; model-parallel checkpoints come without their shard folder (NeMo's strategy injects it). Raises
+    `CheckpointNotFoundError` when nothing usable exists (empty instead if `resume_ignore_no_checkpoint`) or the
+    bucket does not (always), `CheckpointAlreadyCompletedError` when the run finished and not `resume_past_end`."""
     if dirpath is None or not os.fspath(dirpath):
         raise ValueError("find_resume_checkpoint needs the checkpoint directory (an s3:// URL or a local path)")
     shown = _urls.normalize_s3_url(dirpath).rstrip("/") if _urls.is_s3_url(dirpath) else os.fspath(dirpath)
@@ -618,15 +528,9 @@ def find_resume_checkpoints(
 
 
 def _fallback_urls(candidates: list[ResumeCandidate], chosen: ResumeCandidate) -> list[str]:
-    """The usable candidates other than `chosen`, newest first (`_newest_first_key`); DCP ones only where s3_dcp is
-    there to load them."""
-    usable = [
-        candidate
-        for candidate in candidates
-        if candidate is not chosen
-        and not candidate.problem
-        and not (candidate.is_dcp and _s3_dcp() is None and _urls.is_s3_url(candidate.url))
-    ]
+    """The usable candidates other than `chosen`, newest first; DCP ones on S3 only where s3_dcp can load them."""
+    loadable = [c for c in candidates if not (c.is_dcp and _s3_dcp() is None and _urls.is_s3_url(c.url))]
+    usable = [c for c in loadable if c is not chosen and not c.problem]
     key = _newest_first_key(all(c.step is not None for c in [*usable, chosen]))
     return [candidate.url for candidate in sorted(usable, key=key, reverse=True)]
 
@@ -634,22 +538,14 @@ def _fallback_urls(candidates: list[ResumeCandidate], chosen: ResumeCandidate) -
 # --------------------------------------------------------------------------------------------------------------------
 # Resume never sticks: a checkpoint that does not verify or load is skipped (never deleted) for the next newest
 # --------------------------------------------------------------------------------------------------------------------
-#
-# Why: a newest checkpoint that fails its checksum (or lost a shard, or holds an unreadable .metadata) made every
-# relaunch pick it and fail the same way: a crash became a crash loop until a person deleted objects by hand.
-# How: discovery gives the checkpoints newest first (`find_resume_checkpoints`, on global rank 0, broadcast); every
-# rank tries the same one; the ranks exchange their outcomes (one all-gather per try) and all move on to the next one
-# when any rank found the checkpoint unusable (`is_unusable_checkpoint_error`), so every rank resumes from the same
-# checkpoint. Other failures (network, credentials, a run fenced off) are raised: an older checkpoint would not help.
+# Else a broken newest checkpoint fails every relaunch until deleted by hand. Every rank tries the same one; all move
+# on when any found it unusable (one all-gather per try). Other failures (network, fencing) are raised.
 
 
 def is_unusable_checkpoint_error(exc: BaseException) -> bool:
-    """Whether `exc`, raised by loading a checkpoint, says that checkpoint itself is unusable: its bytes do not match
-    the recorded checksum (`s3_utils.ChecksumMismatchError`), an object or shard is missing (FileNotFoundError,
-    `s3_dcp.CheckpointIncompleteError`), or it does not unpickle (a truncated or unreadable file or ``.metadata``).
-    DCP's ``CheckpointException`` counts when any rank's failure inside it does. A refusal of ``weights_only`` is a
-    setting, not a broken checkpoint: not unusable. DCP's load reports a ``.metadata`` it could not read as an
-    AssertionError whose text says so: that counts too."""
+    """Whether `exc`, raised loading a checkpoint, says the checkpoint itself is unusable: a checksum mismatch, a
+    missing object or shard, a file or ``.metadata`` that does not unpickle or read, also inside DCP's
+    ``CheckpointException``; not a ``weights_only`` refusal (a setting) nor a fenced-off run."""
     seen: set[int] = set()
     pending: list[BaseException] = [exc]
     while pending:
@@ -699,15 +595,10 @@ def _gather_outcomes(outcome: tuple[str, str] | None) -> list[tuple[str, str] | 
 
 
 def load_newest_usable(urls: Iterable[str], load: Any, *, fallback: bool = True) -> tuple[str, Any]:
-    """``(url, load(url))`` for the first of `urls` (newest first) that loads on every rank; each skipped one is
-    logged as a WARNING with the reason, and left where it is.
-
-    Collective when a ``torch.distributed`` process group is up: every rank must call it with the same `urls`
-    (`find_resume_checkpoints` on global rank 0, broadcast), and after each try the ranks exchange their outcomes,
-    so all of them end on the same checkpoint. A try that failed on some rank with an error that makes the checkpoint
-    unusable (`is_unusable_checkpoint_error`) moves every rank to the next URL; any other failure is raised (on a
-    rank whose own load succeeded, as `ResumeFailedError`). `fallback=False`: only the first URL is tried (strict).
-    When no URL is left the last failure is raised, with a note naming the checkpoints skipped."""
+    """``(url, load(url))`` for the first of `urls` (newest first) that loads on every rank, each one skipped logged
+    and left in place. Collective: every rank passes the same `urls` and all move on when some rank found the
+    checkpoint unusable (`is_unusable_checkpoint_error`); other failures are raised (`ResumeFailedError` on ranks
+    whose load succeeded). `fallback=False`: the first URL only. None left: the last failure, noting those skipped."""
     urls = list(urls)
     if not urls:
         raise ValueError("load_newest_usable needs at least one checkpoint URL")
@@ -715,17 +606,14 @@ def load_newest_usable(urls: Iterable[str], load: Any, *, fallback: bool = True)
         urls = urls[:1]
     skipped: list[str] = []
     for index, url in enumerate(urls):
-        error: BaseException | None = None
-        result = None
+        result, error, outcome = None, None, None
         try:
             result = load(url)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             error = exc
-        outcome = None
-        if error is not None:
-            outcome = ("unusable" if is_unusable_checkpoint_error(error) else "error", _describe_failure(error))
+            outcome = ("unusable" if is_unusable_checkpoint_error(exc) else "error", _describe_failure(exc))
         outcomes = _gather_outcomes(outcome)
         if all(o is None for o in outcomes):
             if skipped:
@@ -761,15 +649,8 @@ def load_newest_usable(urls: Iterable[str], load: Any, *, fallback: bool = True)
 
 
 def _s3_utils_of_trainer(trainer: Any) -> _s3.S3Utils | None:
-    """The `S3Utils` of the trainer's `S3CheckpointIO` (also inside Lightning's AsyncCheckpointIO), if it has one, so
-    discovery uses the same endpoint, credentials and retry policy as the saves."""
-    strategy = getattr(trainer, "strategy", None)
-    plugin = getattr(strategy, "_checkpoint_io", None)  # not the property: it would create a default plugin
-    for _ in range(3):
-        if isinstance(plugin, _ckpt_io.S3CheckpointIO):
-            return plugin.s3
-        plugin = getattr(plugin, "checkpoint_io", None)
-    return None
+    """The `S3Utils` of the trainer's `S3CheckpointIO`: discovery uses the saves' endpoint, credentials, retries."""
+    return getattr(_ckpt_io.s3_checkpoint_io_of(getattr(trainer, "strategy", None)), "s3", None)
 
 
 def check_resume(
@@ -784,30 +665,19 @@ def check_resume(
     s3_utils: _s3.S3Utils | None = None,
     resume_fallback: bool = True,
 ) -> str | None:
-    """NeMo's ``exp_manager.check_resume``: find the checkpoint to resume from and set ``trainer.ckpt_path``.
-
-    * `resume_from_checkpoint` is used on every rank unless `resume_if_exists` finds a checkpoint.
-    * With `resume_if_exists` the directory is `dirpath`, else ``<log_dir>/checkpoints``. For an ``s3://``
-      directory **only global rank 0 lists** (rank from the environment, see `global_rank`); the other ranks
-      get the path by broadcast in `NeMoCheckpointConnector.resume_start` and `S3ModelCheckpoint.setup`.
-      Local directories are searched on every rank, as in NeMo.
-    * Errors as `find_resume_checkpoint`. NeMo's moving of old log files into ``run_N`` is not done here.
-    * `resume_fallback` (default True): if the checkpoint found does not verify or load when ``fit`` loads it, every
-      rank falls back to the next newest one that does (`find_resume_checkpoints`, `load_newest_usable`), with a
-      WARNING naming the one skipped and why; nothing is deleted. False: strict, the load error is raised as before.
-
-    Also installs `NeMoCheckpointConnector` on a Lightning trainer (see `install_checkpoint_connector`), so the
-    order of the two calls no longer matters. Returns the path set on this rank (None if none).
-    """
+    """NeMo's ``exp_manager.check_resume``: find the checkpoint to resume from, set ``trainer.ckpt_path`` and return
+    it (None if none). `resume_from_checkpoint` is used unless `resume_if_exists` finds one in `dirpath` (else
+    ``<log_dir>/checkpoints``); on S3 **only global rank 0 lists** (rank from the environment) and the others get its
+    choice by broadcast; a local directory is searched on every rank, as in NeMo. Errors as `find_resume_checkpoint`.
+    `resume_fallback` (default True): a checkpoint that does not verify or load is skipped on every rank for the next
+    newest (`load_newest_usable`); False: strict. Also installs `NeMoCheckpointConnector`."""
     if resume_if_exists and not dirpath and not log_dir:
         raise ValueError(
             "Resuming requires the checkpoint dirpath or the log_dir (checkpoints are in log_dir/checkpoints)"
         )
     if getattr(trainer, "_checkpoint_connector", None) is not None:
         install_checkpoint_connector(trainer)
-    checkpoint: str | None = None
-    if resume_from_checkpoint:
-        checkpoint = _urls.as_path_or_s3_url(resume_from_checkpoint)
+    checkpoint = _urls.as_path_or_s3_url(resume_from_checkpoint) if resume_from_checkpoint else None
     if resume_if_exists:
         directory = (
             _urls.as_path_or_s3_url(dirpath) if dirpath else os.path.join(os.fspath(log_dir or ""), "checkpoints")
@@ -818,12 +688,9 @@ def check_resume(
                 "Rank %d: not listing %s; global rank 0 finds the checkpoint and broadcasts it", rank, directory
             )
         else:
+            s3_utils = s3_utils or _s3_utils_of_trainer(trainer)
             found = find_resume_checkpoints(
-                directory,
-                resume_past_end=resume_past_end,
-                resume_ignore_no_checkpoint=resume_ignore_no_checkpoint,
-                s3_utils=s3_utils or _s3_utils_of_trainer(trainer),
-                fallbacks=resume_fallback,
+                directory, resume_past_end, resume_ignore_no_checkpoint, s3_utils=s3_utils, fallbacks=resume_fallback
             )
             if found:
                 checkpoint = found[0]
@@ -842,8 +709,7 @@ def check_resume(
 
 
 def _set_resume_fallbacks(trainer: Any, chosen: str, fallbacks: list[str], enabled: bool = True) -> None:
-    """Tell the trainer's `BroadcastResumeConnectorMixin` (if it has one) what to fall back to should `chosen` not
-    load; only the rank that ran discovery knows, ``resume_start`` broadcasts it."""
+    """Tell the trainer's `BroadcastResumeConnectorMixin` (if any) what `chosen` falls back to (rank 0 knows)."""
     connector = getattr(trainer, "_checkpoint_connector", None)
     if isinstance(connector, BroadcastResumeConnectorMixin):
         connector.resume_fallback = enabled
@@ -858,8 +724,7 @@ def _broadcast_from_rank_zero(trainer: Any, value: Any) -> Any:
 
 
 def _on_rank_zero_then_broadcast(trainer: Any, compute: Any, what: str) -> Any:
-    """Run `compute` on global rank 0 only and give its result to every rank. If it raises, every rank raises
-    (rank 0 the original error), instead of the other ranks waiting in the broadcast until the collective timeout."""
+    """`compute()` run on global rank 0, on every rank; if it raises, every rank raises (not waiting for a timeout)."""
     result, error = None, None
     if trainer.is_global_zero:
         try:
@@ -874,34 +739,25 @@ def _on_rank_zero_then_broadcast(trainer: Any, compute: Any, what: str) -> Any:
     return result
 
 
+def _is_s3_path(value: Any) -> bool:
+    """Whether `value` is a path (str or PathLike) holding an ``s3://`` URL (`is_s3_url` refuses other types)."""
+    return isinstance(value, (str, os.PathLike)) and _urls.is_s3_url(value)
+
+
 def _has_s3_checkpoint_dir(trainer: Any) -> bool:
-    for callback in getattr(trainer, "checkpoint_callbacks", []) or []:
-        dirpath = getattr(callback, "dirpath", None)
-        if isinstance(dirpath, (str, os.PathLike)) and _urls.is_s3_url(dirpath):
-            return True
-    return False
+    return any(_is_s3_path(getattr(c, "dirpath", None)) for c in getattr(trainer, "checkpoint_callbacks", []) or [])
 
 
 class BroadcastResumeConnectorMixin:
     """What `NeMoCheckpointConnector` adds to Lightning's ``_CheckpointConnector`` (mixed in front of it).
-
-    * ``resume_start``: rank 0 loads what Lightning selected on rank 0; every other rank loads rank 0's choice,
-      received by broadcast, whatever Lightning passed in there (None when only rank 0 ran discovery). NeMo's version
-      ignored its argument on every rank, so ``fit(ckpt_path=...)`` was dropped when ``trainer.ckpt_path`` was unset.
-      The load is collective (`s3_checkpoint_io.collective_resume`): one download per node by default, see the
-      plugin's ``load_sharing``.
-    * ``ckpt_path="last"`` with an ``s3://`` checkpoint directory: resolved on global rank 0 only (the other ranks
-      would each list the bucket), from one listing per `S3ModelCheckpoint` (newest modification time, Lightning's
-      rule); the answer reaches the other ranks through ``resume_start``. If some candidate lives elsewhere (a local
-      or plain ModelCheckpoint, an OnExceptionCheckpoint) Lightning's own resolution runs, still on rank 0 only.
-    * A checkpoint that discovery chose (`check_resume`, ``ckpt_path="last"``) and that does not verify or load on
-      some rank is skipped on every rank for the next newest (`load_newest_usable`), unless `resume_fallback` is off.
-    """
+    ``resume_start``: every rank loads rank 0's choice (broadcast), whatever Lightning passed in there, collectively
+    (`s3_checkpoint_io.collective_resume`), falling back past one that does not load (`load_newest_usable`) unless
+    `resume_fallback` is off. ``ckpt_path="last"`` on S3 is resolved on global rank 0 only, from one listing per
+    `S3ModelCheckpoint` (Lightning's own resolution, still on rank 0, if some candidate lives elsewhere)."""
 
     trainer: Any
     resume_fallback: bool = True
-    """Fall back to the next newest checkpoint when the one discovery chose does not verify or load (`check_resume`
-    sets it from its ``resume_fallback``); only for checkpoints that discovery chose, never a ``ckpt_path`` given."""
+    """Fall back past a checkpoint discovery chose (never a ``ckpt_path`` given) that does not verify or load."""
     resume_fallbacks: dict[str, list[str]] = {}  # noqa: RUF012 (replaced, never mutated)
     """On the rank that ran discovery: the chosen checkpoint -> the ones to fall back to, newest first."""
 
@@ -920,14 +776,12 @@ class BroadcastResumeConnectorMixin:
             with _ckpt_io.collective_resume(trainer):  # every rank loads `url` now: one download per node or job
                 super(BroadcastResumeConnectorMixin, self).resume_start(url, *args, **kwargs)  # type: ignore[misc]
 
-        if not chosen:
-            load(chosen)
-            return
-        if fallbacks:
+        if chosen and fallbacks:
             chosen, _ = load_newest_usable([chosen, *fallbacks], load)
         else:
             load(chosen)
-        logger.info("Rank %d: loaded %s in %.2f s", rank, chosen, time.perf_counter() - started)
+        if chosen:
+            logger.info("Rank %d: loaded %s in %.2f s", rank, chosen, time.perf_counter() - started)
 
     def _parse_ckpt_path(self, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
         if ckpt_path == "last" and _has_s3_checkpoint_dir(self.trainer):
@@ -947,8 +801,7 @@ class BroadcastResumeConnectorMixin:
 
 
 def _last_checkpoint_sources(trainer: Any) -> list[S3ModelCheckpointMixin] | None:
-    """The S3 callbacks that hold every candidate for ``ckpt_path="last"``, or None if some candidate lives
-    elsewhere (a local or plain ModelCheckpoint, an OnExceptionCheckpoint): then Lightning's own resolution runs."""
+    """The S3 callbacks holding every candidate for ``ckpt_path="last"``, or None if some candidate lives elsewhere."""
     sources = []
     for callback in trainer.callbacks:
         if isinstance(callback, S3ModelCheckpointMixin) and callback._is_s3_dir():
@@ -959,8 +812,7 @@ def _last_checkpoint_sources(trainer: Any) -> list[S3ModelCheckpointMixin] | Non
 
 
 def _last_checkpoints_newest_first(trainer: Any, sources: list[S3ModelCheckpointMixin], state_fn: Any) -> list[str]:
-    """Lightning's rule for ``"last"`` (the most recently modified last checkpoint) first, from one listing per
-    callback, then the other last checkpoints in that order (fallbacks)."""
+    """The last checkpoints, newest first by Lightning's rule for ``"last"``, from one listing per callback."""
     times: dict[str, float] = {}
     for callback in sources:
         times.update(callback.last_checkpoint_times(trainer))
@@ -982,17 +834,12 @@ def _newest_url_key(times: dict[str, float]) -> Any:
     return lambda url: (times[url], checkpoint_step(url.rpartition("/")[2]) or -1, url)
 
 
-def _newest_url(times: dict[str, float]) -> str:
-    return max(times, key=_newest_url_key(times))
-
-
 def _normalize_dirpath(dirpath: Any) -> Any:
     """An S3 dirpath as ``s3://bucket/prefix`` (str, no trailing ``/``, pathlib's ``s3:/`` repaired); others as is."""
-    if isinstance(dirpath, (str, os.PathLike)) and _urls.is_s3_url(dirpath):
-        url = _urls.normalize_s3_url(dirpath)
-        bucket, key = _urls.parse_s3_url(url)
-        return _urls.build_s3_url(bucket, key.rstrip("/"))
-    return dirpath
+    if not _is_s3_path(dirpath):
+        return dirpath
+    bucket, key = _urls.parse_s3_url(_urls.normalize_s3_url(dirpath))
+    return _urls.build_s3_url(bucket, key.rstrip("/"))
 
 
 def _template_regex(template: str) -> str:
@@ -1002,24 +849,12 @@ def _template_regex(template: str) -> str:
 
 
 class S3ModelCheckpointMixin:
-    """What `S3ModelCheckpoint` adds to a ``ModelCheckpoint`` class (mixed in front of it, e.g. NeMo's own).
-
-    * ``setup()``: installs `NeMoCheckpointConnector` if the trainer still has Lightning's, then broadcasts rank 0's
-      ``trainer.ckpt_path`` and ``last_model_path`` (only rank 0 ran `check_resume` on S3).
-    * ``file_exists``: asked on global rank 0 only, straight to S3 (one HEAD), and broadcast. Lightning asks
-      fsspec, whose process-wide s3fs listing cache keeps answering "no" after objects appear, so a second run into
-      the same dirpath silently overwrote the first one's checkpoints instead of writing ``-v1`` names.
-    * ``ckpt_path="last"`` (`last_checkpoint_times`, ``_find_last_checkpoints``): one ``/``-bounded S3 listing that
-      yields ``s3://`` URLs (Lightning's ``os.path.normpath`` turned them into ``s3:/...``, bug #18261); NeMo-style
-      names such as ``{filename}-last`` are matched too.
-    * top-k bookkeeping (``best_k_models``...) survives a resume: ``s3://`` entries are kept (NeMo dropped them
-      because ``os.path.isfile`` is False for URLs, orphaning the objects).
-    * a run never removes, on S3, the checkpoint it resumed from nor one outside its dirpath (`kept_from_removal`), as
-      Lightning does on a local directory (its ``_should_remove_checkpoint`` removes any remote path: #21813).
-    * S3 is asked through the plugin's `S3Utils` (same endpoint, credentials and retries as the saves), also for
-      Lightning's "directory not empty" warning, so s3fs needs no configuration of its own; every save and removal
-      still drops the s3fs cache entries for that URL, so Lightning's remaining fsspec calls stay true.
-    """
+    """What `S3ModelCheckpoint` adds to a ``ModelCheckpoint`` class (mixed in front of it, e.g. NeMo's own):
+    ``setup()`` installs `NeMoCheckpointConnector` and broadcasts rank 0's resume state; ``file_exists`` asks S3 on
+    rank 0 (a stale s3fs cache made a second run overwrite the first one's checkpoints instead of writing ``-v1``);
+    ``"last"`` comes from one listing as ``s3://`` URLs (#18261); top-k keeps its ``s3://`` entries across a resume;
+    the checkpoint resumed from and any outside the dirpath are never removed (`kept_from_removal`). S3 is asked
+    through the plugin's `S3Utils`, and each save and removal drops the s3fs cache entries of its URL."""
 
     dirpath: Any
     last_model_path: str
@@ -1052,7 +887,7 @@ class S3ModelCheckpointMixin:
         return self.s3_utils
 
     def _is_s3_dir(self) -> bool:
-        return isinstance(self.dirpath, (str, os.PathLike)) and _urls.is_s3_url(self.dirpath)
+        return _is_s3_path(self.dirpath)
 
     # ---- Lightning hooks ------------------------------------------------------------------------------------------
 
@@ -1066,25 +901,16 @@ class S3ModelCheckpointMixin:
             self._s3_utils(trainer)
         connector = trainer._checkpoint_connector
         state = (getattr(connector, "_ckpt_path", None), getattr(connector, "_user_managed", False))
-        shared = (state, self.last_model_path, self._run_of(trainer))
+        plugin = _ckpt_io.s3_checkpoint_io_of(getattr(trainer, "strategy", None))  # its run, else ours
+        shared = (state, self.last_model_path, plugin.run if plugin is not None else _s3.current_run())
         (ckpt_path, user_managed), last_model_path, run = _broadcast_from_rank_zero(trainer, shared)
         connector._ckpt_path = ckpt_path
         connector._user_managed = user_managed
         self.last_model_path = last_model_path
         _s3.adopt_run(run)  # the ranks of one job are one run (docs/runs.md), whatever their launcher said
 
-    @staticmethod
-    def _run_of(trainer: Any) -> _s3.CheckpointRun:
-        """The run the trainer's `S3CheckpointIO` saves as (pickled along by ``ddp_spawn``), else this process's."""
-        plugin = getattr(getattr(trainer, "strategy", None), "_checkpoint_io", None)  # the property would make one
-        for _ in range(3):
-            if isinstance(plugin, _ckpt_io.S3CheckpointIO):
-                return plugin.run
-            plugin = getattr(plugin, "checkpoint_io", None)  # inside Lightning's AsyncCheckpointIO
-        return _s3.current_run()
-
     def file_exists(self, filepath: Any, trainer: Any, *args: Any, **kwargs: Any) -> bool:
-        if not (isinstance(filepath, (str, os.PathLike)) and _urls.is_s3_url(filepath)):
+        if not _is_s3_path(filepath):
             return super().file_exists(filepath, trainer, *args, **kwargs)  # type: ignore[misc]
         url = _urls.normalize_s3_url(filepath)
 
@@ -1124,13 +950,12 @@ class S3ModelCheckpointMixin:
                 sharded.add(f"{url}/{folder}")
             else:
                 logger.warning("Not resuming from %s/%s: %s", url, folder, problem or "it holds no DCP checkpoint")
-        if times and _newest_url(times) in sharded:
-            _require_dcp_support(_newest_url(times))
+        if times and (newest := max(times, key=_newest_url_key(times))) in sharded:
+            _require_dcp_support(newest)
         return times
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
-        """Lightning's hook for ``ckpt_path="last"`` when `NeMoCheckpointConnector` is not installed (it then asks
-        fsspec about each URL): the ``s3://`` URLs, not Lightning's ``s3:/`` (#18261)."""
+        """Lightning's hook for ``ckpt_path="last"`` without `NeMoCheckpointConnector`: ``s3://`` URLs (#18261)."""
         if not self._is_s3_dir():
             return super()._find_last_checkpoints(trainer)  # type: ignore[misc]
         _s3.invalidate_fsspec_cache(self.dirpath)  # Lightning asks fsspec about each candidate next
@@ -1138,9 +963,8 @@ class S3ModelCheckpointMixin:
 
     # Overrides ModelCheckpoint's private (name-mangled) __warn_if_dir_not_empty; if Lightning renames it, its own runs.
     def _ModelCheckpoint__warn_if_dir_not_empty(self, dirpath: Any) -> None:
-        """Lightning's "directory not empty" warning from ``setup`` (rank 0), asked through this package's S3 client
-        (one LIST, same endpoint and credentials as the saves) instead of s3fs, for an S3 dirpath."""
-        if not (isinstance(dirpath, (str, os.PathLike)) and _urls.is_s3_url(dirpath)):
+        """Lightning's "directory not empty" warning; an S3 dirpath is asked through this package's client."""
+        if not _is_s3_path(dirpath):
             return super()._ModelCheckpoint__warn_if_dir_not_empty(dirpath)  # type: ignore[misc]
         if getattr(self, "save_top_k", 1) != 0 and self._s3_utils().s3_path_exists(dirpath, match_directory=True):
             warnings.warn(f"Checkpoint directory {dirpath} exists and is not empty.", UserWarning, stacklevel=2)
@@ -1177,17 +1001,14 @@ class S3ModelCheckpointMixin:
     # ---- what a run never removes on S3 ---------------------------------------------------------------------------
 
     def kept_from_removal(self, trainer: Any, filepath: Any) -> str | None:
-        """Why the ``s3://`` checkpoint `filepath` must not be removed by this callback (None: it may be): it is the
-        checkpoint the run resumed from (``trainer.ckpt_path``), or it lies outside this callback's S3 dirpath. On a
-        local directory Lightning's ``_should_remove_checkpoint`` says so; for a remote path it says "remove" (Lightning
-        #21813), so a resumed run's top-k, "last" and NeMo-style clean-ups deleted the checkpoint it resumed from."""
-        if not (isinstance(filepath, (str, os.PathLike)) and _urls.is_s3_url(filepath)):
+        """Why this callback must not remove the ``s3://`` checkpoint `filepath` (None: it may): the run resumed from
+        it, or it lies outside the S3 dirpath (Lightning's ``_should_remove_checkpoint`` checks local paths only)."""
+        if not _is_s3_path(filepath):
             return None
         url = _urls.normalize_s3_url(filepath).rstrip("/")
         resumed = getattr(trainer, "ckpt_path", None) if trainer is not None else None
-        if isinstance(resumed, (str, os.PathLike)) and _urls.is_s3_url(resumed):
-            if _urls.normalize_s3_url(resumed).rstrip("/") == url:
-                return "it is the checkpoint this run resumed from"
+        if _is_s3_path(resumed) and _urls.normalize_s3_url(resumed).rstrip("/") == url:
+            return "it is the checkpoint this run resumed from"
         if not self._is_s3_dir() or not url.startswith(str(self.dirpath).rstrip("/") + "/"):
             return f"it is outside this callback's dirpath {self.dirpath}"
         return None
@@ -1237,27 +1058,19 @@ def _family_of(family: str | None) -> str:
 
 
 def _lightning_module(family: str, submodule: str) -> Any:
-    name = f"{family}.{submodule}"
-    return _s3.import_optional_dependency(name, f"{family} support")
+    return _s3.import_optional_dependency(f"{family}.{submodule}", f"{family} support")
 
 
 def checkpoint_connector_class(family: str | None = None) -> type:
-    """`NeMoCheckpointConnector` for a Lightning family (``"lightning.pytorch"`` or ``"pytorch_lightning"``;
-    default: ``lightning.pytorch`` if installed). Built once per family and cached."""
-    return _build_connector_class(_family_of(family))
-
-
-def s3_model_checkpoint_class(family: str | None = None) -> type:
-    """`S3ModelCheckpoint` for a Lightning family (see `checkpoint_connector_class`). Built once and cached."""
-    return _build_callback_class(_family_of(family))
-
-
-def _build_connector_class(family: str) -> type:
+    """`NeMoCheckpointConnector` for a Lightning family (default: ``lightning.pytorch`` if installed), built once."""
+    family = _family_of(family)
     base = _lightning_module(family, "trainer.connectors.checkpoint_connector")._CheckpointConnector
     return _lightning_subclass(_CONNECTOR_NAME, family, BroadcastResumeConnectorMixin, base, "with rank-0 resume")
 
 
-def _build_callback_class(family: str) -> type:
+def s3_model_checkpoint_class(family: str | None = None) -> type:
+    """`S3ModelCheckpoint` for a Lightning family (see `checkpoint_connector_class`). Built once and cached."""
+    family = _family_of(family)
     base = _lightning_module(family, "callbacks").ModelCheckpoint
     return _lightning_subclass(_CALLBACK_NAME, family, S3ModelCheckpointMixin, base, "S3-aware")
 
@@ -1279,15 +1092,12 @@ S3ModelCheckpoint: type
 
 def __getattr__(name: str) -> Any:
     """PEP 562: the Lightning classes are built on first access (Lightning need not be installed to import this)."""
-    for base_name, build in (
-        (_CONNECTOR_NAME, checkpoint_connector_class),
-        (_CALLBACK_NAME, s3_model_checkpoint_class),
-    ):
+    for base_name, make in ((_CONNECTOR_NAME, checkpoint_connector_class), (_CALLBACK_NAME, s3_model_checkpoint_class)):
         if name == base_name:
-            return build(None)
+            return make(None)
         for family, suffix in _CLASS_SUFFIX.items():
             if suffix and name == base_name + suffix:
-                return build(family)
+                return make(family)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -1301,12 +1111,8 @@ def _trainer_family(trainer: Any) -> str:
 
 
 def install_checkpoint_connector(trainer: Any) -> Any:
-    """Put `NeMoCheckpointConnector` (of the trainer's family) in place of Lightning's plain connector and return it.
-
-    Idempotent, and safe at any time before ``fit``: the state of the replaced connector (including a
-    ``trainer.ckpt_path`` already set by `check_resume`) is carried over. A connector that is some other subclass
-    (a custom one, or NeMo's own ``NeMoCheckpointConnector``) is left in place with a warning.
-    """
+    """Put `NeMoCheckpointConnector` in place of Lightning's plain connector (keeping its state) and return it; safe
+    to repeat before ``fit``. Another subclass (a custom one, NeMo's own) is left in place, with a warning."""
     current = trainer._checkpoint_connector
     if isinstance(current, BroadcastResumeConnectorMixin):
         return current
@@ -1346,19 +1152,11 @@ _S3_CONFIG_TO_IO_KWARGS = {
 }
 # NeMoModelCheckpoint-only keys of checkpoint_callback_params: accepted, logged, not used.
 _NEMO_ONLY_CALLBACK_KEYS = frozenset(
-    {
-        "always_save_nemo",
-        "save_nemo_on_train_end",
-        "save_best_model",
-        "postfix",
-        "prefix",
-        "n_resume",
-        "model_parallel_size",
-        "async_save",
-        "filepath",
-        "save_last_n_optim_states",
-    }
+    "always_save_nemo save_nemo_on_train_end save_best_model postfix prefix n_resume model_parallel_size async_save "
+    "filepath save_last_n_optim_states".split()
 )
+# NeMo's exp_manager resume settings (and resume_fallback), passed to check_resume.
+_RESUME_KEYS = "resume_if_exists resume_past_end resume_ignore_no_checkpoint resume_from_checkpoint resume_fallback"
 
 
 def _as_dict(node: Any, what: str) -> dict[str, Any]:
@@ -1395,19 +1193,11 @@ class S3Checkpointing:
 def build_s3_checkpointing(
     cfg: Any, *, family: str | None = None, client_settings: _s3.S3ClientSettings | None = None
 ) -> S3Checkpointing:
-    """Build the `S3CheckpointIO` plugin and the `S3ModelCheckpoint` callback from a NeMo-style config.
-
-    `cfg` (dict or OmegaConf) holds ``s3_checkpointing`` (``max_write_concurrency``, ``max_read_concurrency``,
-    ``chunk_size_MB``, ``enable_async_checkpointing``; optionally ``max_saves_in_flight``, ``endpoint_url``,
-    ``region_name``, ``request_options``) and ``exp_manager`` with ``checkpoint_callback_params`` (``dirpath``
-    required; the other keys are ``ModelCheckpoint`` arguments) and NeMo's ``resume_*`` keys. ``cfg`` may also be
-    the ``exp_manager`` node itself with ``s3_checkpointing`` inside it. As in NeMo, a ``filename`` makes the last
-    checkpoint ``{filename}-last``. NeMoModelCheckpoint-only keys (``save_nemo_on_train_end``...) are ignored with
-    a warning.
-    ``s3_checkpointing.load_sharing`` (``"node"``, ``"job"`` or ``"rank"``) says who downloads on a resume;
-    ``s3_checkpointing.fencing: false`` turns off the refusal of a stale run's saves and removals, and
-    ``s3_checkpointing.max_requests_per_second`` (a number, or ``{write: .., read: ..}``) caps the job's S3 requests.
-    """
+    """Build the `S3CheckpointIO` plugin and the `S3ModelCheckpoint` callback from a NeMo-style config: `cfg` (dict
+    or OmegaConf, or the ``exp_manager`` node) holds ``s3_checkpointing`` (NeMo's four keys, ``load_sharing``,
+    ``fencing``, ``max_requests_per_second``, ``endpoint_url``...) and ``exp_manager`` with NeMo's ``resume_*`` keys
+    and ``checkpoint_callback_params``: ``dirpath`` (required) and ``ModelCheckpoint`` arguments (NeMo-only keys are
+    ignored with a warning; a ``filename`` names the last checkpoint ``{filename}-last``, as in NeMo)."""
     top = _as_dict(cfg, "cfg")
     exp = _as_dict(top["exp_manager"], "exp_manager") if "exp_manager" in top else top
     s3_cfg = _as_dict(top.get("s3_checkpointing", exp.get("s3_checkpointing")), "s3_checkpointing")
@@ -1421,12 +1211,10 @@ def build_s3_checkpointing(
             "exp_manager.checkpoint_callback_params.dirpath must be set (e.g. s3://bucket/run/checkpoints)"
         )
     dirpath = _normalize_dirpath(dirpath)
-
     io_kwargs = {_S3_CONFIG_TO_IO_KWARGS[key]: value for key, value in s3_cfg.items() if value is not None}
     if client_settings is not None:
         io_kwargs["client_settings"] = _settings_with_config(client_settings, io_kwargs)
     checkpoint_io = _ckpt_io.S3CheckpointIO(dirpath, **io_kwargs)
-
     family = _family_of(family)
     callback_class = s3_model_checkpoint_class(family)
     accepted = set(inspect.signature(callback_class.lightning_base.__init__).parameters) - {"self"}
@@ -1443,24 +1231,12 @@ def build_s3_checkpointing(
     callback = callback_class(**callback_kwargs, s3_utils=checkpoint_io.s3 if _urls.is_s3_url(dirpath) else None)
     if callback_kwargs.get("filename"):
         callback.CHECKPOINT_NAME_LAST = f"{callback_kwargs['filename']}-last"  # NeMo's naming, on this instance only
-
-    resume = {
-        key: exp[key]
-        for key in (
-            "resume_if_exists",
-            "resume_past_end",
-            "resume_ignore_no_checkpoint",
-            "resume_from_checkpoint",
-            "resume_fallback",
-        )
-        if exp.get(key) is not None
-    }
+    resume = {key: exp[key] for key in _RESUME_KEYS.split() if exp.get(key) is not None}
     return S3Checkpointing(checkpoint_io, callback, resume=resume)
 
 
 def _settings_with_config(settings: _s3.S3ClientSettings, io_kwargs: dict[str, Any]) -> _s3.S3ClientSettings:
-    """`settings` with the config's ``endpoint_url`` / ``region_name`` (popped from `io_kwargs`) filled in, since
-    S3CheckpointIO refuses them next to explicit settings; a value that contradicts the settings is an error."""
+    """`settings` with the config's ``endpoint_url`` / ``region_name`` (popped from `io_kwargs`), which must agree."""
     changes = {}
     for name in ("endpoint_url", "region_name"):
         value = io_kwargs.pop(name, None)
@@ -1474,25 +1250,16 @@ def _settings_with_config(settings: _s3.S3ClientSettings, io_kwargs: dict[str, A
 
 def _is_default_model_checkpoint(callback: Any, base: type) -> bool:
     """Whether `callback` is the ModelCheckpoint Lightning adds by itself (``enable_checkpointing=True``)."""
-    return (
-        type(callback) is base
-        and callback.dirpath is None
-        and callback.monitor is None
-        and callback.save_last is None
-        and callback.save_top_k == 1
-    )
+    settings = (callback.dirpath, callback.monitor, callback.save_last, callback.save_top_k)
+    return type(callback) is base and settings == (None, None, None, 1)
 
 
 def configure_s3_checkpointing(
     trainer: Any, cfg: Any, *, client_settings: _s3.S3ClientSettings | None = None
 ) -> S3Checkpointing:
-    """Wire S3 checkpointing into an existing Trainer from a NeMo-style config, in one call (before ``fit``).
-
-    Builds the plugin and callback (`build_s3_checkpointing`), makes the plugin the strategy's ``checkpoint_io``,
-    adds the callback (replacing the ``ModelCheckpoint`` Lightning adds by default), installs
-    `NeMoCheckpointConnector`, and runs `check_resume` with the config's ``resume_*`` settings (global rank 0 lists).
-    Raises ValueError if the trainer already has another checkpoint plugin or a configured ``ModelCheckpoint``.
-    """
+    """Wire S3 checkpointing into a Trainer from a NeMo-style config, before ``fit``: `build_s3_checkpointing`'s
+    plugin and callback, `NeMoCheckpointConnector`, and `check_resume` with the config's ``resume_*`` settings.
+    Raises ValueError if the trainer already has another checkpoint plugin or a configured ``ModelCheckpoint``."""
     family = _trainer_family(trainer)
     parts = build_s3_checkpointing(cfg, family=family, client_settings=client_settings)
     strategy = trainer.strategy
@@ -1504,7 +1271,6 @@ def configure_s3_checkpointing(
             "or use build_s3_checkpointing(cfg) and pass its parts to the Trainer yourself"
         )
     strategy.checkpoint_io = parts.checkpoint_io
-
     base = type(parts.checkpoint_callback).lightning_base
     for callback in list(trainer.callbacks):
         if isinstance(callback, base):
@@ -1515,7 +1281,6 @@ def configure_s3_checkpointing(
                 )
             trainer.callbacks.remove(callback)
     trainer.callbacks.append(parts.checkpoint_callback)
-
     install_checkpoint_connector(trainer)
     if parts.resume.get("resume_if_exists") or parts.resume.get("resume_from_checkpoint"):
         parts.resume_path = check_resume(

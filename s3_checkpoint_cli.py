@@ -12,8 +12,7 @@ examples:
   s3-checkpoint-io convert s3://my-bucket/run/step-1000 s3://my-bucket/export/model.safetensors [--only model]
 
 The S3 connection options (--endpoint-url, --region, --max-attempts, --max-requests-per-second) and -v go before
-or after the command.
-Credentials come from the usual AWS chain (environment, profile, role) and are never printed.
+or after the command. Credentials come from the usual AWS chain (environment, profile, role) and are never printed.
 
 checkpoints: an object named *.ckpt directly under the prefix (--recursive: also in sub-prefixes; rm never
   descends), or a sharded (DCP) checkpoint: a sub-prefix such as x-last.ckpt/ holding __{rank}_{n}.distcp shards
@@ -150,10 +149,8 @@ def _looks_like_s3(text: str) -> bool:
 def _targets(
     s3: _s3.S3Utils, url: str, *, recursive: bool = False, all_objects: bool = False
 ) -> list[_admin.CheckpointEntry]:
-    """The checkpoints a command acts on: those under the prefix `url`, else the single object `url` names.
-
-    Raises CliError(EXIT_NOT_FOUND) when there is neither, FileNotFoundError when the bucket does not exist.
-    """
+    """The checkpoints under the prefix `url`, else the single object `url` names; CliError(EXIT_NOT_FOUND) when
+    neither, FileNotFoundError when the bucket does not exist."""
     entries = _admin.list_checkpoints(url, recursive=recursive, all_objects=all_objects, s3_utils=s3)
     if entries:
         return entries
@@ -176,9 +173,7 @@ def human_size(size: float) -> str:
 
 
 def _timestamp(value: datetime.datetime | None) -> str:
-    if value is None:
-        return "-"
-    return value.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    return "-" if value is None else value.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -187,11 +182,8 @@ def _timestamp(value: datetime.datetime | None) -> str:
 
 
 class _Progress:
-    """A byte-counting tqdm bar on stderr, or a silent stand-in when tqdm is missing or the bar is not wanted.
-
-    `enabled`: True forces the bar, False hides it, None shows it only when stderr is a terminal. `update` may be
-    called from several threads (the S3 layer's workers).
-    """
+    """A byte-counting tqdm bar on stderr (else a silent stand-in); thread-safe `update`. `enabled`: True forces it,
+    False hides it, None shows it only when stderr is a terminal."""
 
     def __init__(self, total: int, description: str, enabled: bool | None) -> None:
         self._bar: Any = None
@@ -342,8 +334,7 @@ def _print_resume_fallback(s3: _s3.S3Utils, url: str, failed_urls: set[str]) -> 
 
 
 def _verify_dcp(s3: _s3.S3Utils, entry: _admin.CheckpointEntry, args: argparse.Namespace) -> bool:
-    """Check every object of a DCP checkpoint (whole-file checksums and recorded item checksums); print a line per
-    object and one for the checkpoint; True if it passed."""
+    """Verify every object of a DCP checkpoint (file, item checksums), print a line each and a summary; True if ok."""
     with _Progress(entry.size, f"verify {entry.name}", args.progress) as bar:
         report = _admin.verify_checkpoint(entry.url, s3, progress=bar.update)
     problems = list(report.problems)
@@ -412,8 +403,7 @@ def _download(s3: _s3.S3Utils, src: str, dst: str, progress: bool | None) -> int
     directory = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(directory):
         raise CliError(EXIT_NOT_FOUND, f"destination directory does not exist: {directory}")
-    # The HEAD above sized the bar and let a missing object fail before anything was written; the download finds
-    # and checks the recorded checksum itself.
+    # The HEAD sized the bar and failed a missing object before any write; the download checks the checksum itself.
     started = time.perf_counter()
     with _Progress(info.size, _urls.s3_url_name(src), progress) as bar:
         verified = s3.download_s3_file_to_path(src, dst, progress=bar.update)
@@ -424,8 +414,7 @@ def _download(s3: _s3.S3Utils, src: str, dst: str, progress: bool | None) -> int
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    """Prune a checkpoint directory: keep the N newest top-k checkpoints by step (then time); never delete ``last``,
-    ``end`` or step-less ones."""
+    """Keep the N newest top-k checkpoints by step (then time); never delete ``last``, ``end`` or step-less ones."""
     url = s3_url_argument(args.url)
     if args.keep_last < 0:
         raise CliError(EXIT_USAGE, f"--keep-last must be >= 0, got {args.keep_last}")
@@ -451,8 +440,8 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    """List (with ``--yes``: abort or remove) what killed jobs left under a prefix: open multipart uploads and, with
-    ``--incomplete-dcp``, DCP checkpoints that never got ``.metadata``; only what is older than ``--older-than``."""
+    """List (``--yes``: abort or remove) what killed jobs left, older than ``--older-than``: open multipart uploads
+    and (``--incomplete-dcp``) DCP checkpoints that never got ``.metadata``."""
     url = s3_url_argument(args.url)
     s3 = _make_s3(args)
     garbage = _admin.find_garbage(url, args.older_than, incomplete_checkpoints=args.incomplete_dcp, s3_utils=s3)
@@ -513,23 +502,17 @@ def _duration(text: str) -> datetime.timedelta:
 def cmd_convert(args: argparse.Namespace) -> int:
     """Convert a DCP checkpoint into one safetensors or torch file, or one torch file into a DCP checkpoint."""
     try:
+        s3 = _make_s3(args)
         report = _sibling("s3_checkpoint_convert").convert_checkpoint(
-            args.src,
-            args.dst,
-            only=args.only,
-            overwrite=args.overwrite,
-            weights_only=args.weights_only,
-            s3_utils=_make_s3(args),
+            args.src, args.dst, only=args.only, overwrite=args.overwrite, weights_only=args.weights_only, s3_utils=s3
         )
     except (FileExistsError, ValueError) as exc:
         raise CliError(EXIT_USAGE, str(exc)) from None
     summary = f"{report.format}, {report.tensors} tensor(s), {human_size(report.size)} in {report.seconds:.2f} s"
     print(f"{report.source} -> {report.destination}  {summary}  {report.checksum or ''}".rstrip())
     if report.skipped:
-        print(
-            f"skipped {len(report.skipped)} non-tensor entries (safetensors holds tensors only): "
-            + ", ".join(report.skipped)
-        )
+        skipped = ", ".join(report.skipped)
+        print(f"skipped {len(report.skipped)} non-tensor entries (safetensors holds tensors only): {skipped}")
     print(f"verified: {report.verification}")
     return EXIT_OK
 
@@ -540,8 +523,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _sibling(name: str) -> types.ModuleType:
-    """A module beside this one, imported on first need: convert (which imports s3_dcp) and the demo (torch,
-    Lightning) load only for their own commands."""
+    """A module beside this one, imported only for its command (convert needs s3_dcp, the demo torch and Lightning)."""
     return importlib.import_module(f"{__package__}.{name}" if __package__ else name)
 
 
@@ -568,8 +550,7 @@ def _request_rates(text: str) -> _s3.RequestRates | None:
 
 
 def _global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
-    """The options every command takes; on the sub-commands they default to SUPPRESS so that a value given before
-    the command is not overwritten by the sub-parser's default."""
+    """The options every command takes (SUPPRESS on sub-commands, so a value given before the command stays)."""
 
     def default(value: Any) -> Any:
         return argparse.SUPPRESS if suppress else value
@@ -600,8 +581,7 @@ def _global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
 
 
 def _request_option_flags(parser: argparse.ArgumentParser, *, uploads: bool) -> None:
-    """Flags for `s3_utils.S3RequestOptions`: the bucket checks for every command that talks to S3, the object
-    options (encryption, storage class, tags) for the commands that upload."""
+    """Flags for `s3_utils.S3RequestOptions`: bucket checks for every S3 command, object options for uploads."""
     group = parser.add_argument_group("S3 request options")
     group.add_argument(
         "--expected-bucket-owner",
@@ -644,23 +624,30 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``s3-checkpoint-io`` command."""
     summary, _, details = (__doc__ or "").partition("\n\n")
     parser = argparse.ArgumentParser(
-        prog=PROG,
-        description=summary,
-        epilog=details,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=PROG, description=summary, epilog=details, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     _global_options(parser, suppress=False)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    demo = commands.add_parser(
+    def command(name: str, handler: Any, summary: str, uploads: bool | None, **kwargs: Any) -> argparse.ArgumentParser:
+        """A sub-command with the global options and, unless `uploads` is None, the S3 request option flags."""
+        sub = commands.add_parser(name, help=summary, **kwargs)
+        _global_options(sub, suppress=True)
+        if uploads is not None:
+            _request_option_flags(sub, uploads=uploads)
+        sub.set_defaults(handler=handler)
+        return sub
+
+    demo = command(
         "demo",
-        help="train, checkpoint to S3, get killed, resume, report (no AWS account needed)",
+        cmd_demo,
+        "train, checkpoint to S3, get killed, resume, report (no AWS account needed)",
+        None,
         description="Train a small Lightning model that checkpoints to S3 (async), stop it as if killed, resume from "
         "the checkpoint global rank 0 finds, and report what was written, throughput, time blocked and whether the "
         "resumed weights equal the saved ones (exit 1 if not). Without --dirpath an S3-compatible server runs on "
         "127.0.0.1 for the demo (moto, or --server seaweedfs); with it, that empty prefix on a real store is used.",
     )
-    _global_options(demo, suppress=True)
     demo.add_argument(
         "--server",
         choices=("moto", "seaweedfs"),
@@ -683,20 +670,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--steps", type=int, default=40, metavar="N", help="training steps in all (default: 40)")
     demo.add_argument("--sync", action="store_true", help="save synchronously (default: async), to compare")
-    demo.set_defaults(handler=cmd_demo)
 
-    ls = commands.add_parser("ls", help="list checkpoints: step, size, last-modified, kind")
-    _global_options(ls, suppress=True)
-    _request_option_flags(ls, uploads=False)
+    ls = command("ls", cmd_ls, "list checkpoints: step, size, last-modified, kind", uploads=False)
     ls.add_argument("url", metavar="s3://BUCKET/PREFIX")
     ls.add_argument("-r", "--recursive", action="store_true", help="include checkpoints in sub-prefixes")
     ls.add_argument("-a", "--all", action="store_true", help="list every object, not only *.ckpt")
     ls.add_argument("--json", action="store_true", help="print a JSON array (url, step, size, last_modified, kind)")
-    ls.set_defaults(handler=cmd_ls)
 
-    verify = commands.add_parser("verify", help="download checkpoints and check their recorded checksums")
-    _global_options(verify, suppress=True)
-    _request_option_flags(verify, uploads=False)
+    verify = command("verify", cmd_verify, "download checkpoints and check their recorded checksums", uploads=False)
     verify.add_argument("url", metavar="s3://BUCKET/KEY_OR_PREFIX", help="one checkpoint, or a prefix holding some")
     verify.add_argument("-r", "--recursive", action="store_true", help="include checkpoints in sub-prefixes")
     verify.add_argument(
@@ -705,38 +686,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="accept objects that have no recorded checksum (their size is still checked)",
     )
     _progress_option(verify)
-    verify.set_defaults(handler=cmd_verify)
 
-    cp = commands.add_parser("cp", help="copy one object between a local path and S3")
-    _global_options(cp, suppress=True)
-    _request_option_flags(cp, uploads=True)
+    cp = command("cp", cmd_cp, "copy one object between a local path and S3", uploads=True)
     cp.add_argument("src", metavar="SRC", help="local file or s3://BUCKET/KEY")
     cp.add_argument("dst", metavar="DST", help="s3://BUCKET/KEY (or .../ for SRC's name) or a local path/directory")
     _progress_option(cp)
-    cp.set_defaults(handler=cmd_cp)
 
     pruning = "prune checkpoints: keep the N newest top-k by step; never last, end or step-less ones"
-    rm = commands.add_parser("rm", help=pruning, description=pruning.capitalize() + ".")
-    _global_options(rm, suppress=True)
-    _request_option_flags(rm, uploads=False)
+    rm = command("rm", cmd_rm, pruning, uploads=False, description=pruning.capitalize() + ".")
     rm.add_argument("url", metavar="s3://BUCKET/PREFIX")
     rm.add_argument("--keep-last", type=int, required=True, metavar="N", help="how many top-k checkpoints to keep")
     rm.add_argument("-n", "--dry-run", action="store_true", help="print what would be deleted, delete nothing")
-    rm.set_defaults(handler=cmd_rm)
 
     collecting = "abort the multipart uploads (and DCP saves) that killed jobs left, older than a threshold"
-    gc = commands.add_parser("gc", help=collecting, description="A" + collecting[1:] + "; a dry run unless --yes.")
-    _global_options(gc, suppress=True)
-    _request_option_flags(gc, uploads=False)
+    gc = command(
+        "gc", cmd_gc, collecting, uploads=False, description="A" + collecting[1:] + "; a dry run unless --yes."
+    )
     gc.add_argument("url", metavar="s3://BUCKET/PREFIX")
     gc.add_argument("--older-than", type=_duration, required=True, metavar="AGE", help="e.g. 30m, 6h, 2d")
     gc.add_argument("--incomplete-dcp", action="store_true", help="also DCP checkpoints that never got .metadata")
     gc.add_argument("--yes", action="store_true", help="abort and remove (default: only list what would go)")
-    gc.set_defaults(handler=cmd_gc)
 
-    convert = commands.add_parser("convert", help="a DCP checkpoint to one .safetensors/.pt file, or a .pt to DCP")
-    _global_options(convert, suppress=True)
-    _request_option_flags(convert, uploads=True)
+    converting = "a DCP checkpoint to one .safetensors/.pt file, or a .pt to DCP"
+    convert = command("convert", cmd_convert, converting, uploads=True)
     convert.add_argument("src", metavar="SRC", help="a DCP checkpoint (s3:// prefix or directory) or one torch file")
     convert.add_argument("dst", metavar="DST", help="*.safetensors or *.pt/.pth/.ckpt; for a torch SRC: the DCP prefix")
     convert.add_argument("--only", metavar="PREFIX", help="keep only the entries under this key (e.g. model)")
@@ -747,7 +719,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="unpickle non-tensor entries with torch's safe loader (default); --no-weights-only for trusted sources",
     )
-    convert.set_defaults(handler=cmd_convert)
     return parser
 
 

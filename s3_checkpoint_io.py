@@ -58,6 +58,7 @@ __all__ = [
     "collective_resume",
     "lightning_user_agent",
     "register_with_lightning",
+    "s3_checkpoint_io_of",
     "snapshot_to_host",
     "torch_save_without_zip_crc32",
 ]
@@ -787,7 +788,8 @@ def _take_collective(io: S3CheckpointIO) -> _CollectiveLoad | None:
     return armed
 
 
-def _s3_checkpoint_io_of(strategy: Any) -> S3CheckpointIO | None:
+def s3_checkpoint_io_of(strategy: Any) -> S3CheckpointIO | None:
+    """The strategy's `S3CheckpointIO` (also inside Lightning's AsyncCheckpointIO and other wrappers), or None."""
     plugin = getattr(strategy, "_checkpoint_io", None)  # not the property: it would create a default plugin
     for _ in range(3):  # also inside Lightning's AsyncCheckpointIO and other wrappers
         if isinstance(plugin, S3CheckpointIO):
@@ -807,7 +809,7 @@ def collective_resume(trainer: Any) -> Any:
     ``resume_start`` runs inside this.
     """
     strategy = getattr(trainer, "strategy", None)
-    plugin = _s3_checkpoint_io_of(strategy)
+    plugin = s3_checkpoint_io_of(strategy)
     load = getattr(type(strategy), "load_checkpoint", None)
     loads_on_every_rank = getattr(load, "__qualname__", "") == "Strategy.load_checkpoint"
     if plugin is None or not loads_on_every_rank or getattr(trainer, "world_size", 1) <= 1:

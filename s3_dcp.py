@@ -9,22 +9,20 @@ The checkpoint keeps DCP's standard layout (``__{rank}_{n}.distcp`` files and a 
 own ``FileSystemReader`` loads it once the prefix is copied to a local directory. On top of that:
 
 * every shard streams into a checksummed multipart upload and appears only when complete; a failed save aborts its
-  uploads, so no partial object and no open multipart upload is left;
-* ``.metadata`` is the commit marker: the coordinator writes it with one PUT, and only after every rank reported its
-  files durable. No copy + delete "rename", no window without ``.metadata`` at the end of a save. Overwriting a
-  checkpoint deletes its old ``.metadata`` first, so a half-replaced checkpoint never looks complete;
-* fencing: the coordinator's run owns the directory holding the checkpoint (`s3_utils.DirectoryFence`); every rank
-  checks that it still does before its files complete, and the coordinator before ``.metadata``, so a stale run's
-  save fails with `s3_utils.CheckpointDirectoryTakenError` and overwrites or commits nothing;
-* per-item checksums are recorded at save time in a small JSON object beside ``.metadata`` (written before it), so
-  partial and resharded loads verify every byte they use;
-* loads fetch what a rank needs with parallel ranged GETs, adjacent items coalesced into one request;
-* ``.metadata`` is unpickled with an allow-list: a checkpoint prefix someone else can write cannot run code on the
-  ranks that load it.
+  uploads, leaving no partial object and no open multipart upload;
+* ``.metadata`` is the commit marker, one PUT by the coordinator once every rank reported its files durable (no
+  copy + delete "rename"); an overwrite deletes the old ``.metadata`` first, so a half-replaced checkpoint never
+  looks complete;
+* fencing: the coordinator's run owns the checkpoint directory (`s3_utils.DirectoryFence`), checked by every rank
+  before its files complete and by the coordinator before ``.metadata``: a stale run's save fails with
+  `s3_utils.CheckpointDirectoryTakenError`, overwriting and committing nothing;
+* per-item checksums, recorded beside ``.metadata`` (before it), let partial and resharded loads verify every byte;
+* loads use parallel ranged GETs, adjacent items coalesced; ``.metadata`` is unpickled with an allow-list, so a
+  prefix someone else can write cannot run code on the ranks that load it.
 
-Importing this module never fails for a missing extra: without torch (or ``torch.distributed.checkpoint``) the
-classes are still defined, and building one raises the ImportError that names the install line. Lightning is
-imported only by `sharded_strategy_class` and the strategy names.
+Importing this module never fails for a missing extra: without torch the classes are still defined, and building one
+raises the ImportError naming the install line. Lightning is imported only by `sharded_strategy_class` and the
+strategy names.
 """
 
 from __future__ import annotations
@@ -150,9 +148,8 @@ node uploads at the same time, so the node has ranks x this many parts in flight
 DEFAULT_COALESCE_GAP_MB = 4.0
 """Items of one file closer than this are fetched by one ranged GET (the bytes between are read and dropped)."""
 DEFAULT_DIRECT_READ_MIN_MB = 4.0
-"""Tensor items at least this large whose target is a whole, contiguous CPU tensor of the stored dtype and shape are
-read straight into the target's memory: one copy per byte (socket to tensor) instead of three. Smaller ones are
-coalesced into shared GETs, where the two small requests that locate a tensor's bytes would cost more than a copy."""
+"""Tensor items at least this large with a whole, contiguous CPU target of the stored dtype and shape are read into
+its memory (one copy per byte, not three); smaller ones share coalesced GETs, where locating them costs more."""
 _DIRECT_READ_MAX_OVERHEAD = 1 << 20
 """An item's ``torch.save`` framing (zip headers, pickle) beyond its tensor bytes is about 1.5 KiB; an item with much
 more than that is not a plain tensor and takes the buffered path."""
@@ -231,9 +228,8 @@ class _ObjectRecord:
 
 @dataclass(frozen=True)
 class _ItemRecord:
-    """What `write_data` returns as a WriteResult's storage data: DCP's own ``_StorageInfo`` plus the item's checksum
-    and its file's identity. It travels to the coordinator only; `finish` stores the ``_StorageInfo`` in
-    ``.metadata`` (DCP's standard layout) and the rest in the item-checksum record."""
+    """A WriteResult's storage data: DCP's ``_StorageInfo`` (for ``.metadata``), plus the item's checksum and its
+    file's identity (for the item-checksum record); `finish` on the coordinator splits them."""
 
     info: Any  # torch.distributed.checkpoint.filesystem._StorageInfo
     checksum: int
@@ -244,11 +240,9 @@ class _ItemRecord:
 
 @dataclass(frozen=True)
 class _TensorSpan:
-    """Where one tensor item's own bytes lie in its item, seen while ``torch.save`` wrote them: the one `write` whose
-    buffer is the tensor's memory (same address, same length). Recorded in the item-checksum record (``"tensors"``),
-    so that a load reads those bytes straight into the target without first fetching the item's zip framing to find
-    them, and checks them against their own checksum (from the upload's single pass); a buffered item is decoded
-    from it without parsing its framing."""
+    """Where a tensor item's own bytes lie in its item (the ``torch.save`` `write` whose buffer is the tensor's
+    memory), recorded in the item-checksum record (``"tensors"``) with their own checksum: a load reads them straight
+    into the target, or decodes a buffered item, without fetching or parsing the item's zip framing."""
 
     start: int  # from the item's first byte
     nbytes: int
@@ -265,9 +259,8 @@ class _SaveCancelledError(RuntimeError):
 
 
 class _ItemStream(io.RawIOBase):
-    """The stream ``torch.save`` writes an item into: forwards to the multipart writer and counts the offset (DCP
-    records it). Each item's start and end are marked as checksum boundaries, so the item's checksum comes from the
-    checksums the upload computes anyway (`S3MultipartWriter.checksum_of`): one checksum pass per byte."""
+    """The stream ``torch.save`` writes an item into: forwards to the multipart writer, counting the offset; items are
+    checksum boundaries, so their checksums come from the upload's own (one checksum pass per byte)."""
 
     def __init__(self, raw: _s3.S3MultipartWriter, cancelled: threading.Event) -> None:
         super().__init__()
@@ -287,10 +280,9 @@ class _ItemStream(io.RawIOBase):
         return self._position
 
     def begin_item(self, tensor: Any = None, borrow: bool = False) -> None:
-        """Start an item; with `tensor` (contiguous, its storage exactly its bytes) also look for the write of its
-        bytes, and mark checksum boundaries around it (`tensor_span`). With `borrow` that write's whole parts go to
-        the store straight from the tensor's memory (`S3MultipartWriter.write_borrowed`): only for the caller's own
-        tensors, which stay unchanged until the save returns, never for a temporary copy."""
+        """Start an item; with `tensor` (contiguous, its storage exactly its bytes) find the write of its bytes and
+        mark checksum boundaries around it (`tensor_span`). `borrow`: that write's whole parts are uploaded from the
+        tensor's memory (`S3MultipartWriter.write_borrowed`), only for the caller's own, unchanging tensors."""
         self._raw.mark_checksum_boundary()
         self._item_start = self._position
         self._expected = tensor
@@ -338,9 +330,8 @@ class _ItemStream(io.RawIOBase):
 
 @dataclass(frozen=True)
 class _Framing:
-    """The bytes ``torch.save`` (without zip CRCs) writes before and after a plain tensor's storage bytes. They
-    depend only on the tensor's dtype, shape, strides and storage size, not on its values: with no CRCs, the record
-    headers, the pickle and the serialization id are the same for every tensor of that kind (tests pin this)."""
+    """The bytes ``torch.save`` (without zip CRCs) writes around a plain tensor's storage bytes: the same for every
+    tensor of one dtype, shape, strides and storage size, whatever its values (tests pin this)."""
 
     head: bytes
     tail: bytes
@@ -398,11 +389,9 @@ def _framing_key(tensor: Any) -> tuple[Any, ...] | None:
 
 
 def _in_state_dict(planner: Any, item: Any, data: Any) -> bool:
-    """Whether `data` (what the planner resolved for `item`) is the memory of the CPU tensor, or DTensor's local
-    shard, in the state dict the caller passed to ``dcp.save``, which stays unchanged until the save returns: only
-    such memory is lent to the upload (`_ItemStream.begin_item`). A tensor a planner makes, such as one read into a
-    buffer that the next item reuses (s3_checkpoint_convert), is copied. ``lookup_object`` is DefaultSavePlanner's;
-    planners without it get copies."""
+    """Whether `data` (what the planner resolved for `item`) is the memory of a CPU tensor (or DTensor's local shard)
+    in the caller's state dict, unchanged until the save returns: only such memory is lent to the upload; a tensor a
+    planner made (maybe a reused buffer) is copied, as with planners without DefaultSavePlanner's ``lookup_object``."""
     lookup = getattr(planner, "lookup_object", None)
     if lookup is None or data.device.type != "cpu":
         return False
@@ -416,11 +405,9 @@ def _in_state_dict(planner: Any, item: Any, data: Any) -> bool:
 
 
 def _save_tensor(tensor: Any, stream: _ItemStream, framings: dict[tuple[Any, ...], _Framing]) -> None:
-    """`s3_checkpoint_io.torch_save_without_zip_crc32` of one tensor item into `stream`, byte for byte. A tensor of a
-    kind already saved into this file (same dtype, shape, strides: a model's repeated layers, its many biases and
-    norms) gets that save's framing around its own bytes instead of running ``torch.save``'s pickler and zip writer
-    again, which cost a small item most of its save time (the fast path ``framing_reuse``; switched off, every item
-    runs ``torch.save``)."""
+    """`s3_checkpoint_io.torch_save_without_zip_crc32` of one tensor item into `stream`, byte for byte. A tensor like
+    one already saved into this file (same dtype, shape, strides: repeated layers, biases, norms) reuses that save's
+    framing around its own bytes, skipping most of a small item's save time (the fast path ``framing_reuse``)."""
     reuse = _ckpt_io.zip_writer_without_crc32() and _s3.fast_path("framing_reuse")
     key = _framing_key(tensor) if reuse else None
     framing = framings.get(key) if key is not None else None
@@ -492,14 +479,11 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         max_write_concurrency: parallel part uploads per file (`DEFAULT_DCP_MAX_WRITE_CONCURRENCY`).
         thread_count: files per rank, written concurrently (``__{rank}_0.distcp`` ...), as in torch's writer.
         checksum_algorithm: ``"auto"`` (CRC32C with awscrt, else CRC32), ``"CRC32C"``, ``"CRC64NVME"`` or ``"CRC32"``.
-        endpoint_url, region_name, client_settings, retry_policy, s3_utils: how to reach S3 (as `S3CheckpointIO`;
-            `s3_utils.S3Utils.from_arguments` refuses arguments another would override).
+        endpoint_url, region_name, client_settings, retry_policy, s3_utils: how to reach S3 (as `S3CheckpointIO`).
         overwrite: with False, a save to a prefix that holds a checkpoint fails before anything is written.
         cache_staged_state_dict: ``async_save`` only: keep the staged host copy for the next save (torch's option).
-        request_options: encryption, storage class, tags, expected bucket owner, requester pays for every object of
-            the checkpoint (`s3_utils.S3RequestOptions` or a mapping, as `S3CheckpointIO`); not with `s3_utils`.
-        max_requests_per_second: the whole job's budget of S3 requests per second (as `S3CheckpointIO`); not with
-            `s3_utils`.
+        request_options: encryption, storage class, tags, bucket owner, requester pays (`s3_utils.S3RequestOptions`
+            or a mapping); max_requests_per_second: the job's S3 request budget. Neither with `s3_utils`.
     """
 
     def __init__(
@@ -578,10 +562,9 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Runs once before any rank writes (on the coordinator; on every rank without collectives): take the
-        directory over for this run (its first save there), refuse an existing checkpoint with ``overwrite=False``,
-        else retire its ``.metadata`` so it reads as incomplete until the new one lands; then give every rank its
-        file prefix and the hold to check."""
+        """Once before any rank writes (coordinator; every rank without collectives): take the directory over for
+        this run, refuse an existing checkpoint with ``overwrite=False`` or retire its ``.metadata`` (incomplete until
+        the new one lands), and give every rank its file prefix and the hold to check."""
         fence = self._fence()
         token = fence.token(self.path) if fence is not None else None
         self._retire_existing_checkpoint(fence)
@@ -663,9 +646,8 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         return self.rank if not self.use_collectives and self.rank is not None else None
 
     def _fence(self) -> _s3.DirectoryFence | None:
-        """This run's fence on the directory holding the checkpoint, on the coordinator (the rank that takes the
-        directory over; the others follow the token in their plan). None: fencing off, or not the coordinator (also
-        every rank but the coordinator of a save without collectives: their files are not fenced)."""
+        """This run's fence on the checkpoint directory, on the coordinator (the others follow the token in their
+        plan); None with fencing off or on any other rank."""
         if not (self.fencing and self.is_coordinator):
             return None
         return _s3.DirectoryFence(self.s3, _urls.s3_url_parent(self.path), self._run)
@@ -816,9 +798,8 @@ _SAFE_METADATA_CLASSES = {
     "builtins": {"set", "frozenset", "tuple", "list", "dict", "bytearray", "complex", "object"},
     "copyreg": {"_reconstructor"},
 }
-"""What ``.metadata`` written by torch's ``FileSystemWriter``/``FsspecWriter`` and by `S3StorageWriter` references,
-besides torch's dtypes, layouts and memory formats. Tensors (``torch._utils._rebuild_tensor*``) never appear there:
-their storages would need ``torch.storage._load_from_bytes``, which runs an unrestricted ``torch.load``."""
+"""What DCP's ``.metadata`` (torch's writers', `S3StorageWriter`'s) references besides torch's dtypes, layouts and
+memory formats; never tensors, whose storages would need an unrestricted ``torch.load``."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -930,11 +911,9 @@ def zip_record_data_start(stream: io.RawIOBase, record: zipfile.ZipInfo) -> int 
 
 
 def _tensor_layout(stream: io.RawIOBase) -> _TensorLayout | None:
-    """Read the layout of one ``torch.save``'d tensor from its archive's framing alone; None when the item is not a
-    single uncompressed storage in this machine's byte order (the caller then lets ``torch.load`` read it).
-
-    Records are read by offset, not through ``zipfile``'s reader: archives written without zip CRCs
-    (`s3_checkpoint_io.torch_save_without_zip_crc32`; the item checksum covers their bytes) would fail its check."""
+    """The layout of one ``torch.save``'d tensor from its archive's framing alone, or None when the item is not one
+    uncompressed storage in this machine's byte order (``torch.load`` then reads it). Records are read by offset:
+    ``zipfile`` would fail archives written without zip CRCs (the item checksum covers their bytes)."""
     try:
         with zipfile.ZipFile(stream) as archive:
             records = archive.infolist()
@@ -1054,10 +1033,9 @@ size, reused."""
 
 
 def _scatter(group: _Group, chunk: int) -> bool:
-    """Lay out where one GET of `group` puts each byte (`group.views`, in order): a filled item's framing into two
-    small buffers and its tensor bytes into its target; any other item into its own buffer; bytes between items
-    through a reused skip buffer. False (the group is read into one buffer instead) when it needs more than one GET
-    or its items overlap, or the fast path ``scatter_reads`` is switched off."""
+    """Lay out where one GET of `group` puts each byte (`group.views`): a filled item's framing into small buffers and
+    its tensor bytes into its target, other items into their own buffers, gaps into a reused skip buffer. False (one
+    buffer instead) when it needs more than one GET, its items overlap, or ``scatter_reads`` is off."""
     if group.end - group.start > chunk or not _s3.fast_path("scatter_reads"):
         return False
     views: list[memoryview] = []
@@ -1141,21 +1119,18 @@ class _Group:
 
 
 class S3StorageReader(_CheckpointPrefix, StorageReader):
-    """A ``torch.distributed.checkpoint`` StorageReader for ``s3://`` checkpoints (see the module docstring).
-
-    Reads checkpoints written by `S3StorageWriter` and by torch's own writers (uploaded as files).
+    """A ``torch.distributed.checkpoint`` StorageReader for ``s3://`` checkpoints (see the module docstring), written
+    by `S3StorageWriter` or by torch's own writers (uploaded as files).
 
     Args:
         path: ``s3://bucket/prefix`` of the checkpoint; ``dcp.load(checkpoint_id=...)`` replaces it.
         chunk_size_MB: the largest ranged GET, in MiB; bigger items are fetched as several ranges in parallel.
         max_read_concurrency: parallel ranged GETs per rank.
         coalesce_gap_MB: items of one file closer than this are fetched by one GET.
-        direct_read_min_MB: tensor items at least this large are read straight into their target tensors when the
-            target is a whole, contiguous CPU tensor of the stored dtype and shape (one copy per byte, not three).
+        direct_read_min_MB: tensor items at least this large are read straight into a whole, contiguous CPU target
+            of the stored dtype and shape (one copy per byte, not three).
         endpoint_url, region_name, client_settings, retry_policy, s3_utils: how to reach S3 (as `S3CheckpointIO`).
-        request_options: expected bucket owner, requester pays (`s3_utils.S3RequestOptions`); not with `s3_utils`.
-        max_requests_per_second: the whole job's budget of S3 requests per second (as `S3CheckpointIO`); not with
-            `s3_utils`.
+        request_options: bucket owner, requester pays; max_requests_per_second: the job's budget. Not with `s3_utils`.
     """
 
     def __getstate__(self) -> dict[str, Any]:
@@ -1399,9 +1374,8 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         return _DirectRead(relative_path, url, item, etag, record, bytearray(framing), bytearray(framing))
 
     def _plan_fill(self, item: _Item, planner: LoadPlanner) -> None:
-        """Mark a buffered item whose recorded span is the whole stored tensor of its one request, with a whole,
-        contiguous CPU target of that dtype and shape: its group's GET then puts the tensor bytes straight into the
-        target (its framing into small buffers), and they are checked against the span's and the item's checksums."""
+        """Mark a buffered item whose recorded span is its request's whole stored tensor, with a whole, contiguous CPU
+        target of that dtype and shape: its GET then puts the tensor bytes straight into the target (checked)."""
         if item.span is None or len(item.requests) != 1 or item.requests[0].type != LoadItemType.TENSOR:
             return
         if not _s3.fast_path("scatter_reads"):
@@ -1447,10 +1421,9 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
     def _locate_tensors(
         self, pool: ThreadPoolExecutor, reads: list[_DirectRead], chunk: int
     ) -> tuple[list[_DirectRead], list[_Group]]:
-        """Fetch each item's framing (its head and tail, all items in parallel), read where its tensor bytes lie, and
-        start fetching them into the target; an item whose stored tensor does not match its target byte for byte is
-        returned as a buffered group instead. Items whose tensor span the writer recorded need no framing: their
-        tensor bytes are requested first, at once."""
+        """Fetch each item's framing (head and tail, in parallel) unless the writer recorded its tensor span, and start
+        fetching its tensor bytes into the target; an item whose stored tensor does not match its target byte for
+        byte comes back as a buffered group."""
         accepted: list[_DirectRead] = [read for read in reads if read.recorded is not None]
         for read in accepted:
             self._submit_direct(pool, read, chunk)
@@ -1536,9 +1509,8 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
             self.stats["recorded_spans"] += 1
 
     def _accept_item(self, url: str, relative_path: str, item: _Item, algorithm: Any, actual: int) -> None:
-        """Check an item's bytes against the checksum recorded at save time, and count them toward its file's
-        whole-file check. Files without a record (another writer's, loaded unverified with a warning) have nothing
-        to check."""
+        """Check an item's bytes against its recorded checksum and count them toward its file's whole-file check
+        (files without a record, another writer's, load unverified with a warning)."""
         if algorithm is None or item.checksum is None:
             return
         if actual != item.checksum:
@@ -1732,11 +1704,9 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
     def _span_bytes(
         self, data: memoryview, item: _Item, group: _Group, stored: tuple[Any, Any] | None
     ) -> _SpanBytes | None:
-        """The tensor bytes of a verified item, where the writer recorded them, without parsing the item's zip
-        framing or unpickling it (a millisecond per item, most of the cost of a small one); None when
-        the record does not describe the chunk ``.metadata`` says is stored there (`stored`: its sizes and dtype),
-        inside the item (the framing is read instead). The record must agree with the item's verified checksum:
-        the checksums before and after the span, combined with the span's own, give the item's."""
+        """The tensor bytes of a verified item where the writer recorded them, without parsing its framing or
+        unpickling it; None when the record does not describe the chunk ``.metadata`` says is stored there (`stored`)
+        inside the item. The checksums before and after the span, combined with the span's own, must give the item's."""
         span = _RecordedSpan.checked(item.span, len(data), stored)
         if span is None:
             return None
@@ -1794,9 +1764,8 @@ def _tensor_spans(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _span_for_target(item: _Item, target: Any) -> _RecordedSpan | None:
-    """`item`'s recorded span (set by `_plan_groups` where the record's byte order is this machine's), when it
-    describes exactly `target` (dtype, shape, byte count) inside the item; else None and the reader locates the bytes
-    from the item's framing, as for checkpoints without the record."""
+    """`item`'s recorded span (`_plan_groups` sets it for this machine's byte order) if it describes exactly `target`
+    inside the item; else None, and the bytes are located from the item's framing."""
     span = _RecordedSpan.parsed(item.span, item.length)  # its byte count is its shape's, or it is None
     return span if span is not None and (span.dtype, span.shape) == (target.dtype, tuple(target.shape)) else None
 
@@ -1811,27 +1780,20 @@ def _algorithm_of(records: dict[str, Any] | None, relative_path: str) -> _s3.Che
 # Planners: each DTensor's chunk computed arithmetically
 # --------------------------------------------------------------------------------------------------------------------
 #
-# torch 2.13's DefaultSavePlanner / DefaultLoadPlanner place every DTensor's local shard in the global tensor with
-# ``compute_local_shape_and_global_offset`` (torch/distributed/tensor/_utils.py), which builds an int64 index of the
-# shard's positions along each sharded dimension (``torch.arange(offset, offset + size)``): 8 bytes per row. For a
-# 2-D shard of 4,096 rows that is 32 KiB; for a 1-D shard of 4M elements 32 MiB, allocated, filled and freed at every
-# save and every load (benchmarks/README.md, "1-D and 2-D tensors of the same bytes"). `S3SavePlanner` and
-# `S3LoadPlanner` compute the same sizes and offsets with integer arithmetic for the placements where that is plain
-# (``Shard(d)`` and ``Replicate()`` over any mesh, even or uneven splits, empty shards) and leave everything else
-# (``_StridedShard``, ``Partial``, tensor subclasses as local tensors, ranks outside the mesh) to torch. The plans,
-# and so ``.metadata``, are identical to the default planners' (tests/test_dcp_planner.py compares them).
+# torch 2.13's default planners place each DTensor's local shard with ``compute_local_shape_and_global_offset``,
+# which builds an int64 index of its positions (8 bytes per row: 32 MiB for a 1-D shard of 4M elements) at every save
+# and load (benchmarks/README.md). `S3SavePlanner` and `S3LoadPlanner` compute the same sizes and offsets with integer
+# arithmetic for ``Shard(d)`` and ``Replicate()`` over any mesh and leave the rest (``_StridedShard``, ``Partial``,
+# subclasses, ranks outside the mesh) to torch; the plans and ``.metadata`` are identical (tests/test_dcp_planner.py).
 
 
 def _shard_chunk(
     global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...], placements: tuple[Any, ...]
 ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """The local shard's sizes and global offsets of a tensor of `global_shape` placed by `placements` on a mesh of
-    `mesh_shape`, at mesh `coordinate`: what torch's ``compute_local_shape_and_global_offset`` returns, or None where
-    a placement is not plain ``Shard``/``Replicate`` (torch's function then decides).
-
-    Mesh dimensions apply left to right, each splitting what the earlier ones left as ``torch.chunk`` does
-    (``Shard.local_shard_size_and_offset``): chunks of ceil(n / k), the last ones short or empty. An empty shard's
-    offset along its dimension is the global size there, as torch records it."""
+    `mesh_shape`, at mesh `coordinate`, as torch's ``compute_local_shape_and_global_offset`` gives them, or None for
+    a placement other than ``Shard``/``Replicate``. Mesh dimensions split left to right as ``torch.chunk`` does
+    (chunks of ceil(n / k), the last ones short or empty; an empty shard's offset is the global size there)."""
     if not len(mesh_shape) == len(coordinate) == len(placements) or any(type(n) is not int for n in global_shape):
         return None  # symbolic sizes (tracing) are torch's business
     sizes = list(global_shape)
@@ -1854,9 +1816,8 @@ def _shard_chunk(
 
 
 class _PlannedDTensor:
-    """Stands in for a DTensor in a planner's state dict while torch's default planning code runs. That code asks a
-    DTensor for its write items (``__create_write_items__``) and chunks (``__create_chunk_list__``) and a tensor for
-    its ``size()``; this answers with the chunk computed by `_shard_chunk` and records that it was asked."""
+    """Stands in for a DTensor while torch's planning code runs: answers ``__create_write_items__``,
+    ``__create_chunk_list__`` and ``size()`` with `_shard_chunk`'s chunk, and records that it was asked."""
 
     __slots__ = ("asked", "dtensor", "local", "offsets", "sizes")
 
@@ -1909,13 +1870,9 @@ def _stand_in(value: Any) -> _PlannedDTensor | None:
 
 
 class _ArithmeticChunksPlanner:
-    """The part `S3SavePlanner` and `S3LoadPlanner` share: run torch's own ``create_local_plan`` on the planner's
-    state dict with each eligible DTensor replaced by a `_PlannedDTensor`, then put the state dict back. Everything
-    else (flattening, plan caching, the pre-2.4 key fallback, deduplication, validation) stays torch's code.
-
-    If torch's code did not ask a stand-in that it should have asked (a torch version that plans DTensors another
-    way) or failed with stand-ins in place, the plan is made again by torch's code on the real state dict, so the
-    result is never worse than the default planner's."""
+    """What `S3SavePlanner` and `S3LoadPlanner` share: torch's own ``create_local_plan`` runs with each eligible
+    DTensor replaced by a `_PlannedDTensor`; everything else stays torch's code. If torch did not ask a stand-in it
+    should have (a torch that plans DTensors another way) or failed, it plans again on the real state dict."""
 
     state_dict: dict[str, Any]
 
@@ -1947,11 +1904,8 @@ class _ArithmeticChunksPlanner:
 
 
 class S3SavePlanner(_ArithmeticChunksPlanner, DefaultSavePlanner):
-    """torch's ``DefaultSavePlanner`` (same arguments, same plans, same ``.metadata``) computing each
-    DTensor's chunk with integer arithmetic instead of torch's per-row index tensor (8 bytes per element of a 1-D
-    shard).
-
-    For any storage writer; `S3ShardedStrategyMixin` uses it by default. Pass it where you call DCP yourself::
+    """torch's ``DefaultSavePlanner`` (same arguments, plans and ``.metadata``) computing each DTensor's chunk with
+    integer arithmetic instead of torch's per-row index tensor; `S3ShardedStrategyMixin`'s default, or yours::
 
         dcp.save(state, storage_writer=S3StorageWriter(url), planner=S3SavePlanner())
     """
@@ -1961,10 +1915,8 @@ class S3SavePlanner(_ArithmeticChunksPlanner, DefaultSavePlanner):
 
 
 class S3LoadPlanner(_ArithmeticChunksPlanner, DefaultLoadPlanner):
-    """torch's ``DefaultLoadPlanner`` (same arguments, same plans) computing each DTensor's chunk with
-    integer arithmetic instead of torch's per-row index tensor.
-
-    For any storage reader; `S3ShardedStrategyMixin` uses it by default. Pass it where you call DCP yourself::
+    """torch's ``DefaultLoadPlanner`` (same arguments and plans) computing each DTensor's chunk arithmetically;
+    `S3ShardedStrategyMixin`'s default, or yours::
 
         dcp.load(state, storage_reader=S3StorageReader(url), planner=S3LoadPlanner())
     """
@@ -1995,19 +1947,13 @@ _STRATEGY_NAMES = {"model_parallel": "S3ModelParallelStrategy", "fsdp": "S3FSDPS
 
 class S3ShardedStrategyMixin:
     """Makes a Lightning sharded strategy (``ModelParallelStrategy``, ``FSDPStrategy``) save, load and remove
-    checkpoints at ``s3://`` paths; local paths go to Lightning's own code unchanged.
+    checkpoints at ``s3://`` paths (Lightning 2.4-2.6 would write the local ``s3:/bucket/x``); local paths go to
+    Lightning's own code. Sharded checkpoints are DCP checkpoints (`S3StorageWriter`, `S3StorageReader`): a prefix
+    ``<path>/`` holding ``__{rank}_{n}.distcp``, ``meta.pt`` (first, by rank 0) and ``.metadata`` (last: complete once
+    it exists). Full checkpoints are one object, written by `S3CheckpointIO` on rank 0. Removal deletes the object at
+    the path and everything under ``<path>/``. With ``fencing=True`` (the default) saves and removals are refused with
+    `s3_utils.CheckpointDirectoryTakenError`, on every rank, once a newer run took the checkpoint directory over.
 
-    * Sharded checkpoints (``ModelParallelStrategy``'s default, ``FSDPStrategy(state_dict_type="sharded")``) are
-      DCP checkpoints written by `S3StorageWriter`: a prefix
-      ``<path>/`` holding ``__{rank}_{n}.distcp``, ``meta.pt`` (written first, by rank 0) and ``.metadata`` (written
-      last: the checkpoint is complete once it exists). Loads go through `S3StorageReader`.
-    * Full (consolidated) checkpoints are one object written by `S3CheckpointIO` on rank 0.
-    * Removal deletes the object at the path and everything under ``<path>/`` (never ``<path>-old/...``).
-    * Fencing (``fencing=True``, the default): saves and removals are refused with
-      `s3_utils.CheckpointDirectoryTakenError` once a newer run took the checkpoint directory over; a refusal on
-      rank 0 is raised on every rank.
-
-    Lightning (2.4-2.6) would otherwise turn ``s3://bucket/x`` into the local directory ``s3:/bucket/x``.
     Extra keyword arguments (all optional): chunk_size_MB, max_read_concurrency, max_write_concurrency, thread_count,
     checksum_algorithm, endpoint_url, region_name, client_settings, retry_policy, fencing, max_requests_per_second
     (as `S3CheckpointIO`), and s3_planners (default True: DCP saves and loads plan with `S3SavePlanner` /
@@ -2086,10 +2032,7 @@ class S3ShardedStrategyMixin:
     def s3_storage_reader(self, path: str) -> S3StorageReader:
         o = self.s3_options
         return S3StorageReader(
-            path,
-            chunk_size_MB=o["chunk_size_MB"],
-            max_read_concurrency=o["max_read_concurrency"],
-            s3_utils=self.s3,
+            path, chunk_size_MB=o["chunk_size_MB"], max_read_concurrency=o["max_read_concurrency"], s3_utils=self.s3
         )
 
     def _dcp_planner(self, direction: str) -> S3SavePlanner | S3LoadPlanner | None:
@@ -2247,10 +2190,8 @@ class S3ShardedStrategyMixin:
         return load(path)
 
     def _load_full_s3_checkpoint(self, url: str, weights_only: bool | None) -> dict[str, Any]:
-        """A consolidated checkpoint: every rank downloads the one object (verified) and Lightning's own
-        full-checkpoint code restores it from the in-memory file. That code broadcasts its path from rank 0, and each
-        rank's in-memory file has a path of its own, so the broadcast is skipped for that call (the URL was
-        broadcast already)."""
+        """A consolidated checkpoint: every rank downloads the object (verified) and Lightning's full-checkpoint code
+        restores it from memory, without broadcasting its path (each rank's in-memory file has its own)."""
         utils = self.s3
         o = self.s3_options
         with utils.download_to_memory(url, o["chunk_size_MB"], o["max_read_concurrency"]) as downloaded:
@@ -2331,9 +2272,8 @@ def __getattr__(name: str) -> Any:
 def require_span_in_item(
     url: str, algorithm: Any, item: memoryview, offset: int, checksum: Any, start: int, nbytes: int, recorded: int
 ) -> None:
-    """Raise unless a recorded tensor span agrees with its item, whose bytes (at `offset` in the file) matched the
-    item's `checksum`: the checksums of the bytes before and after the span, combined with the span's recorded one,
-    must give the item's. No second pass over the tensor bytes (a combine is determined by its inputs)."""
+    """Raise unless a recorded tensor span agrees with its verified item (at `offset`): the checksums before and after
+    the span, combined with the span's, must give the item's `checksum` (no second pass over the tensor bytes)."""
     combined = algorithm.combine(_s3.checksum_of(algorithm, item[:start]), recorded, nbytes)
     after = item[start + nbytes :]
     combined = algorithm.combine(combined, _s3.checksum_of(algorithm, after), len(after))
