@@ -1,29 +1,17 @@
 """Everything that talks to S3: one module, in parts that build on each other (read it top to bottom).
 
-1. Optional dependencies: boto3, botocore, s3transfer and awscrt are imported on first use, so importing
-   this module never fails; a missing one raises `MissingOptionalDependencyError` with the ``pip install`` line.
-   The optional sibling `s3_node_sharing` (what a host's processes share) too: `node_sharing`.
-   This process: `global_rank`, `world_size`, `node_key`, `job_key` and the launch it belongs to
-   (`launch_identity`, whose ranks are one run), from torch.distributed or the launcher's environment
-   (`LAUNCHER_ENV_VARS`): the one place every module asks "which process am I".
-2. Retries: `RetryPolicy` and `is_retriable_error`, the single retry layer of every S3 request, and the request
-   pacer (`RequestPacer`, one per process and bucket; with `s3_node_sharing` its state is shared by a job's processes
-   on one host through /dev/shm) that slows the process (or the host's processes) down when S3 answers SlowDown.
+1. Optional dependencies (boto3, botocore, awscrt, the sibling `s3_node_sharing`), imported on first use; and this
+   process: `global_rank`, `world_size`, `node_key`, `job_key`, `launch_identity` (the one place that answers "which
+   process am I").
+2. Retries: `RetryPolicy`, the single retry layer of every S3 request, and the `RequestPacer` that slows the process
+   (or, with `s3_node_sharing`, the job's processes on the host) down when S3 answers SlowDown.
 3. Client: `S3ClientSettings` and `get_s3_client`, one thread-safe client per process and settings.
-4. Checksums: the CRC algorithms S3 knows, combining part checksums into the object's, and the checksum records
-   (`RecordedChecksum`: the value S3 stores, or the sidecar object this package writes where a store does not).
+4. Checksums: S3's CRCs, combining part checksums, and the records a load is verified against (`RecordedChecksum`).
 5. Objects: `S3ObjectInfo` and `DownloadedObject` (an in-memory file ``torch.load(mmap=True)`` can map).
-6. `S3Utils`: the facade with NeMo's names and signatures (``nemo.utils.s3_utils.S3Utils``), then how its errors
-   become the exceptions Python code expects (FileNotFoundError; a note naming the URL and what to do).
-7. The ranged reader: parallel ranged GETs copied from the socket into a download (`_RangedDownload`).
-8. The streaming writer: `S3MultipartWriter`, a binary stream that uploads while it is written.
-9. Directory ownership (fencing): `DirectoryFence`, the owner record that lets only the newest run
-   (`CheckpointRun`: a launch, see docs/runs.md) commit or remove checkpoints in a directory
-   (`CheckpointDirectoryTakenError` for a stale one).
-10. s3fs caches: `invalidate_fsspec_cache`, `forget_s3fs_instances` and `fresh_s3fs_instances`, for code that also
-   goes through fsspec.
-
-docs/nemo.md lists what this fixes in NeMo's version.
+6. `S3Utils`: the facade with NeMo's names and signatures, and its errors as the exceptions Python code expects.
+7. The ranged reader and 8. the streaming writer (`S3MultipartWriter`, uploading while it is written).
+9. Fencing: `DirectoryFence` lets only the newest run (`CheckpointRun`) commit or remove in a directory.
+10. s3fs caches, for code that also goes through fsspec. docs/nemo.md lists what this fixes in NeMo's version.
 """
 
 from __future__ import annotations
@@ -143,8 +131,7 @@ OWNER_RECORD_NAME = ".s3ckpt-owner.json"
 
 
 def _is_package_record(key: str) -> bool:
-    """Whether `key` is one of the records this package keeps beside checkpoints (a checksum sidecar or a directory's
-    owner record): listings leave them out, so resume discovery, the CLI and directory checks never see them."""
+    """Whether `key` is a checksum sidecar or an owner record (listings leave them out)."""
     return key.endswith(CHECKSUM_SIDECAR_SUFFIX) or key.rpartition("/")[2] == OWNER_RECORD_NAME
 
 
@@ -154,8 +141,7 @@ _T = TypeVar("_T")
 # Optional dependencies
 # --------------------------------------------------------------------------------------------------------------------
 
-_INSTALL_HINTS: dict[str, tuple[str, str]] = {
-    # import name: (distribution to name in the message, the command that fixes it)
+_INSTALL_HINTS: dict[str, tuple[str, str]] = {  # import name: (distribution, the command that fixes it)
     "boto3": ("boto3", 'pip install "s3-checkpoint-io[s3]"'),
     "botocore": ("botocore", 'pip install "s3-checkpoint-io[s3]"'),
     "s3transfer": ("s3transfer", 'pip install "s3-checkpoint-io[s3]"'),
@@ -197,10 +183,8 @@ _node_sharing_warned = False
 
 
 def node_sharing() -> types.ModuleType | None:
-    """`s3_node_sharing` from beside this module (in the same package, or top-level), imported on first use; None
-    where it is absent (a fork may copy only the four core files): then each process paces its S3 requests on its
-    own and every rank downloads what it loads, and a job of more than one process says so in one warning. A
-    module that is there but fails to import raises as usual."""
+    """`s3_node_sharing` from beside this module, imported on first use; None where it is absent (a fork may copy
+    only the four core files), with one warning in a job of more than one process."""
     global _node_sharing_warned
     if not _node_sharing:
         name = f"{__package__}.{NODE_SHARING_MODULE}" if __package__ else NODE_SHARING_MODULE
@@ -218,10 +202,7 @@ def node_sharing() -> types.ModuleType | None:
             "This job has %d processes, but %s.py is not beside s3_utils.py in %s: each process paces its S3 requests "
             "on its own and every rank downloads the checkpoints it loads (no load_sharing='node' or 'job'). Copy "
             "%s.py from s3-checkpoint-io beside s3_utils.py (or pip install s3-checkpoint-io) for multi-node scale.",
-            processes,
-            NODE_SHARING_MODULE,
-            os.path.dirname(os.path.abspath(__file__)),
-            NODE_SHARING_MODULE,
+            *(processes, NODE_SHARING_MODULE, os.path.dirname(os.path.abspath(__file__)), NODE_SHARING_MODULE),
         )
     return module
 
@@ -230,13 +211,10 @@ def node_sharing() -> types.ModuleType | None:
 # This process: which rank of which job on which node
 # --------------------------------------------------------------------------------------------------------------------
 #
-# One place answers "which process am I" for every module: resume discovery asks for the global rank before the
-# process group exists, a request budget is split by the world size, load sharing groups ranks by node, and what a
-# host's processes share is told apart by job. torch.distributed answers once its process group is up (torch is never
-# imported just to ask); before that, the launcher's environment.
+# torch.distributed answers once its process group is up (torch is never imported just to ask); before that (resume
+# discovery runs first), the launcher's environment.
 
 LAUNCHER_ENV_VARS: Mapping[str, tuple[str, ...]] = {
-    # torchrun (and Lightning's launcher), SLURM, Open MPI, MPICH / PMIx, MVAPICH: the first one set wins.
     "global_rank": ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK"),
     "world_size": ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"),
     "node_rank": ("GROUP_RANK", "SLURM_NODEID", "NODE_RANK"),
@@ -244,7 +222,7 @@ LAUNCHER_ENV_VARS: Mapping[str, tuple[str, ...]] = {
     "local_world_size": ("LOCAL_WORLD_SIZE",),
     "job": ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "MASTER_ADDR", "MASTER_PORT"),
 }
-"""The launcher environment variables each answer of this part reads, in the order it reads them."""
+"""The launcher variables each answer reads (torchrun, SLURM, Open MPI, MPICH/PMIx, MVAPICH): the first set wins."""
 
 
 def _launcher_value(environ: Mapping[str, str], what: str) -> tuple[str, str] | None:
@@ -275,15 +253,9 @@ def _process_group() -> Any:
 
 
 def global_rank(environ: Mapping[str, str] | None = None) -> int:
-    """This process's global rank: from ``torch.distributed`` if its process group is up, else from the environment.
-
-    Why the environment: resume discovery runs before Lightning creates the process group. The variables are read in
-    NeMo's order (``nemo/utils/get_rank.py``): ``RANK`` (torchrun, Lightning), ``SLURM_PROCID``,
-    ``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``, ``PMIX_RANK``, ``MV2_COMM_WORLD_RANK``; then the node rank (``GROUP_RANK``,
-    ``SLURM_NODEID``, ``NODE_RANK``) with ``LOCAL_RANK``, which Lightning's own DDP launcher sets for the processes it
-    starts. Nothing set means a single process: rank 0. With only node and local rank the number is exact on node 0
-    and non-zero elsewhere (which is all that matters). An explicit `environ` is read alone.
-    """
+    """This process's global rank: from ``torch.distributed`` if its process group is up, else from the environment
+    (in NeMo's order, `LAUNCHER_ENV_VARS`), else from node and local rank (as Lightning's DDP launcher sets them:
+    exact on node 0, non-zero elsewhere), else 0. An explicit `environ` is read alone."""
     if environ is None:
         group = _process_group()
         if group is not None:
@@ -299,8 +271,7 @@ def global_rank(environ: Mapping[str, str] | None = None) -> int:
 
 
 def world_size(environ: Mapping[str, str] | None = None) -> int:
-    """The job's process count: torch.distributed's once its process group is up, else the launcher's environment
-    (``WORLD_SIZE``, ``SLURM_NTASKS``, ``OMPI_COMM_WORLD_SIZE``), else 1. An explicit `environ` is read alone."""
+    """The job's process count: torch.distributed's, else the launcher's environment, else 1."""
     if environ is None:
         group = _process_group()
         if group is not None:
@@ -310,9 +281,8 @@ def world_size(environ: Mapping[str, str] | None = None) -> int:
 
 
 def node_key(node_rank: int | None = None, environ: Mapping[str, str] | None = None) -> str:
-    """Which node this process is on, as a label equal on every process of the node: the given node rank, else the
-    launcher's (``GROUP_RANK``, ``SLURM_NODEID``, ``NODE_RANK``), else this host's name and boot id (processes that
-    share it share /dev/shm)."""
+    """A label equal on every process of this node: the given node rank, else the launcher's, else this host's name
+    and boot id (processes that share it share /dev/shm)."""
     if node_rank is not None:
         return f"node {node_rank}"
     found = _launcher_value(os.environ if environ is None else environ, "node_rank")
@@ -325,8 +295,8 @@ def node_key(node_rank: int | None = None, environ: Mapping[str, str] | None = N
 
 
 def job_key(environ: Mapping[str, str] | None = None) -> str | None:
-    """What tells this job apart from other jobs of the same user on the host: torchrun's run id, SLURM's job and step,
-    the rendezvous address and port (two live jobs cannot share one), joined by ``|``; None outside any launcher."""
+    """What tells this job apart from others on the host (run id, SLURM job and step, rendezvous address and port,
+    joined by ``|``); None outside any launcher."""
     environ = os.environ if environ is None else environ
     values = [environ.get(name, "").strip() for name in LAUNCHER_ENV_VARS["job"]]
     return "|".join(values) if any(values) else None
@@ -336,9 +306,8 @@ def job_key(environ: Mapping[str, str] | None = None) -> str | None:
 # This process, continued: the launch it belongs to (its run, for fencing)
 # --------------------------------------------------------------------------------------------------------------------
 #
-# Why: the ranks of one job are one run; a relaunch (torchrun's restart, a SLURM requeue, a new job) is a newer one.
-# A launcher names both in the environment it gives each rank: what stays the same across relaunches (`job`) and which
-# launch this is (`attempt`, a tuple of counters that only grow). docs/runs.md says it for users.
+# The ranks of one job are one run; a relaunch (torchrun's restart, a SLURM requeue) is a newer one. The launcher's
+# environment names what a relaunch keeps (`job`) and which launch this is (`attempt`). See docs/runs.md.
 
 
 @dataclass(frozen=True)
@@ -348,12 +317,10 @@ class LaunchIdentity:
     launcher: str
     """``"torchrun"``, ``"slurm"`` or ``"slurm+torchrun"``."""
     job: str
-    """What a relaunch of the job keeps: ``slurm:<SLURM_JOB_ID>`` and/or ``torchrun:<TORCHELASTIC_RUN_ID>``; for
-    torchrun's default run id ``none`` outside SLURM, the torchrun agent on this host (``torchrun:none@host:pid:t``:
-    one run per node, see docs/runs.md)."""
+    """``slurm:<SLURM_JOB_ID>`` and/or ``torchrun:<TORCHELASTIC_RUN_ID>`` (for run id ``none`` outside SLURM, the
+    torchrun agent on this host: ``torchrun:none@host:pid:t``, one run per node)."""
     attempt: tuple[int, ...]
-    """Which launch of `job` this is, compared as a tuple (higher is later): (``SLURM_RESTART_COUNT``,
-    ``SLURM_STEP_ID``) under SLURM, then ``TORCHELASTIC_RESTART_COUNT`` under torchrun."""
+    """Which launch of `job` this is (higher is later): SLURM's restart count and step id, then torchrun's restarts."""
     started: float | None = None
     """When the launch started, where the launcher says (``SLURM_JOB_START_TIME``), else None."""
 
@@ -371,8 +338,7 @@ def _env_int(name: str, default: int) -> int:
 
 
 def _torchrun_agent() -> str:
-    """This host and the torchrun agent that started this process (its parent: pid and start time in clock ticks
-    since boot, so that a reused pid is another agent)."""
+    """This host and the parent torchrun agent (pid and start time, so that a reused pid is another agent)."""
     parent = os.getppid()
     try:
         with open(f"/proc/{parent}/stat", encoding="ascii", errors="replace") as stat_file:
@@ -383,14 +349,10 @@ def _torchrun_agent() -> str:
 
 
 def launch_identity() -> LaunchIdentity | None:
-    """The launch this process belongs to, from its launcher's environment, or None outside any launcher.
-
-    * torchrun: ``TORCHELASTIC_RUN_ID`` (the ``--rdzv-id``) and ``TORCHELASTIC_RESTART_COUNT``. Its default run id,
-      ``none``, names no job: outside SLURM the job is then the torchrun agent on this host (a multi-node job should
-      pass ``--rdzv-id``, or share rank 0's run: `adopt_run`).
-    * SLURM: ``SLURM_JOB_ID``, ``SLURM_STEP_ID`` and ``SLURM_RESTART_COUNT`` (a requeue counts up; a later ``srun``
-      step of one allocation is a later launch), and ``SLURM_JOB_START_TIME``.
-    * both (torchrun under ``srun`` or in a batch script): both, SLURM's counters first."""
+    """The launch this process belongs to, from torchrun's (``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``)
+    and SLURM's (``SLURM_JOB_ID``, ``SLURM_STEP_ID``, ``SLURM_RESTART_COUNT``, ``SLURM_JOB_START_TIME``) variables,
+    SLURM's first where both are set; None outside any launcher. torchrun's default run id ``none`` names no job: a
+    multi-node job should pass ``--rdzv-id`` or share rank 0's run (`adopt_run`)."""
     slurm_job = os.environ.get("SLURM_JOB_ID", "").strip()
     torch_run = os.environ.get("TORCHELASTIC_RUN_ID", "").strip()
     in_torchrun = bool(torch_run) or "TORCHELASTIC_RESTART_COUNT" in os.environ
@@ -418,37 +380,22 @@ def launch_identity() -> LaunchIdentity | None:
 # Retries
 # --------------------------------------------------------------------------------------------------------------------
 
-# botocore's own lists (botocore/retries/standard.py: ThrottledRetryableChecker._THROTTLED_ERROR_CODES and
-# TransientRetryableChecker._TRANSIENT_ERROR_CODES; IDPCommunicationError from retries/special.py) less the
-# DynamoDB-only codes, plus S3's 5xx codes. Kept here rather than imported: those names are private, and this layer
-# also retries reading a response body, which botocore does not. tests/test_private_surface.py checks that botocore's
-# lists have not grown past this one.
+# botocore's own lists (retries/standard.py's _THROTTLED_ERROR_CODES and _TRANSIENT_ERROR_CODES, retries/special.py's
+# IDPCommunicationError) less the DynamoDB-only codes, plus S3's 5xx codes: copied, as those names are private
+# (tests/test_private_surface.py checks that botocore's lists have not grown past these).
 THROTTLING_ERROR_CODES = frozenset(
     {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "ThrottledException",
-        "RequestThrottled",
-        "RequestThrottledException",
-        "TooManyRequestsException",
-        "RequestLimitExceeded",
-        "BandwidthLimitExceeded",
-        "EC2ThrottledException",
-        "PriorRequestNotComplete",
+        *("SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled"),
+        *("RequestThrottledException", "TooManyRequestsException", "RequestLimitExceeded", "BandwidthLimitExceeded"),
+        *("EC2ThrottledException", "PriorRequestNotComplete"),
     }
 )
-"""The codes that mean "too many requests" (botocore's throttling list less DynamoDB's), part of the retriable ones.
-An answer with one of them, or with HTTP 429 or 503 (S3 answers a throttled HEAD with a bare 503), slows the
-request pacer down and does not use up attempts while the job makes progress (see `S3Utils.with_retries`)."""
+"""The codes that mean "too many requests". These, or HTTP 429 or 503 (a throttled HEAD has no body), slow the
+request pacer down and do not use up attempts while the job makes progress (see `S3Utils.with_retries`)."""
 
 RETRIABLE_ERROR_CODES = THROTTLING_ERROR_CODES | frozenset(
     {
-        "ServiceUnavailable",
-        "InternalError",
-        "InternalFailure",
-        "RequestTimeout",
-        "RequestTimeoutException",
+        *("ServiceUnavailable", "InternalError", "InternalFailure", "RequestTimeout", "RequestTimeoutException"),
         "IDPCommunicationError",
         "ConditionalRequestConflict",  # 409: a conditional write raced another one on the key; S3 says retry
     }
@@ -464,18 +411,14 @@ class TransientTransferError(IOError):
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How S3 calls are retried: exponential backoff with full jitter, bounded by attempts and total time; throttling
-    answers are paced by the process's `RequestPacer` instead, and bounded by time without progress.
-
-    Every S3 request this module makes goes through one policy, so the bounds hold for list, head and delete as much
-    as for part uploads. botocore's own retries are switched off so that the two layers do not multiply.
-    """
+    """How every S3 request is retried (botocore's own retries are off): exponential backoff with full jitter,
+    bounded by attempts and total time; throttling answers are paced by the `RequestPacer` instead, and bounded by
+    time without progress."""
 
     max_attempts: int = 8
     """Attempts per call, the first included (1 disables retries)."""
     max_elapsed_s: float = 120.0
-    """No new attempt starts once this much time has passed since the first one. For throttling answers: since the
-    last success of the process's requests in the same direction to the same bucket (see `S3Utils.with_retries`)."""
+    """No new attempt starts this long after the first (for throttling: after the last success in that direction)."""
     initial_backoff_s: float = 0.5
     max_backoff_s: float = 20.0
     """The longest backoff between attempts; the request pacer never spaces a process's requests further apart."""
@@ -488,12 +431,8 @@ class RetryPolicy:
 
 
 def is_retriable_error(exc: BaseException) -> bool:
-    """True for throttling, 5xx, request timeouts, connection resets, read/connect timeouts and replies whose body
-    cannot be parsed; False otherwise.
-
-    Authentication, authorisation, missing buckets or keys and malformed requests fail at once: retrying them only
-    delays the error and adds load.
-    """
+    """True for throttling, 5xx, timeouts, connection resets and unparsable replies; False for everything else
+    (credentials, permissions, missing keys, malformed requests fail at once)."""
     if isinstance(exc, TransientTransferError):
         return True
     try:
@@ -560,12 +499,9 @@ def is_throttling_error(exc: BaseException) -> bool:
 class RequestRates:
     """A job-wide budget of S3 requests per second, per direction, split evenly across the job's processes.
 
-    `write` bounds PUT, POST and DELETE requests (part uploads, single PUTs, completes, aborts, deletes), `read`
-    GET and HEAD requests (ranged reads, HEADs, listings); None leaves that direction to adaptive pacing alone.
-    S3 serves at least 3,500 writes and 5,500 reads per second per partitioned prefix; a budget a little under
-    that keeps a job from ever meeting SlowDown on a fresh prefix. `from_value` accepts what configs and command
-    lines give: one number for both directions, ``{"write": 3000, "read": 5000}``, or ``"write=3000,read=5000"``.
-    """
+    `write` bounds PUT, POST and DELETE requests, `read` GET and HEAD; None leaves that direction to adaptive pacing.
+    S3 serves at least 3,500 writes and 5,500 reads per second per prefix: a budget a little under that avoids
+    SlowDown on a fresh prefix."""
 
     write: float | None = None
     read: float | None = None
@@ -586,23 +522,17 @@ class RequestRates:
             return value
         if isinstance(value, str):
             text = value.strip()
-            if "=" not in text:
-                try:
-                    number = float(text)
-                except ValueError:
-                    raise ValueError(
-                        f"max_requests_per_second must be a number or 'write=N,read=M', got {value!r}"
-                    ) from None
-                return cls(number, number)
             pairs = [part.split("=", 1) for part in text.split(",") if part.strip()]
-            if any(len(pair) != 2 for pair in pairs):
-                raise ValueError(f"max_requests_per_second must be a number or 'write=N,read=M', got {value!r}")
+            problem = f"max_requests_per_second must be a number or 'write=N,read=M', got {value!r}"
             try:
-                value = {key.strip(): float(number) for key, number in pairs}
+                if "=" not in text:
+                    value = dict.fromkeys(("write", "read"), float(text))
+                elif all(len(pair) == 2 for pair in pairs):
+                    value = {key.strip(): float(number) for key, number in pairs}
+                else:
+                    raise ValueError(text)
             except ValueError:
-                raise ValueError(
-                    f"max_requests_per_second must be a number or 'write=N,read=M', got {value!r}"
-                ) from None
+                raise ValueError(problem) from None
         if isinstance(value, Mapping):
             unknown = sorted(str(key) for key in value if key not in ("write", "read"))
             if unknown:
@@ -616,10 +546,9 @@ class RequestRates:
 
 # ---- the host's shared pacer state (optional: s3_node_sharing) -----------------------------------------------------
 #
-# Inside a job, a process's pacer shares its lanes' state with the job's other processes on this host where
-# s3_node_sharing.py is installed (`s3_node_sharing.SharedPacerFile`, a small file in /dev/shm): a per-process pacer
-# learns from its own answers only, and its first burst goes out unpaced even after its neighbours were told to slow
-# down. Without that module (or with ``S3CKPT_PACER_SHARING=0``) each process paces on its own.
+# Inside a job, the pacer's state is shared by the job's processes on this host (a small file in /dev/shm, from
+# s3_node_sharing), so that a process learns from its neighbours' SlowDowns too. Without that module (or with
+# ``S3CKPT_PACER_SHARING=0``) each process paces on its own.
 
 PACER_SHARING_ENV = "S3CKPT_PACER_SHARING"
 """Set to ``0`` (or ``off``) to keep one pacer per process even inside a job."""
@@ -645,8 +574,7 @@ class PacerLaneState(NamedTuple):
 class SharedLaneStore(Protocol):
     """The host-shared state behind the lanes of a `RequestPacer` (``s3_node_sharing.SharedPacerFile``)."""
 
-    processes: int
-    """The processes using the state, as of the last `locked` section."""
+    processes: int  # the processes using the state, as of the last `locked` section
 
     def locked(self) -> contextlib.AbstractContextManager[None]: ...
 
@@ -660,8 +588,8 @@ class SharedLaneStore(Protocol):
 
 
 def _shared_pacer_state(endpoint_url: str | None, bucket: str) -> SharedLaneStore | None:
-    """The host's shared state for this job's pacer of `bucket` at `endpoint_url`; None (a pacer of this process's
-    own) outside a job, where sharing is switched off, or without s3_node_sharing (`node_sharing` says so once)."""
+    """The host's shared state for this job's pacer of `bucket`; None outside a job, with sharing off, or without
+    s3_node_sharing."""
     if os.environ.get(PACER_SHARING_ENV, "").strip().lower() in ("0", "off", "false", "no") or job_key() is None:
         return None
     sharing = node_sharing()
@@ -671,39 +599,29 @@ def _shared_pacer_state(endpoint_url: str | None, bucket: str) -> SharedLaneStor
 class PacerLane:
     """One direction (reads or writes) of a `RequestPacer`: a token bucket whose rate adapts to S3's answers.
 
-    Dormant until the first throttling answer (or from the start with a budget): a request then costs a clock read
-    and the record of its send time, and nothing waits. Once throttled, every request takes a token; the rate
-    starts at 0.7x the rate requests were being sent at, drops to 0.7x on a throttling answer to a request sent
-    after the last drop (the answers to a burst sent at the old rate count once), and grows on each success by a
-    step that is larger for a slow lane (``0.1 / sqrt(rate)``, so slow lanes catch up with fast ones) and for a
-    longer run of successes (so a lane left alone by the others ramps up fast), never past twice the rate it is
-    actually sending at, nor past its share of the budget; on top of that it gains `CATCH_UP` requests per second
-    per second of successes, the same for every process (which is what makes processes converge to equal shares).
-    It never goes under `MIN_RATE`.
+    Dormant until the first throttling answer (or a budget): a request then costs a clock read and nothing waits.
+    Once throttled, every request takes a token. The rate starts at `BETA` times the rate requests were sent at,
+    drops by `BETA` on a throttling answer to a request sent after the last drop, and grows on each success by a
+    step larger for a slow lane (``GROWTH / sqrt(rate)``) and a longer run of successes, plus `CATCH_UP` per second
+    of successes (the same for every process, so processes converge to equal shares); never past twice the measured
+    send rate or the budget's share, never under `MIN_RATE`.
 
-    Shared by the processes of a job on one host (``shared``, a `SharedLaneStore`: ``s3_node_sharing``), the lane's
-    state lives in /dev/shm and stands for all of them (`processes`, n): its rate is the host's, the first throttling
-    answer any of them gets wakes it for all, and every answer adapts it. It behaves as n per-process lanes in lock
-    step that pool what they learn: the floor, `CATCH_UP` and the budget share are n times a process's, a success
-    adds 1/n to the run of successes, and the growth step is the per-process one at the rate per process
-    (``0.1 / sqrt(rate * n)``). A dormant shared lane costs one unlocked read of a byte in the mapping per request.
-
-    The arithmetic takes the time as an argument (`reserve`, `on_success`, `on_throttle`), so it can be tested with
-    a made-up clock; `acquire` is the blocking wrapper the retry loop uses.
+    Shared by a job's n processes on one host (`SharedLaneStore`), the state stands for all of them, as n lanes in
+    lock step: floor, `CATCH_UP` and budget share are n times a process's, a success adds 1/n to the run, and the
+    step uses the rate per process. The arithmetic takes the time as an argument (`reserve`, `on_success`,
+    `on_throttle`), so tests can use a made-up clock; `acquire` is the blocking wrapper.
     """
 
     BETA = 0.7
     GROWTH = 0.1
     CATCH_UP = 0.05
-    """Requests per second added per second of successes, whatever the rate: the part of the growth that is the same
-    for every process, so that one that came out of the first burst slow catches up with the others (fairness)."""
+    """Requests per second added per second of successes, whatever the rate (fairness between processes)."""
     STREAK_SCALE = 4.0
     MAX_STREAK = 64
     MIN_RATE = 0.2
-    """Requests per second per process and direction below which a lane never goes: the pacer of a process that
-    keeps being throttled still sends a request every 5 s (so that it learns when the store has room again)."""
+    """Requests per second per process below which a lane never goes (so it learns when the store has room again)."""
     WINDOW_S = 2.0
-    """The send rate a lane measures (to start from, and to cap its growth) is over the last this many seconds."""
+    """The window over which a lane measures its send rate (to start from, and to cap its growth)."""
 
     def __init__(
         self,
@@ -716,8 +634,7 @@ class PacerLane:
         self._limit = limit
         self._shared = shared
         self._index = index
-        self._flag = shared.active_flag(index) if shared is not None else None
-        """A shared lane's ``active`` byte (mapping, offset): the dormant path's one read."""
+        self._flag = shared.active_flag(index) if shared is not None else None  # (mapping, offset) of `active`
         self._cond = threading.Condition(threading.Lock())
         self._active = False
         self._rate = math.inf
@@ -727,21 +644,15 @@ class PacerLane:
         self._changed_at = 0.0
         self._streak = 0.0
         self._sends: collections.deque[float] = collections.deque(maxlen=64)
-        self._own_sends = self._sends
-        """This process's sends while dormant (the same deque as `_sends` unless the lane is shared, where
-        `_sends` holds the host's sends while it paces)."""
+        self._own_sends = self._sends  # this process's sends (a shared lane's `_sends` are the host's while pacing)
         self._processes = 1
         self._last_success = -math.inf
         self._host_last_success = -math.inf  # a shared lane's host-wide figures, as loaded
         self._host_throttles = self._host_activations = 0
-        self.throttles = 0
-        """Throttling answers this process saw."""
-        self.waits = 0
-        """Requests of this process that waited for a token."""
-        self.waited_s = 0.0
-        """Seconds this process's requests spent waiting for tokens, summed over threads."""
-        self.activations = 0
-        """Times this process woke the lane (a shared lane is woken once, by whichever process is throttled first)."""
+        self.throttles = 0  # throttling answers this process saw
+        self.waits = 0  # requests of this process that waited for a token
+        self.waited_s = 0.0  # seconds they waited, summed over threads
+        self.activations = 0  # times this process woke the lane
         if limit is not None and limit() is not None:
             with self._state():
                 if not self._active:
@@ -777,8 +688,7 @@ class PacerLane:
 
     @property
     def last_success(self) -> float:
-        """`time.monotonic()` of the last success through this lane (the retry loop's measure of progress); a shared
-        lane's is the last success of any process of the host."""
+        """`time.monotonic()` of the last success through this lane (a shared lane's: of any process of the host)."""
         if self._shared is not None:
             return max(self._last_success, self._shared.last_success(self._index))
         return self._last_success
@@ -839,8 +749,7 @@ class PacerLane:
         return len(recent) / self.WINDOW_S
 
     def reserve(self, now: float, floor: float = 0.0) -> float:
-        """Take a token if one is there (0.0: send now) or say how many seconds until one will be (take nothing).
-        Tokens come at least at `floor` per second (the caller's retry policy: `acquire`)."""
+        """Take a token (0.0: send now) or say how many seconds until one is there; tokens come at `floor`/s+."""
         with self._state():
             return self._reserve(now, floor)
 
@@ -870,20 +779,13 @@ class PacerLane:
                 self._active = True
                 self.activations += 1
                 self._host_activations += 1
-                # the rate this process was sending at, times the processes that share the lane (all alike)
                 self._rate = max(self.MIN_RATE * n, self.BETA * self.measured_rate(now, self._own_sends) * n)
                 if self._shared is not None:
                     self._sends = collections.deque(self._own_sends, maxlen=64)
                 self._apply_limit(now)
                 self._tokens, self._refilled_at, self._epoch, self._changed_at = 0.0, now, now, now
                 whose = f"the {n} processes of this job on this host share" if n > 1 else "this process's"
-                logger.info(
-                    "S3 throttles %s: pacing %s %s at %.3g requests/s from now on",
-                    self.name,
-                    whose,
-                    self.name,
-                    self._rate,
-                )
+                logger.info("S3 throttles %s: pacing %s %s at %.3g requests/s", self.name, whose, self.name, self._rate)
             elif sent >= self._epoch:
                 self._set_rate(max(self.MIN_RATE * n, self.BETA * self._rate), now)
                 self._epoch = self._changed_at = now
@@ -931,9 +833,8 @@ class PacerLane:
     # ---- the blocking side ------------------------------------------------------------------------------------
 
     def acquire(self, max_interval_s: float = math.inf) -> float:
-        """Wait for a token if the lane is pacing; return the send time (`time.monotonic()`) to report back. Tokens
-        come at least every `max_interval_s` while this request waits (a retry policy's ``max_backoff_s``: the pacer
-        never spaces requests further apart than the policy's longest backoff would)."""
+        """Wait for a token if the lane is pacing; return the send time to report back. Tokens come at least every
+        `max_interval_s` (the retry policy's ``max_backoff_s``)."""
         now = time.monotonic()
         flag = self._flag
         if not (self._active if flag is None else flag[0][flag[1]]):
@@ -958,16 +859,8 @@ class PacerLane:
 
 _WRITE_OPERATIONS = frozenset(
     {
-        "put_object",
-        "upload_part",
-        "upload_part_copy",
-        "copy_object",
-        "create_multipart_upload",
-        "complete_multipart_upload",
-        "abort_multipart_upload",
-        "delete_object",
-        "delete_objects",
-        "create_bucket",
+        *("put_object", "upload_part", "upload_part_copy", "copy_object", "create_multipart_upload"),
+        *("complete_multipart_upload", "abort_multipart_upload", "delete_object", "delete_objects", "create_bucket"),
         "delete_bucket",
     }
 )
@@ -975,13 +868,9 @@ _WRITE_OPERATIONS = frozenset(
 
 
 class RequestPacer:
-    """The request pacer of one process for one bucket on one endpoint: a `PacerLane` for writes and one for reads,
-    shared by every thread and `S3Utils` of the process (`request_pacer`), and, inside a job, by the job's other
-    processes on this host (``shared``: the lanes' state lives in /dev/shm, see `SharedLaneStore`).
-
-    Separate lanes because S3's limits are separate (3,500 writes and 5,500 reads per second per prefix): a save
-    throttled on its PUTs must not slow the job's loads, nor a resume storm of GETs its saves.
-    """
+    """The request pacer of one process (`request_pacer`; inside a job, of the host's processes) for one bucket on one
+    endpoint: a `PacerLane` for writes and one for reads, as S3's limits are separate (a save throttled on its PUTs
+    must not slow the job's loads)."""
 
     def __init__(self, endpoint_url: str | None, bucket: str, shared: SharedLaneStore | None = None) -> None:
         self.endpoint_url = endpoint_url
@@ -996,7 +885,7 @@ class RequestPacer:
 
     @property
     def shared(self) -> bool:
-        """Whether the lanes are the host's, shared with the job's other processes on this host."""
+        """Whether the lanes are shared with the job's other processes on this host."""
         return self.writes.shared
 
     def lane(self, operation: str) -> PacerLane:
@@ -1016,9 +905,8 @@ class RequestPacer:
                 lane._apply_limit(now)
 
     def _share(self, direction: str) -> float | None:
-        """This process's share of the budget for `direction`: the job-wide rate over the world size (looked up
-        again every few seconds, since the process group usually starts after the first S3 request). A shared lane
-        takes the shares of the processes that use it."""
+        """This process's share of the budget: the job-wide rate over the world size (looked up again every few
+        seconds, since the process group usually starts after the first S3 request)."""
         budget = self._budget
         rate = getattr(budget, direction) if budget is not None else None
         if rate is None:
@@ -1043,9 +931,8 @@ _pacers_lock = threading.Lock()
 
 
 def request_pacer(endpoint_url: str | None, bucket: str) -> RequestPacer:
-    """The process's `RequestPacer` for `bucket` at `endpoint_url` (None: AWS), made on first use: shared with the
-    job's other processes on this host where it can be (`_shared_pacer_state`). Pacers are kept per process id, so a
-    forked child starts with its own, dormant ones."""
+    """The process's `RequestPacer` for `bucket` at `endpoint_url` (None: AWS), made on first use; per process id, so
+    a forked child starts with its own."""
     key = (os.getpid(), endpoint_url, bucket)
     pacer = _pacers.get(key)
     if pacer is None:
@@ -1062,18 +949,11 @@ def request_pacer(endpoint_url: str | None, bucket: str) -> RequestPacer:
 
 SERVER_SIDE_ENCRYPTIONS = ("AES256", "aws:kms", "aws:kms:dsse")
 STORAGE_CLASSES = (
-    "STANDARD",
-    "REDUCED_REDUNDANCY",
-    "STANDARD_IA",
-    "ONEZONE_IA",
-    "INTELLIGENT_TIERING",
-    "GLACIER_IR",
-    "EXPRESS_ONEZONE",
-    "OUTPOSTS",
-    "SNOW",
+    *("STANDARD", "REDUCED_REDUNDANCY", "STANDARD_IA", "ONEZONE_IA", "INTELLIGENT_TIERING", "GLACIER_IR"),
+    *("EXPRESS_ONEZONE", "OUTPOSTS", "SNOW"),
 )
-"""Storage classes a checkpoint can be written in. GLACIER and DEEP_ARCHIVE are refused: their objects cannot be
-read without a restore, so a resume from them would fail (a lifecycle rule can move old checkpoints there)."""
+"""Storage classes a checkpoint can be written in. GLACIER and DEEP_ARCHIVE are refused: their objects need a restore
+before a load (a lifecycle rule can move old checkpoints there)."""
 _UPLOAD_OPERATIONS = frozenset({"PutObject", "CreateMultipartUpload"})
 
 
@@ -1081,11 +961,9 @@ _UPLOAD_OPERATIONS = frozenset({"PutObject", "CreateMultipartUpload"})
 class S3RequestOptions:
     """S3 parameters added to the requests this package makes, named as in S3's API (and boto3's ``ExtraArgs``).
 
-    The fields are the allow-list (as s3transfer's ``ALLOWED_UPLOAD_ARGS``): `from_mapping` refuses any other name,
-    and each value is checked up front, so a typo fails before a checkpoint is written rather than at the first save
-    or never. The object-level options (encryption, storage class, tags) go on every upload (single PUT and
-    multipart); `ExpectedBucketOwner` and `RequestPayer` on every request whose S3 operation takes them (head,
-    list, get, put, multipart, delete). A parameter a call sets itself wins.
+    The fields are the allow-list, and each value is checked up front, so a typo fails before a checkpoint is
+    written. Encryption, storage class and tags go on every upload; `ExpectedBucketOwner` and `RequestPayer` on
+    every request whose operation takes them. A parameter a call sets itself wins.
     """
 
     ServerSideEncryption: str | None = None
@@ -1144,10 +1022,8 @@ class S3RequestOptions:
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | S3RequestOptions | None) -> S3RequestOptions | None:
-        """Options from a mapping of S3 parameter names (a config block, CLI flags); None or empty gives None.
-
-        Raises ValueError naming any key outside the allow-list (and the S3 spelling of a snake_case one).
-        """
+        """Options from a mapping of S3 parameter names (None or empty gives None); ValueError naming any unknown key
+        (and the S3 spelling of a snake_case one)."""
         if options is None or isinstance(options, S3RequestOptions):
             return options
         if not isinstance(options, Mapping):
@@ -1165,8 +1041,7 @@ class S3RequestOptions:
         return cls(**given) if given else None
 
     def parameters(self, operation_name: str, members: Collection[str]) -> dict[str, Any]:
-        """The parameters to add to S3 operation `operation_name` (e.g. ``"PutObject"``), whose input takes
-        `members`."""
+        """The parameters to add to S3 operation `operation_name` (``"PutObject"``), whose input takes `members`."""
         chosen = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
         if operation_name not in _UPLOAD_OPERATIONS:
             chosen = {k: v for k, v in chosen.items() if k in ("ExpectedBucketOwner", "RequestPayer")}
@@ -1185,35 +1060,27 @@ class S3RequestOptions:
 
 @dataclass(frozen=True)
 class S3ClientSettings:
-    """Where and how to reach S3. Unset fields fall back to botocore's usual sources (environment, config files).
-
-    Credentials are never part of the settings: they come from the normal boto3 credential chain (environment,
-    profile, container or instance role), which refreshes temporary credentials by itself.
-    """
+    """Where and how to reach S3. Unset fields fall back to botocore's usual sources; credentials are never part of
+    the settings (boto3's credential chain provides and refreshes them)."""
 
     endpoint_url: str | None = None
     """Explicit endpoint; else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, else AWS."""
     region_name: str | None = None
     addressing_style: str | None = None
-    """``"path"``, ``"virtual"`` or ``"auto"``; defaults to ``"path"`` for a custom endpoint (MinIO, SeaweedFS...).
-    Directory buckets and access point ARNs are always addressed virtual-hosted style (botocore does so whatever
-    this says, except for a directory bucket behind an IP-address endpoint); an explicit ``"path"`` therefore
-    refuses them with a clear error instead of letting requests go to a host the setting did not expect."""
+    """``"path"``, ``"virtual"`` or ``"auto"``; defaults to ``"path"`` for a custom endpoint. Directory buckets and
+    access point ARNs are always virtual-hosted (botocore's doing), so an explicit ``"path"`` refuses them."""
     profile_name: str | None = None
     max_pool_connections: int = 32
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 60.0
     user_agent_extra: str | None = None
     sign_payloads: bool = False
-    """SHA-256-sign request bodies even over plain http. Off by default: every body this package uploads carries a
-    CRC checksum that the store verifies, which is what botocore itself relies on over https and what
-    s3torchconnector does; signing costs a SHA-256 pass over every byte on both the client and the store."""
+    """SHA-256-sign request bodies even over plain http. Off by default: every body carries a CRC the store verifies
+    (as botocore relies on over https), and signing costs a SHA-256 pass over every byte on both sides."""
     request_options: S3RequestOptions | None = None
     """Encryption, storage class, tags, bucket owner, requester pays: added to the requests of this client."""
     max_requests_per_second: RequestRates | None = None
-    """A job-wide budget of requests per second (`RequestRates`; a number or a ``{"write": .., "read": ..}`` mapping
-    is converted), split across the job's processes by world size. None: adaptive pacing only, from the first
-    throttling answer on."""
+    """A job-wide budget (`RequestRates`, or what `RequestRates.from_value` takes); None: adaptive pacing only."""
 
     path_style_by_default: bool = field(default=False, repr=False)
     """Set by `resolved` when ``"path"`` was filled in for a custom endpoint rather than asked for."""
@@ -1237,10 +1104,8 @@ _clients_lock = threading.Lock()
 
 
 def get_s3_client(settings: S3ClientSettings | None = None) -> Any:
-    """The process-wide boto3 S3 client for these settings (boto3 clients are thread-safe; sessions are not).
-
-    Clients are cached per process id, so a forked child builds its own instead of sharing sockets with its parent.
-    """
+    """The process-wide boto3 S3 client for these settings (thread-safe), cached per process id: a forked child
+    builds its own instead of sharing sockets with its parent."""
     settings = (settings or S3ClientSettings()).resolved()
     key = (os.getpid(), settings)
     client = _clients.get(key)
@@ -1282,8 +1147,8 @@ def _add_request_options(client: Any, options: S3RequestOptions | None) -> None:
 
 
 def user_agent(extra: str | None = None) -> str:
-    """What this package adds to botocore's User-Agent on every request: ``s3-checkpoint-io/<version>`` and then
-    `extra` (e.g. ``(lightning; 2.6.6)``), so that S3 access logs and CloudTrail show who made a request."""
+    """What this package adds to botocore's User-Agent (``s3-checkpoint-io/<version>``, then `extra`), so that S3
+    access logs and CloudTrail show who made a request."""
     return f"s3-checkpoint-io/{__version__}" + (f" {extra}" if extra else "")
 
 
@@ -1321,8 +1186,7 @@ _VIRTUAL_HOSTED_ONLY = {
 
 
 def _no_region_redirects(params: dict[str, Any], **_: Any) -> None:
-    """botocore re-sends an S3 request to the region a 301/400 names; when none is named it asks HEAD bucket, which a
-    redirecting endpoint answers with 301 again: unbounded recursion. A custom endpoint has no other region to go to."""
+    """No region redirects on a custom endpoint: botocore's HEAD bucket to find the region recurses without end."""
     redirect = params.get("context", {}).get("s3_redirect")
     if isinstance(redirect, dict):
         redirect["redirected"] = True
@@ -1340,8 +1204,7 @@ def _awscrt_checksums() -> types.ModuleType | None:
 
 
 class ChecksumAlgorithm:
-    """One of S3's full-object CRCs: how to compute it, combine it and spell it in S3 requests and responses. Get one
-    with `ChecksumAlgorithm.named` (``"CRC32"``, ``"CRC32C"``, ``"CRC64NVME"`` or ``"auto"``)."""
+    """One of S3's full-object CRCs: compute, combine and spell it; get one with `ChecksumAlgorithm.named`."""
 
     def __init__(
         self, name: str, nbytes: int, polynomial: int, zlib_update: Callable[[Any, int], int] | None = None
@@ -1357,9 +1220,8 @@ class ChecksumAlgorithm:
 
     @classmethod
     def named(cls, name: str | None = "auto") -> ChecksumAlgorithm:
-        """The `ChecksumAlgorithm` `name` names (any case) or, for None/"auto", CRC32C where awscrt is installed and
-        CRC32 (zlib) otherwise. ValueError for an unknown name; the ImportError that names the install line for one
-        that needs awscrt without it."""
+        """The algorithm `name` names (``"CRC32"``, ``"CRC32C"``, ``"CRC64NVME"``, any case) or, for None/"auto",
+        CRC32C with awscrt, else CRC32. ValueError if unknown; MissingOptionalDependencyError if awscrt is needed."""
         if name is None or name.lower() == "auto":
             return _CHECKSUMS["CRC32C"] if _awscrt_checksums() else _CHECKSUMS["CRC32"]
         try:
@@ -1396,8 +1258,7 @@ class ChecksumAlgorithm:
         return combine(first, second, second_length)
 
     def combine_gf2(self, first: int, second: int, second_length: int) -> int:
-        """`combine` without awscrt (zlib's ``crc32_combine``, valid for every reflected CRC whose initial value and
-        final XOR are all ones, as these three are). Used when awscrt is missing or older than 0.31."""
+        """`combine` without awscrt (or before 0.31): zlib's ``crc32_combine``, valid for these three CRCs."""
         return _gf2_times(_zeros_operator(self.polynomial, self.nbytes * 8, second_length), first) ^ second
 
 
@@ -1439,17 +1300,13 @@ _CHECKSUMS = {
 
 
 def validate_checksum_algorithm(name: str | None) -> str:
-    """S3's name of the algorithm a save with `name` would use (``"auto"``/None: CRC32C with awscrt, else CRC32).
-
-    Raises ValueError for an unknown name and MissingOptionalDependencyError when it needs awscrt and awscrt is
-    missing, so a misconfiguration fails when the plugin is built, not at the first save.
-    """
+    """S3's name of the algorithm a save with `name` would use; raises as `ChecksumAlgorithm.named` does, so that a
+    misconfiguration fails when the plugin is built, not at the first save."""
     return ChecksumAlgorithm.named(name).name
 
 
 def checksum_of(algorithm: ChecksumAlgorithm | None, data: Any, block: int = 64 * MB) -> int:
-    """Checksum of a buffer, in blocks so that huge buffers never need a contiguous temporary copy (0 without an
-    algorithm: a checkpoint that recorded none)."""
+    """Checksum of a buffer, in blocks (no temporary copy of a huge buffer); 0 without an algorithm."""
     if algorithm is None:
         return 0
     view = memoryview(data).cast("B")
@@ -1460,8 +1317,7 @@ def checksum_of(algorithm: ChecksumAlgorithm | None, data: Any, block: int = 64 
 
 
 def combine_checksums(algorithm: ChecksumAlgorithm, parts: Iterable[tuple[int, int]]) -> int:
-    """The checksum of consecutive pieces from their ``(checksum, length)`` pairs, in order (0 for no pieces: the
-    checksum of nothing, which combining leaves unchanged)."""
+    """The checksum of consecutive pieces from their ``(checksum, length)`` pairs, in order (0 for none)."""
     total = 0
     for checksum, length in parts:
         total = algorithm.combine(total, checksum, length)
@@ -1473,11 +1329,10 @@ class ChecksumMismatchError(IOError):
 
 
 CHECKSUM_SOURCES = ("s3", "metadata", "sidecar")
-"""Where a checksum can be recorded: by the store itself ("s3"), in the object's user metadata written with it by
-this package ("metadata", single-PUT objects), or by this package in a sidecar object."""
+"""Where a checksum can be recorded: by the store ("s3"), in the object's user metadata ("metadata", single PUTs), or
+in a sidecar object beside it ("sidecar")."""
 CHECKSUM_METADATA_KEY = "s3ckpt-checksum"
-"""The user-metadata key (``x-amz-meta-s3ckpt-checksum``) under which a single PUT carries its checksum:
-``"<ALGORITHM> <value>"``."""
+"""The user-metadata key under which a single PUT carries its checksum: ``"<ALGORITHM> <value>"``."""
 
 
 @dataclass(frozen=True)
@@ -1489,18 +1344,13 @@ class RecordedChecksum:
     value: str
     """The checksum as S3 spells it (base64 of the big-endian bytes)."""
     source: str
-    """``"s3"``: the store keeps it with the object (a HEAD returns it); ``"metadata"``: the object's user metadata
-    carries it (written in the same PUT); ``"sidecar"``: the store ignored it, so this package recorded it in
-    ``<key>.s3ckpt-checksum.json`` beside the object, bound to the object's size and ETag."""
+    """One of `CHECKSUM_SOURCES` (a sidecar is bound to the object's size and ETag)."""
 
     def __str__(self) -> str:
         return f"{self.algorithm} {self.value} ({self.source})"
 
 
-_MULTIPART_ETAG = re.compile(r'-\d+"?$')
-"""The ETag of an object made by a multipart upload: ``"<md5 of the part md5s>-<part count>"``."""
-
-
+_MULTIPART_ETAG = re.compile(r'-\d+"?$')  # the ETag of a multipart object: "<md5 of the part md5s>-<part count>"
 _CHECKSUM_ENTRY_FIELDS = {"algorithm": str, "checksum": str, "size": int, "etag": str}
 
 
@@ -1510,19 +1360,15 @@ def _is_checksum_entry(entry: Any) -> bool:
 
 
 class _ChecksumRecords:
-    """Reads, writes and checks the checksum records of objects, through the calls (and retries) of an `S3Utils`.
-
-    The store's own full-object checksum is preferred. Where it has none, the sidecar this package wrote counts.
-    Where the two disagree with the bytes, the sidecar settles it: some stores (moto) report a full-object checksum
-    they never verified, and a sidecar is written exactly for those stores.
-    """
+    """Reads, writes and checks the checksum records of objects, through an `S3Utils`. The store's own checksum comes
+    first, then the sidecar; where the store's disagrees with the bytes the sidecar settles it (some stores, moto,
+    report a checksum they never verified)."""
 
     def __init__(self, utils: S3Utils) -> None:
         self._utils = utils
 
     def expected(self, info: S3ObjectInfo) -> RecordedChecksum | None:
-        """The record a download of `info` is verified against: the store's, else the one its metadata carries, else
-        the sidecar, else None."""
+        """The record a download of `info` is verified against: the store's, else its metadata's, else the sidecar."""
         return self.native(info) or self.carried(info) or self.sidecar(info)
 
     @staticmethod
@@ -1538,13 +1384,9 @@ class _ChecksumRecords:
 
     @staticmethod
     def native(info: S3ObjectInfo) -> RecordedChecksum | None:
-        """The full-object checksum the store reported in `info` (one this process can compute), if any.
-
-        A multipart object (ETag ``"...-N"``) whose checksum comes without a ``ChecksumType`` is not trusted as the
-        object's: AWS always sends the type, and a store that leaves it out may report the checksum of the part
-        checksums without the ``-N`` (moto does, for uploads made by other tools such as ``aws s3 cp``). The
-        sidecar, if any, counts instead.
-        """
+        """The full-object checksum the store reported in `info` (one this process can compute), if any. Not for a
+        multipart object without a ``ChecksumType``: AWS always sends it, and a store that does not may report the
+        checksum of the part checksums (moto does)."""
         if info.checksum_type not in (None, "FULL_OBJECT"):
             return None
         for algorithm in _CHECKSUMS.values():
@@ -1555,10 +1397,7 @@ class _ChecksumRecords:
                 logger.debug(
                     "%s: the store's %s %s cannot be used: it comes without a ChecksumType for a multipart object "
                     "(ETag %s), so it may cover the part checksums rather than the bytes",
-                    info.url,
-                    algorithm.name,
-                    value,
-                    info.etag,
+                    *(info.url, algorithm.name, value, info.etag),
                 )
                 return None
             with contextlib.suppress(MissingOptionalDependencyError):
@@ -1567,17 +1406,13 @@ class _ChecksumRecords:
 
     def sidecar(self, info: S3ObjectInfo) -> RecordedChecksum | None:
         """The checksum recorded beside the object, if any; ChecksumMismatchError if that record is unusable or
-        belongs to an older object at the same key (a record is never silently ignored)."""
+        belongs to an older object at the key."""
         entries = self.sidecar_entries(info)
         return entries[0] if entries else None
 
     def sidecar_entries(self, info: S3ObjectInfo) -> list[RecordedChecksum]:
-        """Every checksum the record beside the object may hold for it, the one bound to its ETag first.
-
-        A record is bound to one object by its size and ETag once that object is committed. Before a commit the
-        writer records the checksum it is about to commit unbound (``"etag": ""``), keeping the entries of the
-        objects the key may still hold in ``"earlier"`` (see `S3MultipartWriter`, "Crash safety"): an unbound entry
-        of the object's size is a candidate that only the bytes can confirm (`check`)."""
+        """Every checksum the record beside the object may hold for it, the one bound to its size and ETag first, then
+        the unbound ones of its size (written before a commit, see `write_pending`), which only the bytes confirm."""
         record = self._read_sidecar(info)
         if record is None:
             return []
@@ -1600,17 +1435,15 @@ class _ChecksumRecords:
             try:
                 algorithm = ChecksumAlgorithm.named(entry["algorithm"])
             except ValueError as exc:
-                raise ChecksumMismatchError(
-                    f"The checksum record of {info.url} names an unknown algorithm: {exc}"
-                ) from exc
+                problem = f"The checksum record of {info.url} names an unknown algorithm: {exc}"
+                raise ChecksumMismatchError(problem) from exc
             found.append(RecordedChecksum(algorithm.name, entry["checksum"], "sidecar"))
         return found
 
     def check(
         self, info: S3ObjectInfo, target: DownloadedObject, expected: RecordedChecksum, actual: int
     ) -> RecordedChecksum:
-        """Compare the downloaded bytes' checksum `actual` with `expected`; return the record that matched, or raise
-        ChecksumMismatchError naming the URL."""
+        """The record the downloaded bytes (checksum `actual`) match, `expected` first; else ChecksumMismatchError."""
         algorithm = ChecksumAlgorithm.named(expected.algorithm)
         actual_text = algorithm.encode(actual)
         if actual_text == expected.value:
@@ -1639,15 +1472,12 @@ class _ChecksumRecords:
         """Record a checksum beside ``bucket/key``, for a store that did not keep it."""
         sidecar_key = key + CHECKSUM_SIDECAR_SUFFIX
         body = json.dumps(record, sort_keys=True).encode()
-        self._utils.call(
-            "put_object", _urls.build_s3_url(bucket, sidecar_key), Bucket=bucket, Key=sidecar_key, Body=body
-        )
+        url = _urls.build_s3_url(bucket, sidecar_key)
+        self._utils.call("put_object", url, Bucket=bucket, Key=sidecar_key, Body=body)
 
     def write_pending(self, bucket: str, key: str, algorithm: str, checksum: str, size: int) -> bool:
-        """Before a commit: record the checksum of the object about to be committed at ``bucket/key``, unbound
-        (its ETag is known only after the commit), keeping the entries of the objects the key may still hold (the
-        current one, and those of commits a kill may have cut short) under ``"earlier"``. Returns whether the key had
-        a record before."""
+        """Before a commit: record the checksum about to be committed at ``bucket/key`` unbound (no ETag yet), keeping
+        the entries of the objects the key may still hold under ``"earlier"``. Returns whether there was a record."""
         url = _urls.build_s3_url(bucket, key)
         earlier: list[Any] = []
         try:
@@ -1668,9 +1498,7 @@ class _ChecksumRecords:
     def remove_sidecar(self, bucket: str, key: str) -> None:
         """Delete the record beside ``bucket/key`` (missing is fine)."""
         sidecar_key = key + CHECKSUM_SIDECAR_SUFFIX
-        self._utils.call(
-            "delete_object", _urls.build_s3_url(bucket, sidecar_key), Bucket=bucket, Key=sidecar_key
-        )
+        self._utils.call("delete_object", _urls.build_s3_url(bucket, sidecar_key), Bucket=bucket, Key=sidecar_key)
 
     def _read_sidecar(self, info: S3ObjectInfo) -> dict[str, Any] | None:
         key = info.key + CHECKSUM_SIDECAR_SUFFIX
@@ -1708,8 +1536,7 @@ class S3ObjectInfo:
     last_modified: Any = None  # datetime.datetime
     checksums: dict[str, str] = field(default_factory=dict)
     checksum_type: str | None = None
-    metadata: dict[str, str] = field(default_factory=dict)
-    """User metadata (``x-amz-meta-*``, without the prefix), as a HEAD returns it; empty from listings."""
+    metadata: dict[str, str] = field(default_factory=dict)  # user metadata from a HEAD (none from listings)
 
     @property
     def url(self) -> str:
@@ -1718,17 +1545,14 @@ class S3ObjectInfo:
 
 @dataclass(frozen=True)
 class MultipartUploadInfo:
-    """One in-progress multipart upload (started, never completed or aborted): its parts are stored, and billed,
-    but no object exists at `key` until it completes."""
+    """One in-progress multipart upload: its parts are stored, and billed, but there is no object until it completes."""
 
     bucket: str
     key: str
     upload_id: str
     initiated: Any = None  # datetime.datetime, by the store's clock
-    parts: int | None = None
-    """How many parts it holds; None until counted (`S3Utils.count_upload_parts`)."""
+    parts: int | None = None  # how many parts it holds, and their bytes: None until counted (`count_upload_parts`)
     size: int | None = None
-    """The bytes those parts hold; None until counted."""
 
     @property
     def url(self) -> str:
@@ -1744,15 +1568,11 @@ _HAS_PWRITE = hasattr(os, "pwrite")
 
 
 class DownloadedObject:
-    """An object downloaded into an anonymous in-memory file (Linux ``memfd``; a temporary file elsewhere).
-
-    `path` can be handed to ``torch.load(path, mmap=True)``: the tensors then use the downloaded pages directly, so
-    loading needs no second copy of the checkpoint. Close it when done (the mapping torch made stays valid).
-    """
+    """An object downloaded into an anonymous in-memory file (Linux ``memfd``; a temporary file elsewhere). `path` can
+    be handed to ``torch.load(path, mmap=True)`` (no second copy). Close it when done (torch's mapping stays valid)."""
 
     def __init__(self, size: int, fd: int | None = None) -> None:
-        """`fd`: an open, writable file to download into instead of a fresh ``memfd`` (e.g. a node-shared file in
-        ``/dev/shm``); it is resized to `size` and stays the caller's (`close` leaves it open)."""
+        """`fd`: an open, writable file to download into instead (resized to `size`; `close` leaves it open)."""
         self.size = size
         self._owns_fd = fd is None
         if fd is not None:
@@ -1766,17 +1586,12 @@ class DownloadedObject:
         self._map: mmap.mmap | None = None
         self._write_lock = threading.Lock()
         self.verified_against: RecordedChecksum | None = None
-        """Set by `S3Utils.download_to_memory`: the record the bytes matched (None: nothing recorded, or not
-        verified)."""
+        """Set by `S3Utils.download_to_memory`: the record the bytes matched (None: nothing recorded or verified)."""
 
     def write_at(self, offset: int, data: Any) -> None:
-        """Store `data` at `offset` (callable from several threads for disjoint ranges).
-
-        Written with ``pwrite``, not through a mapping: the kernel then fills fresh pages directly, whereas a store
-        through a mapping costs a page fault and a zeroed page per 4 KiB first. Writers take turns on a lock: the
-        kernel serialises writes to one file anyway, and a writer waiting in the kernel spins on the CPU the store
-        and the other downloads need (benchmarks/README.md, "Loads").
-        """
+        """Store `data` at `offset` (from several threads for disjoint ranges). ``pwrite``, not a mapping: no page
+        fault and zeroed page per 4 KiB first. Writers take turns on a lock: the kernel serialises them anyway, and a
+        waiting writer would spin on CPU the downloads need (benchmarks/README.md, "Loads")."""
         view = memoryview(data).cast("B")
         with self._write_lock:
             while view:
@@ -1839,12 +1654,8 @@ def _refuse_overridden(caller: str, winner: str, overridden: list[str]) -> None:
 
 
 class _ClassOrInstanceMethod:
-    """A method that NeMo code may call on the class (``S3Utils.remove_object(url)``): it then runs on an instance
-    built from default settings, the way NeMo's static methods behaved; called on an instance it uses that instance.
-
-    Not a ``@staticmethod``: an instance carries the endpoint, retry policy and client that a static method could not
-    see. Building the throwaway instance is cheap (the client is shared per process and settings).
-    """
+    """A method NeMo code may call on the class (``S3Utils.remove_object(url)``, as NeMo's static methods): it then
+    runs on an instance with default settings (cheap: clients are shared); on an instance, on that instance."""
 
     def __init__(self, function: Callable[..., Any]) -> None:
         self.__func__ = function
@@ -1852,7 +1663,6 @@ class _ClassOrInstanceMethod:
 
     def __get__(self, instance: Any, owner: type) -> Callable[..., Any]:
         return types.MethodType(self.__func__, instance if instance is not None else owner())
-
 
 
 class S3Utils:
@@ -1881,10 +1691,8 @@ class S3Utils:
         self.retry_policy = retry_policy or RetryPolicy()
         self._client = client
         self._stats_lock = threading.Lock()
-        self.retries = 0
-        """How many times a call was retried by this instance (for tests, logs and benchmarks)."""
-        self.list_page_size = list_page_size
-        """Keys (or uploads, or parts) asked for per listing request."""
+        self.retries = 0  # how many times a call was retried by this instance
+        self.list_page_size = list_page_size  # keys (or uploads, or parts) asked for per listing request
 
     @classmethod
     def from_arguments(
@@ -1901,19 +1709,13 @@ class S3Utils:
         user_agent_extra: str | None = None,
         caller: str = "S3Utils.from_arguments",
     ) -> S3Utils:
-        """The one way this package builds an `S3Utils` from a caller's loose arguments (`S3CheckpointIO`, the DCP
-        writer and reader, the sharded strategies, convert and the CLI all take the same ones).
+        """The one way this package builds an `S3Utils` from a caller's loose arguments.
 
-        `s3_utils` is used as given; else `client_settings`, else settings built from `endpoint_url` and
-        `region_name`. `request_options` and `max_requests_per_second` are added to the settings (checked first, so
-        a typo fails here). `max_pool_connections` sizes the connection pool of settings built here (the caller's
-        concurrency); `user_agent_extra` is appended to the settings' own. Neither applies to a given `s3_utils`.
-
-        Raises ValueError naming every argument another given one would silently override: anything but
-        `s3_utils` itself together with `s3_utils` (it has its settings and retry policy), `endpoint_url` /
-        `region_name` with `client_settings` (put them in the settings), and `request_options` /
-        `max_requests_per_second` with a `client_settings` that already sets them. `caller` names the class or
-        function in that message.
+        `s3_utils` is used as given; else `client_settings`, else settings from `endpoint_url` and `region_name`, with
+        `request_options` and `max_requests_per_second` added (checked first). `max_pool_connections` sizes the pool
+        of settings built here; `user_agent_extra` is appended. ValueError (naming `caller`) for every argument another
+        given one would silently override: anything with `s3_utils`, `endpoint_url` / `region_name` with
+        `client_settings`, and options or budget with a `client_settings` that already sets them.
         """
         options = S3RequestOptions.from_mapping(request_options)  # an unknown or bad option fails here
         budget = RequestRates.from_value(max_requests_per_second)  # a bad value fails here
@@ -1951,8 +1753,7 @@ class S3Utils:
         return cls(settings, retry_policy)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled as its settings and retry policy (``ddp_spawn``, DCP's process executor): the live client,
-        its connections and the retry counter stay in the process that made them; the copy builds its own client."""
+        """Pickled as its settings and retry policy: the copy builds its own client."""
         return (type(self), (self.settings, self.retry_policy))
 
     # ---- plumbing -------------------------------------------------------------------------------------------------
@@ -1972,15 +1773,12 @@ class S3Utils:
     def with_retries(
         self, attempt: Callable[[], _T], operation: str, url: str, *, bucket: str | None = None, detail: str = ""
     ) -> _T:
-        """Run `attempt` (one request to `bucket`, by default the bucket of `url`) through the process's request
-        pacer and under the retry policy; the final failure is the original exception, annotated with the URL (and
-        `detail`, e.g. ``"part 3"``).
+        """Run `attempt` (one request to `bucket`, by default `url`'s) through the request pacer and under the retry
+        policy; the final failure is the original exception, annotated with the URL (and `detail`, e.g. "part 3").
 
-        A throttling answer (`is_throttling_error`) does not use up an attempt while the job makes progress: the
-        request is paced and tried again as long as some request of the same direction to the same bucket has
-        succeeded within ``max_elapsed_s`` (since this call started, or since that success), and fails only after
-        that long without one. Any other retriable error counts against ``max_attempts`` and ``max_elapsed_s`` from
-        its first occurrence, with exponential backoff and full jitter.
+        A throttling answer does not use up an attempt: the request is paced and tried again until no request of
+        that direction to that bucket has succeeded for ``max_elapsed_s``. Any other retriable error counts against
+        ``max_attempts`` and ``max_elapsed_s``, with exponential backoff and full jitter.
         """
         policy = self.retry_policy
         pacer = request_pacer(self.settings.endpoint_url, bucket or _urls.parse_s3_url(url)[0])
@@ -2033,9 +1831,8 @@ class S3Utils:
             return result
 
     def _raise_final(self, exc: Exception, operation: str, url: str, attempts: int, seconds: float) -> NoReturn:
-        """Raise the error of a failed call (from inside its ``except`` block): FileNotFoundError for a missing key or
-        bucket, else `exc` itself with a note naming the URL, the attempts and seconds, and what S3 said. botocore's
-        "(reached max retries: 0)" is taken out of its message: this layer retries, not botocore's."""
+        """Raise a failed call's error: FileNotFoundError for a missing key or bucket, else `exc` with a note (URL,
+        attempts, what S3 said), without botocore's misleading "(reached max retries: 0)"."""
         not_found = _not_found_error(exc, operation, url)
         if not_found is not None:
             raise not_found from exc
@@ -2099,21 +1896,16 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def list_objects(self, s3_path: str | os.PathLike[str], *, include_sidecars: bool = False) -> list[S3ObjectInfo]:
-        """Every object under the "directory" `s3_path` (key + ``/``), all pages, sorted by key; the bucket root lists
-        everything. Directory buckets list in no particular order; sorting here keeps results the same everywhere.
-        The records this package keeps (checksum sidecars, owner records) are left out unless `include_sidecars`."""
+        """Every object under the "directory" `s3_path` (key + ``/``; the bucket root lists all), sorted by key (as
+        directory buckets do not), without checksum sidecars and owner records unless `include_sidecars`."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, prefix = _urls.s3_dir_prefix(url)
         return sorted(self._iter_objects(bucket, prefix, url, include_sidecars), key=lambda info: info.key)
 
     @_ClassOrInstanceMethod
     def list_objects_with_key_prefix(self, s3_path: str | os.PathLike[str]) -> list[S3ObjectInfo]:
-        """Every object whose key starts with the key of `s3_path` as a plain string (no ``/`` boundary added),
-        e.g. ``s3://b/ckpt/model--step=10-`` for all checkpoints of step 10, sorted by key.
-
-        S3 is asked for the enclosing "directory" (``ckpt/``) and the names are filtered here: directory buckets
-        refuse a listing prefix that does not end in ``/``.
-        """
+        """Every object whose key starts with the key of `s3_path` as a plain string (``s3://b/ckpt/model--step=10-``),
+        sorted by key; the enclosing "directory" is listed and filtered here (directory buckets need a ``/`` prefix)."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
         directory = key[: key.rfind("/") + 1]  # "" when the key has no "/": the bucket root
@@ -2123,11 +1915,8 @@ class S3Utils:
     def _iter_objects(
         self, bucket: str, prefix: str, url: str, include_sidecars: bool, page_size: int | None = None
     ) -> Iterator[S3ObjectInfo]:
-        """The objects under `prefix` (``""`` or ending in ``/``) in listing order, page by page.
-
-        Only ``Contents`` are read: in-progress multipart uploads, which directory buckets report as
-        ``CommonPrefixes``, never count as objects. Pages may be empty yet truncated; the token is followed anyway.
-        """
+        """The objects under `prefix` (``""`` or ending in ``/``) in listing order, page by page (only ``Contents``:
+        directory buckets report uploads as ``CommonPrefixes``; an empty page may still be truncated)."""
         if prefix and not prefix.endswith("/"):
             raise ValueError(f"listing prefix {prefix!r} for {url} must be empty or end in '/' (directory buckets)")
         token: str | None = None
@@ -2147,12 +1936,9 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def s3_path_exists(self, s3_path: str | os.PathLike[str], match_directory: bool = False) -> bool:
-        """True if an object exists at exactly `s3_path`, or (with `match_directory`) any object under ``s3_path/``.
-
-        For the bucket root: whether the bucket exists (and, with `match_directory`, holds any object).
-        A missing bucket gives False; other errors (e.g. AccessDenied) propagate. A directory holding nothing but
-        owner records (see `DirectoryFence`) counts as empty.
-        """
+        """True if an object exists at exactly `s3_path`, or (with `match_directory`) any object under ``s3_path/``
+        (owner records aside); for the bucket root, whether it exists (and holds any object). A missing bucket gives
+        False; other errors (e.g. AccessDenied) propagate."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
         try:
@@ -2181,9 +1967,8 @@ class S3Utils:
         profile: str | None = None,
         creds: Any = None,
     ) -> list[str]:
-        """Keys (or, with ``return_key_only=False``, s3:// URLs) of all objects under ``base_path/`` ending in
-        `suffix`. Keys are full keys, as NeMo returned them. `profile` / `creds` (an STS-style dict with
-        AccessKeyId, SecretAccessKey, SessionToken) select other credentials for this call, as in NeMo."""
+        """Full keys (or, with ``return_key_only=False``, URLs) of the objects under ``base_path/`` ending in `suffix`;
+        `profile` / `creds` (an STS-style dict) select other credentials for this call, as in NeMo."""
         utils = self if profile is None and creds is None else self._with_credentials(profile, creds)
         objects = utils.list_objects(base_path)
         keys = [obj.key for obj in objects if not suffix or obj.key.endswith(suffix)]
@@ -2216,8 +2001,8 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def remove_object(self, s3_path: str | os.PathLike[str], *, fence: DirectoryFence | None = None) -> None:
-        """Delete one object (and the checksum record this package may keep beside it). Missing objects are fine.
-        With a `fence`, only while the fence's run still owns the directory (else CheckpointDirectoryTakenError)."""
+        """Delete one object (and its checksum record); missing is fine. With a `fence`, only while the fence's run owns
+        the directory (else CheckpointDirectoryTakenError)."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
         if not key:
@@ -2228,11 +2013,8 @@ class S3Utils:
     def remove_objects_with_prefix(
         self, s3_path: str | os.PathLike[str], *, fence: DirectoryFence | None = None
     ) -> int:
-        """Delete the object at `s3_path`, if any, and every object under ``s3_path/``; returns how many were deleted.
-
-        Only the "directory" is removed: ``s3://b/ckpt`` never touches ``s3://b/ckpt_old/...``. `fence` as in
-        `remove_object` (checked only when there is something to delete).
-        """
+        """Delete the object at `s3_path`, if any, and every object under ``s3_path/`` (never ``s3_path_old/...``);
+        returns how many. `fence` as in `remove_object` (checked only when there is something to delete)."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
         keys = [obj.key for obj in self.list_objects(url, include_sidecars=True)]
@@ -2243,8 +2025,8 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def remove_objects(self, s3_paths: Iterable[str | os.PathLike[str]]) -> int:
-        """Delete these objects and the checksum records this package may keep beside them, up to 1,000 keys per
-        request; missing ones are fine. Returns how many keys were deleted (or found missing)."""
+        """Delete these objects and their checksum records, 1,000 keys per request (missing is fine); returns how many
+        keys were deleted (or found missing)."""
         keys: dict[str, dict[str, None]] = {}  # bucket -> keys in order, without repeats
         for path in s3_paths:
             url = _urls.normalize_s3_url(path)
@@ -2280,8 +2062,8 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def list_multipart_uploads(self, s3_path: str | os.PathLike[str]) -> list[MultipartUploadInfo]:
-        """The in-progress multipart uploads under the "directory" `s3_path` (key + ``/``, at any depth; the bucket
-        root lists all), all pages, sorted by key then initiation; parts and size are not counted here."""
+        """The in-progress multipart uploads under the "directory" `s3_path`, at any depth, sorted by key then
+        initiation (parts and size not counted)."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, prefix = _urls.s3_dir_prefix(url)
         uploads = []
@@ -2296,8 +2078,7 @@ class S3Utils:
             ]
             if not page.get("IsTruncated"):
                 break
-            # Whichever markers the store gives: AWS both, directory buckets the key marker (an opaque token there),
-            # SeaweedFS the upload id marker (it pages by upload id; a key marker next to it would skip uploads).
+            # Whichever markers the store gives: AWS both, directory buckets the key marker, SeaweedFS the upload id's.
             following = {
                 name: page[f"Next{name}"] for name in ("KeyMarker", "UploadIdMarker") if page.get(f"Next{name}")
             }
@@ -2313,8 +2094,7 @@ class S3Utils:
     def count_upload_parts(
         self, uploads: Iterable[MultipartUploadInfo], max_concurrency: int = 16
     ) -> list[MultipartUploadInfo]:
-        """`uploads` with `parts` and `size` filled in from ListParts (all pages; up to `max_concurrency` uploads
-        at a time), in the same order; an upload that completed or was aborted meanwhile is left out."""
+        """`uploads` with `parts` and `size` filled in from ListParts, in order; uploads gone meanwhile are left out."""
         uploads = list(uploads)
         if not uploads:
             return []
@@ -2348,8 +2128,7 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def abort_multipart_upload(self, s3_path: str | os.PathLike[str], upload_id: str) -> bool:
-        """Abort the multipart upload `upload_id` to the object `s3_path`: its parts are deleted and it can no
-        longer complete. False if it no longer exists (completed or aborted meanwhile)."""
+        """Abort the multipart upload `upload_id` to `s3_path` (its parts are deleted); False if it no longer exists."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
         try:
@@ -2362,9 +2141,8 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def store_time(self, s3_path: str | os.PathLike[str]) -> datetime.datetime:
-        """The store's clock: the ``Date`` of its answer to a HEAD of the bucket of `s3_path` (this machine's clock
-        if it sends none). Ages of uploads and objects are measured against it, so that a skewed local clock cannot
-        make a running save's upload look old."""
+        """The store's clock (the ``Date`` of a HEAD of the bucket; else this machine's), which ages of uploads are
+        measured against: a skewed local clock cannot make a running save's upload look old."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, _ = _urls.parse_s3_url(url)
         response = self.call("head_bucket", url, Bucket=bucket)
@@ -2398,11 +2176,8 @@ class S3Utils:
         chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
         max_concurrency: int = DEFAULT_MAX_WRITE_CONCURRENCY,
     ) -> None:
-        """Upload a binary stream: from its start if it is seekable (as NeMo did), else from where it stands.
-
-        Parts are retried one by one from the bytes already read, so a retry never resumes mid-stream and the
-        object can never come out truncated (NeMo rewound only once, before its retry loop).
-        """
+        """Upload a binary stream, from its start if it is seekable (as NeMo did); parts are retried from the bytes
+        already read, so the object can never come out truncated."""
         self._upload_stream(bytes_buffer, s3_path, chunk_size_MB, max_concurrency)
 
     @_ClassOrInstanceMethod
@@ -2416,9 +2191,8 @@ class S3Utils:
         *,
         progress: Callable[[int], None] | None = None,
     ) -> S3ObjectInfo:
-        """Upload a local file (empty files included) and return what was written (size, ETag, checksum); with
-        `remove_file`, delete it once the upload succeeded. `progress`, if given, is called with the byte count of
-        each block the writer has taken (the writer runs at most ``max_concurrency + 1`` parts ahead of S3)."""
+        """Upload a local file and return what was written; with `remove_file`, delete it afterwards. `progress` is
+        called with the byte count of each block the writer took (at most ``max_concurrency + 1`` parts ahead)."""
         started = time.monotonic()
         with open(file_path, "rb") as stream:
             info = self._upload_stream(stream, s3_path, chunk_size_MB, max_concurrency, progress)
@@ -2464,13 +2238,10 @@ class S3Utils:
         progress: Callable[[int], None] | None = None,
         into_fd: int | None = None,
     ) -> DownloadedObject:
-        """Download with parallel ranged GETs into a `DownloadedObject` and verify the recorded checksum.
-
-        Every range is read with ``If-Match`` on the ETag seen first, so an object replaced during the download fails
-        instead of mixing two versions. Raises FileNotFoundError if there is no object, ChecksumMismatchError if the
-        bytes do not match what was recorded at upload. The result's `verified_against` says which record matched.
-        `progress`, if given, is called with the byte count of each range once it has arrived (from worker threads).
-        `into_fd`: download into this open file (see `DownloadedObject`) rather than a new in-memory one.
+        """Download with parallel ranged GETs (each with ``If-Match`` on the ETag, so a replaced object fails rather
+        than mixing versions) into a `DownloadedObject` (`into_fd`: into this open file), and verify the recorded
+        checksum (ChecksumMismatchError; FileNotFoundError if there is no object). `progress` is called with each
+        range's byte count once it arrived (from worker threads).
         """
         url = _urls.normalize_s3_url(s3_path)
         info = self.head_object(url)
@@ -2493,29 +2264,19 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def recorded_checksum(self, info: S3ObjectInfo) -> RecordedChecksum | None:
-        """The checksum a download of the object `info` (from `head_object`) is verified against, or None.
-
-        The store's own full-object checksum where it keeps one (source ``"s3"``; no request), else the record this
-        package wrote beside the object (``"sidecar"``; one GET). Raises ChecksumMismatchError if that record is
-        malformed or belongs to an older object at the key. After a download, the matching record is also in
-        `DownloadedObject.verified_against`, at no extra request.
-        """
+        """The checksum a download of `info` (from `head_object`) is verified against, or None: the store's (no
+        request), else its metadata's, else the sidecar's (one GET; ChecksumMismatchError if malformed or stale)."""
         return self._checksum_records.expected(info)
 
     @_ClassOrInstanceMethod
     def read_range_into(
         self, s3_path: str | os.PathLike[str], start: int, target: Any, *, etag: str | None = None
     ) -> int:
-        """Read bytes ``[start, start + len(target))`` of an object into the writable buffer `target`; return how
-        many arrived (fewer only at the end of the object, 0 at or past it).
+        """Read bytes ``[start, start + len(target))`` of an object into the writable buffer `target` (or a list of
+        them, filled in order by one GET: a scatter read); return how many arrived (fewer only at the end).
 
-        `target` may also be a list of writable buffers: one ranged GET for their total length fills them in order
-        (a scatter read: bytes land where they belong, e.g. each tensor's in the tensor, with no buffer to copy
-        out of).
-
-        Retried under the retry policy (each attempt refills `target` from its start). With `etag`, a replaced
-        object fails (S3's ``PreconditionFailed``) instead of mixing two versions. Nothing is verified here: the
-        caller checks what it read (e.g. against a checksum it stored). FileNotFoundError if there is no object.
+        Retried (each attempt refills from the start). With `etag`, a replaced object fails (``PreconditionFailed``).
+        Nothing is verified: the caller checks what it read. FileNotFoundError if there is no object.
         """
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
@@ -2565,9 +2326,8 @@ class S3Utils:
         etag: str | None = None,
         max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY,
     ) -> list[int]:
-        """`read_range_into` for many ``(start, target)`` pairs of one object, up to `max_concurrency` at a time;
-        returns the byte counts in the same order. The first failure cancels the reads not yet started and is
-        raised."""
+        """`read_range_into` for many ``(start, target)`` pairs of one object, up to `max_concurrency` at a time; the
+        byte counts in order. The first failure cancels the reads not yet started and is raised."""
         ranges = list(ranges)
         if len(ranges) <= 1:
             return [self.read_range_into(s3_path, start, target, etag=etag) for start, target in ranges]
@@ -2596,9 +2356,8 @@ class S3Utils:
         *,
         progress: Callable[[int], None] | None = None,
     ) -> RecordedChecksum | None:
-        """Download and verify `s3_path` into `file_path`, which appears only once it is complete; return the record
-        the bytes matched (`DownloadedObject.verified_against`; None: nothing was recorded, the size was checked).
-        `progress` as for `download_to_memory`."""
+        """Download and verify `s3_path` into `file_path`, which appears only once complete; return the record the
+        bytes matched (`DownloadedObject.verified_against`). `progress` as for `download_to_memory`."""
         directory = os.path.dirname(os.path.abspath(file_path))
         with self.download_to_memory(s3_path, chunk_size_MB, max_concurrency, progress=progress) as downloaded:
             fd, partial = tempfile.mkstemp(dir=directory, prefix=".s3ckpt-partial-")
