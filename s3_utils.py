@@ -2379,7 +2379,7 @@ class S3Utils:
 
 
 def _not_found_error(exc: BaseException, operation: str, url: str) -> FileNotFoundError | None:
-    """ "No such key / bucket" as the FileNotFoundError Python code expects (the S3 error becomes its cause)."""
+    """ "No such key / bucket" as a FileNotFoundError (the S3 error becomes its cause)."""
     code = error_code(exc)
     if code not in {"NoSuchKey", "404", "NotFound", "NoSuchBucket"}:
         return None
@@ -2390,9 +2390,7 @@ def _not_found_error(exc: BaseException, operation: str, url: str) -> FileNotFou
 def _annotate(
     exc: BaseException, operation: str, url: str, options: S3RequestOptions | None = None, tried: str = ""
 ) -> None:
-    """Add the URL, what S3 said (HTTP status, request id, host id: what AWS support asks for) and, for common
-    mistakes, what to do, to an exception that is re-raised unchanged (callers that match on botocore's
-    ``ClientError`` codes keep working)."""
+    """Note on `exc` (re-raised unchanged) the URL, what S3 said (status, request and host id) and what to do."""
     code = error_code(exc)
     if code in {"AccessDenied", "403", "Forbidden"}:
         hint = "check the credentials and that their policy allows this action on this bucket and key"
@@ -2450,8 +2448,8 @@ def _results_or_first_error(futures: list[Future[_T]]) -> list[_T]:
 
 
 class _RangedDownload:
-    """One object fetched into a `DownloadedObject` by parallel ranged GETs, each checksummed on its way in; the
-    object's checksum is combined from the ranges' (`combine_checksums`), so the bytes are read once."""
+    """One object fetched into a `DownloadedObject` by parallel ranged GETs, each checksummed on its way in (the
+    object's checksum is combined from the ranges', so the bytes are read once)."""
 
     def __init__(
         self,
@@ -2483,8 +2481,7 @@ class _RangedDownload:
         return combine_checksums(self.algorithm, pieces)
 
     def _download_range(self, start: int, end: int, whole: bool) -> int:
-        """GET bytes ``[start, end)`` (the whole object without a Range header if `whole`) into the target, checksummed
-        on the way; retried from the range's start."""
+        """GET bytes ``[start, end)`` (without a Range header if `whole`) into the target; the range's checksum."""
         info = self.info
         kwargs: dict[str, Any] = {"Bucket": info.bucket, "Key": info.key}
         if info.etag:
@@ -2509,8 +2506,7 @@ class _RangedDownload:
 
 
 _STAGING_BYTES = 1 * MB
-"""Response bodies pass through a buffer this size per download thread: small enough to stay in CPU cache while it
-is checksummed and written on, big enough that a range costs few trips through Python."""
+"""The per-thread buffer response bodies pass through: small enough for the CPU cache, big enough for few trips."""
 
 _staging = threading.local()
 
@@ -2523,14 +2519,9 @@ def _staging_buffer() -> memoryview:
 
 
 def _socket_reader(body: Any) -> tuple[Callable[[Any], int], Callable[[], None]]:
-    """``(readinto, finish)`` for a botocore response body: straight from the http.client response when possible.
-
-    botocore's body sits on urllib3, whose ``readinto`` reads into a temporary and copies (http.client adds a second
-    copy). Reading from the http.client response underneath (botocore's ``_raw_stream``, urllib3's ``_fp``) puts the
-    bytes from the socket straight into the caller's buffer. botocore never decodes S3 bodies, so the bytes are the
-    same. `finish` hands a connection read to its end back to urllib3's pool (which the bypassed urllib3 would have
-    done). Any other body type takes the public path.
-    """
+    """``(readinto, finish)`` for a botocore response body: from the http.client response underneath (``_raw_stream``,
+    ``_fp``) where there is one, which puts socket bytes straight into the caller's buffer (urllib3 copies twice);
+    `finish` gives a connection read to its end back to urllib3's pool. Other bodies take the public path."""
     raw = getattr(body, "_raw_stream", None)
     socket_response = getattr(raw, "_fp", None)
     direct = isinstance(socket_response, http.client.HTTPResponse) and hasattr(raw, "release_conn")
@@ -2547,8 +2538,7 @@ def _socket_reader(body: Any) -> tuple[Callable[[Any], int], Callable[[], None]]
 def _copy_body(
     body: Any, target: DownloadedObject, offset: int, length: int, algorithm: ChecksumAlgorithm | None
 ) -> tuple[int, int]:
-    """Copy up to `length` bytes of a botocore response body into `target` at `offset` through the staging buffer;
-    return how many came and their checksum (0 without an algorithm)."""
+    """Copy up to `length` bytes of a response body into `target` at `offset`; how many came, and their checksum."""
     read_into, finish = _socket_reader(body)
     staging = _staging_buffer()
     filled = checksum = 0
@@ -2577,8 +2567,7 @@ def _first_bytes(views: list[memoryview], count: int) -> list[memoryview]:
 
 
 def _read_body_into(body: Any, views: list[memoryview]) -> int:
-    """Read a botocore response body into `views` in order until they are full or the body ends; return the byte
-    count. Small views are served from the response's socket buffer; large ones are read into directly."""
+    """Read a response body into `views` in order until they are full or the body ends; return the byte count."""
     read_into, finish = _socket_reader(body)
     filled = 0
     for view in views:
@@ -2599,17 +2588,14 @@ def _read_body_into(body: Any, views: list[memoryview]) -> int:
 # --------------------------------------------------------------------------------------------------------------------
 
 REFERENCE_PATHS_ENV = "S3CKPT_REFERENCE_PATHS"
-"""Comma-separated names from `FAST_PATHS` (or ``all``) that take their plain reference path instead. The output is
-the same byte for byte (tests compare both); only the cost differs. For benchmarks and for ruling a fast path out
-when debugging; docs/internals.md lists the paths."""
+"""Comma-separated names from `FAST_PATHS` (or ``all``) that take their plain reference path instead: the same bytes
+(tests compare both), another cost. For benchmarks and debugging; docs/internals.md lists the paths."""
 
 FAST_PATHS = ("borrowed_parts", "framing_reuse", "direct_reads", "scatter_reads", "span_reads")
-"""The fast paths behind the switch: `S3MultipartWriter.write_borrowed` uploading parts from the caller's memory;
-s3_dcp reusing a tensor kind's archive framing; and s3_dcp's reader putting a large tensor's bytes straight into its
-target (``direct_reads``), one GET scattering a group's bytes into their targets and small buffers
-(``scatter_reads``), and locating a tensor's bytes through the span its writer recorded instead of decoding its
-archive (``span_reads``; without it, scatter reads have no tensor spans to fill). benchmarks/realistic.md weighs
-each on a real model's checkpoint; a path that gains under 5% there is removed."""
+"""The fast paths behind the switch: `S3MultipartWriter.write_borrowed` uploading from the caller's memory; s3_dcp
+reusing archive framing, reading a large tensor straight into its target, scattering one GET into a group's targets,
+and locating tensors by recorded spans (scatter reads need those). benchmarks/realistic.md weighs each; a path that
+gains under 5% there is removed."""
 
 
 def fast_path(name: str) -> bool:
@@ -2629,8 +2615,9 @@ def fast_path(name: str) -> bool:
 
 
 _LEND_MIN = 1 * MB
-"""`S3MultipartWriter.write_borrowed` lends at least this many bytes to a part, or copies them: a lent piece costs a
-segment of its part body (one more send and checksum call), worth it only where a copy would cost more."""
+"""`S3MultipartWriter.write_borrowed` lends at least this many bytes to a part (a lent piece costs a segment of the
+part body), or copies them."""
+
 
 class _PyBufferAPI(NamedTuple):
     """CPython's buffer protocol through ctypes: ``get(obj, byref(view), flags)`` and ``release(byref(view))``."""
@@ -2642,9 +2629,8 @@ class _PyBufferAPI(NamedTuple):
 
 @functools.cache
 def _py_buffer_api() -> _PyBufferAPI | None:
-    """``PyObject_GetBuffer`` / ``PyBuffer_Release`` through ctypes, or None where this interpreter has no ctypes or no
-    CPython C API. ``Py_buffer`` has the same layout in every CPython 3 release. Unlike ``ctypes.c_char.from_buffer``
-    this exports read-only buffers too (torch hands `write` read-only views)."""
+    """``PyObject_GetBuffer`` / ``PyBuffer_Release`` through ctypes (``Py_buffer``'s layout is the same in every CPython
+    3), or None without ctypes or CPython. Unlike ``c_char.from_buffer``, it takes read-only buffers (torch's)."""
     try:
         import ctypes
 
@@ -2654,17 +2640,10 @@ def _py_buffer_api() -> _PyBufferAPI | None:
 
     class PyBuffer(ctypes.Structure):
         _fields_ = [
-            ("buf", ctypes.c_void_p),
-            ("obj", ctypes.c_void_p),
-            ("len", ctypes.c_ssize_t),
-            ("itemsize", ctypes.c_ssize_t),
-            ("readonly", ctypes.c_int),
-            ("ndim", ctypes.c_int),
-            ("format", ctypes.c_void_p),
-            ("shape", ctypes.c_void_p),
-            ("strides", ctypes.c_void_p),
-            ("suboffsets", ctypes.c_void_p),
-            ("internal", ctypes.c_void_p),
+            *(("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t)),
+            *(("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int)),
+            *(("format", ctypes.c_void_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p)),
+            *(("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)),
         ]
 
     get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(PyBuffer), ctypes.c_int]
@@ -2675,9 +2654,8 @@ def _py_buffer_api() -> _PyBufferAPI | None:
 
 
 def buffer_address(data: Any) -> int | None:
-    """The address of the first byte of `data`, a buffer of one contiguous block (a read-only memoryview included),
-    or None where it cannot be exported as one or this interpreter offers no way to ask. s3_dcp and s3_checkpoint_io
-    compare it with a tensor's ``data_ptr()`` to know that a write carries that tensor's own bytes."""
+    """The address of the first byte of `data`, a contiguous buffer (read-only included), or None where that cannot be
+    asked; compared with a tensor's ``data_ptr()`` to know that a write carries that tensor's own bytes."""
     api = _py_buffer_api()
     if api is None:
         return None
@@ -2695,30 +2673,20 @@ def buffer_address(data: Any) -> int | None:
 
 
 def _copy_into(target: bytearray, offset: int, source: memoryview) -> None:
-    """``target[offset : offset + len(source)] = source``: the one place a write's bytes are copied into a part
-    buffer (a plain slice assignment; a GIL-free ctypes copy gained nothing measurable, benchmarks/realistic.md)."""
+    """The one place a write's bytes are copied into a part buffer (a GIL-free copy gained nothing measurable)."""
     memoryview(target)[offset : offset + len(source)] = source
 
 
 class _PartBuffers:
-    """Part buffers shared by every writer of the process and kept between saves.
-
-    A fresh ``bytearray`` is fresh zeroed pages: the kernel faults in and zeroes every 4 KiB of it at first write, a
-    cost paid again for every save (and every part before the writer's own pool is full). Here writers take their
-    buffers from, and give them back to, one free list. What it keeps is bounded by what writers held at once: a
-    buffer is allocated only when no free one of its size exists, and then the free buffers of other sizes (left from
-    a different part size) are dropped first, so free plus held bytes never exceed the largest amount writers held at
-    the same time. Each writer still holds at most ``max_concurrency + 1`` buffers (its own bound, unchanged).
-    `release_part_buffers` drops the free ones.
-    """
+    """Part buffers shared by every writer of the process and kept between saves, so that a save does not fault in
+    and zero fresh pages. A buffer is allocated only when no free one of its size exists, and free buffers of other
+    sizes are dropped first: free plus held bytes never exceed the most writers held at once."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: list[bytearray] = []
-        self.held_bytes = 0
-        """Bytes of the buffers writers hold now."""
-        self.allocated = 0
-        """How many buffers were ever allocated (the rest of the takes reused one)."""
+        self.held_bytes = 0  # bytes of the buffers writers hold now
+        self.allocated = 0  # buffers ever allocated (the other takes reused one)
 
     def take(self, size: int) -> bytearray:
         with self._lock:
@@ -2755,22 +2723,18 @@ _part_buffers = _PartBuffers()
 
 
 def release_part_buffers() -> None:
-    """Free the part buffers kept for the next save (at most what the writers of this process held at once, e.g.
-    ``(max_write_concurrency + 1) x chunk_size_MB`` after `S3CheckpointIO` saves). The next save allocates anew."""
+    """Free the part buffers kept for the next save (at most what this process's writers held at once)."""
     _part_buffers.release()
 
 
 _SEND_BLOCK = 1 << 62
-"""The smallest block `_BufferReader.read` hands to the HTTP client (one ``sendall`` each): more than any body, so
-a part goes to the socket in one ``sendall``, which copies it into the kernel with the GIL released. Each block is
-a trip through urllib3's and http.client's Python, taking the GIL from the training loop during an async save:
-urllib3 alone would ask for 128 KiB blocks (128 trips per 16 MiB part), and 1 MiB blocks still made 16."""
+"""The smallest block `_BufferReader.read` hands the HTTP client: more than any body, so a part goes out in one
+``sendall`` (GIL released) rather than 128 trips through Python per 16 MiB part, each taking the GIL."""
 
 
 class _BufferReader(io.RawIOBase):
-    """A seekable read-only stream over a buffer, or over the segments one part body is made of (part-buffer bytes
-    and memory lent by `S3MultipartWriter.write_borrowed`), so a part body reaches the socket without being copied
-    (botocore copies ``bytes``/``bytearray`` bodies before sending them; it reads file-like bodies in place)."""
+    """A seekable read-only stream over a buffer or a part body's segments, so it reaches the socket without a copy
+    (botocore copies ``bytes`` bodies; it reads file-like ones in place)."""
 
     def __init__(self, buffer: memoryview | list[memoryview], min_block: int = 0) -> None:
         super().__init__()
@@ -2797,10 +2761,7 @@ class _BufferReader(io.RawIOBase):
         return True
 
     def read(self, size: int | None = -1) -> memoryview:  # type: ignore[override]
-        """The next `size` bytes as a view of the buffer: urllib3 sends the body block by block, and copying each
-        block first would double the client's memory traffic. With `min_block`, blocks are at least that long
-        (urllib3 asks for 128 KiB and sends whatever comes): each block is a trip through Python with the GIL, so
-        fewer, larger ones leave more of it to the training loop's own Python during an async save."""
+        """The next `size` bytes (at least `min_block`) as a view of the buffer, not a copy."""
         if size is not None and 0 <= size < self._min_block:
             size = self._min_block
         return self._block(self._length if size is None or size < 0 else size)
@@ -2837,8 +2798,8 @@ class _UploadedPart:
 def _piece_checksums(
     algorithm: ChecksumAlgorithm, data: memoryview | list[memoryview], cuts: Iterable[int]
 ) -> list[tuple[int, int]]:
-    """``(checksum, length)`` of the pieces of `data` (one buffer, or the segments of one part body, in order)
-    between the offsets `cuts` (ascending, inside `data`)."""
+    """``(checksum, length)`` of the pieces of `data` (a buffer, or a part body's segments) between the offsets `cuts`
+    (ascending)."""
     segments = data if isinstance(data, list) else [data]
     pieces, start, index, base = [], 0, 0, 0  # segments[index] starts at offset `base`
     for end in [*cuts, sum(len(segment) for segment in segments)]:
@@ -2861,8 +2822,7 @@ def _piece_checksums(
 
 
 def _spliced(part: memoryview, lent: list[tuple[int, memoryview, object]]) -> memoryview | list[memoryview]:
-    """A part body: the part buffer's bytes with the lent pieces (``(offset, view, owner)``, in order) in their
-    places; the buffer itself when nothing was lent."""
+    """A part body: the part buffer with the lent pieces (``(offset, view, owner)``, in order) in their places."""
     if not lent:
         return part
     segments, position = [], 0
@@ -2877,68 +2837,47 @@ def _spliced(part: memoryview, lent: list[tuple[int, memoryview, object]]) -> me
 
 
 class _WriterState(enum.Enum):
-    """Where a writer is in its life. Only OPEN accepts writes; COMMITTED and ABORTED are final."""
+    """Where a writer is in its life. Only OPEN accepts writes; COMMITTED (visible) and ABORTED (nothing) are final."""
 
     OPEN = "open"
     COMPLETING = "completing"  # close() is uploading the last part and completing the object
-    COMMITTED = "committed"  # the object is visible at the URL
-    ABORTED = "aborted"  # nothing became visible; the multipart upload, if any, was aborted
+    COMMITTED = "committed"
+    ABORTED = "aborted"
 
 
-# Crash safety: a checksum record never lags its object. A single PUT carries its checksum in the object's user
-# metadata. A store that keeps the full-object checksum sent with the commit (S3) needs no record; for a multipart
-# upload to one that does not (or is not yet known to), the writer records the checksum
-# *before* the commit, unbound (`_ChecksumRecords.write_pending`), then binds it to the committed ETag. A kill between
-# any two requests leaves the previous object verifiable by the entry kept for it, or the new object verifiable by
-# the unbound entry of its size (checked against its bytes). Which stores keep checksums is learned per process from
-# commit answers, per endpoint, bucket and kind of commit.
+# Crash safety: a checksum record never lags its object. A single PUT carries its checksum in its metadata. For a
+# multipart upload to a store not known to keep the checksum sent with the commit, the writer records it *before*
+# the commit, unbound (`_ChecksumRecords.write_pending`), then binds it to the committed ETag: a kill between any two
+# requests leaves the previous object verifiable by its kept entry, or the new one by the unbound entry of its size.
 
 _CHECKSUM_KEEPING: dict[tuple[str, str, str], bool] = {}
 _CHECKSUM_KEEPING_LOCK = threading.Lock()
 
 
-def _checksum_keeping_key(utils: S3Utils, bucket: str, kind: str) -> tuple[str, str, str]:
-    endpoint = getattr(getattr(utils.client, "meta", None), "endpoint_url", "") or ""
-    return (str(endpoint), bucket, kind)
-
-
-def _keeps_checksums(utils: S3Utils, bucket: str, kind: str) -> bool:
-    """Whether the last commit of this kind to this bucket came back with the checksum the store keeps."""
+def _keeps_checksums(utils: S3Utils, bucket: str, kind: str, keeps: bool | None = None) -> bool:
+    """Whether the last commit of this kind to this bucket (and endpoint) came back with the checksum the store keeps;
+    with `keeps`, remember that of this commit."""
+    key = (str(getattr(getattr(utils.client, "meta", None), "endpoint_url", "") or ""), bucket, kind)
     with _CHECKSUM_KEEPING_LOCK:
-        return _CHECKSUM_KEEPING.get(_checksum_keeping_key(utils, bucket, kind), False)
-
-
-def _remember_checksum_keeping(utils: S3Utils, bucket: str, kind: str, keeps: bool) -> None:
-    with _CHECKSUM_KEEPING_LOCK:
-        _CHECKSUM_KEEPING[_checksum_keeping_key(utils, bucket, kind)] = keeps
+        if keeps is not None:
+            _CHECKSUM_KEEPING[key] = keeps
+        return _CHECKSUM_KEEPING.get(key, False)
 
 
 class S3MultipartWriter(io.RawIOBase):
     """A binary stream whose bytes go to one S3 object while they are written (``torch.save(obj, writer)``).
 
-    * Parts of `part_size` bytes are uploaded by up to `max_concurrency` threads while the caller keeps writing. The
-      writer holds at most ``max_concurrency + 1`` part buffers, reused as uploads finish: extra memory stays at about
-      ``(max_concurrency + 1) * part_size`` for objects up to ``parts_per_size * part_size``, and a full set makes
-      the writer wait. Past that the part size doubles every `parts_per_size` parts (see `part_size_of`), and the
-      buffers with it. The buffers come from, and go back to, a free list the process keeps for the next save
-      (`_PartBuffers`), so a save does not fault in fresh zeroed pages.
-    * Objects smaller than one part go up in a single PUT.
-    * Each part's checksum is computed by its upload thread; the full-object checksum is combined from them and sent
-      with the upload, so S3 verifies and keeps it. Where a store does not keep it, a small sidecar object records it
-      for `S3Utils.download_to_memory`.
-    * `mark_checksum_boundary` splits those checksums at the current offset, so after `close()` `checksum_of` gives
-      the checksum of any span between marks from the same single pass (s3_dcp's per-item checksums).
-    * The object appears only when `close()` completes the upload. If anything fails, or the writer is left through
-      an exception, the multipart upload is aborted: no partial object, no stray parts, an older object untouched.
-      `_finish` is the one place that decides between the two.
-    * Each part is retried on its own under the `S3Utils` retry policy.
-    * With a `fence` (`DirectoryFence`), the request that makes the object visible is sent only after the fence
-      confirmed that its run still owns the directory, and with the ETag condition the fence asks for; a refusal
-      aborts the upload like any other failure.
+    * Parts are uploaded (and retried one by one) by up to `max_concurrency` threads while the caller writes, from at
+      most ``max_concurrency + 1`` part buffers (the process's `_PartBuffers`); a full set makes the writer wait. The
+      part size doubles every `parts_per_size` parts (`part_size_of`). Objects under one part go up in a single PUT.
+    * The full-object checksum is combined from the parts' and sent with the commit, so S3 verifies and keeps it; a
+      sidecar records it where a store does not. `mark_checksum_boundary` lets `checksum_of` give any span's after.
+    * The object appears only when `close()` completes it. If anything fails, or the writer is left through an
+      exception, the upload is aborted: no partial object, an older one untouched (`_finish` decides).
+    * With a `fence`, the commit is sent only while its run owns the directory, with the fence's ETag condition.
     """
 
-    parts_per_size = 1000
-    """How many parts of one size are sent before the part size doubles."""
+    parts_per_size = 1000  # parts of one size before the part size doubles
 
     def __init__(
         self,
@@ -2989,10 +2928,8 @@ class S3MultipartWriter(io.RawIOBase):
         self._commit_kind = ""  # "put" or "multipart" (-unchecked where the store refused its checksum), at commit
         self._wrote_pending = False
         self._state = _WriterState.OPEN
-        self.info: S3ObjectInfo | None = None
-        """Set by `close()`: the committed object's size, ETag and checksum."""
-        self.error: BaseException | None = None
-        """The exception a `write` raised, kept because ``torch.save`` re-raises it as its own RuntimeError."""
+        self.info: S3ObjectInfo | None = None  # set by `close()`: the committed object's size, ETag and checksum
+        self.error: BaseException | None = None  # what a `write` raised (``torch.save`` replaces it with its own)
 
     def __repr__(self) -> str:
         return (
@@ -3040,18 +2977,11 @@ class S3MultipartWriter(io.RawIOBase):
         return total
 
     def write_borrowed(self, data: Any, owner: object) -> int:
-        """`write` for bytes the writer may borrow: they stay where they are, unchanged, for as long as `owner` is
-        referenced (a tensor's own memory, handed to ``write`` by ``torch.save``). Every whole part that lines up
-        with the object's part boundaries is uploaded straight from them, with no copy into a part buffer. The bytes
-        before the first boundary and after the last are lent to the parts they fall in (each such part body is sent
-        as segments, its part buffer's bytes and the lent ones, still without a copy), unless fewer than `_LEND_MIN`
-        are left, which are copied as `write` copies them. With the fast path ``borrowed_parts`` switched off
-        (`REFERENCE_PATHS_ENV`) it is `write`.
-
-        The writer keeps `owner` referenced until those parts are uploaded, and at most ``max_concurrency + 1``
-        parts are queued or in flight (as with part buffers). Whoever calls this must not change the bytes until
-        the writer has completed or aborted (a synchronous save blocks its caller until then; an async save writes
-        a private snapshot). ``close()`` and ``abort()`` return only when no upload reads them any more."""
+        """`write` for bytes the writer may borrow (a tensor's own memory, kept alive by `owner`): whole parts are
+        uploaded straight from them, and the bytes around them lent to the parts they fall in (segments of the part
+        body) unless fewer than `_LEND_MIN`, which are copied. At most ``max_concurrency + 1`` parts are queued or in
+        flight. The caller must not change the bytes until the writer has completed or aborted (``close()`` and
+        ``abort()`` return only when no upload reads them). The fast path ``borrowed_parts``."""
         if self._state is not _WriterState.OPEN:
             raise ValueError(f"write to a closed S3 writer ({self.url}, {self._state.value})")
         try:
@@ -3093,12 +3023,10 @@ class S3MultipartWriter(io.RawIOBase):
         if self._buffer is not None and 0 < self._filled < len(self._buffer):
             if not self._cuts or self._cuts[-1] != self._filled:
                 self._cuts.append(self._filled)
-        # elsewhere the offset is a part boundary already
 
     def checksum_of(self, start: int, end: int) -> int:
-        """The checksum of bytes ``[start, end)`` of the committed object, combined from the checksums its upload
-        computed (no second pass). `start` and `end` must be boundaries: 0, the size, part boundaries or offsets
-        passed to `mark_checksum_boundary`."""
+        """The checksum of bytes ``[start, end)`` of the committed object, from its upload's (no second pass); `start`
+        and `end` must be boundaries (0, the size, part boundaries, `mark_checksum_boundary` offsets)."""
         if self._state is not _WriterState.COMMITTED:
             raise ValueError(f"checksum_of needs a committed writer ({self.url} is {self._state.value})")
         offsets = [offset for offset, _, _ in self._pieces]
@@ -3123,19 +3051,16 @@ class S3MultipartWriter(io.RawIOBase):
         self._finish(commit=exc_type is None)
 
     def __del__(self) -> None:
-        # Never commit here. A writer that is garbage-collected while open was abandoned: the exception that stopped
-        # torch.save was swallowed, or close() was forgotten. Its bytes are a prefix of what the caller meant to
-        # write, and committing them would publish a truncated checkpoint at the URL, replacing a good one. That is
-        # also why IOBase.__del__ (which calls close(), i.e. commits) is not called: abort, so no multipart upload
-        # is left behind either.
+        # Never commit (as IOBase.__del__ would): an abandoned writer holds a prefix of what was meant, and committing
+        # it would replace a good checkpoint with a truncated one. Abort, so no multipart upload is left behind.
         if getattr(self, "_state", None) is _WriterState.OPEN:
             self._finish(commit=False)
 
     # ---- commit or abort ------------------------------------------------------------------------------------------
 
     def _finish(self, commit: bool) -> None:
-        """The one place that ends a writer: complete the object (`commit`) or abort the upload. Once the writer has
-        ended, further calls do nothing; a failed commit aborts before its error propagates."""
+        """The one place that ends a writer: complete the object (`commit`) or abort the upload; later calls do nothing,
+        and a failed commit aborts before its error propagates."""
         if self._state is not _WriterState.OPEN:
             return
         try:
@@ -3158,8 +3083,7 @@ class S3MultipartWriter(io.RawIOBase):
             super().close()
 
     def _return_buffers(self) -> None:
-        """Give the buffers back to the process's free list once no upload can touch them (all settled or never
-        started: `_finish` has completed or aborted the upload by now)."""
+        """Give the buffers back to the process's free list (no upload can touch them after `_finish`)."""
         returned = []
         while True:
             try:
@@ -3189,15 +3113,13 @@ class S3MultipartWriter(io.RawIOBase):
     # ---- parts ----------------------------------------------------------------------------------------------------
 
     def part_size_of(self, number: int) -> int:
-        """Size of part `number` (1-based): `part_size`, doubled after every `parts_per_size` parts, so that an
-        object of unknown size is not capped at 10,000 parts of the first size (16 MiB parts: 15.6 GiB after 1,000
-        parts, 47 GiB after 2,000, more than S3's 5 TiB limit before part 10,000)."""
+        """Size of part `number` (1-based): `part_size`, doubled after every `parts_per_size` parts, so that 10,000
+        parts reach S3's 5 TiB limit whatever the first size."""
         return self._part_size << min((number - 1) // self.parts_per_size, 20)
 
     def _take_buffer(self) -> bytearray:
-        """A free buffer for the next part: one of this writer's, else one from the process's free list while the
-        writer holds fewer than max_concurrency + 1, else the next one an upload gives back. Buffers left from before
-        the part size grew go back to the free list, so the writer holds at most max_concurrency + 1."""
+        """A buffer for the next part: a free one of this writer's, else (while it holds fewer than max_concurrency + 1)
+        one from the process's free list, else the next one an upload gives back. Ones of an older size go back."""
         size = self.part_size_of(len(self._parts) + 1)
         while True:
             try:
@@ -3224,19 +3146,15 @@ class S3MultipartWriter(io.RawIOBase):
         except Exception as exc:
             if error_code(exc) not in {"InvalidArgument", "InvalidRequest", "NotImplemented"}:
                 raise
-            logger.info(
-                "%s: the store rejects full-object checksums (%s); recording them beside the object",
-                self.url,
-                error_code(exc),
-            )
+            code = error_code(exc)
+            logger.info("%s: the store rejects full-object checksums (%s); recording them separately", self.url, code)
             self._native_checksums = False
             response = self._utils.call("create_multipart_upload", self.url, Bucket=self.bucket, Key=self.key)
         self._upload_id = response["UploadId"]
         self._pool = _thread_pool(self._max_concurrency, "put")
 
     def _send_part(self, buffer: bytearray | memoryview, length: int, owner: object = None) -> None:
-        """Queue one part for upload. A part buffer belongs to the upload until it is given back to the pool; a
-        borrowed part (`owner` set, see `write_borrowed`) is a view of the caller's bytes, kept alive by `owner`."""
+        """Queue one part: a part buffer (the upload gives it back), or a borrowed view kept alive by `owner`."""
         self._raise_failed_part()
         if self._upload_id is None:
             self._start_multipart()
@@ -3253,8 +3171,7 @@ class S3MultipartWriter(io.RawIOBase):
         self._parts.append(future)
 
     def _send_borrowed_part(self, view: memoryview, owner: object) -> None:
-        """Queue a whole part straight from the caller's bytes, once at most ``max_concurrency`` parts are still
-        queued or in flight (the bound part buffers give the copying path)."""
+        """Queue a whole part of the caller's bytes, once at most ``max_concurrency`` parts are unfinished."""
         with self._part_settled:
             self._part_settled.wait_for(lambda: self._unfinished_parts <= self._max_concurrency)
         self._send_part(view, len(view), owner)
@@ -3301,7 +3218,6 @@ class S3MultipartWriter(io.RawIOBase):
         finally:
             if owner is None:
                 self._free_buffers.put(buffer)  # type: ignore[arg-type]
-            # a borrowed part's view and the lent pieces (and their owners) are dropped with this call's frame
 
     # ---- completion -----------------------------------------------------------------------------------------------
 
@@ -3315,7 +3231,7 @@ class S3MultipartWriter(io.RawIOBase):
         stored = response.get(self._algorithm.response_field)
         if stored is not None and stored != checksum:
             raise ChecksumMismatchError(f"S3 stored checksum {stored} for {self.url}, but {checksum} was uploaded")
-        _remember_checksum_keeping(self._utils, self.bucket, self._commit_kind, stored is not None)
+        _keeps_checksums(self._utils, self.bucket, self._commit_kind, keeps=stored is not None)
         if stored is None:  # the store ignored the checksum: record it ourselves, bound to this exact object
             self._records.write_sidecar(
                 self.bucket,
@@ -3327,9 +3243,8 @@ class S3MultipartWriter(io.RawIOBase):
                 self._records.remove_sidecar(self.bucket, self.key)
             except Exception as exc:  # harmless where it stays: the store's checksum comes first
                 logger.debug("%s: could not remove its unneeded checksum record: %r", self.url, exc)
-        self.info = S3ObjectInfo(
-            self.bucket, self.key, self._size, etag, checksums={self._algorithm.response_field: checksum}
-        )
+        checksums = {self._algorithm.response_field: checksum}
+        self.info = S3ObjectInfo(self.bucket, self.key, self._size, etag, checksums=checksums)
         logger.debug("Wrote %s (%d bytes, %s %s)", self.url, self._size, self._algorithm.name, checksum)
 
     def _keep_pieces(self, pieces: Iterable[tuple[int, int]]) -> None:
@@ -3403,14 +3318,9 @@ class S3MultipartWriter(io.RawIOBase):
         return response, checksum
 
     def _commit(self, checksum: str, request: Callable[[dict[str, str]], dict[str, Any]]) -> dict[str, Any]:
-        """Send the request that makes the object visible (`request(conditions)`), fenced when there is a fence: its
-        run must still own the directory, and the object must still be what this run last left at the key
-        (``If-Match``/``If-None-Match``). A failed condition is settled by the fence: another run took the
-        directory over (CheckpointDirectoryTakenError), or this run still owns it and the commit is sent again
-        without the condition (a writer outside the fence changed the key, or an earlier attempt of this request
-        succeeded). A single PUT carries its checksum in its metadata too; for a multipart upload, unless the store is
-        known to keep the object's checksum itself, the checksum record is written first
-        (`_ChecksumRecords.write_pending`): no instant shows the object without one."""
+        """Send the request that makes the object visible (`request(conditions)`), after writing its pending checksum
+        record where needed (see "Crash safety"). With a fence: only while its run owns the directory, with its ETag
+        condition; a failed condition is settled by the fence (refused, or sent again on what is there now)."""
         fence = self._fence
         if fence is not None:
             fence.before_mutation(self.url, "save")  # a stale run writes nothing, not even the record
@@ -3434,9 +3344,8 @@ class S3MultipartWriter(io.RawIOBase):
                         raise
                     if attempt == _CONDITIONAL_COMMIT_ATTEMPTS:
                         exc.add_note(
-                            f"{self.url} changed under each of {attempt} conditional commits while this run owned "
-                            f"its directory: another writer outside fencing is writing this key; stop it, then save "
-                            "again"
+                            f"{self.url} changed under each of {attempt} conditional commits while this run owned its "
+                            "directory: another writer outside fencing is writing this key; stop it, then save again"
                         )
                         raise
                     conditions = fence.precondition_failed(self.url, self.key, exc)
@@ -3448,8 +3357,8 @@ class S3MultipartWriter(io.RawIOBase):
         return response
 
     def _forget_pending_record(self) -> None:
-        """After a failed commit to a key that had no record: remove the record written for it, unless an object is
-        there after all (a commit whose answer was lost may have succeeded: the record then vouches for it)."""
+        """After a failed commit to a key that had no record: remove the one written for it, unless an object is there
+        after all (a commit whose answer was lost)."""
         try:
             self._utils.head_object(self.url)
         except FileNotFoundError:
@@ -3463,37 +3372,25 @@ class S3MultipartWriter(io.RawIOBase):
 # Directory ownership: only the newest run commits or removes checkpoints in a directory (fencing)
 # --------------------------------------------------------------------------------------------------------------------
 #
-# Why: a requeued or restarted job can leave two runs writing one checkpoint directory (the old one still flushing or
-# cut off from its scheduler); the stale run's saves and clean-up then overwrite and delete the new run's checkpoints.
-# How (docs/fencing.md and docs/runs.md):
-# * a run (`CheckpointRun`: one launch, its ranks alike, see "This process"; a process outside any launcher is a run
-#   of its own) takes a directory over at its first save there: it writes the owner record
-#   ``<directory>/.s3ckpt-owner.json`` with a conditional PUT, one generation up (``If-None-Match: *`` when there is
-#   none, else ``If-Match`` on the ETag it just read; a failed condition means another process got there first: read
-#   again, and a record of its own run, written by another rank at the same moment, is adopted as its own). A run of
-#   an earlier launch than the record's owner (`CheckpointRun.is_newer_than`) does not take it over: it is stale.
-# * before every commit (the PUT or CompleteMultipartUpload that makes an object visible) and every removal there,
-#   one HEAD of the record: another ETag means another run took over; the operation raises
-#   `CheckpointDirectoryTakenError` and changes nothing (the upload is aborted). Once refused, always refused.
-# * every commit carries an ETag condition: ``If-Match: <ETag>`` on a key this run committed, ``If-None-Match: *``
-#   on any other (one this run removed, or never touched). A stale run stopped between its HEAD and its commit (the
-#   check-then-act gap) therefore cannot overwrite what the newer run wrote meanwhile: its commit fails the
-#   condition, it reads the record, finds another run there, and is refused (its upload aborted). The owner meeting
-#   a failed condition (a key an earlier run left, or an earlier attempt of this very request that went through)
-#   reads the record, finds itself, and sends the commit again without the condition. What is left of the gap: a
-#   stale run may still create a key the newer run has not written (yet), and removals carry no condition.
-# * the other ranks of a sharded save check against the coordinator's `FenceToken` (in DCP's plan) before they
-#   commit their files, with the same conditions; they never take a directory over.
-# * stores that refuse (501) or ignore conditional headers are found once per store and bucket (a conditional PUT
-#   that must fail), with one warning; the record is then written without conditions and still checked.
+# A requeued or restarted job can leave two runs writing one directory; the stale one's saves and clean-up would then
+# overwrite and delete the new run's checkpoints. The protocol (docs/fencing.md, docs/runs.md):
+# * a run (`CheckpointRun`) takes a directory over at its first save there: it writes the owner record one generation
+#   up with a conditional PUT (``If-None-Match: *``, or ``If-Match`` on the ETag just read; on a failed condition it
+#   reads again, and adopts a record of its own run). A run of an earlier launch than the owner's is stale.
+# * before every commit and removal there, one HEAD of the record: another ETag means another run took over, and the
+#   operation raises `CheckpointDirectoryTakenError` with nothing changed. Once refused, always refused.
+# * every commit carries an ETag condition (``If-Match`` on a key this run committed, else ``If-None-Match: *``), so a
+#   stale run stopped between its HEAD and its commit cannot overwrite the newer run's object; the owner meeting a
+#   failed condition finds itself in the record and sends the commit again on what is there. Left open: a stale run
+#   may create a key the newer run has not written yet, and removals carry no condition.
+# * the other ranks of a sharded save check against the coordinator's `FenceToken`; they never take a directory over.
+# * stores that refuse or ignore conditional headers are found once per store and bucket (a PUT that must fail), with
+#   one warning; the record is then written without conditions and still checked.
 
 _OWNER_RECORD_VERSION = 1
 _TAKE_OVER_ATTEMPTS = 5
-_CONDITIONAL_COMMIT_ATTEMPTS = 5
-"""A commit whose ETag condition fails while its run still owns the directory is sent again on what is there now;
-this many times at most (each failure means another writer changed the key in the moment between)."""
-_REMEMBERED_KEYS = 10_000
-"""At most this many keys per directory whose last state (ETag, or removed) a run remembers for its conditions."""
+_CONDITIONAL_COMMIT_ATTEMPTS = 5  # sends of a commit whose ETag condition fails while its run owns the directory
+_REMEMBERED_KEYS = 10_000  # keys per directory whose last state (ETag, or removed) a run remembers
 
 
 def _utc(timestamp: float) -> str:
@@ -3502,29 +3399,21 @@ def _utc(timestamp: float) -> str:
 
 @dataclass(frozen=True)
 class CheckpointRun:
-    """Who writes checkpoints: one launch of a job (`current_run`). The ranks of one launch are one run (their
-    launcher's environment names it: `launch_identity`); a process outside any launcher is a run of its own. A run is
-    carried along when a plugin or a DCP writer is pickled into another process (``ddp_spawn``, DCP's process
-    executor), so those processes act as the same run. Which of two runs is newer: `is_newer_than`."""
+    """Who writes checkpoints (`current_run`): one launch of a job, all its ranks (`launch_identity`); a process outside
+    any launcher is a run of its own. Pickled plugins and writers carry it into other processes."""
 
     run_id: str
-    """``<job>#<attempt>`` for a launch (e.g. ``torchrun:4f1c#1``, ``slurm:4242#0.0``); 16 random hex digits for a
-    process outside any launcher."""
+    """``<job>#<attempt>`` for a launch (``slurm:4242#0.0``); 16 random hex digits outside any launcher."""
     host: str
-    pid: int
-    """Of the process that made this run's record: any rank of a launch."""
+    pid: int  # of the process (any rank) that made this run's record
     started: float
-    """When the launch started (seconds since the epoch): SLURM's job start time where SLURM gives it (one clock, the
-    controller's, for every rank), else when this process imported this module."""
-    job: str = ""
-    """What a relaunch keeps (`LaunchIdentity.job`); empty outside any launcher."""
-    attempt: tuple[int, ...] = ()
-    """Which launch of `job` this is (`LaunchIdentity.attempt`): higher is later."""
+    """When the launch started (epoch seconds): SLURM's job start time, else when this process imported this module."""
+    job: str = ""  # `LaunchIdentity.job`; empty outside any launcher
+    attempt: tuple[int, ...] = ()  # `LaunchIdentity.attempt`: higher is later
 
     def is_newer_than(self, other: CheckpointRun) -> bool:
-        """Whether this run is a later launch than `other`: of two launches of one job, the higher `attempt`
-        (the launcher's restart and step counts: no clock is asked); else the later `started` (each launch's own
-        clock: hosts' clocks must agree to better than the time between a launch and its replacement)."""
+        """Whether this run is a later launch than `other`: the higher `attempt` within one job (no clock asked), else
+        the later `started` (hosts' clocks must agree better than the time between a launch and its replacement)."""
         if self.job and self.job == other.job:
             return self.attempt > other.attempt
         return self.started > other.started
@@ -3539,8 +3428,7 @@ _process_run_lock = threading.Lock()
 
 
 def current_run() -> CheckpointRun:
-    """This process's run (see `CheckpointRun`): its launch's (`launch_identity`), or a run of its own outside any
-    launcher. Made at the first call and kept (a forked child that already has one stays that run)."""
+    """This process's run (`CheckpointRun`), made at the first call and kept (also by a forked child)."""
     global _process_run
     with _process_run_lock:
         if _process_run is None:
@@ -3555,11 +3443,9 @@ def current_run() -> CheckpointRun:
 
 
 def adopt_run(run: CheckpointRun) -> None:
-    """Make `run` this process's run (`current_run`) from now on. For the ranks of one job once its process group is
-    up: they adopt rank 0's run, so that they are one run also where no launcher names the launch (``mp.spawn``, MPI,
-    torchrun's default run id across nodes). `S3ModelCheckpoint` does it in its ``setup``; without Lightning, after
-    ``init_process_group``: ``adopt_run(broadcast of rank 0's current_run())``. Plugins and writers that already
-    saved keep the run they saved as."""
+    """Make `run` this process's run (`current_run`) from now on: the ranks of a job adopt rank 0's once the process
+    group is up, so that they are one run where no launcher names the launch (``mp.spawn``, MPI). `S3ModelCheckpoint`
+    does it in its ``setup``. Plugins and writers that already saved keep the run they saved as."""
     global _process_run
     with _process_run_lock:
         if _process_run != run:
