@@ -56,60 +56,16 @@ else:  # installed (or copied) as a top-level module
     import s3_dirpath_utils as _urls
 
 __all__ = [
-    "DEFAULT_CHUNK_SIZE_MB",
-    "DEFAULT_MAX_READ_CONCURRENCY",
-    "DEFAULT_MAX_WRITE_CONCURRENCY",
-    "GB",
-    "MB",
-    "OWNER_RECORD_NAME",
-    "CheckpointDirectoryTakenError",
-    "CheckpointRun",
-    "ChecksumAlgorithm",
-    "ChecksumMismatchError",
-    "DirectoryFence",
-    "DownloadedObject",
-    "FenceToken",
-    "LaunchIdentity",
-    "MissingOptionalDependencyError",
-    "LAUNCHER_ENV_VARS",
-    "MultipartUploadInfo",
-    "NODE_SHARING_MODULE",
-    "PACER_SHARING_ENV",
-    "PacerLane",
-    "PacerLaneState",
-    "RecordedChecksum",
-    "RequestPacer",
-    "RequestRates",
-    "RetryPolicy",
-    "S3ClientSettings",
-    "S3MultipartWriter",
-    "S3ObjectInfo",
-    "S3RequestOptions",
-    "S3Utils",
-    "SharedLaneStore",
-    "adopt_run",
-    "buffer_address",
-    "checksum_of",
-    "combine_checksums",
-    "current_run",
-    "error_code",
-    "forget_s3fs_instances",
-    "fresh_s3fs_instances",
-    "get_s3_client",
-    "global_rank",
-    "import_optional_dependency",
-    "invalidate_fsspec_cache",
-    "is_retriable_error",
-    "is_throttling_error",
-    "job_key",
-    "launch_identity",
-    "node_key",
-    "node_sharing",
-    "release_part_buffers",
-    "request_pacer",
-    "validate_checksum_algorithm",
-    "user_agent",
-    "world_size",
+    "DEFAULT_CHUNK_SIZE_MB", "DEFAULT_MAX_READ_CONCURRENCY", "DEFAULT_MAX_WRITE_CONCURRENCY", "GB", "MB",
+    "OWNER_RECORD_NAME", "CheckpointDirectoryTakenError", "CheckpointRun", "ChecksumAlgorithm", "ChecksumMismatchError",
+    "DirectoryFence", "DownloadedObject", "FenceToken", "LaunchIdentity", "MissingOptionalDependencyError",
+    "LAUNCHER_ENV_VARS", "MultipartUploadInfo", "NODE_SHARING_MODULE", "PACER_SHARING_ENV", "PacerLane",
+    "PacerLaneState", "RecordedChecksum", "RequestPacer", "RequestRates", "RetryPolicy", "S3ClientSettings",
+    "S3MultipartWriter", "S3ObjectInfo", "S3RequestOptions", "S3Utils", "SharedLaneStore", "adopt_run",
+    "buffer_address", "checksum_of", "combine_checksums", "current_run", "error_code", "forget_s3fs_instances",
+    "fresh_s3fs_instances", "get_s3_client", "global_rank", "import_optional_dependency", "invalidate_fsspec_cache",
+    "is_retriable_error", "is_throttling_error", "job_key", "launch_identity", "node_key", "node_sharing",
+    "release_part_buffers", "request_pacer", "validate_checksum_algorithm", "user_agent", "world_size",
 ]
 
 logger = logging.getLogger(__name__)
@@ -624,10 +580,7 @@ class PacerLane:
     """The window over which a lane measures its send rate (to start from, and to cap its growth)."""
 
     def __init__(
-        self,
-        name: str,
-        limit: Callable[[], float | None] | None = None,
-        shared: SharedLaneStore | None = None,
+        self, name: str, limit: Callable[[], float | None] | None = None, shared: SharedLaneStore | None = None,
         index: int = 0,
     ) -> None:
         self.name = name
@@ -721,17 +674,8 @@ class PacerLane:
         shared.store(
             self._index,
             PacerLaneState(
-                self._active,
-                self._rate,
-                self._tokens,
-                self._refilled_at,
-                self._epoch,
-                self._changed_at,
-                self._streak,
-                self._host_last_success,
-                self._host_throttles,
-                self._host_activations,
-                tuple(self._sends),
+                self._active, self._rate, self._tokens, self._refilled_at, self._epoch, self._changed_at, self._streak,
+                self._host_last_success, self._host_throttles, self._host_activations, tuple(self._sends),
             ),
         )
 
@@ -1676,11 +1620,7 @@ class S3Utils:
     """
 
     def __init__(
-        self,
-        settings: S3ClientSettings | None = None,
-        retry_policy: RetryPolicy | None = None,
-        *,
-        client: Any = None,
+        self, settings: S3ClientSettings | None = None, retry_policy: RetryPolicy | None = None, *, client: Any = None,
         list_page_size: int = 1000,
     ) -> None:
         if retry_policy is not None and not isinstance(retry_policy, RetryPolicy):
@@ -1696,17 +1636,11 @@ class S3Utils:
 
     @classmethod
     def from_arguments(
-        cls,
-        *,
-        s3_utils: S3Utils | None = None,
-        client_settings: S3ClientSettings | None = None,
-        endpoint_url: str | None = None,
-        region_name: str | None = None,
-        retry_policy: RetryPolicy | None = None,
+        cls, *, s3_utils: S3Utils | None = None, client_settings: S3ClientSettings | None = None,
+        endpoint_url: str | None = None, region_name: str | None = None, retry_policy: RetryPolicy | None = None,
         request_options: S3RequestOptions | Mapping[str, Any] | None = None,
         max_requests_per_second: float | Mapping[str, float] | RequestRates | None = None,
-        max_pool_connections: int | None = None,
-        user_agent_extra: str | None = None,
+        max_pool_connections: int | None = None, user_agent_extra: str | None = None,
         caller: str = "S3Utils.from_arguments",
     ) -> S3Utils:
         """The one way this package builds an `S3Utils` from a caller's loose arguments.
@@ -1720,12 +1654,8 @@ class S3Utils:
         options = S3RequestOptions.from_mapping(request_options)  # an unknown or bad option fails here
         budget = RequestRates.from_value(max_requests_per_second)  # a bad value fails here
         given = {
-            "endpoint_url": endpoint_url,
-            "region_name": region_name,
-            "client_settings": client_settings,
-            "retry_policy": retry_policy,
-            "request_options": options,
-            "max_requests_per_second": budget,
+            "endpoint_url": endpoint_url, "region_name": region_name, "client_settings": client_settings,
+            "retry_policy": retry_policy, "request_options": options, "max_requests_per_second": budget,
         }
         if s3_utils is not None:
             _refuse_overridden(caller, "s3_utils", [name for name, value in given.items() if value is not None])
@@ -1816,12 +1746,8 @@ class S3Utils:
                     self.retries += 1
                 log = logger.debug if throttled else logger.warning
                 log(
-                    "S3 %s on %s failed with %s (attempt %d, %s); retrying%s",
-                    operation,
-                    url,
-                    error_code(exc),
-                    attempts,
-                    f"{counted} of {policy.max_attempts} counted" if not throttled else "throttled",
+                    "S3 %s on %s failed with %s (attempt %d, %s); retrying%s", operation, url, error_code(exc),
+                    attempts, f"{counted} of {policy.max_attempts} counted" if not throttled else "throttled",
                     f" in {delay:.2f} s" if delay else " when the pacer allows",
                 )
                 if delay:
@@ -1960,12 +1886,8 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def find_files_with_suffix(
-        self,
-        base_path: str | os.PathLike[str],
-        suffix: str | None = None,
-        return_key_only: bool = True,
-        profile: str | None = None,
-        creds: Any = None,
+        self, base_path: str | os.PathLike[str], suffix: str | None = None, return_key_only: bool = True,
+        profile: str | None = None, creds: Any = None,
     ) -> list[str]:
         """Full keys (or, with ``return_key_only=False``, URLs) of the objects under ``base_path/`` ending in `suffix`;
         `profile` / `creds` (an STS-style dict) select other credentials for this call, as in NeMo."""
@@ -1984,14 +1906,11 @@ class S3Utils:
             return S3Utils(replace(self.settings, profile_name=profile), self.retry_policy)
         boto3_session = import_optional_dependency("boto3.session", "S3 access")
         session = boto3_session.Session(
-            aws_access_key_id=creds["AccessKeyId"],
-            aws_secret_access_key=creds["SecretAccessKey"],
+            aws_access_key_id=creds["AccessKeyId"], aws_secret_access_key=creds["SecretAccessKey"],
             aws_session_token=creds.get("SessionToken"),
         )
         client = session.client(
-            "s3",
-            endpoint_url=self.settings.endpoint_url,
-            region_name=self.settings.region_name,
+            "s3", endpoint_url=self.settings.endpoint_url, region_name=self.settings.region_name,
             config=get_s3_client(self.settings).meta.config,
         )
         _add_request_options(client, self.settings.request_options)
@@ -2108,13 +2027,8 @@ class S3Utils:
         while True:
             try:
                 page = self.call(
-                    "list_parts",
-                    upload.url,
-                    Bucket=upload.bucket,
-                    Key=upload.key,
-                    UploadId=upload.upload_id,
-                    MaxParts=self.list_page_size,
-                    **marker,
+                    "list_parts", upload.url, Bucket=upload.bucket, Key=upload.key, UploadId=upload.upload_id,
+                    MaxParts=self.list_page_size, **marker,
                 )
             except Exception as exc:
                 if error_code(exc) == "NoSuchUpload":
@@ -2156,12 +2070,8 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def open_writer(
-        self,
-        s3_path: str | os.PathLike[str],
-        chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
-        max_concurrency: int = DEFAULT_MAX_WRITE_CONCURRENCY,
-        checksum_algorithm: str | None = "auto",
-        *,
+        self, s3_path: str | os.PathLike[str], chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
+        max_concurrency: int = DEFAULT_MAX_WRITE_CONCURRENCY, checksum_algorithm: str | None = "auto", *,
         fence: DirectoryFence | None = None,
     ) -> S3MultipartWriter:
         """A write-only binary stream that uploads to `s3_path` as it is written (see `S3MultipartWriter`); with a
@@ -2170,10 +2080,7 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def upload_file_stream_to_s3(
-        self,
-        bytes_buffer: BinaryIO,
-        s3_path: str | os.PathLike[str],
-        chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
+        self, bytes_buffer: BinaryIO, s3_path: str | os.PathLike[str], chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
         max_concurrency: int = DEFAULT_MAX_WRITE_CONCURRENCY,
     ) -> None:
         """Upload a binary stream, from its start if it is seekable (as NeMo did); parts are retried from the bytes
@@ -2182,14 +2089,9 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def upload_file(
-        self,
-        file_path: str | os.PathLike[str],
-        s3_path: str | os.PathLike[str],
-        chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
-        max_concurrency: int = DEFAULT_MAX_WRITE_CONCURRENCY,
-        remove_file: bool = False,
-        *,
-        progress: Callable[[int], None] | None = None,
+        self, file_path: str | os.PathLike[str], s3_path: str | os.PathLike[str],
+        chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB, max_concurrency: int = DEFAULT_MAX_WRITE_CONCURRENCY,
+        remove_file: bool = False, *, progress: Callable[[int], None] | None = None,
     ) -> S3ObjectInfo:
         """Upload a local file and return what was written; with `remove_file`, delete it afterwards. `progress` is
         called with the byte count of each block the writer took (at most ``max_concurrency + 1`` parts ahead)."""
@@ -2204,11 +2106,7 @@ class S3Utils:
         return info
 
     def _upload_stream(
-        self,
-        stream: IO[bytes],
-        s3_path: str | os.PathLike[str],
-        chunk_size_MB: float,
-        max_concurrency: int,
+        self, stream: IO[bytes], s3_path: str | os.PathLike[str], chunk_size_MB: float, max_concurrency: int,
         progress: Callable[[int], None] | None = None,
     ) -> S3ObjectInfo:
         chunk = int(chunk_size_MB * MB)
@@ -2229,14 +2127,9 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def download_to_memory(
-        self,
-        s3_path: str | os.PathLike[str],
-        chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
-        max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY,
-        *,
-        verify: bool = True,
-        progress: Callable[[int], None] | None = None,
-        into_fd: int | None = None,
+        self, s3_path: str | os.PathLike[str], chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
+        max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY, *, verify: bool = True,
+        progress: Callable[[int], None] | None = None, into_fd: int | None = None,
     ) -> DownloadedObject:
         """Download with parallel ranged GETs (each with ``If-Match`` on the ETag, so a replaced object fails rather
         than mixing versions) into a `DownloadedObject` (`into_fd`: into this open file), and verify the recorded
@@ -2319,11 +2212,7 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def read_ranges_into(
-        self,
-        s3_path: str | os.PathLike[str],
-        ranges: Iterable[tuple[int, Any]],
-        *,
-        etag: str | None = None,
+        self, s3_path: str | os.PathLike[str], ranges: Iterable[tuple[int, Any]], *, etag: str | None = None,
         max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY,
     ) -> list[int]:
         """`read_range_into` for many ``(start, target)`` pairs of one object, up to `max_concurrency` at a time; the
@@ -2337,9 +2226,7 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def download_s3_file_to_stream(
-        self,
-        s3_path: str | os.PathLike[str],
-        chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
+        self, s3_path: str | os.PathLike[str], chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
         max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY,
     ) -> io.BytesIO:
         """The verified content of `s3_path` in a BytesIO positioned at 0 (NeMo's signature)."""
@@ -2348,12 +2235,8 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def download_s3_file_to_path(
-        self,
-        s3_path: str | os.PathLike[str],
-        file_path: str | os.PathLike[str],
-        chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
-        max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY,
-        *,
+        self, s3_path: str | os.PathLike[str], file_path: str | os.PathLike[str],
+        chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB, max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY, *,
         progress: Callable[[int], None] | None = None,
     ) -> RecordedChecksum | None:
         """Download and verify `s3_path` into `file_path`, which appears only once complete; return the record the
@@ -2452,11 +2335,7 @@ class _RangedDownload:
     object's checksum is combined from the ranges', so the bytes are read once)."""
 
     def __init__(
-        self,
-        utils: S3Utils,
-        info: S3ObjectInfo,
-        target: DownloadedObject,
-        algorithm: ChecksumAlgorithm | None,
+        self, utils: S3Utils, info: S3ObjectInfo, target: DownloadedObject, algorithm: ChecksumAlgorithm | None,
         progress: Callable[[int], None] | None = None,
     ) -> None:
         self.utils = utils
@@ -2880,13 +2759,8 @@ class S3MultipartWriter(io.RawIOBase):
     parts_per_size = 1000  # parts of one size before the part size doubles
 
     def __init__(
-        self,
-        utils: S3Utils,
-        s3_path: str | os.PathLike[str],
-        part_size: int,
-        max_concurrency: int,
-        checksum_algorithm: str | None = "auto",
-        fence: DirectoryFence | None = None,
+        self, utils: S3Utils, s3_path: str | os.PathLike[str], part_size: int, max_concurrency: int,
+        checksum_algorithm: str | None = "auto", fence: DirectoryFence | None = None,
     ) -> None:
         super().__init__()
         self._state = _WriterState.ABORTED  # until validated: an invalid writer has nothing to abort at GC
@@ -3190,12 +3064,7 @@ class S3MultipartWriter(io.RawIOBase):
             self._failed_part.result()
 
     def _upload_part(
-        self,
-        number: int,
-        buffer: bytearray | memoryview,
-        length: int,
-        cuts: tuple[int, ...],
-        owner: object = None,
+        self, number: int, buffer: bytearray | memoryview, length: int, cuts: tuple[int, ...], owner: object = None,
         lent: list[tuple[int, memoryview, object]] | None = None,
     ) -> _UploadedPart:
         try:
@@ -3234,8 +3103,7 @@ class S3MultipartWriter(io.RawIOBase):
         _keeps_checksums(self._utils, self.bucket, self._commit_kind, keeps=stored is not None)
         if stored is None:  # the store ignored the checksum: record it ourselves, bound to this exact object
             self._records.write_sidecar(
-                self.bucket,
-                self.key,
+                self.bucket, self.key,
                 {"algorithm": self._algorithm.name, "checksum": checksum, "size": self._size, "etag": etag},
             )
         elif self._wrote_pending:  # the store keeps it: the unbound record written before the commit is not needed
@@ -3267,13 +3135,9 @@ class S3MultipartWriter(io.RawIOBase):
             checksum,
             lambda conditions: self._utils.with_retries(  # each attempt reads the body from its start
                 lambda: self._utils.client.put_object(
-                    Bucket=self.bucket,
-                    Key=self.key,
-                    Body=_BufferReader(body, _SEND_BLOCK) if len(buffer) else b"",
-                    ChecksumAlgorithm=self._algorithm.name,
-                    **{self._algorithm.response_field: checksum},
-                    Metadata={CHECKSUM_METADATA_KEY: f"{self._algorithm.name} {checksum}"},
-                    **conditions,
+                    Bucket=self.bucket, Key=self.key, Body=_BufferReader(body, _SEND_BLOCK) if len(buffer) else b"",
+                    ChecksumAlgorithm=self._algorithm.name, **{self._algorithm.response_field: checksum},
+                    Metadata={CHECKSUM_METADATA_KEY: f"{self._algorithm.name} {checksum}"}, **conditions,
                 ),
                 "put_object",
                 self.url,
@@ -3302,14 +3166,8 @@ class S3MultipartWriter(io.RawIOBase):
         response = self._commit(
             checksum,
             lambda conditions: self._utils.call(
-                "complete_multipart_upload",
-                self.url,
-                Bucket=self.bucket,
-                Key=self.key,
-                UploadId=self._upload_id,
-                MultipartUpload={"Parts": listed},
-                **extra,
-                **conditions,
+                "complete_multipart_upload", self.url, Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
+                MultipartUpload={"Parts": listed}, **extra, **conditions,
             )
         )
         self._upload_id = None
@@ -3454,15 +3312,11 @@ def adopt_run(run: CheckpointRun) -> None:
 
 
 class CheckpointDirectoryTakenError(RuntimeError):
-    """A newer run owns this checkpoint directory: this (stale) run's save or removal there was refused and changed
-    nothing. `directory` is its ``s3://`` URL, `run` this run, `owner` the run that holds it (None if unknown)."""
+    """A newer run owns this checkpoint `directory`: this (stale) `run`'s save or removal there was refused and changed
+    nothing. `owner` is the run that holds it (None if unknown)."""
 
     def __init__(
-        self,
-        message: str,
-        directory: str = "",
-        run: CheckpointRun | None = None,
-        owner: CheckpointRun | None = None,
+        self, message: str, directory: str = "", run: CheckpointRun | None = None, owner: CheckpointRun | None = None
     ) -> None:
         super().__init__(message)
         self.directory = directory
@@ -3472,15 +3326,13 @@ class CheckpointDirectoryTakenError(RuntimeError):
 
 @dataclass(frozen=True)
 class FenceToken:
-    """What the other ranks of a sharded save check against (it travels in DCP's plan): the directory, and the ETag
-    of its owner record as the coordinator's run holds it."""
+    """What the other ranks of a sharded save check against (in DCP's plan): the directory and its owner record's ETag
+    as the coordinator's run holds it, and whether the store honours ETag conditions (the ranks' commits then too)."""
 
     directory: str
     etag: str
     run: CheckpointRun
     conditional: bool = False
-    """Whether the store honours ETag conditions on writes (as the coordinator found it): the ranks' commits then
-    carry them too."""
 
 
 class _Hold:
@@ -3494,15 +3346,13 @@ class _Hold:
 
 
 _holds: dict[tuple[str | None, str, str, str], _Hold] = {}
-_conditional_writes: dict[tuple[str | None, str], bool] = {}
-"""(endpoint, bucket) -> whether the store honours If-Match / If-None-Match on writes (missing: not known yet)."""
+_conditional_writes: dict[tuple[str | None, str], bool] = {}  # (endpoint, bucket) -> honours If-Match on writes
 _fence_registry_lock = threading.Lock()
 _UNKNOWN = object()
 
 
 def _precondition_failed(exc: BaseException, conditions: Mapping[str, str]) -> bool:
-    """Whether `exc` is the store refusing a write's `conditions`: 412, or 404 NoSuchKey for If-Match on a key that is
-    gone (moto's answer, and S3's)."""
+    """Whether `exc` is the store refusing a write's `conditions`: 412, or 404 for If-Match on a key that is gone."""
     response = getattr(exc, "response", None)
     status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict) else None
     if error_code(exc) in ("PreconditionFailed", "412") or status == 412:
@@ -3521,26 +3371,17 @@ def _refuses_conditions(exc: BaseException) -> bool:
 
 
 class DirectoryFence:
-    """One run's hold on one checkpoint directory, through its owner record ``<directory>/.s3ckpt-owner.json``.
+    """One run's hold on one checkpoint directory, through its owner record (the protocol: the comment above).
 
-    Pass it as ``fence=`` to `S3Utils.open_writer`, `S3Utils.remove_object` and `S3Utils.remove_objects_with_prefix`:
-    the run's first commit in the directory takes it over (unless a run that started later owns it; a removal before
-    that only checks that none does), every later operation first checks with one HEAD that the run still owns it,
-    and a stale run gets `CheckpointDirectoryTakenError` with nothing changed. Fences of one run and directory share
-    their state within a process, so making one per operation is cheap. See the block comment above for the protocol.
+    Pass it as ``fence=`` to `S3Utils.open_writer`, `S3Utils.remove_object` and `S3Utils.remove_objects_with_prefix`.
+    Fences of one run and directory share their state within a process, so making one per operation is cheap.
     """
 
     def __init__(
-        self,
-        utils: S3Utils,
-        directory: str | os.PathLike[str],
-        run: CheckpointRun | None = None,
-        *,
-        follows: str | None = None,
-        conditional: bool = False,
+        self, utils: S3Utils, directory: str | os.PathLike[str], run: CheckpointRun | None = None, *,
+        follows: str | None = None, conditional: bool = False,
     ) -> None:
-        """`follows`, `conditional`: see `following` (the ETag the coordinator's run holds the record at, and
-        whether the store honours ETag conditions)."""
+        """`follows`, `conditional`: see `following`."""
         self._follows = follows
         self._follows_conditionally = conditional
         self.directory = _urls.normalize_s3_url(directory).rstrip("/")
@@ -3558,21 +3399,17 @@ class DirectoryFence:
 
     @classmethod
     def following(cls, utils: S3Utils, token: FenceToken) -> DirectoryFence:
-        """The fence of a rank that commits files for the run that holds `token` (every rank of a sharded save): it
-        checks that the directory is still that run's and never takes it over; its commits carry the same ETag
-        conditions as the coordinator's."""
+        """The fence of a rank that commits files for the run that holds `token`: it checks, never takes over."""
         return cls(utils, token.directory, token.run, follows=token.etag, conditional=token.conditional)
 
     def once(self) -> _CheckedOnce:
-        """This fence, checked at most once: for operations that follow one another within moments (the files of one
-        rank's save, a commit marker after its record), so they cost one HEAD together."""
+        """This fence, checked at most once: one HEAD for operations within moments of each other (one rank's save)."""
         return _CheckedOnce(self)
 
     # ---- what the writer and the removals call --------------------------------------------------------------------
 
     def token(self, url: str) -> FenceToken:
-        """For the other ranks of the save of `url`: take the directory over if this run does not hold it yet (no
-        request if it does) and say what they check against."""
+        """For the other ranks of the save of `url`: take the directory over if need be, and say what they check."""
         with self._hold.lock, self._noted(url, "save"):
             self._raise_if_refused(url, "save")
             if self._hold.etag is None:
@@ -3581,8 +3418,8 @@ class DirectoryFence:
             return FenceToken(self.directory, self._hold.etag, self.run, self._conditional())
 
     def before_mutation(self, url: str, action: str) -> None:
-        """Before a commit (`action` ``"save"``) or a ``"removal"`` of `url`: take the directory over (this run's
-        first commit there) or check with one HEAD that the run still owns it; CheckpointDirectoryTakenError if not."""
+        """Before a commit (`action` ``"save"``) or a ``"removal"`` of `url`: take the directory over (a first commit)
+        or check with one HEAD that the run still owns it; CheckpointDirectoryTakenError if not."""
         hold = self._hold
         with hold.lock, self._noted(url, action):
             self._raise_if_refused(url, action)
@@ -3604,9 +3441,7 @@ class DirectoryFence:
             self._refuse(url, action, record or {})
 
     def conditions(self, key: str) -> dict[str, str]:
-        """The ETag condition for a commit of `key`: ``If-Match`` on the ETag this run committed there, else
-        ``If-None-Match: *`` (a key this run removed or has not touched); none on stores without conditional
-        writes."""
+        """The ETag condition for a commit of `key` (none on stores without conditional writes)."""
         if not self._conditional():
             return {}
         with self._hold.lock:
@@ -3625,11 +3460,9 @@ class DirectoryFence:
         self._remember(dict.fromkeys(keys))
 
     def precondition_failed(self, url: str, key: str, exc: BaseException) -> dict[str, str]:
-        """A commit's ETag condition failed. Read what is at the key now (one HEAD), then the owner record: another
-        run's raises CheckpointDirectoryTakenError (the store's 412 its cause); this run's returns the conditions to
-        send the commit again with: ``If-Match`` on the object now there, else ``If-None-Match: *``. The object is
-        read before the record, so a stale commit landing in between fails the retry's condition again. Expected
-        for a key an earlier run left (a run's first save over it); a warning where this run committed the key."""
+        """A commit's ETag condition failed: read the key's object, then the owner record (in that order, so a stale
+        commit in between fails again). Another run's record raises CheckpointDirectoryTakenError; this run's gives
+        the conditions to send the commit again with (on the object now there). A warning if this run committed it."""
         with self._hold.lock:
             committed_here = isinstance(self._hold.objects.pop(key, None), str)
             try:
@@ -3663,7 +3496,7 @@ class DirectoryFence:
 
     @contextlib.contextmanager
     def _noted(self, url: str, action: str) -> Iterator[None]:
-        """Name the checkpoint in errors of the owner record's requests (an S3 error there stops its save)."""
+        """Name the checkpoint in errors of the owner record's requests."""
         try:
             yield
         except CheckpointDirectoryTakenError:
@@ -3673,8 +3506,7 @@ class DirectoryFence:
             raise
 
     def _remember(self, states: dict[str, Any]) -> None:
-        """Keep what this run last left at each key (an ETag, or None: removed) for its next commit's condition;
-        every rank keeps its own files' (the hold is this process's, for its run)."""
+        """Keep what this run last left at each key (an ETag, or None: removed) for its next commit's condition."""
         with self._hold.lock:
             objects = self._hold.objects
             for key, state in states.items():
@@ -3708,30 +3540,18 @@ class DirectoryFence:
 
     def _put_record(self, generation: int, conditions: Mapping[str, str]) -> str:
         body = {
-            "version": _OWNER_RECORD_VERSION,
-            "run": self.run.run_id,
-            "host": self.run.host,
-            "pid": self.run.pid,
-            "started": self.run.started,
-            "job": self.run.job,
-            "attempt": list(self.run.attempt),
-            "generation": generation,
-            "taken": time.time(),
+            "version": _OWNER_RECORD_VERSION, "run": self.run.run_id, "host": self.run.host, "pid": self.run.pid,
+            "started": self.run.started, "job": self.run.job, "attempt": list(self.run.attempt),
+            "generation": generation, "taken": time.time(),
         }
         response = self._utils.call(
-            "put_object",
-            self.record_url,
-            Bucket=self.bucket,
-            Key=self.record_key,
-            Body=json.dumps(body, sort_keys=True).encode(),
-            ContentType="application/json",
-            **conditions,
+            "put_object", self.record_url, Bucket=self.bucket, Key=self.record_key,
+            Body=json.dumps(body, sort_keys=True).encode(), ContentType="application/json", **conditions,
         )
         return str(response.get("ETag", ""))
 
     def _take_over(self, url: str, action: str) -> None:
-        """Make this run the directory's owner (lock held): adopt a record of this run, refuse to displace a run that
-        started later, else write the record one generation up, conditionally (see the block comment)."""
+        """Make this run the directory's owner (lock held), as the comment above says."""
         hold = self._hold
         for _ in range(_TAKE_OVER_ATTEMPTS):
             record, etag = self._read_record()
@@ -3754,13 +3574,8 @@ class DirectoryFence:
                 raise
             if support is None:
                 self._probe(generation)
-            logger.info(
-                "%s took %s over (generation %d%s)",
-                self.run,
-                self.directory,
-                generation,
-                f", from {owner}" if owner is not None else "",
-            )
+            previous = f", from {owner}" if owner is not None else ""
+            logger.info("%s took %s over (generation %d%s)", self.run, self.directory, generation, previous)
             return
         raise OSError(
             f"Could not take the checkpoint directory {self.directory} over: its owner record {self.record_url} "
@@ -3769,13 +3584,11 @@ class DirectoryFence:
         )
 
     def _check_unheld(self, url: str, action: str) -> None:
-        """A removal by a run that has not saved in the directory: refused if a run that started later holds it;
-        it does not take the directory over (only a save does)."""
+        """A removal by a run that has not saved in the directory: refused if a later run holds it; no take-over."""
         self._adopted_or_refused(url, action, *self._read_record())
 
     def _adopted_or_refused(self, url: str, action: str, record: dict[str, Any] | None, etag: str | None) -> bool:
-        """True if `record` is this run's (adopted: one of its other processes wrote it); refuse if it is a run's that
-        started after this one; else False (this run may take the directory over)."""
+        """True if `record` is this run's (adopted); refuse if it is a later run's; else False (free to take)."""
         if _is_run_of(record, self.run):
             self._hold.etag = etag
             return True
@@ -3785,8 +3598,7 @@ class DirectoryFence:
         return False
 
     def _probe(self, generation: int) -> None:
-        """Once per store and bucket: a conditional PUT that must fail (If-None-Match: * on the record just
-        written). A store that accepts it ignores the condition (it rewrote the same record, nothing is lost)."""
+        """Once per store and bucket: a PUT that must fail (If-None-Match: * on the record just written)."""
         try:
             self._hold.etag = self._put_record(generation, {"IfNoneMatch": "*"})
         except Exception as exc:
@@ -3894,9 +3706,8 @@ class _CheckedOnce:
 
 
 def invalidate_fsspec_cache(url: str) -> None:
-    """Tell live s3fs filesystems that `url` changed: they cache listings per process, and Lightning's
-    ModelCheckpoint asks them whether files exist (e.g. to pick ``-v1`` names). Nothing to do if s3fs is not
-    imported."""
+    """Tell live s3fs filesystems that `url` changed (Lightning's ModelCheckpoint asks their cached listings whether
+    files exist)."""
     s3fs = sys.modules.get("s3fs")
     if s3fs is None:
         return
@@ -3908,8 +3719,7 @@ def invalidate_fsspec_cache(url: str) -> None:
 
 
 def forget_s3fs_instances() -> None:
-    """Drop the s3fs filesystems cached in this process. fsspec keeps one per set of arguments, bound to the endpoint
-    and credentials of the moment, so a process that switches endpoints (a test, the demo) would reuse a stale one."""
+    """Drop the s3fs filesystems cached in this process (bound to the endpoint and credentials of their moment)."""
     s3fs = sys.modules.get("s3fs")
     if s3fs is not None:
         s3fs.S3FileSystem.clear_instance_cache()
@@ -3917,8 +3727,7 @@ def forget_s3fs_instances() -> None:
 
 @contextlib.contextmanager
 def fresh_s3fs_instances() -> Iterator[None]:
-    """`forget_s3fs_instances` on entry and on exit: what runs inside gets filesystems for the endpoint of the moment,
-    and none of them outlives it (e.g. a local server that is about to stop)."""
+    """`forget_s3fs_instances` on entry and on exit: no filesystem outlives the block (e.g. a local server)."""
     forget_s3fs_instances()
     try:
         yield
