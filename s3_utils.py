@@ -128,10 +128,6 @@ def import_optional_dependency(name: str, feature: str = "") -> types.ModuleType
         ) from exc
 
 
-def _botocore_exceptions() -> types.ModuleType:
-    return import_optional_dependency("botocore.exceptions", "S3 access")
-
-
 NODE_SHARING_MODULE = "s3_node_sharing"
 """The optional sibling module with what a host's processes share (the pacer's state, checkpoint loads)."""
 _node_sharing: list[types.ModuleType | None] = []  # the import's outcome, once known
@@ -179,15 +175,6 @@ LAUNCHER_ENV_VARS: Mapping[str, tuple[str, ...]] = {
     "job": ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "MASTER_ADDR", "MASTER_PORT"),
 }
 """The launcher variables each answer reads (torchrun, SLURM, Open MPI, MPICH/PMIx, MVAPICH): the first set wins."""
-
-
-def _launcher_value(environ: Mapping[str, str], what: str) -> tuple[str, str] | None:
-    """The first of `what`'s launcher variables that is set (not empty), as (name, value)."""
-    for name in LAUNCHER_ENV_VARS[what]:
-        value = environ.get(name, "").strip()
-        if value:
-            return name, value
-    return None
 
 
 def _launcher_int(environ: Mapping[str, str], what: str, minimum: int = 0) -> int | None:
@@ -241,9 +228,10 @@ def node_key(node_rank: int | None = None, environ: Mapping[str, str] | None = N
     and boot id (processes that share it share /dev/shm)."""
     if node_rank is not None:
         return f"node {node_rank}"
-    found = _launcher_value(os.environ if environ is None else environ, "node_rank")
-    if found is not None:
-        return f"node {found[1]} ({found[0]})"
+    environ = os.environ if environ is None else environ
+    for name in LAUNCHER_ENV_VARS["node_rank"]:
+        if environ.get(name, "").strip():
+            return f"node {environ[name].strip()} ({name})"
     boot_id = ""
     with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as stream:
         boot_id = stream.read().strip()
@@ -286,9 +274,8 @@ class LaunchIdentity:
 
 
 def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "").strip()
     try:
-        return int(value)
+        return int(os.environ.get(name, "").strip())
     except ValueError:
         return default
 
@@ -392,7 +379,7 @@ def is_retriable_error(exc: BaseException) -> bool:
     if isinstance(exc, TransientTransferError):
         return True
     try:
-        bexc = _botocore_exceptions()
+        bexc = import_optional_dependency("botocore.exceptions", "S3 access")
     except MissingOptionalDependencyError:
         return isinstance(exc, (ConnectionError, TimeoutError))
     if isinstance(exc, bexc.ClientError):
@@ -583,23 +570,14 @@ class PacerLane:
         self, name: str, limit: Callable[[], float | None] | None = None, shared: SharedLaneStore | None = None,
         index: int = 0,
     ) -> None:
-        self.name = name
-        self._limit = limit
-        self._shared = shared
-        self._index = index
+        self.name, self._limit, self._shared, self._index = name, limit, shared, index
         self._flag = shared.active_flag(index) if shared is not None else None  # (mapping, offset) of `active`
         self._cond = threading.Condition(threading.Lock())
-        self._active = False
-        self._rate = math.inf
-        self._tokens = 0.0
-        self._refilled_at = 0.0
-        self._epoch = -math.inf
-        self._changed_at = 0.0
-        self._streak = 0.0
+        self._active, self._rate = False, math.inf
+        self._tokens, self._refilled_at, self._epoch, self._changed_at, self._streak = 0.0, 0.0, -math.inf, 0.0, 0.0
         self._sends: collections.deque[float] = collections.deque(maxlen=64)
         self._own_sends = self._sends  # this process's sends (a shared lane's `_sends` are the host's while pacing)
-        self._processes = 1
-        self._last_success = -math.inf
+        self._processes, self._last_success = 1, -math.inf
         self._host_last_success = -math.inf  # a shared lane's host-wide figures, as loaded
         self._host_throttles = self._host_activations = 0
         self.throttles = 0  # throttling answers this process saw
@@ -1060,15 +1038,17 @@ def get_s3_client(settings: S3ClientSettings | None = None) -> Any:
     with _clients_lock:
         client = _clients.get(key)
         if client is None:
+            s3_config: dict[str, Any] = {"payload_signing_enabled": settings.sign_payloads}
+            if settings.addressing_style:
+                s3_config["addressing_style"] = settings.addressing_style
             config = botocore_config.Config(
                 max_pool_connections=settings.max_pool_connections,
                 connect_timeout=settings.connect_timeout_s,
                 read_timeout=settings.read_timeout_s,
                 retries={"total_max_attempts": 1},  # RetryPolicy is the single retry layer
-                s3=_s3_config(settings),
+                s3=s3_config,
                 user_agent_extra=user_agent(settings.user_agent_extra),
-                # This module sends and verifies full-object checksums itself.
-                request_checksum_calculation="when_required",
+                request_checksum_calculation="when_required",  # this module sends and verifies checksums itself
                 response_checksum_validation="when_required",
             )
             session = boto3_session.Session(profile_name=settings.profile_name)
@@ -1094,13 +1074,6 @@ def user_agent(extra: str | None = None) -> str:
     """What this package adds to botocore's User-Agent (``s3-checkpoint-io/<version>``, then `extra`), so that S3
     access logs and CloudTrail show who made a request."""
     return f"s3-checkpoint-io/{__version__}" + (f" {extra}" if extra else "")
-
-
-def _s3_config(settings: S3ClientSettings) -> dict[str, Any]:
-    config: dict[str, Any] = {"payload_signing_enabled": settings.sign_payloads}
-    if settings.addressing_style:
-        config["addressing_style"] = settings.addressing_style
-    return config
 
 
 def _refuse_virtual_only_buckets(params: dict[str, Any], model: Any = None, **_: Any) -> None:
@@ -1759,9 +1732,10 @@ class S3Utils:
     def _raise_final(self, exc: Exception, operation: str, url: str, attempts: int, seconds: float) -> NoReturn:
         """Raise a failed call's error: FileNotFoundError for a missing key or bucket, else `exc` with a note (URL,
         attempts, what S3 said), without botocore's misleading "(reached max retries: 0)"."""
-        not_found = _not_found_error(exc, operation, url)
-        if not_found is not None:
-            raise not_found from exc
+        code = error_code(exc)
+        if code in {"NoSuchKey", "404", "NotFound", "NoSuchBucket"}:
+            what = "bucket" if code == "NoSuchBucket" else "object"
+            raise FileNotFoundError(f"No such {what}: {url} (S3 {operation} answered {code})") from exc
         if exc.args and isinstance(exc.args[0], str) and " (reached max retries: " in exc.args[0]:
             exc.args = (re.sub(r" \(reached max retries: \d+\)", "", exc.args[0]), *exc.args[1:])
         tried = f"{attempts} attempts over {seconds:.1f} s" if attempts > 1 else ""
@@ -2261,15 +2235,6 @@ class S3Utils:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _not_found_error(exc: BaseException, operation: str, url: str) -> FileNotFoundError | None:
-    """ "No such key / bucket" as a FileNotFoundError (the S3 error becomes its cause)."""
-    code = error_code(exc)
-    if code not in {"NoSuchKey", "404", "NotFound", "NoSuchBucket"}:
-        return None
-    what = "bucket" if code == "NoSuchBucket" else "object"
-    return FileNotFoundError(f"No such {what}: {url} (S3 {operation} answered {code})")
-
-
 def _annotate(
     exc: BaseException, operation: str, url: str, options: S3RequestOptions | None = None, tried: str = ""
 ) -> None:
@@ -2298,16 +2263,12 @@ def _response_ids(exc: BaseException) -> str:
     response = getattr(exc, "response", None)
     metadata = response.get("ResponseMetadata", {}) if isinstance(response, dict) else {}
     headers = metadata.get("HTTPHeaders", {})
-    parts = []
-    status = metadata.get("HTTPStatusCode")
-    if status:
-        parts.append(f"HTTP {status}")
-    request_id = metadata.get("RequestId") or headers.get("x-amz-request-id")
-    if request_id:
-        parts.append(f"request id {request_id}")
-    host_id = metadata.get("HostId") or headers.get("x-amz-id-2")
-    if host_id:
-        parts.append(f"host id {host_id}")
+    labelled = [
+        ("HTTP", metadata.get("HTTPStatusCode")),
+        ("request id", metadata.get("RequestId") or headers.get("x-amz-request-id")),
+        ("host id", metadata.get("HostId") or headers.get("x-amz-id-2")),
+    ]
+    parts = [f"{label} {value}" for label, value in labelled if value]
     return f" ({', '.join(parts)})" if parts else ""
 
 
@@ -2390,13 +2351,6 @@ _STAGING_BYTES = 1 * MB
 _staging = threading.local()
 
 
-def _staging_buffer() -> memoryview:
-    buffer = getattr(_staging, "buffer", None)
-    if buffer is None:
-        buffer = _staging.buffer = memoryview(bytearray(_STAGING_BYTES))
-    return buffer
-
-
 def _socket_reader(body: Any) -> tuple[Callable[[Any], int], Callable[[], None]]:
     """``(readinto, finish)`` for a botocore response body: from the http.client response underneath (``_raw_stream``,
     ``_fp``) where there is one, which puts socket bytes straight into the caller's buffer (urllib3 copies twice);
@@ -2419,7 +2373,9 @@ def _copy_body(
 ) -> tuple[int, int]:
     """Copy up to `length` bytes of a response body into `target` at `offset`; how many came, and their checksum."""
     read_into, finish = _socket_reader(body)
-    staging = _staging_buffer()
+    staging = getattr(_staging, "buffer", None)
+    if staging is None:
+        staging = _staging.buffer = memoryview(bytearray(_STAGING_BYTES))
     filled = checksum = 0
     while filled < length:
         count = read_into(staging[: min(len(staging), length - filled)])
@@ -2777,20 +2733,17 @@ class S3MultipartWriter(io.RawIOBase):
             raise ValueError(
                 f"Key too long for {self.url}: at most {room} bytes (S3's 1024 less room for the checksum record)"
             )
-        self._utils = utils
-        self._records = _ChecksumRecords(utils)
-        self._part_size = part_size
-        self._max_concurrency = max_concurrency
+        self._utils, self._records, self._fence = utils, _ChecksumRecords(utils), fence
+        self._part_size, self._max_concurrency = part_size, max_concurrency
         self._algorithm = ChecksumAlgorithm.named(checksum_algorithm)
-        self._size = 0
+        self._size = self._held_bytes = 0
         self._free_buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
         self._buffers_made = 0  # buffers this writer holds (taken from `_part_buffers`)
         self._unfinished_parts = 0  # queued or in flight; `write_borrowed` keeps it at most max_concurrency + 1
         self._part_settled = threading.Condition()
-        self._held_bytes = 0
         self._cuts: list[int] = []  # marked boundaries inside the part being filled (offsets into it)
         self._pieces: list[tuple[int, int, int]] = []  # (offset, length, checksum) tiling the object, once complete
-        self._buffer: bytearray | None = None  # the part being filled
+        self._buffer: bytearray | None = None  # the part being filled, up to `_filled`
         self._filled = 0
         self._lent: list[tuple[int, memoryview, object]] = []  # (offset, view, owner) lent into that part
         self._upload_id: str | None = None  # set while a multipart upload is open on S3
@@ -2798,7 +2751,6 @@ class S3MultipartWriter(io.RawIOBase):
         self._parts: list[Future[_UploadedPart]] = []
         self._failed_part: Future[_UploadedPart] | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._fence = fence
         self._commit_kind = ""  # "put" or "multipart" (-unchecked where the store refused its checksum), at commit
         self._wrote_pending = False
         self._state = _WriterState.OPEN
@@ -3251,10 +3203,6 @@ _CONDITIONAL_COMMIT_ATTEMPTS = 5  # sends of a commit whose ETag condition fails
 _REMEMBERED_KEYS = 10_000  # keys per directory whose last state (ETag, or removed) a run remembers
 
 
-def _utc(timestamp: float) -> str:
-    return datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f UTC")
-
-
 @dataclass(frozen=True)
 class CheckpointRun:
     """Who writes checkpoints (`current_run`): one launch of a job, all its ranks (`launch_identity`); a process outside
@@ -3277,7 +3225,8 @@ class CheckpointRun:
         return self.started > other.started
 
     def __str__(self) -> str:
-        return f"run {self.run_id} (host {self.host}, pid {self.pid}, started {_utc(self.started)})"
+        started = datetime.datetime.fromtimestamp(self.started, datetime.timezone.utc)
+        return f"run {self.run_id} (host {self.host}, pid {self.pid}, started {started:%Y-%m-%d %H:%M:%S.%f} UTC)"
 
 
 _PROCESS_STARTED = time.time()
@@ -3425,7 +3374,10 @@ class DirectoryFence:
             self._raise_if_refused(url, action)
             expected = self._follows or hold.etag
             if expected is None:  # this run has not saved here yet
-                (self._check_unheld if action == "removal" else self._take_over)(url, action)
+                if action != "removal":
+                    self._take_over(url, action)
+                else:  # a removal before this run's first save: refused if a later run holds it; no take-over
+                    self._adopted_or_refused(url, action, *self._read_record())
                 return
             if self._head_record() == expected:
                 return
@@ -3582,10 +3534,6 @@ class DirectoryFence:
             f"changed {_TAKE_OVER_ATTEMPTS} times while {self.run} tried. Another run is starting to save there at "
             "the same moment; run one job per checkpoint directory."
         )
-
-    def _check_unheld(self, url: str, action: str) -> None:
-        """A removal by a run that has not saved in the directory: refused if a later run holds it; no take-over."""
-        self._adopted_or_refused(url, action, *self._read_record())
 
     def _adopted_or_refused(self, url: str, action: str, record: dict[str, Any] | None, etag: str | None) -> bool:
         """True if `record` is this run's (adopted); refuse if it is a later run's; else False (free to take)."""
