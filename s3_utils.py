@@ -74,8 +74,7 @@ __version__ = _urls.__version__
 MB = 1024**2
 GB = 1024**3
 DEFAULT_CHUNK_SIZE_MB = 16
-"""Part size of uploads and range size of downloads. NeMo used 64 MB; smaller parts hold less memory and measured at
-least as fast (benchmarks/README.md, "Part size")."""
+"""Part size of uploads and range size of downloads (NeMo's 64 MB held more memory for no speed: benchmarks/README)."""
 DEFAULT_MAX_READ_CONCURRENCY = 15
 DEFAULT_MAX_WRITE_CONCURRENCY = 10
 MIN_PART_SIZE = 5 * MB  # S3's minimum for every part but the last
@@ -135,8 +134,7 @@ _node_sharing_warned = False
 
 
 def node_sharing() -> types.ModuleType | None:
-    """`s3_node_sharing` from beside this module, imported on first use; None where it is absent (a fork may copy
-    only the four core files), with one warning in a job of more than one process."""
+    """`s3_node_sharing` from beside this module, imported on first use; None (warned once in a job) where absent."""
     global _node_sharing_warned
     if not _node_sharing:
         name = f"{__package__}.{NODE_SHARING_MODULE}" if __package__ else NODE_SHARING_MODULE
@@ -224,8 +222,7 @@ def world_size(environ: Mapping[str, str] | None = None) -> int:
 
 
 def node_key(node_rank: int | None = None, environ: Mapping[str, str] | None = None) -> str:
-    """A label equal on every process of this node: the given node rank, else the launcher's, else this host's name
-    and boot id (processes that share it share /dev/shm)."""
+    """A label equal on every process of this node: the node rank given or the launcher's, else host and boot id."""
     if node_rank is not None:
         return f"node {node_rank}"
     environ = os.environ if environ is None else environ
@@ -239,8 +236,7 @@ def node_key(node_rank: int | None = None, environ: Mapping[str, str] | None = N
 
 
 def job_key(environ: Mapping[str, str] | None = None) -> str | None:
-    """What tells this job apart from others on the host (run id, SLURM job and step, rendezvous address and port,
-    joined by ``|``); None outside any launcher."""
+    """What tells this job apart from others on the host (`LAUNCHER_ENV_VARS` ``job``); None outside any launcher."""
     environ = os.environ if environ is None else environ
     values = [environ.get(name, "").strip() for name in LAUNCHER_ENV_VARS["job"]]
     return "|".join(values) if any(values) else None
@@ -354,9 +350,8 @@ class TransientTransferError(IOError):
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How every S3 request is retried (botocore's own retries are off): exponential backoff with full jitter,
-    bounded by attempts and total time; throttling answers are paced by the `RequestPacer` instead, and bounded by
-    time without progress."""
+    """How every S3 request is retried (botocore's own retries are off): exponential backoff with full jitter, bounded
+    by attempts and time; throttling answers are paced by the `RequestPacer`, bounded by time without success."""
 
     max_attempts: int = 8
     """Attempts per call, the first included (1 disables retries)."""
@@ -531,8 +526,7 @@ class SharedLaneStore(Protocol):
 
 
 def _shared_pacer_state(endpoint_url: str | None, bucket: str) -> SharedLaneStore | None:
-    """The host's shared state for this job's pacer of `bucket`; None outside a job, with sharing off, or without
-    s3_node_sharing."""
+    """The host's shared state for this job's pacer of `bucket`; None outside a job, or where sharing is off/absent."""
     if os.environ.get(PACER_SHARING_ENV, "").strip().lower() in ("0", "off", "false", "no") or job_key() is None:
         return None
     sharing = node_sharing()
@@ -755,8 +749,7 @@ class PacerLane:
     # ---- the blocking side ------------------------------------------------------------------------------------
 
     def acquire(self, max_interval_s: float = math.inf) -> float:
-        """Wait for a token if the lane is pacing; return the send time to report back. Tokens come at least every
-        `max_interval_s` (the retry policy's ``max_backoff_s``)."""
+        """Wait for a token if pacing (one comes at least every `max_interval_s`); return the send time to report."""
         now = time.monotonic()
         flag = self._flag
         if not (self._active if flag is None else flag[0][flag[1]]):
@@ -827,8 +820,7 @@ class RequestPacer:
                 lane._apply_limit(now)
 
     def _share(self, direction: str) -> float | None:
-        """This process's share of the budget: the job-wide rate over the world size (looked up again every few
-        seconds, since the process group usually starts after the first S3 request)."""
+        """The job-wide rate over the world size (asked again every 5 s: the process group starts after S3 requests)."""
         budget = self._budget
         rate = getattr(budget, direction) if budget is not None else None
         if rate is None:
@@ -853,8 +845,7 @@ _pacers_lock = threading.Lock()
 
 
 def request_pacer(endpoint_url: str | None, bucket: str) -> RequestPacer:
-    """The process's `RequestPacer` for `bucket` at `endpoint_url` (None: AWS), made on first use; per process id, so
-    a forked child starts with its own."""
+    """The process's `RequestPacer` for `bucket` at `endpoint_url` (None: AWS), made on first use (also in a fork)."""
     key = (os.getpid(), endpoint_url, bucket)
     pacer = _pacers.get(key)
     if pacer is None:
@@ -944,8 +935,7 @@ class S3RequestOptions:
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | S3RequestOptions | None) -> S3RequestOptions | None:
-        """Options from a mapping of S3 parameter names (None or empty gives None); ValueError naming any unknown key
-        (and the S3 spelling of a snake_case one)."""
+        """Options from a mapping of S3 parameter names (None or empty: None); ValueError naming any unknown key."""
         if options is None or isinstance(options, S3RequestOptions):
             return options
         if not isinstance(options, Mapping):
@@ -982,8 +972,7 @@ class S3RequestOptions:
 
 @dataclass(frozen=True)
 class S3ClientSettings:
-    """Where and how to reach S3. Unset fields fall back to botocore's usual sources; credentials are never part of
-    the settings (boto3's credential chain provides and refreshes them)."""
+    """Where and how to reach S3; unset fields fall back to botocore's sources. Credentials come from boto3's chain."""
 
     endpoint_url: str | None = None
     """Explicit endpoint; else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, else AWS."""
@@ -1026,8 +1015,7 @@ _clients_lock = threading.Lock()
 
 
 def get_s3_client(settings: S3ClientSettings | None = None) -> Any:
-    """The process-wide boto3 S3 client for these settings (thread-safe), cached per process id: a forked child
-    builds its own instead of sharing sockets with its parent."""
+    """The process-wide boto3 S3 client for these settings (thread-safe), per process id (a fork builds its own)."""
     settings = (settings or S3ClientSettings()).resolved()
     key = (os.getpid(), settings)
     client = _clients.get(key)
@@ -1071,8 +1059,7 @@ def _add_request_options(client: Any, options: S3RequestOptions | None) -> None:
 
 
 def user_agent(extra: str | None = None) -> str:
-    """What this package adds to botocore's User-Agent (``s3-checkpoint-io/<version>``, then `extra`), so that S3
-    access logs and CloudTrail show who made a request."""
+    """What this package adds to botocore's User-Agent (``s3-checkpoint-io/<version>``, then `extra`)."""
     return f"s3-checkpoint-io/{__version__}" + (f" {extra}" if extra else "")
 
 
@@ -1217,8 +1204,7 @@ _CHECKSUMS = {
 
 
 def validate_checksum_algorithm(name: str | None) -> str:
-    """S3's name of the algorithm a save with `name` would use; raises as `ChecksumAlgorithm.named` does, so that a
-    misconfiguration fails when the plugin is built, not at the first save."""
+    """S3's name of the algorithm a save with `name` would use; raises as `ChecksumAlgorithm.named` (early) does."""
     return ChecksumAlgorithm.named(name).name
 
 
@@ -1322,8 +1308,7 @@ class _ChecksumRecords:
         return None
 
     def sidecar(self, info: S3ObjectInfo) -> RecordedChecksum | None:
-        """The checksum recorded beside the object, if any; ChecksumMismatchError if that record is unusable or
-        belongs to an older object at the key."""
+        """The checksum recorded beside the object; ChecksumMismatchError if unusable or of an older object there."""
         entries = self.sidecar_entries(info)
         return entries[0] if entries else None
 
@@ -1485,8 +1470,7 @@ _HAS_PWRITE = hasattr(os, "pwrite")
 
 
 class DownloadedObject:
-    """An object downloaded into an anonymous in-memory file (Linux ``memfd``; a temporary file elsewhere). `path` can
-    be handed to ``torch.load(path, mmap=True)`` (no second copy). Close it when done (torch's mapping stays valid)."""
+    """An object in an anonymous in-memory file (``memfd``) whose `path` ``torch.load(path, mmap=True)`` can map."""
 
     def __init__(self, size: int, fd: int | None = None) -> None:
         """`fd`: an open, writable file to download into instead (resized to `size`; `close` leaves it open)."""
@@ -1796,8 +1780,7 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def list_objects(self, s3_path: str | os.PathLike[str], *, include_sidecars: bool = False) -> list[S3ObjectInfo]:
-        """Every object under the "directory" `s3_path` (key + ``/``; the bucket root lists all), sorted by key (as
-        directory buckets do not), without checksum sidecars and owner records unless `include_sidecars`."""
+        """Every object under the "directory" `s3_path`, sorted by key, without this package's records by default."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, prefix = _urls.s3_dir_prefix(url)
         return sorted(self._iter_objects(bucket, prefix, url, include_sidecars), key=lambda info: info.key)
@@ -1815,8 +1798,7 @@ class S3Utils:
     def _iter_objects(
         self, bucket: str, prefix: str, url: str, include_sidecars: bool, page_size: int | None = None
     ) -> Iterator[S3ObjectInfo]:
-        """The objects under `prefix` (``""`` or ending in ``/``) in listing order, page by page (only ``Contents``:
-        directory buckets report uploads as ``CommonPrefixes``; an empty page may still be truncated)."""
+        """The objects (only ``Contents``) under `prefix` (``""`` or ending in ``/``) in listing order, page by page."""
         if prefix and not prefix.endswith("/"):
             raise ValueError(f"listing prefix {prefix!r} for {url} must be empty or end in '/' (directory buckets)")
         token: str | None = None
@@ -1863,8 +1845,7 @@ class S3Utils:
         self, base_path: str | os.PathLike[str], suffix: str | None = None, return_key_only: bool = True,
         profile: str | None = None, creds: Any = None,
     ) -> list[str]:
-        """Full keys (or, with ``return_key_only=False``, URLs) of the objects under ``base_path/`` ending in `suffix`;
-        `profile` / `creds` (an STS-style dict) select other credentials for this call, as in NeMo."""
+        """Keys (or URLs) under ``base_path/`` ending in `suffix`; `profile` / `creds` as in NeMo select credentials."""
         utils = self if profile is None and creds is None else self._with_credentials(profile, creds)
         objects = utils.list_objects(base_path)
         keys = [obj.key for obj in objects if not suffix or obj.key.endswith(suffix)]
@@ -1894,8 +1875,7 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def remove_object(self, s3_path: str | os.PathLike[str], *, fence: DirectoryFence | None = None) -> None:
-        """Delete one object (and its checksum record); missing is fine. With a `fence`, only while the fence's run owns
-        the directory (else CheckpointDirectoryTakenError)."""
+        """Delete one object and its checksum record (missing is fine); with a `fence`, only while its run owns it."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
         if not key:
@@ -1918,8 +1898,7 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def remove_objects(self, s3_paths: Iterable[str | os.PathLike[str]]) -> int:
-        """Delete these objects and their checksum records, 1,000 keys per request (missing is fine); returns how many
-        keys were deleted (or found missing)."""
+        """Delete these objects and their checksum records (missing is fine); returns how many keys were deleted."""
         keys: dict[str, dict[str, None]] = {}  # bucket -> keys in order, without repeats
         for path in s3_paths:
             url = _urls.normalize_s3_url(path)
@@ -1955,8 +1934,7 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def list_multipart_uploads(self, s3_path: str | os.PathLike[str]) -> list[MultipartUploadInfo]:
-        """The in-progress multipart uploads under the "directory" `s3_path`, at any depth, sorted by key then
-        initiation (parts and size not counted)."""
+        """The in-progress multipart uploads under the "directory" `s3_path`, sorted by key then initiation."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, prefix = _urls.s3_dir_prefix(url)
         uploads = []
@@ -2029,8 +2007,7 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def store_time(self, s3_path: str | os.PathLike[str]) -> datetime.datetime:
-        """The store's clock (the ``Date`` of a HEAD of the bucket; else this machine's), which ages of uploads are
-        measured against: a skewed local clock cannot make a running save's upload look old."""
+        """The store's clock (a HEAD's ``Date``, else this machine's), so a skewed local clock cannot age an upload."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, _ = _urls.parse_s3_url(url)
         response = self.call("head_bucket", url, Bucket=bucket)
@@ -2048,8 +2025,7 @@ class S3Utils:
         max_concurrency: int = DEFAULT_MAX_WRITE_CONCURRENCY, checksum_algorithm: str | None = "auto", *,
         fence: DirectoryFence | None = None,
     ) -> S3MultipartWriter:
-        """A write-only binary stream that uploads to `s3_path` as it is written (see `S3MultipartWriter`); with a
-        `fence`, the object is committed only while the fence's run owns the directory."""
+        """A write-only binary stream that uploads to `s3_path` as it is written (`S3MultipartWriter`)."""
         return S3MultipartWriter(self, s3_path, int(chunk_size_MB * MB), max_concurrency, checksum_algorithm, fence)
 
     @_ClassOrInstanceMethod
@@ -2057,8 +2033,7 @@ class S3Utils:
         self, bytes_buffer: BinaryIO, s3_path: str | os.PathLike[str], chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
         max_concurrency: int = DEFAULT_MAX_WRITE_CONCURRENCY,
     ) -> None:
-        """Upload a binary stream, from its start if it is seekable (as NeMo did); parts are retried from the bytes
-        already read, so the object can never come out truncated."""
+        """Upload a binary stream, from its start if it is seekable (as NeMo did); never truncated by a retry."""
         self._upload_stream(bytes_buffer, s3_path, chunk_size_MB, max_concurrency)
 
     @_ClassOrInstanceMethod
@@ -2189,8 +2164,7 @@ class S3Utils:
         self, s3_path: str | os.PathLike[str], ranges: Iterable[tuple[int, Any]], *, etag: str | None = None,
         max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY,
     ) -> list[int]:
-        """`read_range_into` for many ``(start, target)`` pairs of one object, up to `max_concurrency` at a time; the
-        byte counts in order. The first failure cancels the reads not yet started and is raised."""
+        """`read_range_into` for ``(start, target)`` pairs, `max_concurrency` at a time; the first failure raises."""
         ranges = list(ranges)
         if len(ranges) <= 1:
             return [self.read_range_into(s3_path, start, target, etag=etag) for start, target in ranges]
@@ -2213,8 +2187,7 @@ class S3Utils:
         chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB, max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY, *,
         progress: Callable[[int], None] | None = None,
     ) -> RecordedChecksum | None:
-        """Download and verify `s3_path` into `file_path`, which appears only once complete; return the record the
-        bytes matched (`DownloadedObject.verified_against`). `progress` as for `download_to_memory`."""
+        """Download and verify `s3_path` into `file_path` (appearing once complete); the record the bytes matched."""
         directory = os.path.dirname(os.path.abspath(file_path))
         with self.download_to_memory(s3_path, chunk_size_MB, max_concurrency, progress=progress) as downloaded:
             fd, partial = tempfile.mkstemp(dir=directory, prefix=".s3ckpt-partial-")
@@ -2292,8 +2265,7 @@ def _results_or_first_error(futures: list[Future[_T]]) -> list[_T]:
 
 
 class _RangedDownload:
-    """One object fetched into a `DownloadedObject` by parallel ranged GETs, each checksummed on its way in (the
-    object's checksum is combined from the ranges', so the bytes are read once)."""
+    """One object fetched into a `DownloadedObject` by parallel ranged GETs, each checksummed on its way in."""
 
     def __init__(
         self, utils: S3Utils, info: S3ObjectInfo, target: DownloadedObject, algorithm: ChecksumAlgorithm | None,
@@ -2423,14 +2395,11 @@ def _read_body_into(body: Any, views: list[memoryview]) -> int:
 # --------------------------------------------------------------------------------------------------------------------
 
 REFERENCE_PATHS_ENV = "S3CKPT_REFERENCE_PATHS"
-"""Comma-separated names from `FAST_PATHS` (or ``all``) that take their plain reference path instead: the same bytes
-(tests compare both), another cost. For benchmarks and debugging; docs/internals.md lists the paths."""
+"""Names from `FAST_PATHS` (comma-separated, or ``all``) that take their plain reference path (same bytes) instead."""
 
 FAST_PATHS = ("borrowed_parts", "framing_reuse", "direct_reads", "scatter_reads", "span_reads")
-"""The fast paths behind the switch: `S3MultipartWriter.write_borrowed` uploading from the caller's memory; s3_dcp
-reusing archive framing, reading a large tensor straight into its target, scattering one GET into a group's targets,
-and locating tensors by recorded spans (scatter reads need those). benchmarks/realistic.md weighs each; a path that
-gains under 5% there is removed."""
+"""The fast paths behind the switch (docs/internals.md); benchmarks/realistic.md weighs each, and one that gains under
+5% there is removed."""
 
 
 def fast_path(name: str) -> bool:
@@ -2450,8 +2419,7 @@ def fast_path(name: str) -> bool:
 
 
 _LEND_MIN = 1 * MB
-"""`S3MultipartWriter.write_borrowed` lends at least this many bytes to a part (a lent piece costs a segment of the
-part body), or copies them."""
+"""`S3MultipartWriter.write_borrowed` lends at least this many bytes to a part, or copies them."""
 
 
 class _PyBufferAPI(NamedTuple):
@@ -2489,8 +2457,7 @@ def _py_buffer_api() -> _PyBufferAPI | None:
 
 
 def buffer_address(data: Any) -> int | None:
-    """The address of the first byte of `data`, a contiguous buffer (read-only included), or None where that cannot be
-    asked; compared with a tensor's ``data_ptr()`` to know that a write carries that tensor's own bytes."""
+    """The address of the first byte of the contiguous buffer `data` (read-only too), or None where it cannot be had."""
     api = _py_buffer_api()
     if api is None:
         return None
@@ -2568,8 +2535,7 @@ _SEND_BLOCK = 1 << 62
 
 
 class _BufferReader(io.RawIOBase):
-    """A seekable read-only stream over a buffer or a part body's segments, so it reaches the socket without a copy
-    (botocore copies ``bytes`` bodies; it reads file-like ones in place)."""
+    """A seekable read-only stream over a buffer or a part body's segments (botocore would copy ``bytes`` bodies)."""
 
     def __init__(self, buffer: memoryview | list[memoryview], min_block: int = 0) -> None:
         super().__init__()
@@ -2633,8 +2599,7 @@ class _UploadedPart:
 def _piece_checksums(
     algorithm: ChecksumAlgorithm, data: memoryview | list[memoryview], cuts: Iterable[int]
 ) -> list[tuple[int, int]]:
-    """``(checksum, length)`` of the pieces of `data` (a buffer, or a part body's segments) between the offsets `cuts`
-    (ascending)."""
+    """``(checksum, length)`` of the pieces of `data` (a buffer, or segments) between the ascending offsets `cuts`."""
     segments = data if isinstance(data, list) else [data]
     pieces, start, index, base = [], 0, 0, 0  # segments[index] starts at offset `base`
     for end in [*cuts, sum(len(segment) for segment in segments)]:
@@ -2690,8 +2655,7 @@ _CHECKSUM_KEEPING_LOCK = threading.Lock()
 
 
 def _keeps_checksums(utils: S3Utils, bucket: str, kind: str, keeps: bool | None = None) -> bool:
-    """Whether the last commit of this kind to this bucket (and endpoint) came back with the checksum the store keeps;
-    with `keeps`, remember that of this commit."""
+    """Whether the last commit of this kind to this bucket came back with the store's checksum (`keeps`: remember)."""
     key = (str(getattr(getattr(utils.client, "meta", None), "endpoint_url", "") or ""), bucket, kind)
     with _CHECKSUM_KEEPING_LOCK:
         if keeps is not None:
@@ -2885,8 +2849,7 @@ class S3MultipartWriter(io.RawIOBase):
     # ---- commit or abort ------------------------------------------------------------------------------------------
 
     def _finish(self, commit: bool) -> None:
-        """The one place that ends a writer: complete the object (`commit`) or abort the upload; later calls do nothing,
-        and a failed commit aborts before its error propagates."""
+        """The one place that ends a writer: complete the object (`commit`; aborting if that fails) or abort."""
         if self._state is not _WriterState.OPEN:
             return
         try:
@@ -3167,8 +3130,7 @@ class S3MultipartWriter(io.RawIOBase):
         return response
 
     def _forget_pending_record(self) -> None:
-        """After a failed commit to a key that had no record: remove the one written for it, unless an object is there
-        after all (a commit whose answer was lost)."""
+        """After a failed commit to a key without a record: remove the one written, unless an object is there."""
         try:
             self._utils.head_object(self.url)
         except FileNotFoundError:
@@ -3261,8 +3223,7 @@ def adopt_run(run: CheckpointRun) -> None:
 
 
 class CheckpointDirectoryTakenError(RuntimeError):
-    """A newer run owns this checkpoint `directory`: this (stale) `run`'s save or removal there was refused and changed
-    nothing. `owner` is the run that holds it (None if unknown)."""
+    """A newer `owner` (None: unknown) holds this checkpoint `directory`: this `run`'s save or removal was refused."""
 
     def __init__(
         self, message: str, directory: str = "", run: CheckpointRun | None = None, owner: CheckpointRun | None = None
@@ -3654,8 +3615,7 @@ class _CheckedOnce:
 
 
 def invalidate_fsspec_cache(url: str) -> None:
-    """Tell live s3fs filesystems that `url` changed (Lightning's ModelCheckpoint asks their cached listings whether
-    files exist)."""
+    """Tell live s3fs filesystems that `url` changed (Lightning's ModelCheckpoint asks their cached listings)."""
     s3fs = sys.modules.get("s3fs")
     if s3fs is None:
         return
