@@ -186,7 +186,6 @@ def _launcher_int(environ: Mapping[str, str], what: str, minimum: int = 0) -> in
 
 
 def _process_group() -> Any:
-    """torch.distributed if torch is imported and its default process group is up, else None."""
     distributed = getattr(sys.modules.get("torch"), "distributed", None)
     if distributed is not None and distributed.is_available() and distributed.is_initialized():
         return distributed
@@ -515,13 +514,9 @@ class SharedLaneStore(Protocol):
     processes: int  # the processes using the state, as of the last `locked` section
 
     def locked(self) -> contextlib.AbstractContextManager[None]: ...
-
     def load(self, lane: int) -> PacerLaneState: ...
-
     def store(self, lane: int, state: PacerLaneState) -> None: ...
-
     def active_flag(self, lane: int) -> tuple[Any, int]: ...
-
     def last_success(self, lane: int) -> float: ...
 
 
@@ -536,17 +531,12 @@ def _shared_pacer_state(endpoint_url: str | None, bucket: str) -> SharedLaneStor
 class PacerLane:
     """One direction (reads or writes) of a `RequestPacer`: a token bucket whose rate adapts to S3's answers.
 
-    Dormant until the first throttling answer (or a budget): a request then costs a clock read and nothing waits.
-    Once throttled, every request takes a token. The rate starts at `BETA` times the rate requests were sent at,
-    drops by `BETA` on a throttling answer to a request sent after the last drop, and grows on each success by a
-    step larger for a slow lane (``GROWTH / sqrt(rate)``) and a longer run of successes, plus `CATCH_UP` per second
-    of successes (the same for every process, so processes converge to equal shares); never past twice the measured
-    send rate or the budget's share, never under `MIN_RATE`.
-
-    Shared by a job's n processes on one host (`SharedLaneStore`), the state stands for all of them, as n lanes in
-    lock step: floor, `CATCH_UP` and budget share are n times a process's, a success adds 1/n to the run, and the
-    step uses the rate per process. The arithmetic takes the time as an argument (`reserve`, `on_success`,
-    `on_throttle`), so tests can use a made-up clock; `acquire` is the blocking wrapper.
+    Dormant (no waiting) until the first throttling answer or a budget; then every request takes a token. The rate
+    starts at `BETA` times the measured send rate, drops by `BETA` on a throttling answer to a request sent after the
+    last drop, and grows on each success (faster for a slow lane and a long run of successes, plus `CATCH_UP`, the
+    same for every process: fairness), never past twice the send rate or the budget's share, nor under `MIN_RATE`.
+    A lane shared by a job's n processes on one host (`SharedLaneStore`) behaves as n lanes in lock step. The
+    arithmetic takes the time as an argument (tests use a made-up clock); `acquire` is the blocking wrapper.
     """
 
     BETA = 0.7
@@ -619,7 +609,6 @@ class PacerLane:
         return self._last_success
 
     # ---- the shared state ----------------------------------------------------------------------------------------
-
     @contextlib.contextmanager
     def _state(self) -> Iterator[None]:
         """Hold the lane; for a shared lane, hold the host's state too and work on a copy of it (stored back)."""
@@ -652,7 +641,6 @@ class PacerLane:
         )
 
     # ---- the arithmetic (times from time.monotonic(), or a test's clock) ----------------------------------------
-
     def record_send(self, now: float) -> None:
         self._sends.append(now)
 
@@ -747,7 +735,6 @@ class PacerLane:
         return limit
 
     # ---- the blocking side ------------------------------------------------------------------------------------
-
     def acquire(self, max_interval_s: float = math.inf) -> float:
         """Wait for a token if pacing (one comes at least every `max_interval_s`); return the send time to report."""
         now = time.monotonic()
@@ -1258,7 +1245,6 @@ _CHECKSUM_ENTRY_FIELDS = {"algorithm": str, "checksum": str, "size": int, "etag"
 
 
 def _is_checksum_entry(entry: Any) -> bool:
-    """Whether `entry` is a well-formed checksum entry of a record (its fields of their types)."""
     return isinstance(entry, dict) and all(isinstance(entry.get(k), t) for k, t in _CHECKSUM_ENTRY_FIELDS.items())
 
 
@@ -1644,7 +1630,6 @@ class S3Utils:
         return (type(self), (self.settings, self.retry_policy))
 
     # ---- plumbing -------------------------------------------------------------------------------------------------
-
     @property
     def client(self) -> Any:
         if self._client is None:
@@ -1735,7 +1720,6 @@ class S3Utils:
         return _ChecksumRecords(self)
 
     # ---- NeMo-compatible URL helpers ------------------------------------------------------------------------------
-
     @staticmethod
     def parse_s3_url(s3_url: str | os.PathLike[str]) -> tuple[str, str]:
         """``(bucket, key)``; raises ValueError for anything that is not an S3 URL (NeMo returned (None, None))."""
@@ -1756,7 +1740,6 @@ class S3Utils:
         return match.group(1) if match else path
 
     # ---- metadata and listing -------------------------------------------------------------------------------------
-
     @_ClassOrInstanceMethod
     def head_object(self, s3_path: str | os.PathLike[str]) -> S3ObjectInfo:
         """Size, ETag, modification time and stored checksums of one object; FileNotFoundError if there is none."""
@@ -1872,7 +1855,6 @@ class S3Utils:
         return S3Utils(self.settings, self.retry_policy, client=client)
 
     # ---- removal --------------------------------------------------------------------------------------------------
-
     @_ClassOrInstanceMethod
     def remove_object(self, s3_path: str | os.PathLike[str], *, fence: DirectoryFence | None = None) -> None:
         """Delete one object and its checksum record (missing is fine); with a `fence`, only while its run owns it."""
@@ -1931,7 +1913,6 @@ class S3Utils:
                 )
 
     # ---- in-progress multipart uploads -----------------------------------------------------------------------------
-
     @_ClassOrInstanceMethod
     def list_multipart_uploads(self, s3_path: str | os.PathLike[str]) -> list[MultipartUploadInfo]:
         """The in-progress multipart uploads under the "directory" `s3_path`, sorted by key then initiation."""
@@ -2018,7 +1999,6 @@ class S3Utils:
         return datetime.datetime.now(datetime.timezone.utc)
 
     # ---- streaming upload -----------------------------------------------------------------------------------------
-
     @_ClassOrInstanceMethod
     def open_writer(
         self, s3_path: str | os.PathLike[str], chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
@@ -2073,7 +2053,6 @@ class S3Utils:
         return writer.info
 
     # ---- download -------------------------------------------------------------------------------------------------
-
     @_ClassOrInstanceMethod
     def download_to_memory(
         self, s3_path: str | os.PathLike[str], chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
@@ -2255,7 +2234,6 @@ def _thread_pool(workers: int, name: str) -> ThreadPoolExecutor:
 
 
 def _results_or_first_error(futures: list[Future[_T]]) -> list[_T]:
-    """The futures' results in order; on the first failure, cancel those not started and raise it."""
     done, pending = wait(futures, return_when=FIRST_EXCEPTION)
     for future in pending:
         future.cancel()
@@ -2363,7 +2341,6 @@ def _copy_body(
 
 
 def _first_bytes(views: list[memoryview], count: int) -> list[memoryview]:
-    """The first `count` bytes of the buffers `views` taken in order, as views of them."""
     first = []
     for view in views:
         if count <= 0:
@@ -2546,7 +2523,6 @@ class _BufferReader(io.RawIOBase):
         self._min_block = min_block
 
     def _block(self, size: int) -> memoryview:
-        """Up to `size` bytes from the position, from one segment (never joined: that would be a copy)."""
         if self._position >= self._length or size <= 0:
             return memoryview(b"")
         index = bisect.bisect_right(self._starts, self._position) - 1
@@ -2667,12 +2643,10 @@ class S3MultipartWriter(io.RawIOBase):
     """A binary stream whose bytes go to one S3 object while they are written (``torch.save(obj, writer)``).
 
     * Parts are uploaded (and retried one by one) by up to `max_concurrency` threads while the caller writes, from at
-      most ``max_concurrency + 1`` part buffers (the process's `_PartBuffers`); a full set makes the writer wait. The
-      part size doubles every `parts_per_size` parts (`part_size_of`). Objects under one part go up in a single PUT.
-    * The full-object checksum is combined from the parts' and sent with the commit, so S3 verifies and keeps it; a
-      sidecar records it where a store does not. `mark_checksum_boundary` lets `checksum_of` give any span's after.
-    * The object appears only when `close()` completes it. If anything fails, or the writer is left through an
-      exception, the upload is aborted: no partial object, an older one untouched (`_finish` decides).
+      most ``max_concurrency + 1`` part buffers; objects under one part go up in a single PUT.
+    * The full-object checksum, combined from the parts', goes with the commit (S3 verifies and keeps it; a sidecar
+      where a store does not). `checksum_of` gives the checksum of spans between `mark_checksum_boundary` marks.
+    * The object appears only when `close()` completes it; on any failure the upload is aborted (`_finish`).
     * With a `fence`, the commit is sent only while its run owns the directory, with the fence's ETag condition.
     """
 
@@ -2733,7 +2707,6 @@ class S3MultipartWriter(io.RawIOBase):
         return self._state.value
 
     # ---- io.RawIOBase ---------------------------------------------------------------------------------------------
-
     def writable(self) -> bool:
         return True
 
@@ -2847,7 +2820,6 @@ class S3MultipartWriter(io.RawIOBase):
             self._finish(commit=False)
 
     # ---- commit or abort ------------------------------------------------------------------------------------------
-
     def _finish(self, commit: bool) -> None:
         """The one place that ends a writer: complete the object (`commit`; aborting if that fails) or abort."""
         if self._state is not _WriterState.OPEN:
@@ -2900,7 +2872,6 @@ class S3MultipartWriter(io.RawIOBase):
                 logger.exception("Could not abort the multipart upload %s to %s", upload_id, self.url)
 
     # ---- parts ----------------------------------------------------------------------------------------------------
-
     def part_size_of(self, number: int) -> int:
         """Size of part `number` (1-based): `part_size`, doubled after every `parts_per_size` parts, so that 10,000
         parts reach S3's 5 TiB limit whatever the first size."""
@@ -3004,7 +2975,6 @@ class S3MultipartWriter(io.RawIOBase):
                 self._free_buffers.put(buffer)  # type: ignore[arg-type]
 
     # ---- completion -----------------------------------------------------------------------------------------------
-
     def _complete(self) -> None:
         """Send what is left, make the object visible, and check (or record) its checksum; sets `info`."""
         if self._upload_id is None:
@@ -3031,7 +3001,6 @@ class S3MultipartWriter(io.RawIOBase):
         logger.debug("Wrote %s (%d bytes, %s %s)", self.url, self._size, self._algorithm.name, checksum)
 
     def _keep_pieces(self, pieces: Iterable[tuple[int, int]]) -> None:
-        """Keep the object's pieces, with their offsets, for `checksum_of`."""
         offset = 0
         self._pieces = []
         for checksum, length in pieces:
@@ -3317,7 +3286,6 @@ class DirectoryFence:
         return _CheckedOnce(self)
 
     # ---- what the writer and the removals call --------------------------------------------------------------------
-
     def token(self, url: str) -> FenceToken:
         """For the other ranks of the save of `url`: take the directory over if need be, and say what they check."""
         with self._hold.lock, self._noted(url, "save"):
@@ -3406,7 +3374,6 @@ class DirectoryFence:
         return {"IfMatch": now} if now else {"IfNoneMatch": "*"}
 
     # ---- the owner record -----------------------------------------------------------------------------------------
-
     @contextlib.contextmanager
     def _noted(self, url: str, action: str) -> Iterator[None]:
         """Name the checkpoint in errors of the owner record's requests."""
@@ -3530,10 +3497,7 @@ class DirectoryFence:
                 "directories there are still owned by one run (their %s is checked before every save and removal), "
                 "but not protected: two runs taking a directory over at the same moment, and a stale run's save or "
                 "removal sent in the moment between that check and its request.",
-                self._utils.settings.endpoint_url or "S3",
-                self.bucket,
-                how,
-                OWNER_RECORD_NAME,
+                self._utils.settings.endpoint_url or "S3", self.bucket, how, OWNER_RECORD_NAME,
             )
 
     def _raise_if_refused(self, url: str, action: str) -> None:
@@ -3558,9 +3522,7 @@ class DirectoryFence:
             "stop it. If the other run is gone and this one must go on, restart it (a new run takes the directory "
             f"over at its first save) or delete {self.record_url}; fencing=False (s3_checkpointing.fencing: false) "
             "turns the check off.",
-            self.directory,
-            self.run,
-            owner,
+            self.directory, self.run, owner,
         )
 
 
