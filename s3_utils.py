@@ -73,16 +73,13 @@ __version__ = _urls.__version__
 
 MB = 1024**2
 GB = 1024**3
-DEFAULT_CHUNK_SIZE_MB = 16
-"""Part size of uploads and range size of downloads (NeMo's 64 MB held more memory for no speed: benchmarks/README)."""
+DEFAULT_CHUNK_SIZE_MB = 16  # part size of uploads, range size of downloads (NeMo: 64; benchmarks/README.md)
 DEFAULT_MAX_READ_CONCURRENCY = 15
 DEFAULT_MAX_WRITE_CONCURRENCY = 10
 MIN_PART_SIZE = 5 * MB  # S3's minimum for every part but the last
 MAX_PARTS = 10_000  # S3's maximum number of parts in one multipart upload
-CHECKSUM_SIDECAR_SUFFIX = ".s3ckpt-checksum.json"
-"""Suffix of the small object that records a checksum where a store does not keep S3 checksums itself."""
-OWNER_RECORD_NAME = ".s3ckpt-owner.json"
-"""Name of the small object in a checkpoint directory that says which run owns it (see `DirectoryFence`)."""
+CHECKSUM_SIDECAR_SUFFIX = ".s3ckpt-checksum.json"  # a checksum record beside an object
+OWNER_RECORD_NAME = ".s3ckpt-owner.json"  # a checkpoint directory's owner record (`DirectoryFence`)
 
 
 def _is_package_record(key: str) -> bool:
@@ -127,8 +124,7 @@ def import_optional_dependency(name: str, feature: str = "") -> types.ModuleType
         ) from exc
 
 
-NODE_SHARING_MODULE = "s3_node_sharing"
-"""The optional sibling module with what a host's processes share (the pacer's state, checkpoint loads)."""
+NODE_SHARING_MODULE = "s3_node_sharing"  # the optional sibling module with what a host's processes share
 _node_sharing: list[types.ModuleType | None] = []  # the import's outcome, once known
 _node_sharing_warned = False
 
@@ -253,15 +249,10 @@ def job_key(environ: Mapping[str, str] | None = None) -> str | None:
 class LaunchIdentity:
     """The launch this process belongs to, as its launcher's environment says (`launch_identity`)."""
 
-    launcher: str
-    """``"torchrun"``, ``"slurm"`` or ``"slurm+torchrun"``."""
-    job: str
-    """``slurm:<SLURM_JOB_ID>`` and/or ``torchrun:<TORCHELASTIC_RUN_ID>`` (for run id ``none`` outside SLURM, the
-    torchrun agent on this host: ``torchrun:none@host:pid:t``, one run per node)."""
-    attempt: tuple[int, ...]
-    """Which launch of `job` this is (higher is later): SLURM's restart count and step id, then torchrun's restarts."""
-    started: float | None = None
-    """When the launch started, where the launcher says (``SLURM_JOB_START_TIME``), else None."""
+    launcher: str  # ``"torchrun"``, ``"slurm"`` or ``"slurm+torchrun"``
+    job: str  # what a relaunch keeps: ``slurm:<job id>`` and/or ``torchrun:<run id>`` (docs/runs.md)
+    attempt: tuple[int, ...]  # which launch of `job` (higher is later): SLURM's restarts and step, torchrun's
+    started: float | None = None  # when the launch started (``SLURM_JOB_START_TIME``), if known
 
     @property
     def run_id(self) -> str:
@@ -352,13 +343,10 @@ class RetryPolicy:
     """How every S3 request is retried (botocore's own retries are off): exponential backoff with full jitter, bounded
     by attempts and time; throttling answers are paced by the `RequestPacer`, bounded by time without success."""
 
-    max_attempts: int = 8
-    """Attempts per call, the first included (1 disables retries)."""
-    max_elapsed_s: float = 120.0
-    """No new attempt starts this long after the first (for throttling: after the last success in that direction)."""
+    max_attempts: int = 8  # attempts per call, the first included (1 disables retries)
+    max_elapsed_s: float = 120.0  # no attempt starts this long after the first (throttling: after a success)
     initial_backoff_s: float = 0.5
-    max_backoff_s: float = 20.0
-    """The longest backoff between attempts; the request pacer never spaces a process's requests further apart."""
+    max_backoff_s: float = 20.0  # the longest backoff; the pacer never spaces requests further apart
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -487,8 +475,7 @@ class RequestRates:
 # s3_node_sharing), so that a process learns from its neighbours' SlowDowns too. Without that module (or with
 # ``S3CKPT_PACER_SHARING=0``) each process paces on its own.
 
-PACER_SHARING_ENV = "S3CKPT_PACER_SHARING"
-"""Set to ``0`` (or ``off``) to keep one pacer per process even inside a job."""
+PACER_SHARING_ENV = "S3CKPT_PACER_SHARING"  # set to ``0`` (or ``off``) to keep one pacer per process even inside a job
 
 
 class PacerLaneState(NamedTuple):
@@ -504,8 +491,7 @@ class PacerLaneState(NamedTuple):
     last_success: float
     throttles: int
     activations: int
-    sends: tuple[float, ...]
-    """Send times (oldest first), the newest 64."""
+    sends: tuple[float, ...]  # send times (oldest first), the newest 64
 
 
 class SharedLaneStore(Protocol):
@@ -541,14 +527,11 @@ class PacerLane:
 
     BETA = 0.7
     GROWTH = 0.1
-    CATCH_UP = 0.05
-    """Requests per second added per second of successes, whatever the rate (fairness between processes)."""
+    CATCH_UP = 0.05  # requests per second added per second of successes, whatever the rate (fairness between processes)
     STREAK_SCALE = 4.0
     MAX_STREAK = 64
-    MIN_RATE = 0.2
-    """Requests per second per process below which a lane never goes (so it learns when the store has room again)."""
-    WINDOW_S = 2.0
-    """The window over which a lane measures its send rate (to start from, and to cap its growth)."""
+    MIN_RATE = 0.2  # requests/s per process a lane never goes under (to learn when the store has room)
+    WINDOW_S = 2.0  # the window over which a lane measures its send rate (to start from, and to cap its growth)
 
     def __init__(
         self, name: str, limit: Callable[[], float | None] | None = None, shared: SharedLaneStore | None = None,
@@ -866,20 +849,13 @@ class S3RequestOptions:
     every request whose operation takes them. A parameter a call sets itself wins.
     """
 
-    ServerSideEncryption: str | None = None
-    """``AES256`` (SSE-S3), ``aws:kms`` (SSE-KMS) or ``aws:kms:dsse`` (dual-layer SSE-KMS)."""
-    SSEKMSKeyId: str | None = None
-    """KMS key id or ARN for ``aws:kms`` / ``aws:kms:dsse``; else the account's default ``aws/s3`` key."""
-    BucketKeyEnabled: bool | None = None
-    """S3 Bucket Key for SSE-KMS (fewer KMS requests); not available with ``aws:kms:dsse``."""
-    StorageClass: str | None = None
-    """One of `STORAGE_CLASSES`."""
-    Tagging: str | None = None
-    """Object tags as a URL-encoded query (``project=gpt&team=nlp``); a mapping is accepted and encoded."""
-    ExpectedBucketOwner: str | None = None
-    """The 12-digit AWS account id that must own the bucket; S3 answers 403 AccessDenied otherwise."""
-    RequestPayer: str | None = None
-    """``requester`` to read and write a Requester Pays bucket."""
+    ServerSideEncryption: str | None = None  # ``AES256``, ``aws:kms`` or ``aws:kms:dsse``
+    SSEKMSKeyId: str | None = None  # KMS key id or ARN for ``aws:kms*``; else the account's ``aws/s3`` key
+    BucketKeyEnabled: bool | None = None  # S3 Bucket Key for ``aws:kms`` (fewer KMS requests)
+    StorageClass: str | None = None  # one of `STORAGE_CLASSES`
+    Tagging: str | None = None  # URL-encoded tags (``project=gpt&team=nlp``); a mapping is encoded
+    ExpectedBucketOwner: str | None = None  # the 12-digit account id that must own the bucket (else 403)
+    RequestPayer: str | None = None  # ``requester`` to read and write a Requester Pays bucket
 
     def __post_init__(self) -> None:
         if isinstance(self.Tagging, Mapping):
@@ -961,8 +937,7 @@ class S3RequestOptions:
 class S3ClientSettings:
     """Where and how to reach S3; unset fields fall back to botocore's sources. Credentials come from boto3's chain."""
 
-    endpoint_url: str | None = None
-    """Explicit endpoint; else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, else AWS."""
+    endpoint_url: str | None = None  # else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, else AWS
     region_name: str | None = None
     addressing_style: str | None = None
     """``"path"``, ``"virtual"`` or ``"auto"``; defaults to ``"path"`` for a custom endpoint. Directory buckets and
@@ -975,13 +950,10 @@ class S3ClientSettings:
     sign_payloads: bool = False
     """SHA-256-sign request bodies even over plain http. Off by default: every body carries a CRC the store verifies
     (as botocore relies on over https), and signing costs a SHA-256 pass over every byte on both sides."""
-    request_options: S3RequestOptions | None = None
-    """Encryption, storage class, tags, bucket owner, requester pays: added to the requests of this client."""
-    max_requests_per_second: RequestRates | None = None
-    """A job-wide budget (`RequestRates`, or what `RequestRates.from_value` takes); None: adaptive pacing only."""
+    request_options: S3RequestOptions | None = None  # added to the requests of this client
+    max_requests_per_second: RequestRates | None = None  # a job-wide budget; None: adaptive pacing only
 
-    path_style_by_default: bool = field(default=False, repr=False)
-    """Set by `resolved` when ``"path"`` was filled in for a custom endpoint rather than asked for."""
+    path_style_by_default: bool = field(default=False, repr=False)  # "path" filled in by `resolved`
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_requests_per_second", RequestRates.from_value(self.max_requests_per_second))
@@ -1221,20 +1193,16 @@ class ChecksumMismatchError(IOError):
 CHECKSUM_SOURCES = ("s3", "metadata", "sidecar")
 """Where a checksum can be recorded: by the store ("s3"), in the object's user metadata ("metadata", single PUTs), or
 in a sidecar object beside it ("sidecar")."""
-CHECKSUM_METADATA_KEY = "s3ckpt-checksum"
-"""The user-metadata key under which a single PUT carries its checksum: ``"<ALGORITHM> <value>"``."""
+CHECKSUM_METADATA_KEY = "s3ckpt-checksum"  # user metadata of a single PUT: ``"<ALGORITHM> <value>"``
 
 
 @dataclass(frozen=True)
 class RecordedChecksum:
     """A full-object checksum recorded when an object was written, and where it is recorded."""
 
-    algorithm: str
-    """S3's name of the algorithm: ``"CRC32C"``, ``"CRC64NVME"`` or ``"CRC32"``."""
-    value: str
-    """The checksum as S3 spells it (base64 of the big-endian bytes)."""
-    source: str
-    """One of `CHECKSUM_SOURCES` (a sidecar is bound to the object's size and ETag)."""
+    algorithm: str  # S3's name of the algorithm: ``"CRC32C"``, ``"CRC64NVME"`` or ``"CRC32"``
+    value: str  # the checksum as S3 spells it (base64 of the big-endian bytes)
+    source: str  # one of `CHECKSUM_SOURCES` (a sidecar is bound to the object's size and ETag)
 
     def __str__(self) -> str:
         return f"{self.algorithm} {self.value} ({self.source})"
@@ -2295,8 +2263,7 @@ class _RangedDownload:
         return checksum
 
 
-_STAGING_BYTES = 1 * MB
-"""The per-thread buffer response bodies pass through: small enough for the CPU cache, big enough for few trips."""
+_STAGING_BYTES = 1 * MB  # per-thread buffer bodies pass through: fits the CPU cache, few trips
 
 _staging = threading.local()
 
@@ -2371,8 +2338,7 @@ def _read_body_into(body: Any, views: list[memoryview]) -> int:
 # Fast paths and their reference paths (one switch for all)
 # --------------------------------------------------------------------------------------------------------------------
 
-REFERENCE_PATHS_ENV = "S3CKPT_REFERENCE_PATHS"
-"""Names from `FAST_PATHS` (comma-separated, or ``all``) that take their plain reference path (same bytes) instead."""
+REFERENCE_PATHS_ENV = "S3CKPT_REFERENCE_PATHS"  # `FAST_PATHS` names (or ``all``) to take their reference path
 
 FAST_PATHS = ("borrowed_parts", "framing_reuse", "direct_reads", "scatter_reads", "span_reads")
 """The fast paths behind the switch (docs/internals.md); benchmarks/realistic.md weighs each, and one that gains under
@@ -2395,8 +2361,7 @@ def fast_path(name: str) -> bool:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-_LEND_MIN = 1 * MB
-"""`S3MultipartWriter.write_borrowed` lends at least this many bytes to a part, or copies them."""
+_LEND_MIN = 1 * MB  # `S3MultipartWriter.write_borrowed` lends at least this many bytes to a part, or copies them
 
 
 class _PyBufferAPI(NamedTuple):
@@ -3139,12 +3104,10 @@ class CheckpointRun:
     """Who writes checkpoints (`current_run`): one launch of a job, all its ranks (`launch_identity`); a process outside
     any launcher is a run of its own. Pickled plugins and writers carry it into other processes."""
 
-    run_id: str
-    """``<job>#<attempt>`` for a launch (``slurm:4242#0.0``); 16 random hex digits outside any launcher."""
+    run_id: str  # ``<job>#<attempt>`` for a launch (``slurm:4242#0.0``); 16 random hex digits outside any launcher
     host: str
     pid: int  # of the process (any rank) that made this run's record
-    started: float
-    """When the launch started (epoch seconds): SLURM's job start time, else when this process imported this module."""
+    started: float  # epoch seconds: SLURM's job start time, else this module's import
     job: str = ""  # `LaunchIdentity.job`; empty outside any launcher
     attempt: tuple[int, ...] = ()  # `LaunchIdentity.attempt`: higher is later
 
