@@ -1,17 +1,10 @@
 """Everything that talks to S3: one module, in parts that build on each other (read it top to bottom).
 
-1. Optional dependencies (boto3, botocore, awscrt, the sibling `s3_node_sharing`), imported on first use; and this
-   process: `global_rank`, `world_size`, `node_key`, `job_key`, `launch_identity` (the one place that answers "which
-   process am I").
-2. Retries: `RetryPolicy`, the single retry layer of every S3 request, and the `RequestPacer` that slows the process
-   (or, with `s3_node_sharing`, the job's processes on the host) down when S3 answers SlowDown.
-3. Client: `S3ClientSettings` and `get_s3_client`, one thread-safe client per process and settings.
-4. Checksums: S3's CRCs, combining part checksums, and the records a load is verified against (`RecordedChecksum`).
-5. Objects: `S3ObjectInfo` and `DownloadedObject` (an in-memory file ``torch.load(mmap=True)`` can map).
-6. `S3Utils`: the facade with NeMo's names and signatures, and its errors as the exceptions Python code expects.
-7. The ranged reader and 8. the streaming writer (`S3MultipartWriter`, uploading while it is written).
-9. Fencing: `DirectoryFence` lets only the newest run (`CheckpointRun`) commit or remove in a directory.
-10. s3fs caches, for code that also goes through fsspec. docs/nemo.md lists what this fixes in NeMo's version.
+1. Optional dependencies, imported on first use; this process (`global_rank`, `world_size`, `launch_identity`...).
+2. Retries: `RetryPolicy`, the single retry layer of every request, and the `RequestPacer` for SlowDown answers.
+3. Client: `S3ClientSettings` and `get_s3_client`. 4. Checksums: S3's CRCs and the records a load is verified against.
+5. Objects: `S3ObjectInfo`, `DownloadedObject`. 6. `S3Utils`: the facade with NeMo's names, and its errors.
+7. The ranged reader. 8. The streaming writer (`S3MultipartWriter`). 9. Fencing: `DirectoryFence`. 10. s3fs caches.
 """
 
 from __future__ import annotations
@@ -189,9 +182,8 @@ def _process_group() -> Any:
 
 
 def global_rank(environ: Mapping[str, str] | None = None) -> int:
-    """This process's global rank: from ``torch.distributed`` if its process group is up, else from the environment
-    (in NeMo's order, `LAUNCHER_ENV_VARS`), else from node and local rank (as Lightning's DDP launcher sets them:
-    exact on node 0, non-zero elsewhere), else 0. An explicit `environ` is read alone."""
+    """This process's global rank: torch.distributed's, else the launcher's (NeMo's order), else from node and local
+    rank (exact on node 0, non-zero elsewhere), else 0. An explicit `environ` is read alone."""
     if environ is None:
         group = _process_group()
         if group is not None:
@@ -278,10 +270,8 @@ def _torchrun_agent() -> str:
 
 
 def launch_identity() -> LaunchIdentity | None:
-    """The launch this process belongs to, from torchrun's (``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``)
-    and SLURM's (``SLURM_JOB_ID``, ``SLURM_STEP_ID``, ``SLURM_RESTART_COUNT``, ``SLURM_JOB_START_TIME``) variables,
-    SLURM's first where both are set; None outside any launcher. torchrun's default run id ``none`` names no job: a
-    multi-node job should pass ``--rdzv-id`` or share rank 0's run (`adopt_run`)."""
+    """The launch this process belongs to, from SLURM's and torchrun's variables; None outside any launcher. torchrun's
+    default run id ``none`` names no job: then the torchrun agent on this host is (one run per node: `adopt_run`)."""
     slurm_job = os.environ.get("SLURM_JOB_ID", "").strip()
     torch_run = os.environ.get("TORCHELASTIC_RUN_ID", "").strip()
     in_torchrun = bool(torch_run) or "TORCHELASTIC_RESTART_COUNT" in os.environ
@@ -319,8 +309,7 @@ THROTTLING_ERROR_CODES = frozenset(
         *("EC2ThrottledException", "PriorRequestNotComplete"),
     }
 )
-"""The codes that mean "too many requests". These, or HTTP 429 or 503 (a throttled HEAD has no body), slow the
-request pacer down and do not use up attempts while the job makes progress (see `S3Utils.with_retries`)."""
+"""The codes that mean "too many requests" (as do HTTP 429 and 503): paced, not counted (`S3Utils.with_retries`)."""
 
 RETRIABLE_ERROR_CODES = THROTTLING_ERROR_CODES | frozenset(
     {
@@ -340,8 +329,7 @@ class TransientTransferError(IOError):
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How every S3 request is retried (botocore's own retries are off): exponential backoff with full jitter, bounded
-    by attempts and time; throttling answers are paced by the `RequestPacer`, bounded by time without success."""
+    """How every S3 request is retried: exponential backoff, full jitter, bounded by attempts and time (or paced)."""
 
     max_attempts: int = 8  # attempts per call, the first included (1 disables retries)
     max_elapsed_s: float = 120.0  # no attempt starts this long after the first (throttling: after a success)
@@ -356,8 +344,7 @@ class RetryPolicy:
 
 
 def is_retriable_error(exc: BaseException) -> bool:
-    """True for throttling, 5xx, timeouts, connection resets and unparsable replies; False for everything else
-    (credentials, permissions, missing keys, malformed requests fail at once)."""
+    """True for throttling, 5xx, timeouts, connection resets and unparsable replies; False for anything else."""
     if isinstance(exc, TransientTransferError):
         return True
     try:
@@ -422,11 +409,8 @@ def is_throttling_error(exc: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class RequestRates:
-    """A job-wide budget of S3 requests per second, per direction, split evenly across the job's processes.
-
-    `write` bounds PUT, POST and DELETE requests, `read` GET and HEAD; None leaves that direction to adaptive pacing.
-    S3 serves at least 3,500 writes and 5,500 reads per second per prefix: a budget a little under that avoids
-    SlowDown on a fresh prefix."""
+    """A job-wide budget of S3 requests per second, split evenly across the job's processes: `write` bounds PUT, POST
+    and DELETE, `read` GET and HEAD (None: adaptive pacing only). S3 serves 3,500 and 5,500 per prefix."""
 
     write: float | None = None
     read: float | None = None
@@ -517,12 +501,10 @@ def _shared_pacer_state(endpoint_url: str | None, bucket: str) -> SharedLaneStor
 class PacerLane:
     """One direction (reads or writes) of a `RequestPacer`: a token bucket whose rate adapts to S3's answers.
 
-    Dormant (no waiting) until the first throttling answer or a budget; then every request takes a token. The rate
-    starts at `BETA` times the measured send rate, drops by `BETA` on a throttling answer to a request sent after the
-    last drop, and grows on each success (faster for a slow lane and a long run of successes, plus `CATCH_UP`, the
-    same for every process: fairness), never past twice the send rate or the budget's share, nor under `MIN_RATE`.
-    A lane shared by a job's n processes on one host (`SharedLaneStore`) behaves as n lanes in lock step. The
-    arithmetic takes the time as an argument (tests use a made-up clock); `acquire` is the blocking wrapper.
+    Dormant until the first throttling answer or a budget. The rate starts at `BETA` times the send rate, drops by
+    `BETA` on a throttling answer to a request sent after the last drop, and grows on each success (faster when slow
+    or on a long run; plus `CATCH_UP` for fairness), within ``[MIN_RATE, 2 x send rate]`` and the budget's share. A
+    lane shared by n processes (`SharedLaneStore`) acts as n lanes in lock step. Times are arguments (for tests).
     """
 
     BETA = 0.7
@@ -753,9 +735,7 @@ _WRITE_OPERATIONS = frozenset(
 
 
 class RequestPacer:
-    """The request pacer of one process (`request_pacer`; inside a job, of the host's processes) for one bucket on one
-    endpoint: a `PacerLane` for writes and one for reads, as S3's limits are separate (a save throttled on its PUTs
-    must not slow the job's loads)."""
+    """The request pacer of one process for one bucket and endpoint: a `PacerLane` each for writes and for reads."""
 
     def __init__(self, endpoint_url: str | None, bucket: str, shared: SharedLaneStore | None = None) -> None:
         self.endpoint_url = endpoint_url
@@ -835,19 +815,14 @@ STORAGE_CLASSES = (
     *("STANDARD", "REDUCED_REDUNDANCY", "STANDARD_IA", "ONEZONE_IA", "INTELLIGENT_TIERING", "GLACIER_IR"),
     *("EXPRESS_ONEZONE", "OUTPOSTS", "SNOW"),
 )
-"""Storage classes a checkpoint can be written in. GLACIER and DEEP_ARCHIVE are refused: their objects need a restore
-before a load (a lifecycle rule can move old checkpoints there)."""
+"""Storage classes a checkpoint can be written in (not GLACIER, DEEP_ARCHIVE: a load would need a restore first)."""
 _UPLOAD_OPERATIONS = frozenset({"PutObject", "CreateMultipartUpload"})
 
 
 @dataclass(frozen=True)
 class S3RequestOptions:
-    """S3 parameters added to the requests this package makes, named as in S3's API (and boto3's ``ExtraArgs``).
-
-    The fields are the allow-list, and each value is checked up front, so a typo fails before a checkpoint is
-    written. Encryption, storage class and tags go on every upload; `ExpectedBucketOwner` and `RequestPayer` on
-    every request whose operation takes them. A parameter a call sets itself wins.
-    """
+    """S3 parameters (the allow-list, checked up front) added to every upload, `ExpectedBucketOwner` and `RequestPayer`
+    to every request whose operation takes them, unless the call sets them itself."""
 
     ServerSideEncryption: str | None = None  # ``AES256``, ``aws:kms`` or ``aws:kms:dsse``
     SSEKMSKeyId: str | None = None  # KMS key id or ARN for ``aws:kms*``; else the account's ``aws/s3`` key
@@ -940,16 +915,14 @@ class S3ClientSettings:
     endpoint_url: str | None = None  # else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, else AWS
     region_name: str | None = None
     addressing_style: str | None = None
-    """``"path"``, ``"virtual"`` or ``"auto"``; defaults to ``"path"`` for a custom endpoint. Directory buckets and
-    access point ARNs are always virtual-hosted (botocore's doing), so an explicit ``"path"`` refuses them."""
+    """``"path"`` (default for a custom endpoint; refuses virtual-only buckets if given), ``"virtual"``, ``"auto"``."""
     profile_name: str | None = None
     max_pool_connections: int = 32
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 60.0
     user_agent_extra: str | None = None
     sign_payloads: bool = False
-    """SHA-256-sign request bodies even over plain http. Off by default: every body carries a CRC the store verifies
-    (as botocore relies on over https), and signing costs a SHA-256 pass over every byte on both sides."""
+    """SHA-256-sign bodies over plain http too (off: every body carries a CRC the store verifies; signing is slow)."""
     request_options: S3RequestOptions | None = None  # added to the requests of this client
     max_requests_per_second: RequestRates | None = None  # a job-wide budget; None: adaptive pacing only
 
@@ -1083,8 +1056,7 @@ class ChecksumAlgorithm:
 
     @classmethod
     def named(cls, name: str | None = "auto") -> ChecksumAlgorithm:
-        """The algorithm `name` names (``"CRC32"``, ``"CRC32C"``, ``"CRC64NVME"``, any case) or, for None/"auto",
-        CRC32C with awscrt, else CRC32. ValueError if unknown; MissingOptionalDependencyError if awscrt is needed."""
+        """The algorithm `name` names (``"CRC32C"``...) or, for None/"auto", CRC32C with awscrt, else CRC32."""
         if name is None or name.lower() == "auto":
             return _CHECKSUMS["CRC32C"] if _awscrt_checksums() else _CHECKSUMS["CRC32"]
         try:
@@ -1191,8 +1163,7 @@ class ChecksumMismatchError(IOError):
 
 
 CHECKSUM_SOURCES = ("s3", "metadata", "sidecar")
-"""Where a checksum can be recorded: by the store ("s3"), in the object's user metadata ("metadata", single PUTs), or
-in a sidecar object beside it ("sidecar")."""
+"""Where a checksum is recorded: by the store, in the object's user metadata (single PUTs), or in a sidecar object."""
 CHECKSUM_METADATA_KEY = "s3ckpt-checksum"  # user metadata of a single PUT: ``"<ALGORITHM> <value>"``
 
 
@@ -1217,9 +1188,7 @@ def _is_checksum_entry(entry: Any) -> bool:
 
 
 class _ChecksumRecords:
-    """Reads, writes and checks the checksum records of objects, through an `S3Utils`. The store's own checksum comes
-    first, then the sidecar; where the store's disagrees with the bytes the sidecar settles it (some stores, moto,
-    report a checksum they never verified)."""
+    """Reads, writes and checks the checksum records of objects through an `S3Utils` (a sidecar settles a dispute)."""
 
     def __init__(self, utils: S3Utils) -> None:
         self._utils = utils
@@ -1241,9 +1210,7 @@ class _ChecksumRecords:
 
     @staticmethod
     def native(info: S3ObjectInfo) -> RecordedChecksum | None:
-        """The full-object checksum the store reported in `info` (one this process can compute), if any. Not for a
-        multipart object without a ``ChecksumType``: AWS always sends it, and a store that does not may report the
-        checksum of the part checksums (moto does)."""
+        """The store's full-object checksum in `info`, if any (not for a multipart object without ``ChecksumType``)."""
         if info.checksum_type not in (None, "FULL_OBJECT"):
             return None
         for algorithm in _CHECKSUMS.values():
@@ -1267,8 +1234,7 @@ class _ChecksumRecords:
         return entries[0] if entries else None
 
     def sidecar_entries(self, info: S3ObjectInfo) -> list[RecordedChecksum]:
-        """Every checksum the record beside the object may hold for it, the one bound to its size and ETag first, then
-        the unbound ones of its size (written before a commit, see `write_pending`), which only the bytes confirm."""
+        """The checksums the record beside the object may hold for it: the one bound to it, else unbound ones."""
         record = self._read_sidecar(info)
         if record is None:
             return []
@@ -1332,8 +1298,8 @@ class _ChecksumRecords:
         self._utils.call("put_object", url, Bucket=bucket, Key=sidecar_key, Body=body)
 
     def write_pending(self, bucket: str, key: str, algorithm: str, checksum: str, size: int) -> bool:
-        """Before a commit: record the checksum about to be committed at ``bucket/key`` unbound (no ETag yet), keeping
-        the entries of the objects the key may still hold under ``"earlier"``. Returns whether there was a record."""
+        """Record the checksum about to be committed at ``bucket/key`` unbound, the current ones as ``"earlier"``;
+        whether there was a record."""
         url = _urls.build_s3_url(bucket, key)
         earlier: list[Any] = []
         try:
@@ -1444,9 +1410,8 @@ class DownloadedObject:
         """Set by `S3Utils.download_to_memory`: the record the bytes matched (None: nothing recorded or verified)."""
 
     def write_at(self, offset: int, data: Any) -> None:
-        """Store `data` at `offset` (from several threads for disjoint ranges). ``pwrite``, not a mapping: no page
-        fault and zeroed page per 4 KiB first. Writers take turns on a lock: the kernel serialises them anyway, and a
-        waiting writer would spin on CPU the downloads need (benchmarks/README.md, "Loads")."""
+        """Store `data` at `offset` (disjoint ranges from several threads) with ``pwrite`` (no page faults), in turns
+        (the kernel serialises writes anyway; a waiting writer would spin: benchmarks/README.md, "Loads")."""
         view = memoryview(data).cast("B")
         with self._write_lock:
             while view:
@@ -1509,8 +1474,7 @@ def _refuse_overridden(caller: str, winner: str, overridden: list[str]) -> None:
 
 
 class _ClassOrInstanceMethod:
-    """A method NeMo code may call on the class (``S3Utils.remove_object(url)``, as NeMo's static methods): it then
-    runs on an instance with default settings (cheap: clients are shared); on an instance, on that instance."""
+    """A method NeMo code may call on the class (``S3Utils.remove_object(url)``): then on a default instance."""
 
     def __init__(self, function: Callable[..., Any]) -> None:
         self.__func__ = function
@@ -1523,11 +1487,8 @@ class _ClassOrInstanceMethod:
 class S3Utils:
     """S3 operations for checkpoints, with retries, ``/``-bounded directory semantics and verified transfers.
 
-    NeMo calls these as static methods (``S3Utils.s3_path_exists(url)``); that still works and uses default
-    settings. Build an instance to choose an endpoint, region, retry policy or pool size::
-
-        s3 = S3Utils(S3ClientSettings(endpoint_url="http://127.0.0.1:9000"), retry_policy=RetryPolicy(max_attempts=5))
-        s3.s3_path_exists("s3://bucket/checkpoints", match_directory=True)
+    NeMo's static calls (``S3Utils.s3_path_exists(url)``) still work, with default settings; an instance chooses
+    them: ``S3Utils(S3ClientSettings(endpoint_url=...), retry_policy=RetryPolicy(max_attempts=5))``.
     """
 
     def __init__(
@@ -1554,13 +1515,9 @@ class S3Utils:
         max_pool_connections: int | None = None, user_agent_extra: str | None = None,
         caller: str = "S3Utils.from_arguments",
     ) -> S3Utils:
-        """The one way this package builds an `S3Utils` from a caller's loose arguments.
-
-        `s3_utils` is used as given; else `client_settings`, else settings from `endpoint_url` and `region_name`, with
-        `request_options` and `max_requests_per_second` added (checked first). `max_pool_connections` sizes the pool
-        of settings built here; `user_agent_extra` is appended. ValueError (naming `caller`) for every argument another
-        given one would silently override: anything with `s3_utils`, `endpoint_url` / `region_name` with
-        `client_settings`, and options or budget with a `client_settings` that already sets them.
+        """The one way this package builds an `S3Utils` from a caller's loose arguments: `s3_utils` as given, else
+        `client_settings`, else settings from `endpoint_url` and `region_name`, plus the options, budget, pool size and
+        user agent. ValueError (naming `caller`) for every argument another given one would silently override.
         """
         options = S3RequestOptions.from_mapping(request_options)  # an unknown or bad option fails here
         budget = RequestRates.from_value(max_requests_per_second)  # a bad value fails here
@@ -1615,10 +1572,7 @@ class S3Utils:
     ) -> _T:
         """Run `attempt` (one request to `bucket`, by default `url`'s) through the request pacer and under the retry
         policy; the final failure is the original exception, annotated with the URL (and `detail`, e.g. "part 3").
-
-        A throttling answer does not use up an attempt: the request is paced and tried again until no request of
-        that direction to that bucket has succeeded for ``max_elapsed_s``. Any other retriable error counts against
-        ``max_attempts`` and ``max_elapsed_s``, with exponential backoff and full jitter.
+        Throttling answers use up no attempts: they fail only after ``max_elapsed_s`` without a success.
         """
         policy = self.retry_policy
         pacer = request_pacer(self.settings.endpoint_url, bucket or _urls.parse_s3_url(url)[0])
@@ -1667,8 +1621,7 @@ class S3Utils:
             return result
 
     def _raise_final(self, exc: Exception, operation: str, url: str, attempts: int, seconds: float) -> NoReturn:
-        """Raise a failed call's error: FileNotFoundError for a missing key or bucket, else `exc` with a note (URL,
-        attempts, what S3 said), without botocore's misleading "(reached max retries: 0)"."""
+        """Raise a failed call's error: FileNotFoundError for a missing key or bucket, else `exc`, annotated."""
         code = error_code(exc)
         if code in {"NoSuchKey", "404", "NotFound", "NoSuchBucket"}:
             what = "bucket" if code == "NoSuchBucket" else "object"
@@ -1738,8 +1691,7 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def list_objects_with_key_prefix(self, s3_path: str | os.PathLike[str]) -> list[S3ObjectInfo]:
-        """Every object whose key starts with the key of `s3_path` as a plain string (``s3://b/ckpt/model--step=10-``),
-        sorted by key; the enclosing "directory" is listed and filtered here (directory buckets need a ``/`` prefix)."""
+        """Every object whose key starts with that of `s3_path` (``s3://b/ckpt/model--step=10-``), sorted by key."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
         directory = key[: key.rfind("/") + 1]  # "" when the key has no "/": the bucket root
@@ -1769,9 +1721,8 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def s3_path_exists(self, s3_path: str | os.PathLike[str], match_directory: bool = False) -> bool:
-        """True if an object exists at exactly `s3_path`, or (with `match_directory`) any object under ``s3_path/``
-        (owner records aside); for the bucket root, whether it exists (and holds any object). A missing bucket gives
-        False; other errors (e.g. AccessDenied) propagate."""
+        """True if an object exists at exactly `s3_path`, or (`match_directory`) any object under ``s3_path/`` (for the
+        bucket root: the bucket); False for a missing bucket, other errors propagate."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
         try:
@@ -1836,8 +1787,7 @@ class S3Utils:
     def remove_objects_with_prefix(
         self, s3_path: str | os.PathLike[str], *, fence: DirectoryFence | None = None
     ) -> int:
-        """Delete the object at `s3_path`, if any, and every object under ``s3_path/`` (never ``s3_path_old/...``);
-        returns how many. `fence` as in `remove_object` (checked only when there is something to delete)."""
+        """Delete the object at `s3_path` and all under ``s3_path/``; how many. `fence` as in `remove_object`."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
         keys = [obj.key for obj in self.list_objects(url, include_sidecars=True)]
@@ -1990,8 +1940,7 @@ class S3Utils:
         chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB, max_concurrency: int = DEFAULT_MAX_WRITE_CONCURRENCY,
         remove_file: bool = False, *, progress: Callable[[int], None] | None = None,
     ) -> S3ObjectInfo:
-        """Upload a local file and return what was written; with `remove_file`, delete it afterwards. `progress` is
-        called with the byte count of each block the writer took (at most ``max_concurrency + 1`` parts ahead)."""
+        """Upload a local file and return what was written (`progress` gets each block's size); `remove_file` after."""
         started = time.monotonic()
         with open(file_path, "rb") as stream:
             info = self._upload_stream(stream, s3_path, chunk_size_MB, max_concurrency, progress)
@@ -2027,10 +1976,8 @@ class S3Utils:
         max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY, *, verify: bool = True,
         progress: Callable[[int], None] | None = None, into_fd: int | None = None,
     ) -> DownloadedObject:
-        """Download with parallel ranged GETs (each with ``If-Match`` on the ETag, so a replaced object fails rather
-        than mixing versions) into a `DownloadedObject` (`into_fd`: into this open file), and verify the recorded
-        checksum (ChecksumMismatchError; FileNotFoundError if there is no object). `progress` is called with each
-        range's byte count once it arrived (from worker threads).
+        """Download with parallel ranged GETs (``If-Match`` on the ETag) into a `DownloadedObject` (`into_fd`: into
+        this file) and verify the recorded checksum (ChecksumMismatchError). `progress` gets each range's byte count.
         """
         url = _urls.normalize_s3_url(s3_path)
         info = self.head_object(url)
@@ -2053,19 +2000,15 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def recorded_checksum(self, info: S3ObjectInfo) -> RecordedChecksum | None:
-        """The checksum a download of `info` (from `head_object`) is verified against, or None: the store's (no
-        request), else its metadata's, else the sidecar's (one GET; ChecksumMismatchError if malformed or stale)."""
+        """The checksum a download of `info` is verified against: the store's, its metadata's, or the sidecar's."""
         return self._checksum_records.expected(info)
 
     @_ClassOrInstanceMethod
     def read_range_into(
         self, s3_path: str | os.PathLike[str], start: int, target: Any, *, etag: str | None = None
     ) -> int:
-        """Read bytes ``[start, start + len(target))`` of an object into the writable buffer `target` (or a list of
-        them, filled in order by one GET: a scatter read); return how many arrived (fewer only at the end).
-
-        Retried (each attempt refills from the start). With `etag`, a replaced object fails (``PreconditionFailed``).
-        Nothing is verified: the caller checks what it read. FileNotFoundError if there is no object.
+        """Read bytes ``[start, start + len(target))`` of an object into the buffer `target` (or a list of them, in
+        order: a scatter read); return how many arrived. With `etag`, a replaced object fails. Nothing is verified.
         """
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
@@ -2269,9 +2212,7 @@ _staging = threading.local()
 
 
 def _socket_reader(body: Any) -> tuple[Callable[[Any], int], Callable[[], None]]:
-    """``(readinto, finish)`` for a botocore response body: from the http.client response underneath (``_raw_stream``,
-    ``_fp``) where there is one, which puts socket bytes straight into the caller's buffer (urllib3 copies twice);
-    `finish` gives a connection read to its end back to urllib3's pool. Other bodies take the public path."""
+    """``(readinto, finish)`` for a response body: from the http.client response underneath (no urllib3 copy)."""
     raw = getattr(body, "_raw_stream", None)
     socket_response = getattr(raw, "_fp", None)
     direct = isinstance(socket_response, http.client.HTTPResponse) and hasattr(raw, "release_conn")
@@ -2341,8 +2282,7 @@ def _read_body_into(body: Any, views: list[memoryview]) -> int:
 REFERENCE_PATHS_ENV = "S3CKPT_REFERENCE_PATHS"  # `FAST_PATHS` names (or ``all``) to take their reference path
 
 FAST_PATHS = ("borrowed_parts", "framing_reuse", "direct_reads", "scatter_reads", "span_reads")
-"""The fast paths behind the switch (docs/internals.md); benchmarks/realistic.md weighs each, and one that gains under
-5% there is removed."""
+"""The fast paths behind the switch (docs/internals.md); one gaining under 5% in benchmarks/realistic.md goes."""
 
 
 def fast_path(name: str) -> bool:
@@ -2374,8 +2314,7 @@ class _PyBufferAPI(NamedTuple):
 
 @functools.cache
 def _py_buffer_api() -> _PyBufferAPI | None:
-    """``PyObject_GetBuffer`` / ``PyBuffer_Release`` through ctypes (``Py_buffer``'s layout is the same in every CPython
-    3), or None without ctypes or CPython. Unlike ``c_char.from_buffer``, it takes read-only buffers (torch's)."""
+    """``PyObject_GetBuffer`` / ``PyBuffer_Release`` through ctypes (read-only buffers too), or None off CPython."""
     try:
         import ctypes
 
@@ -2422,9 +2361,7 @@ def _copy_into(target: bytearray, offset: int, source: memoryview) -> None:
 
 
 class _PartBuffers:
-    """Part buffers shared by every writer of the process and kept between saves, so that a save does not fault in
-    and zero fresh pages. A buffer is allocated only when no free one of its size exists, and free buffers of other
-    sizes are dropped first: free plus held bytes never exceed the most writers held at once."""
+    """Part buffers shared by the process's writers, kept between saves; never more than writers held at once."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -2472,8 +2409,7 @@ def release_part_buffers() -> None:
 
 
 _SEND_BLOCK = 1 << 62
-"""The smallest block `_BufferReader.read` hands the HTTP client: more than any body, so a part goes out in one
-``sendall`` (GIL released) rather than 128 trips through Python per 16 MiB part, each taking the GIL."""
+"""The smallest block `_BufferReader.read` hands the HTTP client: a part goes out in one ``sendall`` (no GIL)."""
 
 
 class _BufferReader(io.RawIOBase):
@@ -2607,12 +2543,10 @@ def _keeps_checksums(utils: S3Utils, bucket: str, kind: str, keeps: bool | None 
 class S3MultipartWriter(io.RawIOBase):
     """A binary stream whose bytes go to one S3 object while they are written (``torch.save(obj, writer)``).
 
-    * Parts are uploaded (and retried one by one) by up to `max_concurrency` threads while the caller writes, from at
-      most ``max_concurrency + 1`` part buffers; objects under one part go up in a single PUT.
-    * The full-object checksum, combined from the parts', goes with the commit (S3 verifies and keeps it; a sidecar
-      where a store does not). `checksum_of` gives the checksum of spans between `mark_checksum_boundary` marks.
-    * The object appears only when `close()` completes it; on any failure the upload is aborted (`_finish`).
-    * With a `fence`, the commit is sent only while its run owns the directory, with the fence's ETag condition.
+    Parts are uploaded by up to `max_concurrency` threads while the caller writes, from at most ``max_concurrency +
+    1`` buffers (a single PUT under one part). The full-object checksum goes with the commit (or to a sidecar). The
+    object appears only when `close()` completes it; on any failure the upload is aborted. With a `fence`, the commit
+    is sent only while its run owns the directory, with the fence's ETag condition.
     """
 
     parts_per_size = 1000  # parts of one size before the part size doubles
@@ -2705,11 +2639,8 @@ class S3MultipartWriter(io.RawIOBase):
         return total
 
     def write_borrowed(self, data: Any, owner: object) -> int:
-        """`write` for bytes the writer may borrow (a tensor's own memory, kept alive by `owner`): whole parts are
-        uploaded straight from them, and the bytes around them lent to the parts they fall in (segments of the part
-        body) unless fewer than `_LEND_MIN`, which are copied. At most ``max_concurrency + 1`` parts are queued or in
-        flight. The caller must not change the bytes until the writer has completed or aborted (``close()`` and
-        ``abort()`` return only when no upload reads them). The fast path ``borrowed_parts``."""
+        """`write` for bytes the writer may borrow (kept alive by `owner`) until it has completed or aborted: whole
+        parts go straight from them, the rest is lent to its parts (copied under `_LEND_MIN`). ``borrowed_parts``."""
         if self._state is not _WriterState.OPEN:
             raise ValueError(f"write to a closed S3 writer ({self.url}, {self._state.value})")
         try:
@@ -2753,8 +2684,7 @@ class S3MultipartWriter(io.RawIOBase):
                 self._cuts.append(self._filled)
 
     def checksum_of(self, start: int, end: int) -> int:
-        """The checksum of bytes ``[start, end)`` of the committed object, from its upload's (no second pass); `start`
-        and `end` must be boundaries (0, the size, part boundaries, `mark_checksum_boundary` offsets)."""
+        """The checksum of bytes ``[start, end)`` of the committed object; both must be boundaries (parts, marks)."""
         if self._state is not _WriterState.COMMITTED:
             raise ValueError(f"checksum_of needs a committed writer ({self.url} is {self._state.value})")
         offsets = [offset for offset, _, _ in self._pieces]
@@ -2838,13 +2768,11 @@ class S3MultipartWriter(io.RawIOBase):
 
     # ---- parts ----------------------------------------------------------------------------------------------------
     def part_size_of(self, number: int) -> int:
-        """Size of part `number` (1-based): `part_size`, doubled after every `parts_per_size` parts, so that 10,000
-        parts reach S3's 5 TiB limit whatever the first size."""
+        """Size of part `number` (1-based): doubled every `parts_per_size` parts, so 10,000 parts reach S3's 5 TiB."""
         return self._part_size << min((number - 1) // self.parts_per_size, 20)
 
     def _take_buffer(self) -> bytearray:
-        """A buffer for the next part: a free one of this writer's, else (while it holds fewer than max_concurrency + 1)
-        one from the process's free list, else the next one an upload gives back. Ones of an older size go back."""
+        """A buffer for the next part: a free one, a new one (up to max_concurrency + 1), else the next given back."""
         size = self.part_size_of(len(self._parts) + 1)
         while True:
             try:
@@ -3025,9 +2953,7 @@ class S3MultipartWriter(io.RawIOBase):
         return response, checksum
 
     def _commit(self, checksum: str, request: Callable[[dict[str, str]], dict[str, Any]]) -> dict[str, Any]:
-        """Send the request that makes the object visible (`request(conditions)`), after writing its pending checksum
-        record where needed (see "Crash safety"). With a fence: only while its run owns the directory, with its ETag
-        condition; a failed condition is settled by the fence (refused, or sent again on what is there now)."""
+        """Send the commit (`request(conditions)`) after its pending checksum record ("Crash safety"), fenced."""
         fence = self._fence
         if fence is not None:
             fence.before_mutation(self.url, "save")  # a stale run writes nothing, not even the record
@@ -3080,18 +3006,15 @@ class S3MultipartWriter(io.RawIOBase):
 #
 # A requeued or restarted job can leave two runs writing one directory; the stale one's saves and clean-up would then
 # overwrite and delete the new run's checkpoints. The protocol (docs/fencing.md, docs/runs.md):
-# * a run (`CheckpointRun`) takes a directory over at its first save there: it writes the owner record one generation
-#   up with a conditional PUT (``If-None-Match: *``, or ``If-Match`` on the ETag just read; on a failed condition it
-#   reads again, and adopts a record of its own run). A run of an earlier launch than the owner's is stale.
-# * before every commit and removal there, one HEAD of the record: another ETag means another run took over, and the
+# * a run (`CheckpointRun`) takes a directory over at its first save there, writing the owner record one generation
+#   up with a conditional PUT (``If-None-Match: *``, or ``If-Match`` on the ETag just read). An earlier run is stale.
+# * before every commit and removal, one HEAD of the record: another ETag means another run took over, and the
 #   operation raises `CheckpointDirectoryTakenError` with nothing changed. Once refused, always refused.
 # * every commit carries an ETag condition (``If-Match`` on a key this run committed, else ``If-None-Match: *``), so a
-#   stale run stopped between its HEAD and its commit cannot overwrite the newer run's object; the owner meeting a
-#   failed condition finds itself in the record and sends the commit again on what is there. Left open: a stale run
-#   may create a key the newer run has not written yet, and removals carry no condition.
-# * the other ranks of a sharded save check against the coordinator's `FenceToken`; they never take a directory over.
-# * stores that refuse or ignore conditional headers are found once per store and bucket (a PUT that must fail), with
-#   one warning; the record is then written without conditions and still checked.
+#   stale run stopped between its HEAD and its commit cannot overwrite the newer run's object; the owner finds itself
+#   in the record and sends again. Left open: new keys of a stale run, and removals (no condition).
+# * other ranks of a sharded save check against the coordinator's `FenceToken`; stores that refuse or ignore
+#   conditional headers are found once per bucket (one warning): the record is then written without conditions.
 
 _OWNER_RECORD_VERSION = 1
 _TAKE_OVER_ATTEMPTS = 5
@@ -3101,8 +3024,7 @@ _REMEMBERED_KEYS = 10_000  # keys per directory whose last state (ETag, or remov
 
 @dataclass(frozen=True)
 class CheckpointRun:
-    """Who writes checkpoints (`current_run`): one launch of a job, all its ranks (`launch_identity`); a process outside
-    any launcher is a run of its own. Pickled plugins and writers carry it into other processes."""
+    """Who writes checkpoints (`current_run`): one launch of a job, all its ranks; else one process."""
 
     run_id: str  # ``<job>#<attempt>`` for a launch (``slurm:4242#0.0``); 16 random hex digits outside any launcher
     host: str
@@ -3112,8 +3034,7 @@ class CheckpointRun:
     attempt: tuple[int, ...] = ()  # `LaunchIdentity.attempt`: higher is later
 
     def is_newer_than(self, other: CheckpointRun) -> bool:
-        """Whether this run is a later launch than `other`: the higher `attempt` within one job (no clock asked), else
-        the later `started` (hosts' clocks must agree better than the time between a launch and its replacement)."""
+        """Whether this run is a later launch: the higher `attempt` within one job, else the later `started`."""
         if self.job and self.job == other.job:
             return self.attempt > other.attempt
         return self.started > other.started
@@ -3144,9 +3065,7 @@ def current_run() -> CheckpointRun:
 
 
 def adopt_run(run: CheckpointRun) -> None:
-    """Make `run` this process's run (`current_run`) from now on: the ranks of a job adopt rank 0's once the process
-    group is up, so that they are one run where no launcher names the launch (``mp.spawn``, MPI). `S3ModelCheckpoint`
-    does it in its ``setup``. Plugins and writers that already saved keep the run they saved as."""
+    """Make `run` this process's run (`current_run`): a job's ranks adopt rank 0's (`S3ModelCheckpoint.setup`)."""
     global _process_run
     with _process_run_lock:
         if _process_run != run:
@@ -3168,8 +3087,8 @@ class CheckpointDirectoryTakenError(RuntimeError):
 
 @dataclass(frozen=True)
 class FenceToken:
-    """What the other ranks of a sharded save check against (in DCP's plan): the directory and its owner record's ETag
-    as the coordinator's run holds it, and whether the store honours ETag conditions (the ranks' commits then too)."""
+    """What the other ranks of a sharded save check against: the directory, the owner record's ETag and run, and
+    whether the store honours ETag conditions."""
 
     directory: str
     etag: str
@@ -3213,11 +3132,7 @@ def _refuses_conditions(exc: BaseException) -> bool:
 
 
 class DirectoryFence:
-    """One run's hold on one checkpoint directory, through its owner record (the protocol: the comment above).
-
-    Pass it as ``fence=`` to `S3Utils.open_writer`, `S3Utils.remove_object` and `S3Utils.remove_objects_with_prefix`.
-    Fences of one run and directory share their state within a process, so making one per operation is cheap.
-    """
+    """One run's hold on one checkpoint directory (the ``fence=`` of `S3Utils.open_writer` and the removals)."""
 
     def __init__(
         self, utils: S3Utils, directory: str | os.PathLike[str], run: CheckpointRun | None = None, *,
@@ -3259,8 +3174,7 @@ class DirectoryFence:
             return FenceToken(self.directory, self._hold.etag, self.run, self._conditional())
 
     def before_mutation(self, url: str, action: str) -> None:
-        """Before a commit (`action` ``"save"``) or a ``"removal"`` of `url`: take the directory over (a first commit)
-        or check with one HEAD that the run still owns it; CheckpointDirectoryTakenError if not."""
+        """Before a ``"save"`` or ``"removal"`` of `url`: take the directory over, or check (one HEAD) it is held."""
         hold = self._hold
         with hold.lock, self._noted(url, action):
             self._raise_if_refused(url, action)
@@ -3304,9 +3218,7 @@ class DirectoryFence:
         self._remember(dict.fromkeys(keys))
 
     def precondition_failed(self, url: str, key: str, exc: BaseException) -> dict[str, str]:
-        """A commit's ETag condition failed: read the key's object, then the owner record (in that order, so a stale
-        commit in between fails again). Another run's record raises CheckpointDirectoryTakenError; this run's gives
-        the conditions to send the commit again with (on the object now there). A warning if this run committed it."""
+        """A commit's ETag condition failed: refuse if another run owns the directory, else the conditions to retry."""
         with self._hold.lock:
             committed_here = isinstance(self._hold.objects.pop(key, None), str)
             try:
