@@ -182,8 +182,7 @@ def _process_group() -> Any:
 
 
 def global_rank(environ: Mapping[str, str] | None = None) -> int:
-    """This process's global rank: torch.distributed's, else the launcher's (NeMo's order), else from node and local
-    rank (exact on node 0, non-zero elsewhere), else 0. An explicit `environ` is read alone."""
+    """This process's global rank: torch.distributed's, else the launcher's (or node and local rank), else 0."""
     if environ is None:
         group = _process_group()
         if group is not None:
@@ -409,8 +408,7 @@ def is_throttling_error(exc: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class RequestRates:
-    """A job-wide budget of S3 requests per second, split evenly across the job's processes: `write` bounds PUT, POST
-    and DELETE, `read` GET and HEAD (None: adaptive pacing only). S3 serves 3,500 and 5,500 per prefix."""
+    """A job-wide budget of requests per second for PUT, POST, DELETE (`write`) and GET, HEAD (`read`) (None: none)."""
 
     write: float | None = None
     read: float | None = None
@@ -654,7 +652,8 @@ class PacerLane:
                 self._apply_limit(now)
                 self._tokens, self._refilled_at, self._epoch, self._changed_at = 0.0, now, now, now
                 whose = f"the {n} processes of this job on this host share" if n > 1 else "this process's"
-                logger.info("S3 throttles %s: pacing %s %s at %.3g requests/s", self.name, whose, self.name, self._rate)
+                message = "S3 throttles %s: pacing %s %s at %.3g requests/s from now on"
+                logger.info(message, self.name, whose, self.name, self._rate)
             elif sent >= self._epoch:
                 self._set_rate(max(self.MIN_RATE * n, self.BETA * self._rate), now)
                 self._epoch = self._changed_at = now
@@ -821,8 +820,7 @@ _UPLOAD_OPERATIONS = frozenset({"PutObject", "CreateMultipartUpload"})
 
 @dataclass(frozen=True)
 class S3RequestOptions:
-    """S3 parameters (the allow-list, checked up front) added to every upload, `ExpectedBucketOwner` and `RequestPayer`
-    to every request whose operation takes them, unless the call sets them itself."""
+    """S3 parameters added to uploads (the last two to every request), unless the call sets them itself."""
 
     ServerSideEncryption: str | None = None  # ``AES256``, ``aws:kms`` or ``aws:kms:dsse``
     SSEKMSKeyId: str | None = None  # KMS key id or ARN for ``aws:kms*``; else the account's ``aws/s3`` key
@@ -2799,8 +2797,8 @@ class S3MultipartWriter(io.RawIOBase):
         except Exception as exc:
             if error_code(exc) not in {"InvalidArgument", "InvalidRequest", "NotImplemented"}:
                 raise
-            code = error_code(exc)
-            logger.info("%s: the store rejects full-object checksums (%s); recording them separately", self.url, code)
+            url, code = self.url, error_code(exc)
+            logger.info("%s: the store rejects full-object checksums (%s); recording them beside the object", url, code)
             self._native_checksums = False
             response = self._utils.call("create_multipart_upload", self.url, Bucket=self.bucket, Key=self.key)
         self._upload_id = response["UploadId"]
