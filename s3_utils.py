@@ -408,7 +408,7 @@ def is_throttling_error(exc: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class RequestRates:
-    """A job-wide budget of requests per second for PUT, POST, DELETE (`write`) and GET, HEAD (`read`) (None: none)."""
+    """A job-wide budget of requests per second: `write` (PUT, POST, DELETE), `read` (GET, HEAD); None: no budget."""
 
     write: float | None = None
     read: float | None = None
@@ -616,7 +616,7 @@ class PacerLane:
         return len(recent) / self.WINDOW_S
 
     def reserve(self, now: float, floor: float = 0.0) -> float:
-        """Take a token (0.0: send now) or say how many seconds until one is there; tokens come at `floor`/s+."""
+        """Take a token (0.0: send now) or say how many seconds until one is there (at `floor` per second at least)."""
         with self._state():
             return self._reserve(now, floor)
 
@@ -820,7 +820,7 @@ _UPLOAD_OPERATIONS = frozenset({"PutObject", "CreateMultipartUpload"})
 
 @dataclass(frozen=True)
 class S3RequestOptions:
-    """S3 parameters added to uploads (the last two to every request), unless the call sets them itself."""
+    """S3 parameters added to uploads (`ExpectedBucketOwner`, `RequestPayer`: to all requests), if not set by a call."""
 
     ServerSideEncryption: str | None = None  # ``AES256``, ``aws:kms`` or ``aws:kms:dsse``
     SSEKMSKeyId: str | None = None  # KMS key id or ARN for ``aws:kms*``; else the account's ``aws/s3`` key
