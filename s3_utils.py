@@ -2637,7 +2637,7 @@ class S3MultipartWriter(io.RawIOBase):
         return total
 
     def write_borrowed(self, data: Any, owner: object) -> int:
-        """`write` for bytes the writer may borrow (kept alive by `owner`) until it has completed or aborted: whole
+        """`write` for bytes the caller leaves unchanged (and `owner` alive) until the writer completes or aborts: whole
         parts go straight from them, the rest is lent to its parts (copied under `_LEND_MIN`). ``borrowed_parts``."""
         if self._state is not _WriterState.OPEN:
             raise ValueError(f"write to a closed S3 writer ({self.url}, {self._state.value})")
