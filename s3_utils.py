@@ -1,29 +1,10 @@
 """Everything that talks to S3: one module, in parts that build on each other (read it top to bottom).
 
-1. Optional dependencies: boto3, botocore, s3transfer and awscrt are imported on first use, so importing
-   this module never fails; a missing one raises `MissingOptionalDependencyError` with the ``pip install`` line.
-   The optional sibling `s3_node_sharing` (what a host's processes share) too: `node_sharing`.
-   This process: `global_rank`, `world_size`, `node_key`, `job_key` and the launch it belongs to
-   (`launch_identity`, whose ranks are one run), from torch.distributed or the launcher's environment
-   (`LAUNCHER_ENV_VARS`): the one place every module asks "which process am I".
-2. Retries: `RetryPolicy` and `is_retriable_error`, the single retry layer of every S3 request, and the request
-   pacer (`RequestPacer`, one per process and bucket; with `s3_node_sharing` its state is shared by a job's processes
-   on one host through /dev/shm) that slows the process (or the host's processes) down when S3 answers SlowDown.
-3. Client: `S3ClientSettings` and `get_s3_client`, one thread-safe client per process and settings.
-4. Checksums: the CRC algorithms S3 knows, combining part checksums into the object's, and the checksum records
-   (`RecordedChecksum`: the value S3 stores, or the sidecar object this package writes where a store does not).
-5. Objects: `S3ObjectInfo` and `DownloadedObject` (an in-memory file ``torch.load(mmap=True)`` can map).
-6. `S3Utils`: the facade with NeMo's names and signatures (``nemo.utils.s3_utils.S3Utils``), then how its errors
-   become the exceptions Python code expects (FileNotFoundError; a note naming the URL and what to do).
-7. The ranged reader: parallel ranged GETs copied from the socket into a download (`_RangedDownload`).
-8. The streaming writer: `S3MultipartWriter`, a binary stream that uploads while it is written.
-9. Directory ownership (fencing): `DirectoryFence`, the owner record that lets only the newest run
-   (`CheckpointRun`: a launch, see docs/runs.md) commit or remove checkpoints in a directory
-   (`CheckpointDirectoryTakenError` for a stale one).
-10. s3fs caches: `invalidate_fsspec_cache`, `forget_s3fs_instances` and `fresh_s3fs_instances`, for code that also
-   goes through fsspec.
-
-docs/nemo.md lists what this fixes in NeMo's version.
+1. Optional dependencies, imported on first use; this process (`global_rank`, `world_size`, `launch_identity`...).
+2. Retries: `RetryPolicy`, the single retry layer of every request, and the `RequestPacer` for SlowDown answers.
+3. Client: `S3ClientSettings` and `get_s3_client`. 4. Checksums: S3's CRCs and the records a load is verified against.
+5. Objects: `S3ObjectInfo`, `DownloadedObject`. 6. `S3Utils`: the facade with NeMo's names, and its errors.
+7. The ranged reader. 8. The streaming writer (`S3MultipartWriter`). 9. Fencing: `DirectoryFence`. 10. s3fs caches.
 """
 
 from __future__ import annotations
@@ -68,60 +49,16 @@ else:  # installed (or copied) as a top-level module
     import s3_dirpath_utils as _urls
 
 __all__ = [
-    "DEFAULT_CHUNK_SIZE_MB",
-    "DEFAULT_MAX_READ_CONCURRENCY",
-    "DEFAULT_MAX_WRITE_CONCURRENCY",
-    "GB",
-    "MB",
-    "OWNER_RECORD_NAME",
-    "CheckpointDirectoryTakenError",
-    "CheckpointRun",
-    "ChecksumAlgorithm",
-    "ChecksumMismatchError",
-    "DirectoryFence",
-    "DownloadedObject",
-    "FenceToken",
-    "LaunchIdentity",
-    "MissingOptionalDependencyError",
-    "LAUNCHER_ENV_VARS",
-    "MultipartUploadInfo",
-    "NODE_SHARING_MODULE",
-    "PACER_SHARING_ENV",
-    "PacerLane",
-    "PacerLaneState",
-    "RecordedChecksum",
-    "RequestPacer",
-    "RequestRates",
-    "RetryPolicy",
-    "S3ClientSettings",
-    "S3MultipartWriter",
-    "S3ObjectInfo",
-    "S3RequestOptions",
-    "S3Utils",
-    "SharedLaneStore",
-    "adopt_run",
-    "buffer_address",
-    "checksum_of",
-    "combine_checksums",
-    "current_run",
-    "error_code",
-    "forget_s3fs_instances",
-    "fresh_s3fs_instances",
-    "get_s3_client",
-    "global_rank",
-    "import_optional_dependency",
-    "invalidate_fsspec_cache",
-    "is_retriable_error",
-    "is_throttling_error",
-    "job_key",
-    "launch_identity",
-    "node_key",
-    "node_sharing",
-    "release_part_buffers",
-    "request_pacer",
-    "validate_checksum_algorithm",
-    "user_agent",
-    "world_size",
+    "DEFAULT_CHUNK_SIZE_MB", "DEFAULT_MAX_READ_CONCURRENCY", "DEFAULT_MAX_WRITE_CONCURRENCY", "GB", "MB",
+    "OWNER_RECORD_NAME", "CheckpointDirectoryTakenError", "CheckpointRun", "ChecksumAlgorithm", "ChecksumMismatchError",
+    "DirectoryFence", "DownloadedObject", "FenceToken", "LaunchIdentity", "MissingOptionalDependencyError",
+    "LAUNCHER_ENV_VARS", "MultipartUploadInfo", "NODE_SHARING_MODULE", "PACER_SHARING_ENV", "PacerLane",
+    "PacerLaneState", "RecordedChecksum", "RequestPacer", "RequestRates", "RetryPolicy", "S3ClientSettings",
+    "S3MultipartWriter", "S3ObjectInfo", "S3RequestOptions", "S3Utils", "SharedLaneStore", "adopt_run",
+    "buffer_address", "checksum_of", "combine_checksums", "current_run", "error_code", "forget_s3fs_instances",
+    "fresh_s3fs_instances", "get_s3_client", "global_rank", "import_optional_dependency", "invalidate_fsspec_cache",
+    "is_retriable_error", "is_throttling_error", "job_key", "launch_identity", "node_key", "node_sharing",
+    "release_part_buffers", "request_pacer", "validate_checksum_algorithm", "user_agent", "world_size",
 ]
 
 logger = logging.getLogger(__name__)
@@ -129,22 +66,17 @@ __version__ = _urls.__version__
 
 MB = 1024**2
 GB = 1024**3
-DEFAULT_CHUNK_SIZE_MB = 16
-"""Part size of uploads and range size of downloads. NeMo used 64 MB; smaller parts hold less memory and measured at
-least as fast (benchmarks/README.md, "Part size")."""
+DEFAULT_CHUNK_SIZE_MB = 16  # part size of uploads, range size of downloads (NeMo: 64; benchmarks/README.md)
 DEFAULT_MAX_READ_CONCURRENCY = 15
 DEFAULT_MAX_WRITE_CONCURRENCY = 10
 MIN_PART_SIZE = 5 * MB  # S3's minimum for every part but the last
 MAX_PARTS = 10_000  # S3's maximum number of parts in one multipart upload
-CHECKSUM_SIDECAR_SUFFIX = ".s3ckpt-checksum.json"
-"""Suffix of the small object that records a checksum where a store does not keep S3 checksums itself."""
-OWNER_RECORD_NAME = ".s3ckpt-owner.json"
-"""Name of the small object in a checkpoint directory that says which run owns it (see `DirectoryFence`)."""
+CHECKSUM_SIDECAR_SUFFIX = ".s3ckpt-checksum.json"  # a checksum record beside an object
+OWNER_RECORD_NAME = ".s3ckpt-owner.json"  # a checkpoint directory's owner record (`DirectoryFence`)
 
 
 def _is_package_record(key: str) -> bool:
-    """Whether `key` is one of the records this package keeps beside checkpoints (a checksum sidecar or a directory's
-    owner record): listings leave them out, so resume discovery, the CLI and directory checks never see them."""
+    """Whether `key` is a checksum sidecar or an owner record (listings leave them out)."""
     return key.endswith(CHECKSUM_SIDECAR_SUFFIX) or key.rpartition("/")[2] == OWNER_RECORD_NAME
 
 
@@ -154,8 +86,7 @@ _T = TypeVar("_T")
 # Optional dependencies
 # --------------------------------------------------------------------------------------------------------------------
 
-_INSTALL_HINTS: dict[str, tuple[str, str]] = {
-    # import name: (distribution to name in the message, the command that fixes it)
+_INSTALL_HINTS: dict[str, tuple[str, str]] = {  # import name: (distribution, the command that fixes it)
     "boto3": ("boto3", 'pip install "s3-checkpoint-io[s3]"'),
     "botocore": ("botocore", 'pip install "s3-checkpoint-io[s3]"'),
     "s3transfer": ("s3transfer", 'pip install "s3-checkpoint-io[s3]"'),
@@ -186,21 +117,13 @@ def import_optional_dependency(name: str, feature: str = "") -> types.ModuleType
         ) from exc
 
 
-def _botocore_exceptions() -> types.ModuleType:
-    return import_optional_dependency("botocore.exceptions", "S3 access")
-
-
-NODE_SHARING_MODULE = "s3_node_sharing"
-"""The optional sibling module with what a host's processes share (the pacer's state, checkpoint loads)."""
+NODE_SHARING_MODULE = "s3_node_sharing"  # the optional sibling module with what a host's processes share
 _node_sharing: list[types.ModuleType | None] = []  # the import's outcome, once known
 _node_sharing_warned = False
 
 
 def node_sharing() -> types.ModuleType | None:
-    """`s3_node_sharing` from beside this module (in the same package, or top-level), imported on first use; None
-    where it is absent (a fork may copy only the four core files): then each process paces its S3 requests on its
-    own and every rank downloads what it loads, and a job of more than one process says so in one warning. A
-    module that is there but fails to import raises as usual."""
+    """`s3_node_sharing` from beside this module, imported on first use; None (warned once in a job) where absent."""
     global _node_sharing_warned
     if not _node_sharing:
         name = f"{__package__}.{NODE_SHARING_MODULE}" if __package__ else NODE_SHARING_MODULE
@@ -218,10 +141,7 @@ def node_sharing() -> types.ModuleType | None:
             "This job has %d processes, but %s.py is not beside s3_utils.py in %s: each process paces its S3 requests "
             "on its own and every rank downloads the checkpoints it loads (no load_sharing='node' or 'job'). Copy "
             "%s.py from s3-checkpoint-io beside s3_utils.py (or pip install s3-checkpoint-io) for multi-node scale.",
-            processes,
-            NODE_SHARING_MODULE,
-            os.path.dirname(os.path.abspath(__file__)),
-            NODE_SHARING_MODULE,
+            *(processes, NODE_SHARING_MODULE, os.path.dirname(os.path.abspath(__file__)), NODE_SHARING_MODULE),
         )
     return module
 
@@ -230,13 +150,10 @@ def node_sharing() -> types.ModuleType | None:
 # This process: which rank of which job on which node
 # --------------------------------------------------------------------------------------------------------------------
 #
-# One place answers "which process am I" for every module: resume discovery asks for the global rank before the
-# process group exists, a request budget is split by the world size, load sharing groups ranks by node, and what a
-# host's processes share is told apart by job. torch.distributed answers once its process group is up (torch is never
-# imported just to ask); before that, the launcher's environment.
+# torch.distributed answers once its process group is up (torch is never imported just to ask); before that (resume
+# discovery runs first), the launcher's environment.
 
 LAUNCHER_ENV_VARS: Mapping[str, tuple[str, ...]] = {
-    # torchrun (and Lightning's launcher), SLURM, Open MPI, MPICH / PMIx, MVAPICH: the first one set wins.
     "global_rank": ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK"),
     "world_size": ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"),
     "node_rank": ("GROUP_RANK", "SLURM_NODEID", "NODE_RANK"),
@@ -244,16 +161,7 @@ LAUNCHER_ENV_VARS: Mapping[str, tuple[str, ...]] = {
     "local_world_size": ("LOCAL_WORLD_SIZE",),
     "job": ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "MASTER_ADDR", "MASTER_PORT"),
 }
-"""The launcher environment variables each answer of this part reads, in the order it reads them."""
-
-
-def _launcher_value(environ: Mapping[str, str], what: str) -> tuple[str, str] | None:
-    """The first of `what`'s launcher variables that is set (not empty), as (name, value)."""
-    for name in LAUNCHER_ENV_VARS[what]:
-        value = environ.get(name, "").strip()
-        if value:
-            return name, value
-    return None
+"""The launcher variables each answer reads (torchrun, SLURM, Open MPI, MPICH/PMIx, MVAPICH): the first set wins."""
 
 
 def _launcher_int(environ: Mapping[str, str], what: str, minimum: int = 0) -> int | None:
@@ -267,7 +175,6 @@ def _launcher_int(environ: Mapping[str, str], what: str, minimum: int = 0) -> in
 
 
 def _process_group() -> Any:
-    """torch.distributed if torch is imported and its default process group is up, else None."""
     distributed = getattr(sys.modules.get("torch"), "distributed", None)
     if distributed is not None and distributed.is_available() and distributed.is_initialized():
         return distributed
@@ -275,15 +182,7 @@ def _process_group() -> Any:
 
 
 def global_rank(environ: Mapping[str, str] | None = None) -> int:
-    """This process's global rank: from ``torch.distributed`` if its process group is up, else from the environment.
-
-    Why the environment: resume discovery runs before Lightning creates the process group. The variables are read in
-    NeMo's order (``nemo/utils/get_rank.py``): ``RANK`` (torchrun, Lightning), ``SLURM_PROCID``,
-    ``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``, ``PMIX_RANK``, ``MV2_COMM_WORLD_RANK``; then the node rank (``GROUP_RANK``,
-    ``SLURM_NODEID``, ``NODE_RANK``) with ``LOCAL_RANK``, which Lightning's own DDP launcher sets for the processes it
-    starts. Nothing set means a single process: rank 0. With only node and local rank the number is exact on node 0
-    and non-zero elsewhere (which is all that matters). An explicit `environ` is read alone.
-    """
+    """This process's global rank: torch.distributed's, else the launcher's (or node and local rank), else 0."""
     if environ is None:
         group = _process_group()
         if group is not None:
@@ -299,8 +198,7 @@ def global_rank(environ: Mapping[str, str] | None = None) -> int:
 
 
 def world_size(environ: Mapping[str, str] | None = None) -> int:
-    """The job's process count: torch.distributed's once its process group is up, else the launcher's environment
-    (``WORLD_SIZE``, ``SLURM_NTASKS``, ``OMPI_COMM_WORLD_SIZE``), else 1. An explicit `environ` is read alone."""
+    """The job's process count: torch.distributed's, else the launcher's environment, else 1."""
     if environ is None:
         group = _process_group()
         if group is not None:
@@ -310,14 +208,13 @@ def world_size(environ: Mapping[str, str] | None = None) -> int:
 
 
 def node_key(node_rank: int | None = None, environ: Mapping[str, str] | None = None) -> str:
-    """Which node this process is on, as a label equal on every process of the node: the given node rank, else the
-    launcher's (``GROUP_RANK``, ``SLURM_NODEID``, ``NODE_RANK``), else this host's name and boot id (processes that
-    share it share /dev/shm)."""
+    """A label equal on every process of this node: the node rank given or the launcher's, else host and boot id."""
     if node_rank is not None:
         return f"node {node_rank}"
-    found = _launcher_value(os.environ if environ is None else environ, "node_rank")
-    if found is not None:
-        return f"node {found[1]} ({found[0]})"
+    environ = os.environ if environ is None else environ
+    for name in LAUNCHER_ENV_VARS["node_rank"]:
+        if environ.get(name, "").strip():
+            return f"node {environ[name].strip()} ({name})"
     boot_id = ""
     with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as stream:
         boot_id = stream.read().strip()
@@ -325,8 +222,7 @@ def node_key(node_rank: int | None = None, environ: Mapping[str, str] | None = N
 
 
 def job_key(environ: Mapping[str, str] | None = None) -> str | None:
-    """What tells this job apart from other jobs of the same user on the host: torchrun's run id, SLURM's job and step,
-    the rendezvous address and port (two live jobs cannot share one), joined by ``|``; None outside any launcher."""
+    """What tells this job apart from others on the host (`LAUNCHER_ENV_VARS` ``job``); None outside any launcher."""
     environ = os.environ if environ is None else environ
     values = [environ.get(name, "").strip() for name in LAUNCHER_ENV_VARS["job"]]
     return "|".join(values) if any(values) else None
@@ -336,26 +232,18 @@ def job_key(environ: Mapping[str, str] | None = None) -> str | None:
 # This process, continued: the launch it belongs to (its run, for fencing)
 # --------------------------------------------------------------------------------------------------------------------
 #
-# Why: the ranks of one job are one run; a relaunch (torchrun's restart, a SLURM requeue, a new job) is a newer one.
-# A launcher names both in the environment it gives each rank: what stays the same across relaunches (`job`) and which
-# launch this is (`attempt`, a tuple of counters that only grow). docs/runs.md says it for users.
+# The ranks of one job are one run; a relaunch (torchrun's restart, a SLURM requeue) is a newer one. The launcher's
+# environment names what a relaunch keeps (`job`) and which launch this is (`attempt`). See docs/runs.md.
 
 
 @dataclass(frozen=True)
 class LaunchIdentity:
     """The launch this process belongs to, as its launcher's environment says (`launch_identity`)."""
 
-    launcher: str
-    """``"torchrun"``, ``"slurm"`` or ``"slurm+torchrun"``."""
-    job: str
-    """What a relaunch of the job keeps: ``slurm:<SLURM_JOB_ID>`` and/or ``torchrun:<TORCHELASTIC_RUN_ID>``; for
-    torchrun's default run id ``none`` outside SLURM, the torchrun agent on this host (``torchrun:none@host:pid:t``:
-    one run per node, see docs/runs.md)."""
-    attempt: tuple[int, ...]
-    """Which launch of `job` this is, compared as a tuple (higher is later): (``SLURM_RESTART_COUNT``,
-    ``SLURM_STEP_ID``) under SLURM, then ``TORCHELASTIC_RESTART_COUNT`` under torchrun."""
-    started: float | None = None
-    """When the launch started, where the launcher says (``SLURM_JOB_START_TIME``), else None."""
+    launcher: str  # ``"torchrun"``, ``"slurm"`` or ``"slurm+torchrun"``
+    job: str  # what a relaunch keeps: ``slurm:<job id>`` and/or ``torchrun:<run id>`` (docs/runs.md)
+    attempt: tuple[int, ...]  # which launch of `job` (higher is later): SLURM's restarts and step, torchrun's
+    started: float | None = None  # when the launch started (``SLURM_JOB_START_TIME``), if known
 
     @property
     def run_id(self) -> str:
@@ -363,16 +251,14 @@ class LaunchIdentity:
 
 
 def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "").strip()
     try:
-        return int(value)
+        return int(os.environ.get(name, "").strip())
     except ValueError:
         return default
 
 
 def _torchrun_agent() -> str:
-    """This host and the torchrun agent that started this process (its parent: pid and start time in clock ticks
-    since boot, so that a reused pid is another agent)."""
+    """This host and the parent torchrun agent (pid and start time, so that a reused pid is another agent)."""
     parent = os.getppid()
     try:
         with open(f"/proc/{parent}/stat", encoding="ascii", errors="replace") as stat_file:
@@ -383,14 +269,8 @@ def _torchrun_agent() -> str:
 
 
 def launch_identity() -> LaunchIdentity | None:
-    """The launch this process belongs to, from its launcher's environment, or None outside any launcher.
-
-    * torchrun: ``TORCHELASTIC_RUN_ID`` (the ``--rdzv-id``) and ``TORCHELASTIC_RESTART_COUNT``. Its default run id,
-      ``none``, names no job: outside SLURM the job is then the torchrun agent on this host (a multi-node job should
-      pass ``--rdzv-id``, or share rank 0's run: `adopt_run`).
-    * SLURM: ``SLURM_JOB_ID``, ``SLURM_STEP_ID`` and ``SLURM_RESTART_COUNT`` (a requeue counts up; a later ``srun``
-      step of one allocation is a later launch), and ``SLURM_JOB_START_TIME``.
-    * both (torchrun under ``srun`` or in a batch script): both, SLURM's counters first."""
+    """The launch this process belongs to, from SLURM's and torchrun's variables; None outside any launcher. torchrun's
+    default run id ``none`` names no job: then the torchrun agent on this host is (one run per node: `adopt_run`)."""
     slurm_job = os.environ.get("SLURM_JOB_ID", "").strip()
     torch_run = os.environ.get("TORCHELASTIC_RUN_ID", "").strip()
     in_torchrun = bool(torch_run) or "TORCHELASTIC_RESTART_COUNT" in os.environ
@@ -418,37 +298,21 @@ def launch_identity() -> LaunchIdentity | None:
 # Retries
 # --------------------------------------------------------------------------------------------------------------------
 
-# botocore's own lists (botocore/retries/standard.py: ThrottledRetryableChecker._THROTTLED_ERROR_CODES and
-# TransientRetryableChecker._TRANSIENT_ERROR_CODES; IDPCommunicationError from retries/special.py) less the
-# DynamoDB-only codes, plus S3's 5xx codes. Kept here rather than imported: those names are private, and this layer
-# also retries reading a response body, which botocore does not. tests/test_private_surface.py checks that botocore's
-# lists have not grown past this one.
+# botocore's own lists (retries/standard.py's _THROTTLED_ERROR_CODES and _TRANSIENT_ERROR_CODES, retries/special.py's
+# IDPCommunicationError) less the DynamoDB-only codes, plus S3's 5xx codes: copied, as those names are private
+# (tests/test_private_surface.py checks that botocore's lists have not grown past these).
 THROTTLING_ERROR_CODES = frozenset(
     {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "ThrottledException",
-        "RequestThrottled",
-        "RequestThrottledException",
-        "TooManyRequestsException",
-        "RequestLimitExceeded",
-        "BandwidthLimitExceeded",
-        "EC2ThrottledException",
-        "PriorRequestNotComplete",
+        *("SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled"),
+        *("RequestThrottledException", "TooManyRequestsException", "RequestLimitExceeded", "BandwidthLimitExceeded"),
+        *("EC2ThrottledException", "PriorRequestNotComplete"),
     }
 )
-"""The codes that mean "too many requests" (botocore's throttling list less DynamoDB's), part of the retriable ones.
-An answer with one of them, or with HTTP 429 or 503 (S3 answers a throttled HEAD with a bare 503), slows the
-request pacer down and does not use up attempts while the job makes progress (see `S3Utils.with_retries`)."""
+"""The codes that mean "too many requests" (as do HTTP 429 and 503): paced, not counted (`S3Utils.with_retries`)."""
 
 RETRIABLE_ERROR_CODES = THROTTLING_ERROR_CODES | frozenset(
     {
-        "ServiceUnavailable",
-        "InternalError",
-        "InternalFailure",
-        "RequestTimeout",
-        "RequestTimeoutException",
+        *("ServiceUnavailable", "InternalError", "InternalFailure", "RequestTimeout", "RequestTimeoutException"),
         "IDPCommunicationError",
         "ConditionalRequestConflict",  # 409: a conditional write raced another one on the key; S3 says retry
     }
@@ -464,21 +328,12 @@ class TransientTransferError(IOError):
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How S3 calls are retried: exponential backoff with full jitter, bounded by attempts and total time; throttling
-    answers are paced by the process's `RequestPacer` instead, and bounded by time without progress.
+    """How every S3 request is retried: exponential backoff, full jitter, bounded by attempts and time (or paced)."""
 
-    Every S3 request this module makes goes through one policy, so the bounds hold for list, head and delete as much
-    as for part uploads. botocore's own retries are switched off so that the two layers do not multiply.
-    """
-
-    max_attempts: int = 8
-    """Attempts per call, the first included (1 disables retries)."""
-    max_elapsed_s: float = 120.0
-    """No new attempt starts once this much time has passed since the first one. For throttling answers: since the
-    last success of the process's requests in the same direction to the same bucket (see `S3Utils.with_retries`)."""
+    max_attempts: int = 8  # attempts per call, the first included (1 disables retries)
+    max_elapsed_s: float = 120.0  # no attempt starts this long after the first (throttling: after a success)
     initial_backoff_s: float = 0.5
-    max_backoff_s: float = 20.0
-    """The longest backoff between attempts; the request pacer never spaces a process's requests further apart."""
+    max_backoff_s: float = 20.0  # the longest backoff; the pacer never spaces requests further apart
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -488,16 +343,11 @@ class RetryPolicy:
 
 
 def is_retriable_error(exc: BaseException) -> bool:
-    """True for throttling, 5xx, request timeouts, connection resets, read/connect timeouts and replies whose body
-    cannot be parsed; False otherwise.
-
-    Authentication, authorisation, missing buckets or keys and malformed requests fail at once: retrying them only
-    delays the error and adds load.
-    """
+    """True for throttling, 5xx, timeouts, connection resets and unparsable replies; False for anything else."""
     if isinstance(exc, TransientTransferError):
         return True
     try:
-        bexc = _botocore_exceptions()
+        bexc = import_optional_dependency("botocore.exceptions", "S3 access")
     except MissingOptionalDependencyError:
         return isinstance(exc, (ConnectionError, TimeoutError))
     if isinstance(exc, bexc.ClientError):
@@ -558,14 +408,7 @@ def is_throttling_error(exc: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class RequestRates:
-    """A job-wide budget of S3 requests per second, per direction, split evenly across the job's processes.
-
-    `write` bounds PUT, POST and DELETE requests (part uploads, single PUTs, completes, aborts, deletes), `read`
-    GET and HEAD requests (ranged reads, HEADs, listings); None leaves that direction to adaptive pacing alone.
-    S3 serves at least 3,500 writes and 5,500 reads per second per partitioned prefix; a budget a little under
-    that keeps a job from ever meeting SlowDown on a fresh prefix. `from_value` accepts what configs and command
-    lines give: one number for both directions, ``{"write": 3000, "read": 5000}``, or ``"write=3000,read=5000"``.
-    """
+    """A job-wide budget of requests per second: `write` (PUT, POST, DELETE), `read` (GET, HEAD); None: no budget."""
 
     write: float | None = None
     read: float | None = None
@@ -586,23 +429,17 @@ class RequestRates:
             return value
         if isinstance(value, str):
             text = value.strip()
-            if "=" not in text:
-                try:
-                    number = float(text)
-                except ValueError:
-                    raise ValueError(
-                        f"max_requests_per_second must be a number or 'write=N,read=M', got {value!r}"
-                    ) from None
-                return cls(number, number)
             pairs = [part.split("=", 1) for part in text.split(",") if part.strip()]
-            if any(len(pair) != 2 for pair in pairs):
-                raise ValueError(f"max_requests_per_second must be a number or 'write=N,read=M', got {value!r}")
+            problem = f"max_requests_per_second must be a number or 'write=N,read=M', got {value!r}"
             try:
-                value = {key.strip(): float(number) for key, number in pairs}
+                if "=" not in text:
+                    value = dict.fromkeys(("write", "read"), float(text))
+                elif all(len(pair) == 2 for pair in pairs):
+                    value = {key.strip(): float(number) for key, number in pairs}
+                else:
+                    raise ValueError(text)
             except ValueError:
-                raise ValueError(
-                    f"max_requests_per_second must be a number or 'write=N,read=M', got {value!r}"
-                ) from None
+                raise ValueError(problem) from None
         if isinstance(value, Mapping):
             unknown = sorted(str(key) for key in value if key not in ("write", "read"))
             if unknown:
@@ -616,13 +453,11 @@ class RequestRates:
 
 # ---- the host's shared pacer state (optional: s3_node_sharing) -----------------------------------------------------
 #
-# Inside a job, a process's pacer shares its lanes' state with the job's other processes on this host where
-# s3_node_sharing.py is installed (`s3_node_sharing.SharedPacerFile`, a small file in /dev/shm): a per-process pacer
-# learns from its own answers only, and its first burst goes out unpaced even after its neighbours were told to slow
-# down. Without that module (or with ``S3CKPT_PACER_SHARING=0``) each process paces on its own.
+# Inside a job, the pacer's state is shared by the job's processes on this host (a small file in /dev/shm, from
+# s3_node_sharing), so that a process learns from its neighbours' SlowDowns too. Without that module (or with
+# ``S3CKPT_PACER_SHARING=0``) each process paces on its own.
 
-PACER_SHARING_ENV = "S3CKPT_PACER_SHARING"
-"""Set to ``0`` (or ``off``) to keep one pacer per process even inside a job."""
+PACER_SHARING_ENV = "S3CKPT_PACER_SHARING"  # set to ``0`` (or ``off``) to keep one pacer per process even inside a job
 
 
 class PacerLaneState(NamedTuple):
@@ -638,30 +473,23 @@ class PacerLaneState(NamedTuple):
     last_success: float
     throttles: int
     activations: int
-    sends: tuple[float, ...]
-    """Send times (oldest first), the newest 64."""
+    sends: tuple[float, ...]  # send times (oldest first), the newest 64
 
 
 class SharedLaneStore(Protocol):
     """The host-shared state behind the lanes of a `RequestPacer` (``s3_node_sharing.SharedPacerFile``)."""
 
-    processes: int
-    """The processes using the state, as of the last `locked` section."""
+    processes: int  # the processes using the state, as of the last `locked` section
 
     def locked(self) -> contextlib.AbstractContextManager[None]: ...
-
     def load(self, lane: int) -> PacerLaneState: ...
-
     def store(self, lane: int, state: PacerLaneState) -> None: ...
-
     def active_flag(self, lane: int) -> tuple[Any, int]: ...
-
     def last_success(self, lane: int) -> float: ...
 
 
 def _shared_pacer_state(endpoint_url: str | None, bucket: str) -> SharedLaneStore | None:
-    """The host's shared state for this job's pacer of `bucket` at `endpoint_url`; None (a pacer of this process's
-    own) outside a job, where sharing is switched off, or without s3_node_sharing (`node_sharing` says so once)."""
+    """The host's shared state for this job's pacer of `bucket`; None outside a job, or where sharing is off/absent."""
     if os.environ.get(PACER_SHARING_ENV, "").strip().lower() in ("0", "off", "false", "no") or job_key() is None:
         return None
     sharing = node_sharing()
@@ -671,77 +499,38 @@ def _shared_pacer_state(endpoint_url: str | None, bucket: str) -> SharedLaneStor
 class PacerLane:
     """One direction (reads or writes) of a `RequestPacer`: a token bucket whose rate adapts to S3's answers.
 
-    Dormant until the first throttling answer (or from the start with a budget): a request then costs a clock read
-    and the record of its send time, and nothing waits. Once throttled, every request takes a token; the rate
-    starts at 0.7x the rate requests were being sent at, drops to 0.7x on a throttling answer to a request sent
-    after the last drop (the answers to a burst sent at the old rate count once), and grows on each success by a
-    step that is larger for a slow lane (``0.1 / sqrt(rate)``, so slow lanes catch up with fast ones) and for a
-    longer run of successes (so a lane left alone by the others ramps up fast), never past twice the rate it is
-    actually sending at, nor past its share of the budget; on top of that it gains `CATCH_UP` requests per second
-    per second of successes, the same for every process (which is what makes processes converge to equal shares).
-    It never goes under `MIN_RATE`.
-
-    Shared by the processes of a job on one host (``shared``, a `SharedLaneStore`: ``s3_node_sharing``), the lane's
-    state lives in /dev/shm and stands for all of them (`processes`, n): its rate is the host's, the first throttling
-    answer any of them gets wakes it for all, and every answer adapts it. It behaves as n per-process lanes in lock
-    step that pool what they learn: the floor, `CATCH_UP` and the budget share are n times a process's, a success
-    adds 1/n to the run of successes, and the growth step is the per-process one at the rate per process
-    (``0.1 / sqrt(rate * n)``). A dormant shared lane costs one unlocked read of a byte in the mapping per request.
-
-    The arithmetic takes the time as an argument (`reserve`, `on_success`, `on_throttle`), so it can be tested with
-    a made-up clock; `acquire` is the blocking wrapper the retry loop uses.
+    Dormant until the first throttling answer or a budget. The rate starts at `BETA` times the send rate, drops by
+    `BETA` on a throttling answer to a request sent after the last drop, and grows on each success (faster when slow
+    or on a long run; plus `CATCH_UP` for fairness), within ``[MIN_RATE, 2 x send rate]`` and the budget's share. A
+    lane shared by n processes (`SharedLaneStore`) acts as n lanes in lock step. Times are arguments (for tests).
     """
 
     BETA = 0.7
     GROWTH = 0.1
-    CATCH_UP = 0.05
-    """Requests per second added per second of successes, whatever the rate: the part of the growth that is the same
-    for every process, so that one that came out of the first burst slow catches up with the others (fairness)."""
+    CATCH_UP = 0.05  # requests per second added per second of successes, whatever the rate (fairness between processes)
     STREAK_SCALE = 4.0
     MAX_STREAK = 64
-    MIN_RATE = 0.2
-    """Requests per second per process and direction below which a lane never goes: the pacer of a process that
-    keeps being throttled still sends a request every 5 s (so that it learns when the store has room again)."""
-    WINDOW_S = 2.0
-    """The send rate a lane measures (to start from, and to cap its growth) is over the last this many seconds."""
+    MIN_RATE = 0.2  # requests/s per process a lane never goes under (to learn when the store has room)
+    WINDOW_S = 2.0  # the window over which a lane measures its send rate (to start from, and to cap its growth)
 
     def __init__(
-        self,
-        name: str,
-        limit: Callable[[], float | None] | None = None,
-        shared: SharedLaneStore | None = None,
+        self, name: str, limit: Callable[[], float | None] | None = None, shared: SharedLaneStore | None = None,
         index: int = 0,
     ) -> None:
-        self.name = name
-        self._limit = limit
-        self._shared = shared
-        self._index = index
-        self._flag = shared.active_flag(index) if shared is not None else None
-        """A shared lane's ``active`` byte (mapping, offset): the dormant path's one read."""
+        self.name, self._limit, self._shared, self._index = name, limit, shared, index
+        self._flag = shared.active_flag(index) if shared is not None else None  # (mapping, offset) of `active`
         self._cond = threading.Condition(threading.Lock())
-        self._active = False
-        self._rate = math.inf
-        self._tokens = 0.0
-        self._refilled_at = 0.0
-        self._epoch = -math.inf
-        self._changed_at = 0.0
-        self._streak = 0.0
+        self._active, self._rate = False, math.inf
+        self._tokens, self._refilled_at, self._epoch, self._changed_at, self._streak = 0.0, 0.0, -math.inf, 0.0, 0.0
         self._sends: collections.deque[float] = collections.deque(maxlen=64)
-        self._own_sends = self._sends
-        """This process's sends while dormant (the same deque as `_sends` unless the lane is shared, where
-        `_sends` holds the host's sends while it paces)."""
-        self._processes = 1
-        self._last_success = -math.inf
+        self._own_sends = self._sends  # this process's sends (a shared lane's `_sends` are the host's while pacing)
+        self._processes, self._last_success = 1, -math.inf
         self._host_last_success = -math.inf  # a shared lane's host-wide figures, as loaded
         self._host_throttles = self._host_activations = 0
-        self.throttles = 0
-        """Throttling answers this process saw."""
-        self.waits = 0
-        """Requests of this process that waited for a token."""
-        self.waited_s = 0.0
-        """Seconds this process's requests spent waiting for tokens, summed over threads."""
-        self.activations = 0
-        """Times this process woke the lane (a shared lane is woken once, by whichever process is throttled first)."""
+        self.throttles = 0  # throttling answers this process saw
+        self.waits = 0  # requests of this process that waited for a token
+        self.waited_s = 0.0  # seconds they waited, summed over threads
+        self.activations = 0  # times this process woke the lane
         if limit is not None and limit() is not None:
             with self._state():
                 if not self._active:
@@ -777,14 +566,12 @@ class PacerLane:
 
     @property
     def last_success(self) -> float:
-        """`time.monotonic()` of the last success through this lane (the retry loop's measure of progress); a shared
-        lane's is the last success of any process of the host."""
+        """`time.monotonic()` of the last success through this lane (a shared lane's: of any process of the host)."""
         if self._shared is not None:
             return max(self._last_success, self._shared.last_success(self._index))
         return self._last_success
 
     # ---- the shared state ----------------------------------------------------------------------------------------
-
     @contextlib.contextmanager
     def _state(self) -> Iterator[None]:
         """Hold the lane; for a shared lane, hold the host's state too and work on a copy of it (stored back)."""
@@ -811,22 +598,12 @@ class PacerLane:
         shared.store(
             self._index,
             PacerLaneState(
-                self._active,
-                self._rate,
-                self._tokens,
-                self._refilled_at,
-                self._epoch,
-                self._changed_at,
-                self._streak,
-                self._host_last_success,
-                self._host_throttles,
-                self._host_activations,
-                tuple(self._sends),
+                self._active, self._rate, self._tokens, self._refilled_at, self._epoch, self._changed_at, self._streak,
+                self._host_last_success, self._host_throttles, self._host_activations, tuple(self._sends),
             ),
         )
 
     # ---- the arithmetic (times from time.monotonic(), or a test's clock) ----------------------------------------
-
     def record_send(self, now: float) -> None:
         self._sends.append(now)
 
@@ -839,8 +616,7 @@ class PacerLane:
         return len(recent) / self.WINDOW_S
 
     def reserve(self, now: float, floor: float = 0.0) -> float:
-        """Take a token if one is there (0.0: send now) or say how many seconds until one will be (take nothing).
-        Tokens come at least at `floor` per second (the caller's retry policy: `acquire`)."""
+        """Take a token (0.0: send now) or say how many seconds until one is there (at `floor` per second at least)."""
         with self._state():
             return self._reserve(now, floor)
 
@@ -870,20 +646,14 @@ class PacerLane:
                 self._active = True
                 self.activations += 1
                 self._host_activations += 1
-                # the rate this process was sending at, times the processes that share the lane (all alike)
                 self._rate = max(self.MIN_RATE * n, self.BETA * self.measured_rate(now, self._own_sends) * n)
                 if self._shared is not None:
                     self._sends = collections.deque(self._own_sends, maxlen=64)
                 self._apply_limit(now)
                 self._tokens, self._refilled_at, self._epoch, self._changed_at = 0.0, now, now, now
                 whose = f"the {n} processes of this job on this host share" if n > 1 else "this process's"
-                logger.info(
-                    "S3 throttles %s: pacing %s %s at %.3g requests/s from now on",
-                    self.name,
-                    whose,
-                    self.name,
-                    self._rate,
-                )
+                message = "S3 throttles %s: pacing %s %s at %.3g requests/s from now on"
+                logger.info(message, self.name, whose, self.name, self._rate)
             elif sent >= self._epoch:
                 self._set_rate(max(self.MIN_RATE * n, self.BETA * self._rate), now)
                 self._epoch = self._changed_at = now
@@ -929,11 +699,8 @@ class PacerLane:
         return limit
 
     # ---- the blocking side ------------------------------------------------------------------------------------
-
     def acquire(self, max_interval_s: float = math.inf) -> float:
-        """Wait for a token if the lane is pacing; return the send time (`time.monotonic()`) to report back. Tokens
-        come at least every `max_interval_s` while this request waits (a retry policy's ``max_backoff_s``: the pacer
-        never spaces requests further apart than the policy's longest backoff would)."""
+        """Wait for a token if pacing (one comes at least every `max_interval_s`); return the send time to report."""
         now = time.monotonic()
         flag = self._flag
         if not (self._active if flag is None else flag[0][flag[1]]):
@@ -958,16 +725,8 @@ class PacerLane:
 
 _WRITE_OPERATIONS = frozenset(
     {
-        "put_object",
-        "upload_part",
-        "upload_part_copy",
-        "copy_object",
-        "create_multipart_upload",
-        "complete_multipart_upload",
-        "abort_multipart_upload",
-        "delete_object",
-        "delete_objects",
-        "create_bucket",
+        *("put_object", "upload_part", "upload_part_copy", "copy_object", "create_multipart_upload"),
+        *("complete_multipart_upload", "abort_multipart_upload", "delete_object", "delete_objects", "create_bucket"),
         "delete_bucket",
     }
 )
@@ -975,13 +734,7 @@ _WRITE_OPERATIONS = frozenset(
 
 
 class RequestPacer:
-    """The request pacer of one process for one bucket on one endpoint: a `PacerLane` for writes and one for reads,
-    shared by every thread and `S3Utils` of the process (`request_pacer`), and, inside a job, by the job's other
-    processes on this host (``shared``: the lanes' state lives in /dev/shm, see `SharedLaneStore`).
-
-    Separate lanes because S3's limits are separate (3,500 writes and 5,500 reads per second per prefix): a save
-    throttled on its PUTs must not slow the job's loads, nor a resume storm of GETs its saves.
-    """
+    """The request pacer of one process for one bucket and endpoint: a `PacerLane` each for writes and for reads."""
 
     def __init__(self, endpoint_url: str | None, bucket: str, shared: SharedLaneStore | None = None) -> None:
         self.endpoint_url = endpoint_url
@@ -996,7 +749,7 @@ class RequestPacer:
 
     @property
     def shared(self) -> bool:
-        """Whether the lanes are the host's, shared with the job's other processes on this host."""
+        """Whether the lanes are shared with the job's other processes on this host."""
         return self.writes.shared
 
     def lane(self, operation: str) -> PacerLane:
@@ -1016,9 +769,7 @@ class RequestPacer:
                 lane._apply_limit(now)
 
     def _share(self, direction: str) -> float | None:
-        """This process's share of the budget for `direction`: the job-wide rate over the world size (looked up
-        again every few seconds, since the process group usually starts after the first S3 request). A shared lane
-        takes the shares of the processes that use it."""
+        """The job-wide rate over the world size (asked again every 5 s: the process group starts after S3 requests)."""
         budget = self._budget
         rate = getattr(budget, direction) if budget is not None else None
         if rate is None:
@@ -1043,9 +794,7 @@ _pacers_lock = threading.Lock()
 
 
 def request_pacer(endpoint_url: str | None, bucket: str) -> RequestPacer:
-    """The process's `RequestPacer` for `bucket` at `endpoint_url` (None: AWS), made on first use: shared with the
-    job's other processes on this host where it can be (`_shared_pacer_state`). Pacers are kept per process id, so a
-    forked child starts with its own, dormant ones."""
+    """The process's `RequestPacer` for `bucket` at `endpoint_url` (None: AWS), made on first use (also in a fork)."""
     key = (os.getpid(), endpoint_url, bucket)
     pacer = _pacers.get(key)
     if pacer is None:
@@ -1062,46 +811,24 @@ def request_pacer(endpoint_url: str | None, bucket: str) -> RequestPacer:
 
 SERVER_SIDE_ENCRYPTIONS = ("AES256", "aws:kms", "aws:kms:dsse")
 STORAGE_CLASSES = (
-    "STANDARD",
-    "REDUCED_REDUNDANCY",
-    "STANDARD_IA",
-    "ONEZONE_IA",
-    "INTELLIGENT_TIERING",
-    "GLACIER_IR",
-    "EXPRESS_ONEZONE",
-    "OUTPOSTS",
-    "SNOW",
+    *("STANDARD", "REDUCED_REDUNDANCY", "STANDARD_IA", "ONEZONE_IA", "INTELLIGENT_TIERING", "GLACIER_IR"),
+    *("EXPRESS_ONEZONE", "OUTPOSTS", "SNOW"),
 )
-"""Storage classes a checkpoint can be written in. GLACIER and DEEP_ARCHIVE are refused: their objects cannot be
-read without a restore, so a resume from them would fail (a lifecycle rule can move old checkpoints there)."""
+"""Storage classes a checkpoint can be written in (not GLACIER, DEEP_ARCHIVE: a load would need a restore first)."""
 _UPLOAD_OPERATIONS = frozenset({"PutObject", "CreateMultipartUpload"})
 
 
 @dataclass(frozen=True)
 class S3RequestOptions:
-    """S3 parameters added to the requests this package makes, named as in S3's API (and boto3's ``ExtraArgs``).
+    """S3 parameters added to uploads (`ExpectedBucketOwner`, `RequestPayer`: to all requests), if not set by a call."""
 
-    The fields are the allow-list (as s3transfer's ``ALLOWED_UPLOAD_ARGS``): `from_mapping` refuses any other name,
-    and each value is checked up front, so a typo fails before a checkpoint is written rather than at the first save
-    or never. The object-level options (encryption, storage class, tags) go on every upload (single PUT and
-    multipart); `ExpectedBucketOwner` and `RequestPayer` on every request whose S3 operation takes them (head,
-    list, get, put, multipart, delete). A parameter a call sets itself wins.
-    """
-
-    ServerSideEncryption: str | None = None
-    """``AES256`` (SSE-S3), ``aws:kms`` (SSE-KMS) or ``aws:kms:dsse`` (dual-layer SSE-KMS)."""
-    SSEKMSKeyId: str | None = None
-    """KMS key id or ARN for ``aws:kms`` / ``aws:kms:dsse``; else the account's default ``aws/s3`` key."""
-    BucketKeyEnabled: bool | None = None
-    """S3 Bucket Key for SSE-KMS (fewer KMS requests); not available with ``aws:kms:dsse``."""
-    StorageClass: str | None = None
-    """One of `STORAGE_CLASSES`."""
-    Tagging: str | None = None
-    """Object tags as a URL-encoded query (``project=gpt&team=nlp``); a mapping is accepted and encoded."""
-    ExpectedBucketOwner: str | None = None
-    """The 12-digit AWS account id that must own the bucket; S3 answers 403 AccessDenied otherwise."""
-    RequestPayer: str | None = None
-    """``requester`` to read and write a Requester Pays bucket."""
+    ServerSideEncryption: str | None = None  # ``AES256``, ``aws:kms`` or ``aws:kms:dsse``
+    SSEKMSKeyId: str | None = None  # KMS key id or ARN for ``aws:kms*``; else the account's ``aws/s3`` key
+    BucketKeyEnabled: bool | None = None  # S3 Bucket Key for ``aws:kms`` (fewer KMS requests)
+    StorageClass: str | None = None  # one of `STORAGE_CLASSES`
+    Tagging: str | None = None  # URL-encoded tags (``project=gpt&team=nlp``); a mapping is encoded
+    ExpectedBucketOwner: str | None = None  # the 12-digit account id that must own the bucket (else 403)
+    RequestPayer: str | None = None  # ``requester`` to read and write a Requester Pays bucket
 
     def __post_init__(self) -> None:
         if isinstance(self.Tagging, Mapping):
@@ -1144,10 +871,7 @@ class S3RequestOptions:
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | S3RequestOptions | None) -> S3RequestOptions | None:
-        """Options from a mapping of S3 parameter names (a config block, CLI flags); None or empty gives None.
-
-        Raises ValueError naming any key outside the allow-list (and the S3 spelling of a snake_case one).
-        """
+        """Options from a mapping of S3 parameter names (None or empty: None); ValueError naming any unknown key."""
         if options is None or isinstance(options, S3RequestOptions):
             return options
         if not isinstance(options, Mapping):
@@ -1165,8 +889,7 @@ class S3RequestOptions:
         return cls(**given) if given else None
 
     def parameters(self, operation_name: str, members: Collection[str]) -> dict[str, Any]:
-        """The parameters to add to S3 operation `operation_name` (e.g. ``"PutObject"``), whose input takes
-        `members`."""
+        """The parameters to add to S3 operation `operation_name` (``"PutObject"``), whose input takes `members`."""
         chosen = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
         if operation_name not in _UPLOAD_OPERATIONS:
             chosen = {k: v for k, v in chosen.items() if k in ("ExpectedBucketOwner", "RequestPayer")}
@@ -1185,38 +908,23 @@ class S3RequestOptions:
 
 @dataclass(frozen=True)
 class S3ClientSettings:
-    """Where and how to reach S3. Unset fields fall back to botocore's usual sources (environment, config files).
+    """Where and how to reach S3; unset fields fall back to botocore's sources. Credentials come from boto3's chain."""
 
-    Credentials are never part of the settings: they come from the normal boto3 credential chain (environment,
-    profile, container or instance role), which refreshes temporary credentials by itself.
-    """
-
-    endpoint_url: str | None = None
-    """Explicit endpoint; else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, else AWS."""
+    endpoint_url: str | None = None  # else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, else AWS
     region_name: str | None = None
     addressing_style: str | None = None
-    """``"path"``, ``"virtual"`` or ``"auto"``; defaults to ``"path"`` for a custom endpoint (MinIO, SeaweedFS...).
-    Directory buckets and access point ARNs are always addressed virtual-hosted style (botocore does so whatever
-    this says, except for a directory bucket behind an IP-address endpoint); an explicit ``"path"`` therefore
-    refuses them with a clear error instead of letting requests go to a host the setting did not expect."""
+    """``"path"`` (default for a custom endpoint; refuses virtual-only buckets if given), ``"virtual"``, ``"auto"``."""
     profile_name: str | None = None
     max_pool_connections: int = 32
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 60.0
     user_agent_extra: str | None = None
     sign_payloads: bool = False
-    """SHA-256-sign request bodies even over plain http. Off by default: every body this package uploads carries a
-    CRC checksum that the store verifies, which is what botocore itself relies on over https and what
-    s3torchconnector does; signing costs a SHA-256 pass over every byte on both the client and the store."""
-    request_options: S3RequestOptions | None = None
-    """Encryption, storage class, tags, bucket owner, requester pays: added to the requests of this client."""
-    max_requests_per_second: RequestRates | None = None
-    """A job-wide budget of requests per second (`RequestRates`; a number or a ``{"write": .., "read": ..}`` mapping
-    is converted), split across the job's processes by world size. None: adaptive pacing only, from the first
-    throttling answer on."""
+    """SHA-256-sign bodies over plain http too (off: every body carries a CRC the store verifies; signing is slow)."""
+    request_options: S3RequestOptions | None = None  # added to the requests of this client
+    max_requests_per_second: RequestRates | None = None  # a job-wide budget; None: adaptive pacing only
 
-    path_style_by_default: bool = field(default=False, repr=False)
-    """Set by `resolved` when ``"path"`` was filled in for a custom endpoint rather than asked for."""
+    path_style_by_default: bool = field(default=False, repr=False)  # "path" filled in by `resolved`
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_requests_per_second", RequestRates.from_value(self.max_requests_per_second))
@@ -1237,10 +945,7 @@ _clients_lock = threading.Lock()
 
 
 def get_s3_client(settings: S3ClientSettings | None = None) -> Any:
-    """The process-wide boto3 S3 client for these settings (boto3 clients are thread-safe; sessions are not).
-
-    Clients are cached per process id, so a forked child builds its own instead of sharing sockets with its parent.
-    """
+    """The process-wide boto3 S3 client for these settings (thread-safe), per process id (a fork builds its own)."""
     settings = (settings or S3ClientSettings()).resolved()
     key = (os.getpid(), settings)
     client = _clients.get(key)
@@ -1251,15 +956,17 @@ def get_s3_client(settings: S3ClientSettings | None = None) -> Any:
     with _clients_lock:
         client = _clients.get(key)
         if client is None:
+            s3_config: dict[str, Any] = {"payload_signing_enabled": settings.sign_payloads}
+            if settings.addressing_style:
+                s3_config["addressing_style"] = settings.addressing_style
             config = botocore_config.Config(
                 max_pool_connections=settings.max_pool_connections,
                 connect_timeout=settings.connect_timeout_s,
                 read_timeout=settings.read_timeout_s,
                 retries={"total_max_attempts": 1},  # RetryPolicy is the single retry layer
-                s3=_s3_config(settings),
+                s3=s3_config,
                 user_agent_extra=user_agent(settings.user_agent_extra),
-                # This module sends and verifies full-object checksums itself.
-                request_checksum_calculation="when_required",
+                request_checksum_calculation="when_required",  # this module sends and verifies checksums itself
                 response_checksum_validation="when_required",
             )
             session = boto3_session.Session(profile_name=settings.profile_name)
@@ -1282,16 +989,8 @@ def _add_request_options(client: Any, options: S3RequestOptions | None) -> None:
 
 
 def user_agent(extra: str | None = None) -> str:
-    """What this package adds to botocore's User-Agent on every request: ``s3-checkpoint-io/<version>`` and then
-    `extra` (e.g. ``(lightning; 2.6.6)``), so that S3 access logs and CloudTrail show who made a request."""
+    """What this package adds to botocore's User-Agent (``s3-checkpoint-io/<version>``, then `extra`)."""
     return f"s3-checkpoint-io/{__version__}" + (f" {extra}" if extra else "")
-
-
-def _s3_config(settings: S3ClientSettings) -> dict[str, Any]:
-    config: dict[str, Any] = {"payload_signing_enabled": settings.sign_payloads}
-    if settings.addressing_style:
-        config["addressing_style"] = settings.addressing_style
-    return config
 
 
 def _refuse_virtual_only_buckets(params: dict[str, Any], model: Any = None, **_: Any) -> None:
@@ -1321,8 +1020,7 @@ _VIRTUAL_HOSTED_ONLY = {
 
 
 def _no_region_redirects(params: dict[str, Any], **_: Any) -> None:
-    """botocore re-sends an S3 request to the region a 301/400 names; when none is named it asks HEAD bucket, which a
-    redirecting endpoint answers with 301 again: unbounded recursion. A custom endpoint has no other region to go to."""
+    """No region redirects on a custom endpoint: botocore's HEAD bucket to find the region recurses without end."""
     redirect = params.get("context", {}).get("s3_redirect")
     if isinstance(redirect, dict):
         redirect["redirected"] = True
@@ -1340,8 +1038,7 @@ def _awscrt_checksums() -> types.ModuleType | None:
 
 
 class ChecksumAlgorithm:
-    """One of S3's full-object CRCs: how to compute it, combine it and spell it in S3 requests and responses. Get one
-    with `ChecksumAlgorithm.named` (``"CRC32"``, ``"CRC32C"``, ``"CRC64NVME"`` or ``"auto"``)."""
+    """One of S3's full-object CRCs: compute, combine and spell it; get one with `ChecksumAlgorithm.named`."""
 
     def __init__(
         self, name: str, nbytes: int, polynomial: int, zlib_update: Callable[[Any, int], int] | None = None
@@ -1357,9 +1054,7 @@ class ChecksumAlgorithm:
 
     @classmethod
     def named(cls, name: str | None = "auto") -> ChecksumAlgorithm:
-        """The `ChecksumAlgorithm` `name` names (any case) or, for None/"auto", CRC32C where awscrt is installed and
-        CRC32 (zlib) otherwise. ValueError for an unknown name; the ImportError that names the install line for one
-        that needs awscrt without it."""
+        """The algorithm `name` names (``"CRC32C"``...) or, for None/"auto", CRC32C with awscrt, else CRC32."""
         if name is None or name.lower() == "auto":
             return _CHECKSUMS["CRC32C"] if _awscrt_checksums() else _CHECKSUMS["CRC32"]
         try:
@@ -1396,8 +1091,7 @@ class ChecksumAlgorithm:
         return combine(first, second, second_length)
 
     def combine_gf2(self, first: int, second: int, second_length: int) -> int:
-        """`combine` without awscrt (zlib's ``crc32_combine``, valid for every reflected CRC whose initial value and
-        final XOR are all ones, as these three are). Used when awscrt is missing or older than 0.31."""
+        """`combine` without awscrt (or before 0.31): zlib's ``crc32_combine``, valid for these three CRCs."""
         return _gf2_times(_zeros_operator(self.polynomial, self.nbytes * 8, second_length), first) ^ second
 
 
@@ -1439,17 +1133,12 @@ _CHECKSUMS = {
 
 
 def validate_checksum_algorithm(name: str | None) -> str:
-    """S3's name of the algorithm a save with `name` would use (``"auto"``/None: CRC32C with awscrt, else CRC32).
-
-    Raises ValueError for an unknown name and MissingOptionalDependencyError when it needs awscrt and awscrt is
-    missing, so a misconfiguration fails when the plugin is built, not at the first save.
-    """
+    """S3's name of the algorithm a save with `name` would use; raises as `ChecksumAlgorithm.named` (early) does."""
     return ChecksumAlgorithm.named(name).name
 
 
 def checksum_of(algorithm: ChecksumAlgorithm | None, data: Any, block: int = 64 * MB) -> int:
-    """Checksum of a buffer, in blocks so that huge buffers never need a contiguous temporary copy (0 without an
-    algorithm: a checkpoint that recorded none)."""
+    """Checksum of a buffer, in blocks (no temporary copy of a huge buffer); 0 without an algorithm."""
     if algorithm is None:
         return 0
     view = memoryview(data).cast("B")
@@ -1460,8 +1149,7 @@ def checksum_of(algorithm: ChecksumAlgorithm | None, data: Any, block: int = 64 
 
 
 def combine_checksums(algorithm: ChecksumAlgorithm, parts: Iterable[tuple[int, int]]) -> int:
-    """The checksum of consecutive pieces from their ``(checksum, length)`` pairs, in order (0 for no pieces: the
-    checksum of nothing, which combining leaves unchanged)."""
+    """The checksum of consecutive pieces from their ``(checksum, length)`` pairs, in order (0 for none)."""
     total = 0
     for checksum, length in parts:
         total = algorithm.combine(total, checksum, length)
@@ -1473,56 +1161,38 @@ class ChecksumMismatchError(IOError):
 
 
 CHECKSUM_SOURCES = ("s3", "metadata", "sidecar")
-"""Where a checksum can be recorded: by the store itself ("s3"), in the object's user metadata written with it by
-this package ("metadata", single-PUT objects), or by this package in a sidecar object."""
-CHECKSUM_METADATA_KEY = "s3ckpt-checksum"
-"""The user-metadata key (``x-amz-meta-s3ckpt-checksum``) under which a single PUT carries its checksum:
-``"<ALGORITHM> <value>"``."""
+"""Where a checksum is recorded: by the store, in the object's user metadata (single PUTs), or in a sidecar object."""
+CHECKSUM_METADATA_KEY = "s3ckpt-checksum"  # user metadata of a single PUT: ``"<ALGORITHM> <value>"``
 
 
 @dataclass(frozen=True)
 class RecordedChecksum:
     """A full-object checksum recorded when an object was written, and where it is recorded."""
 
-    algorithm: str
-    """S3's name of the algorithm: ``"CRC32C"``, ``"CRC64NVME"`` or ``"CRC32"``."""
-    value: str
-    """The checksum as S3 spells it (base64 of the big-endian bytes)."""
-    source: str
-    """``"s3"``: the store keeps it with the object (a HEAD returns it); ``"metadata"``: the object's user metadata
-    carries it (written in the same PUT); ``"sidecar"``: the store ignored it, so this package recorded it in
-    ``<key>.s3ckpt-checksum.json`` beside the object, bound to the object's size and ETag."""
+    algorithm: str  # S3's name of the algorithm: ``"CRC32C"``, ``"CRC64NVME"`` or ``"CRC32"``
+    value: str  # the checksum as S3 spells it (base64 of the big-endian bytes)
+    source: str  # one of `CHECKSUM_SOURCES` (a sidecar is bound to the object's size and ETag)
 
     def __str__(self) -> str:
         return f"{self.algorithm} {self.value} ({self.source})"
 
 
-_MULTIPART_ETAG = re.compile(r'-\d+"?$')
-"""The ETag of an object made by a multipart upload: ``"<md5 of the part md5s>-<part count>"``."""
-
-
+_MULTIPART_ETAG = re.compile(r'-\d+"?$')  # the ETag of a multipart object: "<md5 of the part md5s>-<part count>"
 _CHECKSUM_ENTRY_FIELDS = {"algorithm": str, "checksum": str, "size": int, "etag": str}
 
 
 def _is_checksum_entry(entry: Any) -> bool:
-    """Whether `entry` is a well-formed checksum entry of a record (its fields of their types)."""
     return isinstance(entry, dict) and all(isinstance(entry.get(k), t) for k, t in _CHECKSUM_ENTRY_FIELDS.items())
 
 
 class _ChecksumRecords:
-    """Reads, writes and checks the checksum records of objects, through the calls (and retries) of an `S3Utils`.
-
-    The store's own full-object checksum is preferred. Where it has none, the sidecar this package wrote counts.
-    Where the two disagree with the bytes, the sidecar settles it: some stores (moto) report a full-object checksum
-    they never verified, and a sidecar is written exactly for those stores.
-    """
+    """Reads, writes and checks the checksum records of objects through an `S3Utils` (a sidecar settles a dispute)."""
 
     def __init__(self, utils: S3Utils) -> None:
         self._utils = utils
 
     def expected(self, info: S3ObjectInfo) -> RecordedChecksum | None:
-        """The record a download of `info` is verified against: the store's, else the one its metadata carries, else
-        the sidecar, else None."""
+        """The record a download of `info` is verified against: the store's, else its metadata's, else the sidecar."""
         return self.native(info) or self.carried(info) or self.sidecar(info)
 
     @staticmethod
@@ -1538,13 +1208,7 @@ class _ChecksumRecords:
 
     @staticmethod
     def native(info: S3ObjectInfo) -> RecordedChecksum | None:
-        """The full-object checksum the store reported in `info` (one this process can compute), if any.
-
-        A multipart object (ETag ``"...-N"``) whose checksum comes without a ``ChecksumType`` is not trusted as the
-        object's: AWS always sends the type, and a store that leaves it out may report the checksum of the part
-        checksums without the ``-N`` (moto does, for uploads made by other tools such as ``aws s3 cp``). The
-        sidecar, if any, counts instead.
-        """
+        """The store's full-object checksum in `info`, if any (not for a multipart object without ``ChecksumType``)."""
         if info.checksum_type not in (None, "FULL_OBJECT"):
             return None
         for algorithm in _CHECKSUMS.values():
@@ -1555,10 +1219,7 @@ class _ChecksumRecords:
                 logger.debug(
                     "%s: the store's %s %s cannot be used: it comes without a ChecksumType for a multipart object "
                     "(ETag %s), so it may cover the part checksums rather than the bytes",
-                    info.url,
-                    algorithm.name,
-                    value,
-                    info.etag,
+                    *(info.url, algorithm.name, value, info.etag),
                 )
                 return None
             with contextlib.suppress(MissingOptionalDependencyError):
@@ -1566,18 +1227,12 @@ class _ChecksumRecords:
         return None
 
     def sidecar(self, info: S3ObjectInfo) -> RecordedChecksum | None:
-        """The checksum recorded beside the object, if any; ChecksumMismatchError if that record is unusable or
-        belongs to an older object at the same key (a record is never silently ignored)."""
+        """The checksum recorded beside the object; ChecksumMismatchError if unusable or of an older object there."""
         entries = self.sidecar_entries(info)
         return entries[0] if entries else None
 
     def sidecar_entries(self, info: S3ObjectInfo) -> list[RecordedChecksum]:
-        """Every checksum the record beside the object may hold for it, the one bound to its ETag first.
-
-        A record is bound to one object by its size and ETag once that object is committed. Before a commit the
-        writer records the checksum it is about to commit unbound (``"etag": ""``), keeping the entries of the
-        objects the key may still hold in ``"earlier"`` (see `S3MultipartWriter`, "Crash safety"): an unbound entry
-        of the object's size is a candidate that only the bytes can confirm (`check`)."""
+        """The checksums the record beside the object may hold for it: the one bound to it, else unbound ones."""
         record = self._read_sidecar(info)
         if record is None:
             return []
@@ -1600,17 +1255,15 @@ class _ChecksumRecords:
             try:
                 algorithm = ChecksumAlgorithm.named(entry["algorithm"])
             except ValueError as exc:
-                raise ChecksumMismatchError(
-                    f"The checksum record of {info.url} names an unknown algorithm: {exc}"
-                ) from exc
+                problem = f"The checksum record of {info.url} names an unknown algorithm: {exc}"
+                raise ChecksumMismatchError(problem) from exc
             found.append(RecordedChecksum(algorithm.name, entry["checksum"], "sidecar"))
         return found
 
     def check(
         self, info: S3ObjectInfo, target: DownloadedObject, expected: RecordedChecksum, actual: int
     ) -> RecordedChecksum:
-        """Compare the downloaded bytes' checksum `actual` with `expected`; return the record that matched, or raise
-        ChecksumMismatchError naming the URL."""
+        """The record the downloaded bytes (checksum `actual`) match, `expected` first; else ChecksumMismatchError."""
         algorithm = ChecksumAlgorithm.named(expected.algorithm)
         actual_text = algorithm.encode(actual)
         if actual_text == expected.value:
@@ -1639,15 +1292,12 @@ class _ChecksumRecords:
         """Record a checksum beside ``bucket/key``, for a store that did not keep it."""
         sidecar_key = key + CHECKSUM_SIDECAR_SUFFIX
         body = json.dumps(record, sort_keys=True).encode()
-        self._utils.call(
-            "put_object", _urls.build_s3_url(bucket, sidecar_key), Bucket=bucket, Key=sidecar_key, Body=body
-        )
+        url = _urls.build_s3_url(bucket, sidecar_key)
+        self._utils.call("put_object", url, Bucket=bucket, Key=sidecar_key, Body=body)
 
     def write_pending(self, bucket: str, key: str, algorithm: str, checksum: str, size: int) -> bool:
-        """Before a commit: record the checksum of the object about to be committed at ``bucket/key``, unbound
-        (its ETag is known only after the commit), keeping the entries of the objects the key may still hold (the
-        current one, and those of commits a kill may have cut short) under ``"earlier"``. Returns whether the key had
-        a record before."""
+        """Record the checksum about to be committed at ``bucket/key`` unbound, the current ones as ``"earlier"``;
+        whether there was a record."""
         url = _urls.build_s3_url(bucket, key)
         earlier: list[Any] = []
         try:
@@ -1668,9 +1318,7 @@ class _ChecksumRecords:
     def remove_sidecar(self, bucket: str, key: str) -> None:
         """Delete the record beside ``bucket/key`` (missing is fine)."""
         sidecar_key = key + CHECKSUM_SIDECAR_SUFFIX
-        self._utils.call(
-            "delete_object", _urls.build_s3_url(bucket, sidecar_key), Bucket=bucket, Key=sidecar_key
-        )
+        self._utils.call("delete_object", _urls.build_s3_url(bucket, sidecar_key), Bucket=bucket, Key=sidecar_key)
 
     def _read_sidecar(self, info: S3ObjectInfo) -> dict[str, Any] | None:
         key = info.key + CHECKSUM_SIDECAR_SUFFIX
@@ -1708,8 +1356,7 @@ class S3ObjectInfo:
     last_modified: Any = None  # datetime.datetime
     checksums: dict[str, str] = field(default_factory=dict)
     checksum_type: str | None = None
-    metadata: dict[str, str] = field(default_factory=dict)
-    """User metadata (``x-amz-meta-*``, without the prefix), as a HEAD returns it; empty from listings."""
+    metadata: dict[str, str] = field(default_factory=dict)  # user metadata from a HEAD (none from listings)
 
     @property
     def url(self) -> str:
@@ -1718,17 +1365,14 @@ class S3ObjectInfo:
 
 @dataclass(frozen=True)
 class MultipartUploadInfo:
-    """One in-progress multipart upload (started, never completed or aborted): its parts are stored, and billed,
-    but no object exists at `key` until it completes."""
+    """One in-progress multipart upload: its parts are stored, and billed, but there is no object until it completes."""
 
     bucket: str
     key: str
     upload_id: str
     initiated: Any = None  # datetime.datetime, by the store's clock
-    parts: int | None = None
-    """How many parts it holds; None until counted (`S3Utils.count_upload_parts`)."""
+    parts: int | None = None  # how many parts it holds, and their bytes: None until counted (`count_upload_parts`)
     size: int | None = None
-    """The bytes those parts hold; None until counted."""
 
     @property
     def url(self) -> str:
@@ -1744,15 +1388,10 @@ _HAS_PWRITE = hasattr(os, "pwrite")
 
 
 class DownloadedObject:
-    """An object downloaded into an anonymous in-memory file (Linux ``memfd``; a temporary file elsewhere).
-
-    `path` can be handed to ``torch.load(path, mmap=True)``: the tensors then use the downloaded pages directly, so
-    loading needs no second copy of the checkpoint. Close it when done (the mapping torch made stays valid).
-    """
+    """An object in an anonymous in-memory file (``memfd``) whose `path` ``torch.load(path, mmap=True)`` can map."""
 
     def __init__(self, size: int, fd: int | None = None) -> None:
-        """`fd`: an open, writable file to download into instead of a fresh ``memfd`` (e.g. a node-shared file in
-        ``/dev/shm``); it is resized to `size` and stays the caller's (`close` leaves it open)."""
+        """`fd`: an open, writable file to download into instead (resized to `size`; `close` leaves it open)."""
         self.size = size
         self._owns_fd = fd is None
         if fd is not None:
@@ -1766,17 +1405,11 @@ class DownloadedObject:
         self._map: mmap.mmap | None = None
         self._write_lock = threading.Lock()
         self.verified_against: RecordedChecksum | None = None
-        """Set by `S3Utils.download_to_memory`: the record the bytes matched (None: nothing recorded, or not
-        verified)."""
+        """Set by `S3Utils.download_to_memory`: the record the bytes matched (None: nothing recorded or verified)."""
 
     def write_at(self, offset: int, data: Any) -> None:
-        """Store `data` at `offset` (callable from several threads for disjoint ranges).
-
-        Written with ``pwrite``, not through a mapping: the kernel then fills fresh pages directly, whereas a store
-        through a mapping costs a page fault and a zeroed page per 4 KiB first. Writers take turns on a lock: the
-        kernel serialises writes to one file anyway, and a writer waiting in the kernel spins on the CPU the store
-        and the other downloads need (benchmarks/README.md, "Loads").
-        """
+        """Store `data` at `offset` (disjoint ranges from several threads) with ``pwrite`` (no page faults), in turns
+        (the kernel serialises writes anyway; a waiting writer would spin: benchmarks/README.md, "Loads")."""
         view = memoryview(data).cast("B")
         with self._write_lock:
             while view:
@@ -1839,12 +1472,7 @@ def _refuse_overridden(caller: str, winner: str, overridden: list[str]) -> None:
 
 
 class _ClassOrInstanceMethod:
-    """A method that NeMo code may call on the class (``S3Utils.remove_object(url)``): it then runs on an instance
-    built from default settings, the way NeMo's static methods behaved; called on an instance it uses that instance.
-
-    Not a ``@staticmethod``: an instance carries the endpoint, retry policy and client that a static method could not
-    see. Building the throwaway instance is cheap (the client is shared per process and settings).
-    """
+    """A method NeMo code may call on the class (``S3Utils.remove_object(url)``): then on a default instance."""
 
     def __init__(self, function: Callable[..., Any]) -> None:
         self.__func__ = function
@@ -1854,23 +1482,15 @@ class _ClassOrInstanceMethod:
         return types.MethodType(self.__func__, instance if instance is not None else owner())
 
 
-
 class S3Utils:
     """S3 operations for checkpoints, with retries, ``/``-bounded directory semantics and verified transfers.
 
-    NeMo calls these as static methods (``S3Utils.s3_path_exists(url)``); that still works and uses default
-    settings. Build an instance to choose an endpoint, region, retry policy or pool size::
-
-        s3 = S3Utils(S3ClientSettings(endpoint_url="http://127.0.0.1:9000"), retry_policy=RetryPolicy(max_attempts=5))
-        s3.s3_path_exists("s3://bucket/checkpoints", match_directory=True)
+    NeMo's static calls (``S3Utils.s3_path_exists(url)``) still work, with default settings; an instance chooses
+    them: ``S3Utils(S3ClientSettings(endpoint_url=...), retry_policy=RetryPolicy(max_attempts=5))``.
     """
 
     def __init__(
-        self,
-        settings: S3ClientSettings | None = None,
-        retry_policy: RetryPolicy | None = None,
-        *,
-        client: Any = None,
+        self, settings: S3ClientSettings | None = None, retry_policy: RetryPolicy | None = None, *, client: Any = None,
         list_page_size: int = 1000,
     ) -> None:
         if retry_policy is not None and not isinstance(retry_policy, RetryPolicy):
@@ -1881,49 +1501,27 @@ class S3Utils:
         self.retry_policy = retry_policy or RetryPolicy()
         self._client = client
         self._stats_lock = threading.Lock()
-        self.retries = 0
-        """How many times a call was retried by this instance (for tests, logs and benchmarks)."""
-        self.list_page_size = list_page_size
-        """Keys (or uploads, or parts) asked for per listing request."""
+        self.retries = 0  # how many times a call was retried by this instance
+        self.list_page_size = list_page_size  # keys (or uploads, or parts) asked for per listing request
 
     @classmethod
     def from_arguments(
-        cls,
-        *,
-        s3_utils: S3Utils | None = None,
-        client_settings: S3ClientSettings | None = None,
-        endpoint_url: str | None = None,
-        region_name: str | None = None,
-        retry_policy: RetryPolicy | None = None,
+        cls, *, s3_utils: S3Utils | None = None, client_settings: S3ClientSettings | None = None,
+        endpoint_url: str | None = None, region_name: str | None = None, retry_policy: RetryPolicy | None = None,
         request_options: S3RequestOptions | Mapping[str, Any] | None = None,
         max_requests_per_second: float | Mapping[str, float] | RequestRates | None = None,
-        max_pool_connections: int | None = None,
-        user_agent_extra: str | None = None,
+        max_pool_connections: int | None = None, user_agent_extra: str | None = None,
         caller: str = "S3Utils.from_arguments",
     ) -> S3Utils:
-        """The one way this package builds an `S3Utils` from a caller's loose arguments (`S3CheckpointIO`, the DCP
-        writer and reader, the sharded strategies, convert and the CLI all take the same ones).
-
-        `s3_utils` is used as given; else `client_settings`, else settings built from `endpoint_url` and
-        `region_name`. `request_options` and `max_requests_per_second` are added to the settings (checked first, so
-        a typo fails here). `max_pool_connections` sizes the connection pool of settings built here (the caller's
-        concurrency); `user_agent_extra` is appended to the settings' own. Neither applies to a given `s3_utils`.
-
-        Raises ValueError naming every argument another given one would silently override: anything but
-        `s3_utils` itself together with `s3_utils` (it has its settings and retry policy), `endpoint_url` /
-        `region_name` with `client_settings` (put them in the settings), and `request_options` /
-        `max_requests_per_second` with a `client_settings` that already sets them. `caller` names the class or
-        function in that message.
+        """The one way this package builds an `S3Utils` from a caller's loose arguments: `s3_utils` as given, else
+        `client_settings`, else settings from `endpoint_url` and `region_name`, plus the options, budget, pool size and
+        user agent. ValueError (naming `caller`) for every argument another given one would silently override.
         """
         options = S3RequestOptions.from_mapping(request_options)  # an unknown or bad option fails here
         budget = RequestRates.from_value(max_requests_per_second)  # a bad value fails here
         given = {
-            "endpoint_url": endpoint_url,
-            "region_name": region_name,
-            "client_settings": client_settings,
-            "retry_policy": retry_policy,
-            "request_options": options,
-            "max_requests_per_second": budget,
+            "endpoint_url": endpoint_url, "region_name": region_name, "client_settings": client_settings,
+            "retry_policy": retry_policy, "request_options": options, "max_requests_per_second": budget,
         }
         if s3_utils is not None:
             _refuse_overridden(caller, "s3_utils", [name for name, value in given.items() if value is not None])
@@ -1951,12 +1549,10 @@ class S3Utils:
         return cls(settings, retry_policy)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled as its settings and retry policy (``ddp_spawn``, DCP's process executor): the live client,
-        its connections and the retry counter stay in the process that made them; the copy builds its own client."""
+        """Pickled as its settings and retry policy: the copy builds its own client."""
         return (type(self), (self.settings, self.retry_policy))
 
     # ---- plumbing -------------------------------------------------------------------------------------------------
-
     @property
     def client(self) -> Any:
         if self._client is None:
@@ -1972,15 +1568,9 @@ class S3Utils:
     def with_retries(
         self, attempt: Callable[[], _T], operation: str, url: str, *, bucket: str | None = None, detail: str = ""
     ) -> _T:
-        """Run `attempt` (one request to `bucket`, by default the bucket of `url`) through the process's request
-        pacer and under the retry policy; the final failure is the original exception, annotated with the URL (and
-        `detail`, e.g. ``"part 3"``).
-
-        A throttling answer (`is_throttling_error`) does not use up an attempt while the job makes progress: the
-        request is paced and tried again as long as some request of the same direction to the same bucket has
-        succeeded within ``max_elapsed_s`` (since this call started, or since that success), and fails only after
-        that long without one. Any other retriable error counts against ``max_attempts`` and ``max_elapsed_s`` from
-        its first occurrence, with exponential backoff and full jitter.
+        """Run `attempt` (one request to `bucket`, by default `url`'s) through the request pacer and under the retry
+        policy; the final failure is the original exception, annotated with the URL (and `detail`, e.g. "part 3").
+        Throttling answers use up no attempts: they fail only after ``max_elapsed_s`` without a success.
         """
         policy = self.retry_policy
         pacer = request_pacer(self.settings.endpoint_url, bucket or _urls.parse_s3_url(url)[0])
@@ -2018,12 +1608,8 @@ class S3Utils:
                     self.retries += 1
                 log = logger.debug if throttled else logger.warning
                 log(
-                    "S3 %s on %s failed with %s (attempt %d, %s); retrying%s",
-                    operation,
-                    url,
-                    error_code(exc),
-                    attempts,
-                    f"{counted} of {policy.max_attempts} counted" if not throttled else "throttled",
+                    "S3 %s on %s failed with %s (attempt %d, %s); retrying%s", operation, url, error_code(exc),
+                    attempts, f"{counted} of {policy.max_attempts} counted" if not throttled else "throttled",
                     f" in {delay:.2f} s" if delay else " when the pacer allows",
                 )
                 if delay:
@@ -2033,12 +1619,11 @@ class S3Utils:
             return result
 
     def _raise_final(self, exc: Exception, operation: str, url: str, attempts: int, seconds: float) -> NoReturn:
-        """Raise the error of a failed call (from inside its ``except`` block): FileNotFoundError for a missing key or
-        bucket, else `exc` itself with a note naming the URL, the attempts and seconds, and what S3 said. botocore's
-        "(reached max retries: 0)" is taken out of its message: this layer retries, not botocore's."""
-        not_found = _not_found_error(exc, operation, url)
-        if not_found is not None:
-            raise not_found from exc
+        """Raise a failed call's error: FileNotFoundError for a missing key or bucket, else `exc`, annotated."""
+        code = error_code(exc)
+        if code in {"NoSuchKey", "404", "NotFound", "NoSuchBucket"}:
+            what = "bucket" if code == "NoSuchBucket" else "object"
+            raise FileNotFoundError(f"No such {what}: {url} (S3 {operation} answered {code})") from exc
         if exc.args and isinstance(exc.args[0], str) and " (reached max retries: " in exc.args[0]:
             exc.args = (re.sub(r" \(reached max retries: \d+\)", "", exc.args[0]), *exc.args[1:])
         tried = f"{attempts} attempts over {seconds:.1f} s" if attempts > 1 else ""
@@ -2054,7 +1639,6 @@ class S3Utils:
         return _ChecksumRecords(self)
 
     # ---- NeMo-compatible URL helpers ------------------------------------------------------------------------------
-
     @staticmethod
     def parse_s3_url(s3_url: str | os.PathLike[str]) -> tuple[str, str]:
         """``(bucket, key)``; raises ValueError for anything that is not an S3 URL (NeMo returned (None, None))."""
@@ -2075,7 +1659,6 @@ class S3Utils:
         return match.group(1) if match else path
 
     # ---- metadata and listing -------------------------------------------------------------------------------------
-
     @_ClassOrInstanceMethod
     def head_object(self, s3_path: str | os.PathLike[str]) -> S3ObjectInfo:
         """Size, ETag, modification time and stored checksums of one object; FileNotFoundError if there is none."""
@@ -2099,21 +1682,14 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def list_objects(self, s3_path: str | os.PathLike[str], *, include_sidecars: bool = False) -> list[S3ObjectInfo]:
-        """Every object under the "directory" `s3_path` (key + ``/``), all pages, sorted by key; the bucket root lists
-        everything. Directory buckets list in no particular order; sorting here keeps results the same everywhere.
-        The records this package keeps (checksum sidecars, owner records) are left out unless `include_sidecars`."""
+        """Every object under the "directory" `s3_path`, sorted by key, without this package's records by default."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, prefix = _urls.s3_dir_prefix(url)
         return sorted(self._iter_objects(bucket, prefix, url, include_sidecars), key=lambda info: info.key)
 
     @_ClassOrInstanceMethod
     def list_objects_with_key_prefix(self, s3_path: str | os.PathLike[str]) -> list[S3ObjectInfo]:
-        """Every object whose key starts with the key of `s3_path` as a plain string (no ``/`` boundary added),
-        e.g. ``s3://b/ckpt/model--step=10-`` for all checkpoints of step 10, sorted by key.
-
-        S3 is asked for the enclosing "directory" (``ckpt/``) and the names are filtered here: directory buckets
-        refuse a listing prefix that does not end in ``/``.
-        """
+        """Every object whose key starts with that of `s3_path` (``s3://b/ckpt/model--step=10-``), sorted by key."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
         directory = key[: key.rfind("/") + 1]  # "" when the key has no "/": the bucket root
@@ -2123,11 +1699,7 @@ class S3Utils:
     def _iter_objects(
         self, bucket: str, prefix: str, url: str, include_sidecars: bool, page_size: int | None = None
     ) -> Iterator[S3ObjectInfo]:
-        """The objects under `prefix` (``""`` or ending in ``/``) in listing order, page by page.
-
-        Only ``Contents`` are read: in-progress multipart uploads, which directory buckets report as
-        ``CommonPrefixes``, never count as objects. Pages may be empty yet truncated; the token is followed anyway.
-        """
+        """The objects (only ``Contents``) under `prefix` (``""`` or ending in ``/``) in listing order, page by page."""
         if prefix and not prefix.endswith("/"):
             raise ValueError(f"listing prefix {prefix!r} for {url} must be empty or end in '/' (directory buckets)")
         token: str | None = None
@@ -2147,12 +1719,8 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def s3_path_exists(self, s3_path: str | os.PathLike[str], match_directory: bool = False) -> bool:
-        """True if an object exists at exactly `s3_path`, or (with `match_directory`) any object under ``s3_path/``.
-
-        For the bucket root: whether the bucket exists (and, with `match_directory`, holds any object).
-        A missing bucket gives False; other errors (e.g. AccessDenied) propagate. A directory holding nothing but
-        owner records (see `DirectoryFence`) counts as empty.
-        """
+        """True if an object exists at exactly `s3_path`, or (`match_directory`) any object under ``s3_path/`` (for the
+        bucket root: the bucket); False for a missing bucket, other errors propagate."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
         try:
@@ -2174,16 +1742,10 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def find_files_with_suffix(
-        self,
-        base_path: str | os.PathLike[str],
-        suffix: str | None = None,
-        return_key_only: bool = True,
-        profile: str | None = None,
-        creds: Any = None,
+        self, base_path: str | os.PathLike[str], suffix: str | None = None, return_key_only: bool = True,
+        profile: str | None = None, creds: Any = None,
     ) -> list[str]:
-        """Keys (or, with ``return_key_only=False``, s3:// URLs) of all objects under ``base_path/`` ending in
-        `suffix`. Keys are full keys, as NeMo returned them. `profile` / `creds` (an STS-style dict with
-        AccessKeyId, SecretAccessKey, SessionToken) select other credentials for this call, as in NeMo."""
+        """Keys (or URLs) under ``base_path/`` ending in `suffix`; `profile` / `creds` as in NeMo select credentials."""
         utils = self if profile is None and creds is None else self._with_credentials(profile, creds)
         objects = utils.list_objects(base_path)
         keys = [obj.key for obj in objects if not suffix or obj.key.endswith(suffix)]
@@ -2199,25 +1761,20 @@ class S3Utils:
             return S3Utils(replace(self.settings, profile_name=profile), self.retry_policy)
         boto3_session = import_optional_dependency("boto3.session", "S3 access")
         session = boto3_session.Session(
-            aws_access_key_id=creds["AccessKeyId"],
-            aws_secret_access_key=creds["SecretAccessKey"],
+            aws_access_key_id=creds["AccessKeyId"], aws_secret_access_key=creds["SecretAccessKey"],
             aws_session_token=creds.get("SessionToken"),
         )
         client = session.client(
-            "s3",
-            endpoint_url=self.settings.endpoint_url,
-            region_name=self.settings.region_name,
+            "s3", endpoint_url=self.settings.endpoint_url, region_name=self.settings.region_name,
             config=get_s3_client(self.settings).meta.config,
         )
         _add_request_options(client, self.settings.request_options)
         return S3Utils(self.settings, self.retry_policy, client=client)
 
     # ---- removal --------------------------------------------------------------------------------------------------
-
     @_ClassOrInstanceMethod
     def remove_object(self, s3_path: str | os.PathLike[str], *, fence: DirectoryFence | None = None) -> None:
-        """Delete one object (and the checksum record this package may keep beside it). Missing objects are fine.
-        With a `fence`, only while the fence's run still owns the directory (else CheckpointDirectoryTakenError)."""
+        """Delete one object and its checksum record (missing is fine); with a `fence`, only while its run owns it."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
         if not key:
@@ -2228,11 +1785,7 @@ class S3Utils:
     def remove_objects_with_prefix(
         self, s3_path: str | os.PathLike[str], *, fence: DirectoryFence | None = None
     ) -> int:
-        """Delete the object at `s3_path`, if any, and every object under ``s3_path/``; returns how many were deleted.
-
-        Only the "directory" is removed: ``s3://b/ckpt`` never touches ``s3://b/ckpt_old/...``. `fence` as in
-        `remove_object` (checked only when there is something to delete).
-        """
+        """Delete the object at `s3_path` and all under ``s3_path/``; how many. `fence` as in `remove_object`."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
         keys = [obj.key for obj in self.list_objects(url, include_sidecars=True)]
@@ -2243,8 +1796,7 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def remove_objects(self, s3_paths: Iterable[str | os.PathLike[str]]) -> int:
-        """Delete these objects and the checksum records this package may keep beside them, up to 1,000 keys per
-        request; missing ones are fine. Returns how many keys were deleted (or found missing)."""
+        """Delete these objects and their checksum records (missing is fine); returns how many keys were deleted."""
         keys: dict[str, dict[str, None]] = {}  # bucket -> keys in order, without repeats
         for path in s3_paths:
             url = _urls.normalize_s3_url(path)
@@ -2277,11 +1829,9 @@ class S3Utils:
                 )
 
     # ---- in-progress multipart uploads -----------------------------------------------------------------------------
-
     @_ClassOrInstanceMethod
     def list_multipart_uploads(self, s3_path: str | os.PathLike[str]) -> list[MultipartUploadInfo]:
-        """The in-progress multipart uploads under the "directory" `s3_path` (key + ``/``, at any depth; the bucket
-        root lists all), all pages, sorted by key then initiation; parts and size are not counted here."""
+        """The in-progress multipart uploads under the "directory" `s3_path`, sorted by key then initiation."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, prefix = _urls.s3_dir_prefix(url)
         uploads = []
@@ -2296,8 +1846,7 @@ class S3Utils:
             ]
             if not page.get("IsTruncated"):
                 break
-            # Whichever markers the store gives: AWS both, directory buckets the key marker (an opaque token there),
-            # SeaweedFS the upload id marker (it pages by upload id; a key marker next to it would skip uploads).
+            # Whichever markers the store gives: AWS both, directory buckets the key marker, SeaweedFS the upload id's.
             following = {
                 name: page[f"Next{name}"] for name in ("KeyMarker", "UploadIdMarker") if page.get(f"Next{name}")
             }
@@ -2313,8 +1862,7 @@ class S3Utils:
     def count_upload_parts(
         self, uploads: Iterable[MultipartUploadInfo], max_concurrency: int = 16
     ) -> list[MultipartUploadInfo]:
-        """`uploads` with `parts` and `size` filled in from ListParts (all pages; up to `max_concurrency` uploads
-        at a time), in the same order; an upload that completed or was aborted meanwhile is left out."""
+        """`uploads` with `parts` and `size` filled in from ListParts, in order; uploads gone meanwhile are left out."""
         uploads = list(uploads)
         if not uploads:
             return []
@@ -2328,13 +1876,8 @@ class S3Utils:
         while True:
             try:
                 page = self.call(
-                    "list_parts",
-                    upload.url,
-                    Bucket=upload.bucket,
-                    Key=upload.key,
-                    UploadId=upload.upload_id,
-                    MaxParts=self.list_page_size,
-                    **marker,
+                    "list_parts", upload.url, Bucket=upload.bucket, Key=upload.key, UploadId=upload.upload_id,
+                    MaxParts=self.list_page_size, **marker,
                 )
             except Exception as exc:
                 if error_code(exc) == "NoSuchUpload":
@@ -2348,8 +1891,7 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def abort_multipart_upload(self, s3_path: str | os.PathLike[str], upload_id: str) -> bool:
-        """Abort the multipart upload `upload_id` to the object `s3_path`: its parts are deleted and it can no
-        longer complete. False if it no longer exists (completed or aborted meanwhile)."""
+        """Abort the multipart upload `upload_id` to `s3_path` (its parts are deleted); False if it no longer exists."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
         try:
@@ -2362,9 +1904,7 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def store_time(self, s3_path: str | os.PathLike[str]) -> datetime.datetime:
-        """The store's clock: the ``Date`` of its answer to a HEAD of the bucket of `s3_path` (this machine's clock
-        if it sends none). Ages of uploads and objects are measured against it, so that a skewed local clock cannot
-        make a running save's upload look old."""
+        """The store's clock (a HEAD's ``Date``, else this machine's), so a skewed local clock cannot age an upload."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, _ = _urls.parse_s3_url(url)
         response = self.call("head_bucket", url, Bucket=bucket)
@@ -2375,50 +1915,30 @@ class S3Utils:
         return datetime.datetime.now(datetime.timezone.utc)
 
     # ---- streaming upload -----------------------------------------------------------------------------------------
-
     @_ClassOrInstanceMethod
     def open_writer(
-        self,
-        s3_path: str | os.PathLike[str],
-        chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
-        max_concurrency: int = DEFAULT_MAX_WRITE_CONCURRENCY,
-        checksum_algorithm: str | None = "auto",
-        *,
+        self, s3_path: str | os.PathLike[str], chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
+        max_concurrency: int = DEFAULT_MAX_WRITE_CONCURRENCY, checksum_algorithm: str | None = "auto", *,
         fence: DirectoryFence | None = None,
     ) -> S3MultipartWriter:
-        """A write-only binary stream that uploads to `s3_path` as it is written (see `S3MultipartWriter`); with a
-        `fence`, the object is committed only while the fence's run owns the directory."""
+        """A write-only binary stream that uploads to `s3_path` as it is written (`S3MultipartWriter`)."""
         return S3MultipartWriter(self, s3_path, int(chunk_size_MB * MB), max_concurrency, checksum_algorithm, fence)
 
     @_ClassOrInstanceMethod
     def upload_file_stream_to_s3(
-        self,
-        bytes_buffer: BinaryIO,
-        s3_path: str | os.PathLike[str],
-        chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
+        self, bytes_buffer: BinaryIO, s3_path: str | os.PathLike[str], chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
         max_concurrency: int = DEFAULT_MAX_WRITE_CONCURRENCY,
     ) -> None:
-        """Upload a binary stream: from its start if it is seekable (as NeMo did), else from where it stands.
-
-        Parts are retried one by one from the bytes already read, so a retry never resumes mid-stream and the
-        object can never come out truncated (NeMo rewound only once, before its retry loop).
-        """
+        """Upload a binary stream, from its start if it is seekable (as NeMo did); never truncated by a retry."""
         self._upload_stream(bytes_buffer, s3_path, chunk_size_MB, max_concurrency)
 
     @_ClassOrInstanceMethod
     def upload_file(
-        self,
-        file_path: str | os.PathLike[str],
-        s3_path: str | os.PathLike[str],
-        chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
-        max_concurrency: int = DEFAULT_MAX_WRITE_CONCURRENCY,
-        remove_file: bool = False,
-        *,
-        progress: Callable[[int], None] | None = None,
+        self, file_path: str | os.PathLike[str], s3_path: str | os.PathLike[str],
+        chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB, max_concurrency: int = DEFAULT_MAX_WRITE_CONCURRENCY,
+        remove_file: bool = False, *, progress: Callable[[int], None] | None = None,
     ) -> S3ObjectInfo:
-        """Upload a local file (empty files included) and return what was written (size, ETag, checksum); with
-        `remove_file`, delete it once the upload succeeded. `progress`, if given, is called with the byte count of
-        each block the writer has taken (the writer runs at most ``max_concurrency + 1`` parts ahead of S3)."""
+        """Upload a local file and return what was written (`progress` gets each block's size); `remove_file` after."""
         started = time.monotonic()
         with open(file_path, "rb") as stream:
             info = self._upload_stream(stream, s3_path, chunk_size_MB, max_concurrency, progress)
@@ -2430,11 +1950,7 @@ class S3Utils:
         return info
 
     def _upload_stream(
-        self,
-        stream: IO[bytes],
-        s3_path: str | os.PathLike[str],
-        chunk_size_MB: float,
-        max_concurrency: int,
+        self, stream: IO[bytes], s3_path: str | os.PathLike[str], chunk_size_MB: float, max_concurrency: int,
         progress: Callable[[int], None] | None = None,
     ) -> S3ObjectInfo:
         chunk = int(chunk_size_MB * MB)
@@ -2452,25 +1968,14 @@ class S3Utils:
         return writer.info
 
     # ---- download -------------------------------------------------------------------------------------------------
-
     @_ClassOrInstanceMethod
     def download_to_memory(
-        self,
-        s3_path: str | os.PathLike[str],
-        chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
-        max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY,
-        *,
-        verify: bool = True,
-        progress: Callable[[int], None] | None = None,
-        into_fd: int | None = None,
+        self, s3_path: str | os.PathLike[str], chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
+        max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY, *, verify: bool = True,
+        progress: Callable[[int], None] | None = None, into_fd: int | None = None,
     ) -> DownloadedObject:
-        """Download with parallel ranged GETs into a `DownloadedObject` and verify the recorded checksum.
-
-        Every range is read with ``If-Match`` on the ETag seen first, so an object replaced during the download fails
-        instead of mixing two versions. Raises FileNotFoundError if there is no object, ChecksumMismatchError if the
-        bytes do not match what was recorded at upload. The result's `verified_against` says which record matched.
-        `progress`, if given, is called with the byte count of each range once it has arrived (from worker threads).
-        `into_fd`: download into this open file (see `DownloadedObject`) rather than a new in-memory one.
+        """Download with parallel ranged GETs (``If-Match`` on the ETag) into a `DownloadedObject` (`into_fd`: into
+        this file) and verify the recorded checksum (ChecksumMismatchError). `progress` gets each range's byte count.
         """
         url = _urls.normalize_s3_url(s3_path)
         info = self.head_object(url)
@@ -2493,29 +1998,15 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def recorded_checksum(self, info: S3ObjectInfo) -> RecordedChecksum | None:
-        """The checksum a download of the object `info` (from `head_object`) is verified against, or None.
-
-        The store's own full-object checksum where it keeps one (source ``"s3"``; no request), else the record this
-        package wrote beside the object (``"sidecar"``; one GET). Raises ChecksumMismatchError if that record is
-        malformed or belongs to an older object at the key. After a download, the matching record is also in
-        `DownloadedObject.verified_against`, at no extra request.
-        """
+        """The checksum a download of `info` is verified against: the store's, its metadata's, or the sidecar's."""
         return self._checksum_records.expected(info)
 
     @_ClassOrInstanceMethod
     def read_range_into(
         self, s3_path: str | os.PathLike[str], start: int, target: Any, *, etag: str | None = None
     ) -> int:
-        """Read bytes ``[start, start + len(target))`` of an object into the writable buffer `target`; return how
-        many arrived (fewer only at the end of the object, 0 at or past it).
-
-        `target` may also be a list of writable buffers: one ranged GET for their total length fills them in order
-        (a scatter read: bytes land where they belong, e.g. each tensor's in the tensor, with no buffer to copy
-        out of).
-
-        Retried under the retry policy (each attempt refills `target` from its start). With `etag`, a replaced
-        object fails (S3's ``PreconditionFailed``) instead of mixing two versions. Nothing is verified here: the
-        caller checks what it read (e.g. against a checksum it stored). FileNotFoundError if there is no object.
+        """Read bytes ``[start, start + len(target))`` of an object into the buffer `target` (or a list of them, in
+        order: a scatter read); return how many arrived. With `etag`, a replaced object fails. Nothing is verified.
         """
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
@@ -2558,16 +2049,10 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def read_ranges_into(
-        self,
-        s3_path: str | os.PathLike[str],
-        ranges: Iterable[tuple[int, Any]],
-        *,
-        etag: str | None = None,
+        self, s3_path: str | os.PathLike[str], ranges: Iterable[tuple[int, Any]], *, etag: str | None = None,
         max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY,
     ) -> list[int]:
-        """`read_range_into` for many ``(start, target)`` pairs of one object, up to `max_concurrency` at a time;
-        returns the byte counts in the same order. The first failure cancels the reads not yet started and is
-        raised."""
+        """`read_range_into` for ``(start, target)`` pairs, `max_concurrency` at a time; the first failure raises."""
         ranges = list(ranges)
         if len(ranges) <= 1:
             return [self.read_range_into(s3_path, start, target, etag=etag) for start, target in ranges]
@@ -2577,9 +2062,7 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def download_s3_file_to_stream(
-        self,
-        s3_path: str | os.PathLike[str],
-        chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
+        self, s3_path: str | os.PathLike[str], chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
         max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY,
     ) -> io.BytesIO:
         """The verified content of `s3_path` in a BytesIO positioned at 0 (NeMo's signature)."""
@@ -2588,17 +2071,11 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def download_s3_file_to_path(
-        self,
-        s3_path: str | os.PathLike[str],
-        file_path: str | os.PathLike[str],
-        chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
-        max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY,
-        *,
+        self, s3_path: str | os.PathLike[str], file_path: str | os.PathLike[str],
+        chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB, max_concurrency: int = DEFAULT_MAX_READ_CONCURRENCY, *,
         progress: Callable[[int], None] | None = None,
     ) -> RecordedChecksum | None:
-        """Download and verify `s3_path` into `file_path`, which appears only once it is complete; return the record
-        the bytes matched (`DownloadedObject.verified_against`; None: nothing was recorded, the size was checked).
-        `progress` as for `download_to_memory`."""
+        """Download and verify `s3_path` into `file_path` (appearing once complete); the record the bytes matched."""
         directory = os.path.dirname(os.path.abspath(file_path))
         with self.download_to_memory(s3_path, chunk_size_MB, max_concurrency, progress=progress) as downloaded:
             fd, partial = tempfile.mkstemp(dir=directory, prefix=".s3ckpt-partial-")
@@ -2619,21 +2096,10 @@ class S3Utils:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _not_found_error(exc: BaseException, operation: str, url: str) -> FileNotFoundError | None:
-    """ "No such key / bucket" as the FileNotFoundError Python code expects (the S3 error becomes its cause)."""
-    code = error_code(exc)
-    if code not in {"NoSuchKey", "404", "NotFound", "NoSuchBucket"}:
-        return None
-    what = "bucket" if code == "NoSuchBucket" else "object"
-    return FileNotFoundError(f"No such {what}: {url} (S3 {operation} answered {code})")
-
-
 def _annotate(
     exc: BaseException, operation: str, url: str, options: S3RequestOptions | None = None, tried: str = ""
 ) -> None:
-    """Add the URL, what S3 said (HTTP status, request id, host id: what AWS support asks for) and, for common
-    mistakes, what to do, to an exception that is re-raised unchanged (callers that match on botocore's
-    ``ClientError`` codes keep working)."""
+    """Note on `exc` (re-raised unchanged) the URL, what S3 said (status, request and host id) and what to do."""
     code = error_code(exc)
     if code in {"AccessDenied", "403", "Forbidden"}:
         hint = "check the credentials and that their policy allows this action on this bucket and key"
@@ -2658,16 +2124,12 @@ def _response_ids(exc: BaseException) -> str:
     response = getattr(exc, "response", None)
     metadata = response.get("ResponseMetadata", {}) if isinstance(response, dict) else {}
     headers = metadata.get("HTTPHeaders", {})
-    parts = []
-    status = metadata.get("HTTPStatusCode")
-    if status:
-        parts.append(f"HTTP {status}")
-    request_id = metadata.get("RequestId") or headers.get("x-amz-request-id")
-    if request_id:
-        parts.append(f"request id {request_id}")
-    host_id = metadata.get("HostId") or headers.get("x-amz-id-2")
-    if host_id:
-        parts.append(f"host id {host_id}")
+    labelled = [
+        ("HTTP", metadata.get("HTTPStatusCode")),
+        ("request id", metadata.get("RequestId") or headers.get("x-amz-request-id")),
+        ("host id", metadata.get("HostId") or headers.get("x-amz-id-2")),
+    ]
+    parts = [f"{label} {value}" for label, value in labelled if value]
     return f" ({', '.join(parts)})" if parts else ""
 
 
@@ -2681,7 +2143,6 @@ def _thread_pool(workers: int, name: str) -> ThreadPoolExecutor:
 
 
 def _results_or_first_error(futures: list[Future[_T]]) -> list[_T]:
-    """The futures' results in order; on the first failure, cancel those not started and raise it."""
     done, pending = wait(futures, return_when=FIRST_EXCEPTION)
     for future in pending:
         future.cancel()
@@ -2691,15 +2152,10 @@ def _results_or_first_error(futures: list[Future[_T]]) -> list[_T]:
 
 
 class _RangedDownload:
-    """One object fetched into a `DownloadedObject` by parallel ranged GETs, each checksummed on its way in; the
-    object's checksum is combined from the ranges' (`combine_checksums`), so the bytes are read once."""
+    """One object fetched into a `DownloadedObject` by parallel ranged GETs, each checksummed on its way in."""
 
     def __init__(
-        self,
-        utils: S3Utils,
-        info: S3ObjectInfo,
-        target: DownloadedObject,
-        algorithm: ChecksumAlgorithm | None,
+        self, utils: S3Utils, info: S3ObjectInfo, target: DownloadedObject, algorithm: ChecksumAlgorithm | None,
         progress: Callable[[int], None] | None = None,
     ) -> None:
         self.utils = utils
@@ -2724,8 +2180,7 @@ class _RangedDownload:
         return combine_checksums(self.algorithm, pieces)
 
     def _download_range(self, start: int, end: int, whole: bool) -> int:
-        """GET bytes ``[start, end)`` (the whole object without a Range header if `whole`) into the target, checksummed
-        on the way; retried from the range's start."""
+        """GET bytes ``[start, end)`` (without a Range header if `whole`) into the target; the range's checksum."""
         info = self.info
         kwargs: dict[str, Any] = {"Bucket": info.bucket, "Key": info.key}
         if info.etag:
@@ -2749,29 +2204,13 @@ class _RangedDownload:
         return checksum
 
 
-_STAGING_BYTES = 1 * MB
-"""Response bodies pass through a buffer this size per download thread: small enough to stay in CPU cache while it
-is checksummed and written on, big enough that a range costs few trips through Python."""
+_STAGING_BYTES = 1 * MB  # per-thread buffer bodies pass through: fits the CPU cache, few trips
 
 _staging = threading.local()
 
 
-def _staging_buffer() -> memoryview:
-    buffer = getattr(_staging, "buffer", None)
-    if buffer is None:
-        buffer = _staging.buffer = memoryview(bytearray(_STAGING_BYTES))
-    return buffer
-
-
 def _socket_reader(body: Any) -> tuple[Callable[[Any], int], Callable[[], None]]:
-    """``(readinto, finish)`` for a botocore response body: straight from the http.client response when possible.
-
-    botocore's body sits on urllib3, whose ``readinto`` reads into a temporary and copies (http.client adds a second
-    copy). Reading from the http.client response underneath (botocore's ``_raw_stream``, urllib3's ``_fp``) puts the
-    bytes from the socket straight into the caller's buffer. botocore never decodes S3 bodies, so the bytes are the
-    same. `finish` hands a connection read to its end back to urllib3's pool (which the bypassed urllib3 would have
-    done). Any other body type takes the public path.
-    """
+    """``(readinto, finish)`` for a response body: from the http.client response underneath (no urllib3 copy)."""
     raw = getattr(body, "_raw_stream", None)
     socket_response = getattr(raw, "_fp", None)
     direct = isinstance(socket_response, http.client.HTTPResponse) and hasattr(raw, "release_conn")
@@ -2788,10 +2227,11 @@ def _socket_reader(body: Any) -> tuple[Callable[[Any], int], Callable[[], None]]
 def _copy_body(
     body: Any, target: DownloadedObject, offset: int, length: int, algorithm: ChecksumAlgorithm | None
 ) -> tuple[int, int]:
-    """Copy up to `length` bytes of a botocore response body into `target` at `offset` through the staging buffer;
-    return how many came and their checksum (0 without an algorithm)."""
+    """Copy up to `length` bytes of a response body into `target` at `offset`; how many came, and their checksum."""
     read_into, finish = _socket_reader(body)
-    staging = _staging_buffer()
+    staging = getattr(_staging, "buffer", None)
+    if staging is None:
+        staging = _staging.buffer = memoryview(bytearray(_STAGING_BYTES))
     filled = checksum = 0
     while filled < length:
         count = read_into(staging[: min(len(staging), length - filled)])
@@ -2807,7 +2247,6 @@ def _copy_body(
 
 
 def _first_bytes(views: list[memoryview], count: int) -> list[memoryview]:
-    """The first `count` bytes of the buffers `views` taken in order, as views of them."""
     first = []
     for view in views:
         if count <= 0:
@@ -2818,8 +2257,7 @@ def _first_bytes(views: list[memoryview], count: int) -> list[memoryview]:
 
 
 def _read_body_into(body: Any, views: list[memoryview]) -> int:
-    """Read a botocore response body into `views` in order until they are full or the body ends; return the byte
-    count. Small views are served from the response's socket buffer; large ones are read into directly."""
+    """Read a response body into `views` in order until they are full or the body ends; return the byte count."""
     read_into, finish = _socket_reader(body)
     filled = 0
     for view in views:
@@ -2839,18 +2277,10 @@ def _read_body_into(body: Any, views: list[memoryview]) -> int:
 # Fast paths and their reference paths (one switch for all)
 # --------------------------------------------------------------------------------------------------------------------
 
-REFERENCE_PATHS_ENV = "S3CKPT_REFERENCE_PATHS"
-"""Comma-separated names from `FAST_PATHS` (or ``all``) that take their plain reference path instead. The output is
-the same byte for byte (tests compare both); only the cost differs. For benchmarks and for ruling a fast path out
-when debugging; docs/internals.md lists the paths."""
+REFERENCE_PATHS_ENV = "S3CKPT_REFERENCE_PATHS"  # `FAST_PATHS` names (or ``all``) to take their reference path
 
 FAST_PATHS = ("borrowed_parts", "framing_reuse", "direct_reads", "scatter_reads", "span_reads")
-"""The fast paths behind the switch: `S3MultipartWriter.write_borrowed` uploading parts from the caller's memory;
-s3_dcp reusing a tensor kind's archive framing; and s3_dcp's reader putting a large tensor's bytes straight into its
-target (``direct_reads``), one GET scattering a group's bytes into their targets and small buffers
-(``scatter_reads``), and locating a tensor's bytes through the span its writer recorded instead of decoding its
-archive (``span_reads``; without it, scatter reads have no tensor spans to fill). benchmarks/realistic.md weighs
-each on a real model's checkpoint; a path that gains under 5% there is removed."""
+"""The fast paths behind the switch (docs/internals.md); one gaining under 5% in benchmarks/realistic.md goes."""
 
 
 def fast_path(name: str) -> bool:
@@ -2869,9 +2299,8 @@ def fast_path(name: str) -> bool:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-_LEND_MIN = 1 * MB
-"""`S3MultipartWriter.write_borrowed` lends at least this many bytes to a part, or copies them: a lent piece costs a
-segment of its part body (one more send and checksum call), worth it only where a copy would cost more."""
+_LEND_MIN = 1 * MB  # `S3MultipartWriter.write_borrowed` lends at least this many bytes to a part, or copies them
+
 
 class _PyBufferAPI(NamedTuple):
     """CPython's buffer protocol through ctypes: ``get(obj, byref(view), flags)`` and ``release(byref(view))``."""
@@ -2883,9 +2312,7 @@ class _PyBufferAPI(NamedTuple):
 
 @functools.cache
 def _py_buffer_api() -> _PyBufferAPI | None:
-    """``PyObject_GetBuffer`` / ``PyBuffer_Release`` through ctypes, or None where this interpreter has no ctypes or no
-    CPython C API. ``Py_buffer`` has the same layout in every CPython 3 release. Unlike ``ctypes.c_char.from_buffer``
-    this exports read-only buffers too (torch hands `write` read-only views)."""
+    """``PyObject_GetBuffer`` / ``PyBuffer_Release`` through ctypes (read-only buffers too), or None off CPython."""
     try:
         import ctypes
 
@@ -2895,17 +2322,10 @@ def _py_buffer_api() -> _PyBufferAPI | None:
 
     class PyBuffer(ctypes.Structure):
         _fields_ = [
-            ("buf", ctypes.c_void_p),
-            ("obj", ctypes.c_void_p),
-            ("len", ctypes.c_ssize_t),
-            ("itemsize", ctypes.c_ssize_t),
-            ("readonly", ctypes.c_int),
-            ("ndim", ctypes.c_int),
-            ("format", ctypes.c_void_p),
-            ("shape", ctypes.c_void_p),
-            ("strides", ctypes.c_void_p),
-            ("suboffsets", ctypes.c_void_p),
-            ("internal", ctypes.c_void_p),
+            *(("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t)),
+            *(("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int)),
+            *(("format", ctypes.c_void_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p)),
+            *(("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)),
         ]
 
     get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(PyBuffer), ctypes.c_int]
@@ -2916,9 +2336,7 @@ def _py_buffer_api() -> _PyBufferAPI | None:
 
 
 def buffer_address(data: Any) -> int | None:
-    """The address of the first byte of `data`, a buffer of one contiguous block (a read-only memoryview included),
-    or None where it cannot be exported as one or this interpreter offers no way to ask. s3_dcp and s3_checkpoint_io
-    compare it with a tensor's ``data_ptr()`` to know that a write carries that tensor's own bytes."""
+    """The address of the first byte of the contiguous buffer `data` (read-only too), or None where it cannot be had."""
     api = _py_buffer_api()
     if api is None:
         return None
@@ -2936,30 +2354,18 @@ def buffer_address(data: Any) -> int | None:
 
 
 def _copy_into(target: bytearray, offset: int, source: memoryview) -> None:
-    """``target[offset : offset + len(source)] = source``: the one place a write's bytes are copied into a part
-    buffer (a plain slice assignment; a GIL-free ctypes copy gained nothing measurable, benchmarks/realistic.md)."""
+    """The one place a write's bytes are copied into a part buffer (a GIL-free copy gained nothing measurable)."""
     memoryview(target)[offset : offset + len(source)] = source
 
 
 class _PartBuffers:
-    """Part buffers shared by every writer of the process and kept between saves.
-
-    A fresh ``bytearray`` is fresh zeroed pages: the kernel faults in and zeroes every 4 KiB of it at first write, a
-    cost paid again for every save (and every part before the writer's own pool is full). Here writers take their
-    buffers from, and give them back to, one free list. What it keeps is bounded by what writers held at once: a
-    buffer is allocated only when no free one of its size exists, and then the free buffers of other sizes (left from
-    a different part size) are dropped first, so free plus held bytes never exceed the largest amount writers held at
-    the same time. Each writer still holds at most ``max_concurrency + 1`` buffers (its own bound, unchanged).
-    `release_part_buffers` drops the free ones.
-    """
+    """Part buffers shared by the process's writers, kept between saves; never more than writers held at once."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: list[bytearray] = []
-        self.held_bytes = 0
-        """Bytes of the buffers writers hold now."""
-        self.allocated = 0
-        """How many buffers were ever allocated (the rest of the takes reused one)."""
+        self.held_bytes = 0  # bytes of the buffers writers hold now
+        self.allocated = 0  # buffers ever allocated (the other takes reused one)
 
     def take(self, size: int) -> bytearray:
         with self._lock:
@@ -2996,22 +2402,16 @@ _part_buffers = _PartBuffers()
 
 
 def release_part_buffers() -> None:
-    """Free the part buffers kept for the next save (at most what the writers of this process held at once, e.g.
-    ``(max_write_concurrency + 1) x chunk_size_MB`` after `S3CheckpointIO` saves). The next save allocates anew."""
+    """Free the part buffers kept for the next save (at most what this process's writers held at once)."""
     _part_buffers.release()
 
 
 _SEND_BLOCK = 1 << 62
-"""The smallest block `_BufferReader.read` hands to the HTTP client (one ``sendall`` each): more than any body, so
-a part goes to the socket in one ``sendall``, which copies it into the kernel with the GIL released. Each block is
-a trip through urllib3's and http.client's Python, taking the GIL from the training loop during an async save:
-urllib3 alone would ask for 128 KiB blocks (128 trips per 16 MiB part), and 1 MiB blocks still made 16."""
+"""The smallest block `_BufferReader.read` hands the HTTP client: a part goes out in one ``sendall`` (no GIL)."""
 
 
 class _BufferReader(io.RawIOBase):
-    """A seekable read-only stream over a buffer, or over the segments one part body is made of (part-buffer bytes
-    and memory lent by `S3MultipartWriter.write_borrowed`), so a part body reaches the socket without being copied
-    (botocore copies ``bytes``/``bytearray`` bodies before sending them; it reads file-like bodies in place)."""
+    """A seekable read-only stream over a buffer or a part body's segments (botocore would copy ``bytes`` bodies)."""
 
     def __init__(self, buffer: memoryview | list[memoryview], min_block: int = 0) -> None:
         super().__init__()
@@ -3022,7 +2422,6 @@ class _BufferReader(io.RawIOBase):
         self._min_block = min_block
 
     def _block(self, size: int) -> memoryview:
-        """Up to `size` bytes from the position, from one segment (never joined: that would be a copy)."""
         if self._position >= self._length or size <= 0:
             return memoryview(b"")
         index = bisect.bisect_right(self._starts, self._position) - 1
@@ -3038,10 +2437,7 @@ class _BufferReader(io.RawIOBase):
         return True
 
     def read(self, size: int | None = -1) -> memoryview:  # type: ignore[override]
-        """The next `size` bytes as a view of the buffer: urllib3 sends the body block by block, and copying each
-        block first would double the client's memory traffic. With `min_block`, blocks are at least that long
-        (urllib3 asks for 128 KiB and sends whatever comes): each block is a trip through Python with the GIL, so
-        fewer, larger ones leave more of it to the training loop's own Python during an async save."""
+        """The next `size` bytes (at least `min_block`) as a view of the buffer, not a copy."""
         if size is not None and 0 <= size < self._min_block:
             size = self._min_block
         return self._block(self._length if size is None or size < 0 else size)
@@ -3078,8 +2474,7 @@ class _UploadedPart:
 def _piece_checksums(
     algorithm: ChecksumAlgorithm, data: memoryview | list[memoryview], cuts: Iterable[int]
 ) -> list[tuple[int, int]]:
-    """``(checksum, length)`` of the pieces of `data` (one buffer, or the segments of one part body, in order)
-    between the offsets `cuts` (ascending, inside `data`)."""
+    """``(checksum, length)`` of the pieces of `data` (a buffer, or segments) between the ascending offsets `cuts`."""
     segments = data if isinstance(data, list) else [data]
     pieces, start, index, base = [], 0, 0, 0  # segments[index] starts at offset `base`
     for end in [*cuts, sum(len(segment) for segment in segments)]:
@@ -3102,8 +2497,7 @@ def _piece_checksums(
 
 
 def _spliced(part: memoryview, lent: list[tuple[int, memoryview, object]]) -> memoryview | list[memoryview]:
-    """A part body: the part buffer's bytes with the lent pieces (``(offset, view, owner)``, in order) in their
-    places; the buffer itself when nothing was lent."""
+    """A part body: the part buffer with the lent pieces (``(offset, view, owner)``, in order) in their places."""
     if not lent:
         return part
     segments, position = [], 0
@@ -3118,77 +2512,46 @@ def _spliced(part: memoryview, lent: list[tuple[int, memoryview, object]]) -> me
 
 
 class _WriterState(enum.Enum):
-    """Where a writer is in its life. Only OPEN accepts writes; COMMITTED and ABORTED are final."""
+    """Where a writer is in its life. Only OPEN accepts writes; COMMITTED (visible) and ABORTED (nothing) are final."""
 
     OPEN = "open"
     COMPLETING = "completing"  # close() is uploading the last part and completing the object
-    COMMITTED = "committed"  # the object is visible at the URL
-    ABORTED = "aborted"  # nothing became visible; the multipart upload, if any, was aborted
+    COMMITTED = "committed"
+    ABORTED = "aborted"
 
 
-# Crash safety: a checksum record never lags its object. A single PUT carries its checksum in the object's user
-# metadata. A store that keeps the full-object checksum sent with the commit (S3) needs no record; for a multipart
-# upload to one that does not (or is not yet known to), the writer records the checksum
-# *before* the commit, unbound (`_ChecksumRecords.write_pending`), then binds it to the committed ETag. A kill between
-# any two requests leaves the previous object verifiable by the entry kept for it, or the new object verifiable by
-# the unbound entry of its size (checked against its bytes). Which stores keep checksums is learned per process from
-# commit answers, per endpoint, bucket and kind of commit.
+# Crash safety: a checksum record never lags its object. A single PUT carries its checksum in its metadata. For a
+# multipart upload to a store not known to keep the checksum sent with the commit, the writer records it *before*
+# the commit, unbound (`_ChecksumRecords.write_pending`), then binds it to the committed ETag: a kill between any two
+# requests leaves the previous object verifiable by its kept entry, or the new one by the unbound entry of its size.
 
 _CHECKSUM_KEEPING: dict[tuple[str, str, str], bool] = {}
 _CHECKSUM_KEEPING_LOCK = threading.Lock()
 
 
-def _checksum_keeping_key(utils: S3Utils, bucket: str, kind: str) -> tuple[str, str, str]:
-    endpoint = getattr(getattr(utils.client, "meta", None), "endpoint_url", "") or ""
-    return (str(endpoint), bucket, kind)
-
-
-def _keeps_checksums(utils: S3Utils, bucket: str, kind: str) -> bool:
-    """Whether the last commit of this kind to this bucket came back with the checksum the store keeps."""
+def _keeps_checksums(utils: S3Utils, bucket: str, kind: str, keeps: bool | None = None) -> bool:
+    """Whether the last commit of this kind to this bucket came back with the store's checksum (`keeps`: remember)."""
+    key = (str(getattr(getattr(utils.client, "meta", None), "endpoint_url", "") or ""), bucket, kind)
     with _CHECKSUM_KEEPING_LOCK:
-        return _CHECKSUM_KEEPING.get(_checksum_keeping_key(utils, bucket, kind), False)
-
-
-def _remember_checksum_keeping(utils: S3Utils, bucket: str, kind: str, keeps: bool) -> None:
-    with _CHECKSUM_KEEPING_LOCK:
-        _CHECKSUM_KEEPING[_checksum_keeping_key(utils, bucket, kind)] = keeps
+        if keeps is not None:
+            _CHECKSUM_KEEPING[key] = keeps
+        return _CHECKSUM_KEEPING.get(key, False)
 
 
 class S3MultipartWriter(io.RawIOBase):
     """A binary stream whose bytes go to one S3 object while they are written (``torch.save(obj, writer)``).
 
-    * Parts of `part_size` bytes are uploaded by up to `max_concurrency` threads while the caller keeps writing. The
-      writer holds at most ``max_concurrency + 1`` part buffers, reused as uploads finish: extra memory stays at about
-      ``(max_concurrency + 1) * part_size`` for objects up to ``parts_per_size * part_size``, and a full set makes
-      the writer wait. Past that the part size doubles every `parts_per_size` parts (see `part_size_of`), and the
-      buffers with it. The buffers come from, and go back to, a free list the process keeps for the next save
-      (`_PartBuffers`), so a save does not fault in fresh zeroed pages.
-    * Objects smaller than one part go up in a single PUT.
-    * Each part's checksum is computed by its upload thread; the full-object checksum is combined from them and sent
-      with the upload, so S3 verifies and keeps it. Where a store does not keep it, a small sidecar object records it
-      for `S3Utils.download_to_memory`.
-    * `mark_checksum_boundary` splits those checksums at the current offset, so after `close()` `checksum_of` gives
-      the checksum of any span between marks from the same single pass (s3_dcp's per-item checksums).
-    * The object appears only when `close()` completes the upload. If anything fails, or the writer is left through
-      an exception, the multipart upload is aborted: no partial object, no stray parts, an older object untouched.
-      `_finish` is the one place that decides between the two.
-    * Each part is retried on its own under the `S3Utils` retry policy.
-    * With a `fence` (`DirectoryFence`), the request that makes the object visible is sent only after the fence
-      confirmed that its run still owns the directory, and with the ETag condition the fence asks for; a refusal
-      aborts the upload like any other failure.
+    Parts are uploaded by up to `max_concurrency` threads while the caller writes, from at most ``max_concurrency +
+    1`` buffers (a single PUT under one part). The full-object checksum goes with the commit (or to a sidecar). The
+    object appears only when `close()` completes it; on any failure the upload is aborted. With a `fence`, the commit
+    is sent only while its run owns the directory, with the fence's ETag condition.
     """
 
-    parts_per_size = 1000
-    """How many parts of one size are sent before the part size doubles."""
+    parts_per_size = 1000  # parts of one size before the part size doubles
 
     def __init__(
-        self,
-        utils: S3Utils,
-        s3_path: str | os.PathLike[str],
-        part_size: int,
-        max_concurrency: int,
-        checksum_algorithm: str | None = "auto",
-        fence: DirectoryFence | None = None,
+        self, utils: S3Utils, s3_path: str | os.PathLike[str], part_size: int, max_concurrency: int,
+        checksum_algorithm: str | None = "auto", fence: DirectoryFence | None = None,
     ) -> None:
         super().__init__()
         self._state = _WriterState.ABORTED  # until validated: an invalid writer has nothing to abort at GC
@@ -3205,20 +2568,17 @@ class S3MultipartWriter(io.RawIOBase):
             raise ValueError(
                 f"Key too long for {self.url}: at most {room} bytes (S3's 1024 less room for the checksum record)"
             )
-        self._utils = utils
-        self._records = _ChecksumRecords(utils)
-        self._part_size = part_size
-        self._max_concurrency = max_concurrency
+        self._utils, self._records, self._fence = utils, _ChecksumRecords(utils), fence
+        self._part_size, self._max_concurrency = part_size, max_concurrency
         self._algorithm = ChecksumAlgorithm.named(checksum_algorithm)
-        self._size = 0
+        self._size = self._held_bytes = 0
         self._free_buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
         self._buffers_made = 0  # buffers this writer holds (taken from `_part_buffers`)
         self._unfinished_parts = 0  # queued or in flight; `write_borrowed` keeps it at most max_concurrency + 1
         self._part_settled = threading.Condition()
-        self._held_bytes = 0
         self._cuts: list[int] = []  # marked boundaries inside the part being filled (offsets into it)
         self._pieces: list[tuple[int, int, int]] = []  # (offset, length, checksum) tiling the object, once complete
-        self._buffer: bytearray | None = None  # the part being filled
+        self._buffer: bytearray | None = None  # the part being filled, up to `_filled`
         self._filled = 0
         self._lent: list[tuple[int, memoryview, object]] = []  # (offset, view, owner) lent into that part
         self._upload_id: str | None = None  # set while a multipart upload is open on S3
@@ -3226,14 +2586,11 @@ class S3MultipartWriter(io.RawIOBase):
         self._parts: list[Future[_UploadedPart]] = []
         self._failed_part: Future[_UploadedPart] | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._fence = fence
         self._commit_kind = ""  # "put" or "multipart" (-unchecked where the store refused its checksum), at commit
         self._wrote_pending = False
         self._state = _WriterState.OPEN
-        self.info: S3ObjectInfo | None = None
-        """Set by `close()`: the committed object's size, ETag and checksum."""
-        self.error: BaseException | None = None
-        """The exception a `write` raised, kept because ``torch.save`` re-raises it as its own RuntimeError."""
+        self.info: S3ObjectInfo | None = None  # set by `close()`: the committed object's size, ETag and checksum
+        self.error: BaseException | None = None  # what a `write` raised (``torch.save`` replaces it with its own)
 
     def __repr__(self) -> str:
         return (
@@ -3247,7 +2604,6 @@ class S3MultipartWriter(io.RawIOBase):
         return self._state.value
 
     # ---- io.RawIOBase ---------------------------------------------------------------------------------------------
-
     def writable(self) -> bool:
         return True
 
@@ -3281,18 +2637,8 @@ class S3MultipartWriter(io.RawIOBase):
         return total
 
     def write_borrowed(self, data: Any, owner: object) -> int:
-        """`write` for bytes the writer may borrow: they stay where they are, unchanged, for as long as `owner` is
-        referenced (a tensor's own memory, handed to ``write`` by ``torch.save``). Every whole part that lines up
-        with the object's part boundaries is uploaded straight from them, with no copy into a part buffer. The bytes
-        before the first boundary and after the last are lent to the parts they fall in (each such part body is sent
-        as segments, its part buffer's bytes and the lent ones, still without a copy), unless fewer than `_LEND_MIN`
-        are left, which are copied as `write` copies them. With the fast path ``borrowed_parts`` switched off
-        (`REFERENCE_PATHS_ENV`) it is `write`.
-
-        The writer keeps `owner` referenced until those parts are uploaded, and at most ``max_concurrency + 1``
-        parts are queued or in flight (as with part buffers). Whoever calls this must not change the bytes until
-        the writer has completed or aborted (a synchronous save blocks its caller until then; an async save writes
-        a private snapshot). ``close()`` and ``abort()`` return only when no upload reads them any more."""
+        """`write` for bytes the caller leaves unchanged (and `owner` alive) until the writer completes or aborts: whole
+        parts go straight from them, the rest is lent to its parts (copied under `_LEND_MIN`). ``borrowed_parts``."""
         if self._state is not _WriterState.OPEN:
             raise ValueError(f"write to a closed S3 writer ({self.url}, {self._state.value})")
         try:
@@ -3334,12 +2680,9 @@ class S3MultipartWriter(io.RawIOBase):
         if self._buffer is not None and 0 < self._filled < len(self._buffer):
             if not self._cuts or self._cuts[-1] != self._filled:
                 self._cuts.append(self._filled)
-        # elsewhere the offset is a part boundary already
 
     def checksum_of(self, start: int, end: int) -> int:
-        """The checksum of bytes ``[start, end)`` of the committed object, combined from the checksums its upload
-        computed (no second pass). `start` and `end` must be boundaries: 0, the size, part boundaries or offsets
-        passed to `mark_checksum_boundary`."""
+        """The checksum of bytes ``[start, end)`` of the committed object; both must be boundaries (parts, marks)."""
         if self._state is not _WriterState.COMMITTED:
             raise ValueError(f"checksum_of needs a committed writer ({self.url} is {self._state.value})")
         offsets = [offset for offset, _, _ in self._pieces]
@@ -3364,19 +2707,14 @@ class S3MultipartWriter(io.RawIOBase):
         self._finish(commit=exc_type is None)
 
     def __del__(self) -> None:
-        # Never commit here. A writer that is garbage-collected while open was abandoned: the exception that stopped
-        # torch.save was swallowed, or close() was forgotten. Its bytes are a prefix of what the caller meant to
-        # write, and committing them would publish a truncated checkpoint at the URL, replacing a good one. That is
-        # also why IOBase.__del__ (which calls close(), i.e. commits) is not called: abort, so no multipart upload
-        # is left behind either.
+        # Never commit (as IOBase.__del__ would): an abandoned writer holds a prefix of what was meant, and committing
+        # it would replace a good checkpoint with a truncated one. Abort, so no multipart upload is left behind.
         if getattr(self, "_state", None) is _WriterState.OPEN:
             self._finish(commit=False)
 
     # ---- commit or abort ------------------------------------------------------------------------------------------
-
     def _finish(self, commit: bool) -> None:
-        """The one place that ends a writer: complete the object (`commit`) or abort the upload. Once the writer has
-        ended, further calls do nothing; a failed commit aborts before its error propagates."""
+        """The one place that ends a writer: complete the object (`commit`; aborting if that fails) or abort."""
         if self._state is not _WriterState.OPEN:
             return
         try:
@@ -3399,8 +2737,7 @@ class S3MultipartWriter(io.RawIOBase):
             super().close()
 
     def _return_buffers(self) -> None:
-        """Give the buffers back to the process's free list once no upload can touch them (all settled or never
-        started: `_finish` has completed or aborted the upload by now)."""
+        """Give the buffers back to the process's free list (no upload can touch them after `_finish`)."""
         returned = []
         while True:
             try:
@@ -3428,17 +2765,12 @@ class S3MultipartWriter(io.RawIOBase):
                 logger.exception("Could not abort the multipart upload %s to %s", upload_id, self.url)
 
     # ---- parts ----------------------------------------------------------------------------------------------------
-
     def part_size_of(self, number: int) -> int:
-        """Size of part `number` (1-based): `part_size`, doubled after every `parts_per_size` parts, so that an
-        object of unknown size is not capped at 10,000 parts of the first size (16 MiB parts: 15.6 GiB after 1,000
-        parts, 47 GiB after 2,000, more than S3's 5 TiB limit before part 10,000)."""
+        """Size of part `number` (1-based): doubled every `parts_per_size` parts, so 10,000 parts reach S3's 5 TiB."""
         return self._part_size << min((number - 1) // self.parts_per_size, 20)
 
     def _take_buffer(self) -> bytearray:
-        """A free buffer for the next part: one of this writer's, else one from the process's free list while the
-        writer holds fewer than max_concurrency + 1, else the next one an upload gives back. Buffers left from before
-        the part size grew go back to the free list, so the writer holds at most max_concurrency + 1."""
+        """A buffer for the next part: a free one, a new one (up to max_concurrency + 1), else the next given back."""
         size = self.part_size_of(len(self._parts) + 1)
         while True:
             try:
@@ -3465,19 +2797,15 @@ class S3MultipartWriter(io.RawIOBase):
         except Exception as exc:
             if error_code(exc) not in {"InvalidArgument", "InvalidRequest", "NotImplemented"}:
                 raise
-            logger.info(
-                "%s: the store rejects full-object checksums (%s); recording them beside the object",
-                self.url,
-                error_code(exc),
-            )
+            url, code = self.url, error_code(exc)
+            logger.info("%s: the store rejects full-object checksums (%s); recording them beside the object", url, code)
             self._native_checksums = False
             response = self._utils.call("create_multipart_upload", self.url, Bucket=self.bucket, Key=self.key)
         self._upload_id = response["UploadId"]
         self._pool = _thread_pool(self._max_concurrency, "put")
 
     def _send_part(self, buffer: bytearray | memoryview, length: int, owner: object = None) -> None:
-        """Queue one part for upload. A part buffer belongs to the upload until it is given back to the pool; a
-        borrowed part (`owner` set, see `write_borrowed`) is a view of the caller's bytes, kept alive by `owner`."""
+        """Queue one part: a part buffer (the upload gives it back), or a borrowed view kept alive by `owner`."""
         self._raise_failed_part()
         if self._upload_id is None:
             self._start_multipart()
@@ -3494,8 +2822,7 @@ class S3MultipartWriter(io.RawIOBase):
         self._parts.append(future)
 
     def _send_borrowed_part(self, view: memoryview, owner: object) -> None:
-        """Queue a whole part straight from the caller's bytes, once at most ``max_concurrency`` parts are still
-        queued or in flight (the bound part buffers give the copying path)."""
+        """Queue a whole part of the caller's bytes, once at most ``max_concurrency`` parts are unfinished."""
         with self._part_settled:
             self._part_settled.wait_for(lambda: self._unfinished_parts <= self._max_concurrency)
         self._send_part(view, len(view), owner)
@@ -3514,12 +2841,7 @@ class S3MultipartWriter(io.RawIOBase):
             self._failed_part.result()
 
     def _upload_part(
-        self,
-        number: int,
-        buffer: bytearray | memoryview,
-        length: int,
-        cuts: tuple[int, ...],
-        owner: object = None,
+        self, number: int, buffer: bytearray | memoryview, length: int, cuts: tuple[int, ...], owner: object = None,
         lent: list[tuple[int, memoryview, object]] | None = None,
     ) -> _UploadedPart:
         try:
@@ -3542,10 +2864,8 @@ class S3MultipartWriter(io.RawIOBase):
         finally:
             if owner is None:
                 self._free_buffers.put(buffer)  # type: ignore[arg-type]
-            # a borrowed part's view and the lent pieces (and their owners) are dropped with this call's frame
 
     # ---- completion -----------------------------------------------------------------------------------------------
-
     def _complete(self) -> None:
         """Send what is left, make the object visible, and check (or record) its checksum; sets `info`."""
         if self._upload_id is None:
@@ -3556,11 +2876,10 @@ class S3MultipartWriter(io.RawIOBase):
         stored = response.get(self._algorithm.response_field)
         if stored is not None and stored != checksum:
             raise ChecksumMismatchError(f"S3 stored checksum {stored} for {self.url}, but {checksum} was uploaded")
-        _remember_checksum_keeping(self._utils, self.bucket, self._commit_kind, stored is not None)
+        _keeps_checksums(self._utils, self.bucket, self._commit_kind, keeps=stored is not None)
         if stored is None:  # the store ignored the checksum: record it ourselves, bound to this exact object
             self._records.write_sidecar(
-                self.bucket,
-                self.key,
+                self.bucket, self.key,
                 {"algorithm": self._algorithm.name, "checksum": checksum, "size": self._size, "etag": etag},
             )
         elif self._wrote_pending:  # the store keeps it: the unbound record written before the commit is not needed
@@ -3568,13 +2887,11 @@ class S3MultipartWriter(io.RawIOBase):
                 self._records.remove_sidecar(self.bucket, self.key)
             except Exception as exc:  # harmless where it stays: the store's checksum comes first
                 logger.debug("%s: could not remove its unneeded checksum record: %r", self.url, exc)
-        self.info = S3ObjectInfo(
-            self.bucket, self.key, self._size, etag, checksums={self._algorithm.response_field: checksum}
-        )
+        checksums = {self._algorithm.response_field: checksum}
+        self.info = S3ObjectInfo(self.bucket, self.key, self._size, etag, checksums=checksums)
         logger.debug("Wrote %s (%d bytes, %s %s)", self.url, self._size, self._algorithm.name, checksum)
 
     def _keep_pieces(self, pieces: Iterable[tuple[int, int]]) -> None:
-        """Keep the object's pieces, with their offsets, for `checksum_of`."""
         offset = 0
         self._pieces = []
         for checksum, length in pieces:
@@ -3593,13 +2910,9 @@ class S3MultipartWriter(io.RawIOBase):
             checksum,
             lambda conditions: self._utils.with_retries(  # each attempt reads the body from its start
                 lambda: self._utils.client.put_object(
-                    Bucket=self.bucket,
-                    Key=self.key,
-                    Body=_BufferReader(body, _SEND_BLOCK) if len(buffer) else b"",
-                    ChecksumAlgorithm=self._algorithm.name,
-                    **{self._algorithm.response_field: checksum},
-                    Metadata={CHECKSUM_METADATA_KEY: f"{self._algorithm.name} {checksum}"},
-                    **conditions,
+                    Bucket=self.bucket, Key=self.key, Body=_BufferReader(body, _SEND_BLOCK) if len(buffer) else b"",
+                    ChecksumAlgorithm=self._algorithm.name, **{self._algorithm.response_field: checksum},
+                    Metadata={CHECKSUM_METADATA_KEY: f"{self._algorithm.name} {checksum}"}, **conditions,
                 ),
                 "put_object",
                 self.url,
@@ -3628,14 +2941,8 @@ class S3MultipartWriter(io.RawIOBase):
         response = self._commit(
             checksum,
             lambda conditions: self._utils.call(
-                "complete_multipart_upload",
-                self.url,
-                Bucket=self.bucket,
-                Key=self.key,
-                UploadId=self._upload_id,
-                MultipartUpload={"Parts": listed},
-                **extra,
-                **conditions,
+                "complete_multipart_upload", self.url, Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
+                MultipartUpload={"Parts": listed}, **extra, **conditions,
             )
         )
         self._upload_id = None
@@ -3644,14 +2951,7 @@ class S3MultipartWriter(io.RawIOBase):
         return response, checksum
 
     def _commit(self, checksum: str, request: Callable[[dict[str, str]], dict[str, Any]]) -> dict[str, Any]:
-        """Send the request that makes the object visible (`request(conditions)`), fenced when there is a fence: its
-        run must still own the directory, and the object must still be what this run last left at the key
-        (``If-Match``/``If-None-Match``). A failed condition is settled by the fence: another run took the
-        directory over (CheckpointDirectoryTakenError), or this run still owns it and the commit is sent again
-        without the condition (a writer outside the fence changed the key, or an earlier attempt of this request
-        succeeded). A single PUT carries its checksum in its metadata too; for a multipart upload, unless the store is
-        known to keep the object's checksum itself, the checksum record is written first
-        (`_ChecksumRecords.write_pending`): no instant shows the object without one."""
+        """Send the commit (`request(conditions)`) after its pending checksum record ("Crash safety"), fenced."""
         fence = self._fence
         if fence is not None:
             fence.before_mutation(self.url, "save")  # a stale run writes nothing, not even the record
@@ -3675,9 +2975,8 @@ class S3MultipartWriter(io.RawIOBase):
                         raise
                     if attempt == _CONDITIONAL_COMMIT_ATTEMPTS:
                         exc.add_note(
-                            f"{self.url} changed under each of {attempt} conditional commits while this run owned "
-                            f"its directory: another writer outside fencing is writing this key; stop it, then save "
-                            "again"
+                            f"{self.url} changed under each of {attempt} conditional commits while this run owned its "
+                            "directory: another writer outside fencing is writing this key; stop it, then save again"
                         )
                         raise
                     conditions = fence.precondition_failed(self.url, self.key, exc)
@@ -3689,8 +2988,7 @@ class S3MultipartWriter(io.RawIOBase):
         return response
 
     def _forget_pending_record(self) -> None:
-        """After a failed commit to a key that had no record: remove the record written for it, unless an object is
-        there after all (a commit whose answer was lost may have succeeded: the record then vouches for it)."""
+        """After a failed commit to a key without a record: remove the one written, unless an object is there."""
         try:
             self._utils.head_object(self.url)
         except FileNotFoundError:
@@ -3704,74 +3002,44 @@ class S3MultipartWriter(io.RawIOBase):
 # Directory ownership: only the newest run commits or removes checkpoints in a directory (fencing)
 # --------------------------------------------------------------------------------------------------------------------
 #
-# Why: a requeued or restarted job can leave two runs writing one checkpoint directory (the old one still flushing or
-# cut off from its scheduler); the stale run's saves and clean-up then overwrite and delete the new run's checkpoints.
-# How (docs/fencing.md and docs/runs.md):
-# * a run (`CheckpointRun`: one launch, its ranks alike, see "This process"; a process outside any launcher is a run
-#   of its own) takes a directory over at its first save there: it writes the owner record
-#   ``<directory>/.s3ckpt-owner.json`` with a conditional PUT, one generation up (``If-None-Match: *`` when there is
-#   none, else ``If-Match`` on the ETag it just read; a failed condition means another process got there first: read
-#   again, and a record of its own run, written by another rank at the same moment, is adopted as its own). A run of
-#   an earlier launch than the record's owner (`CheckpointRun.is_newer_than`) does not take it over: it is stale.
-# * before every commit (the PUT or CompleteMultipartUpload that makes an object visible) and every removal there,
-#   one HEAD of the record: another ETag means another run took over; the operation raises
-#   `CheckpointDirectoryTakenError` and changes nothing (the upload is aborted). Once refused, always refused.
-# * every commit carries an ETag condition: ``If-Match: <ETag>`` on a key this run committed, ``If-None-Match: *``
-#   on any other (one this run removed, or never touched). A stale run stopped between its HEAD and its commit (the
-#   check-then-act gap) therefore cannot overwrite what the newer run wrote meanwhile: its commit fails the
-#   condition, it reads the record, finds another run there, and is refused (its upload aborted). The owner meeting
-#   a failed condition (a key an earlier run left, or an earlier attempt of this very request that went through)
-#   reads the record, finds itself, and sends the commit again without the condition. What is left of the gap: a
-#   stale run may still create a key the newer run has not written (yet), and removals carry no condition.
-# * the other ranks of a sharded save check against the coordinator's `FenceToken` (in DCP's plan) before they
-#   commit their files, with the same conditions; they never take a directory over.
-# * stores that refuse (501) or ignore conditional headers are found once per store and bucket (a conditional PUT
-#   that must fail), with one warning; the record is then written without conditions and still checked.
+# A requeued or restarted job can leave two runs writing one directory; the stale one's saves and clean-up would then
+# overwrite and delete the new run's checkpoints. The protocol (docs/fencing.md, docs/runs.md):
+# * a run (`CheckpointRun`) takes a directory over at its first save there, writing the owner record one generation
+#   up with a conditional PUT (``If-None-Match: *``, or ``If-Match`` on the ETag just read). An earlier run is stale.
+# * before every commit and removal, one HEAD of the record: another ETag means another run took over, and the
+#   operation raises `CheckpointDirectoryTakenError` with nothing changed. Once refused, always refused.
+# * every commit carries an ETag condition (``If-Match`` on a key this run committed, else ``If-None-Match: *``), so a
+#   stale run stopped between its HEAD and its commit cannot overwrite the newer run's object; the owner finds itself
+#   in the record and sends again. Left open: new keys of a stale run, and removals (no condition).
+# * other ranks of a sharded save check against the coordinator's `FenceToken`; stores that refuse or ignore
+#   conditional headers are found once per bucket (one warning): the record is then written without conditions.
 
 _OWNER_RECORD_VERSION = 1
 _TAKE_OVER_ATTEMPTS = 5
-_CONDITIONAL_COMMIT_ATTEMPTS = 5
-"""A commit whose ETag condition fails while its run still owns the directory is sent again on what is there now;
-this many times at most (each failure means another writer changed the key in the moment between)."""
-_REMEMBERED_KEYS = 10_000
-"""At most this many keys per directory whose last state (ETag, or removed) a run remembers for its conditions."""
-
-
-def _utc(timestamp: float) -> str:
-    return datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f UTC")
+_CONDITIONAL_COMMIT_ATTEMPTS = 5  # sends of a commit whose ETag condition fails while its run owns the directory
+_REMEMBERED_KEYS = 10_000  # keys per directory whose last state (ETag, or removed) a run remembers
 
 
 @dataclass(frozen=True)
 class CheckpointRun:
-    """Who writes checkpoints: one launch of a job (`current_run`). The ranks of one launch are one run (their
-    launcher's environment names it: `launch_identity`); a process outside any launcher is a run of its own. A run is
-    carried along when a plugin or a DCP writer is pickled into another process (``ddp_spawn``, DCP's process
-    executor), so those processes act as the same run. Which of two runs is newer: `is_newer_than`."""
+    """Who writes checkpoints (`current_run`): one launch of a job, all its ranks; else one process."""
 
-    run_id: str
-    """``<job>#<attempt>`` for a launch (e.g. ``torchrun:4f1c#1``, ``slurm:4242#0.0``); 16 random hex digits for a
-    process outside any launcher."""
+    run_id: str  # ``<job>#<attempt>`` for a launch (``slurm:4242#0.0``); 16 random hex digits outside any launcher
     host: str
-    pid: int
-    """Of the process that made this run's record: any rank of a launch."""
-    started: float
-    """When the launch started (seconds since the epoch): SLURM's job start time where SLURM gives it (one clock, the
-    controller's, for every rank), else when this process imported this module."""
-    job: str = ""
-    """What a relaunch keeps (`LaunchIdentity.job`); empty outside any launcher."""
-    attempt: tuple[int, ...] = ()
-    """Which launch of `job` this is (`LaunchIdentity.attempt`): higher is later."""
+    pid: int  # of the process (any rank) that made this run's record
+    started: float  # epoch seconds: SLURM's job start time, else this module's import
+    job: str = ""  # `LaunchIdentity.job`; empty outside any launcher
+    attempt: tuple[int, ...] = ()  # `LaunchIdentity.attempt`: higher is later
 
     def is_newer_than(self, other: CheckpointRun) -> bool:
-        """Whether this run is a later launch than `other`: of two launches of one job, the higher `attempt`
-        (the launcher's restart and step counts: no clock is asked); else the later `started` (each launch's own
-        clock: hosts' clocks must agree to better than the time between a launch and its replacement)."""
+        """Whether this run is a later launch: the higher `attempt` within one job, else the later `started`."""
         if self.job and self.job == other.job:
             return self.attempt > other.attempt
         return self.started > other.started
 
     def __str__(self) -> str:
-        return f"run {self.run_id} (host {self.host}, pid {self.pid}, started {_utc(self.started)})"
+        started = datetime.datetime.fromtimestamp(self.started, datetime.timezone.utc)
+        return f"run {self.run_id} (host {self.host}, pid {self.pid}, started {started:%Y-%m-%d %H:%M:%S.%f} UTC)"
 
 
 _PROCESS_STARTED = time.time()
@@ -3780,8 +3048,7 @@ _process_run_lock = threading.Lock()
 
 
 def current_run() -> CheckpointRun:
-    """This process's run (see `CheckpointRun`): its launch's (`launch_identity`), or a run of its own outside any
-    launcher. Made at the first call and kept (a forked child that already has one stays that run)."""
+    """This process's run (`CheckpointRun`), made at the first call and kept (also by a forked child)."""
     global _process_run
     with _process_run_lock:
         if _process_run is None:
@@ -3796,11 +3063,7 @@ def current_run() -> CheckpointRun:
 
 
 def adopt_run(run: CheckpointRun) -> None:
-    """Make `run` this process's run (`current_run`) from now on. For the ranks of one job once its process group is
-    up: they adopt rank 0's run, so that they are one run also where no launcher names the launch (``mp.spawn``, MPI,
-    torchrun's default run id across nodes). `S3ModelCheckpoint` does it in its ``setup``; without Lightning, after
-    ``init_process_group``: ``adopt_run(broadcast of rank 0's current_run())``. Plugins and writers that already
-    saved keep the run they saved as."""
+    """Make `run` this process's run (`current_run`): a job's ranks adopt rank 0's (`S3ModelCheckpoint.setup`)."""
     global _process_run
     with _process_run_lock:
         if _process_run != run:
@@ -3809,15 +3072,10 @@ def adopt_run(run: CheckpointRun) -> None:
 
 
 class CheckpointDirectoryTakenError(RuntimeError):
-    """A newer run owns this checkpoint directory: this (stale) run's save or removal there was refused and changed
-    nothing. `directory` is its ``s3://`` URL, `run` this run, `owner` the run that holds it (None if unknown)."""
+    """A newer `owner` (None: unknown) holds this checkpoint `directory`: this `run`'s save or removal was refused."""
 
     def __init__(
-        self,
-        message: str,
-        directory: str = "",
-        run: CheckpointRun | None = None,
-        owner: CheckpointRun | None = None,
+        self, message: str, directory: str = "", run: CheckpointRun | None = None, owner: CheckpointRun | None = None
     ) -> None:
         super().__init__(message)
         self.directory = directory
@@ -3827,15 +3085,13 @@ class CheckpointDirectoryTakenError(RuntimeError):
 
 @dataclass(frozen=True)
 class FenceToken:
-    """What the other ranks of a sharded save check against (it travels in DCP's plan): the directory, and the ETag
-    of its owner record as the coordinator's run holds it."""
+    """What the other ranks of a sharded save check against: the directory, the owner record's ETag and run, and
+    whether the store honours ETag conditions."""
 
     directory: str
     etag: str
     run: CheckpointRun
     conditional: bool = False
-    """Whether the store honours ETag conditions on writes (as the coordinator found it): the ranks' commits then
-    carry them too."""
 
 
 class _Hold:
@@ -3849,15 +3105,13 @@ class _Hold:
 
 
 _holds: dict[tuple[str | None, str, str, str], _Hold] = {}
-_conditional_writes: dict[tuple[str | None, str], bool] = {}
-"""(endpoint, bucket) -> whether the store honours If-Match / If-None-Match on writes (missing: not known yet)."""
+_conditional_writes: dict[tuple[str | None, str], bool] = {}  # (endpoint, bucket) -> honours If-Match on writes
 _fence_registry_lock = threading.Lock()
 _UNKNOWN = object()
 
 
 def _precondition_failed(exc: BaseException, conditions: Mapping[str, str]) -> bool:
-    """Whether `exc` is the store refusing a write's `conditions`: 412, or 404 NoSuchKey for If-Match on a key that is
-    gone (moto's answer, and S3's)."""
+    """Whether `exc` is the store refusing a write's `conditions`: 412, or 404 for If-Match on a key that is gone."""
     response = getattr(exc, "response", None)
     status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict) else None
     if error_code(exc) in ("PreconditionFailed", "412") or status == 412:
@@ -3876,26 +3130,13 @@ def _refuses_conditions(exc: BaseException) -> bool:
 
 
 class DirectoryFence:
-    """One run's hold on one checkpoint directory, through its owner record ``<directory>/.s3ckpt-owner.json``.
-
-    Pass it as ``fence=`` to `S3Utils.open_writer`, `S3Utils.remove_object` and `S3Utils.remove_objects_with_prefix`:
-    the run's first commit in the directory takes it over (unless a run that started later owns it; a removal before
-    that only checks that none does), every later operation first checks with one HEAD that the run still owns it,
-    and a stale run gets `CheckpointDirectoryTakenError` with nothing changed. Fences of one run and directory share
-    their state within a process, so making one per operation is cheap. See the block comment above for the protocol.
-    """
+    """One run's hold on one checkpoint directory (the ``fence=`` of `S3Utils.open_writer` and the removals)."""
 
     def __init__(
-        self,
-        utils: S3Utils,
-        directory: str | os.PathLike[str],
-        run: CheckpointRun | None = None,
-        *,
-        follows: str | None = None,
-        conditional: bool = False,
+        self, utils: S3Utils, directory: str | os.PathLike[str], run: CheckpointRun | None = None, *,
+        follows: str | None = None, conditional: bool = False,
     ) -> None:
-        """`follows`, `conditional`: see `following` (the ETag the coordinator's run holds the record at, and
-        whether the store honours ETag conditions)."""
+        """`follows`, `conditional`: see `following`."""
         self._follows = follows
         self._follows_conditionally = conditional
         self.directory = _urls.normalize_s3_url(directory).rstrip("/")
@@ -3913,21 +3154,16 @@ class DirectoryFence:
 
     @classmethod
     def following(cls, utils: S3Utils, token: FenceToken) -> DirectoryFence:
-        """The fence of a rank that commits files for the run that holds `token` (every rank of a sharded save): it
-        checks that the directory is still that run's and never takes it over; its commits carry the same ETag
-        conditions as the coordinator's."""
+        """The fence of a rank that commits files for the run that holds `token`: it checks, never takes over."""
         return cls(utils, token.directory, token.run, follows=token.etag, conditional=token.conditional)
 
     def once(self) -> _CheckedOnce:
-        """This fence, checked at most once: for operations that follow one another within moments (the files of one
-        rank's save, a commit marker after its record), so they cost one HEAD together."""
+        """This fence, checked at most once: one HEAD for operations within moments of each other (one rank's save)."""
         return _CheckedOnce(self)
 
     # ---- what the writer and the removals call --------------------------------------------------------------------
-
     def token(self, url: str) -> FenceToken:
-        """For the other ranks of the save of `url`: take the directory over if this run does not hold it yet (no
-        request if it does) and say what they check against."""
+        """For the other ranks of the save of `url`: take the directory over if need be, and say what they check."""
         with self._hold.lock, self._noted(url, "save"):
             self._raise_if_refused(url, "save")
             if self._hold.etag is None:
@@ -3936,14 +3172,16 @@ class DirectoryFence:
             return FenceToken(self.directory, self._hold.etag, self.run, self._conditional())
 
     def before_mutation(self, url: str, action: str) -> None:
-        """Before a commit (`action` ``"save"``) or a ``"removal"`` of `url`: take the directory over (this run's
-        first commit there) or check with one HEAD that the run still owns it; CheckpointDirectoryTakenError if not."""
+        """Before a ``"save"`` or ``"removal"`` of `url`: take the directory over, or check (one HEAD) it is held."""
         hold = self._hold
         with hold.lock, self._noted(url, action):
             self._raise_if_refused(url, action)
             expected = self._follows or hold.etag
             if expected is None:  # this run has not saved here yet
-                (self._check_unheld if action == "removal" else self._take_over)(url, action)
+                if action != "removal":
+                    self._take_over(url, action)
+                else:  # a removal before this run's first save: refused if a later run holds it; no take-over
+                    self._adopted_or_refused(url, action, *self._read_record())
                 return
             if self._head_record() == expected:
                 return
@@ -3959,9 +3197,7 @@ class DirectoryFence:
             self._refuse(url, action, record or {})
 
     def conditions(self, key: str) -> dict[str, str]:
-        """The ETag condition for a commit of `key`: ``If-Match`` on the ETag this run committed there, else
-        ``If-None-Match: *`` (a key this run removed or has not touched); none on stores without conditional
-        writes."""
+        """The ETag condition for a commit of `key` (none on stores without conditional writes)."""
         if not self._conditional():
             return {}
         with self._hold.lock:
@@ -3980,11 +3216,7 @@ class DirectoryFence:
         self._remember(dict.fromkeys(keys))
 
     def precondition_failed(self, url: str, key: str, exc: BaseException) -> dict[str, str]:
-        """A commit's ETag condition failed. Read what is at the key now (one HEAD), then the owner record: another
-        run's raises CheckpointDirectoryTakenError (the store's 412 its cause); this run's returns the conditions to
-        send the commit again with: ``If-Match`` on the object now there, else ``If-None-Match: *``. The object is
-        read before the record, so a stale commit landing in between fails the retry's condition again. Expected
-        for a key an earlier run left (a run's first save over it); a warning where this run committed the key."""
+        """A commit's ETag condition failed: refuse if another run owns the directory, else the conditions to retry."""
         with self._hold.lock:
             committed_here = isinstance(self._hold.objects.pop(key, None), str)
             try:
@@ -4015,10 +3247,9 @@ class DirectoryFence:
         return {"IfMatch": now} if now else {"IfNoneMatch": "*"}
 
     # ---- the owner record -----------------------------------------------------------------------------------------
-
     @contextlib.contextmanager
     def _noted(self, url: str, action: str) -> Iterator[None]:
-        """Name the checkpoint in errors of the owner record's requests (an S3 error there stops its save)."""
+        """Name the checkpoint in errors of the owner record's requests."""
         try:
             yield
         except CheckpointDirectoryTakenError:
@@ -4028,8 +3259,7 @@ class DirectoryFence:
             raise
 
     def _remember(self, states: dict[str, Any]) -> None:
-        """Keep what this run last left at each key (an ETag, or None: removed) for its next commit's condition;
-        every rank keeps its own files' (the hold is this process's, for its run)."""
+        """Keep what this run last left at each key (an ETag, or None: removed) for its next commit's condition."""
         with self._hold.lock:
             objects = self._hold.objects
             for key, state in states.items():
@@ -4063,30 +3293,18 @@ class DirectoryFence:
 
     def _put_record(self, generation: int, conditions: Mapping[str, str]) -> str:
         body = {
-            "version": _OWNER_RECORD_VERSION,
-            "run": self.run.run_id,
-            "host": self.run.host,
-            "pid": self.run.pid,
-            "started": self.run.started,
-            "job": self.run.job,
-            "attempt": list(self.run.attempt),
-            "generation": generation,
-            "taken": time.time(),
+            "version": _OWNER_RECORD_VERSION, "run": self.run.run_id, "host": self.run.host, "pid": self.run.pid,
+            "started": self.run.started, "job": self.run.job, "attempt": list(self.run.attempt),
+            "generation": generation, "taken": time.time(),
         }
         response = self._utils.call(
-            "put_object",
-            self.record_url,
-            Bucket=self.bucket,
-            Key=self.record_key,
-            Body=json.dumps(body, sort_keys=True).encode(),
-            ContentType="application/json",
-            **conditions,
+            "put_object", self.record_url, Bucket=self.bucket, Key=self.record_key,
+            Body=json.dumps(body, sort_keys=True).encode(), ContentType="application/json", **conditions,
         )
         return str(response.get("ETag", ""))
 
     def _take_over(self, url: str, action: str) -> None:
-        """Make this run the directory's owner (lock held): adopt a record of this run, refuse to displace a run that
-        started later, else write the record one generation up, conditionally (see the block comment)."""
+        """Make this run the directory's owner (lock held), as the comment above says."""
         hold = self._hold
         for _ in range(_TAKE_OVER_ATTEMPTS):
             record, etag = self._read_record()
@@ -4109,13 +3327,8 @@ class DirectoryFence:
                 raise
             if support is None:
                 self._probe(generation)
-            logger.info(
-                "%s took %s over (generation %d%s)",
-                self.run,
-                self.directory,
-                generation,
-                f", from {owner}" if owner is not None else "",
-            )
+            previous = f", from {owner}" if owner is not None else ""
+            logger.info("%s took %s over (generation %d%s)", self.run, self.directory, generation, previous)
             return
         raise OSError(
             f"Could not take the checkpoint directory {self.directory} over: its owner record {self.record_url} "
@@ -4123,14 +3336,8 @@ class DirectoryFence:
             "the same moment; run one job per checkpoint directory."
         )
 
-    def _check_unheld(self, url: str, action: str) -> None:
-        """A removal by a run that has not saved in the directory: refused if a run that started later holds it;
-        it does not take the directory over (only a save does)."""
-        self._adopted_or_refused(url, action, *self._read_record())
-
     def _adopted_or_refused(self, url: str, action: str, record: dict[str, Any] | None, etag: str | None) -> bool:
-        """True if `record` is this run's (adopted: one of its other processes wrote it); refuse if it is a run's that
-        started after this one; else False (this run may take the directory over)."""
+        """True if `record` is this run's (adopted); refuse if it is a later run's; else False (free to take)."""
         if _is_run_of(record, self.run):
             self._hold.etag = etag
             return True
@@ -4140,8 +3347,7 @@ class DirectoryFence:
         return False
 
     def _probe(self, generation: int) -> None:
-        """Once per store and bucket: a conditional PUT that must fail (If-None-Match: * on the record just
-        written). A store that accepts it ignores the condition (it rewrote the same record, nothing is lost)."""
+        """Once per store and bucket: a PUT that must fail (If-None-Match: * on the record just written)."""
         try:
             self._hold.etag = self._put_record(generation, {"IfNoneMatch": "*"})
         except Exception as exc:
@@ -4164,10 +3370,7 @@ class DirectoryFence:
                 "directories there are still owned by one run (their %s is checked before every save and removal), "
                 "but not protected: two runs taking a directory over at the same moment, and a stale run's save or "
                 "removal sent in the moment between that check and its request.",
-                self._utils.settings.endpoint_url or "S3",
-                self.bucket,
-                how,
-                OWNER_RECORD_NAME,
+                self._utils.settings.endpoint_url or "S3", self.bucket, how, OWNER_RECORD_NAME,
             )
 
     def _raise_if_refused(self, url: str, action: str) -> None:
@@ -4192,9 +3395,7 @@ class DirectoryFence:
             "stop it. If the other run is gone and this one must go on, restart it (a new run takes the directory "
             f"over at its first save) or delete {self.record_url}; fencing=False (s3_checkpointing.fencing: false) "
             "turns the check off.",
-            self.directory,
-            self.run,
-            owner,
+            self.directory, self.run, owner,
         )
 
 
@@ -4249,9 +3450,7 @@ class _CheckedOnce:
 
 
 def invalidate_fsspec_cache(url: str) -> None:
-    """Tell live s3fs filesystems that `url` changed: they cache listings per process, and Lightning's
-    ModelCheckpoint asks them whether files exist (e.g. to pick ``-v1`` names). Nothing to do if s3fs is not
-    imported."""
+    """Tell live s3fs filesystems that `url` changed (Lightning's ModelCheckpoint asks their cached listings)."""
     s3fs = sys.modules.get("s3fs")
     if s3fs is None:
         return
@@ -4263,8 +3462,7 @@ def invalidate_fsspec_cache(url: str) -> None:
 
 
 def forget_s3fs_instances() -> None:
-    """Drop the s3fs filesystems cached in this process. fsspec keeps one per set of arguments, bound to the endpoint
-    and credentials of the moment, so a process that switches endpoints (a test, the demo) would reuse a stale one."""
+    """Drop the s3fs filesystems cached in this process (bound to the endpoint and credentials of their moment)."""
     s3fs = sys.modules.get("s3fs")
     if s3fs is not None:
         s3fs.S3FileSystem.clear_instance_cache()
@@ -4272,8 +3470,7 @@ def forget_s3fs_instances() -> None:
 
 @contextlib.contextmanager
 def fresh_s3fs_instances() -> Iterator[None]:
-    """`forget_s3fs_instances` on entry and on exit: what runs inside gets filesystems for the endpoint of the moment,
-    and none of them outlives it (e.g. a local server that is about to stop)."""
+    """`forget_s3fs_instances` on entry and on exit: no filesystem outlives the block (e.g. a local server)."""
     forget_s3fs_instances()
     try:
         yield
