@@ -2685,12 +2685,12 @@ class S3MultipartWriter(io.RawIOBase):
         """The checksum of bytes ``[start, end)`` of the committed object; both must be boundaries (parts, marks)."""
         if self._state is not _WriterState.COMMITTED:
             raise ValueError(f"checksum_of needs a committed writer ({self.url} is {self._state.value})")
-        offsets = [offset for offset, _, _ in self._pieces]
-        first = bisect.bisect_left(offsets, start)
-        if start != end and (first == len(offsets) or offsets[first] != start):
+        pieces = self._pieces  # a DCP save asks once per item: a search, not a list of offsets per call
+        first = bisect.bisect_left(pieces, start, key=lambda piece: piece[0])
+        if start != end and (first == len(pieces) or pieces[first][0] != start):
             raise ValueError(f"{self.url}: offset {start} is not a checksum boundary")
         total, position = 0, start
-        for offset, length, checksum in self._pieces[first:]:
+        for offset, length, checksum in itertools.islice(pieces, first, None):
             if offset >= end:
                 break
             total = self._algorithm.combine(total, checksum, length)

@@ -126,23 +126,8 @@ def test_no_allowed_exception_is_stale() -> None:
 MAX_LINES = {"s3_utils": 3500, "s3_dcp": 2300, "s3_checkpoint_cli": 800}
 """Line limits of modules that may be larger than `DEFAULT_MAX_LINES`, the limit of every other root-level module."""
 DEFAULT_MAX_LINES = 1300
-OVER_LIMIT = {
-    "connector": "1,524 lines against 1,300: being shrunk on another branch",
-    "s3_dcp": "2,349 lines against 2,300: being shrunk on another branch",
-    "s3_checkpoint_cli": "819 lines against 800: being shrunk on another branch",
-}
-"""Modules known to be over their limit. Strict: once a module fits, its entry must go (the test then passes)."""
 
-
-@pytest.mark.parametrize(
-    "module",
-    [
-        pytest.param(module, marks=pytest.mark.xfail(strict=True, reason=OVER_LIMIT[module]))
-        if module in OVER_LIMIT
-        else module
-        for module in MODULES
-    ],
-)
+@pytest.mark.parametrize("module", MODULES)
 def test_module_size(module: str) -> None:
     limit = MAX_LINES.get(module, DEFAULT_MAX_LINES)
     lines = len((ROOT / f"{module}.py").read_text(encoding="utf-8").splitlines())
@@ -150,5 +135,4 @@ def test_module_size(module: str) -> None:
 
 
 def test_size_limits_name_existing_modules() -> None:
-    assert set(MAX_LINES) | set(OVER_LIMIT) <= set(MODULES)
-    assert "s3_utils" not in OVER_LIMIT
+    assert set(MAX_LINES) <= set(MODULES)
