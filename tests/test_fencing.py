@@ -81,6 +81,19 @@ def plugin_of(run: CheckpointRun, **kwargs: Any) -> S3CheckpointIO:
     return plugin
 
 
+def coordinators_plan(url: str, run: CheckpointRun) -> tuple[Any, Any]:
+    """The plan (and planner) of a one-tensor DCP save of `url` whose coordinator (rank 0) acts as `run`: it takes
+    the directory over while planning; another rank then has only this plan."""
+    planner_module = pytest.importorskip("torch.distributed.checkpoint.default_planner")
+    coordinator = s3_dcp.S3StorageWriter(url, chunk_size_MB=5)
+    coordinator._run = run
+    coordinator.set_up_storage_writer(True, rank=0, use_collectives=True)
+    planner = planner_module.DefaultSavePlanner()
+    planner.set_up_planner(state_dict={"w": torch.arange(8.0)}, storage_meta=None, is_coordinator=True)
+    plans, _ = planner.create_global_plan([coordinator.prepare_local_plan(planner.create_local_plan())])
+    return planner.finish_plan(coordinator.prepare_global_plan(plans)[0]), planner
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Two runs, two processes
 # --------------------------------------------------------------------------------------------------------------------
@@ -302,16 +315,9 @@ def test_a_dcp_rank_stopped_after_its_check_cannot_overwrite_the_relaunchs_file(
     """A rank of the stale run's sharded save passes its check against the plan's token, stops, and goes on after
     the relaunch wrote the same shard: its commit carries the coordinator's ETag conditions (If-None-Match here)
     and is refused; the relaunch's shard is intact."""
-    planner_module = pytest.importorskip("torch.distributed.checkpoint.default_planner")
     older, newer = run_at(-60), run_at(0)
     url = f"s3://{bucket}/straggler/step=5.ckpt"
-    coordinator = s3_dcp.S3StorageWriter(url, chunk_size_MB=5)
-    coordinator._run = older
-    coordinator.set_up_storage_writer(True, rank=0, use_collectives=True)
-    planner = planner_module.DefaultSavePlanner()
-    planner.set_up_planner(state_dict={"w": torch.arange(8.0)}, storage_meta=None, is_coordinator=True)
-    plans, _ = planner.create_global_plan([coordinator.prepare_local_plan(planner.create_local_plan())])
-    plan = planner.finish_plan(coordinator.prepare_global_plan(plans)[0])
+    plan, planner = coordinators_plan(url, older)
     assert plan.storage_data.fence.conditional  # the store honours conditions: the ranks' commits carry them
     conditions = DirectoryFence.conditions
     raced: list[str] = []
@@ -339,16 +345,9 @@ def test_dcp_rank_is_refused_when_the_directory_changes_hands_after_the_plan(
     s3_server: S3Endpoint, bucket: str, s3_client: Any
 ) -> None:
     """What one rank of a multi-rank save does with the coordinator's plan, played step by step in one process."""
-    planner_module = pytest.importorskip("torch.distributed.checkpoint.default_planner")
     older, newer = run_at(-60), run_at(0)
     url = f"s3://{bucket}/ranks/step=5.ckpt"
-    coordinator = s3_dcp.S3StorageWriter(url, chunk_size_MB=5)
-    coordinator._run = older
-    coordinator.set_up_storage_writer(True, rank=0, use_collectives=True)
-    planner = planner_module.DefaultSavePlanner()
-    planner.set_up_planner(state_dict={"w": torch.arange(8.0)}, storage_meta=None, is_coordinator=True)
-    plans, _ = planner.create_global_plan([coordinator.prepare_local_plan(planner.create_local_plan())])
-    plan = planner.finish_plan(coordinator.prepare_global_plan(plans)[0])  # the stale run took the directory
+    plan, planner = coordinators_plan(url, older)  # the stale run took the directory
     assert plan.storage_data.fence.run == older
 
     plugin_of(newer).save_checkpoint(state(1), f"s3://{bucket}/ranks/last.ckpt")  # a newer run takes it over
