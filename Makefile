@@ -22,11 +22,11 @@ RUN := PATH="$(abspath $(BIN)):$$PATH"
 PIP := $(BIN)/python -m pip
 
 .DEFAULT_GOAL := help
-.PHONY: help demo test lint bench venv clean
+.PHONY: help demo test lint bench venv clean nemo-check
 
 help:  ## list the targets
 	@echo "Targets (variables: PYTHON=$(PYTHON) VENV=$(VENV) TORCH=$(TORCH)):"
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z]+):.*## (.*)/  make \1\t\2/' | expand -t 16
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  make \1\t\2/' | expand -t 20
 
 demo: $(VENV)/.stamp-demo  ## set up the venv (pip, torch, ".[demo]"), run the demo on an embedded S3 server (DEMO_ARGS=...)
 	$(RUN) $(BIN)/s3-checkpoint-io demo $(DEMO_ARGS)
@@ -37,13 +37,16 @@ test: $(VENV)/.stamp-test  ## set up the venv (pip, torch, ".[all,test]"), run t
 lint: $(VENV)/.stamp-test  ## ruff check .
 	$(BIN)/ruff check .
 
+nemo-check: $(NEMO_VENV)/.stamp-nemo  ## by hand, not CI: tests/test_nemo.py with the real NeMo 2.7.3 in its own venv (.venv-nemo)
+	S3CKPT_TEST_BACKENDS=moto S3CKPT_TEST_REQUIRE_NEMO=1 $(NEMO_VENV)/bin/python -m pytest -rs tests/test_nemo.py $(PYTEST_ARGS)
+
 bench: $(VENV)/.stamp-bench  ## the checkpoint benchmark against SeaweedFS, table + chart (BENCH_ARGS=...)
 	$(RUN) $(BIN)/python benchmarks/bench_checkpoint.py $(BENCH_ARGS)
 
 venv: $(VENV)/.stamp-torch  ## only create the venv, with an upgraded pip and torch
 
 clean:  ## remove the venv, build outputs and caches
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(NEMO_VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis
 	find . -path './.*' -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 # An older pip (23.x, as some distributions ship) cannot resolve the dependencies: it is upgraded first.
@@ -71,4 +74,28 @@ $(VENV)/.stamp-test: $(VENV)/.stamp-torch pyproject.toml
 
 $(VENV)/.stamp-bench: $(VENV)/.stamp-test
 	$(PIP) install -q -e ".[all,test,bench]"
+	touch $@
+
+# NeMo 2.x for tests/test_nemo.py, by hand (`make nemo-check`), never in CI's venv: nemo-toolkit declares far more than
+# its `nemo.lightning` imports, and pins lightning <= 2.4 (the test venv has a newer one). NeMo comes without its
+# dependencies; NEMO_IMPORT_DEPS are the ones importing nemo.lightning (MegatronCheckpointIO, MegatronStrategy,
+# AsyncFinalizableCheckpointIO) needs, found one ImportError at a time. Every install names $(TORCH), so pip never
+# resolves an unpinned torch. About 2 minutes and 1.5 GB (torch's CPU wheel is most of it).
+NEMO_VENV ?= .venv-nemo
+NEMO ?= nemo-toolkit==2.7.3
+NEMO_MEGATRON_CORE ?= megatron-core==0.18.2
+NEMO_LIGHTNING ?= lightning==2.4.0
+NEMO_IMPORT_DEPS ?= python-dateutil fiddle cloudpickle huggingface_hub wrapt omegaconf hydra-core wget onnx \
+	nv-one-logger-pytorch-lightning-integration
+NEMO_TEST_DEPS ?= "boto3[crt]>=1.36" "s3fs>=2024.12.0" "moto[server]>=5.1" "pytest>=8"
+NEMO_PIP := $(NEMO_VENV)/bin/python -m pip
+
+$(NEMO_VENV)/.stamp-nemo: Makefile
+	$(PYTHON) -m venv $(NEMO_VENV)
+	$(NEMO_PIP) install -q --upgrade pip
+	$(NEMO_PIP) install -q $(TORCH)
+	$(NEMO_PIP) install -q --no-deps --ignore-requires-python $(NEMO_MEGATRON_CORE)
+	$(NEMO_PIP) install -q $(TORCH) numpy packaging psutil $(NEMO_LIGHTNING)
+	$(NEMO_PIP) install -q --no-deps $(NEMO)
+	$(NEMO_PIP) install -q $(TORCH) $(NEMO_LIGHTNING) $(NEMO_IMPORT_DEPS) $(NEMO_TEST_DEPS)
 	touch $@

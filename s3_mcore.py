@@ -821,14 +821,17 @@ class _S3MegatronCheckpointIOMixin:
         ``parallel_save`` is on (its default), as NeMo builds its own."""
         cached = self.__dict__.get("_s3_save_strategy")
         if cached is None:
-            cached = _strategy_class()(**self.s3_writer_options)
+            options = dict(self.s3_writer_options)
+            multiproc = getattr(self, "torch_dist_multiproc", None)  # NeMo's thread_count for torch_dist
+            if multiproc is not None:
+                options.setdefault("thread_count", multiproc)
+            cached = _strategy_class()(**options)
             if getattr(self, "parallel_save", False):
                 fully_parallel = _mcore("dist_checkpointing.strategies.fully_parallel")
                 within_dp = getattr(self, "parallel_save_within_dp", False)
-                group = None
-                if within_dp:
-                    group = _mcore("parallel_state").get_data_parallel_group(with_context_parallel=True)
-                cached = fully_parallel.FullyParallelSaveStrategyWrapper(cached, group)
+                group = _data_parallel_group() if within_dp else None
+                constant = bool(getattr(self, "assume_constant_structure", False))
+                cached = fully_parallel.FullyParallelSaveStrategyWrapper(cached, group, constant)
             self.__dict__["_s3_save_strategy"] = cached
         return cached
 
@@ -860,27 +863,36 @@ class _S3MegatronCheckpointIOMixin:
         return request if asynchronous else None
 
     def load_checkpoint(
-        self, path: Any, sharded_state_dict: Any = None, map_location: Any = None, **kwargs: Any
+        self, path: Any, sharded_state_dict: Any = None, map_location: Any = None, strict: Any = None
     ) -> dict[str, Any]:
-        """As NeMo's, for ``s3://``: loads ``<url>/weights`` when it exists (NeMo 2.x's layout), else ``<url>``."""
+        """As NeMo's, for ``s3://``: loads ``<url>/weights`` when it exists (NeMo 2.x's layout), else ``<url>``.
+        `strict` as NeMo takes it (what ``MegatronStrategy`` passes: ``strict_loading`` or ``ckpt_load_strictness``):
+        a bool (False drops the keys the checkpoint lacks first), a ``StrictHandling`` or its text, or None."""
         url = nemo_checkpoint_url(path)
         if url is None:
-            return super().load_checkpoint(path, sharded_state_dict, map_location, **kwargs)  # type: ignore[misc]
+            return super().load_checkpoint(  # type: ignore[misc]
+                path, sharded_state_dict=sharded_state_dict, map_location=map_location, strict=strict
+            )
         if map_location is not None:
             raise ValueError("map_location is not supported for distributed checkpoints (as in NeMo's checkpoint IO)")
         if sharded_state_dict is None:
             raise ValueError("a distributed checkpoint needs the model's sharded_state_dict to load")
-        s3 = _ROUTING.routing.s3 if _ROUTING.routing is not None else _s3.S3Utils()
-        weights = _urls.join_s3_url(url, WEIGHTS_SUBDIR)
-        checkpoint_dir = weights if s3.s3_path_exists(_urls.join_s3_url(weights, CONFIG_NAME)) else url
+        checkpoint_dir = _nemo_weights_to_load(url)
         serialization = _mcore("dist_checkpointing.serialization")
-        load_kwargs = {"strict": kwargs["strict"]} if "strict" in kwargs else {}
+        strict_handling = _mcore("dist_checkpointing.validation").StrictHandling
+        if isinstance(strict, bool):  # NeMo's translation (megatron-core takes no bool)
+            if not strict and hasattr(self, "adjust_non_strict_load"):
+                sharded_state_dict = self.adjust_non_strict_load(checkpoint_dir, sharded_state_dict)
+            strict = strict_handling.ASSUME_OK_UNEXPECTED if strict else strict_handling.LOG_ALL
+        if strict is None:
+            strict = strict_handling.ASSUME_OK_UNEXPECTED
         strategy = None
         if getattr(self, "parallel_load", False):  # NeMo's ckpt_parallel_load (megatron-core's wrapper needs CUDA)
             fully_parallel = _mcore("dist_checkpointing.strategies.fully_parallel")
             base_strategy = _torch_strategies().TorchDistLoadShardedStrategy()
-            strategy = fully_parallel.FullyParallelLoadStrategyWrapper(base_strategy)
-        return serialization.load(sharded_state_dict, checkpoint_dir, sharded_strategy=strategy, **load_kwargs)
+            strategy = fully_parallel.FullyParallelLoadStrategyWrapper(base_strategy, _data_parallel_group())
+        loaded = serialization.load(sharded_state_dict, checkpoint_dir, sharded_strategy=strategy, strict=strict)
+        return _to_current_cuda_device(loaded)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Removes every object under the checkpoint's prefix (``.metadata`` first, so it never looks complete)."""
@@ -897,6 +909,42 @@ class _S3MegatronCheckpointIOMixin:
         return None
 
 
+def _nemo_weights_to_load(url: str) -> str:
+    """``<url>/weights`` when it holds megatron-core's ``metadata.json`` (NeMo 2.x's layout), else `url` if it does;
+    FileNotFoundError (as NeMo's) if neither does."""
+    s3 = _ROUTING.routing.s3 if _ROUTING.routing is not None else _s3.S3Utils()
+    weights = url if url.endswith("/" + WEIGHTS_SUBDIR) else _urls.join_s3_url(url, WEIGHTS_SUBDIR)
+    for candidate in dict.fromkeys((weights, url)):
+        if s3.s3_path_exists(_urls.join_s3_url(candidate, CONFIG_NAME)):
+            return candidate
+    raise FileNotFoundError(f"Checkpoint file not found: {url} (no {CONFIG_NAME} in it or in its {WEIGHTS_SUBDIR}/)")
+
+
+def _data_parallel_group() -> Any:
+    """megatron-core's data-parallel group (with context parallelism), as NeMo passes to the fully-parallel
+    wrappers; None (the whole world) where megatron-core's model parallelism is not initialised."""
+    parallel_state = _mcore("parallel_state")
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
+def _to_current_cuda_device(checkpoint: Any) -> Any:
+    """NeMo's ``_fix_tensors_device`` after a load: CUDA tensors on another device move to the current one. A no-op
+    where CUDA is not initialised (NeMo's asserts instead, so its own load cannot run on CPU)."""
+    torch = _s3.import_optional_dependency("torch", "megatron-core checkpoints")
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return checkpoint
+    current = torch.device("cuda", index=torch.cuda.current_device())
+
+    def move(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_cuda and value.device != current:
+            return value.to(current)
+        return value
+
+    return _mcore("dist_checkpointing.dict_utils").dict_list_map_outplace(move, checkpoint)
+
+
 def megatron_checkpoint_io_class(base: type | None = None) -> type:
     """NeMo 2.x's ``MegatronCheckpointIO`` (or `base`) with ``s3://`` support: ``S3MegatronCheckpointIO``.
 
@@ -910,12 +958,32 @@ def megatron_checkpoint_io_class(base: type | None = None) -> type:
     return _checkpoint_io_class(base)
 
 
+def _content_metadata_loader(base: type) -> Callable[..., Any]:
+    original = getattr(base, "load_content_metadata", None)
+
+    def load_content_metadata(path: Any = None, preloaded_state_dict: Any = None) -> Any:
+        """As NeMo's (``MegatronStrategy.load_checkpoint`` calls it before every load), for ``s3://``: the content
+        metadata saved in ``<url>/weights`` (or ``<url>``), NeMo's default where the checkpoint has none. NeMo's
+        own looks for ``weights/`` on local disk and fails on an ``s3://`` checkpoint."""
+        url = nemo_checkpoint_url(path)
+        serialization = _mcore("dist_checkpointing.serialization")
+        if url is not None and preloaded_state_dict is None:
+            preloaded_state_dict = serialization.load_common_state_dict(_nemo_weights_to_load(url))
+            path = None
+        if original is None:  # a base without NeMo's method
+            return serialization.load_content_metadata(path, preloaded_state_dict=preloaded_state_dict)
+        return original(path, preloaded_state_dict=preloaded_state_dict)
+
+    return load_content_metadata
+
+
 @functools.cache
 def _checkpoint_io_class(base: type) -> type:
     namespace = {
         "__module__": __name__,
         "__qualname__": "S3MegatronCheckpointIO",
         "__doc__": _S3MegatronCheckpointIOMixin.__doc__,
+        "load_content_metadata": staticmethod(_content_metadata_loader(base)),
     }
     return type("S3MegatronCheckpointIO", (_S3MegatronCheckpointIOMixin, base), namespace)
 

@@ -204,6 +204,8 @@ def test_nemo_checkpoint_io_keeps_urls(mcore_run: dict[str, Any]) -> None:
         assert outcome["async_names"] == [f"weights/{name}" for name in CHECKPOINT_FILES]
         assert outcome["extra_finalize"] == [True]
         assert outcome["removed"] == []
+        assert outcome["content_metadata"] == {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+        assert outcome["missing"].startswith("FileNotFoundError: Checkpoint file not found"), outcome["missing"]
 
 
 def test_reshard_two_to_one(mcore_run: dict[str, Any]) -> None:

@@ -57,6 +57,42 @@ def stand_in_for_triton_leaf() -> bool:
     return True
 
 
+TENSORSTORE_STRATEGY = "megatron.core.dist_checkpointing.strategies.tensorstore"
+"""megatron-core's zarr/tensorstore strategy, gone since 0.16. NeMo 2.7.3's ``nemo.utils.callbacks.dist_ckpt_io``
+imports it with the rest of megatron-core in one ``try``: without it that module decides megatron-core is missing,
+and ``AsyncFinalizableCheckpointIO`` refuses to be built ("megatron-core was not found")."""
+
+
+def stand_in_for_removed_tensorstore_strategy() -> bool:
+    """Put an empty `TENSORSTORE_STRATEGY` module in place where the installed megatron-core has none (call before
+    NeMo is imported); True if it was put there by this call. Only NeMo's zarr format would use it."""
+    import megatron.core.dist_checkpointing.strategies as strategies
+
+    if TENSORSTORE_STRATEGY in sys.modules or importlib.util.find_spec(TENSORSTORE_STRATEGY) is not None:
+        return False
+    leaf = types.ModuleType(TENSORSTORE_STRATEGY, "stand-in: gone since megatron-core 0.16 (mcore_stub.py)")
+    sys.modules[TENSORSTORE_STRATEGY] = leaf
+    strategies.tensorstore = leaf  # type: ignore[attr-defined]
+    return True
+
+
+def nemo_importable() -> str:
+    """'' if NeMo 2.x's ``nemo.lightning.io.pl`` imports here (megatron-core's stand-ins in place), else why not."""
+    try:
+        if importlib.util.find_spec("nemo") is None:
+            return "nemo-toolkit is not installed (see `make nemo-check`)"
+    except ImportError as exc:
+        return f"nemo-toolkit cannot be found: {exc}"
+    stand_in_for_triton_leaf()
+    try:
+        stand_in_for_removed_tensorstore_strategy()
+        importlib.import_module("nemo.lightning.io.pl")
+        importlib.import_module("nemo.utils.callbacks.dist_ckpt_io")
+    except Exception as exc:
+        return f"nemo.lightning.io.pl does not import: {type(exc).__name__}: {exc}"
+    return ""
+
+
 def megatron_core_installed() -> bool:
     try:
         return importlib.util.find_spec("megatron.core") is not None

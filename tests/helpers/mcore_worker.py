@@ -387,6 +387,10 @@ def scenario_throttled(ctx: Context) -> dict[str, Any]:
     return _load_and_compare(ctx, ctx.url("throttled"), 8)
 
 
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+"""What NeMo's MegatronStrategy passes as ``storage_options["content_metadata"]`` (no distributed optimizer)."""
+
+
 class NeMoLikeCheckpointIO:
     """The part of NeMo 2.x's ``MegatronCheckpointIO`` interface the S3 subclass relies on (NeMo is not installed
     here): its constructor's flags and the three methods, which for local paths would be NeMo's own."""
@@ -422,11 +426,16 @@ def scenario_nemo_io(ctx: Context) -> dict[str, Any]:
     options = {"client_settings": ctx.settings, "retry_policy": ctx.retry_policy}
     sync_io = io_class(s3_writer_options=options)
     step1 = ctx.url("nemo/model--step=1")
-    assert sync_io.save_checkpoint(sharded_state(ctx, 1), step1) is None
+    assert sync_io.save_checkpoint(sharded_state(ctx, 1), step1, {"content_metadata": CONTENT_METADATA}) is None
     ctx.barrier()
     names = ctx.names("nemo/model--step=1")
     loaded = sync_io.load_checkpoint(Path(step1), sharded_state_dict=sharded_state(ctx, 1, empty=True))
     found = differences(ctx, loaded, 1)
+    # MegatronStrategy passes strict as a bool (its strict_loading) and asks for the content metadata first
+    loaded = sync_io.load_checkpoint(step1, sharded_state_dict=sharded_state(ctx, 1, empty=True), strict=True)
+    found += [f"strict=True: {d}" for d in differences(ctx, loaded, 1)]
+    content = sync_io.load_content_metadata(Path(step1))
+    missing = _failure(lambda: sync_io.load_checkpoint(ctx.url("nemo/never-saved"), sharded_state(ctx, 1, True)))
     async_io = io_class(async_save=True, s3_writer_options=options)
     step2 = ctx.url("nemo/model--step=2")
     request = async_io.save_checkpoint(sharded_state(ctx, 2), step2, {})
@@ -449,6 +458,153 @@ def scenario_nemo_io(ctx: Context) -> dict[str, Any]:
         "async_names": ctx.names("nemo/model--step=2"),
         "extra_finalize": finalized_by_caller,
         "removed": ctx.names("nemo/model--step=1"),
+        "content_metadata": content,
+        "missing": missing,
+    }
+
+
+def _real_nemo_io(ctx: Context, **kwargs: Any) -> Any:
+    """S3MegatronCheckpointIO on NeMo's own MegatronCheckpointIO (megatron-core's removed tensorstore strategy stood
+    in for first, so that NeMo's AsyncFinalizableCheckpointIO can be built on megatron-core >= 0.16)."""
+    from mcore_stub import stand_in_for_removed_tensorstore_strategy
+
+    import s3_mcore
+
+    stand_in_for_removed_tensorstore_strategy()
+    options = {"client_settings": ctx.settings, "retry_policy": ctx.retry_policy}
+    return s3_mcore.megatron_checkpoint_io_class()(s3_writer_options=options, **kwargs)
+
+
+def scenario_nemo_real_io(ctx: Context) -> dict[str, Any]:
+    """S3MegatronCheckpointIO built on the real NeMo 2.x MegatronCheckpointIO (nemo-toolkit installed): sync save
+    of a Lightning-style ``.ckpt`` name, NeMo's load_content_metadata and load (strict None/True/False, as
+    MegatronStrategy passes it), then an async save through NeMo's own AsyncFinalizableCheckpointIO (with a caller's
+    finalize_fn), a load through the wrapper and the removal through it."""
+    from mcore_stub import cuda_calls_of_megatron_core
+
+    sync_io = _real_nemo_io(ctx)
+    from nemo.lightning.io.pl import MegatronCheckpointIO
+    from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
+
+    assert isinstance(sync_io, MegatronCheckpointIO), type(sync_io).__mro__
+    step1 = ctx.url("nemo-real/model--step=1")
+    saved = sync_io.save_checkpoint(sharded_state(ctx, 1), step1 + ".ckpt", {"content_metadata": CONTENT_METADATA})
+    ctx.barrier()
+    names = ctx.names("nemo-real/model--step=1")
+    content = sync_io.load_content_metadata(step1)
+    found: list[str] = []
+    for strict in (None, True, False):
+        loaded = sync_io.load_checkpoint(step1, sharded_state_dict=sharded_state(ctx, 1, empty=True), strict=strict)
+        found += [f"strict={strict}: {d}" for d in differences(ctx, loaded, 1)]
+    wrapper = AsyncFinalizableCheckpointIO(_real_nemo_io(ctx, async_save=True))
+    step2 = ctx.url("nemo-real/model--step=2")
+    finalized_by_caller: list[bool] = []
+    options = {"content_metadata": CONTENT_METADATA, "finalize_fn": lambda: finalized_by_caller.append(True)}
+    with cuda_calls_of_megatron_core():
+        wrapper.save_checkpoint(sharded_state(ctx, 2), step2, options)
+        before_finalize = ctx.names("nemo-real/model--step=2/weights")
+        finalized = wrapper.maybe_finalize_save_checkpoint(blocking=True)
+    wrapper.teardown()
+    ctx.barrier()
+    loaded = wrapper.load_checkpoint(step2, sharded_state_dict=sharded_state(ctx, 2, empty=True))
+    found += differences(ctx, loaded, 2)
+    ctx.barrier()
+    if ctx.rank == 0:
+        wrapper.remove_checkpoint(step1 + ".ckpt")
+    ctx.barrier()
+    return {
+        "differences": found,
+        "saved": saved,
+        "names": names,
+        "content_metadata": content,
+        "before_finalize": before_finalize,
+        "finalized": finalized,
+        "async_names": ctx.names("nemo-real/model--step=2"),
+        "extra_finalize": finalized_by_caller,
+        "removed": ctx.names("nemo-real/model--step=1"),
+    }
+
+
+class _ModelParallelStandIn:
+    """What MegatronStrategy asks its ``megatron_parallel`` (the wrapped model) for around a checkpoint."""
+
+    def __init__(self, ctx: Context, version: int) -> None:
+        self.ctx, self.version = ctx, version
+
+    def sharded_state_dict(self, metadata: Any = None) -> dict[str, Any]:
+        return sharded_state(self.ctx, self.version, empty=True)
+
+
+def _stand_in_for_modelopt_hooks() -> None:
+    """MegatronStrategy's save and load import ``nemo.collections.llm.modelopt.model_utils`` (NeMo's whole LLM
+    collection and nvidia-modelopt): stood in for by hooks that do what NeMo's do for a model without ModelOpt
+    state, nothing."""
+    import sys
+    import types
+
+    name = "nemo.collections.llm.modelopt.model_utils"
+    if name not in sys.modules:
+        hooks = types.ModuleType(name, "stand-in (tests/helpers/mcore_worker.py): no ModelOpt state")
+        hooks.save_modelopt_state = lambda model, path, checkpoint_io: None  # type: ignore[attr-defined]
+        hooks.restore_modelopt_state = lambda model, path=None, trainer=None: None  # type: ignore[attr-defined]
+        sys.modules[name] = hooks
+
+
+def scenario_nemo_real_strategy(ctx: Context) -> dict[str, Any]:
+    """NeMo's own MegatronStrategy (no Trainer) with the IO wrapped in NeMo's AsyncFinalizableCheckpointIO, as
+    docs/megatron.md builds it: MegatronStrategy.save_checkpoint (a ``.ckpt`` name, as ModelCheckpoint gives it),
+    the finalize AsyncFinalizerCallback would run, MegatronStrategy.load_checkpoint of the collapsed Path, and
+    remove_checkpoint, NeMo's own (local shutil.rmtree) and the documented subclass's."""
+    from mcore_stub import cuda_calls_of_megatron_core
+
+    checkpoint_io = _real_nemo_io(ctx, async_save=True)
+    _stand_in_for_modelopt_hooks()
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+    from nemo import lightning as nl
+    from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
+
+    class S3MegatronStrategy(nl.MegatronStrategy):  # as docs/megatron.md
+        def remove_checkpoint(self, filepath: Any) -> None:
+            if self.is_global_zero:
+                self.checkpoint_io.remove_checkpoint(filepath)
+
+    def strategy(cls: type, version: int) -> Any:
+        built = cls(
+            ckpt_async_save=True,
+            ckpt_load_optimizer=False,
+            checkpoint_io=AsyncFinalizableCheckpointIO(checkpoint_io),
+            cluster_environment=TorchElasticEnvironment(),  # the ranks' RANK / WORLD_SIZE
+        )
+        built.megatron_parallel = _ModelParallelStandIn(ctx, version)
+        built._lightning_module = types.SimpleNamespace(strict_loading=True)
+        return built
+
+    import types
+
+    s3_strategy = strategy(S3MegatronStrategy, 3)
+    filepath = ctx.url("nemo-strategy/model--step=3.ckpt")
+    lightning_dump = {"sharded_state_dict": sharded_state(ctx, 3), "epoch": 0, "global_step": 3}
+    with cuda_calls_of_megatron_core():
+        s3_strategy.save_checkpoint(lightning_dump, filepath)
+        finalized = s3_strategy.checkpoint_io.maybe_finalize_save_checkpoint(blocking=True)
+    ctx.barrier()
+    names = ctx.names("nemo-strategy/model--step=3")
+    loaded = s3_strategy.load_checkpoint(Path(filepath.removesuffix(".ckpt")))
+    found = differences(ctx, {**loaded["state_dict"], **loaded["sharded_state_dict"]}, 3)
+    ctx.barrier()
+    nemo_remove = ""
+    if ctx.rank == 0:
+        nemo_remove = _failure(lambda: strategy(nl.MegatronStrategy, 3).remove_checkpoint(filepath))
+    ctx.barrier()
+    s3_strategy.remove_checkpoint(filepath)  # every rank calls it; global rank 0 removes
+    ctx.barrier()
+    return {
+        "differences": found,
+        "finalized": finalized,
+        "names": names,
+        "loaded_keys": sorted(loaded),
+        "nemo_remove": nemo_remove,
+        "removed": ctx.names("nemo-strategy/model--step=3"),
     }
 
 
