@@ -12,7 +12,13 @@ Methods, each run in fresh processes (2 ranks spawned per run), interleaved rep 
   the peers venv (``benchmarks/.venv-peers`` or ``/work/venv-peers``; skipped with a note when neither has it);
 * ``raw``: each rank sends its shard's bytes in one ``put_object`` at the same time (the store's ceiling for
   uploads on this machine), then reads them back with 16 MiB ranged GETs, 15 in parallel, into a touched buffer,
-  unverified and undecoded (the ceiling for loads): both measured in the same run.
+  unverified and undecoded (the ceiling for loads): both measured in the same run;
+* ``raw-parts``: the same bytes as a plain boto3 multipart upload of 16 MiB parts (the package's default part size),
+  one part after another (what any streaming writer sends instead of one PUT), and the same ranged GETs;
+* ``floor``: ``dcp.save`` / ``dcp.load`` with our planners and a storage writer / reader that move no bytes
+  (`_NullWriter`, `_NullReader`): every item is still resolved (``resolve_data``; ``resolve_tensor`` /
+  ``commit_tensor``), so this is DCP's own cost (planning, its collectives, ``.metadata``), which every DCP storage
+  pays on top of sending the bytes and the raw ceilings do not.
 
 The state is ``--size`` MiB of float32 DTensors sharded row-wise over the 2 ranks (``DTensor.from_local``), filled
 from fixed seeds so every load is checked bit-identical (after the clock stops), nested under one top-level key
@@ -130,7 +136,7 @@ def _state(mesh: Any, tensors: list[Any]) -> dict[str, Any]:
 
 def _planners(spec: dict[str, Any]) -> dict[str, Any]:
     """``planner=`` for dcp.save / dcp.load: ours for ``ours``, none (torch's defaults) for every other method."""
-    if spec["method"] != "ours":
+    if spec["method"] not in ("ours", "floor"):
         return {"save": None, "load": None}
     import s3_dcp
 
@@ -139,6 +145,8 @@ def _planners(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _writer_and_reader(spec: dict[str, Any], url: str) -> tuple[Any, Any]:
     method = spec["method"]
+    if method == "floor":
+        return _null_storage(Path(spec["out"], "floor-metadata.pickle"))
     if method in ("ours", "ours-torchplan"):
         sys.path.insert(0, str(REPO))
         import s3_dcp
@@ -164,6 +172,80 @@ def _writer_and_reader(spec: dict[str, Any], url: str) -> tuple[Any, Any]:
             storage.fs._client = S3Client("us-east-1", endpoint=spec["endpoint"], s3client_config=config)
         return writer, reader
     raise ValueError(method)
+
+
+def _null_storage(metadata_path: Path) -> tuple[Any, Any]:
+    """The ``floor`` method's writer and reader: DCP's own work with no bytes moved (module doc). The coordinator's
+    writer pickles the save's `Metadata` to `metadata_path` (a local file all ranks see; DCP's save returns on no
+    rank before the coordinator's ``finish``); the reader serves it back, so the load plans against what the save
+    recorded."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+
+    def done(value: Any) -> Any:
+        future = torch.futures.Future()
+        future.set_result(value)
+        return future
+
+    class _NullWriter(StorageWriter):
+        def reset(self, checkpoint_id: Any = None) -> None:
+            pass
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+            return True
+
+        def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def prepare_local_plan(self, plan: Any) -> Any:
+            return plan
+
+        def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+            return plans
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            results = []
+            for item in plan.items:
+                planner.resolve_data(item)
+                results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=_StorageInfo("-", 0, 0)))
+            return done(results)
+
+        def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+            metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
+            metadata_path.write_bytes(pickle.dumps(metadata))
+
+    class _NullReader(StorageReader):
+        def reset(self, checkpoint_id: Any = None) -> None:
+            pass
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+            return True
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return pickle.loads(metadata_path.read_bytes())
+
+        def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def prepare_local_plan(self, plan: Any) -> Any:
+            return plan
+
+        def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+            return plans
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            for request in plan.items:
+                if request.type.name == "BYTE_IO":
+                    continue  # a non-tensor item: nothing was stored to decode
+                planner.commit_tensor(request, planner.resolve_tensor(request))
+            return done(None)
+
+    return _NullWriter(), _NullReader()
 
 
 def _measure(operation: Any) -> dict[str, float]:
@@ -195,7 +277,11 @@ def _raw(spec: dict[str, Any], rank: int, tensors: list[Any]) -> dict[str, Any]:
     payload = b"".join(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in tensors)
     client.put_object(Bucket=BUCKET, Key=f"raw/warmup-rank{rank}", Body=b"x" * 1024)  # connection up first
     key = f"raw/rank{rank}-{spec['layout']}-{spec['rep']}"
-    outcome = {"save": _measure(lambda: client.put_object(Bucket=BUCKET, Key=key, Body=payload))}
+    if spec["method"] == "raw-parts":
+        bodies = [payload[start : start + 16 * MiB] for start in range(0, len(payload), 16 * MiB)]
+        outcome = {"save": _measure(lambda: _upload_in_parts(client, key, bodies))}
+    else:
+        outcome = {"save": _measure(lambda: client.put_object(Bucket=BUCKET, Key=key, Body=payload))}
     url = f"s3://{BUCKET}/{key}"
     buffer = bytearray(b"\xff" * len(payload))  # touched: its pages are resident before the clock
     view = memoryview(buffer)
@@ -205,6 +291,16 @@ def _raw(spec: dict[str, Any], rank: int, tensors: list[Any]) -> dict[str, Any]:
     outcome["load"] = _measure(lambda: utils.read_ranges_into(url, ranges, max_concurrency=15))
     outcome["load"]["identical"] = buffer == payload
     return outcome
+
+
+def _upload_in_parts(client: Any, key: str, bodies: list[bytes]) -> None:
+    """``raw-parts``: a plain multipart upload of `bodies` (cut before the clock), one part after another."""
+    upload_id = client.create_multipart_upload(Bucket=BUCKET, Key=key)["UploadId"]
+    parts = []
+    for number, body in enumerate(bodies, 1):
+        response = client.upload_part(Bucket=BUCKET, Key=key, UploadId=upload_id, PartNumber=number, Body=body)
+        parts.append({"PartNumber": number, "ETag": response["ETag"]})
+    client.complete_multipart_upload(Bucket=BUCKET, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
 
 
 def _rank_main(rank: int, spec: dict[str, Any], port: int) -> None:
@@ -228,7 +324,7 @@ def _rank_main(rank: int, spec: dict[str, Any], port: int) -> None:
             tensors = [t for _, t in named]
         else:
             tensors = _local_tensors(rank, spec["size_mib"], fill=True, layout=spec["layout"])
-        if spec["method"] == "raw":
+        if spec["method"] in ("raw", "raw-parts"):
             outcome = _raw(spec, rank, tensors)
         else:
             mesh = init_device_mesh("cpu", (WORLD_SIZE,))
@@ -256,10 +352,11 @@ def _rank_main(rank: int, spec: dict[str, Any], port: int) -> None:
             outcome["load"] = _measure(
                 lambda: dcp.load(loaded, storage_reader=reader, checkpoint_id=url, planner=planners["load"])
             )
-            outcome["load"]["identical"] = all(
-                torch.equal(t.view(-1).view(torch.uint8), e.view(-1).view(torch.uint8))
-                for t, e in zip(targets, tensors, strict=True)
-            )
+            if spec["method"] != "floor":  # it moves no bytes: nothing to compare
+                outcome["load"]["identical"] = all(
+                    torch.equal(t.view(-1).view(torch.uint8), e.view(-1).view(torch.uint8))
+                    for t, e in zip(targets, tensors, strict=True)
+                )
         Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(outcome))
     finally:
         dist.destroy_process_group()
@@ -342,12 +439,12 @@ def _run(
             "wall_s": wall,
             "cpu_s_per_gib": sum(r["cpu_s"] for r in per_rank) / gib,
             "peak_extra_mib_per_rank": max(r["peak_extra_mib"] for r in per_rank),
-            "identical": all(r.get("identical", True) for r in per_rank),
+            "identical": all(r.get("identical", True) for r in per_rank) if "identical" in per_rank[0] else None,
         }
     return result
 
 
-METHODS = ("ours", "ours-torchplan", "s3tc", "fsspec", "raw")
+METHODS = ("ours", "ours-torchplan", "s3tc", "fsspec", "raw", "raw-parts", "floor")
 
 
 def _label(run: dict[str, Any]) -> str:
@@ -375,7 +472,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 "mib_s": statistics.median(r["mib_s"] for r in rows),
                 "cpu_s_per_gib": statistics.median(r["cpu_s_per_gib"] for r in rows),
                 "peak_extra_mib_per_rank": max(r["peak_extra_mib_per_rank"] for r in rows),
-                "identical": all(r["identical"] for r in rows),
+                "identical": None if rows[0]["identical"] is None else all(r["identical"] for r in rows),
                 "reps": len(rows),
             }
     return medians
@@ -409,7 +506,8 @@ def _markdown(report: dict[str, Any]) -> str:
                 cells += ["-", "-", "-"]
             else:
                 cells += [f"{row['mib_s']:.0f}", f"{row['cpu_s_per_gib']:.2f}", f"{row['peak_extra_mib_per_rank']:.0f}"]
-        cells.append("-" if load is None else ("yes" if load["identical"] else "**NO**"))
+        checked = load is not None and load["identical"] is not None
+        cells.append("-" if not checked else ("yes" if load["identical"] else "**NO**"))
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -457,7 +555,9 @@ def _chart(report: dict[str, Any], path: Path) -> bool:
         for axis, (metric, title) in zip(row, metrics, strict=True):
             values = [medians[m][direction][metric] for m in chosen]
             colours = [
-                "tab:orange" if m.startswith("ours") else ("tab:gray" if m.startswith("raw") else "tab:blue")
+                "tab:orange"
+                if m.startswith("ours")
+                else ("tab:gray" if m.startswith(("raw", "floor")) else "tab:blue")
                 for m in chosen
             ]
             axis.barh(chosen, values, color=colours)
