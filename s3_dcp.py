@@ -147,9 +147,6 @@ DEFAULT_DCP_MAX_WRITE_CONCURRENCY = 4
 node uploads at the same time, so the node has ranks x this many parts in flight (benchmarks/README.md)."""
 DEFAULT_COALESCE_GAP_MB = 4.0
 """Items of one file closer than this are fetched by one ranged GET (the bytes between are read and dropped)."""
-DEFAULT_DIRECT_READ_MIN_MB = 4.0
-"""Tensor items at least this large with a whole, contiguous CPU target of the stored dtype and shape are read into
-its memory (one copy per byte, not three); smaller ones share coalesced GETs, where locating them costs more."""
 _DIRECT_READ_MAX_OVERHEAD = 1 << 20
 """An item's ``torch.save`` framing (zip headers, pickle) beyond its tensor bytes is about 1.5 KiB; an item with much
 more than that is not a plain tensor and takes the buffered path."""
@@ -1128,7 +1125,10 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         max_read_concurrency: parallel ranged GETs per rank.
         coalesce_gap_MB: items of one file closer than this are fetched by one GET.
         direct_read_min_MB: tensor items at least this large are read straight into a whole, contiguous CPU target
-            of the stored dtype and shape (one copy per byte, not three).
+            of the stored dtype and shape with ranged GETs of their own; default: one chunk. Smaller ones share
+            coalesced GETs, which put a tensor with a recorded span into its target too (``scatter_reads``). At 4 MiB
+            a GPT-style state's 2-9 MiB tensors each took GETs of their own: 2-3x the requests of reading the same
+            bytes in chunks, and 1.3-1.5x the load's client CPU (benchmarks/realistic.md).
         endpoint_url, region_name, client_settings, retry_policy, s3_utils: how to reach S3 (as `S3CheckpointIO`).
         request_options: bucket owner, requester pays; max_requests_per_second: the job's budget. Not with `s3_utils`.
     """
@@ -1150,7 +1150,7 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         chunk_size_MB: float = _s3.DEFAULT_CHUNK_SIZE_MB,
         max_read_concurrency: int = _s3.DEFAULT_MAX_READ_CONCURRENCY,
         coalesce_gap_MB: float = DEFAULT_COALESCE_GAP_MB,
-        direct_read_min_MB: float = DEFAULT_DIRECT_READ_MIN_MB,
+        direct_read_min_MB: float | None = None,
         endpoint_url: str | None = None,
         region_name: str | None = None,
         client_settings: _s3.S3ClientSettings | None = None,
@@ -1162,6 +1162,8 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         _validate_sizes(chunk_size_MB, max_read_concurrency, "max_read_concurrency")
         if not coalesce_gap_MB >= 0:
             raise ValueError(f"coalesce_gap_MB must be >= 0, got {coalesce_gap_MB!r}")
+        if direct_read_min_MB is None:
+            direct_read_min_MB = chunk_size_MB  # (see the docstring)
         if not direct_read_min_MB >= 0:
             raise ValueError(f"direct_read_min_MB must be >= 0, got {direct_read_min_MB!r}")
         self.s3 = _s3.S3Utils.from_arguments(

@@ -152,8 +152,9 @@ def _writer_and_reader(spec: dict[str, Any], url: str) -> tuple[Any, Any]:
         import s3_dcp
 
         options = spec.get("ours_options") or {}
-        writer_options = {k: v for k, v in options.items() if k != "max_read_concurrency"}
-        reader_options = {k: v for k, v in options.items() if k in ("chunk_size_MB", "max_read_concurrency")}
+        reader_only = ("max_read_concurrency", "coalesce_gap_MB", "direct_read_min_MB")
+        writer_options = {k: v for k, v in options.items() if k not in reader_only}
+        reader_options = {k: v for k, v in options.items() if k in ("chunk_size_MB", *reader_only)}
         return s3_dcp.S3StorageWriter(url, **writer_options), s3_dcp.S3StorageReader(url, **reader_options)
     if method == "fsspec":
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
@@ -413,6 +414,8 @@ def _run(
     if method.startswith("ours@ref="):  # ours, with these fast paths on their reference paths
         env = {**env, "S3CKPT_REFERENCE_PATHS": method.removeprefix("ours@ref=")}
         method = "ours"
+    if method.startswith("ours:"):  # a --variant (its options are in `ours`)
+        method = "ours"
     with tempfile.TemporaryDirectory(prefix="bench-dcp-") as out:
         spec = {"method": method, "rep": rep, "size_mib": size_mib, "endpoint": endpoint, "out": out, "layout": layout}
         spec["ours_options"] = ours
@@ -597,6 +600,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--reference-layouts", default="", help="layouts the --reference methods run on (default: every layout)"
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help='extra method NAME=JSON: ours with these writer/reader options, e.g. \'min4={"direct_read_min_MB": 4}\'',
+    )
     parser.add_argument("--tag", default="")
     parser.add_argument(
         "--ours",
@@ -610,6 +619,8 @@ def main(argv: list[str] | None = None) -> int:
 
     methods = [m for m in args.methods.split(",") if m]
     methods += [f"ours@ref={item}" for item in args.reference.split(";") if item]
+    variants = {name: json.loads(options) for name, _, options in (v.partition("=") for v in args.variant)}
+    methods += [f"ours:{name}" for name in variants]
     GPT.update(d=args.d, layers=args.layers)
     notes = []
     if "s3tc" in methods:
@@ -635,6 +646,8 @@ def main(argv: list[str] | None = None) -> int:
                                 continue
                         print(f"rep {rep} {method} {layout} ...", flush=True)
                         ours = json.loads(args.ours)
+                        if method.startswith("ours:"):  # a --variant: ours with these options on top
+                            ours.update(variants[method.removeprefix("ours:")])
                         size = _gpt_size_mib(args.d, args.layers) if layout == "gpt" else args.size
                         run = _run(method, rep, size, endpoint.endpoint_url, env, args.timeout, ours, layout)
                         print(json.dumps(run)[:400], flush=True)

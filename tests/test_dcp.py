@@ -180,9 +180,9 @@ def test_validate_checkpoint_id() -> None:
 
 @pytest.mark.parametrize("bucket", ["general_purpose", "directory"], indirect=True)
 @pytest.mark.parametrize("thread_count", [1, 2])
-@pytest.mark.parametrize("direct_read_min_MB", [0, s3_dcp.DEFAULT_DIRECT_READ_MIN_MB], ids=["direct", "buffered"])
+@pytest.mark.parametrize("direct_read_min_MB", [0, None], ids=["direct", "buffered"])
 def test_round_trip_tensors_and_bytes_no_dist(
-    bucket: str, s3_client: Any, tmp_path: Path, thread_count: int, direct_read_min_MB: float
+    bucket: str, s3_client: Any, tmp_path: Path, thread_count: int, direct_read_min_MB: float | None
 ) -> None:
     url = f"s3://{bucket}/ckpt"
     state = _state()
@@ -236,7 +236,7 @@ def test_item_checksums_come_from_the_upload_pass_and_equal_direct_ones(
     dcp.load(local, storage_reader=dcp.FileSystemReader(str(tmp_path)), no_dist=True)
     _assert_same(local, state)
     loaded = _empty_like(state)
-    reader = _load(loaded, f"s3://{bucket}/items")
+    reader = _load(loaded, f"s3://{bucket}/items", direct_read_min_MB=4)  # a and d direct, below one chunk
     _assert_same(loaded, state)
     assert reader.stats["direct_items"] == 2  # the zip framing is read without zipfile's CRC check
 
@@ -505,7 +505,7 @@ def test_a_tensor_span_record_that_does_not_fit_its_target_or_bytes_is_not_trust
     span whose checksum does not match the bytes fails the load, naming the shard, and `verify_checkpoint` finds a
     span record that disagrees with its item."""
     url = f"s3://{bucket}/tampered"
-    state = {"w": torch.randn(1200, 1000, generator=torch.Generator().manual_seed(6))}
+    state = {"w": torch.randn(1200, 1000, generator=torch.Generator().manual_seed(6))}  # 4.6 MiB, read direct at 4
     _save(state, url)
     genuine = _item_record(url)
     entry = genuine["files"]["__0_0.distcp"]
@@ -518,7 +518,7 @@ def test_a_tensor_span_record_that_does_not_fit_its_target_or_bytes_is_not_trust
     ):
         _put_item_record(url, {**genuine, "files": {"__0_0.distcp": {**entry, "tensors": {offset: wrong}}}})
         loaded = {"w": torch.zeros(1200, 1000)}
-        reader = _load(loaded, url)
+        reader = _load(loaded, url, direct_read_min_MB=4)
         assert torch.equal(loaded["w"], state["w"]) and reader.stats["recorded_spans"] == 0, wrong
         assert reader.stats["direct_items"] == 1, wrong
         buffered = {"w": torch.zeros(1200, 1000)}
@@ -528,7 +528,7 @@ def test_a_tensor_span_record_that_does_not_fit_its_target_or_bytes_is_not_trust
     for bad in ([*span[:2], span[2] ^ 1, *span[3:]], [span[0] + 4, *span[1:]]):  # another checksum, other bytes
         _put_item_record(url, {**genuine, "files": {"__0_0.distcp": {**entry, "tensors": {offset: bad}}}})
         with pytest.raises(CheckpointException) as caught:
-            _load({"w": torch.zeros(1200, 1000)}, url)
+            _load({"w": torch.zeros(1200, 1000)}, url, direct_read_min_MB=4)
         failure = caught.value.failures[0][0]
         assert isinstance(failure, s3_utils.ChecksumMismatchError)
         assert f"{url}/__0_0.distcp" in str(failure) and "tensor of item w" in str(failure)
@@ -542,7 +542,7 @@ def test_a_tensor_span_record_that_does_not_fit_its_target_or_bytes_is_not_trust
 
     _put_item_record(url, {**genuine, "files": {"__0_0.distcp": {**entry, "tensors": [span]}}})  # not a mapping
     loaded = {"w": torch.zeros(1200, 1000)}
-    reader = _load(loaded, url)
+    reader = _load(loaded, url, direct_read_min_MB=4)
     assert torch.equal(loaded["w"], state["w"]) and reader.stats["recorded_spans"] == 0
     assert s3_checkpoint_admin.verify_checkpoint(url).problems == []
 
@@ -743,11 +743,11 @@ def _failure(caught: pytest.ExceptionInfo[CheckpointException]) -> BaseException
 
 @pytest.mark.parametrize(
     ("direct_read_min_MB", "offset"),
-    [(s3_dcp.DEFAULT_DIRECT_READ_MIN_MB, 5000), (0, 5000), (0, 100)],
+    [(None, 5000), (0, 5000), (0, 100)],
     ids=["buffered", "direct-tensor-bytes", "direct-framing"],
 )
 def test_corrupted_shard_in_transit_raises_checksum_mismatch(
-    bucket: str, fault_proxy: Any, direct_read_min_MB: float, offset: int
+    bucket: str, fault_proxy: Any, direct_read_min_MB: float | None, offset: int
 ) -> None:
     url = f"s3://{bucket}/ckpt"
     state = _state()
