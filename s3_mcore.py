@@ -899,7 +899,7 @@ class _S3MegatronCheckpointIOMixin:
         url = nemo_checkpoint_url(path)
         if url is None:
             return super().remove_checkpoint(path)  # type: ignore[misc]
-        s3 = _ROUTING.routing.s3 if _ROUTING.routing is not None else _s3.S3Utils()
+        s3 = _nemo_s3()
         weights = _urls.join_s3_url(url, WEIGHTS_SUBDIR)
         markers = (_urls.join_s3_url(weights, _dcp.METADATA_NAME), _urls.join_s3_url(url, _dcp.METADATA_NAME))
         for marker in markers:
@@ -909,10 +909,15 @@ class _S3MegatronCheckpointIOMixin:
         return None
 
 
+def _nemo_s3() -> _s3.S3Utils:
+    """How the NeMo checkpoint IO reaches S3: the installed routing's `S3Utils`, else the default one."""
+    return _ROUTING.routing.s3 if _ROUTING.routing is not None else _s3.S3Utils()
+
+
 def _nemo_weights_to_load(url: str) -> str:
     """``<url>/weights`` when it holds megatron-core's ``metadata.json`` (NeMo 2.x's layout), else `url` if it does;
     FileNotFoundError (as NeMo's) if neither does."""
-    s3 = _ROUTING.routing.s3 if _ROUTING.routing is not None else _s3.S3Utils()
+    s3 = _nemo_s3()
     weights = url if url.endswith("/" + WEIGHTS_SUBDIR) else _urls.join_s3_url(url, WEIGHTS_SUBDIR)
     for candidate in dict.fromkeys((weights, url)):
         if s3.s3_path_exists(_urls.join_s3_url(candidate, CONFIG_NAME)):
