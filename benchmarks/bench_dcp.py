@@ -191,7 +191,9 @@ def _null_storage(metadata_path: Path) -> tuple[Any, Any]:
         future.set_result(value)
         return future
 
-    class _NullWriter(StorageWriter):
+    class _Planless:
+        """What the null writer and reader share: any checkpoint id, plans passed on unchanged."""
+
         def reset(self, checkpoint_id: Any = None) -> None:
             pass
 
@@ -199,14 +201,15 @@ def _null_storage(metadata_path: Path) -> tuple[Any, Any]:
         def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
             return True
 
-        def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-            pass
-
         def prepare_local_plan(self, plan: Any) -> Any:
             return plan
 
         def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
             return plans
+
+    class _NullWriter(_Planless, StorageWriter):
+        def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+            pass
 
         def write_data(self, plan: Any, planner: Any) -> Any:
             results = []
@@ -219,25 +222,12 @@ def _null_storage(metadata_path: Path) -> tuple[Any, Any]:
             metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
             metadata_path.write_bytes(pickle.dumps(metadata))
 
-    class _NullReader(StorageReader):
-        def reset(self, checkpoint_id: Any = None) -> None:
-            pass
-
-        @classmethod
-        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-            return True
-
+    class _NullReader(_Planless, StorageReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             return pickle.loads(metadata_path.read_bytes())
 
         def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
             pass
-
-        def prepare_local_plan(self, plan: Any) -> Any:
-            return plan
-
-        def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-            return plans
 
         def read_data(self, plan: Any, planner: Any) -> Any:
             for request in plan.items:
@@ -279,7 +269,8 @@ def _raw(spec: dict[str, Any], rank: int, tensors: list[Any]) -> dict[str, Any]:
     client.put_object(Bucket=BUCKET, Key=f"raw/warmup-rank{rank}", Body=b"x" * 1024)  # connection up first
     key = f"raw/rank{rank}-{spec['layout']}-{spec['rep']}"
     if spec["method"] == "raw-parts":
-        bodies = [payload[start : start + 16 * MiB] for start in range(0, len(payload), 16 * MiB)]
+        part = s3_utils.DEFAULT_CHUNK_SIZE_MB * MiB  # the package's default part size
+        bodies = [payload[start : start + part] for start in range(0, len(payload), part)]
         outcome = {"save": _measure(lambda: _upload_in_parts(client, key, bodies))}
     else:
         outcome = {"save": _measure(lambda: client.put_object(Bucket=BUCKET, Key=key, Body=payload))}
