@@ -250,13 +250,18 @@ class _PlannedSave:
 def _plan_save(pyt_state_dict: dict[str, Any], writer: Any, planner: Any) -> _PlannedSave:
     """DCP's planning step, as ``dcp.save`` runs it, without writing: every rank's local plan to the coordinator,
     which builds the global plan (and, in `S3StorageWriter.prepare_global_plan`, takes the directory over and retires
-    a checkpoint being replaced). A failure there is raised on every rank as a ``CheckpointException``."""
+    a checkpoint being replaced). A failure there, or a held failure of rank 0's ``common.pt``
+    (`S3Routing._save_common_state`), is raised on every rank as a ``CheckpointException``."""
     from torch.distributed.checkpoint.utils import _DistWrapper
 
     dist = _DistWrapper(None, True, 0)
     metadata: list[Any] = [None]
 
     def local_step() -> Any:
+        active = _ROUTING.routing
+        held = active._take_failed_common_state(writer.path) if active is not None else None
+        if held is not None:  # rank 0's common.pt (<= 0.18) was refused or failed: every rank raises it here
+            raise held
         planner.set_up_planner(
             state_dict=pyt_state_dict, storage_meta=writer.storage_meta(), is_coordinator=dist.is_coordinator
         )
@@ -531,6 +536,8 @@ class _RoutedTorch(_Router):
         url = megatron_s3_url(path)
         if url is None:
             return self._fallback.save(obj, path, *args, **kwargs)
+        if _urls.s3_url_name(url) == COMMON_STATE_NAME:
+            return self._routing._save_common_state(obj, url, *args, **kwargs)
         with self._routing.open(url, "wb") as file:
             _s3.import_optional_dependency("torch").save(obj, file, *args, **kwargs)
         return None
@@ -601,6 +608,29 @@ class S3Routing:
     (<= 0.18: a stand-in for multi-storage-client's module, with megatron-core's MSC flag on)."""
     previous_flag: bool | None = None
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    _failed_common_state: dict[str, Exception] = field(default_factory=dict, repr=False)
+
+    def _save_common_state(self, obj: Any, url: str, *args: Any, **kwargs: Any) -> None:
+        """megatron-core <= 0.18's ``common.pt``, which rank 0 alone writes right before every rank enters the save
+        strategy. A failure here (the directory fenced by a newer run, an S3 error) raised on rank 0 alone would leave
+        the other ranks waiting in the strategy's first collective until the job's timeout: it is held instead, and
+        `S3TorchDistSaveShardedStrategy` raises it on every rank as it plans the save (`_take_failed_common_state`)."""
+        checkpoint = _urls.s3_url_parent(url)
+        self._failed_common_state.pop(checkpoint, None)
+        try:
+            with self.open(url, "wb") as file:
+                _s3.import_optional_dependency("torch").save(obj, file, *args, **kwargs)
+        except Exception as exc:
+            held = exc
+            if not isinstance(exc, _s3.CheckpointDirectoryTakenError):  # that one names the URL already
+                held = _dcp.CheckpointWriteError(f"{url}: megatron-core's common state could not be written: {exc!r}")
+                held.__cause__ = exc
+            logger.error("%s; the save strategy raises it on every rank", held)
+            self._failed_common_state[checkpoint] = held
+
+    def _take_failed_common_state(self, checkpoint: str) -> Exception | None:
+        """The held failure of `_save_common_state` for the checkpoint `checkpoint` (its URL), once; None if none."""
+        return self._failed_common_state.pop(checkpoint, None)
 
     def open(self, url: str, mode: str = "r") -> Any:
         """Read (whole, verified) or write (uploaded on close) one object; text modes decode UTF-8."""

@@ -52,6 +52,7 @@ TWO_RANK_SCENARIOS = [
     "async",
     "fault_sync",
     "fault_async",
+    *(["fault_common"] if BEFORE_0_19 else []),
     "overwrite_fail",
     "load_previous",
     "from_stock",
@@ -103,6 +104,7 @@ def mcore_run(s3_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
         with FaultProxy(s3_server.endpoint_url) as proxy:
             for name in ("iter_0000040", "iter_0000041", "iter_0000050"):
                 proxy.add_rule(FaultRule(Fault.status(500), method="PUT", path_regex=rf"/run/{name}/__1_0\.distcp$"))
+            proxy.add_rule(FaultRule(Fault.status(500), method="PUT", path_regex=r"/run/iter_0000042/common\.pt$"))
             throttle = FaultRule(Fault.slow_down(), method="PUT", path_regex=r"/run/throttled/__\d_0\.distcp$", times=3)
             proxy.add_rule(throttle)
             endpoints = (proxy.endpoint_url, s3_server.endpoint_url)
@@ -162,6 +164,17 @@ def test_one_ranks_upload_failure_fails_every_rank(mcore_run: dict[str, Any], sc
     _outcomes(mcore_run["outs"][2], "load_previous")
 
 
+@pytest.mark.skipif(not BEFORE_0_19, reason="megatron-core >= 0.19 keeps the common state in the DCP files")
+def test_failed_common_state_upload_fails_every_rank(mcore_run: dict[str, Any]) -> None:
+    """<= 0.18: rank 0 writes common.pt alone, before the collective save; its upload failing fails every rank at
+    once (none waits in a collective), naming the file, with nothing committed."""
+    for outcome in _outcomes(mcore_run["outs"][2], "fault_common"):
+        assert outcome["error"].startswith("CheckpointException"), outcome["error"]
+        assert "/run/iter_0000042/common.pt" in outcome["error"], outcome["error"]
+        assert outcome["seconds"] < 60, outcome["seconds"]
+        assert outcome["names"] == [] and outcome["uploads"] == 0
+
+
 def test_failed_overwrite_retired_the_old_checkpoint(mcore_run: dict[str, Any]) -> None:
     for outcome in _outcomes(mcore_run["outs"][2], "overwrite_fail"):
         assert outcome["saved"] == CHECKPOINT_FILES
@@ -183,11 +196,14 @@ def test_s3_checkpoint_downloaded_loads_with_stock_megatron(mcore_run: dict[str,
     _outcomes(mcore_run["outs"][2], "to_stock")
 
 
-@pytest.mark.skipif(BEFORE_0_19, reason="<= 0.18: rank 0 alone writes common.pt first; fenced, the others wait")
 def test_fenced_save_fails_on_every_rank(mcore_run: dict[str, Any]) -> None:
+    """On every rank, at once (no rank left waiting in a collective: on <= 0.18 rank 0's common.pt is refused before
+    the collective save starts), naming what was refused; nothing written."""
     for outcome in _outcomes(mcore_run["outs"][2], "fencing"):
         assert outcome["error"].startswith("CheckpointException"), outcome["error"]
-        assert "CheckpointDirectoryTakenError" in outcome["error"] or "newer run" in outcome["error"]
+        assert "CheckpointDirectoryTakenError: Refused" in outcome["error"], outcome["error"]
+        assert outcome["checkpoint"] + ("/common.pt" if BEFORE_0_19 else "") in outcome["error"]
+        assert outcome["seconds"] < 60, outcome["seconds"]
         assert outcome["names"] == []
 
 
@@ -402,6 +418,26 @@ def test_pinned_file_operation_hooks(megatron: Any) -> None:
     import connector
 
     assert connector._MEGATRON_CONFIG_NAME == s3_mcore.CONFIG_NAME  # resume discovery spells it too
+
+
+@pytest.mark.skipif(not BEFORE_0_19, reason="megatron-core <= 0.18's hooks")
+def test_pinned_file_operation_hooks_before_0_19(megatron: Any) -> None:
+    """<= 0.18: file operations ask ``MultiStorageClientFeature.is_enabled()``, then use the module ``msc_utils.msc``
+    (``import_package``); rank 0 writes the common state with ``save_common`` through ``msc.torch.save`` to
+    ``common.pt`` (the name by which a failure of that write is held for the strategy to raise on every rank)."""
+    from megatron.core import msc_utils
+    from megatron.core.dist_checkpointing import core, serialization
+    from megatron.core.dist_checkpointing.strategies import common
+
+    assert not hasattr(msc_utils, "maybe_msc") and hasattr(msc_utils, "msc")
+    flag = msc_utils.MultiStorageClientFeature
+    assert all(callable(getattr(flag, name)) for name in ("enable", "disable", "is_enabled", "import_package"))
+    for module in (core, serialization, common):
+        assert module.MultiStorageClientFeature is flag
+    assert serialization.save_common is common.save_common
+    assert "msc.torch.save(common_state_dict, path)" in inspect.getsource(common.save_common)
+    assert common.COMMON_STATE_FNAME == s3_mcore.COMMON_STATE_NAME
+    assert core.CONFIG_FNAME == s3_mcore.CONFIG_NAME
 
 
 def test_pinned_async_and_dcp_internals(megatron: Any) -> None:

@@ -303,6 +303,26 @@ def scenario_fault_async(ctx: Context) -> dict[str, Any]:
     return {"differences": [], "error": error, "names": ctx.names(name), "uploads": ctx.open_uploads(name)}
 
 
+def scenario_fault_common(ctx: Context) -> dict[str, Any]:
+    """megatron-core <= 0.18: the test fails every upload of common.pt under iter_0000042, which rank 0 writes alone
+    before any collective: every rank must fail at once, with nothing committed. The routing goes through the proxy
+    for this save only (its writes go past it in the other scenarios)."""
+    import s3_mcore
+    import s3_utils
+
+    routing = s3_mcore.routing()
+    direct, routing.s3 = routing.s3, s3_utils.S3Utils(ctx.settings, retry_policy=ctx.retry_policy)
+    started = time.monotonic()
+    try:
+        error = _failure(lambda: _save(ctx, "iter_0000042", 4))
+    finally:
+        routing.s3 = direct
+    seconds = time.monotonic() - started
+    ctx.barrier()
+    names, uploads = ctx.names("iter_0000042"), ctx.open_uploads("iter_0000042")
+    return {"differences": [], "error": error, "names": names, "uploads": uploads, "seconds": seconds}
+
+
 def scenario_overwrite_fail(ctx: Context) -> dict[str, Any]:
     """A checkpoint saved (past the proxy), then replaced by a save whose rank-1 upload fails: the old checkpoint's
     ``.metadata`` and ``metadata.json`` were retired first, so nothing there reads as complete."""
@@ -354,13 +374,9 @@ def scenario_to_stock(ctx: Context) -> dict[str, Any]:
 
 
 def scenario_fencing(ctx: Context) -> dict[str, Any]:
-    """A newer run takes the directory over: this run's next save there fails on every rank, writing nothing."""
-    import importlib.metadata
-
+    """A newer run takes the directory over: this run's next save there fails on every rank, promptly (on <= 0.18
+    rank 0's common.pt is refused first, before any collective), writing nothing."""
     import s3_utils
-
-    if importlib.metadata.version("megatron-core") < "0.19":  # rank 0 alone writes common.pt first (test skips)
-        return {"differences": [], "skipped": "megatron-core <= 0.18"}
 
     base = ctx.base + "-fenced"  # its own directory: a newer run takes it over
     first, second = f"{base}/iter_0000001", f"{base}/iter_0000002"
@@ -372,12 +388,14 @@ def scenario_fencing(ctx: Context) -> dict[str, Any]:
         newer = s3_utils.CheckpointRun("feedfacefeedface", "newer-host", 1, time.time() + 3600)
         s3_utils.DirectoryFence(ctx.s3, base, newer).token(second)
     ctx.barrier()
+    started = time.monotonic()
     error = _failure(
         lambda: dist_checkpointing.save(sharded_state(ctx, 2), second, sharded_strategy=ctx.strategy())
     )
+    seconds = time.monotonic() - started
     ctx.barrier()
     left = sorted(info.url.rsplit("/", 1)[-1] for info in ctx.s3.list_objects(second))
-    return {"differences": [], "error": error, "names": left}
+    return {"differences": [], "error": error, "names": left, "seconds": seconds, "checkpoint": second}
 
 
 def scenario_throttled(ctx: Context) -> dict[str, Any]:
