@@ -224,6 +224,19 @@ def test_nemo_checkpoint_io_keeps_urls(mcore_run: dict[str, Any]) -> None:
         assert outcome["missing"].startswith("FileNotFoundError: Checkpoint file not found"), outcome["missing"]
 
 
+def test_resume_discovery_on_what_megatron_core_wrote(mcore_run: dict[str, Any]) -> None:
+    """connector's resume discovery over the checkpoints above, as this megatron-core wrote them (with common.pt on
+    <= 0.18): the newest complete iter_NNNNNNN first, never one whose save failed."""
+    import connector
+
+    base = f"s3://{mcore_run['bucket']}/run"
+    candidates = {c.name: c for c in connector.list_resume_candidates(base)}
+    usable = sorted(name for name, candidate in candidates.items() if candidate.problem is None)
+    assert usable == ["iter_0000010", "iter_0000020", "iter_0000030"], candidates
+    assert {"iter_0000040", "iter_0000041", "iter_0000050"} <= set(candidates)
+    assert connector.find_resume_checkpoints(base) == [f"{base}/iter_00000{n}" for n in (30, 20, 10)]
+
+
 def test_reshard_two_to_one(mcore_run: dict[str, Any]) -> None:
     _outcomes(mcore_run["outs"][1], "reshard", world_size=1)
 
