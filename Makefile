@@ -22,7 +22,7 @@ RUN := PATH="$(abspath $(BIN)):$$PATH"
 PIP := $(BIN)/python -m pip
 
 .DEFAULT_GOAL := help
-.PHONY: help demo test lint bench venv clean nemo-check
+.PHONY: help demo test lint bench venv clean nemo-check megatron-core
 
 help:  ## list the targets
 	@echo "Targets (variables: PYTHON=$(PYTHON) VENV=$(VENV) TORCH=$(TORCH)):"
@@ -65,12 +65,19 @@ $(VENV)/.stamp-demo: $(VENV)/.stamp-torch pyproject.toml $(wildcard *.py)
 
 # megatron-core for the `megatron` tests (s3_mcore): without its dependencies, which reach far beyond dist_checkpointing
 # (numpy and packaging come with the test extras); its wheels declare Python >= 3.12 though they run on 3.10+.
+# `make megatron-core MEGATRON_CORE=megatron-core==0.18.2` puts another release in an existing venv (CI's second
+# environment has NeMo 2.x's).
 MEGATRON_CORE ?= megatron-core==0.19.2
+MEGATRON_CORE_FLAGS := -q --no-deps --ignore-requires-python
+INSTALL_MEGATRON_CORE = $(PIP) install $(MEGATRON_CORE_FLAGS) $(MEGATRON_CORE)
 
 $(VENV)/.stamp-test: $(VENV)/.stamp-torch pyproject.toml
 	$(PIP) install -q -e ".[all,test]"
-	$(PIP) install -q --no-deps --ignore-requires-python $(MEGATRON_CORE)
+	$(INSTALL_MEGATRON_CORE)
 	touch $@
+
+megatron-core:
+	$(INSTALL_MEGATRON_CORE)
 
 $(VENV)/.stamp-bench: $(VENV)/.stamp-test
 	$(PIP) install -q -e ".[all,test,bench]"
@@ -94,7 +101,7 @@ $(NEMO_VENV)/.stamp-nemo: Makefile
 	$(PYTHON) -m venv $(NEMO_VENV)
 	$(NEMO_PIP) install -q --upgrade pip
 	$(NEMO_PIP) install -q $(TORCH)
-	$(NEMO_PIP) install -q --no-deps --ignore-requires-python $(NEMO_MEGATRON_CORE)
+	$(NEMO_PIP) install $(MEGATRON_CORE_FLAGS) $(NEMO_MEGATRON_CORE)
 	$(NEMO_PIP) install -q $(TORCH) numpy packaging psutil $(NEMO_LIGHTNING)
 	$(NEMO_PIP) install -q --no-deps $(NEMO)
 	$(NEMO_PIP) install -q $(TORCH) $(NEMO_LIGHTNING) $(NEMO_IMPORT_DEPS) $(NEMO_TEST_DEPS)

@@ -12,6 +12,8 @@ import pytest
 
 import connector
 
+pytestmark = [pytest.mark.megatron]  # no megatron-core needed: CI's second environment runs it beside test_mcore
+
 COMPLETE = [".metadata", ".s3ckpt-items.json", "__0_0.distcp", "__1_0.distcp", "metadata.json"]
 NO_CONFIG = [".metadata", "__0_0.distcp", "__1_0.distcp"]  # finalize step never ran
 NO_COMMIT = ["__0_0.distcp", "__1_0.distcp"]  # upload interrupted

@@ -43,7 +43,8 @@ pytestmark = [pytest.mark.megatron]
 
 MEGATRON_CORE_VERSION = tuple(int(part) for part in importlib.metadata.version("megatron-core").split(".")[:2])
 BEFORE_0_19 = MEGATRON_CORE_VERSION < (0, 19)
-"""megatron-core 0.16-0.18 (NeMo 2.x's): common state in its own common.pt, no ``maybe_msc`` (CI runs 0.19)."""
+"""megatron-core 0.16-0.18 (NeMo 2.x's): common state in its own common.pt, no ``maybe_msc`` (CI runs 0.19, and 0.18
+in its second environment)."""
 
 TWO_RANK_SCENARIOS = [
     "sync",
