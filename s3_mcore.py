@@ -25,8 +25,9 @@ Three parts, each usable alone:
 * `megatron_checkpoint_io_class` / ``S3MegatronCheckpointIO``: NeMo 2.x's ``MegatronCheckpointIO`` keeping
   ``s3://`` URLs as text (docs/megatron.md has the recipe).
 
-megatron-core is imported on first use: importing this module never needs it. Versions: 0.19.x is tested; 0.16-0.18
-(NeMo 2.x's) are handled by feature detection (docs/megatron.md says what differs). No call here needs CUDA.
+megatron-core is imported on first use: importing this module never needs it. Versions: 0.19.2 and 0.18.2 are tested;
+0.16-0.18 (NeMo 2.x's) are handled by feature detection (docs/megatron.md says what differs). No call here needs
+CUDA.
 """
 
 from __future__ import annotations
