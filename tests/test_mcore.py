@@ -17,6 +17,7 @@ import inspect
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -74,14 +75,29 @@ def megatron() -> Any:
     return megatron.core
 
 
+RANKS_TIMEOUT_S = 300
+"""A run of every scenario takes 10-60 s (up to about 100 s on a loaded machine): past this, it hung."""
+
+
 def _run_ranks(world_size: int, scenarios: list[str], base: str, endpoints: tuple[str, str], out: Path, server: Any):
     env = rank_environment(server, endpoints[0])
     env["PYTHONPATH"] = os.pathsep.join([str(HELPERS), env["PYTHONPATH"]])
     command = [sys.executable, "-m", "mcore_worker", "--world-size", str(world_size)]
     command += ["--scenarios", ",".join(scenarios)]
     command += ["--base", base, "--endpoint", endpoints[0], "--direct-endpoint", endpoints[1], "--out", str(out)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"ranks failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    # Its own session: a hung job is killed whole (the ranks, megatron-core's upload processes), never left behind.
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as job:
+        try:
+            stdout, stderr = job.communicate(timeout=RANKS_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, signal.SIGKILL)
+            stdout, stderr = job.communicate()
+            reported = {path.name for path in out.glob("*-rank*.json")}
+            hung = [s for s in scenarios if any(f"{s}-rank{r}.json" not in reported for r in range(world_size))]
+            where = f"in {hung[0]!r}" if hung else "after the last scenario"
+            pytest.fail(f"the ranks hung {where} (killed after {RANKS_TIMEOUT_S} s):\n{stderr[-6000:]}")
+    assert job.returncode == 0, f"ranks failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
 
 
 def _outcomes(out: Path, scenario: str, world_size: int = 2) -> list[dict[str, Any]]:
