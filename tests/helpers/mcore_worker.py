@@ -235,6 +235,15 @@ def _wait_for(ctx: Context, name: str, files: list[str], seconds: float = 60) ->
         time.sleep(0.1)
 
 
+def _schedule(queue: Any, request: Any) -> None:
+    """``queue.schedule_async_request(request)`` a moment after the save's last collective. megatron-core forks the
+    upload process there, and on CPython 3.8-3.11 (gh-112275; CI's is 3.11.7) a fork while torch's gloo thread is
+    creating or deleting its Python thread state deadlocks the forked process at its start (seen here, with that
+    thread mid-way, in gdb; docs/megatron.md, Limits). The pause lets that thread finish first."""
+    time.sleep(0.2)
+    queue.schedule_async_request(request)
+
+
 def scenario_async(ctx: Context) -> dict[str, Any]:
     """megatron-core's AsyncCallsQueue: the upload runs in its forked process; nothing is committed until finalize."""
     from mcore_stub import cuda_calls_of_megatron_core
@@ -247,7 +256,7 @@ def scenario_async(ctx: Context) -> dict[str, Any]:
     )
     with cuda_calls_of_megatron_core():  # megatron-core's queue synchronises CUDA and all-reduces on a CUDA device
         queue = AsyncCallsQueue()
-        queue.schedule_async_request(request)
+        _schedule(queue, request)
         shards = [f"__{r}_0.distcp" for r in range(ctx.world_size)]
         _wait_for(ctx, name, shards)
         before = ctx.names(name)
@@ -296,7 +305,7 @@ def scenario_fault_async(ctx: Context) -> dict[str, Any]:
     )
     with cuda_calls_of_megatron_core():
         queue = AsyncCallsQueue()
-        queue.schedule_async_request(request)
+        _schedule(queue, request)
         error = _failure(lambda: queue.maybe_finalize_async_calls(blocking=True))
         queue.close()
     ctx.barrier()
@@ -461,7 +470,7 @@ def scenario_nemo_io(ctx: Context) -> dict[str, Any]:
     request.add_finalize_fn(lambda: finalized_by_caller.append(True))  # as AsyncFinalizableCheckpointIO adds its own
     with cuda_calls_of_megatron_core():
         queue = AsyncCallsQueue()  # what NeMo's AsyncFinalizableCheckpointIO holds and drives
-        queue.schedule_async_request(request)
+        _schedule(queue, request)
         queue.maybe_finalize_async_calls(blocking=True)
         queue.close()
     ctx.barrier()
