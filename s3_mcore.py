@@ -151,15 +151,20 @@ def _build_writer_class() -> type:
     base = _dcp.S3StorageWriter
 
     def prepare_global_plan(self: Any, plans: list[Any]) -> list[Any]:
-        """`s3_dcp.S3StorageWriter.prepare_global_plan` (take the directory over, retire an old ``.metadata``), then
-        retire megatron-core's ``metadata.json`` of the checkpoint being replaced: it would otherwise outlive the old
-        ``.metadata`` until this save's finalize step writes the new one."""
+        """`s3_dcp.S3StorageWriter.prepare_global_plan` (take the directory over, refuse or retire an old
+        ``.metadata``), then retire megatron-core's ``metadata.json`` of the checkpoint being replaced (it would
+        otherwise outlive the old ``.metadata`` until this save's finalize step writes the new one), then, on
+        megatron-core <= 0.18, write the ``common.pt`` the routing holds for this checkpoint
+        (`S3Routing._save_common_state`). A failure here fails every rank's save at once, as DCP's planning does."""
         plans = base.prepare_global_plan(self, plans)
         config = _urls.join_s3_url(self.path, CONFIG_NAME)
         if self.s3.s3_path_exists(config):
             fence = _s3.DirectoryFence(self.s3, _urls.s3_url_parent(self.path)) if self.fencing else None
             self.s3.remove_object(config, fence=fence)  # the directory is this run's: the plan just took it
             _s3.invalidate_fsspec_cache(self.path)
+        active = _ROUTING.routing
+        if active is not None:
+            active._write_common_state(self.path)
         return plans
 
     namespace = {
@@ -250,19 +255,15 @@ class _PlannedSave:
 
 def _plan_save(pyt_state_dict: dict[str, Any], writer: Any, planner: Any) -> _PlannedSave:
     """DCP's planning step, as ``dcp.save`` runs it, without writing: every rank's local plan to the coordinator,
-    which builds the global plan (and, in `S3StorageWriter.prepare_global_plan`, takes the directory over and retires
-    a checkpoint being replaced). A failure there, or a held failure of rank 0's ``common.pt``
-    (`S3Routing._save_common_state`), is raised on every rank as a ``CheckpointException``."""
+    which builds the global plan (and, in `MegatronS3StorageWriter.prepare_global_plan`, takes the directory over,
+    retires a checkpoint being replaced and writes the ``common.pt`` of megatron-core <= 0.18). A failure there is
+    raised on every rank as a ``CheckpointException``."""
     from torch.distributed.checkpoint.utils import _DistWrapper
 
     dist = _DistWrapper(None, True, 0)
     metadata: list[Any] = [None]
 
     def local_step() -> Any:
-        active = _ROUTING.routing
-        held = active._take_failed_common_state(writer.path) if active is not None else None
-        if held is not None:  # rank 0's common.pt (<= 0.18) was refused or failed: every rank raises it here
-            raise held
         planner.set_up_planner(
             state_dict=pyt_state_dict, storage_meta=writer.storage_meta(), is_coordinator=dist.is_coordinator
         )
@@ -438,6 +439,26 @@ class _S3File(io.BytesIO):
             _s3.invalidate_fsspec_cache(self.url)
         super().close()
 
+    def discard(self) -> None:
+        """Close without uploading: what was written is incomplete."""
+        super().close()
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is not None:  # the writer failed mid-way (a torch.save or json.dump that raised)
+            self.discard()
+        else:
+            self.close()
+
+
+class _S3TextFile(io.TextIOWrapper):
+    """`_S3File` in a text mode (UTF-8): also uploads nothing when its ``with`` block raises."""
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is not None:
+            self.buffer.discard()
+        else:
+            self.close()
+
 
 class _S3Path:
     """What megatron-core asks of ``Path`` objects for an ``s3://`` directory: ``exists``, ``iterdir``, ``is_dir``,
@@ -590,6 +611,16 @@ class _S3Facade:
 
 
 @dataclass
+class _HeldCommonState:
+    """A ``torch.save`` of megatron-core's common state (<= 0.18) waiting for its save's plan: what, where, how."""
+
+    url: str
+    obj: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass
 class S3Routing:
     """The routing `install_s3_routing` put in place; `uninstall` restores what was there.
 
@@ -609,29 +640,37 @@ class S3Routing:
     (<= 0.18: a stand-in for multi-storage-client's module, with megatron-core's MSC flag on)."""
     previous_flag: bool | None = None
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
-    _failed_common_state: dict[str, Exception] = field(default_factory=dict, repr=False)
+    _held_common_state: _HeldCommonState | None = field(default=None, repr=False)
 
     def _save_common_state(self, obj: Any, url: str, *args: Any, **kwargs: Any) -> None:
-        """megatron-core <= 0.18's ``common.pt``, which rank 0 alone writes right before every rank enters the save
-        strategy. A failure here (the directory fenced by a newer run, an S3 error) raised on rank 0 alone would leave
-        the other ranks waiting in the strategy's first collective until the job's timeout: it is held instead, and
-        `S3TorchDistSaveShardedStrategy` raises it on every rank as it plans the save (`_take_failed_common_state`)."""
-        checkpoint = _urls.s3_url_parent(url)
-        self._failed_common_state.pop(checkpoint, None)
-        try:
-            with self.open(url, "wb") as file:
-                _s3.import_optional_dependency("torch").save(obj, file, *args, **kwargs)
-        except Exception as exc:
-            held = exc
-            if not isinstance(exc, _s3.CheckpointDirectoryTakenError):  # that one names the URL already
-                held = _dcp.CheckpointWriteError(f"{url}: megatron-core's common state could not be written: {exc!r}")
-                held.__cause__ = exc
-            logger.error("%s; the save strategy raises it on every rank", held)
-            self._failed_common_state[checkpoint] = held
+        """megatron-core <= 0.18's ``common.pt``, which rank 0 alone saves right before every rank enters the save
+        strategy: held here, and written by `MegatronS3StorageWriter.prepare_global_plan` on the coordinator (rank 0,
+        this process) once the directory is this run's and a checkpoint being replaced has been retired, or refused
+        (``overwrite=False``). Written at once, it would replace the common state of a complete checkpoint before
+        anything else: a crash or a refusal then would leave the old ``.metadata`` beside the new ``common.pt``, and
+        a failure raised on rank 0 alone would leave the other ranks waiting in the save's first collective."""
+        if self._held_common_state is not None:
+            logger.warning(
+                "%s was never written: no save through S3TorchDistSaveShardedStrategy followed it",
+                self._held_common_state.url,
+            )
+        self._held_common_state = _HeldCommonState(url, obj, args, kwargs)
 
-    def _take_failed_common_state(self, checkpoint: str) -> Exception | None:
-        """The held failure of `_save_common_state` for the checkpoint `checkpoint` (its URL), once; None if none."""
-        return self._failed_common_state.pop(checkpoint, None)
+    def _write_common_state(self, checkpoint: str) -> None:
+        """Write the ``common.pt`` held for the checkpoint at the URL `checkpoint`, if one is (fenced, as every file
+        megatron-core writes); a failure raises `s3_dcp.CheckpointWriteError` (or the fence's refusal)."""
+        held = self._held_common_state
+        if held is None or _urls.s3_url_parent(held.url) != checkpoint:
+            return
+        self._held_common_state = None
+        try:
+            with self.open(held.url, "wb") as file:
+                _s3.import_optional_dependency("torch").save(held.obj, file, *held.args, **held.kwargs)
+        except _s3.CheckpointDirectoryTakenError:
+            raise  # names the URL already
+        except Exception as exc:
+            message = f"{held.url}: megatron-core's common state could not be written: {exc!r}"
+            raise _dcp.CheckpointWriteError(message) from exc
 
     def open(self, url: str, mode: str = "r") -> Any:
         """Read (whole, verified) or write (uploaded on close) one object; text modes decode UTF-8."""
@@ -639,7 +678,7 @@ class S3Routing:
             checkpoint = _urls.s3_url_parent(url)  # megatron-core writes its files at the checkpoint's top level
             fence = _s3.DirectoryFence(self.s3, _urls.s3_url_parent(checkpoint)) if self.fencing else None
             file: Any = _S3File(self.s3, url, fence)
-            return file if "b" in mode else io.TextIOWrapper(file, encoding="utf-8")
+            return file if "b" in mode else _S3TextFile(file, encoding="utf-8")
         with self.s3.download_to_memory(url) as downloaded:
             data = downloaded.read_all()
         return io.BytesIO(data) if "b" in mode else io.StringIO(bytes(data).decode("utf-8"))

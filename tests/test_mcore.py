@@ -56,6 +56,7 @@ TWO_RANK_SCENARIOS = [
     "fault_async",
     *(["fault_common"] if BEFORE_0_19 else []),
     "overwrite_fail",
+    "overwrite_refused",
     "load_previous",
     "from_stock",
     "to_stock",
@@ -199,6 +200,15 @@ def test_failed_overwrite_retired_the_old_checkpoint(mcore_run: dict[str, Any]) 
         assert ".metadata" not in outcome["names"] and "metadata.json" not in outcome["names"]
 
 
+def test_refused_overwrite_keeps_the_checkpoint_whole(mcore_run: dict[str, Any]) -> None:
+    """``overwrite=False`` on an existing checkpoint: every rank raises, nothing there changes, and it loads with its
+    own values, common state included (on <= 0.18 rank 0 hands common.pt over before the sharded save starts)."""
+    for outcome in _outcomes(mcore_run["outs"][2], "overwrite_refused"):
+        assert outcome["error"].startswith("CheckpointException"), outcome["error"]
+        assert "overwrite=False" in outcome["error"], outcome["error"]
+        assert outcome["before"] == outcome["names"] == CHECKPOINT_FILES
+
+
 def test_overwrite_loads_the_new_values(mcore_run: dict[str, Any]) -> None:
     for outcome in _outcomes(mcore_run["outs"][2], "overwrite"):
         assert outcome["names"] == CHECKPOINT_FILES
@@ -214,12 +224,12 @@ def test_s3_checkpoint_downloaded_loads_with_stock_megatron(mcore_run: dict[str,
 
 
 def test_fenced_save_fails_on_every_rank(mcore_run: dict[str, Any]) -> None:
-    """On every rank, at once (no rank left waiting in a collective: on <= 0.18 rank 0's common.pt is refused before
-    the collective save starts), naming what was refused; nothing written."""
+    """On every rank, at once (no rank left waiting in a collective), naming what was refused; nothing written (on
+    <= 0.18 not even the common.pt rank 0 handed over first)."""
     for outcome in _outcomes(mcore_run["outs"][2], "fencing"):
         assert outcome["error"].startswith("CheckpointException"), outcome["error"]
         assert "CheckpointDirectoryTakenError: Refused" in outcome["error"], outcome["error"]
-        assert outcome["checkpoint"] + ("/common.pt" if BEFORE_0_19 else "") in outcome["error"]
+        assert outcome["checkpoint"] in outcome["error"]
         assert outcome["seconds"] < 60, outcome["seconds"]
         assert outcome["names"] == []
 
@@ -335,6 +345,22 @@ def test_routing_installs_once_and_uninstalls(routed: Any, tmp_path: Path) -> No
     first.uninstall()
     after = (type(msc_utils.maybe_msc), torch_strategies._get_filesystem_reader, serialization._get_filesystem_reader)
     assert after == before and s3_mcore.routing() is None
+
+
+def test_a_write_that_raises_uploads_nothing(routed: Any, bucket: str, s3_client: Any) -> None:
+    """megatron-core writes its own files through the routing (``with open(...) as f: json.dump(obj, f)``,
+    ``torch.save``): a writer that raises mid-way leaves no object behind, since a truncated ``metadata.json`` or
+    ``common.pt`` would be read as the checkpoint's."""
+    routing = s3_mcore.install_s3_routing(fencing=False)
+    url = f"s3://{bucket}/run/iter_0000001/metadata.json"
+    for mode, start in (("w", "{"), ("wb", b"{")):
+        with pytest.raises(RuntimeError, match="the writer failed"), routing.open(url, mode) as file:
+            file.write(start)
+            raise RuntimeError("the writer failed")
+    assert s3_client.list_objects_v2(Bucket=bucket).get("KeyCount") == 0
+    with routing.open(url, "w") as file:
+        file.write("{}")
+    assert s3_client.get_object(Bucket=bucket, Key="run/iter_0000001/metadata.json")["Body"].read() == b"{}"
 
 
 class FakeMultiStorageClient:

@@ -343,6 +343,16 @@ def scenario_overwrite_fail(ctx: Context) -> dict[str, Any]:
     return {"differences": [], "saved": saved, "error": error, "names": ctx.names("iter_0000050")}
 
 
+def scenario_overwrite_refused(ctx: Context) -> dict[str, Any]:
+    """The first checkpoint saved again with ``overwrite=False``: refused on every rank before anything is written
+    (on <= 0.18 its common.pt too, which rank 0 hands over before the sharded save), so it loads with its own values."""
+    before = ctx.names("iter_0000010")
+    error = _failure(lambda: _save(ctx, "iter_0000010", 99, overwrite=False))
+    ctx.barrier()
+    after = ctx.names("iter_0000010")
+    return {**_load_and_compare(ctx, ctx.url("iter_0000010"), 1), "error": error, "before": before, "names": after}
+
+
 def scenario_load_previous(ctx: Context) -> dict[str, Any]:
     """The first checkpoint loads after the failed saves."""
     return _load_and_compare(ctx, ctx.url("iter_0000010"), 1)
@@ -383,8 +393,8 @@ def scenario_to_stock(ctx: Context) -> dict[str, Any]:
 
 
 def scenario_fencing(ctx: Context) -> dict[str, Any]:
-    """A newer run takes the directory over: this run's next save there fails on every rank, promptly (on <= 0.18
-    rank 0's common.pt is refused first, before any collective), writing nothing."""
+    """A newer run takes the directory over: this run's next save there fails on every rank, promptly (as it plans;
+    on <= 0.18 before rank 0's common.pt), writing nothing."""
     import s3_utils
 
     base = ctx.base + "-fenced"  # its own directory: a newer run takes it over
