@@ -37,6 +37,7 @@ SCENARIOS = [
     "fault_sync",
     "fault_async",
     "overwrite_fail",
+    "overwrite_refused",
     "load_previous",
     "from_stock",
     "to_stock",
@@ -50,7 +51,7 @@ ON_CPU = os.environ.get("S3CKPT_GPU_CHECKS_ON_CPU") == "1"
 """Dry run on a CPU-only machine (gloo, CPU tensors; megatron-core's own CUDA calls stood in for by the worker):
 checks this script, not CUDA; ``async_persistent`` and ``parallel_load`` need CUDA and fail there. Never set on the
 GPU machine."""
-EXPECTED_FAILURES = {"fault_sync", "fault_async", "overwrite_fail", "fencing"}
+EXPECTED_FAILURES = {"fault_sync", "fault_async", "overwrite_fail", "overwrite_refused", "fencing"}
 """Scenarios whose second save must fail on every rank with a CheckpointException."""
 
 
