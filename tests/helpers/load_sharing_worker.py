@@ -185,7 +185,7 @@ def run_nemo(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> Non
 
 def run_trainer(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> None:
     import lightning.pytorch as pl
-    from tiny_lightning import tiny_module_class
+    from tiny_lightning import close_process_group, tiny_module_class
 
     import connector
     from s3_utils import S3ClientSettings
@@ -243,6 +243,7 @@ def run_trainer(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> 
     }
     report["node_rank"] = trainer.node_rank
     write_report(args, rank, report)
+    close_process_group()  # Lightning leaves it open: alive at exit, it can abort a finished rank
 
 
 def run_save(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> None:
