@@ -15,6 +15,9 @@ Methods, each run in fresh processes (2 ranks spawned per run), interleaved rep 
   unverified and undecoded (the ceiling for loads): both measured in the same run;
 * ``raw-parts``: the same bytes as a plain boto3 multipart upload of 16 MiB parts (the package's default part size),
   one part after another (what any streaming writer sends instead of one PUT), and the same ranged GETs;
+* ``raw-crc``, ``raw-parts-crc``: ``raw`` and ``raw-parts`` plus a CRC32C (the package's algorithm) of every byte,
+  computed by the thread that sends or receives it: what checking the bytes against a recorded checksum costs at
+  least, and a verified storage cannot skip. ``floor`` plus these is a verified DCP storage's floor;
 * ``floor``: ``dcp.save`` / ``dcp.load`` with our planners and a storage writer / reader that move no bytes
   (`_NullWriter`, `_NullReader`): every item is still resolved (``resolve_data``; ``resolve_tensor`` /
   ``commit_tensor``), so this is DCP's own cost (planning, its collectives, ``.metadata``), which every DCP storage
@@ -54,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -265,31 +269,54 @@ def _raw(spec: dict[str, Any], rank: int, tensors: list[Any]) -> dict[str, Any]:
 
     utils = s3_utils.S3Utils(s3_utils.S3ClientSettings(endpoint_url=spec["endpoint"]))
     client = utils.client
+    # raw-crc / raw-parts-crc: every byte also goes through the package's CRC (module doc); None: not computed
+    crc = s3_utils.ChecksumAlgorithm.named("auto") if spec["method"].endswith("-crc") else None
     payload = b"".join(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in tensors)
     client.put_object(Bucket=BUCKET, Key=f"raw/warmup-rank{rank}", Body=b"x" * 1024)  # connection up first
-    key = f"raw/rank{rank}-{spec['layout']}-{spec['rep']}"
-    if spec["method"] == "raw-parts":
+    key = f"raw/rank{rank}-{spec['method']}-{spec['layout']}-{spec['rep']}"
+    if spec["method"].startswith("raw-parts"):
         part = s3_utils.DEFAULT_CHUNK_SIZE_MB * MiB  # the package's default part size
         bodies = [payload[start : start + part] for start in range(0, len(payload), part)]
-        outcome = {"save": _measure(lambda: _upload_in_parts(client, key, bodies))}
+        outcome = {"save": _measure(lambda: _upload_in_parts(client, key, bodies, crc))}
     else:
-        outcome = {"save": _measure(lambda: client.put_object(Bucket=BUCKET, Key=key, Body=payload))}
+        outcome = {"save": _measure(lambda: _put(client, key, payload, crc))}
     url = f"s3://{BUCKET}/{key}"
     buffer = bytearray(b"\xff" * len(payload))  # touched: its pages are resident before the clock
     view = memoryview(buffer)
     chunk = 16 * MiB
     ranges = [(start, view[start : start + chunk]) for start in range(0, len(view), chunk)]
     utils.read_range_into(f"s3://{BUCKET}/raw/warmup-rank{rank}", 0, bytearray(1024))  # connections warm
-    outcome["load"] = _measure(lambda: utils.read_ranges_into(url, ranges, max_concurrency=15))
+    outcome["load"] = _measure(lambda: _get_ranges(utils, url, ranges, crc))
     outcome["load"]["identical"] = buffer == payload
     return outcome
 
 
-def _upload_in_parts(client: Any, key: str, bodies: list[bytes]) -> None:
+def _put(client: Any, key: str, payload: bytes, crc: Any) -> None:
+    if crc is not None:
+        crc.update(payload, 0)
+    client.put_object(Bucket=BUCKET, Key=key, Body=payload)
+
+
+def _get_ranges(utils: Any, url: str, ranges: list[tuple[int, memoryview]], crc: Any) -> None:
+    """15 ranged GETs at a time, as `S3Utils.read_ranges_into` reads them, each range's CRC in its own thread."""
+
+    def get(start: int, view: memoryview) -> None:
+        utils.read_range_into(url, start, view)
+        if crc is not None:
+            crc.update(view, 0)
+
+    with ThreadPoolExecutor(15, thread_name_prefix="raw-get") as pool:
+        for future in [pool.submit(get, start, view) for start, view in ranges]:
+            future.result()
+
+
+def _upload_in_parts(client: Any, key: str, bodies: list[bytes], crc: Any) -> None:
     """``raw-parts``: a plain multipart upload of `bodies` (cut before the clock), one part after another."""
     upload_id = client.create_multipart_upload(Bucket=BUCKET, Key=key)["UploadId"]
     parts = []
     for number, body in enumerate(bodies, 1):
+        if crc is not None:
+            crc.update(body, 0)
         response = client.upload_part(Bucket=BUCKET, Key=key, UploadId=upload_id, PartNumber=number, Body=body)
         parts.append({"PartNumber": number, "ETag": response["ETag"]})
     client.complete_multipart_upload(Bucket=BUCKET, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
@@ -316,7 +343,7 @@ def _rank_main(rank: int, spec: dict[str, Any], port: int) -> None:
             tensors = [t for _, t in named]
         else:
             tensors = _local_tensors(rank, spec["size_mib"], fill=True, layout=spec["layout"])
-        if spec["method"] in ("raw", "raw-parts"):
+        if spec["method"] in RAW_METHODS:
             outcome = _raw(spec, rank, tensors)
         else:
             mesh = init_device_mesh("cpu", (WORLD_SIZE,))
@@ -438,7 +465,8 @@ def _run(
     return result
 
 
-METHODS = ("ours", "ours-torchplan", "s3tc", "fsspec", "raw", "raw-parts", "floor")
+RAW_METHODS = ("raw", "raw-crc", "raw-parts", "raw-parts-crc")
+METHODS = ("ours", "ours-torchplan", "s3tc", "fsspec", *RAW_METHODS, "floor")
 
 
 def _label(run: dict[str, Any]) -> str:
