@@ -66,6 +66,7 @@ __all__ = [
     "MEGATRON_CORE_PIP",
     "MegatronS3StorageWriter",
     "S3Routing",
+    "S3SaveShardedStrategyMixin",
     "S3TorchDistSaveShardedStrategy",
     "install_s3_routing",
     "megatron_checkpoint_io_class",
@@ -143,20 +144,22 @@ def megatron_s3_url(path: Any) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Saving: the strategy and its writer
+# Saving: the writer, the strategy's arguments, the save itself, the strategy
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _build_writer_class() -> type:
-    base = _dcp.S3StorageWriter
+class MegatronS3StorageWriter(_dcp.S3StorageWriter):
+    """`s3_dcp.S3StorageWriter` for megatron-core checkpoints (same arguments): an overwrite also retires the old
+    checkpoint's ``metadata.json`` before anything is written, and on megatron-core <= 0.18 the ``common.pt`` the
+    routing holds is written once the save has taken the directory over."""
 
-    def prepare_global_plan(self: Any, plans: list[Any]) -> list[Any]:
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
         """`s3_dcp.S3StorageWriter.prepare_global_plan` (take the directory over, refuse or retire an old
         ``.metadata``), then retire megatron-core's ``metadata.json`` of the checkpoint being replaced (it would
         otherwise outlive the old ``.metadata`` until this save's finalize step writes the new one), then, on
         megatron-core <= 0.18, write the ``common.pt`` the routing holds for this checkpoint
         (`S3Routing._save_common_state`). A failure here fails every rank's save at once, as DCP's planning does."""
-        plans = base.prepare_global_plan(self, plans)
+        plans = super().prepare_global_plan(plans)
         config = _urls.join_s3_url(self.path, CONFIG_NAME)
         if self.s3.s3_path_exists(config):
             fence = _s3.DirectoryFence(self.s3, _urls.s3_url_parent(self.path)) if self.fencing else None
@@ -167,14 +170,24 @@ def _build_writer_class() -> type:
             active._write_common_state(self.path)
         return plans
 
-    namespace = {
-        "__module__": __name__,
-        "__qualname__": "MegatronS3StorageWriter",
-        "__doc__": "`s3_dcp.S3StorageWriter` for megatron-core checkpoints: an overwrite also retires the old "
-        "checkpoint's ``metadata.json`` before anything is written (same arguments as S3StorageWriter).",
-        "prepare_global_plan": prepare_global_plan,
-    }
-    return type("MegatronS3StorageWriter", (base,), namespace)
+
+_MEGATRON_ARGUMENTS = ("keep_only_main_replica", "thread_count", "cached_metadata", "separation_hint", "cpu_shm_mode")
+"""megatron-core 0.19.2's ``TorchDistSaveShardedStrategy`` arguments after ``backend`` and ``version``."""
+_WRITER_OPTIONS = frozenset(inspect.signature(_dcp.S3StorageWriter.__init__).parameters).difference(
+    {"self", "path", "thread_count"}
+)
+"""The keyword arguments of `s3_dcp.S3StorageWriter` the strategy takes besides megatron-core's."""
+
+
+def _refuse_separation_hint(separation_hint: str | None, where: str) -> None:
+    """ValueError for a ``separation_hint``: megatron-core's local writer puts the tensors whose key starts with it
+    into separate files; the S3 writer splits each rank's items into ``thread_count`` objects by size alone."""
+    if separation_hint is not None:
+        raise ValueError(
+            f"{where}: separation_hint={separation_hint!r} (megatron-core's local writer puts the tensors whose key "
+            "starts with it into separate files) is not supported on S3, where each rank writes its items into "
+            "thread_count objects split by size: leave it None"
+        )
 
 
 class _StagedItems:
@@ -253,13 +266,22 @@ class _PlannedSave:
     dist: Any
 
 
-def _plan_save(pyt_state_dict: dict[str, Any], writer: Any, planner: Any) -> _PlannedSave:
-    """DCP's planning step, as ``dcp.save`` runs it, without writing: every rank's local plan to the coordinator,
+def _plan_save(strategy: Any, sharded_state_dict: Any, writer: MegatronS3StorageWriter) -> _PlannedSave:
+    """megatron-core's conversion of the sharded state (as `strategy`, any ``TorchDistSaveShardedStrategy``, does it)
+    and DCP's planning step, as ``dcp.save`` runs it, without writing: every rank's local plan to the coordinator,
     which builds the global plan (and, in `MegatronS3StorageWriter.prepare_global_plan`, takes the directory over,
     retires a checkpoint being replaced and writes the ``common.pt`` of megatron-core <= 0.18). A failure there is
     raised on every rank as a ``CheckpointException``."""
     from torch.distributed.checkpoint.utils import _DistWrapper
 
+    _refuse_separation_hint(getattr(strategy, "separation_hint", None), writer.path)
+    torch_strategies = _torch_strategies()
+    keep_only_main_replica = strategy.keep_only_main_replica
+    sharded, _, _ = torch_strategies._replace_state_dict_keys_with_sharded_keys(
+        sharded_state_dict, keep_only_main_replica
+    )
+    pyt_state_dict = torch_strategies.mcore_to_pyt_state_dict(sharded, False)
+    planner = _save_planner(keep_only_main_replica)
     dist = _DistWrapper(None, True, 0)
     metadata: list[Any] = [None]
 
@@ -288,95 +310,39 @@ def _commit(save: _PlannedSave, write_results: Callable[[], list[Any]]) -> None:
     save.dist.all_reduce("write", write_results, finish)
 
 
-def _build_strategy_class() -> type:
-    torch_strategies = _torch_strategies()
-    base = torch_strategies.TorchDistSaveShardedStrategy
+def _save_to_s3(strategy: Any, sharded_state_dict: Any, writer: MegatronS3StorageWriter) -> None:
+    """A sync save of `sharded_state_dict` by `strategy` (any ``TorchDistSaveShardedStrategy``: its
+    ``keep_only_main_replica`` decides who writes a replicated tensor) to the checkpoint `writer` writes. Collective:
+    every rank calls it; a failure on any rank raises on every rank, with nothing committed."""
+    save = _plan_save(strategy, sharded_state_dict, writer)
 
-    class S3TorchDistSaveShardedStrategy(base):  # type: ignore[misc, valid-type]
-        """megatron-core's ``torch_dist`` save strategy writing ``s3://`` checkpoints through `s3_dcp`.
+    def write() -> list[Any]:
+        future = save.writer.write_data(save.plan, save.planner)
+        future.wait()
+        return future.value()
 
-        For an ``s3://`` directory (or a Path made from one) the state goes through megatron-core's own conversion
-        and save planner, then `MegatronS3StorageWriter` uploads every rank's files and the coordinator commits with
-        ``.metadata``; megatron-core's ``metadata.json`` follows in its finalize step. Any other directory goes to
-        megatron-core's writer unchanged. `install_s3_routing` must be active (megatron-core lists the directory
-        and writes ``metadata.json`` itself).
+    _commit(save, write)
 
-        Args:
-            backend, version, keep_only_main_replica, thread_count: as ``TorchDistSaveShardedStrategy``
-                (`thread_count` is also the number of files each rank writes to S3).
-            **writer_options: keyword arguments for `s3_dcp.S3StorageWriter` (``client_settings``,
-                ``retry_policy``, ``chunk_size_MB``, ``max_write_concurrency``, ``fencing``, ``overwrite``,
-                ``max_requests_per_second``, ``request_options``, ...).
 
-        ``async_save`` returns megatron-core's ``AsyncRequest``: host copies of the shards are taken at once, the
-        upload runs in megatron-core's upload process, and the commit happens in the request's finalize step
-        (``AsyncCallsQueue.maybe_finalize_async_calls``) on every rank. Its ``async_strategy`` argument
-        (``"nvrx"``/``"mcore"``) is accepted and ignored: the upload is this package's either way.
-        """
+def _async_save_to_s3(strategy: Any, sharded_state_dict: Any, writer: MegatronS3StorageWriter) -> Any:
+    """`_save_to_s3` as megatron-core's ``AsyncRequest``: host copies of this rank's shards are taken now, the upload
+    runs in megatron-core's upload process, and the commit happens in the request's finalize step."""
+    save = _plan_save(strategy, sharded_state_dict, writer)
+    staged = _stage(save.plan, save.planner)
+    result_dir = tempfile.mkdtemp(prefix="s3ckpt-mcore-")
+    result_path = os.path.join(result_dir, "outcome.pickle")
 
-        def __init__(
-            self,
-            backend: str = "torch_dist",
-            version: int = 1,
-            keep_only_main_replica: bool = False,
-            thread_count: int = 1,
-            **writer_options: Any,
-        ) -> None:
-            super().__init__(backend, version, keep_only_main_replica=keep_only_main_replica, thread_count=thread_count)
-            writer_options.setdefault("thread_count", thread_count)
-            self.writer_options = writer_options
-            _dcp.S3StorageWriter("s3://validate/options", **writer_options)  # a bad option fails here, not mid-save
+    def finalize() -> None:
+        try:
+            _commit(save, lambda: _read_outcome(result_path, save.url))
+        finally:
+            shutil.rmtree(result_dir, ignore_errors=True)
 
-        def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
-            url = megatron_s3_url(checkpoint_dir)
-            if url is None:
-                return super().save(sharded_state_dict, checkpoint_dir)
-            save = self._plan(sharded_state_dict, url)
-
-            def write() -> list[Any]:
-                future = save.writer.write_data(save.plan, save.planner)
-                future.wait()
-                return future.value()
-
-            _commit(save, write)
-            return None
-
-        def async_save(self, sharded_state_dict: Any, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
-            url = megatron_s3_url(checkpoint_dir)
-            if url is None:
-                return super().async_save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
-            save = self._plan(sharded_state_dict, url)
-            staged = _stage(save.plan, save.planner)
-            result_dir = tempfile.mkdtemp(prefix="s3ckpt-mcore-")
-            result_path = os.path.join(result_dir, "outcome.pickle")
-
-            def finalize() -> None:
-                try:
-                    _commit(save, lambda: _read_outcome(result_path, url))
-                finally:
-                    shutil.rmtree(result_dir, ignore_errors=True)
-
-            request = _async_utils().AsyncRequest(
-                async_fn=_upload_in_background,
-                async_fn_args=(save.writer, save.plan, staged, result_path),
-                finalize_fns=[finalize],
-            )
-            return request
-
-        @property
-        def can_handle_sharded_objects(self) -> bool:
-            return True
-
-        def _plan(self, sharded_state_dict: Any, url: str) -> _PlannedSave:
-            sharded, _, _ = torch_strategies._replace_state_dict_keys_with_sharded_keys(
-                sharded_state_dict, self.keep_only_main_replica
-            )
-            pyt_state_dict = torch_strategies.mcore_to_pyt_state_dict(sharded, False)
-            writer = _writer_class()(url, **self.writer_options)
-            return _plan_save(pyt_state_dict, writer, _save_planner(self.keep_only_main_replica))
-
-    S3TorchDistSaveShardedStrategy.__module__ = __name__
-    return S3TorchDistSaveShardedStrategy
+    return _async_utils().AsyncRequest(
+        async_fn=_upload_in_background,
+        async_fn_args=(save.writer, save.plan, staged, result_path),
+        finalize_fns=[finalize],
+    )
 
 
 def _save_planner(keep_only_main_replica: bool) -> Any:
@@ -393,27 +359,107 @@ def _save_planner(keep_only_main_replica: bool) -> Any:
     return planner_class(**{k: v for k, v in wanted.items() if k in accepted or takes_any})
 
 
-@contextlib.contextmanager
-def _msc_flag_as_before(active: S3Routing) -> Iterator[None]:
-    """megatron-core's MSC flag as the user left it, while its writer is built for a local directory (see
-    `_route_msc_module`)."""
-    flag = _msc_utils().MultiStorageClientFeature
-    if not active.previous_flag:
-        flag.disable()
-    try:
-        yield
-    finally:
-        flag.enable()
+class S3SaveShardedStrategyMixin:
+    """Makes megatron-core's ``TorchDistSaveShardedStrategy`` (or a subclass of it) write ``s3://`` checkpoints
+    through `s3_dcp`: `S3TorchDistSaveShardedStrategy` is this mixin on megatron-core's class.
 
+    For an ``s3://`` directory (or a Path made from one) the state goes through megatron-core's own conversion and
+    save planner, then `MegatronS3StorageWriter` uploads every rank's files and the coordinator commits with
+    ``.metadata``; megatron-core's ``metadata.json`` follows in its finalize step. Any other directory goes to
+    megatron-core's writer unchanged. `install_s3_routing` must be active (megatron-core lists the directory and
+    writes ``metadata.json`` itself). Works inside ``FullyParallelSaveStrategyWrapper``.
 
-@functools.cache
-def _writer_class() -> type:
-    return _build_writer_class()
+    Args (megatron-core's ``TorchDistSaveShardedStrategy``'s, with its defaults, then the writer's):
+        backend, version: written to ``metadata.json``, as megatron-core does.
+        keep_only_main_replica: True (megatron-core's default): the rank holding a replicated tensor's main replica
+            (``replica_id`` 0) writes it; False leaves the choice to DCP's deduplication.
+        thread_count: files each rank writes, uploaded concurrently.
+        cached_metadata: accepted; every save is planned afresh all the same (the planning step is where the
+            checkpoint being replaced is retired and the directory's fence checked), with the same result.
+        separation_hint: refused unless None: each rank's items go into `thread_count` objects split by size.
+        cpu_shm_mode: accepted; an async save always takes host copies in the training process before the upload
+            process gets them, which is what it asks for.
+        **writer_options: keyword arguments for `s3_dcp.S3StorageWriter` (``client_settings``, ``retry_policy``,
+            ``chunk_size_MB``, ``max_write_concurrency``, ``fencing``, ``overwrite``, ``max_requests_per_second``,
+            ``request_options``, ...). A bad one fails here, not in the middle of a save.
+
+    ``async_save`` returns megatron-core's ``AsyncRequest``: host copies of the shards are taken at once, the upload
+    runs in megatron-core's upload process, and the commit happens in the request's finalize step
+    (``AsyncCallsQueue.maybe_finalize_async_calls``) on every rank. Its ``async_strategy`` argument
+    (``"nvrx"``/``"mcore"``) is accepted and ignored: the upload is this package's either way.
+    """
+
+    keep_only_main_replica: bool
+    thread_count: int
+
+    def __init__(
+        self,
+        backend: str = "torch_dist",
+        version: int = 1,
+        keep_only_main_replica: bool = True,
+        thread_count: int = 1,
+        cached_metadata: bool = False,
+        separation_hint: str | None = None,
+        cpu_shm_mode: bool = False,
+        **writer_options: Any,
+    ) -> None:
+        name = type(self).__name__
+        unknown = sorted(set(writer_options) - _WRITER_OPTIONS)
+        if unknown:
+            megatron = ", ".join(("backend", "version", *_MEGATRON_ARGUMENTS))
+            writer = ", ".join(sorted(_WRITER_OPTIONS))
+            raise TypeError(
+                f"{name} got an unexpected keyword argument {unknown[0]!r}: it takes megatron-core's ({megatron}) "
+                f"and S3StorageWriter's ({writer})"
+            )
+        _refuse_separation_hint(separation_hint, name)
+        given = {
+            "keep_only_main_replica": keep_only_main_replica,
+            "thread_count": thread_count,
+            "cached_metadata": cached_metadata,
+            "separation_hint": separation_hint,
+            "cpu_shm_mode": cpu_shm_mode,
+        }
+        accepted = inspect.signature(super().__init__).parameters  # megatron-core <= 0.18 lacks some
+        super().__init__(backend, version, **{k: v for k, v in given.items() if k in accepted})  # type: ignore[call-arg]
+        self.keep_only_main_replica, self.thread_count = keep_only_main_replica, thread_count
+        self.use_cached_ckpt_structure = cached_metadata  # megatron-core's attribute for it
+        self.separation_hint, self.cpu_shm_mode = separation_hint, cpu_shm_mode
+        self.writer_options = writer_options
+        self.s3_writer("s3://validate/options")  # a bad option fails when the strategy is built
+
+    def s3_writer(self, url: str) -> MegatronS3StorageWriter:
+        """The writer of one save to `url`, with this strategy's options and its current ``thread_count`` (Megatron-LM
+        and NeMo set that attribute after building the strategy)."""
+        return MegatronS3StorageWriter(url, **{**self.writer_options, "thread_count": self.thread_count})
+
+    def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
+        url = megatron_s3_url(checkpoint_dir)
+        if url is None:
+            return super().save(sharded_state_dict, checkpoint_dir)  # type: ignore[misc]
+        return _save_to_s3(self, sharded_state_dict, self.s3_writer(url))
+
+    def async_save(self, sharded_state_dict: Any, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
+        url = megatron_s3_url(checkpoint_dir)
+        if url is None:
+            return super().async_save(sharded_state_dict, checkpoint_dir, *args, **kwargs)  # type: ignore[misc]
+        return _async_save_to_s3(self, sharded_state_dict, self.s3_writer(url))
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
 
 
 @functools.cache
 def _strategy_class() -> type:
-    return _build_strategy_class()
+    """`S3SaveShardedStrategyMixin` on megatron-core's ``TorchDistSaveShardedStrategy``."""
+    base = _torch_strategies().TorchDistSaveShardedStrategy
+    namespace = {
+        "__module__": __name__,
+        "__qualname__": "S3TorchDistSaveShardedStrategy",
+        "__doc__": S3SaveShardedStrategyMixin.__doc__,
+    }
+    return type("S3TorchDistSaveShardedStrategy", (S3SaveShardedStrategyMixin, base), namespace)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -687,6 +733,11 @@ class S3Routing:
         """The DCP reader for an ``s3://`` checkpoint (megatron-core's filesystem reader, routed)."""
         return _dcp.S3StorageReader(url, **self.reader_options)
 
+    def writer(self, url: str, thread_count: int = 1) -> MegatronS3StorageWriter:
+        """The writer of a save that megatron-core's own strategy makes to an ``s3://`` checkpoint (its default among
+        them): this routing's `s3` and `fencing`, the strategy's ``thread_count``."""
+        return MegatronS3StorageWriter(url, s3_utils=self.s3, thread_count=thread_count, fencing=self.fencing)
+
     def uninstall(self) -> None:
         """Put megatron-core's file operations back as they were before `install_s3_routing`."""
         with _ROUTING.lock:
@@ -747,7 +798,8 @@ def install_s3_routing(
         if maybe is not None:
             _route_maybe_msc(routing_, maybe)
         else:
-            _route_msc_module(routing_, msc_utils, torch_strategies)
+            _route_msc_module(routing_, msc_utils)
+        _route_stock_strategy(routing_, torch_strategies)
         _ROUTING.routing = routing_
         logger.info("megatron-core's file operations for s3:// go through s3-checkpoint-io (%s)", routing_.mechanism)
         return routing_
@@ -797,12 +849,12 @@ def _route_maybe_msc(routing_: S3Routing, maybe: Any) -> None:
     routing_._undo.append(lambda: setattr(maybe, "__class__", original_class))
 
 
-def _route_msc_module(routing_: S3Routing, msc_utils: Any, torch_strategies: Any) -> None:
+def _route_msc_module(routing_: S3Routing, msc_utils: Any) -> None:
     """megatron-core <= 0.18 asks ``MultiStorageClientFeature.is_enabled()`` at every file operation and then uses the
     module ``msc_utils.msc``: that module is replaced by `_S3Facade` and the flag switched on. What was there (a real
     multi-storage-client, enabled or not) answers every path that is not ``s3://``. megatron-core's own writer reads
-    the flag too (and then imports multi-storage-client itself): its ``async_save`` (which its sync ``save`` calls)
-    sees the flag as it was for any directory that is not ``s3://``."""
+    the flag too (and then imports multi-storage-client itself): `_route_stock_strategy` lets it see the flag as it
+    was for any directory that is not ``s3://``."""
     flag = msc_utils.MultiStorageClientFeature
     previous_module = msc_utils.msc
     previous_flag = flag.is_enabled()  # False without a real multi-storage-client
@@ -818,18 +870,77 @@ def _route_msc_module(routing_: S3Routing, msc_utils: Any, torch_strategies: Any
             flag.disable()
 
     routing_._undo.append(undo)
+
+
+@contextlib.contextmanager
+def _msc_flag_as_before(active: S3Routing) -> Iterator[None]:
+    """megatron-core's MSC flag as the user left it, while its writer is built for a local directory (<= 0.18, see
+    `_route_msc_module`); nothing to do on >= 0.19, whose flag the routing leaves alone."""
+    if active.mechanism != "msc_module":
+        yield
+        return
+    flag = _msc_utils().MultiStorageClientFeature
+    if not active.previous_flag:
+        flag.disable()
+    try:
+        yield
+    finally:
+        flag.enable()
+
+
+def _patch(routing_: S3Routing, owner: Any, name: str, replacement: Any) -> None:
+    """Set ``owner.name``, and have `S3Routing.uninstall` put back exactly what was there (or nothing)."""
+    had_own = name in vars(owner)
+    original = vars(owner).get(name)
+    setattr(owner, name, replacement)
+    routing_._undo.append(
+        functools.partial(setattr, owner, name, original) if had_own else functools.partial(delattr, owner, name)
+    )
+
+
+def _route_stock_strategy(routing_: S3Routing, torch_strategies: Any) -> None:
+    """megatron-core's own ``TorchDistSaveShardedStrategy`` for an ``s3://`` directory: what ``dist_checkpointing.save``
+    uses when it is given no strategy, ``('torch_dist', 1)`` or any strategy it does not know, and what Megatron-LM and
+    NeMo build. Its writer would write into a local ``s3:/bucket/...`` directory while only ``metadata.json`` reached
+    S3; with the routing its ``save`` and ``async_save`` go to S3 through `_save_to_s3` / `_async_save_to_s3` (its own
+    ``keep_only_main_replica`` and ``thread_count``, `S3Routing.writer`), and as the last guard megatron-core's local
+    writer refuses an ``s3://`` checkpoint (a subclass with its own ``async_save`` would reach it)."""
     base = torch_strategies.TorchDistSaveShardedStrategy
-    original = base.async_save
+    original_save, original_async_save = base.save, base.async_save
 
-    @functools.wraps(original)
+    @functools.wraps(original_save)
+    def save(self: Any, sharded_state_dict: Any, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
+        url = megatron_s3_url(checkpoint_dir)
+        if url is None:
+            return original_save(self, sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        return _save_to_s3(self, sharded_state_dict, routing_.writer(url, self.thread_count))
+
+    @functools.wraps(original_async_save)
     def async_save(self: Any, sharded_state_dict: Any, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
-        if megatron_s3_url(checkpoint_dir) is not None:
-            return original(self, sharded_state_dict, checkpoint_dir, *args, **kwargs)
-        with _msc_flag_as_before(routing_):
-            return original(self, sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        url = megatron_s3_url(checkpoint_dir)
+        if url is None:
+            with _msc_flag_as_before(routing_):
+                return original_async_save(self, sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        return _async_save_to_s3(self, sharded_state_dict, routing_.writer(url, self.thread_count))
 
-    base.async_save = async_save
-    routing_._undo.append(functools.partial(setattr, base, "async_save", original))
+    _patch(routing_, base, "save", save)
+    _patch(routing_, base, "async_save", async_save)
+    local_writer = _mcore("dist_checkpointing.strategies.filesystem_async").FileSystemWriterAsync
+    original_init = local_writer.__init__
+
+    @functools.wraps(original_init)
+    def refusing_init(self: Any, path: Any, *args: Any, **kwargs: Any) -> None:
+        url = megatron_s3_url(path)
+        if url is not None:
+            raise ValueError(
+                f"{url}: megatron-core's local writer (FileSystemWriterAsync) was given this s3:// checkpoint and "
+                f"would write it into the local directory {os.fspath(path)!r}. Save it with "
+                "s3_mcore.S3TorchDistSaveShardedStrategy (or megatron-core's own strategy, which the routing sends to "
+                "S3); a strategy of your own that builds the writer itself needs s3_mcore.S3SaveShardedStrategyMixin"
+            )
+        original_init(self, path, *args, **kwargs)
+
+    _patch(routing_, local_writer, "__init__", refusing_init)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1079,8 +1190,6 @@ def _nemo_megatron_checkpoint_io() -> type:
 # Lazily built public classes
 # --------------------------------------------------------------------------------------------------------------------
 
-MegatronS3StorageWriter: type
-"""`s3_dcp.S3StorageWriter` that also retires megatron-core's ``metadata.json`` on overwrite (built on first access)."""
 S3TorchDistSaveShardedStrategy: type
 """megatron-core's ``TorchDistSaveShardedStrategy`` for ``s3://`` (built on first access; megatron-core needed)."""
 
@@ -1088,7 +1197,6 @@ S3TorchDistSaveShardedStrategy: type
 def __getattr__(name: str) -> Any:
     """PEP 562: classes that subclass megatron-core's, NeMo's or torch's are built on first access."""
     builders: dict[str, Callable[[], type]] = {
-        "MegatronS3StorageWriter": _writer_class,
         "S3TorchDistSaveShardedStrategy": _strategy_class,
         "S3MegatronCheckpointIO": megatron_checkpoint_io_class,
     }

@@ -63,6 +63,8 @@ TWO_RANK_SCENARIOS = [
     "fencing",
     "throttled",
     "nemo_io",
+    "default_strategy",
+    "main_replica",
     "overwrite",
 ]
 
@@ -264,6 +266,21 @@ def test_resume_discovery_on_what_megatron_core_wrote(mcore_run: dict[str, Any])
     assert connector.find_resume_checkpoints(base) == [f"{base}/iter_00000{n}" for n in (30, 20, 10)]
 
 
+def test_megatron_cores_own_strategy_saves_to_s3_not_to_a_local_directory(mcore_run: dict[str, Any]) -> None:
+    """With the routing installed, ``dist_checkpointing.save(sd, "s3://...")`` with no strategy (megatron-core's
+    default) and ``('torch_dist', 1)`` async under the fully-parallel wrapper go to S3 through this package: the
+    checkpoints are complete there and load, and no local ``./s3:`` directory appears."""
+    for outcome in _outcomes(mcore_run["outs"][2], "default_strategy"):
+        assert outcome["local"] == [], outcome["local"]
+        assert outcome["names"] == {"default-strategy": CHECKPOINT_FILES, "default-async": CHECKPOINT_FILES}
+
+
+def test_the_main_replica_writes_a_replicated_tensor(mcore_run: dict[str, Any]) -> None:
+    """megatron-core's default ``keep_only_main_replica=True``: the rank holding ``replica_id`` 0 writes it."""
+    for outcome in _outcomes(mcore_run["outs"][2], "main_replica"):
+        assert outcome["files"] == [f"__{outcome['main_rank']}_0.distcp"], outcome["files"]
+
+
 def test_reshard_two_to_one(mcore_run: dict[str, Any]) -> None:
     _outcomes(mcore_run["outs"][1], "reshard", world_size=1)
 
@@ -433,6 +450,54 @@ def test_routing_without_maybe_msc_replaces_the_msc_module(routed: Any, monkeypa
 def test_bad_writer_options_fail_when_the_strategy_is_built(megatron: Any) -> None:
     with pytest.raises(ValueError, match="chunk_size_MB"):
         s3_mcore.S3TorchDistSaveShardedStrategy(chunk_size_MB=1)
+
+
+def test_the_strategy_takes_megatron_cores_arguments_and_defaults(megatron: Any) -> None:
+    """Every argument of megatron-core's ``TorchDistSaveShardedStrategy``, with its default; what S3 cannot honour is
+    refused by name, and an unknown keyword is named with the strategy, not by S3StorageWriter."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    strategy_class = s3_mcore.S3TorchDistSaveShardedStrategy
+    ours = inspect.signature(strategy_class.__init__).parameters
+    for name, parameter in inspect.signature(TorchDistSaveShardedStrategy.__init__).parameters.items():
+        assert name in ours and ours[name].default == parameter.default, (name, ours.get(name))
+    default = strategy_class()
+    assert default.keep_only_main_replica is True and default.backend == "torch_dist" and default.version == 1
+    accepted = strategy_class("torch_dist", 1, False, 2, cached_metadata=True, cpu_shm_mode=True, overwrite=False)
+    assert (accepted.keep_only_main_replica, accepted.thread_count) == (False, 2)
+    assert accepted.use_cached_ckpt_structure is True  # megatron-core's attribute for it
+    with pytest.raises(ValueError, match=r"separation_hint='optimizer\.'.*separate files.*leave it None"):
+        strategy_class(separation_hint="optimizer.")
+    with pytest.raises(TypeError, match="S3TorchDistSaveShardedStrategy got an unexpected keyword argument 'bogus'"):
+        strategy_class(bogus=1)
+
+
+def test_plain_classes_at_module_level(megatron: Any) -> None:
+    """The writer is a class of the module's own source; the strategy is the module's mixin on megatron-core's base."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    assert s3_mcore.MegatronS3StorageWriter.__qualname__ == "MegatronS3StorageWriter"
+    assert "prepare_global_plan" in inspect.getsource(s3_mcore.MegatronS3StorageWriter)
+    mro = s3_mcore.S3TorchDistSaveShardedStrategy.__mro__
+    assert mro[1:3] == (s3_mcore.S3SaveShardedStrategyMixin, TorchDistSaveShardedStrategy)
+
+
+def test_megatron_cores_local_writer_refuses_an_s3_url(routed: Any) -> None:
+    """The last guard: whatever strategy (a subclass with its own ``async_save``, say) hands megatron-core's local
+    writer an s3:// checkpoint while the routing is installed, it raises naming the URL and the fix instead of
+    writing into a local ``s3:/`` directory; uninstalling puts the writer back."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    init = FileSystemWriterAsync.__init__
+    routing = s3_mcore.install_s3_routing()
+    try:
+        for path in ("s3://bkt/run/iter_0000001", Path("s3://bkt/run/iter_0000001")):
+            with pytest.raises(ValueError, match=r"s3://bkt/run/iter_0000001.*S3TorchDistSaveShardedStrategy"):
+                FileSystemWriterAsync(path, thread_count=1)
+        assert not Path("s3:").exists()
+    finally:
+        routing.uninstall()
+    assert FileSystemWriterAsync.__init__ is init
 
 
 # ---- megatron-core names s3_mcore relies on (pinned: a release that changes them fails here first) -------------------

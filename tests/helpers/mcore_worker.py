@@ -645,6 +645,71 @@ def scenario_nemo_real_strategy(ctx: Context) -> dict[str, Any]:
     }
 
 
+def scenario_default_strategy(ctx: Context) -> dict[str, Any]:
+    """megatron-core's own strategy for an s3:// URL with the routing installed: ``save`` with no strategy (megatron-
+    core builds its default ``TorchDistSaveShardedStrategy``), then ``('torch_dist', 1)`` async inside
+    ``FullyParallelSaveStrategyWrapper`` through megatron-core's queue. Both must reach S3 through this package and
+    load; nothing may land in a local ``./s3:`` directory (megatron-core's own writer would put it there, under the
+    CUDA stand-in its local writer needs on CPU, and only ``metadata.json`` would reach S3)."""
+    from mcore_stub import cuda_calls_of_megatron_core
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    cwd = ctx.out / "default-strategy-cwd"  # where a local "s3:" directory would appear
+    cwd.mkdir(parents=True, exist_ok=True)
+    back = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with cuda_calls_of_megatron_core():
+            dist_checkpointing.save(sharded_state(ctx, 11), ctx.url("default-strategy"))
+            ctx.barrier()
+            wrapped = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy())
+            request = dist_checkpointing.save(
+                sharded_state(ctx, 12), ctx.url("default-async"), sharded_strategy=wrapped, async_sharded_save=True
+            )
+            queue = AsyncCallsQueue()
+            _schedule(queue, request)
+            queue.maybe_finalize_async_calls(blocking=True)
+            queue.close()
+        ctx.barrier()
+        local = sorted(str(path) for path in Path(".").rglob("*"))
+    finally:
+        os.chdir(back)
+    found = _load_and_compare(ctx, ctx.url("default-strategy"), 11)["differences"]
+    found += _load_and_compare(ctx, ctx.url("default-async"), 12)["differences"]
+    names = {name: ctx.names(name) for name in ("default-strategy", "default-async")}
+    return {"differences": found, "local": local, "names": names}
+
+
+def scenario_main_replica(ctx: Context) -> dict[str, Any]:
+    """A replicated tensor whose main replica (``replica_id`` 0) is on the last rank, first in the state dict: with
+    megatron-core's default ``keep_only_main_replica=True`` that rank writes it; DCP's own deduplication (what
+    ``False`` leaves the choice to) would give it to rank 0. Rank 0 reports which file holds it."""
+    import torch
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    import s3_dcp
+
+    main_rank = ctx.world_size - 1
+    replica = torch.arange(4, dtype=torch.float32) + 50
+    state = {
+        "main": ShardedTensor.from_rank_offsets("main", replica.clone(), replica_id=int(ctx.rank != main_rank)),
+        **sharded_state(ctx, 13),
+    }
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(state, ctx.url("main-replica"), sharded_strategy=ctx.strategy())
+    ctx.barrier()
+    metadata = s3_dcp.S3StorageReader(ctx.url("main-replica"), client_settings=ctx.direct_settings).read_metadata()
+    files = sorted({info.relative_path for index, info in metadata.storage_data.items() if index.fqn == "main"})
+    target = {"main": ShardedTensor.from_rank_offsets("main", torch.zeros(4), replica_id=ctx.rank)}
+    loaded = dist_checkpointing.load(target, ctx.url("main-replica"))
+    found = [] if torch.equal(loaded["main"], replica) else [f"main: {loaded['main'].tolist()}"]
+    return {"differences": found, "files": files, "main_rank": main_rank}
+
+
 def scenario_overwrite(ctx: Context) -> dict[str, Any]:
     """The first checkpoint saved again with new values: the new values load."""
     _save(ctx, "iter_0000010", 9)
