@@ -753,9 +753,9 @@ LOAD_SHARING_MODES = ("node", "job", "rank")
 """`S3CheckpointIO(load_sharing=...)`: who downloads on a collective load (see `s3_node_sharing.download_shared`)."""
 
 
-class SharedLoadError(RuntimeError):
-    """The rank that downloads a shared checkpoint for this rank failed, died or took too long; the message names
-    the URL and the cause."""
+SharedLoadError = _s3.SharedLoadError
+"""`s3_utils.SharedLoadError`, under the name the plugin's users know: a shared load failed on the rank that
+downloads for this one."""
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,6 @@ import stat
 import struct
 import threading
 import time
-import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -68,20 +67,6 @@ logger = logging.getLogger(__name__)
 
 def _torch() -> Any:
     return _s3.import_optional_dependency("torch", "load sharing")
-
-
-def _checkpoint_io() -> types.ModuleType:
-    """s3_checkpoint_io, imported when a shared load first needs it (it imports this module on first use too)."""
-    if __package__:
-        from . import s3_checkpoint_io
-    else:
-        import s3_checkpoint_io
-    return s3_checkpoint_io
-
-
-def _load_error(message: str) -> Exception:
-    """`s3_checkpoint_io.SharedLoadError`: the plugin's error for a shared load that failed on another rank."""
-    return _checkpoint_io().SharedLoadError(message)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -589,7 +574,9 @@ class _SharedLoad:
             raise head_error
         if identities[0][3] is not None:
             problem = identities[0][3]
-            raise _load_error(f"Could not load {self.url}: global rank 0, which downloads it, failed: {problem}")
+            raise _s3.SharedLoadError(
+                f"Could not load {self.url}: global rank 0, which downloads it, failed: {problem}"
+            )
         self.size = identities[0][2]
         nodes: dict[str, list[int]] = {}
         for rank, (key, *_) in enumerate(identities):
@@ -749,11 +736,13 @@ class _SharedLoad:
         try:
             kind, detail = self._broadcast_header(group, None)
             if kind != "ok":
-                raise _load_error(f"Could not load {self.url}: global rank 0, which downloads it, failed: {detail}")
+                raise _s3.SharedLoadError(
+                    f"Could not load {self.url}: global rank 0, which downloads it, failed: {detail}"
+                )
             os.ftruncate(self.files.data_fd, detail)
             self._broadcast_bytes(group, detail)
         except BaseException as exc:
-            if not isinstance(exc, _checkpoint_io().SharedLoadError):
+            if not isinstance(exc, _s3.SharedLoadError):
                 exc.add_note(f"while receiving {self.url} from global rank 0 (load_sharing='job')")
             self._set_status(exc)
             raise
@@ -769,7 +758,7 @@ class _SharedLoad:
                 status = json.loads(raw)
                 if status["ok"]:
                     return
-                raise _load_error(
+                raise _s3.SharedLoadError(
                     f"Could not load {self.url}: global rank {self.leader}, which downloads it for this node, "
                     f"failed: {status['error']}"
                 )
@@ -780,7 +769,7 @@ class _SharedLoad:
             else:  # the downloader's lock is gone: a status written just before counts, else it died
                 fcntl.flock(self.files.data_fd, fcntl.LOCK_UN)
                 if not os.pread(self.files.status_fd, 1, 0):
-                    raise _load_error(
+                    raise _s3.SharedLoadError(
                         f"Could not load {self.url}: global rank {self.leader}, which was downloading it for this "
                         "node, exited before finishing (killed?). Check that rank's log; restart the job."
                     )
@@ -790,7 +779,7 @@ class _SharedLoad:
                 started, landed = time.monotonic(), stat.st_blocks
             budget = _wait_budget_s(self.io, self.size or stat.st_size)
             if time.monotonic() - started > budget:
-                raise _load_error(
+                raise _s3.SharedLoadError(
                     f"Could not load {self.url}: global rank {self.leader}, downloading it for this node, has made "
                     f"no progress for {budget:.0f} s (the retry policy's budget plus the transfer at "
                     f"{_SLOWEST_TRANSFER_BYTES_PER_S // _s3.MB} MiB/s); giving up"
@@ -832,7 +821,7 @@ def download_shared(io: S3CheckpointIO, url: str, node_rank: int | None = None) 
     """The checkpoint at `url`, downloaded once per node or job as ``io.load_sharing`` says (see the block comment
     above); None where every rank should download its own (``"rank"``, one rank per node, no usable /dev/shm: said
     in a warning). A collective call: every rank of the default process group makes it with the same URL.
-    `node_rank`: this rank's node (default: `s3_utils.node_key`). Raises `s3_checkpoint_io.SharedLoadError` when
+    `node_rank`: this rank's node (default: `s3_utils.node_key`). Raises `s3_utils.SharedLoadError` when
     the rank that downloads for this one fails, dies or takes too long."""
     if io.load_sharing == "rank" or fcntl is None:
         return None

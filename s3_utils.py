@@ -54,9 +54,10 @@ __all__ = [
     "DirectoryFence", "DownloadedObject", "FenceToken", "LaunchIdentity", "MissingOptionalDependencyError",
     "LAUNCHER_ENV_VARS", "MultipartUploadInfo", "NODE_SHARING_MODULE", "PACER_SHARING_ENV", "PacerLane",
     "PacerLaneState", "RecordedChecksum", "RequestPacer", "RequestRates", "RetryPolicy", "S3ClientSettings",
-    "S3MultipartWriter", "S3ObjectInfo", "S3RequestOptions", "S3Utils", "SharedLaneStore", "adopt_run",
-    "buffer_address", "checksum_of", "combine_checksums", "current_run", "error_code", "forget_s3fs_instances",
-    "fresh_s3fs_instances", "get_s3_client", "global_rank", "import_optional_dependency", "invalidate_fsspec_cache",
+    "S3MultipartWriter", "S3ObjectInfo", "S3RequestOptions", "S3Utils", "SharedLaneStore", "SharedLoadError",
+    "adopt_run", "buffer_address", "checksum_of", "combine_checksums", "current_run", "error_code",
+    "forget_s3fs_instances", "fresh_s3fs_instances", "get_s3_client", "global_rank", "import_optional_dependency",
+    "invalidate_fsspec_cache",
     "is_retriable_error", "is_throttling_error", "job_key", "launch_identity", "node_key", "node_sharing",
     "release_part_buffers", "request_pacer", "validate_checksum_algorithm", "user_agent", "world_size",
 ]
@@ -144,6 +145,11 @@ def node_sharing() -> types.ModuleType | None:
             *(processes, NODE_SHARING_MODULE, os.path.dirname(os.path.abspath(__file__)), NODE_SHARING_MODULE),
         )
     return module
+
+
+class SharedLoadError(RuntimeError):
+    """The rank that downloads a shared checkpoint for this rank (``s3_node_sharing.download_shared``) failed, died
+    or took too long; the message names the URL and the cause. Also ``s3_checkpoint_io.SharedLoadError``."""
 
 
 # --------------------------------------------------------------------------------------------------------------------

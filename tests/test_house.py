@@ -136,3 +136,47 @@ def test_module_size(module: str) -> None:
 
 def test_size_limits_name_existing_modules() -> None:
     assert set(MAX_LINES) <= set(MODULES)
+
+
+CORE_CHAIN = ["s3_dirpath_utils", "s3_utils", "s3_checkpoint_io", "connector"]
+"""The core files, each importing only those before it."""
+BELOW = {"s3_node_sharing": "s3_utils"}
+"""Optional siblings the core loads on first use, with the last core module they may import (more would be a cycle)."""
+
+
+def runtime_imports(source: str) -> set[str]:
+    """The first-party modules `source` imports anywhere (in functions too), except under ``if TYPE_CHECKING:``."""
+    tree = ast.parse(source)
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {m for alias in node.names if (m := _first_party(alias.name))}
+        elif isinstance(node, ast.ImportFrom):
+            found |= {m for alias in node.names if node.module is None and (m := _first_party(alias.name))}
+            found |= {m for m in [_first_party(node.module)] if m}
+    return found
+
+
+@pytest.mark.parametrize("module", sorted(BELOW))
+def test_a_sibling_below_the_core_imports_no_core_module_after_its_place(module: str) -> None:
+    """s3_node_sharing sits between s3_utils and s3_checkpoint_io: the error it raises for a failed shared load
+    (``SharedLoadError``) is s3_utils', which s3_checkpoint_io re-exports, so it never imports s3_checkpoint_io back."""
+    allowed = set(CORE_CHAIN[: CORE_CHAIN.index(BELOW[module]) + 1])
+    later = runtime_imports((ROOT / f"{module}.py").read_text(encoding="utf-8")) & set(CORE_CHAIN) - allowed
+    assert not later, f"{module} imports {sorted(later)}, which come after {BELOW[module]} in the core chain"
+    assert runtime_imports("if TYPE_CHECKING:\n    import s3_checkpoint_io\ndef f():\n    import connector\n") == {
+        "connector"
+    }
+    import s3_checkpoint_io
+    import s3_utils
+
+    assert s3_checkpoint_io.SharedLoadError is s3_utils.SharedLoadError

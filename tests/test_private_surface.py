@@ -500,3 +500,56 @@ def test_no_released_lightning_needs_the_removed_checkpoint_io_attributes(pl: An
 def test_nemo_topk_hook_when_nemo_is_installed() -> None:
     nemo_checkpoint = pytest.importorskip("nemo.utils.callbacks.nemo_model_checkpoint")
     assert hasattr(nemo_checkpoint.NeMoModelCheckpoint, "_remove_invalid_entries_from_topk")
+
+
+# ---- megatron-core: what its own save strategy is, where the routing catches it (s3_mcore) --------------------------
+
+
+@pytest.fixture(scope="module")
+def megatron_strategies() -> Any:
+    from mcore_stub import megatron_core_installed, stand_in_for_triton_leaf
+
+    if not megatron_core_installed():
+        pytest.skip("megatron-core is not installed")
+    stand_in_for_triton_leaf()
+    return importlib.import_module("megatron.core.dist_checkpointing.strategies.torch")
+
+
+def test_megatron_cores_save_strategy_arguments(megatron_strategies: Any) -> None:
+    """S3SaveShardedStrategyMixin takes exactly these (a new one must be honoured or refused there), and reads the
+    attributes megatron-core's ``__init__`` stores them in (``cached_metadata`` as ``use_cached_ckpt_structure``)."""
+    import s3_mcore
+
+    base = megatron_strategies.TorchDistSaveShardedStrategy
+    params = inspect.signature(base.__init__).parameters
+    ours = list(inspect.signature(s3_mcore.S3SaveShardedStrategyMixin.__init__).parameters)
+    assert list(params) == ours[:-1] and ours[-1] == "writer_options"
+    stock = base(separation_hint="x.", cached_metadata=True, cpu_shm_mode=True, thread_count=3)
+    assert (stock.separation_hint, stock.use_cached_ckpt_structure, stock.cpu_shm_mode) == ("x.", True, True)
+    assert (stock.thread_count, stock.keep_only_main_replica) == (3, True)
+
+
+def test_every_save_of_megatron_cores_strategy_goes_through_its_save_methods(megatron_strategies: Any) -> None:
+    """s3_mcore's routing catches megatron-core's own strategy at ``TorchDistSaveShardedStrategy.save`` /
+    ``async_save``: ``dist_checkpointing.save`` builds that class for a missing or unknown strategy (its default,
+    ``('torch_dist', 1)``), calls ``save`` or ``async_save(sd, dir, async_strategy)``, and the fully-parallel wrapper
+    calls its base strategy's; the last guard is the local writer's constructor, whose first argument is the path."""
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies import filesystem_async, fully_parallel
+
+    base = megatron_strategies.TorchDistSaveShardedStrategy
+    assert list(inspect.signature(base.save).parameters) == ["self", "sharded_state_dict", "checkpoint_dir"]
+    assert list(inspect.signature(base.async_save).parameters)[:4] == [
+        "self", "sharded_state_dict", "checkpoint_dir", "async_strategy"
+    ]
+    source = inspect.getsource(serialization.save)
+    assert "sharded_strategy = TorchDistSaveShardedStrategy()" in source
+    assert "sharded_strategy.save(sharded_state_dict, checkpoint_dir)" in source
+    assert "sharded_strategy.async_save(sharded_state_dict, checkpoint_dir, async_strategy)" in source
+    assert type(serialization.get_default_save_sharded_strategy()) is base
+    wrapper = inspect.getsource(fully_parallel.FullyParallelSaveStrategyWrapper)
+    assert "self.base_strategy.save(sharded_state_dict, checkpoint_dir)" in wrapper
+    assert "self.base_strategy.async_save(sharded_state_dict, checkpoint_dir, async_strategy)" in wrapper
+    writer_init = inspect.signature(filesystem_async.FileSystemWriterAsync.__init__).parameters
+    assert list(writer_init)[:2] == ["self", "path"]
+    assert megatron_strategies._import_mcore_async()["FileSystemWriterAsync"] is filesystem_async.FileSystemWriterAsync
