@@ -14,14 +14,16 @@ as the commit marker, fencing, the request pacer)::
 
 Three parts, each usable alone:
 
-* `S3TorchDistSaveShardedStrategy`, a ``TorchDistSaveShardedStrategy`` that writes ``s3://`` checkpoints with
-  `s3_dcp.S3StorageWriter` (sync, or async through megatron-core's ``AsyncRequest`` with the commit in its finalize
-  step; also inside ``FullyParallelSaveStrategyWrapper``). Other paths go to megatron-core's own writer.
+* `S3TorchDistSaveShardedStrategy` (`S3SaveShardedStrategyMixin` on megatron-core's ``TorchDistSaveShardedStrategy``,
+  with its arguments and defaults) writes ``s3://`` checkpoints with `MegatronS3StorageWriter` (sync, or async
+  through megatron-core's ``AsyncRequest`` with the commit in its finalize step; also inside
+  ``FullyParallelSaveStrategyWrapper``). Other paths go to megatron-core's own writer.
 * `install_s3_routing`: megatron-core reads ``metadata.json``, checks directories and loads through module-level
   helpers (``megatron.core.msc_utils``, its hook for NVIDIA's multi-storage-client, and its filesystem reader). The
   call routes ``s3://`` URLs (and the ``s3:/...`` that ``pathlib`` makes of them) there to this package, leaves
   every other path where it went, and is undone by `S3Routing.uninstall`. Loads then use megatron-core's own load
-  strategy and planner with `s3_dcp.S3StorageReader`.
+  strategy and planner with `s3_dcp.S3StorageReader`. It also sends a save by megatron-core's own strategy (its
+  default) to an ``s3://`` directory through this package: no save to ``s3://`` lands in a local ``./s3:`` directory.
 * `megatron_checkpoint_io_class` / ``S3MegatronCheckpointIO``: NeMo 2.x's ``MegatronCheckpointIO`` keeping
   ``s3://`` URLs as text (docs/megatron.md has the recipe).
 
@@ -48,7 +50,7 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 if __package__:
     from . import s3_checkpoint_admin as _admin
@@ -821,30 +823,34 @@ def _route_filesystem_reader(routing_: S3Routing, torch_strategies: Any) -> None
             routing_._undo.append(functools.partial(setattr, module, "_get_filesystem_reader", original))
 
 
+class _RoutedMaybeMsc:
+    """Put in front of the class of megatron-core's ``maybe_msc`` (>= 0.19) by `_route_maybe_msc`: its ``open`` /
+    ``os`` / ``Path`` / ``torch`` answers get `_Router`s for ``s3://`` paths, and ``path_isdir`` answers them."""
+
+    _s3_routing: S3Routing
+    _ROUTERS: ClassVar[dict[str, type[_Router]]] = {
+        "open": _RoutedOpen, "os": _RoutedOs, "Path": _RoutedPath, "torch": _RoutedTorch
+    }
+
+    def __getattr__(self, name: str) -> Any:
+        answer = super().__getattr__(name)  # type: ignore[misc]
+        router = self._ROUTERS.get(name)
+        return answer if router is None else router(self._s3_routing, answer)
+
+    def path_isdir(self, path: Any, strict: bool = True) -> bool:
+        url = megatron_s3_url(path)
+        if url is None:
+            return super().path_isdir(path, strict=strict)  # type: ignore[misc]
+        return self._s3_routing.s3.s3_path_exists(url, match_directory=True)
+
+
 def _route_maybe_msc(routing_: S3Routing, maybe: Any) -> None:
     """megatron-core >= 0.19 sends every file operation outside its writer through one ``maybe_msc`` object, whose
     class answers ``open``/``os``/``Path``/``torch`` (multi-storage-client's when enabled, else the builtins). Its
-    class is swapped for a subclass that puts `_Router`s in front of those answers; the MSC flag is not touched."""
+    class is swapped for `_RoutedMaybeMsc` on that class; the MSC flag is not touched."""
     original_class = type(maybe)
-    routers = {"open": _RoutedOpen, "os": _RoutedOs, "Path": _RoutedPath, "torch": _RoutedTorch}
-
-    def __getattr__(self: Any, name: str) -> Any:  # noqa: N807
-        answer = original_class.__getattr__(self, name)
-        router = routers.get(name)
-        return answer if router is None else router(routing_, answer)
-
-    def path_isdir(self: Any, path: Any, strict: bool = True) -> bool:
-        url = megatron_s3_url(path)
-        if url is None:
-            return original_class.path_isdir(self, path, strict=strict)
-        return routing_.s3.s3_path_exists(url, match_directory=True)
-
-    routed_class = type(
-        "S3RoutedMaybeMultiStorageClient",
-        (original_class,),
-        {"__getattr__": __getattr__, "path_isdir": path_isdir, "__module__": __name__},
-    )
-    maybe.__class__ = routed_class
+    namespace = {"__module__": __name__, "_s3_routing": routing_}
+    maybe.__class__ = type("S3RoutedMaybeMultiStorageClient", (_RoutedMaybeMsc, original_class), namespace)
     routing_.mechanism = "maybe_msc"
     routing_._undo.append(lambda: setattr(maybe, "__class__", original_class))
 
@@ -1195,7 +1201,7 @@ S3TorchDistSaveShardedStrategy: type
 
 
 def __getattr__(name: str) -> Any:
-    """PEP 562: classes that subclass megatron-core's, NeMo's or torch's are built on first access."""
+    """PEP 562: the classes whose base is megatron-core's or NeMo's are built on first access."""
     builders: dict[str, Callable[[], type]] = {
         "S3TorchDistSaveShardedStrategy": _strategy_class,
         "S3MegatronCheckpointIO": megatron_checkpoint_io_class,
