@@ -3,7 +3,8 @@
 Two launches of real ranks (tests/helpers/mcore_worker.py; gloo on CPU) serve every multi-rank case: 2 ranks save and
 load sync, async (megatron-core's AsyncCallsQueue), under FullyParallelSaveStrategyWrapper and through the NeMo-style
 checkpoint IO, fail on one rank's upload, overwrite, get fenced and throttled, exchange checkpoints with stock
-megatron-core; then 1 rank reshards what 2 saved. The single-process tests cover the routing's install / uninstall,
+megatron-core, save through megatron-core's own (default) strategy with the routing, and leave a replicated tensor to
+its main replica; then 1 rank reshards what 2 saved. The single-process tests cover the routing's install / uninstall,
 what stays local, the module without megatron-core, and pin the megatron-core names the module uses.
 
 megatron-core is installed by the test set-up (``--no-deps``, see the Makefile); triton's one leaf module is stood in

@@ -44,6 +44,8 @@ SCENARIOS = [
     "fencing",
     "throttled",
     "nemo_io",
+    "default_strategy",
+    "main_replica",
     "parallel_load",  # before `overwrite` replaces the checkpoint it loads
     "overwrite",
 ]
