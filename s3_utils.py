@@ -3065,6 +3065,8 @@ def current_run() -> CheckpointRun:
 def adopt_run(run: CheckpointRun) -> None:
     """Make `run` this process's run (`current_run`): a job's ranks adopt rank 0's (`S3ModelCheckpoint.setup`)."""
     global _process_run
+    if not isinstance(run, CheckpointRun):  # it is written into owner records: a stand-in would break every save
+        raise TypeError(f"adopt_run expects a CheckpointRun, got {type(run).__name__}")
     with _process_run_lock:
         if _process_run != run:
             logger.debug("This process is now %s (was %s)", run, _process_run)
