@@ -962,27 +962,14 @@ class S3ModelCheckpointMixin:
 # ... and the Lightning classes, built per family on first use
 # --------------------------------------------------------------------------------------------------------------------
 
-_FAMILIES = ("lightning.pytorch", "pytorch_lightning")
+_FAMILIES = _ckpt_io.LIGHTNING_FAMILIES
 _CLASS_SUFFIX = {"lightning.pytorch": "", "pytorch_lightning": "PL"}
 _CONNECTOR_NAME = "NeMoCheckpointConnector"
 _CALLBACK_NAME = "S3ModelCheckpoint"
 
 
-def _default_family() -> str:
-    for family in _FAMILIES:
-        with contextlib.suppress(ImportError):
-            importlib.import_module(family)
-            return family
-    _s3.import_optional_dependency("lightning", "the Lightning connector and ModelCheckpoint")
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
 def _family_of(family: str | None) -> str:
-    if family is None:
-        return _default_family()
-    if family not in _FAMILIES:
-        raise ValueError(f"family must be one of {_FAMILIES}, got {family!r}")
-    return family
+    return _ckpt_io.lightning_family(family, "the Lightning connector and ModelCheckpoint")
 
 
 def _lightning_module(family: str, submodule: str) -> Any:

@@ -56,6 +56,7 @@ else:  # installed (or copied) as top-level modules
     import s3_utils as _s3
 
 __all__ = [
+    "LIGHTNING_FAMILIES",
     "LOAD_SHARING_MODES",
     "CheckpointDirectoryTakenError",
     "NotACheckpointError",
@@ -114,6 +115,25 @@ def register_with_lightning(cls: type) -> list[str]:
     if not found:
         _s3.import_optional_dependency("lightning", "the Lightning CheckpointIO plugin")
     return found
+
+
+LIGHTNING_FAMILIES = ("lightning.pytorch", "pytorch_lightning")
+"""The two import names Lightning ships under; each has its own classes, and each Trainer rejects the other's."""
+
+
+def lightning_family(family: str | None = None, what: str = "Lightning support") -> str:
+    """`family` checked against `LIGHTNING_FAMILIES`, or for None the first one installed (``lightning.pytorch``
+    first); MissingOptionalDependencyError naming the install line (for `what`) if neither is."""
+    if family is not None:
+        if family not in LIGHTNING_FAMILIES:
+            raise ValueError(f"family must be one of {LIGHTNING_FAMILIES}, got {family!r}")
+        return family
+    for name in LIGHTNING_FAMILIES:
+        with contextlib.suppress(ImportError):
+            __import__(name)
+            return name
+    _s3.import_optional_dependency("lightning", what)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def lightning_user_agent() -> str | None:
