@@ -23,11 +23,8 @@ import inspect
 import logging
 import math
 import os
-import pickle
 import re
-import sys
 import time
-import traceback
 import types
 import warnings
 from collections.abc import Iterable, Mapping
@@ -535,113 +532,11 @@ def _fallback_urls(candidates: list[ResumeCandidate], chosen: ResumeCandidate) -
     return [candidate.url for candidate in sorted(usable, key=key, reverse=True)]
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Resume never sticks: a checkpoint that does not verify or load is skipped (never deleted) for the next newest
-# --------------------------------------------------------------------------------------------------------------------
-# Else a broken newest checkpoint fails every relaunch until deleted by hand. Every rank tries the same one; all move
-# on when any found it unusable (one all-gather per try). Other failures (network, fencing) are raised.
-
-
-def is_unusable_checkpoint_error(exc: BaseException) -> bool:
-    """Whether `exc`, raised loading a checkpoint, says the checkpoint itself is unusable: a checksum mismatch, a
-    missing object or shard, a file or ``.metadata`` that does not unpickle or read, also inside DCP's
-    ``CheckpointException``; not a ``weights_only`` refusal (a setting) nor a fenced-off run."""
-    seen: set[int] = set()
-    pending: list[BaseException] = [exc]
-    while pending:
-        current = pending.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, _s3.CheckpointDirectoryTakenError):
-            return False
-        if isinstance(current, (_s3.ChecksumMismatchError, FileNotFoundError, EOFError)):
-            return True
-        if isinstance(current, pickle.UnpicklingError) and "weights_only" not in str(current).lower():
-            return True
-        if isinstance(current, AssertionError) and "metadata read failed" in str(current):
-            return True  # dcp.load's planning step reports a .metadata that does not read as this text only
-        for failure in (getattr(current, "failures", None) or {}).values():  # DCP's CheckpointException
-            inner = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(inner, BaseException):
-                pending.append(inner)
-        if current.__cause__ is not None:
-            pending.append(current.__cause__)
-    return False
-
-
-class ResumeFailedError(RuntimeError):
-    """Another rank could not load the checkpoint every rank was resuming from; the message names it and the cause."""
-
-
-def _describe_failure(exc: BaseException) -> str:
-    """One line: the exception (for DCP's CheckpointException, each rank's failure inside it, without tracebacks)."""
-    failures = getattr(exc, "failures", None) or {}
-    if failures:
-        inner = {rank: f[0] if isinstance(f, tuple) else f for rank, f in failures.items()}
-        return "; ".join(f"rank {rank}: {_describe_failure(e)}" for rank, e in inner.items())[:2000]
-    return "".join(traceback.format_exception_only(exc)).strip().replace("\n", "; ")[:2000]
-
-
-def _gather_outcomes(outcome: tuple[str, str] | None) -> list[tuple[str, str] | None]:
-    """Every rank's outcome of one try, in rank order (only this one outside a process group)."""
-    torch = sys.modules.get("torch")
-    dist = getattr(torch, "distributed", None) if torch is not None else None
-    if dist is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
-        return [outcome]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, outcome)
-    return gathered
-
-
-def load_newest_usable(urls: Iterable[str], load: Any, *, fallback: bool = True) -> tuple[str, Any]:
-    """``(url, load(url))`` for the first of `urls` (newest first) that loads on every rank, each one skipped logged
-    and left in place. Collective: every rank passes the same `urls` and all move on when some rank found the
-    checkpoint unusable (`is_unusable_checkpoint_error`); other failures are raised (`ResumeFailedError` on ranks
-    whose load succeeded). `fallback=False`: the first URL only. None left: the last failure, noting those skipped."""
-    urls = list(urls)
-    if not urls:
-        raise ValueError("load_newest_usable needs at least one checkpoint URL")
-    if not fallback:
-        urls = urls[:1]
-    skipped: list[str] = []
-    for index, url in enumerate(urls):
-        result, error, outcome = None, None, None
-        try:
-            result = load(url)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # DCP's CheckpointException is a BaseException
-            error = exc
-            outcome = ("unusable" if is_unusable_checkpoint_error(exc) else "error", _describe_failure(exc))
-        outcomes = _gather_outcomes(outcome)
-        if all(o is None for o in outcomes):
-            if skipped:
-                logger.warning("Resumed from %s after skipping %d newer checkpoint(s): %s", url, len(skipped), skipped)
-            return url, result
-        failures = [(rank, o) for rank, o in enumerate(outcomes) if o is not None]
-        unusable = [(rank, o) for rank, o in failures if o[0] == "unusable"]
-        rank, (kind, reason) = (unusable or failures)[0]
-        if kind == "unusable" and index + 1 < len(urls):
-            logger.warning(
-                "Not resuming from %s: it does not verify or load on rank %d (%s). It is left in place (not deleted); "
-                "falling back to the next newest checkpoint, %s",
-                url,
-                rank,
-                reason,
-                urls[index + 1],
-            )
-            skipped.append(url)
-            continue
-        if error is None:
-            error = ResumeFailedError(f"Global rank {rank} could not load {url}: {reason}")
-        if skipped:
-            error.add_note(f"resume skipped these newer checkpoints, which do not verify or load: {skipped}")
-        if kind == "unusable" and not fallback:
-            error.add_note("resume_fallback is off (strict): older checkpoints were not tried")
-        raise error
-    raise AssertionError("unreachable")
-
+# The resume fallback (`load_newest_usable`) lives in s3_checkpoint_io, beside the loads it retries; NeMo-style
+# callers import it from here.
+is_unusable_checkpoint_error = _ckpt_io.is_unusable_checkpoint_error
+load_newest_usable = _ckpt_io.load_newest_usable
+ResumeFailedError = _ckpt_io.ResumeFailedError
 
 # --------------------------------------------------------------------------------------------------------------------
 # check_resume (NeMo's exp_manager.check_resume)
@@ -649,8 +544,10 @@ def load_newest_usable(urls: Iterable[str], load: Any, *, fallback: bool = True)
 
 
 def _s3_utils_of_trainer(trainer: Any) -> _s3.S3Utils | None:
-    """The `S3Utils` of the trainer's `S3CheckpointIO`: discovery uses the saves' endpoint, credentials, retries."""
-    return getattr(_ckpt_io.s3_checkpoint_io_of(getattr(trainer, "strategy", None)), "s3", None)
+    """The `S3Utils` of the trainer's `S3CheckpointIO`: discovery uses the saves' endpoint, credentials, retries.
+    None if there is none, or if what the plugin holds is not an `S3Utils` (a test double as the plugin)."""
+    s3 = getattr(_ckpt_io.s3_checkpoint_io_of(getattr(trainer, "strategy", None)), "s3", None)
+    return s3 if isinstance(s3, _s3.S3Utils) else None
 
 
 def check_resume(
@@ -901,13 +798,41 @@ class S3ModelCheckpointMixin:
             self._s3_utils(trainer)
         connector = trainer._checkpoint_connector
         state = (getattr(connector, "_ckpt_path", None), getattr(connector, "_user_managed", False))
-        plugin = _ckpt_io.s3_checkpoint_io_of(getattr(trainer, "strategy", None))  # its run, else ours
-        shared = (state, self.last_model_path, plugin.run if plugin is not None else _s3.current_run())
+        run = getattr(_ckpt_io.s3_checkpoint_io_of(getattr(trainer, "strategy", None)), "run", None)
+        if not isinstance(run, _s3.CheckpointRun):  # no plugin, or a test double as the plugin: this process's run
+            run = _s3.current_run()
+        shared = (state, self.last_model_path, run)
         (ckpt_path, user_managed), last_model_path, run = _broadcast_from_rank_zero(trainer, shared)
         connector._ckpt_path = ckpt_path
         connector._user_managed = user_managed
         self.last_model_path = last_model_path
         _s3.adopt_run(run)  # the ranks of one job are one run (docs/runs.md), whatever their launcher said
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Lightning's ``AsyncCheckpointIO`` tears down only its own thread: an `S3CheckpointIO` it wraps is torn
+        down here (its uploads waited for, its worker stopped, a failure raised), after the strategy's teardown."""
+        super().teardown(trainer, pl_module, stage)  # type: ignore[misc]
+        strategy = getattr(trainer, "strategy", None)
+        plugin = _ckpt_io.s3_checkpoint_io_of(strategy)
+        if plugin is not None and getattr(strategy, "_checkpoint_io", None) is not plugin:
+            plugin.teardown()
+
+    @property
+    def state_key(self) -> str:
+        """``ModelCheckpoint``'s key: Lightning files callback state under a key holding the class name, so the
+        state (best and top-k models, last path) of a checkpoint written with either class resumes with the other."""
+        key = str(super().state_key)  # type: ignore[misc]
+        base = type(self).__dict__.get("lightning_base")  # a class built here; a user's subclass keeps its own name
+        return base.__qualname__ + key.removeprefix(type(self).__qualname__) if base is not None else key
+
+    @property
+    def _legacy_state_key(self) -> Any:
+        """Lightning's fallback key on load: the ``S3ModelCheckpoint{...}`` key this package wrote before, so those
+        checkpoints keep their callback state too."""
+        base = type(self).__dict__.get("lightning_base")
+        if base is None:
+            return super()._legacy_state_key  # type: ignore[misc]
+        return type(self).__qualname__ + self.state_key.removeprefix(base.__qualname__)
 
     def file_exists(self, filepath: Any, trainer: Any, *args: Any, **kwargs: Any) -> bool:
         if not _is_s3_path(filepath):
@@ -915,6 +840,9 @@ class S3ModelCheckpointMixin:
         url = _urls.normalize_s3_url(filepath)
 
         def head() -> bool:
+            queued = _ckpt_io.pending_operation(url)  # an async save in flight, or a removal deferred behind one
+            if queued is not None:
+                return queued == "save"
             _s3.invalidate_fsspec_cache(url)
             return self._s3_utils(trainer).s3_path_exists(url)
 
@@ -1034,27 +962,14 @@ class S3ModelCheckpointMixin:
 # ... and the Lightning classes, built per family on first use
 # --------------------------------------------------------------------------------------------------------------------
 
-_FAMILIES = ("lightning.pytorch", "pytorch_lightning")
+_FAMILIES = _ckpt_io.LIGHTNING_FAMILIES
 _CLASS_SUFFIX = {"lightning.pytorch": "", "pytorch_lightning": "PL"}
 _CONNECTOR_NAME = "NeMoCheckpointConnector"
 _CALLBACK_NAME = "S3ModelCheckpoint"
 
 
-def _default_family() -> str:
-    for family in _FAMILIES:
-        with contextlib.suppress(ImportError):
-            importlib.import_module(family)
-            return family
-    _s3.import_optional_dependency("lightning", "the Lightning connector and ModelCheckpoint")
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
 def _family_of(family: str | None) -> str:
-    if family is None:
-        return _default_family()
-    if family not in _FAMILIES:
-        raise ValueError(f"family must be one of {_FAMILIES}, got {family!r}")
-    return family
+    return _ckpt_io.lightning_family(family, "the Lightning connector and ModelCheckpoint")
 
 
 def _lightning_module(family: str, submodule: str) -> Any:
@@ -1081,7 +996,25 @@ def _lightning_subclass(base_name: str, family: str, mixin: type, base: type, wh
     name = base_name + _CLASS_SUFFIX[family]
     doc = f"Lightning's ``{base.__name__}`` ({family}), {what}. {mixin.__doc__}"
     namespace = {"__module__": __name__, "__qualname__": name, "__doc__": doc, "lightning_base": base}
+    if mixin is S3ModelCheckpointMixin:
+        namespace["__init__"] = _callback_init(base)
     return type(name, (mixin, base), namespace)
+
+
+def _callback_init(base: type) -> Any:
+    """`S3ModelCheckpointMixin.__init__` with the signature of `base`'s plus ``s3_utils``, so that
+    ``inspect.signature``, LightningCLI and jsonargparse see (and configure) every ``ModelCheckpoint`` argument."""
+
+    def init(self: Any, *args: Any, s3_utils: _s3.S3Utils | None = None, **kwargs: Any) -> None:
+        S3ModelCheckpointMixin.__init__(self, *args, s3_utils=s3_utils, **kwargs)
+
+    signature = inspect.signature(base.__init__)
+    kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    parameters = [p for p in signature.parameters.values() if p.kind not in kinds]
+    own = inspect.Parameter("s3_utils", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=_s3.S3Utils | None)
+    init.__signature__ = signature.replace(parameters=[*parameters, own])  # type: ignore[attr-defined]
+    init.__name__, init.__doc__ = "__init__", base.__init__.__doc__
+    return init
 
 
 NeMoCheckpointConnector: type

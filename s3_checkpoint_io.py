@@ -8,11 +8,16 @@ module holds the torch side of checkpointing; everything that talks to S3 is in 
 * loading: the object is downloaded and verified into an in-memory file that ``torch.load(mmap=True)`` maps, so the
   tensors use the downloaded pages; bytes that are not a torch checkpoint raise `NotACheckpointError`;
 * async saves: tensors are snapshotted to host memory (`snapshot_to_host`), uploaded in the background, and a
-  removal waits until every save issued before it is durable; background failures are raised at the next call;
+  removal waits until every save issued before it is durable; background failures are raised at the next call; a
+  load in this process of a URL whose save is in flight (by any instance) waits for it (`wait_for_pending_save`),
+  and `pending_operation` tells ModelCheckpoint's name versioning about saves not yet visible on S3;
 * fencing: saves and removals in an ``s3://`` directory go through an `s3_utils.DirectoryFence`, so a stale run
   (an older job still writing where a newer one took over) gets `CheckpointDirectoryTakenError` and changes nothing;
 * collective loads (`collective_resume`, `S3CheckpointIO.collective_load`): every rank loading one checkpoint
   shares one download per node or job, through the optional sibling `s3_node_sharing` (without it: one per rank);
+  a resume skips a checkpoint that does not verify or load for the next newest (`load_newest_usable`);
+* errors keep Lightning's wording: a missing checkpoint is ``FileNotFoundError("Checkpoint file not found: <url>")``,
+  one S3 refuses to read a ``PermissionError``, with S3's detail (status, request id) as notes;
 * `register_with_lightning`: the class is a ``CheckpointIO`` of every installed Lightning family (``lightning`` and
   ``pytorch_lightning``), so both Trainers accept it; torch and Lightning are imported on first use.
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import functools
 import inspect
 import io
@@ -35,8 +41,9 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -49,18 +56,24 @@ else:  # installed (or copied) as top-level modules
     import s3_utils as _s3
 
 __all__ = [
+    "LIGHTNING_FAMILIES",
     "LOAD_SHARING_MODES",
     "CheckpointDirectoryTakenError",
     "NotACheckpointError",
     "S3CheckpointIO",
     "SharedLoadError",
     "TransferRecord",
+    "ResumeFailedError",
     "collective_resume",
+    "is_unusable_checkpoint_error",
+    "load_newest_usable",
     "lightning_user_agent",
+    "pending_operation",
     "register_with_lightning",
     "s3_checkpoint_io_of",
     "snapshot_to_host",
     "torch_save_without_zip_crc32",
+    "wait_for_pending_save",
 ]
 __version__ = _s3.__version__
 
@@ -102,6 +115,25 @@ def register_with_lightning(cls: type) -> list[str]:
     if not found:
         _s3.import_optional_dependency("lightning", "the Lightning CheckpointIO plugin")
     return found
+
+
+LIGHTNING_FAMILIES = ("lightning.pytorch", "pytorch_lightning")
+"""The two import names Lightning ships under; each has its own classes, and each Trainer rejects the other's."""
+
+
+def lightning_family(family: str | None = None, what: str = "Lightning support") -> str:
+    """`family` checked against `LIGHTNING_FAMILIES`, or for None the first one installed (``lightning.pytorch``
+    first); MissingOptionalDependencyError naming the install line (for `what`) if neither is."""
+    if family is not None:
+        if family not in LIGHTNING_FAMILIES:
+            raise ValueError(f"family must be one of {LIGHTNING_FAMILIES}, got {family!r}")
+        return family
+    for name in LIGHTNING_FAMILIES:
+        with contextlib.suppress(ImportError):
+            __import__(name)
+            return name
+    _s3.import_optional_dependency("lightning", what)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def lightning_user_agent() -> str | None:
@@ -147,14 +179,69 @@ class _PendingSave:
     path: str
     future: Future[TransferRecord | None] | None = None
     settled: threading.Event = field(default_factory=threading.Event)
-    failed: bool = False
+    error: BaseException | None = None
     blocked_s: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
 
 
 @dataclass(eq=False)
 class _DeferredRemoval:
     path: str
     waits_for: list[_PendingSave]
+
+
+# ---- what this process has queued, by URL, across every S3CheckpointIO ------------------------------------------
+# An async save returns before its object exists, and a removal may be deferred: a reader in this process (another
+# plugin instance, a new Trainer, ModelCheckpoint's "does this name exist?") asks here first. Only this module's own
+# `_PendingSave` / `_DeferredRemoval` objects are ever registered; each leaves when it settles.
+
+_queued_lock = threading.Lock()
+_queued: dict[str, list[_PendingSave | _DeferredRemoval]] = {}
+
+
+def _queue(operation: _PendingSave | _DeferredRemoval) -> None:
+    with _queued_lock:
+        _queued.setdefault(operation.path, []).append(operation)
+
+
+def _unqueue(operation: _PendingSave | _DeferredRemoval) -> None:
+    with _queued_lock:
+        queued = _queued.get(operation.path, [])
+        if operation in queued:
+            queued.remove(operation)
+        if not queued:
+            _queued.pop(operation.path, None)
+
+
+def pending_operation(path: str | os.PathLike[str]) -> str | None:
+    """What this process last queued for `path` and has not finished, by any `S3CheckpointIO`: ``"save"`` (an async
+    save still uploading: the object will exist), ``"remove"`` (a deferred removal: it will not), else None."""
+    with _queued_lock:
+        queued = _queued.get(_urls.as_path_or_s3_url(path))
+        last = queued[-1] if queued else None
+    if last is None:
+        return None
+    return "save" if isinstance(last, _PendingSave) else "remove"
+
+
+def wait_for_pending_save(path: str | os.PathLike[str], timeout: float | None = None) -> None:
+    """Block until the async saves of `path` that this process has in flight (by any `S3CheckpointIO`) settle, and
+    raise the failure of the last one, if it failed (its own plugin also raises it at its next call). A load of
+    `path` calls this first, so a save made in this process is there for the load (`S3CheckpointIO.load_checkpoint`).
+    TimeoutError if they do not settle within `timeout` seconds."""
+    path = _urls.as_path_or_s3_url(path)
+    with _queued_lock:
+        saves = [op for op in _queued.get(path, []) if isinstance(op, _PendingSave)]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for pending in saves:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not pending.settled.wait(left):
+            raise TimeoutError(f"The async save of {path} in this process did not finish within {timeout} s")
+    if saves and saves[-1].error is not None:
+        raise saves[-1].error
 
 
 class S3CheckpointIO:
@@ -325,8 +412,15 @@ class S3CheckpointIO:
         executor = self._get_executor()
         pending = _PendingSave(path)
         with self._lock:
+            # A removal of this path deferred earlier would delete this save's object if it ran after it: the new
+            # save replaces the object anyway, and if it fails the old one stays, so the removal is dropped.
+            superseded = [removal for removal in self._deferred if removal.path == path]
+            self._deferred = [removal for removal in self._deferred if removal.path != path]
             self._pending.append(pending)
+            _queue(pending)
             pending.future = executor.submit(self._save_now, snapshot, path)
+        for removal in superseded:
+            _unqueue(removal)
         self.last_save_blocked_s = pending.blocked_s = time.perf_counter() - started
         pending.future.add_done_callback(lambda _, pending=pending: self._on_save_done(pending))
         logger.debug("Queued async save of %s (blocked %.3f s)", path, self.last_save_blocked_s)
@@ -395,6 +489,7 @@ class S3CheckpointIO:
         path = _urls.as_path_or_s3_url(path)
         self._raise_background_errors()
         self._wait_for_saves_of(path)
+        wait_for_pending_save(path)  # a save of this URL by another plugin instance in this process
         torch = _torch()
         load_kwargs: dict[str, Any] = {"map_location": map_location}
         if weights_only is not None:
@@ -408,6 +503,18 @@ class S3CheckpointIO:
             elapsed = time.perf_counter() - started
             self._record(TransferRecord("load", path, os.path.getsize(path), elapsed, None, elapsed))
             return checkpoint
+        try:
+            return self._load_s3(torch, path, armed, load_kwargs, started)
+        except (FileNotFoundError, PermissionError) as exc:
+            raise _as_lightning_load_error(path, exc) from exc
+        except Exception as exc:
+            if _s3.error_code(exc) not in _ACCESS_DENIED_CODES:
+                raise
+            raise _as_lightning_load_error(path, exc) from exc
+
+    def _load_s3(
+        self, torch: Any, path: str, armed: _CollectiveLoad | None, load_kwargs: dict[str, Any], started: float
+    ) -> dict[str, Any]:
         shared = None if armed is None else _download_shared(self, path, armed)
         if shared is not None:
             with shared:
@@ -455,7 +562,9 @@ class S3CheckpointIO:
         with self._lock:
             waits_for = list(self._pending)  # every save not yet settled, including one that has just failed
             if waits_for:
-                self._deferred.append(_DeferredRemoval(path, waits_for))
+                removal = _DeferredRemoval(path, waits_for)
+                self._deferred.append(removal)
+                _queue(removal)
                 logger.debug("Deferred removal of %s until %d pending save(s) finish", path, len(waits_for))
                 return
         self._remove_now(path)
@@ -511,23 +620,26 @@ class S3CheckpointIO:
             with self._lock:
                 self._pending.remove(pending)
                 if exc is not None:
-                    pending.failed = True
+                    pending.error = exc
                     exc.add_note(f"raised by the background save of {pending.path}")
                     logger.error("Background save of %s failed: %r", pending.path, exc)
                     self._errors.append(exc)
                 ready = [d for d in self._deferred if not any(p in self._pending for p in d.waits_for)]
                 self._deferred = [d for d in self._deferred if d not in ready]
             for removal in ready:
-                if any(p.failed for p in removal.waits_for):
-                    logger.warning("Not removing %s: a save issued before its removal failed", removal.path)
-                    continue
                 try:
+                    if any(p.failed for p in removal.waits_for):
+                        logger.warning("Not removing %s: a save issued before its removal failed", removal.path)
+                        continue
                     self._remove_now(removal.path)
                 except Exception as error:
                     error.add_note(f"raised by the deferred removal of {removal.path}")
                     with self._lock:
                         self._errors.append(error)
+                finally:
+                    _unqueue(removal)
         finally:
+            _unqueue(pending)
             pending.settled.set()
 
     def _raise_background_errors(self) -> None:
@@ -710,6 +822,25 @@ def _atomic_local_save(torch: Any, checkpoint: dict[str, Any], path: str) -> Non
         raise
 
 
+_ACCESS_DENIED_CODES = frozenset({"AccessDenied", "403", "Forbidden"})
+
+
+def _as_lightning_load_error(url: str, exc: BaseException) -> OSError:
+    """The error Lightning's ``TorchCheckpointIO`` gives for a checkpoint that is missing (``FileNotFoundError:
+    Checkpoint file not found: <path>``) or that may not be read (``PermissionError``, as ``open`` raises), with
+    what S3 said (the URL, the operation, its status and request id) kept as notes."""
+    if isinstance(exc, FileNotFoundError) or _s3.error_code(exc) not in _ACCESS_DENIED_CODES | {"PermissionError"}:
+        error: OSError = FileNotFoundError(f"Checkpoint file not found: {url}")
+    else:
+        error = PermissionError(errno.EACCES, "Permission denied (S3 refused to read the checkpoint)", url)
+    notes = getattr(exc, "__notes__", [])
+    ids = "" if any(url in note for note in notes) else _s3.response_ids(exc.__cause__ or exc)  # else noted already
+    error.add_note(f"S3: {exc}{ids}")
+    for note in notes:
+        error.add_note(note)
+    return error
+
+
 _TORCH_ZIP_MAGIC = b"PK\x03\x04"
 """The first bytes of torch's zip checkpoint format (torch.serialization's ``_is_zipfile`` checks the same)."""
 _WEIGHTS_ONLY_REFUSAL = "weights only load failed"
@@ -737,6 +868,114 @@ def _torch_load_checkpoint(
             f"{url} ({size} bytes{', empty' if not size else ''}) is not a loadable torch checkpoint: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Resume never sticks: a checkpoint that does not verify or load is skipped (never deleted) for the next newest
+# --------------------------------------------------------------------------------------------------------------------
+# Else a broken newest checkpoint fails every relaunch until deleted by hand. Every rank tries the same one; all move
+# on when any found it unusable (one all-gather per try). Other failures (network, fencing) are raised.
+
+
+def is_unusable_checkpoint_error(exc: BaseException) -> bool:
+    """Whether `exc`, raised loading a checkpoint, says the checkpoint itself is unusable: a checksum mismatch, a
+    missing object or shard, a file or ``.metadata`` that does not unpickle or read, also inside DCP's
+    ``CheckpointException``; not a ``weights_only`` refusal (a setting) nor a fenced-off run."""
+    seen: set[int] = set()
+    pending: list[BaseException] = [exc]
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, CheckpointDirectoryTakenError):
+            return False
+        if isinstance(current, (_s3.ChecksumMismatchError, FileNotFoundError, EOFError)):
+            return True
+        if isinstance(current, pickle.UnpicklingError) and "weights_only" not in str(current).lower():
+            return True
+        if isinstance(current, AssertionError) and "metadata read failed" in str(current):
+            return True  # dcp.load's planning step reports a .metadata that does not read as this text only
+        for failure in (getattr(current, "failures", None) or {}).values():  # DCP's CheckpointException
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException):
+                pending.append(inner)
+        if current.__cause__ is not None:
+            pending.append(current.__cause__)
+    return False
+
+
+class ResumeFailedError(RuntimeError):
+    """Another rank could not load the checkpoint every rank was resuming from; the message names it and the cause."""
+
+
+def _describe_failure(exc: BaseException) -> str:
+    """One line: the exception (for DCP's CheckpointException, each rank's failure inside it, without tracebacks)."""
+    failures = getattr(exc, "failures", None) or {}
+    if failures:
+        inner = {rank: f[0] if isinstance(f, tuple) else f for rank, f in failures.items()}
+        return "; ".join(f"rank {rank}: {_describe_failure(e)}" for rank, e in inner.items())[:2000]
+    return "".join(traceback.format_exception_only(exc)).strip().replace("\n", "; ")[:2000]
+
+
+def _gather_outcomes(outcome: tuple[str, str] | None) -> list[tuple[str, str] | None]:
+    """Every rank's outcome of one try, in rank order (only this one outside a process group)."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    if dist is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return [outcome]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, outcome)
+    return gathered
+
+
+def load_newest_usable(urls: Iterable[str], load: Any, *, fallback: bool = True) -> tuple[str, Any]:
+    """``(url, load(url))`` for the first of `urls` (newest first) that loads on every rank, each one skipped logged
+    and left in place. Collective: every rank passes the same `urls` and all move on when some rank found the
+    checkpoint unusable (`is_unusable_checkpoint_error`); other failures are raised (`ResumeFailedError` on ranks
+    whose load succeeded). `fallback=False`: the first URL only. None left: the last failure, noting those skipped."""
+    urls = list(urls)
+    if not urls:
+        raise ValueError("load_newest_usable needs at least one checkpoint URL")
+    if not fallback:
+        urls = urls[:1]
+    skipped: list[str] = []
+    for index, url in enumerate(urls):
+        result, error, outcome = None, None, None
+        try:
+            result = load(url)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            error = exc
+            outcome = ("unusable" if is_unusable_checkpoint_error(exc) else "error", _describe_failure(exc))
+        outcomes = _gather_outcomes(outcome)
+        if all(o is None for o in outcomes):
+            if skipped:
+                logger.warning("Resumed from %s after skipping %d newer checkpoint(s): %s", url, len(skipped), skipped)
+            return url, result
+        failures = [(rank, o) for rank, o in enumerate(outcomes) if o is not None]
+        unusable = [(rank, o) for rank, o in failures if o[0] == "unusable"]
+        rank, (kind, reason) = (unusable or failures)[0]
+        if kind == "unusable" and index + 1 < len(urls):
+            logger.warning(
+                "Not resuming from %s: it does not verify or load on rank %d (%s). It is left in place (not deleted); "
+                "falling back to the next newest checkpoint, %s",
+                url,
+                rank,
+                reason,
+                urls[index + 1],
+            )
+            skipped.append(url)
+            continue
+        if error is None:
+            error = ResumeFailedError(f"Global rank {rank} could not load {url}: {reason}")
+        if skipped:
+            error.add_note(f"resume skipped these newer checkpoints, which do not verify or load: {skipped}")
+        if kind == "unusable" and not fallback:
+            error.add_note("resume_fallback is off (strict): older checkpoints were not tried")
+        raise error
+    raise AssertionError("unreachable")
 
 
 # --------------------------------------------------------------------------------------------------------------------

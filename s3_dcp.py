@@ -206,6 +206,26 @@ def _validate_sizes(chunk_size_MB: float, concurrency: int, concurrency_name: st
 # Writer
 # --------------------------------------------------------------------------------------------------------------------
 
+_FILESYSTEM_WRITER_OPTIONS: dict[str, tuple[Any, str]] = {
+    # torch FileSystemWriter's argument: (the one value it has here, or ... for any; why)
+    "sync_files": (..., "an S3 object is durable once its upload completes, with nothing to fsync"),
+    "per_thread_copy_ahead": (..., "each tensor is copied to host as its item is written, with no queue to size"),
+    "single_file_per_rank": (True, "each rank writes one object per thread (thread_count), never one per tensor"),
+    "serialization_format": ("torch_save", "its objects are torch_save .distcp files (no safetensors)"),
+    "_extensions": (None, "it has no stream transforms (extensions)"),
+}
+
+
+def _check_filesystem_writer_options(options: dict[str, Any]) -> None:
+    """Refuse by name (ValueError, with the reason) a torch ``FileSystemWriter`` argument whose value has no meaning
+    on S3; any other unknown keyword is a TypeError naming it, as Python's own."""
+    for name, value in options.items():
+        if name not in _FILESYSTEM_WRITER_OPTIONS:
+            raise TypeError(f"S3StorageWriter got an unexpected keyword argument {name!r}")
+        only, why = _FILESYSTEM_WRITER_OPTIONS[name]
+        if only is not ... and getattr(value, "value", value) != only:
+            raise ValueError(f"S3StorageWriter does not support {name}={value!r}: {why}")
+
 
 @dataclass(frozen=True)
 class _FilePrefix:
@@ -481,6 +501,8 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         cache_staged_state_dict: ``async_save`` only: keep the staged host copy for the next save (torch's option).
         request_options: encryption, storage class, tags, bucket owner, requester pays (`s3_utils.S3RequestOptions`
             or a mapping); max_requests_per_second: the job's S3 request budget. Neither with `s3_utils`.
+        filesystem_writer_options: torch's other ``FileSystemWriter`` arguments, accepted where S3 gives them their
+            meaning, else refused by name with the reason (`_FILESYSTEM_WRITER_OPTIONS`).
     """
 
     def __init__(
@@ -501,7 +523,9 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         request_options: _s3.S3RequestOptions | dict[str, Any] | None = None,
         fencing: bool = True,
         max_requests_per_second: float | dict[str, float] | _s3.RequestRates | None = None,
+        **filesystem_writer_options: Any,
     ) -> None:
+        _check_filesystem_writer_options(filesystem_writer_options)
         _validate_sizes(chunk_size_MB, max_write_concurrency, "max_write_concurrency")
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be an int >= 1, got {thread_count!r}")
@@ -657,8 +681,8 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         if not existing:
             return
         if not self.overwrite:
-            raise FileExistsError(
-                f"A checkpoint already exists at {self.path} ({_join(self.path, existing[0])}) and overwrite=False: "
+            raise FileExistsError(  # torch's writers' words first (its tests match on them), then ours
+                f"Checkpoint already exists at {self.path} ({_join(self.path, existing[0])}) and overwrite=False: "
                 "nothing was written. Save to another path, remove that checkpoint first, or pass overwrite=True."
             )
         logger.warning("Overwriting the DCP checkpoint at %s: its %s is removed first", self.path, ", ".join(existing))
@@ -1940,7 +1964,6 @@ class S3LoadPlanner(_ArithmeticChunksPlanner, DefaultLoadPlanner):
 LIGHTNING_META_NAME = "meta.pt"
 """The file Lightning's sharded strategies write beside the DCP files: the checkpoint minus model and optimizer
 states (loops, callbacks, hyper-parameters)."""
-_LIGHTNING_FAMILIES = ("lightning.pytorch", "pytorch_lightning")
 _FABRIC_OF = {"lightning.pytorch": "lightning.fabric", "pytorch_lightning": "lightning_fabric"}
 _STRATEGY_SUFFIX = {"lightning.pytorch": "", "pytorch_lightning": "PL"}
 _STRATEGY_BASES = {"model_parallel": "ModelParallelStrategy", "fsdp": "FSDPStrategy"}
@@ -2215,21 +2238,7 @@ def sharded_strategy_class(kind: str = "model_parallel", family: str | None = No
     (``"lightning.pytorch"`` or ``"pytorch_lightning"``; default: ``lightning.pytorch`` if installed). Cached."""
     if kind not in _STRATEGY_BASES:
         raise ValueError(f"kind must be one of {sorted(_STRATEGY_BASES)}, got {kind!r}")
-    if family is None:
-        family = next((f for f in _LIGHTNING_FAMILIES if _installed(f)), None)
-        if family is None:
-            _s3.import_optional_dependency("lightning", "the S3 sharded strategies")
-    if family not in _LIGHTNING_FAMILIES:
-        raise ValueError(f"family must be one of {_LIGHTNING_FAMILIES}, got {family!r}")
-    return _build_strategy_class(kind, family)
-
-
-def _installed(module: str) -> bool:
-    try:
-        __import__(module)
-    except ImportError:
-        return False
-    return True
+    return _build_strategy_class(kind, _ckpt_io.lightning_family(family, "the S3 sharded strategies"))
 
 
 @functools.cache

@@ -643,6 +643,7 @@ def test_overwrite_false_refuses_before_anything_is_written(bucket: str, s3_clie
         _save(_state(1), url, overwrite=False)
     failure = caught.value.failures[0][0]
     assert isinstance(failure, FileExistsError)
+    assert str(failure).startswith("Checkpoint already exists")  # torch's writers' words: its test_overwrite matches
     assert url in str(failure) and "overwrite=False" in str(failure)
     after = {o["Key"]: o["ETag"] for o in s3_client.list_objects_v2(Bucket=bucket)["Contents"]}
     assert after == before and _open_uploads(s3_client, bucket) == []
@@ -650,6 +651,46 @@ def test_overwrite_false_refuses_before_anything_is_written(bucket: str, s3_clie
     _load(loaded, url)
     _assert_same(loaded, _state(0))
     _save(_state(1), f"s3://{bucket}/fresh", overwrite=False)  # a new prefix is fine
+
+
+def test_filesystem_writers_arguments_are_honoured_or_refused_by_name(bucket: str) -> None:
+    """torch's FileSystemWriter arguments (torch 2.13) are each accepted, or refused by name with the reason: never
+    Python's bare "unexpected keyword argument" for one of them."""
+    import inspect
+
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    url = f"s3://{bucket}/ckpt"
+    torchs = set(inspect.signature(FileSystemWriter.__init__).parameters) - {"self", "path"}
+    accepted = {
+        "single_file_per_rank": True,
+        "sync_files": False,
+        "thread_count": 2,
+        "per_thread_copy_ahead": 1 << 20,
+        "cache_staged_state_dict": True,
+        "overwrite": False,
+        "_extensions": None,
+        "serialization_format": SerializationFormat.TORCH_SAVE,
+    }
+    assert torchs <= set(accepted), f"torch's FileSystemWriter has new arguments: {torchs - set(accepted)}"
+    writer = s3_dcp.S3StorageWriter(url, **accepted)
+    assert (writer.thread_count, writer.overwrite) == (2, False)
+    refused = {
+        "single_file_per_rank": False,
+        "serialization_format": SerializationFormat.SAFETENSORS,
+        "_extensions": [object()],
+    }
+    for name, value in refused.items():
+        with pytest.raises(ValueError, match=rf"does not support {name}=.*: ") as raised:
+            s3_dcp.S3StorageWriter(url, **{name: value})
+        assert "unexpected keyword" not in str(raised.value)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        s3_dcp.S3StorageWriter(url, bogus=1)
+    _save(_state(0), url, sync_files=False, single_file_per_rank=True)  # they also work through a real save
+    loaded = _empty_like(_state(0))
+    _load(loaded, url)
+    _assert_same(loaded, _state(0))
 
 
 def test_writer_pickles_without_live_clients(bucket: str) -> None:

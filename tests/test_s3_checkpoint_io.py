@@ -12,6 +12,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
+import s3_checkpoint_io
 import s3_utils
 from s3_checkpoint_io import S3CheckpointIO, TransferRecord, snapshot_to_host
 
@@ -236,15 +237,19 @@ def test_async_last_save_removes_the_conflicting_last_checkpoint(
 
 
 class _GatedSaves:
-    """Holds background saves until released, optionally failing them, to observe what happens meanwhile."""
+    """Holds background saves (those of paths ending in `only`, if given) until released, optionally failing them, to
+    observe what happens meanwhile."""
 
-    def __init__(self, plugin: S3CheckpointIO, fail: bool = False) -> None:
+    def __init__(self, plugin: S3CheckpointIO, fail: bool = False, only: str | None = None) -> None:
         self.release = threading.Event()
         self.fail = fail
+        self.only = only
         self._save_now = plugin._save_now
         plugin._save_now = self  # type: ignore[method-assign]
 
     def __call__(self, checkpoint: dict, path: str) -> TransferRecord:
+        if self.only is not None and not path.endswith(self.only):
+            return self._save_now(checkpoint, path)
         assert self.release.wait(30), "test never released the gate"
         if self.fail:
             raise ConnectionResetError(f"injected failure while uploading {path}")
@@ -446,3 +451,89 @@ def test_local_saves_keep_the_zip_crc32(plugin: S3CheckpointIO, tmp_path: pathli
     plugin.save_checkpoint(make_checkpoint(), str(path))
     with zipfile.ZipFile(path) as archive:  # nothing of ours checks a local file: torch's CRC stays
         assert archive.testzip() is None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Lightning's conventions (issue 43): a load waits for this process's pending save of its URL, Lightning's errors
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("outcome", ["saved", "failed"])
+def test_a_load_by_another_instance_waits_for_the_pending_save_of_its_url(
+    async_plugin: S3CheckpointIO, bucket: str, outcome: str
+) -> None:
+    """A new Trainer (a new plugin) loading what ``trainer.save_checkpoint`` queued after ``fit`` got 'No such
+    object': the load now waits for the save in flight in this process, or raises its failure."""
+    url = f"s3://{bucket}/ckpts/after-fit.ckpt"
+    gate = _GatedSaves(async_plugin, fail=outcome == "failed")
+    async_plugin.save_checkpoint(make_checkpoint(seed=5), url)
+    assert s3_checkpoint_io.pending_operation(url) == "save"
+    reader = S3CheckpointIO(f"s3://{bucket}/ckpts", chunk_size_MB=5)  # another instance, sync
+    result: dict[str, object] = {}
+
+    def load() -> None:
+        try:
+            result["checkpoint"] = reader.load_checkpoint(url)
+        except BaseException as exc:
+            result["error"] = exc
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    loader.join(0.5)
+    assert loader.is_alive(), "the load must wait while the save of its URL is in flight"
+    gate.release.set()
+    loader.join(30)
+    assert not loader.is_alive()
+    assert s3_checkpoint_io.pending_operation(url) is None
+    if outcome == "saved":
+        assert_same_checkpoint(result["checkpoint"], make_checkpoint(seed=5))
+    else:
+        assert isinstance(result.get("error"), ConnectionResetError), result
+        with pytest.raises(ConnectionResetError):
+            async_plugin.teardown()  # its own plugin reports it too
+
+
+def test_a_save_supersedes_a_removal_of_its_path_deferred_behind_another_save(s3_client, bucket: str) -> None:
+    """Remove X (deferred behind a pending save of Y), then save X again: the removal must not delete the new X."""
+    plugin = S3CheckpointIO(f"s3://{bucket}/c", chunk_size_MB=5, async_checkpointing=True, max_saves_in_flight=2)
+    old, other = f"s3://{bucket}/ckpts/x.ckpt", f"s3://{bucket}/ckpts/y.ckpt"
+    plugin.save_checkpoint(make_checkpoint(seed=1), old)
+    plugin.wait_for_pending_saves()
+    gate = _GatedSaves(plugin, only="y.ckpt")
+    plugin.save_checkpoint(make_checkpoint(seed=2), other)
+    plugin.remove_checkpoint(old)
+    assert s3_checkpoint_io.pending_operation(old) == "remove"
+    plugin.save_checkpoint(make_checkpoint(seed=3), old)
+    assert s3_checkpoint_io.pending_operation(old) == "save"
+    s3_checkpoint_io.wait_for_pending_save(old)  # the new X is durable before Y settles
+    gate.release.set()
+    plugin.teardown()
+    assert object_keys(s3_client, bucket) == ["ckpts/x.ckpt", "ckpts/y.ckpt"]
+    assert_same_checkpoint(plugin.load_checkpoint(old), make_checkpoint(seed=3))
+
+
+def test_a_missing_checkpoint_has_lightnings_wording_and_s3s_detail_as_notes(
+    plugin: S3CheckpointIO, bucket: str
+) -> None:
+    url = f"s3://{bucket}/ckpts/absent.ckpt"
+    with pytest.raises(FileNotFoundError) as raised:
+        plugin.load_checkpoint(url)
+    assert str(raised.value) == f"Checkpoint file not found: {url}"  # Lightning's TorchCheckpointIO's words
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert url in notes and "404" in notes, notes
+
+
+def test_a_checkpoint_s3_refuses_to_read_is_a_permission_error_with_s3s_detail(
+    fault_proxy, s3_client, bucket: str
+) -> None:
+    from fault_proxy import Fault, FaultRule
+
+    s3_client.put_object(Bucket=bucket, Key="ckpts/locked.ckpt", Body=b"x")
+    url = f"s3://{bucket}/ckpts/locked.ckpt"
+    plugin = S3CheckpointIO(f"s3://{bucket}/ckpts", chunk_size_MB=5, endpoint_url=fault_proxy.endpoint_url)
+    fault_proxy.add_rule(FaultRule(Fault.status(403), method="HEAD"))
+    fault_proxy.add_rule(FaultRule(Fault.status(403), method="GET"))
+    with pytest.raises(PermissionError, match="Permission denied") as raised:
+        plugin.load_checkpoint(url)
+    assert raised.value.filename == url
+    assert "403" in "\n".join(getattr(raised.value, "__notes__", []))
