@@ -119,7 +119,7 @@ def scenarios(ranks_list: list[int], args: argparse.Namespace) -> list[tuple[str
                 work = s3_sim.Workload(kind=kind, direction="save", ranks=ranks, mib_per_rank=args.mib,
                                        layout=layout, prefixes=prefixes)
                 out.append(("pacer", work, s3_sim.ClientParams()))
-                if layout == "one-prefix":
+                if layout == "one-prefix" and ranks in (min(ranks_list), max(ranks_list)):
                     out.append(("budget", work, budget))
                     if ranks == min(ranks_list):
                         out.append(("none", work, s3_sim.ClientParams(pacer="none")))
@@ -131,7 +131,7 @@ def scenarios(ranks_list: list[int], args: argparse.Namespace) -> list[tuple[str
             work = s3_sim.Workload(kind="dcp", direction="load", ranks=ranks, mib_per_rank=args.mib, layout=layout,
                                    prefixes=prefixes)
             out.append(("pacer", work, s3_sim.ClientParams()))
-            if layout == "one-prefix":
+            if layout == "one-prefix" and ranks in (min(ranks_list), max(ranks_list)):
                 out.append(("budget", work, budget))
     return out
 
@@ -283,11 +283,11 @@ def chart(doc: dict[str, Any], path: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", default="2048,4096,8192,16384")
-    parser.add_argument("--mib", type=float, default=128.0, help="each rank's file (saves, DCP loads), MiB")
-    parser.add_argument("--resume-gib", type=float, default=2.0, help="the single-file checkpoint resumed, GiB")
+    parser.add_argument("--mib", type=float, default=64.0, help="each rank's file (saves, DCP loads), MiB")
+    parser.add_argument("--resume-gib", type=float, default=1.0, help="the single-file checkpoint resumed, GiB")
     parser.add_argument("--prefixes", type=int, default=16, help="spread layout: how many prefixes")
-    parser.add_argument("--budget-write", type=float, default=3000.0)
-    parser.add_argument("--budget-read", type=float, default=5000.0)
+    parser.add_argument("--budget-write", type=float, default=3500.0, help="the job budget's writes/s")
+    parser.add_argument("--budget-read", type=float, default=5500.0, help="the job budget's reads/s")
     parser.add_argument("--split-after-s", type=float, default=300.0)
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--tag", default="")

@@ -320,7 +320,8 @@ class Cluster:
         while queue:
             req = queue[0]
             lane = self.pacers[req.rank].lane("upload_part" if direction == "write" else "get_object")
-            wait = lane.reserve(now, floor)
+            # a dormant lane: `acquire`'s own fast path (no wait, no lock); else the token bucket `acquire` loops on
+            wait = 0.0 if not lane.active and lane.acquire() == now else lane.reserve(now, floor)
             if wait > 0.0:
                 self.clock.at(now + wait, self._poll, host, direction)
                 return
@@ -511,7 +512,7 @@ def run(
         if part.admitted[direction] + part.throttled[direction]:
             per_partition[part.low or "(bucket)"] = part.admitted[direction]
     hot = max(per_partition.values()) if per_partition else 0
-    capacity_bound = max(0.0, hot - rate * s3.burst_s) / rate if not s3.unlimited else 0.0
+    capacity_bound = hot / rate if not s3.unlimited else 0.0  # the hottest partition's requests at its rate
     first, last = model.first_request.get(direction, T0), model.last_admitted.get(direction, T0)
     used = len(per_partition)
     goodput = (max(0.0, admitted - rate * s3.burst_s * used) / (rate * used) / (last - first)
@@ -561,4 +562,6 @@ def bandwidth_bound_s(work: Workload, client: ClientParams, s3: S3Params, concur
     stream_rate = min(s3.conn_bytes_per_s, s3.host_bytes_per_s / per_host_streams)
     transfer = rounds * (s3.latency_s + min(part, size) / stream_rate)
     fixed = 2 * s3.latency_s  # create + complete (save); HEAD + metadata (load)
+    if work.kind == "dcp" and work.direction == "save":
+        fixed += 2 * s3.latency_s  # then the coordinator's checksum record and .metadata, one after the other
     return transfer + fixed
