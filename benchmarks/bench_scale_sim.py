@@ -20,9 +20,9 @@ Scenarios (every rank starts at once):
 
 Measured per run: failed operations, time against the bound (the larger of the partition-capacity bound: the hottest
 partition's requests beyond its burst at its rate, and the bandwidth bound: the same run with no request limit),
-SlowDown answers per admitted request, goodput (admitted requests beyond the burst / (rate x partitions used x the
-seconds from the first request to the last admitted one); only where the partitions bound the time), requests per
-rank. Output: ``benchmarks/results/scale-sim-<UTC>[-tag].{json,md,png}``.
+SlowDown answers per admitted request, goodput (of the partition that bounds the run: its admitted requests beyond
+its burst / its rate / the seconds from the first request to the last admitted one, as bench_throttle's; only where
+the partitions bound the time beyond their burst), requests per rank. Output: ``benchmarks/results/scale-sim-<UTC>[-tag].{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -112,6 +112,9 @@ def emulation_check(path: Path = EMULATION_RESULT) -> list[dict[str, Any]]:
 
 def scenarios(ranks_list: list[int], args: argparse.Namespace) -> list[tuple[str, s3_sim.Workload, s3_sim.ClientParams]]:
     budget = s3_sim.ClientParams(pacer="budget", budget=(args.budget_write, args.budget_read))
+    spread_budget = s3_sim.ClientParams(  # the spread layout's budget: each prefix's share
+        pacer="budget", budget=(args.budget_write * args.prefixes, args.budget_read * args.prefixes)
+    )
     out = []
     for ranks in ranks_list:
         for kind in ("single", "dcp"):
@@ -119,9 +122,9 @@ def scenarios(ranks_list: list[int], args: argparse.Namespace) -> list[tuple[str
                 work = s3_sim.Workload(kind=kind, direction="save", ranks=ranks, mib_per_rank=args.mib,
                                        layout=layout, prefixes=prefixes)
                 out.append(("pacer", work, s3_sim.ClientParams()))
-                if layout == "one-prefix" and ranks in (min(ranks_list), max(ranks_list)):
-                    out.append(("budget", work, budget))
-                    if ranks == min(ranks_list):
+                if ranks in (min(ranks_list), max(ranks_list)):
+                    out.append(("budget", work, budget if layout == "one-prefix" else spread_budget))
+                    if ranks == min(ranks_list) and layout == "one-prefix":
                         out.append(("none", work, s3_sim.ClientParams(pacer="none")))
         for sharing in ("node", "job"):
             work = s3_sim.Workload(kind="single", direction="load", ranks=ranks, mib_per_rank=args.resume_gib * 1024,
@@ -133,6 +136,10 @@ def scenarios(ranks_list: list[int], args: argparse.Namespace) -> list[tuple[str
             out.append(("pacer", work, s3_sim.ClientParams()))
             if layout == "one-prefix" and ranks in (min(ranks_list), max(ranks_list)):
                 out.append(("budget", work, budget))
+    if args.big_mib:  # the largest job again with bigger files: more requests per rank after the first wave
+        for direction in ("save", "load"):
+            work = s3_sim.Workload(kind="dcp", direction=direction, ranks=max(ranks_list), mib_per_rank=args.big_mib)
+            out.append(("pacer", work, s3_sim.ClientParams()))
     return out
 
 
@@ -154,6 +161,7 @@ def row_of(label: str, result: dict[str, Any]) -> dict[str, Any]:
         "direction": work["direction"], "layout": work["layout"] if work["layout"] == "one-prefix"
         else f"spread/{work['prefixes']}",
         "load_sharing": work["load_sharing"] if work["kind"] == "single" and work["direction"] == "load" else None,
+        "mib_per_rank": work["mib_per_rank"],
         **{k: result[k] for k in ("failed", "elapsed_s", "bound_s", "capacity_bound_s", "bandwidth_bound_s",
                                   "time_over_bound", "slowdown_per_admitted", "goodput", "requests",
                                   "requests_per_rank", "downloads", "partitions_used", "splits", "p99_s", "events")},
@@ -190,6 +198,11 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+def op_name(row: dict[str, Any], mib: float) -> str:
+    name = f"{row['direction']} {row['kind']}" + (f" ({row['load_sharing']})" if row["load_sharing"] else "")
+    return name + (f" {row['mib_per_rank']:g} MiB" if row["load_sharing"] is None and row["mib_per_rank"] != mib else "")
+
+
 def markdown(doc: dict[str, Any]) -> str:
     args = doc["args"]
     lines = [
@@ -207,7 +220,7 @@ def markdown(doc: dict[str, Any]) -> str:
         "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in doc["rows"]:
-        op = f"{row['direction']} {row['kind']}" + (f" ({row['load_sharing']})" if row["load_sharing"] else "")
+        op = op_name(row, args["mib"])
         ratio = row["elapsed_s"] / row["bound_s"] if row["bound_s"] else None
         lines.append(
             f"| {op} | {row['ranks']:,} ({row['hosts']:,}) | {row['layout']} | {row['client']} | {row['failed']} "
@@ -250,7 +263,7 @@ def chart(doc: dict[str, Any], path: Path) -> bool:
     for row in doc["rows"]:
         if row["client"] == "none":
             continue
-        op = f"{row['direction']} {row['kind']}" + (f" ({row['load_sharing']})" if row["load_sharing"] else "")
+        op = op_name(row, doc["args"]["mib"])
         series.setdefault(f"{op}, {row['layout']}, {row['client']}", []).append(row)
     for name, rows in series.items():
         xs = [r["ranks"] for r in rows]
@@ -285,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", default="2048,4096,8192,16384")
     parser.add_argument("--mib", type=float, default=64.0, help="each rank's file (saves, DCP loads), MiB")
     parser.add_argument("--resume-gib", type=float, default=1.0, help="the single-file checkpoint resumed, GiB")
+    parser.add_argument("--big-mib", type=float, default=0.0, help="the largest DCP job again with this much per rank")
     parser.add_argument("--prefixes", type=int, default=16, help="spread layout: how many prefixes")
     parser.add_argument("--budget-write", type=float, default=3500.0, help="the job budget's writes/s")
     parser.add_argument("--budget-read", type=float, default=5500.0, help="the job budget's reads/s")

@@ -515,12 +515,13 @@ def run(
     capacity_bound = hot / rate if not s3.unlimited else 0.0  # the hottest partition's requests at its rate
     first, last = model.first_request.get(direction, T0), model.last_admitted.get(direction, T0)
     used = len(per_partition)
-    goodput = (max(0.0, admitted - rate * s3.burst_s * used) / (rate * used) / (last - first)
-               if last > first and not s3.unlimited else None)
+    # the emulation's goodput, of the partition that bounds the run (the hottest): its admitted requests beyond its
+    # burst at its rate / the seconds from the first request to the last admitted one
+    goodput = max(0.0, hot - rate * s3.burst_s) / rate / (last - first) if last > first else None
     bandwidth_bound = bandwidth_bound_s(work, client, s3, concurrency)
     bound = max(capacity_bound, bandwidth_bound)
-    if capacity_bound <= bandwidth_bound:
-        goodput = None  # the partitions do not bound this run: goodput against their rate says nothing
+    if capacity_bound <= max(bandwidth_bound, s3.burst_s):
+        goodput = None  # the partitions do not bound this run (or its burst alone serves it): goodput says nothing
     times = sorted(o.finished - o.started for o in ops if o.finished is not None)
     return {
         "work": asdict(work),
