@@ -259,6 +259,8 @@ def chart(doc: dict[str, Any], path: Path) -> bool:
         print('NOTE: no chart: matplotlib is missing (pip install ".[bench]")', flush=True)
         return False
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    for axis in axes:
+        axis.set_prop_cycle(color=plt.get_cmap("tab20").colors)
     series: dict[str, list[dict[str, Any]]] = {}
     for row in doc["rows"]:
         if row["client"] == "none":
