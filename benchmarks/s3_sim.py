@@ -278,11 +278,18 @@ class Op:
 class Cluster:
     """Hosts of ranks, one `RequestPacer` per rank (a host's ranks sharing its lanes), against one `S3Model`."""
 
-    def __init__(self, ranks: int, s3: S3Model, client: ClientParams, clock: Clock) -> None:
+    def __init__(
+        self, ranks: int, s3: S3Model, client: ClientParams, clock: Clock, senders: set[int] | None = None
+    ) -> None:
+        """`senders`: the ranks that make requests (default: all); a host's shared pacer state counts those only,
+        as a real host's file counts the processes that attached to it by sending."""
         self.ranks, self.s3, self.client, self.clock = ranks, s3, client, clock
         per_host = client.ranks_per_host
         self.hosts = (ranks + per_host - 1) // per_host
-        stores = [HostLaneStore(min(per_host, ranks - h * per_host)) for h in range(self.hosts)]
+        counts = [0] * self.hosts
+        for rank in range(ranks) if senders is None else senders:
+            counts[rank // per_host] += 1
+        stores = [HostLaneStore(max(1, count)) for count in counts]
         self.pacers = [
             s3_utils.RequestPacer("http://sim", "bucket", stores[r // per_host], clock=clock) for r in range(ranks)
         ]
@@ -479,12 +486,11 @@ def run(
         else s3_utils.DEFAULT_MAX_READ_CONCURRENCY
     )
     with _world(work.ranks):
-        cluster = Cluster(work.ranks, model, client, clock)
+        plans = {rank: rank_phases(work, rank, node_keys) for rank in range(work.ranks)}
+        plans = {rank: phases for rank, phases in plans.items() if phases is not None}
+        cluster = Cluster(work.ranks, model, client, clock, set(plans))
         ops: list[Op] = []
-        for rank in range(work.ranks):
-            phases = rank_phases(work, rank, node_keys)
-            if phases is None:
-                continue
+        for rank, phases in plans.items():
             op = Op(cluster, rank, phases, concurrency)
             ops.append(op)
             clock.at(T0 + (rng.uniform(0, start_spread_s) if start_spread_s else 0.0), op.start)
