@@ -32,7 +32,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +56,7 @@ __all__ = [
     "SharedPacerFile",
     "create_shared_file",
     "download_shared",
+    "downloading_ranks",
     "open_shared_file",
     "remove_unheld_shared_files",
     "shared_pacer_file",
@@ -542,6 +543,24 @@ class _NodeFiles:
         self.names = ()
 
 
+def _ranks_by_node(node_keys: Iterable[str]) -> dict[str, list[int]]:
+    nodes: dict[str, list[int]] = {}
+    for rank, key in enumerate(node_keys):
+        nodes.setdefault(key, []).append(rank)
+    return nodes
+
+
+def downloading_ranks(node_keys: Sequence[str], load_sharing: str) -> list[int]:
+    """The ranks that download from S3 when every rank loads one checkpoint together, the node of rank i being
+    `node_keys[i]`: every rank (``"rank"``), the lowest rank of each node (``"node"``), global rank 0 alone (``"job"``
+    on more than one node; the other nodes receive the bytes over the process group). What `download_shared` does;
+    benchmarks/s3_sim.py counts requests with it."""
+    if load_sharing == "rank":
+        return list(range(len(node_keys)))
+    nodes = _ranks_by_node(node_keys)
+    return [0] if load_sharing == "job" and len(nodes) > 1 else [ranks[0] for ranks in nodes.values()]
+
+
 class _SharedLoad:
     """One collective load of `url` by every rank of the default process group (see the block comment)."""
 
@@ -578,9 +597,7 @@ class _SharedLoad:
                 f"Could not load {self.url}: global rank 0, which downloads it, failed: {problem}"
             )
         self.size = identities[0][2]
-        nodes: dict[str, list[int]] = {}
-        for rank, (key, *_) in enumerate(identities):
-            nodes.setdefault(key, []).append(rank)
+        nodes = _ranks_by_node(key for key, *_ in identities)
         self.node_ranks = nodes[identities[self.rank][0]]
         self.node_index = list(nodes).index(identities[self.rank][0])
         self.leader = self.node_ranks[0]

@@ -49,7 +49,7 @@ else:  # installed (or copied) as a top-level module
     import s3_dirpath_utils as _urls
 
 __all__ = [
-    "DEFAULT_CHUNK_SIZE_MB", "DEFAULT_MAX_READ_CONCURRENCY", "DEFAULT_MAX_WRITE_CONCURRENCY", "GB", "MB",
+    "DEFAULT_CHUNK_SIZE_MB", "DEFAULT_MAX_READ_CONCURRENCY", "DEFAULT_MAX_WRITE_CONCURRENCY", "GB", "MB", "CallRetries",
     "OWNER_RECORD_NAME", "CheckpointDirectoryTakenError", "CheckpointRun", "ChecksumAlgorithm", "ChecksumMismatchError",
     "DirectoryFence", "DownloadedObject", "FenceToken", "LaunchIdentity", "MissingOptionalDependencyError",
     "LAUNCHER_ENV_VARS", "MultipartUploadInfo", "NODE_SHARING_MODULE", "PACER_SHARING_ENV", "PacerLane",
@@ -348,6 +348,30 @@ class RetryPolicy:
             raise ValueError(f"RetryPolicy times must be positive: {self}")
 
 
+class CallRetries:
+    """One call's failed attempts under a `RetryPolicy`: `after_failure` says how long to wait, or to give up. Times
+    are the caller's (`S3Utils.with_retries` reads ``time.monotonic``; benchmarks/s3_sim.py its simulated clock)."""
+
+    def __init__(self, policy: RetryPolicy, started: float) -> None:
+        self.policy, self.started = policy, started
+        self.attempts = self.counted = 0  # failed attempts; those that count against ``max_attempts``
+        self.first_counted = 0.0
+
+    def after_failure(self, sent: float, now: float, throttled: bool, last_success: float) -> float | None:
+        """Seconds until the next attempt of a retriable failure sent at `sent` (0.0: when the pacer allows), or None
+        to give up. A throttling answer counts no attempt: it gives up after ``max_elapsed_s`` without a success
+        (`last_success`: its pacer lane's); other errors back off exponentially with full jitter."""
+        policy = self.policy
+        self.attempts += 1
+        if throttled:
+            return None if now - max(self.started, last_success) >= policy.max_elapsed_s else 0.0
+        self.counted += 1
+        self.first_counted = self.first_counted or sent
+        delay = random.uniform(0.0, min(policy.max_backoff_s, policy.initial_backoff_s * 2.0 ** (self.counted - 1)))
+        give_up = self.counted >= policy.max_attempts or now + delay - self.first_counted >= policy.max_elapsed_s
+        return None if give_up else delay
+
+
 def is_retriable_error(exc: BaseException) -> bool:
     """True for throttling, 5xx, timeouts, connection resets and unparsable replies; False for anything else."""
     if isinstance(exc, TransientTransferError):
@@ -508,7 +532,8 @@ class PacerLane:
     Dormant until the first throttling answer or a budget. The rate starts at `BETA` times the send rate, drops by
     `BETA` on a throttling answer to a request sent after the last drop, and grows on each success (faster when slow
     or on a long run; plus `CATCH_UP` for fairness), within ``[MIN_RATE, 2 x send rate]`` and the budget's share. A
-    lane shared by n processes (`SharedLaneStore`) acts as n lanes in lock step. Times are arguments (for tests).
+    lane shared by n processes (`SharedLaneStore`) acts as n lanes in lock step. Times are arguments, else `clock`'s
+    (``time.monotonic``; benchmarks/s3_sim.py passes simulated time).
     """
 
     BETA = 0.7
@@ -521,9 +546,9 @@ class PacerLane:
 
     def __init__(
         self, name: str, limit: Callable[[], float | None] | None = None, shared: SharedLaneStore | None = None,
-        index: int = 0,
+        index: int = 0, clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.name, self._limit, self._shared, self._index = name, limit, shared, index
+        self.name, self._limit, self._shared, self._index, self._clock = name, limit, shared, index, clock
         self._flag = shared.active_flag(index) if shared is not None else None  # (mapping, offset) of `active`
         self._cond = threading.Condition(threading.Lock())
         self._active, self._rate = False, math.inf
@@ -540,7 +565,7 @@ class PacerLane:
         if limit is not None and limit() is not None:
             with self._state():
                 if not self._active:
-                    self._activate_with_budget(time.monotonic())
+                    self._activate_with_budget(clock())
 
     def __repr__(self) -> str:
         state = f"{self.rate:.3g} requests/s" if self.active else "dormant"
@@ -707,7 +732,7 @@ class PacerLane:
     # ---- the blocking side ------------------------------------------------------------------------------------
     def acquire(self, max_interval_s: float = math.inf) -> float:
         """Wait for a token if pacing (one comes at least every `max_interval_s`); return the send time to report."""
-        now = time.monotonic()
+        now = self._clock()
         flag = self._flag
         if not (self._active if flag is None else flag[0][flag[1]]):
             self._own_sends.append(now)  # thread-safe, and the only cost of a dormant lane
@@ -721,7 +746,7 @@ class PacerLane:
                 break
             with self._cond:
                 self._cond.wait(wait)  # woken early when this process's successes grow the rate
-            now = time.monotonic()
+            now = self._clock()
         if now > started:
             with self._cond:
                 self.waits += 1
@@ -742,13 +767,15 @@ _WRITE_OPERATIONS = frozenset(
 class RequestPacer:
     """The request pacer of one process for one bucket and endpoint: a `PacerLane` each for writes and for reads."""
 
-    def __init__(self, endpoint_url: str | None, bucket: str, shared: SharedLaneStore | None = None) -> None:
-        self.endpoint_url = endpoint_url
-        self.bucket = bucket
+    def __init__(
+        self, endpoint_url: str | None, bucket: str, shared: SharedLaneStore | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.endpoint_url, self.bucket, self._clock = endpoint_url, bucket, clock
         self._budget: RequestRates | None = None
         self._world: tuple[float, int] = (-math.inf, 1)
-        self.writes = PacerLane("writes", lambda: self._share("write"), shared, 0)
-        self.reads = PacerLane("reads", lambda: self._share("read"), shared, 1)
+        self.writes = PacerLane("writes", lambda: self._share("write"), shared, 0, clock)
+        self.reads = PacerLane("reads", lambda: self._share("read"), shared, 1, clock)
 
     def __repr__(self) -> str:
         return f"<RequestPacer s3://{self.bucket} ({self.endpoint_url or 'AWS'}): {self.writes!r}, {self.reads!r}>"
@@ -767,7 +794,7 @@ class RequestPacer:
         if self._budget is not None and _smaller(old, budget) == old:
             return  # nothing new: the common case, one check per request of an S3Utils with a budget
         self._budget = _smaller(old, budget)
-        now = time.monotonic()
+        now = self._clock()
         for lane in (self.writes, self.reads):
             with lane._state():
                 if lane._limit is not None and lane._limit() is not None and not lane._active:
@@ -781,7 +808,7 @@ class RequestPacer:
         if rate is None:
             return None
         checked, world = self._world
-        now = time.monotonic()
+        now = self._clock()
         if now - checked > 5.0:
             world = world_size()
             self._world = (now, world)
@@ -1585,11 +1612,9 @@ class S3Utils:
             pacer.limit(self.settings.max_requests_per_second)
         lane = pacer.lane(operation)
         started = time.monotonic()
-        attempts = counted = 0
-        first_counted = 0.0
+        retries = CallRetries(policy, started)
         while True:
             sent = lane.acquire(policy.max_backoff_s)
-            attempts += 1
             try:
                 result = attempt()
             except Exception as exc:
@@ -1598,24 +1623,16 @@ class S3Utils:
                 if throttled:
                     lane.on_throttle(sent, now)
                 if not is_retriable_error(exc):
-                    self._raise_final(exc, operation, url, attempts, now - started)
-                if throttled:
-                    idle = now - max(started, lane.last_success)
-                    give_up, delay = idle >= policy.max_elapsed_s, 0.0  # the pacer spaces the attempts
-                else:
-                    counted += 1
-                    first_counted = first_counted or sent
-                    ceiling = min(policy.max_backoff_s, policy.initial_backoff_s * 2.0 ** (counted - 1))
-                    delay = random.uniform(0.0, ceiling)
-                    give_up = counted >= policy.max_attempts or now + delay - first_counted >= policy.max_elapsed_s
-                if give_up:
-                    self._raise_final(exc, operation, url, attempts, now - started)
+                    self._raise_final(exc, operation, url, retries.attempts + 1, now - started)
+                delay = retries.after_failure(sent, now, throttled, lane.last_success)
+                if delay is None:
+                    self._raise_final(exc, operation, url, retries.attempts, now - started)
                 with self._stats_lock:
                     self.retries += 1
-                log = logger.debug if throttled else logger.warning
-                log(
+                how = "throttled" if throttled else f"{retries.counted} of {policy.max_attempts} counted"
+                (logger.debug if throttled else logger.warning)(
                     "S3 %s on %s failed with %s (attempt %d, %s); retrying%s", operation, url, error_code(exc),
-                    attempts, f"{counted} of {policy.max_attempts} counted" if not throttled else "throttled",
+                    retries.attempts, how,
                     f" in {delay:.2f} s" if delay else " when the pacer allows",
                 )
                 if delay:

@@ -1,0 +1,120 @@
+"""The S3-at-scale simulation (benchmarks/s3_sim.py, benchmarks/bench_scale_sim.py): the model's invariants and its
+agreement with the 8- and 32-writer emulation bench_throttle measured. Small rank counts: seconds, no server."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import s3_node_sharing
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import bench_scale_sim  # noqa: E402
+import s3_sim  # noqa: E402
+
+SMALL_S3 = s3_sim.S3Params(write_rate=350.0, read_rate=550.0)
+"""A tenth of S3's per-partition rates, so that a few hundred ranks meet the limit as thousands meet S3's."""
+
+
+def test_no_request_beyond_a_partitions_capacity_is_admitted() -> None:
+    """A flood at ten times the rate: over any stretch, admitted <= rate x seconds + burst; the rest is SlowDown."""
+    params = s3_sim.S3Params(write_rate=100.0, burst_s=1.0, split_after_s=math.inf)
+    model = s3_sim.S3Model(params)
+    admitted_at = []
+    for n in range(10_000):  # 1,000 requests/s for 10 s
+        now = s3_sim.T0 + n / 1000.0
+        if model.request("write", f"run/step-1/k{n}", now):
+            admitted_at.append(now)
+    admitted, throttled = model.totals("write")
+    assert admitted + throttled == 10_000 and admitted == len(admitted_at)
+    for i, start in enumerate(admitted_at[::50]):
+        for end in admitted_at[i * 50 :: 97]:
+            inside = sum(1 for t in admitted_at if start <= t <= end)
+            assert inside <= params.write_rate * (end - start) + params.write_rate * params.burst_s + 1
+    assert admitted <= 100 * 10 + 100 + 1 and throttled >= 8_800
+
+
+def test_a_simulated_save_admits_no_more_than_the_partition_allows() -> None:
+    result = s3_sim.run(s3_sim.Workload(ranks=256, mib_per_rank=64), s3=SMALL_S3)
+    span = result["elapsed_s"]
+    assert result["failed"] == 0 and result["throttled"] > 0
+    assert result["admitted"] <= SMALL_S3.write_rate * (span + SMALL_S3.burst_s) + 1
+    assert result["admitted"] == 256 * 6  # create, 4 parts, complete: every request admitted once
+
+
+def test_a_partition_under_sustained_slowdown_splits_and_keys_map_by_range() -> None:
+    params = s3_sim.S3Params(write_rate=10.0, split_after_s=5.0, quiet_s=1.0)
+    model = s3_sim.S3Model(params)
+    for n in range(2_000):  # 100/s for 20 s on keys a..z
+        model.request("write", f"run/step-1/{chr(97 + n % 26)}", s3_sim.T0 + n / 100.0)
+    assert model.splits and len(model.partitions) == len(model.splits) + 1
+    assert model.partition_of("run/step-1/a") is not model.partition_of("run/step-1/z")
+    assert model.partition_of("") is model.partitions[0]
+
+
+def test_a_run_without_throttling_reaches_the_bandwidth_bound() -> None:
+    for kind in ("single", "dcp"):
+        work = s3_sim.Workload(kind=kind, ranks=64, mib_per_rank=256)
+        result = s3_sim.run(work, s3=s3_sim.S3Params(unlimited=True))
+        assert result["throttled"] == 0
+        assert result["bandwidth_bound_s"] * 0.9 <= result["elapsed_s"] <= result["bandwidth_bound_s"] * 1.1, result
+
+
+def test_the_pacer_takes_slowdowns_down_against_no_pacer() -> None:
+    work = s3_sim.Workload(ranks=512, mib_per_rank=64)
+    paced = s3_sim.run(work, s3_sim.ClientParams(), SMALL_S3)
+    unpaced = s3_sim.run(work, s3_sim.ClientParams(pacer="none"), SMALL_S3)
+    budget = s3_sim.run(work, s3_sim.ClientParams(pacer="budget", budget=(350.0, 550.0)), SMALL_S3)
+    assert paced["failed"] == budget["failed"] == 0
+    assert paced["slowdown_per_admitted"] < unpaced["slowdown_per_admitted"] / 2
+    assert paced["elapsed_s"] < unpaced["elapsed_s"]
+    assert budget["slowdown_per_admitted"] < 0.05  # the budget starts at a pace the partition serves
+
+
+def test_resume_requests_are_proportional_to_nodes() -> None:
+    """The package's own decision (`s3_node_sharing.downloading_ranks`): one download per node, or one per job."""
+    counts = {}
+    for ranks in (64, 128):
+        for sharing in ("node", "job"):
+            work = s3_sim.Workload(kind="single", direction="load", ranks=ranks, mib_per_rank=64, load_sharing=sharing)
+            result = s3_sim.run(work, s3=SMALL_S3)
+            assert result["failed"] == 0
+            counts[ranks, sharing] = (result["downloads"], result["admitted"])
+    assert counts[64, "node"][0] == 8 and counts[128, "node"][0] == 16
+    assert counts[128, "node"][1] == 2 * counts[64, "node"][1]
+    assert counts[64, "job"] == counts[128, "job"] and counts[64, "job"][0] == 1
+
+
+def test_spreading_over_partitioned_prefixes_lifts_the_request_bound() -> None:
+    one = s3_sim.run(s3_sim.Workload(kind="dcp", ranks=512, mib_per_rank=64), s3=SMALL_S3)
+    spread = s3_sim.run(
+        s3_sim.Workload(kind="dcp", ranks=512, mib_per_rank=64, layout="spread", prefixes=8), s3=SMALL_S3
+    )
+    assert spread["partitions_used"] >= 8 and one["partitions_used"] == 1
+    assert spread["elapsed_s"] < one["elapsed_s"] / 3 and spread["throttled"] < one["throttled"]
+
+
+def test_the_simulation_is_deterministic() -> None:
+    work = s3_sim.Workload(ranks=256, mib_per_rank=64)
+    first, second = (s3_sim.run(work, s3_sim.ClientParams(pacer="none"), SMALL_S3, seed=3) for _ in range(2))
+    assert first == second
+
+
+def test_the_simulation_agrees_with_the_emulation_bench_throttle_measured() -> None:
+    """bench_throttle's measured `ours` rows (8 and 32 writers, saves and loads) against the same setup simulated."""
+    rows = bench_scale_sim.emulation_check()
+    assert len(rows) == 6 and {(r["direction"], r["writers"]) for r in rows} == {
+        ("save", 8), ("load", 8), ("save", 32), ("load", 32)
+    }
+    assert [r for r in rows if not r["agree"]] == []
+
+
+def test_who_downloads_is_the_packages_decision() -> None:
+    node_keys = ["a", "a", "b", "b", "c"]
+    assert s3_node_sharing.downloading_ranks(node_keys, "node") == [0, 2, 4]
+    assert s3_node_sharing.downloading_ranks(node_keys, "job") == [0]
+    assert s3_node_sharing.downloading_ranks(node_keys, "rank") == [0, 1, 2, 3, 4]
+    assert s3_node_sharing.downloading_ranks(["a", "a"], "job") == [0]  # one node: its lowest rank
