@@ -1,0 +1,536 @@
+"""A memory tier in front of S3: checkpoints land first in the node's tmpfs, S3 gets them behind (issue 40).
+
+An optional sibling of the core modules, switched on with ``S3CheckpointIO(memory_tier=...)`` (or the NeMo
+``s3_checkpointing: memory_tier:`` key). Without this file the core keeps its behaviour and a ``memory_tier``
+argument raises ImportError saying the file is missing. docs/tiers.md shows the user's side.
+
+1. Configuration: `MemoryTier` (where, how many checkpoints, how often S3 gets one, an optional byte budget).
+2. The node's tier of one job: `NodeTier`. A checkpoint of ``s3://bucket/key`` lands in
+   ``<root>/s3ckpt-tier-<uid>/<job>/own/bucket/key``, the same layout as on S3, written into a temporary sibling and
+   renamed into place, then committed by its *commit record* ``key.s3ckpt-tier.json`` (step, URL, the run that
+   wrote it, and every file's size and checksum as `S3CheckpointIO`'s transfer records spell it, ``"CRC32C <b64>"``).
+   A file without a commit record, or whose bytes do not match it, is not a checkpoint. Directories are created
+   0700, files 0600, exclusively; the job's directory is the tier's scope: another job never looks into it.
+3. Fencing across tiers: the job's directory records the newest launch that wrote into it (``launch.json``); a save
+   of an older launch (a straggler) raises `s3_utils.CheckpointDirectoryTakenError` and writes nothing.
+4. Bounded memory: at most `MemoryTier.keep` committed checkpoints per node; older ones are dropped once a newer one
+   is committed, except those still waiting for their drain to S3.
+5. Draining: `NodeTier.upload` streams a committed file into an `s3_utils.S3MultipartWriter` straight from the tier's
+   pages (no copy by the training process), checking the bytes against the commit record before S3 commits them.
+   The commit record says ``"drain": "pending"`` from the moment a drain is decided until S3 has the object, so a
+   relaunch finishes a drain a kill cut short (`NodeTier.pending_drains`).
+
+`S3CheckpointIO` drives all of it (when to drain, removals, loads): this module only knows files and records.
+Not built yet: replication to a peer node, DCP (`s3_dcp`) and megatron-core paths (docs/tiers.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import hashlib
+import io
+import json
+import logging
+import mmap
+import os
+import re
+import secrets
+import stat
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # not on POSIX: no lock around the launch record
+    fcntl = None  # type: ignore[assignment]
+
+if __package__:
+    from . import s3_dirpath_utils as _urls
+    from . import s3_utils as _s3
+else:  # installed (or copied) as top-level modules
+    import s3_dirpath_utils as _urls
+    import s3_utils as _s3
+
+__all__ = ["COMMIT_RECORD_SUFFIX", "MemoryTier", "NodeTier", "TierCopy", "TierFullError"]
+
+logger = logging.getLogger(__name__)
+
+COMMIT_RECORD_SUFFIX = ".s3ckpt-tier.json"
+"""Beside each checkpoint in the tier: its commit record (without it, the file is not a checkpoint)."""
+_LAUNCH_RECORD = "launch.json"
+_FORMAT = 1
+_SLACK_BYTES = 1 << 20  # what a torch.save adds to its tensors' bytes (pickle records, zip headers), at most
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 1. Configuration
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryTier:
+    """Where and how a job keeps checkpoints in memory (``S3CheckpointIO(memory_tier=MemoryTier(...))``).
+
+    Args:
+        root: a tmpfs directory (``/dev/shm`` by default; a dedicated tmpfs keeps checkpoints from crowding out
+            other shared memory). The tier lives in ``<root>/s3ckpt-tier-<uid>/<job>/``.
+        keep: at most this many checkpoints in memory per node (older ones are dropped once a newer one is
+            committed and their drain to S3, if due, is done).
+        drain_every: the first checkpoint, then every Nth, is also uploaded to S3 in the background (1: all).
+        drain_minutes: also drain a checkpoint when this many minutes passed since the last drain (None: no timer).
+        capacity_bytes: the most bytes this node's tier may hold (None: what the tmpfs has free).
+        job: what scopes the tier (default: the launcher's job, ``slurm:<id>`` / ``torchrun:<id>``, as fencing
+            uses it; outside any launcher the process, so a restart does not find the tier: give one here).
+    """
+
+    root: str = "/dev/shm"
+    keep: int = 2
+    drain_every: int = 1
+    drain_minutes: float | None = None
+    capacity_bytes: int | None = None
+    job: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.keep < 1:
+            raise ValueError(f"MemoryTier.keep must be >= 1, got {self.keep}")
+        if self.drain_every < 1:
+            raise ValueError(f"MemoryTier.drain_every must be >= 1, got {self.drain_every}")
+        if self.drain_minutes is not None and not self.drain_minutes > 0:
+            raise ValueError(f"MemoryTier.drain_minutes must be > 0 or None, got {self.drain_minutes}")
+        if self.capacity_bytes is not None and self.capacity_bytes < 0:
+            raise ValueError(f"MemoryTier.capacity_bytes must be >= 0 or None, got {self.capacity_bytes}")
+
+    @classmethod
+    def from_value(cls, value: Any) -> MemoryTier | None:
+        """The configuration a ``memory_tier=`` argument means: None / False (off), True (defaults), a path (the
+        root), a mapping of these fields (a config key), or a `MemoryTier`."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, (str, os.PathLike)):
+            return cls(root=os.fspath(value))
+        if isinstance(value, Mapping):
+            known = [f.name for f in dataclasses.fields(cls)]
+            unknown = sorted(set(value) - set(known))
+            if unknown:
+                raise ValueError(f"memory_tier: unknown key(s) {unknown}; known: {known}")
+            return cls(**value)
+        raise TypeError(f"memory_tier must be a path, mapping, MemoryTier, True or None, not {type(value).__name__}")
+
+
+class TierFullError(OSError):
+    """The tier has no room for a checkpoint (the caller saves to S3 directly)."""
+
+
+@dataclass(frozen=True)
+class TierCopy:
+    """A committed checkpoint in the tier: its file, the S3 URL it mirrors and its commit record."""
+
+    url: str
+    path: Path
+    record: dict[str, Any]
+
+    @property
+    def size(self) -> int:
+        return int(self.record["files"][self.path.name][0])
+
+    @property
+    def checksum(self) -> str:
+        """``"<ALGORITHM> <base64>"``, as `S3CheckpointIO`'s transfer records spell it."""
+        return str(self.record["files"][self.path.name][1])
+
+    @property
+    def drain(self) -> str | None:
+        return self.record.get("drain")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 2. Files: exclusive, private, committed by rename
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _private_directory(path: Path) -> None:
+    """Create `path` (and missing parents) 0700, or accept it only if it is this user's directory, not a link,
+    and no one else may enter it: what processes of a host share is created exclusively and privately."""
+    missing = []
+    current = path
+    while not current.exists() and not current.is_symlink():
+        missing.append(current)
+        current = current.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, 0o700)
+    found = os.lstat(path)
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or stat.S_IMODE(found.st_mode) & 0o077:
+        raise PermissionError(
+            f"memory tier: {path} is not a private directory of this user (mode 0700, not a link); remove it or "
+            "choose another MemoryTier.root"
+        )
+
+
+def _create_private_file(path: Path) -> int:
+    """A new file, open for writing: O_CREAT | O_EXCL | O_NOFOLLOW, mode 0600 whatever the umask."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
+def _temporary_sibling(path: Path) -> Path:
+    return path.with_name(f".tmp-{path.name}-{secrets.token_hex(4)}")
+
+
+def _write_json_atomically(path: Path, value: Any) -> None:
+    partial = _temporary_sibling(path)
+    fd = _create_private_file(partial)
+    try:
+        with os.fdopen(fd, "wb") as stream:
+            stream.write(json.dumps(value, sort_keys=True).encode())
+        os.rename(partial, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+        raise
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, OSError):
+        return None
+    with os.fdopen(fd, "rb") as stream:
+        try:
+            value = json.loads(stream.read())
+        except ValueError:
+            return None
+    return value if isinstance(value, dict) else None
+
+
+class _ChecksummingFile(io.RawIOBase):
+    """A write-only stream into an fd that keeps the full-object checksum of what it wrote."""
+
+    def __init__(self, fd: int, algorithm: _s3.ChecksumAlgorithm) -> None:
+        super().__init__()
+        self._fd = fd
+        self._algorithm = algorithm
+        self.checksum = 0
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.checksum = self._algorithm.update(view, self.checksum)
+        total = len(view)
+        while view:
+            view = view[os.write(self._fd, view) :]
+        self.size += total
+        return total
+
+
+def _checksum_string(algorithm: _s3.ChecksumAlgorithm, value: int) -> str:
+    return f"{algorithm.name} {algorithm.encode(value)}"
+
+
+def _file_checksum(path: Path, algorithm_name: str) -> tuple[int, str]:
+    """(size, ``"<ALGORITHM> <b64>"``) of a file, read through a map of its pages."""
+    algorithm = _s3.ChecksumAlgorithm.named(algorithm_name)
+    with open(path, "rb") as stream:
+        size = os.fstat(stream.fileno()).st_size
+        if not size:
+            return 0, _checksum_string(algorithm, 0)
+        with mmap.mmap(stream.fileno(), size, prot=mmap.PROT_READ) as mapped:
+            return size, _checksum_string(algorithm, _s3.checksum_of(algorithm, mapped))
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """The bytes of the tensors in a checkpoint's containers (each storage once): what a torch.save writes, nearly."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    seen: dict[tuple[str, int], int] = {}
+    pending = [obj]
+    while pending:
+        value = pending.pop()
+        if torch is not None and isinstance(value, torch.Tensor):
+            with contextlib.suppress(RuntimeError, NotImplementedError):
+                storage = value.untyped_storage()
+                seen[(str(value.device), storage.data_ptr())] = storage.nbytes()
+        elif isinstance(value, dict):
+            pending.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
+    return sum(seen.values())
+
+
+def _slug(text: str) -> str:
+    """A directory name for `text`: readable, safe, and distinct (a short hash of the whole)."""
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", text)[:60]
+    return f"{readable}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 3. One node's tier of one job
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class NodeTier:
+    """This node's memory tier for one job, as seen by one process (`S3CheckpointIO` keeps one)."""
+
+    def __init__(self, config: MemoryTier, run: _s3.CheckpointRun, checksum_algorithm: str = "auto") -> None:
+        self.config = config
+        self.run = run
+        self.algorithm = _s3.ChecksumAlgorithm.named(checksum_algorithm)
+        job = config.job or run.job
+        if not job:
+            job = f"process {run.run_id}"
+            logger.info(
+                "memory tier: no launcher names this job, so the tier is this process's alone (a restart does not "
+                "find it); set MemoryTier(job=...) to keep it across restarts"
+            )
+        self.job = job
+        self.directory = Path(config.root) / f"s3ckpt-tier-{os.getuid()}" / _slug(job)
+        self.own = self.directory / "own"
+        self.replicas = self.directory / "replicas"
+        self._lock = threading.Lock()
+        self._warned_full = False
+        _private_directory(self.own)
+
+    def __repr__(self) -> str:
+        return f"<NodeTier {self.directory} for {self.run}>"
+
+    # ---- where -------------------------------------------------------------------------------------------------
+
+    def path_of(self, url: str) -> Path:
+        """Where the checkpoint of `url` lives in this tier: ``own/<bucket>/<key>``."""
+        bucket, key = _urls.parse_s3_url(_urls.normalize_s3_url(url))
+        parts = [bucket, *key.split("/")]
+        if not key or any(part in ("", ".", "..") for part in parts):
+            raise ValueError(f"memory tier: cannot keep {url} (an empty, '.' or '..' path segment)")
+        return self.own.joinpath(*parts)
+
+    @staticmethod
+    def record_path(path: Path) -> Path:
+        return path.with_name(path.name + COMMIT_RECORD_SUFFIX)
+
+    # ---- fencing -------------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _launch_lock(self) -> Iterator[None]:
+        if fcntl is None:
+            yield
+            return
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def claim(self) -> None:
+        """Record this run as the tier's newest writer, or raise `CheckpointDirectoryTakenError` if a newer launch
+        of the job wrote here (this run is a straggler: it writes nothing)."""
+        path = self.directory / _LAUNCH_RECORD
+        with self._launch_lock():
+            found = _read_json(path)
+            owner = None
+            if found is not None:
+                with contextlib.suppress(TypeError, ValueError):
+                    owner = _s3.CheckpointRun(**{**found, "attempt": tuple(found.get("attempt", ()))})
+            if owner is not None and owner.run_id != self.run.run_id:
+                if owner.is_newer_than(self.run):
+                    raise _s3.CheckpointDirectoryTakenError(
+                        f"memory tier {self.directory}: {owner} is a newer launch of this job than {self.run}; this "
+                        "run is stale and writes nothing into the tier (docs/fencing.md)",
+                        str(self.directory),
+                        self.run,
+                        owner,
+                    )
+            if owner is None or owner.run_id != self.run.run_id:
+                _write_json_atomically(path, dataclasses.asdict(self.run))
+
+    # ---- save ----------------------------------------------------------------------------------------------------
+
+    def free_bytes(self) -> int:
+        """Room left for a new checkpoint: the tmpfs's free bytes, within `MemoryTier.capacity_bytes`."""
+        found = os.statvfs(self.own)
+        free = found.f_bavail * found.f_frsize
+        if self.config.capacity_bytes is not None:
+            free = min(free, self.config.capacity_bytes - sum(copy.size for copy in self.copies()))
+        return max(free, 0)
+
+    def save(self, checkpoint: Any, url: str, step: int | None, write: Any) -> TierCopy:
+        """Write `checkpoint` for `url` with ``write(checkpoint, stream)`` and commit it; raise `TierFullError`
+        (nothing left behind) when the tier lacks room, before writing or on ENOSPC."""
+        self.claim()
+        needed = _tensor_bytes(checkpoint) + _SLACK_BYTES
+        free = self.free_bytes()
+        if needed > free:
+            raise TierFullError(errno.ENOSPC, f"memory tier {self.own}: {needed} bytes needed, {free} free")
+        path = self.path_of(url)
+        _private_directory(path.parent)
+        partial = _temporary_sibling(path)
+        fd = _create_private_file(partial)
+        try:
+            with os.fdopen(fd, "wb", buffering=0) as raw:
+                stream = _ChecksummingFile(raw.fileno(), self.algorithm)
+                write(checkpoint, stream)
+            if self.config.capacity_bytes is not None and stream.size > free:
+                raise TierFullError(errno.ENOSPC, f"memory tier {self.own}: {stream.size} bytes over its capacity")
+            record = {
+                "format": _FORMAT,
+                "url": url,
+                "step": step,
+                "run": dataclasses.asdict(self.run),
+                "files": {path.name: [stream.size, _checksum_string(self.algorithm, stream.checksum)]},
+                "committed": time.time(),
+                "sequence": time.time_ns(),
+                "drain": None,
+            }
+            with self._lock:  # the old record goes first: a kill between the renames leaves no false commit
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.record_path(path))
+                os.rename(partial, path)
+                _write_json_atomically(self.record_path(path), record)
+        except OSError as exc:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(partial)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not isinstance(exc, TierFullError):
+                raise TierFullError(exc.errno, f"memory tier {self.own}: {exc.strerror}") from exc
+            raise
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(partial)
+            raise
+        return TierCopy(url, path, record)
+
+    def warn_full_once(self, url: str, error: BaseException) -> None:
+        """One warning per tier that a save went to S3 directly for want of room (later ones are logged at INFO)."""
+        log = logger.info if self._warned_full else logger.warning
+        self._warned_full = True
+        log("%s: no room in the memory tier (%s); this save goes to S3 directly, the step does not fail", url, error)
+
+    # ---- what is there -------------------------------------------------------------------------------------------
+
+    def copy_of(self, url: str) -> TierCopy | None:
+        """The committed copy of `url` (unverified), or None."""
+        path = self.path_of(url)
+        record = _read_json(self.record_path(path))
+        if record is None or record.get("format") != _FORMAT or path.name not in record.get("files", {}):
+            return None
+        if not path.is_file() or path.stat().st_size != record["files"][path.name][0]:
+            return None
+        return TierCopy(url, path, record)
+
+    def verified_copy(self, url: str) -> TierCopy | None:
+        """The committed copy of `url` if its bytes match its record; None if there is none; raises
+        `s3_utils.ChecksumMismatchError` (naming the file and the URL) if they do not."""
+        copy = self.copy_of(url)
+        if copy is None:
+            return None
+        algorithm = copy.checksum.split(" ", 1)[0]
+        size, checksum = _file_checksum(copy.path, algorithm)
+        if (size, checksum) != (copy.size, copy.checksum):
+            raise _s3.ChecksumMismatchError(
+                f"memory tier copy {copy.path} of {url} does not match its commit record: {size} bytes with "
+                f"{checksum}, recorded {copy.size} bytes with {copy.checksum}"
+            )
+        return copy
+
+    def copies(self) -> list[TierCopy]:
+        """Every committed checkpoint of this node, oldest first."""
+        found = []
+        for record_path in self.own.rglob(f"*{COMMIT_RECORD_SUFFIX}"):
+            record = _read_json(record_path)
+            url = record.get("url") if record else None
+            if isinstance(url, str):
+                with contextlib.suppress(ValueError, OSError):
+                    copy = self.copy_of(url)
+                    if copy is not None:
+                        found.append(copy)
+        return sorted(found, key=lambda copy: copy.record.get("sequence", 0))
+
+    def entries_under(self, directory: str) -> list[tuple[str, float]]:
+        """``(path relative to the s3:// `directory`, commit time)`` of the committed checkpoints below it, as
+        resume discovery takes a listing's entries."""
+        prefix = _urls.normalize_s3_url(directory).rstrip("/") + "/"
+        return [
+            (copy.url[len(prefix) :], float(copy.record.get("committed", 0.0)))
+            for copy in self.copies()
+            if copy.url.startswith(prefix)
+        ]
+
+    def pending_drains(self) -> list[TierCopy]:
+        """Committed checkpoints whose drain to S3 was decided and not finished (a kill cut it short), oldest first."""
+        return [copy for copy in self.copies() if copy.drain == "pending"]
+
+    # ---- drain ---------------------------------------------------------------------------------------------------
+
+    def set_drain(self, copy: TierCopy, state: str) -> TierCopy:
+        """Record the drain state of `copy` (``"pending"``, ``"done"``) in its commit record, if it is still the
+        committed copy (a newer save of the same URL keeps its own state)."""
+        with self._lock:
+            current = self.copy_of(copy.url)
+            if current is None or current.record.get("sequence") != copy.record.get("sequence"):
+                return copy
+            record = {**current.record, "drain": state}
+            _write_json_atomically(self.record_path(copy.path), record)
+        return TierCopy(copy.url, copy.path, record)
+
+    @staticmethod
+    def upload(copy: TierCopy, writer: _s3.S3MultipartWriter) -> None:
+        """Stream the tier file of `copy` into `writer` from its mapped pages (no copy by this process), and raise
+        `s3_utils.ChecksumMismatchError` before the writer commits if the bytes are not those the record vouches
+        for (the caller's ``with writer`` then aborts the upload)."""
+        algorithm = _s3.ChecksumAlgorithm.named(copy.checksum.split(" ", 1)[0])
+        with open(copy.path, "rb") as stream:
+            size = os.fstat(stream.fileno()).st_size
+            if size != copy.size:
+                raise _s3.ChecksumMismatchError(
+                    f"memory tier copy {copy.path} of {copy.url} has {size} bytes, its record {copy.size}"
+                )
+            if not size:
+                return
+            mapped = mmap.mmap(stream.fileno(), size, prot=mmap.PROT_READ)
+            checksum = _checksum_string(algorithm, _s3.checksum_of(algorithm, mapped))
+            if checksum != copy.checksum:
+                mapped.close()
+                raise _s3.ChecksumMismatchError(
+                    f"memory tier copy {copy.path} of {copy.url} does not match its commit record ({checksum}, "
+                    f"recorded {copy.checksum}): not uploaded"
+                )
+            writer.write_borrowed(memoryview(mapped), mapped)  # the map lives until the writer has sent its parts
+
+    # ---- removal and the bound ---------------------------------------------------------------------------------
+
+    def remove(self, url: str) -> bool:
+        """Drop the tier's copy of `url` (its record first: a kill in between leaves no false commit)."""
+        path = self.path_of(url)
+        with self._lock:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.record_path(path))
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                return False
+        logger.debug("memory tier: dropped %s", path)
+        return True
+
+    def prune(self) -> list[str]:
+        """Keep the newest `MemoryTier.keep` checkpoints; drop older ones unless their drain is pending. Returns the
+        URLs dropped."""
+        copies = self.copies()
+        dropped = []
+        for copy in copies[: max(len(copies) - self.config.keep, 0)]:
+            if copy.drain != "pending" and self.remove(copy.url):
+                dropped.append(copy.url)
+        return dropped
