@@ -303,30 +303,38 @@ def _receive_files(
     sock: socket.socket, directory: Path, manifest: Mapping[str, tuple[int, str]], buffer: memoryview
 ) -> None:
     """Write the files of `manifest` from `sock` into `directory` (0700 folders, 0600 files), each checksummed as it
-    arrives; ReplicaRefusedError for the first file whose size or checksum disagrees with the manifest."""
+    arrives; ReplicaRefusedError for the first file that is corrupt (checksum unlike the manifest's) or that cannot
+    be written here (no room: the message says so)."""
     for path, (size, checksum) in manifest.items():
         algorithm, expected = _checksum_parts(checksum)
         target = directory / path
-        for parent in reversed(target.relative_to(directory).parents[:-1]):
-            with contextlib.suppress(FileExistsError):
-                (directory / parent).mkdir(mode=0o700)
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            for parent in reversed(target.relative_to(directory).parents[:-1]):
+                with contextlib.suppress(FileExistsError):
+                    (directory / parent).mkdir(mode=0o700)
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise ReplicaRefusedError(f"cannot write {target}: {exc}") from exc
         value, left = 0, size
         try:
             while left:
                 piece = buffer[: min(left, len(buffer))]
                 _recv_into(sock, piece)
                 value = algorithm.update(piece, value)
-                written = 0
-                while written < len(piece):
-                    written += os.write(fd, piece[written:])
+                try:
+                    written = 0
+                    while written < len(piece):
+                        written += os.write(fd, piece[written:])
+                except OSError as exc:
+                    raise ReplicaRefusedError(f"cannot write {target}: {exc}") from exc
                 left -= len(piece)
         finally:
             os.close(fd)
         actual = algorithm.encode(value)
         if actual != expected:
             raise ReplicaRefusedError(
-                f"file {path!r} ({size} bytes) arrived with {algorithm.name} {actual}, but the manifest says {expected}"
+                f"file {path!r} ({size} bytes) is corrupt: it arrived with {algorithm.name} {actual}, but the "
+                f"manifest says {expected}"
             )
 
 
@@ -813,15 +821,15 @@ def fetch_directory(
         raise FileExistsError(f"{dest} exists: fetch a replica into a new directory")
     request = _request(job, launch, "fetch", _component("sender node", sender_node), _component("name", name))
     temporary = dest.parent / f"{_INCOMING}{dest.name}-{secrets.token_hex(4)}"
+    temporary.mkdir(mode=0o700)
     what = f"fetching the replica {sender_node}/{name}"
     try:
         with _session(peer, request, timeout_s, what) as (sock, answer):
             info = ReplicaInfo.from_record(answer.get("replica"))
-            temporary.mkdir(mode=0o700)
             try:
                 _receive_files(sock, temporary, info.files, memoryview(bytearray(CHUNK)))
-            except ReplicaRefusedError as exc:
-                raise ReplicationError(f"{what} from {_describe(peer)}: its copy is corrupt: {exc}") from exc
+            except ReplicaRefusedError as exc:  # here, not the peer: its copy is corrupt, or this side lacks room
+                raise ReplicationError(f"{what} from {_describe(peer)} failed: {exc}") from exc
         os.rename(temporary, dest)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)

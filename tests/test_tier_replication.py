@@ -122,7 +122,9 @@ def test_a_replica_is_fetched_back_verified(tmp_path: Path, server: replication.
     data = bytearray(held.read_bytes())
     data[12345] ^= 0x01
     held.write_bytes(bytes(data))
-    with pytest.raises(replication.ReplicationError, match=r"corrupt.*__0_0.distcp"):
+    with pytest.raises(
+        replication.ReplicationError, match=r"fetching the replica .* failed: file '__0_0.distcp' .* is corrupt"
+    ):
         replication.fetch_directory(server.address, dest=tmp_path / "bad", **target)
     assert not (tmp_path / "bad").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
@@ -174,7 +176,9 @@ def test_a_byte_corrupted_in_flight_is_refused_and_nothing_counts(
 ) -> None:
     manifest = make_checkpoint(tmp_path / "step=3")
     relay = Relay(server.address, flip_at=3 * MiB)  # inside the big shard's bytes (the request is a few hundred)
-    with pytest.raises(replication.ReplicaRefusedError, match=r"__0_0.distcp.*arrived with CRC32C .* manifest says"):
+    with pytest.raises(
+        replication.ReplicaRefusedError, match=r"__0_0.distcp.* is corrupt: it arrived with CRC32C .* manifest says"
+    ):
         send(tmp_path / "step=3", "step=3", relay.address, manifest)
     assert server.replicas() == []
     assert leftovers(server.root) == []
@@ -430,3 +434,15 @@ def test_exchange_addresses_and_a_ring_of_replicas_with_gloo(tmp_path: Path) -> 
         assert held["files"] == servers[sender]["manifest"]
         data = (Path(held["path"]) / "shard.bin").read_bytes()
         assert data[: 1 << 20] == bytes([sender]) * (1 << 20)
+
+
+def test_a_peer_without_room_refuses_before_any_byte_is_sent(
+    tmp_path: Path, server: replication.ReplicaServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manifest = make_checkpoint(tmp_path / "step=3", big=1000)
+    usage = replication.shutil.disk_usage(server.root)
+    monkeypatch.setattr(replication.shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    with pytest.raises(replication.ReplicaRefusedError, match=r"has 1000 bytes free, the replica needs \d+"):
+        send(tmp_path / "step=3", "step=3", server.address, manifest)
+    assert server.replicas() == []
+    assert leftovers(server.root) == []
