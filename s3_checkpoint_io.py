@@ -317,7 +317,8 @@ class S3CheckpointIO:
             if self._pending or self._deferred:
                 raise RuntimeError("cannot pickle S3CheckpointIO while background saves are pending; call teardown()")
         state = self.__dict__.copy()
-        for live in ("_lock", "_executor", "_pending", "_deferred", "_errors", "records", "_fence_override", "_tier"):
+        for live in ("_lock", "_executor", "_pending", "_deferred", "_errors", "records", "_fence_override", "_tier",
+                     "_replication"):
             del state[live]
         state["_run"] = self.run  # a spawned copy of this plugin is the same run
         return state  # `S3Utils` pickles as its settings and retry policy
@@ -561,6 +562,7 @@ class S3CheckpointIO:
         self._last_drain = -math.inf
         self._drain_due = False
         self._held_removals: list[str] = []  # S3 removals waiting for a newer checkpoint to be on S3
+        self._replication: Any = None  # the `s3_memory_tier.TierReplication`, once `start_replication` ran
         if self.memory_tier is not None:
             _tiered_plugins.add(self)
 
@@ -604,8 +606,20 @@ class S3CheckpointIO:
             draining = len(self._pending)
         if self._drain_due and draining < self.max_saves_in_flight:  # else the next save drains (no stall)
             self._drain(copy)
-        tier.prune()
+        if self._replication is not None and self._replication.peer is not None:
+            self._replication.send(copy)  # prunes the tier once the copy counts on the peer
+        else:
+            tier.prune()
         return True
+
+    def start_replication(self, group: Any = None, *, bind_host: str = "127.0.0.1", local_rank: int = 0) -> None:
+        """Replicate this node's memory tier to the next node (a ring over the job's nodes): collective, every rank
+        of `group` (default: the default process group) calls it once; the node's first rank (`local_rank` 0)
+        serves its peers' replicas on `bind_host` (the node's address on the job's network). Every save into the
+        tier is then sent in the background, verified on arrival; needs s3_tier_replication.py beside this module.
+        """
+        module = _memory_tier_module()
+        self._replication = module.TierReplication(self.node_tier(), group, bind_host=bind_host, local_rank=local_rank)
 
     def _drain(self, copy: Any) -> None:
         """Queue the upload of a memory copy to S3; the S3 removals held so far wait for it."""
@@ -730,8 +744,11 @@ class S3CheckpointIO:
         self._raise_background_errors()
 
     def wait_for_pending_saves(self) -> None:
-        """Block until every background save (and the removals waiting on them) finished; raise the first failure."""
+        """Block until every background save (and the removals waiting on them) finished, and every replication to
+        a peer node (failed ones are logged: the next save replicates again); raise the first failure of a save."""
         self._wait_for_saves_of(None)
+        if self._replication is not None:
+            self._replication.wait()
 
     def teardown(self) -> None:
         """Wait for all background saves, shut the worker down, and raise if any save or removal failed. With a
@@ -742,6 +759,9 @@ class S3CheckpointIO:
             self.wait_for_pending_saves()
             if self._tier is not None:
                 self._remove_held()
+            if self._replication is not None:
+                replication, self._replication = self._replication, None
+                replication.close()
         finally:
             with self._lock:
                 executor, self._executor = self._executor, None

@@ -20,16 +20,22 @@ argument raises ImportError saying the file is missing. docs/tiers.md shows the 
    The commit record says ``"drain": "pending"`` from the moment a drain is decided until S3 has the object, so a
    relaunch finishes a drain a kill cut short (`NodeTier.pending_drains`).
 
+6. Replication (with the sibling `s3_tier_replication`): `TierReplication`, started collectively by
+   `S3CheckpointIO.start_replication`, runs each node's replica server on ``<job>/replicas`` and sends every
+   committed checkpoint (file and commit record, verified on arrival) to the next node on a ring in the background.
+
 `S3CheckpointIO` drives all of it (when to drain, removals, loads): this module only knows files and records.
-Not built yet: replication to a peer node, DCP (`s3_dcp`) and megatron-core paths (docs/tiers.md).
+Not built yet: resume from a peer's replica, DCP (`s3_dcp`) and megatron-core paths (docs/tiers.md).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import errno
 import hashlib
+import importlib
 import io
 import json
 import logging
@@ -40,6 +46,7 @@ import secrets
 import stat
 import threading
 import time
+import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +64,7 @@ else:  # installed (or copied) as top-level modules
     import s3_dirpath_utils as _urls
     import s3_utils as _s3
 
-__all__ = ["COMMIT_RECORD_SUFFIX", "MemoryTier", "NodeTier", "TierCopy", "TierFullError"]
+__all__ = ["COMMIT_RECORD_SUFFIX", "MemoryTier", "NodeTier", "TierCopy", "TierFullError", "TierReplication"]
 
 logger = logging.getLogger(__name__)
 
@@ -534,3 +541,90 @@ class NodeTier:
             if copy.drain != "pending" and self.remove(copy.url):
                 dropped.append(copy.url)
         return dropped
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 6. Replication to the next node (s3_tier_replication)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _replication_module() -> types.ModuleType:
+    name = f"{__package__}.s3_tier_replication" if __package__ else "s3_tier_replication"
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise
+        raise ImportError(
+            "replicating the memory tier needs s3_tier_replication.py beside s3_memory_tier.py (part of "
+            "s3-checkpoint-io): copy it there"
+        ) from exc
+
+
+class TierReplication:
+    """This rank's part of the job's replication: the node's replica server (on its first rank) and a background
+    sender to the next node's. Collective to start (every rank of `group`); `send` never blocks the caller."""
+
+    def __init__(self, tier: NodeTier, group: Any = None, *, bind_host: str = "127.0.0.1", local_rank: int = 0) -> None:
+        module = _replication_module()
+        self._module = module
+        self.tier = tier
+        self.node = _s3.node_key()
+        self.launch = tier.run.run_id if tier.run.job else None
+        self.server = None
+        if local_rank == 0:
+            self.server = module.ReplicaServer(
+                tier.replicas, job=tier.job, launch=self.launch, bind_host=bind_host, keep=tier.config.keep
+            )
+        addresses = module.exchange_addresses(group, server=self.server)
+        nodes = list(addresses)
+        peer = module.peer_of(nodes.index(self.node), len(nodes)) if self.node in addresses else None
+        self.peer = None if peer is None else addresses[nodes[peer]]
+        if self.peer is None:
+            logger.warning("memory tier: no other node to replicate to; a lost node loses what it held in memory")
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="s3ckpt-replicate")
+        self._futures: list[concurrent.futures.Future[None]] = []
+        self.replicated: list[str] = []  # URLs whose copy counts on the peer, oldest first
+
+    @staticmethod
+    def replica_name(url: str) -> str:
+        """The replica's name on the peer for the checkpoint of `url`."""
+        return _slug(url)
+
+    def send(self, copy: TierCopy) -> None:
+        """Queue the replication of `copy` (its file and commit record) to the peer node; the tier is pruned once
+        it counts there."""
+        if self.peer is not None:
+            self._futures = [f for f in self._futures if not f.done()]
+            self._futures.append(self._executor.submit(self._send, copy))
+
+    def _send(self, copy: TierCopy) -> None:
+        record = NodeTier.record_path(copy.path)
+        manifest = {
+            copy.path.name: (copy.size, copy.checksum),
+            record.name: (record.stat().st_size, self._module.file_checksum(record, copy.checksum.split(" ")[0])),
+        }
+        try:
+            self._module.send_directory(
+                copy.path.parent, self.replica_name(copy.url), self.peer, sender_node=self.node, job=self.tier.job,
+                launch=self.launch, manifest=manifest,
+            )  # fmt: skip
+        except OSError as exc:  # the next save replicates again; training goes on
+            logger.warning("memory tier: %s was not replicated to %s:%d: %s", copy.url, *self.peer, exc)
+            raise
+        self.replicated.append(copy.url)
+        self.tier.prune()
+
+    def wait(self) -> None:
+        """Block until every queued replication ended (failures were logged)."""
+        for future in self._futures:
+            with contextlib.suppress(OSError):
+                future.result()
+        self._futures = []
+
+    def close(self) -> None:
+        """Finish the queued replications, stop sending and stop this node's server."""
+        self.wait()
+        self._executor.shutdown(wait=True)
+        if self.server is not None:
+            self.server.close()

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from s3_servers import rank_environment
 
 import connector
 import s3_utils
@@ -260,3 +261,28 @@ def test_without_the_module_the_core_says_what_is_missing() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "s3_memory_tier.py beside s3_checkpoint_io.py" in done.stdout
+
+
+@pytest.mark.slow
+def test_two_nodes_replicate_and_agree_on_what_every_rank_can_load(
+    s3_server: Any, bucket: str, tmp_path: Path
+) -> None:
+    """Two gloo ranks, each a node with its own tier: node 0's in-memory checkpoint is replicated to node 1, and a
+    collective load uses memory only where every rank has a verified copy, else S3 on every rank alike."""
+    env = rank_environment(s3_server, s3_server.endpoint_url, WORLD_SIZE="2")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "helpers" / "tier_dist_worker.py"), bucket, str(tmp_path)],
+            env={**env, "RANK": str(rank), "GROUP_RANK": str(rank), "LOCAL_RANK": "0"}, cwd=REPO,
+        )
+        for rank in range(2)
+    ]
+    assert [proc.wait(timeout=300) for proc in procs] == [0, 0]
+    node0, node1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2))
+    step1, step2 = (f"s3://{bucket}/run/step={step}-last.ckpt" for step in (1, 2))
+    assert node0["own"] == [step1, step2] and node1["own"] == []
+    name = NodeTier.record_path(Path("x")).name  # the commit record travels with the file
+    assert any(p.endswith("/step=2-last.ckpt") for p in node1["replicas"])
+    assert any(p.endswith("/step=2-last.ckpt" + name[1:]) for p in node1["replicas"])
+    for node in (node0, node1):  # step 2 is only in node 0's memory: no rank loads it; step 1 from S3 everywhere
+        assert node["loads"] == [[step2, "missing", None], [step1, True, "s3"]]
