@@ -222,7 +222,11 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 class _ChecksummingFile(io.RawIOBase):
-    """A write-only stream into an fd that keeps the full-object checksum of what it wrote."""
+    """A write-only stream into an fd that keeps the full-object checksum of what it wrote. A large write is
+    checksummed on a helper thread while it is being written (both release the GIL), and waited for before the
+    write returns: the caller's buffer is only read while the caller lends it."""
+
+    _overlap_min = 1 << 20
 
     def __init__(self, fd: int, algorithm: _s3.ChecksumAlgorithm) -> None:
         super().__init__()
@@ -236,12 +240,33 @@ class _ChecksummingFile(io.RawIOBase):
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self.checksum = self._algorithm.update(view, self.checksum)
         total = len(view)
-        while view:
-            view = view[os.write(self._fd, view) :]
+        if total >= self._overlap_min:
+            checksum = _checksum_thread().submit(self._algorithm.update, view, self.checksum)
+            self._write_all(view)
+            self.checksum = checksum.result()
+        else:
+            self.checksum = self._algorithm.update(view, self.checksum)
+            self._write_all(view)
         self.size += total
         return total
+
+    def _write_all(self, view: memoryview) -> None:
+        while view:
+            view = view[os.write(self._fd, view) :]
+
+
+_checksum_thread_lock = threading.Lock()
+_checksum_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _checksum_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's helper thread for checksums that overlap a write (created on first use)."""
+    global _checksum_pool
+    with _checksum_thread_lock:
+        if _checksum_pool is None:
+            _checksum_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="s3ckpt-tier-crc")
+        return _checksum_pool
 
 
 def _checksum_string(algorithm: _s3.ChecksumAlgorithm, value: int) -> str:
