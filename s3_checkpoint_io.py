@@ -560,7 +560,6 @@ class S3CheckpointIO:
         self._tier: Any = None  # the `s3_memory_tier.NodeTier`, opened on first use
         self._tier_saves = 0
         self._last_drain = -math.inf
-        self._drain_due = False
         self._held_removals: list[str] = []  # S3 removals waiting for a newer checkpoint to be on S3
         self._replication: Any = None  # the `s3_memory_tier.TierReplication`, once `start_replication` ran
         if self.memory_tier is not None:
@@ -600,12 +599,8 @@ class S3CheckpointIO:
         self._tier_saves += 1
         config = self.memory_tier
         timer = config.drain_minutes is not None and time.monotonic() - self._last_drain >= config.drain_minutes * 60
-        if (self._tier_saves - 1) % config.drain_every == 0 or timer:
-            self._drain_due = True
-        with self._lock:
-            draining = len(self._pending)
-        if self._drain_due and draining < self.max_saves_in_flight:  # else the next save drains (no stall)
-            self._drain(copy)
+        if (self._tier_saves - 1) % config.drain_every == 0 or timer:  # queued, never waited for: S3 slower than
+            self._drain(copy)  # the saves fills the tier until a save finds no room and goes to S3 itself
         if self._replication is not None and self._replication.peer is not None:
             self._replication.send(copy)  # prunes the tier once the copy counts on the peer
         else:
@@ -624,7 +619,6 @@ class S3CheckpointIO:
     def _drain(self, copy: Any) -> None:
         """Queue the upload of a memory copy to S3; the S3 removals held so far wait for it."""
         copy = self._tier.set_drain(copy, "pending")
-        self._drain_due = False
         self._last_drain = time.monotonic()
         with self._lock:
             removals, self._held_removals = self._held_removals, []

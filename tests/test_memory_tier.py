@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from s3_servers import rank_environment
+from tiny_lightning import FAMILIES, TOP_K_CHECKPOINT, lightning_family, tiny_module_class, tiny_trainer
 
 import connector
 import s3_utils
@@ -286,3 +287,39 @@ def test_two_nodes_replicate_and_agree_on_what_every_rank_can_load(
     assert any(p.endswith("/step=2-last.ckpt" + name[1:]) for p in node1["replicas"])
     for node in (node0, node1):  # step 2 is only in node 0's memory: no rank loads it; step 1 from S3 everywhere
         assert node["loads"] == [[step2, "missing", None], [step1, True, "s3"]]
+
+
+@pytest.mark.lightning
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_lightning_fit_saves_into_memory_keeps_top_k_on_s3_and_resumes_from_memory(
+    family: str, s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    pl = lightning_family(family)
+    module_class = tiny_module_class(pl, features=8, outputs=2)
+    dirpath = f"s3://{bucket}/run"
+
+    def fit(module: Any, max_steps: int, **fit_kwargs: Any) -> tuple[Any, S3CheckpointIO]:
+        tier = MemoryTier(root=str(tmp_path), job="j", drain_every=2)
+        plugin = S3CheckpointIO(dirpath, chunk_size_MB=5, memory_tier=tier)
+        callback = connector.s3_model_checkpoint_class(family)(dirpath=dirpath, **TOP_K_CHECKPOINT)
+        trainer = tiny_trainer(pl, max_steps, plugins=[plugin], callbacks=[callback])
+        trainer.fit(module, **fit_kwargs)
+        return trainer, plugin
+
+    first = module_class()
+    _, plugin = fit(first, 6)
+    final_weights = {k: v.clone() for k, v in first.state_dict().items()}
+    assert {r.tier for r in plugin.records if r.kind == "save"} == {"memory", "s3"}
+    assert plugin.records[-1].tier == "s3" and plugin.records[-1].url == f"{dirpath}/last.ckpt"  # drained at the end
+    assert [k for k in s3_keys(s3_client, bucket) if k.endswith(".ckpt")] == [
+        "run/last.ckpt", "run/tiny-step=4.ckpt", "run/tiny-step=6.ckpt"
+    ]  # top-k as without the tier: step 2 left S3 once a newer checkpoint was there
+    assert not s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads")
+
+    second = module_class()
+    resumed, resume_plugin = fit(second, 8, ckpt_path=f"{dirpath}/last.ckpt")
+    assert [r.tier for r in resume_plugin.records if r.kind == "load"] == ["memory"]
+    assert second.started_at["global_step"] == 6
+    for name, tensor in final_weights.items():
+        assert torch.equal(second.started_at["weights"][name], tensor), name
+    assert resumed.global_step == 8
