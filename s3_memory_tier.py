@@ -501,6 +501,32 @@ class NodeTier:
             if copy.url.startswith(prefix)
         ]
 
+    def tiers_under(self, directory: str) -> dict[str, dict[str, Any]]:
+        """The checkpoints below the s3:// `directory` this node holds: URL -> ``{"tiers": [...], "size": bytes,
+        "committed": epoch seconds}``, tiers ``"memory"`` (its own, committed) and ``"replica"`` (a peer's replica
+        that counts here). For ``ls``; reads records only (no checksums)."""
+        prefix = _urls.normalize_s3_url(directory).rstrip("/") + "/"
+        found: dict[str, dict[str, Any]] = {}
+
+        def add(record: dict[str, Any], tier: str) -> None:
+            url = record.get("url")
+            if isinstance(url, str) and url.startswith(prefix):
+                size = sum(int(entry[0]) for entry in record.get("files", {}).values())
+                entry = found.setdefault(url, {"tiers": [], "size": size, "committed": record.get("committed", 0.0)})
+                entry["tiers"].append(tier)
+
+        for copy in self.copies():
+            add(copy.record, "memory")
+        if self.replicas.is_dir():
+            suffix = _replication_module().MANIFEST_SUFFIX
+            for manifest in sorted(self.replicas.glob(f"*/*{suffix}")):
+                replica = manifest.with_name(manifest.name.removesuffix(suffix))
+                for record_path in replica.glob(f"*{COMMIT_RECORD_SUFFIX}"):
+                    record = _read_json(record_path)
+                    if record is not None:
+                        add(record, "replica")
+        return found
+
     def pending_drains(self) -> list[TierCopy]:
         """Committed checkpoints whose drain to S3 was decided and not finished (a kill cut it short), oldest first."""
         return [copy for copy in self.copies() if copy.drain == "pending"]

@@ -24,6 +24,8 @@ from s3_servers import rank_environment
 from tiny_lightning import FAMILIES, TOP_K_CHECKPOINT, lightning_family, tiny_module_class, tiny_trainer
 
 import connector
+import s3_checkpoint_admin
+import s3_checkpoint_cli
 import s3_utils
 from s3_checkpoint_io import S3CheckpointIO
 from s3_memory_tier import COMMIT_RECORD_SUFFIX, MemoryTier, NodeTier
@@ -323,3 +325,28 @@ def test_a_lightning_fit_saves_into_memory_keeps_top_k_on_s3_and_resumes_from_me
     for name, tensor in final_weights.items():
         assert torch.equal(second.started_at["weights"][name], tensor), name
     assert resumed.global_step == 8
+
+
+def test_ls_shows_each_checkpoints_tiers(
+    s3_server: Any, bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = f"s3://{bucket}/run"
+    plugin = tiered(tmp_path, drain_every=10, keep=3)  # step 1 drains, step 2 stays in memory
+    for step in (1, 2):
+        plugin.save_checkpoint(make_checkpoint(step, mib=0.25), f"{directory}/step={step}.ckpt")
+    plugin.wait_for_pending_saves()
+    plugin.node_tier().remove(f"{directory}/step=1.ckpt")  # memory lost it: only on S3 now
+    plugin.save_checkpoint(make_checkpoint(3, mib=0.25), f"{directory}/step=3.ckpt")
+    plugin.teardown()  # step 3: memory and S3
+    listed = s3_checkpoint_admin.list_checkpoints(directory, memory_tier={"root": str(tmp_path), "job": "job-1"})
+    assert [(entry.step, entry.tiers) for entry in listed] == [
+        (1, ("s3",)), (2, ("memory",)), (3, ("s3", "memory"))
+    ]
+    assert [entry.step for entry in s3_checkpoint_admin.list_checkpoints(directory)] == [1, 3]  # S3 alone
+    assert s3_checkpoint_cli.main(["ls", directory, "--memory-tier", str(tmp_path), "--job", "job-1"]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:-1]
+    assert [row.split("  [")[-1] for row in rows] == ["s3]", "memory]", "s3, memory]"]
+    assert s3_checkpoint_cli.main(["ls", directory, "--json", "--memory-tier", str(tmp_path), "--job", "job-1"]) == 0
+    assert [entry["tiers"] for entry in json.loads(capsys.readouterr().out)] == [["s3"], ["memory"], ["s3", "memory"]]
+    with pytest.raises(ValueError, match="needs its job"):
+        s3_checkpoint_admin.list_checkpoints(directory, memory_tier=str(tmp_path))
