@@ -604,7 +604,7 @@ class S3CheckpointIO:
         if self._replication is not None and self._replication.peer is not None:
             self._replication.send(copy)  # prunes the tier once the copy counts on the peer
         else:
-            tier.prune()
+            tier.prune_soon()
         return True
 
     def start_replication(self, group: Any = None, *, bind_host: str = "127.0.0.1", local_rank: int = 0) -> None:
@@ -743,6 +743,8 @@ class S3CheckpointIO:
         self._wait_for_saves_of(None)
         if self._replication is not None:
             self._replication.wait()
+        if self._tier is not None:
+            self._tier.wait_pruned()
 
     def teardown(self) -> None:
         """Wait for all background saves, shut the worker down, and raise if any save or removal failed. With a

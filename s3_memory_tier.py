@@ -226,7 +226,7 @@ class _ChecksummingFile(io.RawIOBase):
     checksummed on a helper thread while it is being written (both release the GIL), and waited for before the
     write returns: the caller's buffer is only read while the caller lends it."""
 
-    _overlap_min = 1 << 20
+    _overlap_min = 4 << 20  # below, handing the buffer to the thread costs about what the checksum does
 
     def __init__(self, fd: int, algorithm: _s3.ChecksumAlgorithm) -> None:
         super().__init__()
@@ -242,7 +242,7 @@ class _ChecksummingFile(io.RawIOBase):
         view = memoryview(data).cast("B")
         total = len(view)
         if total >= self._overlap_min:
-            checksum = _checksum_thread().submit(self._algorithm.update, view, self.checksum)
+            checksum = _helper_thread("checksum").submit(self._algorithm.update, view, self.checksum)
             self._write_all(view)
             self.checksum = checksum.result()
         else:
@@ -256,17 +256,17 @@ class _ChecksummingFile(io.RawIOBase):
             view = view[os.write(self._fd, view) :]
 
 
-_checksum_thread_lock = threading.Lock()
-_checksum_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_helpers_lock = threading.Lock()
+_helpers: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 
 
-def _checksum_thread() -> concurrent.futures.ThreadPoolExecutor:
-    """The process's helper thread for checksums that overlap a write (created on first use)."""
-    global _checksum_pool
-    with _checksum_thread_lock:
-        if _checksum_pool is None:
-            _checksum_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="s3ckpt-tier-crc")
-        return _checksum_pool
+def _helper_thread(purpose: str) -> concurrent.futures.ThreadPoolExecutor:
+    """The process's helper thread for `purpose` (``"checksum"``: checksums that overlap a write; ``"prune"``:
+    dropping old copies, whose pages take a while to free), created on first use."""
+    with _helpers_lock:
+        if purpose not in _helpers:
+            _helpers[purpose] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"s3ckpt-tier-{purpose}")
+        return _helpers[purpose]
 
 
 def _checksum_string(algorithm: _s3.ChecksumAlgorithm, value: int) -> str:
@@ -335,6 +335,8 @@ class NodeTier:
         self.replicas = self.directory / "replicas"
         self._lock = threading.Lock()
         self._warned_full = False
+        self._last_size: int | None = None  # the previous save's bytes: the next one's estimate (no walk)
+        self._pruning: concurrent.futures.Future[list[str]] | None = None
         _private_directory(self.own)
 
     def __repr__(self) -> str:
@@ -404,7 +406,7 @@ class NodeTier:
         """Write `checkpoint` for `url` with ``write(checkpoint, stream)`` and commit it; raise `TierFullError`
         (nothing left behind) when the tier lacks room, before writing or on ENOSPC."""
         self.claim()
-        needed = _tensor_bytes(checkpoint) + _SLACK_BYTES
+        needed = (self._last_size if self._last_size is not None else _tensor_bytes(checkpoint)) + _SLACK_BYTES
         free = self.free_bytes()
         if needed > free:
             raise TierFullError(errno.ENOSPC, f"memory tier {self.own}: {needed} bytes needed, {free} free")
@@ -433,6 +435,7 @@ class NodeTier:
                     os.unlink(self.record_path(path))
                 os.rename(partial, path)
                 _write_json_atomically(self.record_path(path), record)
+            self._last_size = stream.size
         except OSError as exc:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(partial)
@@ -582,6 +585,19 @@ class NodeTier:
                 return False
         logger.debug("memory tier: dropped %s", path)
         return True
+
+    def prune_soon(self) -> None:
+        """`prune` on a helper thread, off the caller's path (`wait_pruned` waits for it; a failure is logged)."""
+        self._pruning = _helper_thread("prune").submit(self.prune)
+
+    def wait_pruned(self) -> None:
+        """Wait for the last `prune_soon`."""
+        pruning, self._pruning = self._pruning, None
+        if pruning is not None:
+            try:
+                pruning.result()
+            except OSError as exc:
+                logger.warning("memory tier %s: dropping old checkpoints failed: %s", self.own, exc)
 
     def prune(self) -> list[str]:
         """Keep the newest `MemoryTier.keep` checkpoints; drop older ones unless their drain is pending. Returns the
