@@ -350,3 +350,18 @@ def test_ls_shows_each_checkpoints_tiers(
     assert [entry["tiers"] for entry in json.loads(capsys.readouterr().out)] == [["s3"], ["memory"], ["s3", "memory"]]
     with pytest.raises(ValueError, match="needs its job"):
         s3_checkpoint_admin.list_checkpoints(directory, memory_tier=str(tmp_path))
+
+
+def test_a_checkpoint_saved_again_after_its_removal_stays(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    plugin = tiered(tmp_path, drain_every=10)
+    first, second = (f"s3://{bucket}/run/{name}.ckpt" for name in ("a", "b"))
+    plugin.save_checkpoint(make_checkpoint(1), first)  # drained
+    plugin.save_checkpoint(make_checkpoint(2), second)
+    plugin.remove_checkpoint(first)  # held for S3 until a newer checkpoint is there
+    plugin.save_checkpoint(make_checkpoint(3), first)  # the same name again: the removal no longer applies
+    plugin.teardown()  # drains the newest, `first`
+    assert s3_keys(s3_client, bucket) == ["run/a.ckpt"]
+    assert_same(tiered(tmp_path / "elsewhere").load_checkpoint(first), make_checkpoint(3))
+    assert plugin.node_tier().copy_of(first) is not None
