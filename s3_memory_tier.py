@@ -195,12 +195,22 @@ def _temporary_sibling(path: Path) -> Path:
     return path.with_name(f".tmp-{path.name}-{secrets.token_hex(4)}")
 
 
-def _write_json_atomically(path: Path, value: Any) -> None:
+def _json_file_beside(path: Path, value: Any) -> Path:
+    """`value` as JSON in a new private temporary sibling of `path` (for a rename into place)."""
     partial = _temporary_sibling(path)
     fd = _create_private_file(partial)
     try:
         with os.fdopen(fd, "wb") as stream:
             stream.write(json.dumps(value, sort_keys=True).encode())
+    except BaseException:
+        os.unlink(partial)
+        raise
+    return partial
+
+
+def _write_json_atomically(path: Path, value: Any) -> None:
+    partial = _json_file_beside(path, value)
+    try:
         os.rename(partial, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -234,11 +244,19 @@ class _ChecksummingFile(io.RawIOBase):
         self._algorithm = algorithm
         self.checksum = 0
         self.size = 0
+        self.error: OSError | None = None  # what a write raised (torch.save reports it as its own RuntimeError)
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
+        try:
+            return self._write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def _write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         total = len(view)
         if total >= self._overlap_min:
@@ -334,6 +352,8 @@ class NodeTier:
         self.own = self.directory / "own"
         self.replicas = self.directory / "replicas"
         self._lock = threading.Lock()
+        for level in (self.directory.parent, self.directory):  # each level this user's alone, not only the last
+            _private_directory(level)
         self._warned_full = False
         self._last_size: int | None = None  # the previous save's bytes: the next one's estimate (no walk)
         self._pruning: concurrent.futures.Future[list[str]] | None = None
@@ -414,6 +434,7 @@ class NodeTier:
         _private_directory(path.parent)
         partial = _temporary_sibling(path)
         fd = _create_private_file(partial)
+        stream, record_file = None, None
         try:
             with os.fdopen(fd, "wb", buffering=0) as raw:
                 stream = _ChecksummingFile(raw.fileno(), self.algorithm)
@@ -430,21 +451,21 @@ class NodeTier:
                 "sequence": time.time_ns(),
                 "drain": None,
             }
+            record_file = _json_file_beside(self.record_path(path), record)  # needs room: before any change
             with self._lock:  # the old record goes first: a kill between the renames leaves no false commit
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.record_path(path))
                 os.rename(partial, path)
-                _write_json_atomically(self.record_path(path), record)
+                os.rename(record_file, self.record_path(path))
             self._last_size = stream.size
-        except OSError as exc:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(partial)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not isinstance(exc, TierFullError):
-                raise TierFullError(exc.errno, f"memory tier {self.own}: {exc.strerror}") from exc
-            raise
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(partial)
+        except BaseException as exc:
+            for leftover in (p for p in (partial, record_file) if p is not None):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover)
+            error = exc if isinstance(exc, OSError) else getattr(stream, "error", None)
+            if isinstance(error, OSError) and not isinstance(error, TierFullError):
+                if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise TierFullError(error.errno, f"memory tier {self.own}: {error.strerror}") from exc
             raise
         return TierCopy(url, path, record)
 

@@ -6,6 +6,7 @@ second process (tests/helpers/tier_worker.py), a kill is a SIGKILL.
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import logging
@@ -26,6 +27,7 @@ from tiny_lightning import FAMILIES, TOP_K_CHECKPOINT, lightning_family, tiny_mo
 import connector
 import s3_checkpoint_admin
 import s3_checkpoint_cli
+import s3_memory_tier
 import s3_utils
 from s3_checkpoint_io import S3CheckpointIO
 from s3_memory_tier import COMMIT_RECORD_SUFFIX, MemoryTier, NodeTier
@@ -365,3 +367,29 @@ def test_a_checkpoint_saved_again_after_its_removal_stays(
     assert s3_keys(s3_client, bucket) == ["run/a.ckpt"]
     assert_same(tiered(tmp_path / "elsewhere").load_checkpoint(first), make_checkpoint(3))
     assert plugin.node_tier().copy_of(first) is not None
+
+
+def test_enospc_in_the_middle_of_a_save_warns_once_and_saves_to_s3(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The tmpfs fills up while torch.save writes (the room check passed): no failed step, nothing left behind."""
+    written = {"bytes": 0}
+    real_write = s3_memory_tier._ChecksummingFile._write_all
+
+    def write_until_full(self: Any, view: memoryview) -> None:
+        written["bytes"] += len(view)
+        if written["bytes"] > MiB // 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_write(self, view)
+
+    monkeypatch.setattr(s3_memory_tier._ChecksummingFile, "_write_all", write_until_full)
+    plugin = tiered(tmp_path)
+    with caplog.at_level(logging.INFO, logger="s3_memory_tier"):
+        for step in (1, 2):
+            plugin.save_checkpoint(make_checkpoint(step), f"s3://{bucket}/run/step={step}.ckpt")
+    plugin.teardown()
+    assert [r.tier for r in plugin.records] == ["s3", "s3"]
+    assert s3_keys(s3_client, bucket) == ["run/step=1.ckpt", "run/step=2.ckpt"]
+    assert [p for p in plugin.node_tier().own.rglob("*") if p.is_file()] == []  # no partial file or record
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING and "no room" in r.getMessage()]) == 1
