@@ -15,6 +15,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -393,3 +394,19 @@ def test_enospc_in_the_middle_of_a_save_warns_once_and_saves_to_s3(
     assert s3_keys(s3_client, bucket) == ["run/step=1.ckpt", "run/step=2.ckpt"]
     assert [p for p in plugin.node_tier().own.rglob("*") if p.is_file()] == []  # no partial file or record
     assert len([r for r in caplog.records if r.levelno == logging.WARNING and "no room" in r.getMessage()]) == 1
+
+
+def test_drain_minutes_drains_once_the_time_has_passed(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    plugin = tiered(tmp_path, drain_every=100, drain_minutes=1 / 60_000)  # a millisecond
+    for step in (1, 2, 3):
+        plugin.save_checkpoint(make_checkpoint(step, mib=0.25), f"s3://{bucket}/run/step={step}.ckpt")
+        plugin.wait_for_pending_saves()
+        time.sleep(0.01)
+    assert s3_keys(s3_client, bucket) == ["run/step=1.ckpt", "run/step=2.ckpt", "run/step=3.ckpt"]
+    untimed = tiered(tmp_path / "other", drain_every=100)
+    for step in (4, 5):
+        untimed.save_checkpoint(make_checkpoint(step, mib=0.25), f"s3://{bucket}/other/step={step}.ckpt")
+    untimed.wait_for_pending_saves()
+    assert [k for k in s3_keys(s3_client, bucket) if k.startswith("other/")] == ["other/step=4.ckpt"]  # the first
