@@ -417,7 +417,8 @@ class ReplicaServer:
         self._lock_fd = self._take_root()
         try:
             self._clean_root()
-            self._listener = socket.create_server((bind_host, port), backlog=_MAX_CONNECTIONS)
+            family = socket.getaddrinfo(bind_host, port, type=socket.SOCK_STREAM)[0][0]  # IPv4 or IPv6
+            self._listener = socket.create_server((bind_host, port), family=family, backlog=_MAX_CONNECTIONS)
         except BaseException:
             os.close(self._lock_fd)
             raise

@@ -398,6 +398,11 @@ def test_a_single_node_has_no_peer() -> None:
         replication.peer_of(3, 3)
 
 
+def test_exchange_addresses_needs_a_process_group() -> None:
+    with pytest.raises(RuntimeError, match=r"needs an initialised torch\.distributed process group"):
+        replication.exchange_addresses()
+
+
 @pytest.mark.slow
 def test_exchange_addresses_and_a_ring_of_replicas_with_gloo(tmp_path: Path) -> None:
     """Four real ranks on three simulated nodes (an odd count; the first node runs two ranks): every rank learns
