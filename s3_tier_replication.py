@@ -569,10 +569,12 @@ class ReplicaServer:
                 connection, _ = self._listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
+            except OSError as exc:
                 if self._closed.is_set():
                     return
-                raise
+                logger.error("Replica server %s:%d cannot accept a connection: %s", *self.address, exc)
+                time.sleep(0.5)  # out of file descriptors, say: try again rather than stop serving
+                continue
             if not self._slots.acquire(blocking=False):
                 threading.Thread(target=self._refuse_busy, args=(connection,), daemon=True).start()
                 continue
