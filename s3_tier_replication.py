@@ -39,6 +39,7 @@ import hashlib
 import hmac
 import json
 import logging
+import mmap
 import os
 import secrets
 import select
@@ -164,14 +165,13 @@ def _parents(path: str) -> list[str]:
 
 
 def file_checksum(path: Path | str, algorithm: str | None = "auto") -> str:
-    """The checksum of a file as the manifests spell it (``"CRC32C <base64>"``), read in `CHUNK` pieces."""
+    """The checksum of a file as the manifests spell it (``"CRC32C <base64>"``), read through a mapping."""
     checksums = _s3.ChecksumAlgorithm.named(algorithm)
     value = 0
-    buffer = bytearray(CHUNK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as stream:
-        while count := stream.readinto(buffer):
-            value = checksums.update(view[:count], value)
+    with open(path, "rb") as stream:
+        if os.fstat(stream.fileno()).st_size:  # an empty file cannot be mapped (its checksum is 0)
+            with mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                value = _s3.checksum_of(checksums, mapped)
     return f"{checksums.name} {checksums.encode(value)}"
 
 
