@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from optional_imports import CORE_OPTIONAL_MODULES, HIDE_PREAMBLE
 
 import s3_tier_replication as replication
 from s3_local_servers import free_port
@@ -402,6 +403,27 @@ def test_a_single_node_has_no_peer() -> None:
     assert replication.peer_of(0, 1) is None
     with pytest.raises(ValueError):
         replication.peer_of(3, 3)
+
+
+def test_replication_needs_no_extra_and_the_address_exchange_names_torch(tmp_path: Path) -> None:
+    """Every extra hidden (torch, boto3, awscrt...): a round trip works (CRC32 without awscrt); only the address
+    exchange needs torch, and says how to install it."""
+    code = HIDE_PREAMBLE.format(hidden=set(CORE_OPTIONAL_MODULES)) + (
+        "import pathlib, s3_tier_replication as r, s3_utils\n"
+        f"src = pathlib.Path({str(tmp_path / 'src')!r}); src.mkdir(); (src / 'f').write_bytes(b'x' * 100)\n"
+        "manifest = r.directory_manifest(src)\n"
+        "assert manifest['f'][1].startswith('CRC32 '), manifest\n"
+        f"with r.ReplicaServer(pathlib.Path({str(tmp_path / 'root')!r}), job='j', launch=None) as server:\n"
+        "    r.send_directory(src, 'n', server.address, sender_node='a', job='j', launch=None, manifest=manifest)\n"
+        "    assert [i.name for i in server.replicas()] == ['n']\n"
+        "try:\n"
+        "    r.exchange_addresses()\n"
+        "except s3_utils.MissingOptionalDependencyError as exc:\n"
+        "    print(exc)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "optional package 'torch' for the replica address exchange" in result.stdout
 
 
 def test_exchange_addresses_needs_a_process_group() -> None:
