@@ -135,11 +135,19 @@ def test_a_replica_is_fetched_back_verified(tmp_path: Path, server: replication.
 
 
 class Relay:
-    """A TCP relay to `target` that flips the byte at `flip_at` of the client's stream, or cuts both connections
-    once `cut_at` bytes of it have passed."""
+    """A TCP relay to `target` that flips the byte at `flip_at` of the client's stream, cuts both connections once
+    `cut_at` bytes of it have passed, or holds it after `hold_after` bytes until `release` is set."""
 
-    def __init__(self, target: tuple[str, int], flip_at: int | None = None, cut_at: int | None = None) -> None:
+    def __init__(
+        self,
+        target: tuple[str, int],
+        flip_at: int | None = None,
+        cut_at: int | None = None,
+        hold_after: int | None = None,
+        release: threading.Event | None = None,
+    ) -> None:
         self.target, self.flip_at, self.cut_at = target, flip_at, cut_at
+        self.hold_after, self.release, self.holding = hold_after, release, threading.Event()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = self.listener.getsockname()[:2]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -162,6 +170,9 @@ class Relay:
                     break
                 sink.sendall(data)
                 passed += len(data)
+                if from_client and self.release is not None and passed >= (self.hold_after or 0):
+                    self.holding.set()
+                    self.release.wait()
         except OSError:
             pass
         for end in (source, sink):
@@ -271,6 +282,38 @@ def test_an_older_launch_is_refused_also_after_a_server_restart(tmp_path: Path) 
     with pytest.raises(ValueError, match="not spelled '<job>#<attempt>'"):
         send(tmp_path / "step=3", "step=4", ("127.0.0.1", 1), manifest, launch="no-attempt")
     assert replication.launch_attempt("slurm:5#2.-1") == (2, -1)
+
+
+def test_a_straggler_whose_transfer_outlasts_a_newer_launch_is_refused_at_its_commit(
+    tmp_path: Path, server: replication.ReplicaServer
+) -> None:
+    """Admitted while its launch was the newest, a straggler's replica is refused once a newer launch of that
+    sender has begun meanwhile: it never counts beside (or over) the newer launch's."""
+    manifest = make_checkpoint(tmp_path / "step=3")
+    release = threading.Event()
+    relay = Relay(server.address, hold_after=2 * MiB, release=release)
+    outcome: list[BaseException | None] = []
+
+    def straggler() -> None:
+        try:
+            send(tmp_path / "step=3", "step=3", relay.address, manifest, launch="slurm:77#0.0")
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=straggler)
+    thread.start()
+    try:
+        assert relay.holding.wait(timeout=30)
+        send(tmp_path / "step=3", "step=4", server.address, manifest, launch="slurm:77#1.0")
+    finally:
+        release.set()
+        thread.join(timeout=60)
+    [error] = outcome
+    assert isinstance(error, replication.ReplicaRefusedError), error
+    assert "launch 'slurm:77#1.0' of node 0 (GROUP_RANK) began meanwhile" in str(error)
+    assert [(info.name, info.launch) for info in server.replicas()] == [("step=4", "slurm:77#1.0")]
+    assert leftovers(server.root) == []
 
 
 def test_a_shared_secret_keeps_out_who_lacks_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
