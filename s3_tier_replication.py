@@ -16,8 +16,9 @@ nothing in the core needs it.
 How a replica counts: it is written into a temporary sibling (``.incoming-...``, mode 0700, files 0600), every file
 verified against the manifest (size and checksum), renamed into place, and only then its manifest written beside it
 (``<name>.replica.json``): a replica counts once its manifest is there. A replica that fails verification never
-counts (removed, logged, the sender told why); a transfer cut short leaves a temporary that the next server on that
-root removes. Replicas live in memory like the tier itself: they survive a process restart, not a reboot.
+counts (removed, logged, the sender told why); a transfer cut short is removed by the server, or, where the server
+itself died, by the next one on that root. Replicas live in memory like the tier: they survive a process restart,
+not a reboot.
 
 Threat model (as torch's TCPStore and the process group's own transport): the job's network is trusted. Every
 request carries the job and launch and an HMAC over the server's one-time nonce, keyed by ``S3CKPT_REPLICA_SECRET``
