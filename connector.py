@@ -412,7 +412,7 @@ def list_resume_candidates(
         url = _urls.normalize_s3_url(dirpath).rstrip("/")
         bucket, _ = _urls.parse_s3_url(url)
         try:
-            entries = _s3_entries(url, s3_utils or _s3.S3Utils())
+            entries = _s3_entries(url, s3_utils or _s3.S3Utils()) + _ckpt_io.memory_tier_entries(url)  # tiers too
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(
                 f"Cannot look for a checkpoint to resume from in {url}: the bucket {bucket!r} does not exist "
@@ -1082,6 +1082,7 @@ _S3_CONFIG_TO_IO_KWARGS = {
     "load_sharing": "load_sharing",
     "fencing": "fencing",  # false: no owner record, a stale run is not refused (docs/fencing.md)
     "max_requests_per_second": "max_requests_per_second",  # a number, or {write: .., read: ..}: the whole job's
+    "memory_tier": "memory_tier",  # a tmpfs path or a mapping of s3_memory_tier.MemoryTier fields (docs/tiers.md)
 }
 # NeMoModelCheckpoint-only keys of checkpoint_callback_params: accepted, logged, not used.
 _NEMO_ONLY_CALLBACK_KEYS = frozenset(

@@ -111,6 +111,8 @@ class CheckpointEntry:
     """A DCP checkpoint's ``.distcp`` file count; None for a single-object checkpoint."""
     complete: bool = True
     """False for a DCP checkpoint without ``.metadata`` (its save never finished, or is still running)."""
+    tiers: tuple[str, ...] = ("s3",)
+    """Where it is: ``"s3"``, and with ``memory_tier=`` this node's ``"memory"`` and peers' ``"replica"`` copies."""
 
     @property
     def is_dcp(self) -> bool:
@@ -152,6 +154,7 @@ class CheckpointEntry:
             "format": "dcp" if self.is_dcp else "file",
             "shards": self.shards,
             "complete": self.complete,
+            "tiers": list(self.tiers),
         }
 
 
@@ -180,9 +183,12 @@ def _ancestors(name: str) -> list[str]:
 
 
 def list_checkpoints(
-    url: str, *, recursive: bool = False, all_objects: bool = False, s3_utils: _s3.S3Utils | None = None
+    url: str, *, recursive: bool = False, all_objects: bool = False, s3_utils: _s3.S3Utils | None = None,
+    memory_tier: Any = None,
 ) -> list[CheckpointEntry]:
-    """The checkpoints under the S3 "directory" `url` in ``ls`` order, from one listing.
+    """The checkpoints under the S3 "directory" `url` in ``ls`` order, from one listing; with `memory_tier` (a
+    `s3_memory_tier.MemoryTier` naming its ``job``, or a mapping of its fields) also this node's memory tier: each
+    entry's `tiers` say where it is, and checkpoints held only in memory or as a replica are listed too.
 
     The ``*.ckpt`` objects directly under it (`recursive`: at any depth; `all_objects`: every object, kind
     ``"other"`` for the rest) and each DCP checkpoint (a sub-prefix whose top level looks like one, complete or not)
@@ -222,7 +228,31 @@ def list_checkpoints(
                 f"{_urls.build_s3_url(bucket, prefix)}{folder}", folder, objects, top_levels[folder]
             )
         )
+    if memory_tier is not None:
+        entries = _with_memory_tier(entries, url, memory_tier, recursive)
     return sorted(entries, key=_display_key)
+
+
+def _with_memory_tier(entries: list[CheckpointEntry], url: str, config: Any, recursive: bool) -> list[CheckpointEntry]:
+    """`entries` with the tiers this node's memory tier adds, and its checkpoints that S3 does not have."""
+    tier_module = importlib.import_module(f"{__package__}.s3_memory_tier" if __package__ else "s3_memory_tier")
+    config = tier_module.MemoryTier.from_value(config)
+    if not config.job:
+        raise ValueError("listing a memory tier needs its job (MemoryTier(job=...), ls --job): the tier is per job")
+    held = tier_module.NodeTier(config, _s3.current_run()).tiers_under(url)
+    result = []
+    for entry in entries:
+        extra = held.pop(entry.url, {}).get("tiers", [])
+        result.append(dataclasses.replace(entry, tiers=(*entry.tiers, *extra)))
+    prefix = _urls.normalize_s3_url(url).rstrip("/") + "/"
+    for held_url, found in held.items():
+        name = held_url[len(prefix) :]
+        if recursive or "/" not in name:
+            step, kind = classify_checkpoint(name)
+            modified = datetime.datetime.fromtimestamp(found["committed"], datetime.timezone.utc)
+            tiers = tuple(found["tiers"])
+            result.append(CheckpointEntry(held_url, name, found["size"], modified, step, kind, tiers=tiers))
+    return result
 
 
 def checkpoint_entry(url: str, *, s3_utils: _s3.S3Utils | None = None) -> CheckpointEntry | None:

@@ -147,11 +147,13 @@ def _looks_like_s3(text: str) -> bool:
 
 
 def _targets(
-    s3: _s3.S3Utils, url: str, *, recursive: bool = False, all_objects: bool = False
+    s3: _s3.S3Utils, url: str, *, recursive: bool = False, all_objects: bool = False, memory_tier: Any = None
 ) -> list[_admin.CheckpointEntry]:
     """The checkpoints under the prefix `url`, else the single object `url` names; CliError(EXIT_NOT_FOUND) when
     neither, FileNotFoundError when the bucket does not exist."""
-    entries = _admin.list_checkpoints(url, recursive=recursive, all_objects=all_objects, s3_utils=s3)
+    entries = _admin.list_checkpoints(
+        url, recursive=recursive, all_objects=all_objects, s3_utils=s3, memory_tier=memory_tier
+    )
     if entries:
         return entries
     single = _admin.checkpoint_entry(url, s3_utils=s3)
@@ -256,7 +258,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     """List checkpoints: step, size, last-modified (UTC), kind and URL; ``--json`` for scripts."""
     url = s3_url_argument(args.url)
     s3 = _make_s3(args)
-    entries = _targets(s3, url, recursive=args.recursive, all_objects=args.all)
+    tier = {"root": args.memory_tier, "job": args.job} if args.memory_tier else None
+    entries = _targets(s3, url, recursive=args.recursive, all_objects=args.all, memory_tier=tier)
     if args.json:
         json.dump([entry.as_json() for entry in entries], sys.stdout, indent=1)
         print()
@@ -267,7 +270,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         size, modified = human_size(entry.size), _timestamp(entry.last_modified)
         shards = str(entry.shards) if entry.is_dcp else "-"
         state = ("complete" if entry.complete else "incomplete") if entry.is_dcp else "-"
-        print(f"{step:>8}  {size:>10}  {modified:19}  {shards:>6}  {state:10}  {entry.kind:5}  {entry.url}")
+        where = f"  [{', '.join(entry.tiers)}]" if tier else ""  # s3, memory, replica
+        print(f"{step:>8}  {size:>10}  {modified:19}  {shards:>6}  {state:10}  {entry.kind:5}  {entry.url}{where}")
     total = sum(entry.size for entry in entries)
     incomplete = sum(1 for entry in entries if not entry.complete)
     detail = f", {incomplete} incomplete (no .metadata: never resumed from)" if incomplete else ""
@@ -676,6 +680,8 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("-r", "--recursive", action="store_true", help="include checkpoints in sub-prefixes")
     ls.add_argument("-a", "--all", action="store_true", help="list every object, not only *.ckpt")
     ls.add_argument("--json", action="store_true", help="print a JSON array (url, step, size, last_modified, kind)")
+    ls.add_argument("--memory-tier", metavar="ROOT", help="also this node's memory tier there (docs/tiers.md)")
+    ls.add_argument("--job", help="with --memory-tier: the job whose tier to list (slurm:<id>, torchrun:<id>...)")
 
     verify = command("verify", cmd_verify, "download checkpoints and check their recorded checksums", uploads=False)
     verify.add_argument("url", metavar="s3://BUCKET/KEY_OR_PREFIX", help="one checkpoint, or a prefix holding some")

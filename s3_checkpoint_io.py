@@ -18,6 +18,8 @@ module holds the torch side of checkpointing; everything that talks to S3 is in 
   a resume skips a checkpoint that does not verify or load for the next newest (`load_newest_usable`);
 * errors keep Lightning's wording: a missing checkpoint is ``FileNotFoundError("Checkpoint file not found: <url>")``,
   one S3 refuses to read a ``PermissionError``, with S3's detail (status, request id) as notes;
+* memory tier (``memory_tier=``): saves land in the node's tmpfs and drain to S3 in the background, loads read
+  the memory copy when it verifies, through the optional sibling `s3_memory_tier` (docs/tiers.md);
 * `register_with_lightning`: the class is a ``CheckpointIO`` of every installed Lightning family (``lightning`` and
   ``pytorch_lightning``), so both Trainers accept it; torch and Lightning are imported on first use.
 
@@ -30,6 +32,7 @@ import contextlib
 import copy
 import errno
 import functools
+import importlib
 import inspect
 import io
 import logging
@@ -42,6 +45,8 @@ import tempfile
 import threading
 import time
 import traceback
+import types
+import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -69,6 +74,7 @@ __all__ = [
     "load_newest_usable",
     "lightning_user_agent",
     "pending_operation",
+    "memory_tier_entries",
     "register_with_lightning",
     "s3_checkpoint_io_of",
     "snapshot_to_host",
@@ -92,6 +98,21 @@ _registered: set[tuple[str, type]] = set()
 
 def _torch() -> Any:
     return _s3.import_optional_dependency("torch", "checkpoint serialisation")
+
+
+MEMORY_TIER_MODULE = "s3_memory_tier"  # the optional sibling module behind ``memory_tier=``
+
+
+@functools.cache
+def _memory_tier_module() -> types.ModuleType | None:
+    """`s3_memory_tier` from beside this module, imported on first need, or None where a fork copied only the core."""
+    name = f"{__package__}.{MEMORY_TIER_MODULE}" if __package__ else MEMORY_TIER_MODULE
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise
+        return None
 
 
 def register_with_lightning(cls: type) -> list[str]:
@@ -155,12 +176,13 @@ class NotACheckpointError(pickle.UnpicklingError):
 class TransferRecord:
     """One finished save or load of `S3CheckpointIO`, kept in `S3CheckpointIO.records` (for logs and reports).
 
-    `seconds` is the whole transfer (serialise and upload, or download, verify and ``torch.load``); `blocked_seconds`
-    is how long the caller waited for it: the same for loads and sync saves, the snapshot and back-pressure for async
-    saves. `checksum` is the full-object checksum of an S3 object as ``"<ALGORITHM> <base64>"`` (e.g.
-    ``"CRC32C 3Jz0Jg=="``): the one a save recorded, the one a load was verified against
-    (`DownloadedObject.verified_against`), so a load's record equals the record of the save it read; None for local
-    files and for objects with no recorded checksum (another tool wrote them: only their size was checked).
+    `tier` says where the bytes went or came from: ``"memory"`` (the node's memory tier), ``"s3"``, or None (a
+    local path). `seconds` is the whole transfer (serialise and upload, or download, verify and ``torch.load``);
+    `blocked_seconds` is how long the caller waited for it: the same for loads and sync saves, the snapshot and
+    back-pressure for async saves. `checksum` is the full-object checksum of an S3 object as
+    ``"<ALGORITHM> <base64>"`` (e.g. ``"CRC32C 3Jz0Jg=="``): the one a save recorded, the one a load was verified
+    against (`DownloadedObject.verified_against`), so a load's record equals the record of the save it read; None
+    for local files and for objects with no recorded checksum (another tool wrote them: only their size was checked).
     """
 
     kind: str  # "save" or "load"
@@ -169,6 +191,7 @@ class TransferRecord:
     seconds: float
     checksum: str | None
     blocked_seconds: float
+    tier: str | None = None
 
 
 @dataclass(eq=False)
@@ -275,6 +298,11 @@ class S3CheckpointIO:
             by world size: one number for writes and reads each, or ``{"write": 3000, "read": 5000}`` (see
             `s3_utils.RequestRates`). None (default): no budget; the process's request pacer still slows down from
             the first SlowDown on.
+        memory_tier: keep checkpoints first in the node's memory (a tmpfs): a save of an ``s3://`` URL returns once
+            the checkpoint is committed there, and a background drain uploads it (every Nth, and the last one at
+            `teardown`) from the memory copy; loads read a memory copy that verifies. A path (the tmpfs directory),
+            a mapping of `s3_memory_tier.MemoryTier` fields, a `MemoryTier`, or True (``/dev/shm``). Needs
+            s3_memory_tier.py beside this module (docs/tiers.md).
 
     Arguments that would be ignored raise ValueError (`s3_utils.S3Utils.from_arguments` builds the client):
     `endpoint_url` / `region_name` together with `client_settings` (put them in the settings), and any other client
@@ -300,6 +328,7 @@ class S3CheckpointIO:
         load_sharing: str = "node",
         fencing: bool = True,
         max_requests_per_second: float | Mapping[str, float] | _s3.RequestRates | None = None,
+        memory_tier: Any = None,
     ) -> None:
         lightning_agent = lightning_user_agent()  # before registering, which imports every installed family
         s3 = _s3.S3Utils.from_arguments(  # refuses arguments another would override, and bad options, first
@@ -329,6 +358,8 @@ class S3CheckpointIO:
         if load_sharing not in LOAD_SHARING_MODES:
             raise ValueError(f"load_sharing must be one of {LOAD_SHARING_MODES}, got {load_sharing!r}")
         self.load_sharing = load_sharing
+        self.memory_tier = _memory_tier_config(memory_tier)
+        """The `s3_memory_tier.MemoryTier` configuration, or None (no memory tier)."""
         self.fencing = bool(fencing)
         self._run: _s3.CheckpointRun | None = None  # `run`, fixed at the first fenced operation or pickling
         self._fence_override: _s3.DirectoryFence | None = None  # set by `using_fence`
@@ -350,6 +381,7 @@ class S3CheckpointIO:
         """How long the last `save_checkpoint` call kept the caller waiting (snapshot plus back-pressure)."""
         self.records: deque[TransferRecord] = deque(maxlen=_RECORDS_KEPT)
         """The latest finished saves and loads, oldest first (at most 1,000; failed transfers leave none)."""
+        self._init_tier_state()
 
     @property
     def async_checkpointing(self) -> bool:
@@ -372,7 +404,8 @@ class S3CheckpointIO:
             if self._pending or self._deferred:
                 raise RuntimeError("cannot pickle S3CheckpointIO while background saves are pending; call teardown()")
         state = self.__dict__.copy()
-        for live in ("_lock", "_executor", "_pending", "_deferred", "_errors", "records", "_fence_override"):
+        for live in ("_lock", "_executor", "_pending", "_deferred", "_errors", "records", "_fence_override", "_tier",
+                     "_replication"):
             del state[live]
         state["_run"] = self.run  # a spawned copy of this plugin is the same run
         return state  # `S3Utils` pickles as its settings and retry policy
@@ -386,6 +419,7 @@ class S3CheckpointIO:
         self._errors = []
         self.records = deque(maxlen=_RECORDS_KEPT)
         self._fence_override = None
+        self._init_tier_state()
 
     # ---- save -----------------------------------------------------------------------------------------------------
 
@@ -398,6 +432,8 @@ class S3CheckpointIO:
         started = time.perf_counter()
         path = _urls.as_path_or_s3_url(path)
         self._raise_background_errors()
+        if self.memory_tier is not None and _urls.is_s3_url(path) and self._save_to_tier(checkpoint, path, started):
+            return
         if not self._async_checkpointing:
             record = self._save_now(checkpoint, path)
             self.last_save_blocked_s = time.perf_counter() - started
@@ -409,8 +445,15 @@ class S3CheckpointIO:
         if oldest is not None:
             oldest.settled.wait()  # its error, if any, is recorded by then and raised below
             self._raise_background_errors()
+        self.last_save_blocked_s = time.perf_counter() - started
+        self._submit(path, self._save_now, snapshot, path, blocked_s=self.last_save_blocked_s)
+        logger.debug("Queued async save of %s (blocked %.3f s)", path, self.last_save_blocked_s)
+
+    def _submit(self, path: str, work: Any, *args: Any, blocked_s: float = 0.0, removals: Iterable[str] = ()) -> None:
+        """Run ``work(*args)`` (returning a `TransferRecord`) in the background as a pending save of `path`;
+        `removals` wait for it (and are dropped if it fails)."""
         executor = self._get_executor()
-        pending = _PendingSave(path)
+        pending = _PendingSave(path, blocked_s=blocked_s)
         with self._lock:
             # A removal of this path deferred earlier would delete this save's object if it ran after it: the new
             # save replaces the object anyway, and if it fails the old one stays, so the removal is dropped.
@@ -418,41 +461,53 @@ class S3CheckpointIO:
             self._deferred = [removal for removal in self._deferred if removal.path != path]
             self._pending.append(pending)
             _queue(pending)
-            pending.future = executor.submit(self._save_now, snapshot, path)
+            for removal in removals:
+                deferred = _DeferredRemoval(removal, [pending])
+                self._deferred.append(deferred)
+                _queue(deferred)
+            pending.future = executor.submit(work, *args)
         for removal in superseded:
             _unqueue(removal)
-        self.last_save_blocked_s = pending.blocked_s = time.perf_counter() - started
         pending.future.add_done_callback(lambda _, pending=pending: self._on_save_done(pending))
-        logger.debug("Queued async save of %s (blocked %.3f s)", path, self.last_save_blocked_s)
 
     def _save_now(self, checkpoint: dict[str, Any], path: str) -> TransferRecord:
         """Save and return its record (the caller adds the time it was blocked and keeps it)."""
         torch = _torch()
         started = time.perf_counter()
-        checksum = None
-        if _urls.is_s3_url(path):
-            fence = self.fence_for(path)
-            with self.s3.open_writer(
-                path, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm, fence=fence
-            ) as writer:
-                try:  # the writer's CRC covers every byte; the checkpoint's own tensors go without a copy
-                    torch_save_without_zip_crc32(checkpoint, _BorrowingStream(writer, checkpoint))
-                except Exception as exc:
-                    # torch.save turns a failed write into its own RuntimeError without the URL: raise the S3 error
-                    if writer.error is not None and writer.error is not exc:
-                        raise writer.error from None
-                    raise
-            size = writer.info.size if writer.info else 0
-            if writer.info and writer.info.checksums:
-                checksum = " ".join(f"{k.removeprefix('Checksum')} {v}" for k, v in writer.info.checksums.items())
-            _s3.invalidate_fsspec_cache(path)
-            self._remove_conflicting_last_checkpoints(path, fence)
+        checksum, tier = None, None
+        if _urls.is_s3_url(path):  # the writer's CRC covers every byte; the checkpoint's own tensors go without a copy
+            size, checksum = self._upload(
+                path, lambda writer: torch_save_without_zip_crc32(checkpoint, _BorrowingStream(writer, checkpoint))
+            )
+            tier = "s3"
         else:
             _atomic_local_save(torch, checkpoint, path)
             size = os.path.getsize(path)
         elapsed = time.perf_counter() - started
         logger.info("Saved %s (%.1f MiB) in %.2f s", path, size / _s3.MB, elapsed)
-        return TransferRecord("save", path, size, elapsed, checksum, elapsed)
+        return TransferRecord("save", path, size, elapsed, checksum, elapsed, tier)
+
+    def _upload(self, path: str, write_body: Any) -> tuple[int, str | None]:
+        """Upload the object `path` with ``write_body(writer)`` through this plugin's fenced writer; its size and
+        checksum (``"<ALGORITHM> <base64>"``). A failure aborts the upload, naming the URL."""
+        fence = self.fence_for(path)
+        with self.s3.open_writer(
+            path, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm, fence=fence
+        ) as writer:
+            try:
+                write_body(writer)
+            except Exception as exc:
+                # torch.save turns a failed write into its own RuntimeError without the URL: raise the S3 error
+                if writer.error is not None and writer.error is not exc:
+                    raise writer.error from None
+                raise
+        size = writer.info.size if writer.info else 0
+        checksum = None
+        if writer.info and writer.info.checksums:
+            checksum = " ".join(f"{k.removeprefix('Checksum')} {v}" for k, v in writer.info.checksums.items())
+        _s3.invalidate_fsspec_cache(path)
+        self._remove_conflicting_last_checkpoints(path, fence)
+        return size, checksum
 
     def _record(self, record: TransferRecord, blocked_s: float | None = None) -> None:
         """Keep `record` (with the caller's blocked time, if given)."""
@@ -496,6 +551,10 @@ class S3CheckpointIO:
             load_kwargs["weights_only"] = weights_only
         started = time.perf_counter()
         armed = _take_collective(self)
+        if self.memory_tier is not None and _urls.is_s3_url(path):
+            loaded = self._load_from_tier(path, armed, load_kwargs, started)
+            if loaded is not None:
+                return loaded[0]
         if not _urls.is_s3_url(path):
             if not os.path.exists(path):
                 raise FileNotFoundError(f"Checkpoint file not found: {path}")
@@ -529,7 +588,7 @@ class S3CheckpointIO:
                 shared.node_ranks,
                 elapsed,
             )
-            self._record(TransferRecord("load", path, shared.size, elapsed, None, elapsed))
+            self._record(TransferRecord("load", path, shared.size, elapsed, None, elapsed, "s3"))
             return checkpoint
         with self.s3.download_to_memory(path, self.chunk_size_MB, self.max_read_concurrency) as downloaded:
             downloaded_s = time.perf_counter() - started
@@ -542,7 +601,7 @@ class S3CheckpointIO:
             "Loaded %s (%.1f MiB) in %.2f s (download %.2f s)", path, downloaded.size / _s3.MB, elapsed, downloaded_s
         )
         checksum = f"{verified.algorithm} {verified.value}" if verified else None
-        self._record(TransferRecord("load", path, downloaded.size, elapsed, checksum, elapsed))
+        self._record(TransferRecord("load", path, downloaded.size, elapsed, checksum, elapsed, "s3"))
         return checkpoint
 
     def collective_load(self, *, node_rank: int | None = None) -> contextlib.AbstractContextManager[None]:
@@ -559,6 +618,9 @@ class S3CheckpointIO:
         dropped if one of them failed: the newest good checkpoint is never deleted before its successor exists."""
         path = _urls.as_path_or_s3_url(path)
         self._raise_background_errors()
+        if self.memory_tier is not None and _urls.is_s3_url(path):
+            self._remove_with_tier(path)
+            return
         with self._lock:
             waits_for = list(self._pending)  # every save not yet settled, including one that has just failed
             if waits_for:
@@ -593,6 +655,8 @@ class S3CheckpointIO:
             self._fence_override = previous
 
     def _remove_now(self, path: str) -> None:
+        if self._tier is not None and _urls.is_s3_url(path):
+            self._tier.remove(path)
         if _urls.is_s3_url(path):
             self.s3.remove_object(path, fence=self.fence_for(path))
             _s3.invalidate_fsspec_cache(path)
@@ -601,6 +665,136 @@ class S3CheckpointIO:
         elif os.path.lexists(path):
             os.remove(path)
         logger.debug("Removed checkpoint %s", path)
+
+    # ---- memory tier (s3_memory_tier) ------------------------------------------------------------------------------
+
+    def _init_tier_state(self) -> None:
+        self._tier: Any = None  # the `s3_memory_tier.NodeTier`, opened on first use
+        self._tier_saves = 0
+        self._last_drain = -math.inf
+        self._held_removals: list[str] = []  # S3 removals waiting for a newer checkpoint to be on S3
+        self._replication: Any = None  # the `s3_memory_tier.TierReplication`, once `start_replication` ran
+        if self.memory_tier is not None:
+            _tiered_plugins.add(self)
+
+    def node_tier(self) -> Any:
+        """This node's `s3_memory_tier.NodeTier` for this job, opened on first use (this run claims it: a straggler
+        of an older launch is refused). On global rank 0, drains a kill cut short are resumed then."""
+        if self.memory_tier is None:
+            raise ValueError("this S3CheckpointIO has no memory tier (memory_tier=None)")
+        if self._tier is None:
+            module = _memory_tier_module()
+            assert module is not None  # checked when memory_tier was given
+            tier = module.NodeTier(self.memory_tier, self.run, self.checksum_algorithm)
+            tier.claim()
+            self._tier = tier
+            if _s3.global_rank() == 0:
+                for copy in tier.pending_drains():
+                    logger.warning("memory tier: finishing the drain of %s to S3 a previous process began", copy.url)
+                    self._submit(copy.url, self._drain_now, copy)
+        return self._tier
+
+    def _save_to_tier(self, checkpoint: dict[str, Any], path: str, started: float) -> bool:
+        """Save into the memory tier and queue its drain when due; False when the tier has no room (one warning:
+        the caller saves to S3 directly)."""
+        tier = self.node_tier()
+        module = _memory_tier_module()
+        step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
+        try:
+            copy = tier.save(checkpoint, path, step, torch_save_without_zip_crc32)
+        except module.TierFullError as exc:
+            tier.warn_full_once(path, exc)
+            return False
+        self.last_save_blocked_s = time.perf_counter() - started
+        self._record(TransferRecord("save", path, copy.size, self.last_save_blocked_s, copy.checksum,
+                                    self.last_save_blocked_s, "memory"))
+        with self._lock:  # saved again: an earlier removal of this URL no longer applies
+            self._held_removals = [removal for removal in self._held_removals if removal != path]
+        self._tier_saves += 1
+        config = self.memory_tier
+        timer = config.drain_minutes is not None and time.monotonic() - self._last_drain >= config.drain_minutes * 60
+        if (self._tier_saves - 1) % config.drain_every == 0 or timer:  # queued, never waited for: S3 slower than
+            self._drain(copy)  # the saves fills the tier until a save finds no room and goes to S3 itself
+        if self._replication is not None and self._replication.peer is not None:
+            self._replication.send(copy)  # prunes the tier once the copy counts on the peer
+        else:
+            tier.prune_soon()
+        return True
+
+    def start_replication(self, group: Any = None, *, bind_host: str = "127.0.0.1", local_rank: int = 0) -> None:
+        """Replicate this node's memory tier to the next node (a ring over the job's nodes): collective, every rank
+        of `group` (default: the default process group) calls it once; the node's first rank (`local_rank` 0)
+        serves its peers' replicas on `bind_host` (the node's address on the job's network). Every save into the
+        tier is then sent in the background, verified on arrival; needs s3_tier_replication.py beside this module.
+        """
+        module = _memory_tier_module()
+        self._replication = module.TierReplication(self.node_tier(), group, bind_host=bind_host, local_rank=local_rank)
+
+    def _drain(self, copy: Any) -> None:
+        """Queue the upload of a memory copy to S3; the S3 removals held so far wait for it."""
+        copy = self._tier.set_drain(copy, "pending")
+        self._last_drain = time.monotonic()
+        with self._lock:
+            removals, self._held_removals = self._held_removals, []
+        self._submit(copy.url, self._drain_now, copy, removals=removals)
+
+    def _drain_now(self, copy: Any) -> TransferRecord:
+        """Upload a memory copy to S3 from its pages (checked against its commit record first); mark it drained."""
+        started = time.perf_counter()
+        size, checksum = self._upload(copy.url, lambda writer: self._tier.upload(copy, writer))
+        self._tier.set_drain(copy, "done")
+        self._tier.prune()
+        elapsed = time.perf_counter() - started
+        logger.info("Drained %s (%.1f MiB) from the memory tier to S3 in %.2f s", copy.url, size / _s3.MB, elapsed)
+        return TransferRecord("save", copy.url, size, elapsed, checksum, 0.0, "s3")
+
+    def _drain_newest(self) -> None:
+        """At teardown of a process that saved into the tier: drain the newest memory copy if it never was (the last
+        checkpoint of the run; the node's other ranks, which share the tier, leave it to the saver)."""
+        copies = self._tier.copies() if self._tier_saves else []
+        if copies and copies[-1].drain is None:
+            self._drain(copies[-1])
+
+    def _remove_held(self) -> None:
+        """At teardown, after the drains: the held S3 removals run if the newest memory copy is on S3."""
+        with self._lock:
+            removals, self._held_removals = self._held_removals, []
+        copies = self._tier.copies()
+        if removals and not (copies and copies[-1].drain == "done"):
+            logger.warning("Not removing %s from S3: no newer checkpoint reached S3", removals)
+            return
+        for removal in removals:
+            self._remove_now(removal)
+
+    def _remove_with_tier(self, path: str) -> None:
+        """A removal with a memory tier: the memory copy goes now (after its drain, if one is running); the S3 object
+        only once a newer checkpoint is on S3 (the next drain), so S3 never loses its newest durable checkpoint."""
+        with self._lock:
+            draining = any(pending.path == path for pending in self._pending)
+            self._held_removals.append(path)
+        if not draining:
+            self.node_tier().remove(path)
+
+    def _load_from_tier(
+        self, path: str, armed: _CollectiveLoad | None, load_kwargs: dict[str, Any], started: float
+    ) -> tuple[Any] | None:
+        """Load `path` from the memory copy if it verifies (a copy that does not is skipped, loudly); None: load from
+        S3. In a collective load every rank uses memory only if every rank has a verified copy (else all go to S3
+        together, as the shared download needs)."""
+        copy = None
+        try:
+            copy = self.node_tier().verified_copy(path)
+        except _s3.ChecksumMismatchError as exc:
+            logger.error("%s: skipped, loading %s from S3 instead", exc, path)
+        if armed is not None and not all(_all_ranks(copy is not None)):
+            return None
+        if copy is None:
+            return None
+        checkpoint = _torch_load_checkpoint(_torch(), path, str(copy.path), copy.size, True, load_kwargs)
+        elapsed = time.perf_counter() - started
+        logger.info("Loaded %s (%.1f MiB) from the memory tier in %.2f s", path, copy.size / _s3.MB, elapsed)
+        self._record(TransferRecord("load", path, copy.size, elapsed, copy.checksum, elapsed, "memory"))
+        return (checkpoint,)
 
     # ---- background bookkeeping -----------------------------------------------------------------------------------
 
@@ -662,13 +856,26 @@ class S3CheckpointIO:
         self._raise_background_errors()
 
     def wait_for_pending_saves(self) -> None:
-        """Block until every background save (and the removals waiting on them) finished; raise the first failure."""
+        """Block until every background save (and the removals waiting on them) finished, and every replication to
+        a peer node (failed ones are logged: the next save replicates again); raise the first failure of a save."""
         self._wait_for_saves_of(None)
+        if self._replication is not None:
+            self._replication.wait()
+        if self._tier is not None:
+            self._tier.wait_pruned()
 
     def teardown(self) -> None:
-        """Wait for all background saves, shut the worker down, and raise if any save or removal failed."""
+        """Wait for all background saves, shut the worker down, and raise if any save or removal failed. With a
+        memory tier, the newest checkpoint in memory is drained to S3 first (the last of a run that ends normally)."""
         try:
+            if self._tier is not None:
+                self._drain_newest()
             self.wait_for_pending_saves()
+            if self._tier is not None:
+                self._remove_held()
+            if self._replication is not None:
+                replication, self._replication = self._replication, None
+                replication.close()
         finally:
             with self._lock:
                 executor, self._executor = self._executor, None
@@ -679,6 +886,44 @@ class S3CheckpointIO:
 # --------------------------------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------------------------------
+
+
+_tiered_plugins: weakref.WeakSet[S3CheckpointIO] = weakref.WeakSet()
+
+
+def _memory_tier_config(value: Any) -> Any:
+    """The `s3_memory_tier.MemoryTier` a ``memory_tier=`` argument means (None: off); ImportError without the module."""
+    if value is None or value is False:
+        return None
+    module = _memory_tier_module()
+    if module is None:
+        raise ImportError(
+            f"memory_tier needs {MEMORY_TIER_MODULE}.py beside s3_checkpoint_io.py (it is part of s3-checkpoint-io; "
+            "a fork that copied only the core files lacks it): copy it there, or leave memory_tier unset"
+        )
+    return module.MemoryTier.from_value(value)
+
+
+def memory_tier_entries(directory: str) -> list[tuple[str, float]]:
+    """``(path relative to the s3:// `directory`, commit time)`` of the checkpoints below it in the memory tiers of
+    this process's `S3CheckpointIO` plugins: resume discovery (connector) adds them to the S3 listing's entries."""
+    entries: list[tuple[str, float]] = []
+    for plugin in list(_tiered_plugins):
+        try:
+            entries.extend(plugin.node_tier().entries_under(directory))
+        except (OSError, ValueError) as exc:  # a tier that cannot be read: resume from S3 alone, said loudly
+            logger.warning("Resume discovery leaves out the memory tier %s: %s", plugin.memory_tier.root, exc)
+    return entries
+
+
+def _all_ranks(value: Any) -> list[Any]:
+    """`value` of every rank of the default process group, in rank order (only this one's outside a group)."""
+    dist = _torch().distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 class _BorrowingStream(io.RawIOBase):

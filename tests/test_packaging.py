@@ -1,5 +1,6 @@
 """Packaging promises: no hard dependencies at import time, clear errors for missing extras, and the core modules
-(with or without the optional siblings s3_dcp and s3_node_sharing) working unedited when copied into a NeMo fork."""
+(with or without the optional siblings s3_dcp, s3_node_sharing and s3_memory_tier) working unedited when copied into
+a NeMo fork."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from optional_imports import CORE_OPTIONAL_MODULES, HIDE_PREAMBLE, LIGHTNING_MOD
 from optional_imports import extras as optional_dependencies
 
 REPO = Path(__file__).resolve().parent.parent
-CORE_MODULES = ["s3_dirpath_utils", "s3_utils", "s3_checkpoint_io", "s3_dcp", "s3_node_sharing", "connector"]
+CORE_MODULES = [
+    "s3_dirpath_utils", "s3_utils", "s3_checkpoint_io", "s3_dcp", "s3_node_sharing", "s3_memory_tier", "connector"
+]
 
 
 def run_python(code: str, *, hidden: tuple[str, ...] = (), cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
@@ -32,7 +35,7 @@ def test_core_modules_import_with_every_extra_hidden() -> None:
     hidden = CORE_OPTIONAL_MODULES
     result = run_python(
         """
-        import s3_dirpath_utils, s3_utils, s3_checkpoint_io, s3_dcp, s3_node_sharing, connector
+        import s3_dirpath_utils, s3_utils, s3_checkpoint_io, s3_dcp, s3_node_sharing, s3_memory_tier, connector
         assert s3_dirpath_utils.parse_s3_url("s3://bucket/key") == ("bucket", "key")
         print("ok")
         """,
@@ -135,6 +138,8 @@ def test_core_modules_work_copied_into_a_package_folder(tmp_path: Path) -> None:
         assert utils._urls.__name__ == "nemo_fork.utils.s3_dirpath_utils"
         assert connector._s3_dcp().__name__ == "nemo_fork.utils.s3_dcp"  # DCP features light up with the fifth file
         assert utils.node_sharing().__name__ == "nemo_fork.utils.s3_node_sharing"  # and host sharing with the sixth
+        import nemo_fork.utils.s3_checkpoint_io as ckpt_io
+        assert ckpt_io._memory_tier_module().__name__ == "nemo_fork.utils.s3_memory_tier"  # the memory tier: seventh
         assert utils.S3Utils.parse_s3_url("s3://bucket/a/b.ckpt") == ("bucket", "a/b.ckpt")
         print("ok")
         """,

@@ -1,0 +1,717 @@
+"""A memory tier in front of S3: checkpoints land first in the node's tmpfs, S3 gets them behind (issue 40).
+
+An optional sibling of the core modules, switched on with ``S3CheckpointIO(memory_tier=...)`` (or the NeMo
+``s3_checkpointing: memory_tier:`` key). Without this file the core keeps its behaviour and a ``memory_tier``
+argument raises ImportError saying the file is missing. docs/tiers.md shows the user's side.
+
+1. Configuration: `MemoryTier` (where, how many checkpoints, how often S3 gets one, an optional byte budget).
+2. The node's tier of one job: `NodeTier`. A checkpoint of ``s3://bucket/key`` lands in
+   ``<root>/s3ckpt-tier-<uid>/<job>/own/bucket/key``, the same layout as on S3, written into a temporary sibling and
+   renamed into place, then committed by its *commit record* ``key.s3ckpt-tier.json`` (step, URL, the run that
+   wrote it, and every file's size and checksum as `S3CheckpointIO`'s transfer records spell it, ``"CRC32C <b64>"``).
+   A file without a commit record, or whose bytes do not match it, is not a checkpoint. Directories are created
+   0700, files 0600, exclusively; the job's directory is the tier's scope: another job never looks into it.
+3. Fencing across tiers: the job's directory records the newest launch that wrote into it (``launch.json``); a save
+   of an older launch (a straggler) raises `s3_utils.CheckpointDirectoryTakenError` and writes nothing.
+4. Bounded memory: at most `MemoryTier.keep` committed checkpoints per node; older ones are dropped once a newer one
+   is committed, except those still waiting for their drain to S3.
+5. Draining: `NodeTier.upload` streams a committed file into an `s3_utils.S3MultipartWriter` straight from the tier's
+   pages (no copy by the training process), checking the bytes against the commit record before S3 commits them.
+   The commit record says ``"drain": "pending"`` from the moment a drain is decided until S3 has the object, so a
+   relaunch finishes a drain a kill cut short (`NodeTier.pending_drains`).
+
+6. Replication (with the sibling `s3_tier_replication`): `TierReplication`, started collectively by
+   `S3CheckpointIO.start_replication`, runs each node's replica server on ``<job>/replicas`` and sends every
+   committed checkpoint (file and commit record, verified on arrival) to the next node on a ring in the background.
+
+`S3CheckpointIO` drives all of it (when to drain, removals, loads): this module only knows files and records.
+Not built yet: resume from a peer's replica, DCP (`s3_dcp`) and megatron-core paths (docs/tiers.md).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import errno
+import hashlib
+import importlib
+import io
+import json
+import logging
+import mmap
+import os
+import re
+import secrets
+import stat
+import threading
+import time
+import types
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # not on POSIX: no lock around the launch record
+    fcntl = None  # type: ignore[assignment]
+
+if __package__:
+    from . import s3_dirpath_utils as _urls
+    from . import s3_utils as _s3
+else:  # installed (or copied) as top-level modules
+    import s3_dirpath_utils as _urls
+    import s3_utils as _s3
+
+__all__ = ["COMMIT_RECORD_SUFFIX", "MemoryTier", "NodeTier", "TierCopy", "TierFullError", "TierReplication"]
+
+logger = logging.getLogger(__name__)
+
+COMMIT_RECORD_SUFFIX = ".s3ckpt-tier.json"
+"""Beside each checkpoint in the tier: its commit record (without it, the file is not a checkpoint)."""
+_LAUNCH_RECORD = "launch.json"
+_FORMAT = 1
+_SLACK_BYTES = 1 << 20  # what a torch.save adds to its tensors' bytes (pickle records, zip headers), at most
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 1. Configuration
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryTier:
+    """Where and how a job keeps checkpoints in memory (``S3CheckpointIO(memory_tier=MemoryTier(...))``).
+
+    Args:
+        root: a tmpfs directory (``/dev/shm`` by default; a dedicated tmpfs keeps checkpoints from crowding out
+            other shared memory). The tier lives in ``<root>/s3ckpt-tier-<uid>/<job>/``.
+        keep: at most this many checkpoints in memory per node (older ones are dropped once a newer one is
+            committed and their drain to S3, if due, is done).
+        drain_every: the first checkpoint, then every Nth, is also uploaded to S3 in the background (1: all).
+        drain_minutes: also drain a checkpoint when this many minutes passed since the last drain (None: no timer).
+        capacity_bytes: the most bytes this node's tier may hold (None: what the tmpfs has free).
+        job: what scopes the tier (default: the launcher's job, ``slurm:<id>`` / ``torchrun:<id>``, as fencing
+            uses it; outside any launcher the process, so a restart does not find the tier: give one here).
+    """
+
+    root: str = "/dev/shm"
+    keep: int = 2
+    drain_every: int = 1
+    drain_minutes: float | None = None
+    capacity_bytes: int | None = None
+    job: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.keep < 1:
+            raise ValueError(f"MemoryTier.keep must be >= 1, got {self.keep}")
+        if self.drain_every < 1:
+            raise ValueError(f"MemoryTier.drain_every must be >= 1, got {self.drain_every}")
+        if self.drain_minutes is not None and not self.drain_minutes > 0:
+            raise ValueError(f"MemoryTier.drain_minutes must be > 0 or None, got {self.drain_minutes}")
+        if self.capacity_bytes is not None and self.capacity_bytes < 0:
+            raise ValueError(f"MemoryTier.capacity_bytes must be >= 0 or None, got {self.capacity_bytes}")
+
+    @classmethod
+    def from_value(cls, value: Any) -> MemoryTier | None:
+        """The configuration a ``memory_tier=`` argument means: None / False (off), True (defaults), a path (the
+        root), a mapping of these fields (a config key), or a `MemoryTier`."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, (str, os.PathLike)):
+            return cls(root=os.fspath(value))
+        if isinstance(value, Mapping):
+            known = [f.name for f in dataclasses.fields(cls)]
+            unknown = sorted(set(value) - set(known))
+            if unknown:
+                raise ValueError(f"memory_tier: unknown key(s) {unknown}; known: {known}")
+            return cls(**value)
+        raise TypeError(f"memory_tier must be a path, mapping, MemoryTier, True or None, not {type(value).__name__}")
+
+
+class TierFullError(OSError):
+    """The tier has no room for a checkpoint (the caller saves to S3 directly)."""
+
+
+@dataclass(frozen=True)
+class TierCopy:
+    """A committed checkpoint in the tier: its file, the S3 URL it mirrors and its commit record."""
+
+    url: str
+    path: Path
+    record: dict[str, Any]
+
+    @property
+    def size(self) -> int:
+        return int(self.record["files"][self.path.name][0])
+
+    @property
+    def checksum(self) -> str:
+        """``"<ALGORITHM> <base64>"``, as `S3CheckpointIO`'s transfer records spell it."""
+        return str(self.record["files"][self.path.name][1])
+
+    @property
+    def drain(self) -> str | None:
+        return self.record.get("drain")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 2. Files: exclusive, private, committed by rename
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _private_directory(path: Path) -> None:
+    """Create `path` (and missing parents) 0700, or accept it only if it is this user's directory, not a link,
+    and no one else may enter it: what processes of a host share is created exclusively and privately."""
+    missing = []
+    current = path
+    while not current.exists() and not current.is_symlink():
+        missing.append(current)
+        current = current.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, 0o700)
+    found = os.lstat(path)
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or stat.S_IMODE(found.st_mode) & 0o077:
+        raise PermissionError(
+            f"memory tier: {path} is not a private directory of this user (mode 0700, not a link); remove it or "
+            "choose another MemoryTier.root"
+        )
+
+
+def _create_private_file(path: Path) -> int:
+    """A new file, open for writing: O_CREAT | O_EXCL | O_NOFOLLOW, mode 0600 whatever the umask."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
+def _temporary_sibling(path: Path) -> Path:
+    return path.with_name(f".tmp-{path.name}-{secrets.token_hex(4)}")
+
+
+def _json_file_beside(path: Path, value: Any) -> Path:
+    """`value` as JSON in a new private temporary sibling of `path` (for a rename into place)."""
+    partial = _temporary_sibling(path)
+    fd = _create_private_file(partial)
+    try:
+        with os.fdopen(fd, "wb") as stream:
+            stream.write(json.dumps(value, sort_keys=True).encode())
+    except BaseException:
+        os.unlink(partial)
+        raise
+    return partial
+
+
+def _write_json_atomically(path: Path, value: Any) -> None:
+    partial = _json_file_beside(path, value)
+    try:
+        os.rename(partial, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+        raise
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, OSError):
+        return None
+    with os.fdopen(fd, "rb") as stream:
+        try:
+            value = json.loads(stream.read())
+        except ValueError:
+            return None
+    return value if isinstance(value, dict) else None
+
+
+class _ChecksummingFile(io.RawIOBase):
+    """A write-only stream into an fd that keeps the full-object checksum of what it wrote. A large write is
+    checksummed on a helper thread while it is being written (both release the GIL), and waited for before the
+    write returns: the caller's buffer is only read while the caller lends it."""
+
+    _overlap_min = 4 << 20  # below, handing the buffer to the thread costs about what the checksum does
+
+    def __init__(self, fd: int, algorithm: _s3.ChecksumAlgorithm) -> None:
+        super().__init__()
+        self._fd = fd
+        self._algorithm = algorithm
+        self.checksum = 0
+        self.size = 0
+        self.error: OSError | None = None  # what a write raised (torch.save reports it as its own RuntimeError)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def _write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        total = len(view)
+        if total >= self._overlap_min:
+            checksum = _helper_thread("checksum").submit(self._algorithm.update, view, self.checksum)
+            self._write_all(view)
+            self.checksum = checksum.result()
+        else:
+            self.checksum = self._algorithm.update(view, self.checksum)
+            self._write_all(view)
+        self.size += total
+        return total
+
+    def _write_all(self, view: memoryview) -> None:
+        while view:
+            view = view[os.write(self._fd, view) :]
+
+
+_helpers_lock = threading.Lock()
+_helpers: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+
+
+def _helper_thread(purpose: str) -> concurrent.futures.ThreadPoolExecutor:
+    """The process's helper thread for `purpose` (``"checksum"``: checksums that overlap a write; ``"prune"``:
+    dropping old copies, whose pages take a while to free), created on first use."""
+    with _helpers_lock:
+        if purpose not in _helpers:
+            _helpers[purpose] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"s3ckpt-tier-{purpose}")
+        return _helpers[purpose]
+
+
+def _checksum_string(algorithm: _s3.ChecksumAlgorithm, value: int) -> str:
+    return f"{algorithm.name} {algorithm.encode(value)}"
+
+
+def _file_checksum(path: Path, algorithm_name: str) -> tuple[int, str]:
+    """(size, ``"<ALGORITHM> <b64>"``) of a file, read through a map of its pages."""
+    algorithm = _s3.ChecksumAlgorithm.named(algorithm_name)
+    with open(path, "rb") as stream:
+        size = os.fstat(stream.fileno()).st_size
+        if not size:
+            return 0, _checksum_string(algorithm, 0)
+        with mmap.mmap(stream.fileno(), size, prot=mmap.PROT_READ) as mapped:
+            return size, _checksum_string(algorithm, _s3.checksum_of(algorithm, mapped))
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """The bytes of the tensors in a checkpoint's containers (each storage once): what a torch.save writes, nearly."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    seen: dict[tuple[str, int], int] = {}
+    pending = [obj]
+    while pending:
+        value = pending.pop()
+        if torch is not None and isinstance(value, torch.Tensor):
+            with contextlib.suppress(RuntimeError, NotImplementedError):
+                storage = value.untyped_storage()
+                seen[(str(value.device), storage.data_ptr())] = storage.nbytes()
+        elif isinstance(value, dict):
+            pending.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
+    return sum(seen.values())
+
+
+def _slug(text: str) -> str:
+    """A directory name for `text`: readable, safe, and distinct (a short hash of the whole)."""
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", text)[:60]
+    return f"{readable}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 3. One node's tier of one job
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class NodeTier:
+    """This node's memory tier for one job, as seen by one process (`S3CheckpointIO` keeps one)."""
+
+    def __init__(self, config: MemoryTier, run: _s3.CheckpointRun, checksum_algorithm: str = "auto") -> None:
+        self.config = config
+        self.run = run
+        self.algorithm = _s3.ChecksumAlgorithm.named(checksum_algorithm)
+        job = config.job or run.job
+        if not job:
+            job = f"process {run.run_id}"
+            logger.info(
+                "memory tier: no launcher names this job, so the tier is this process's alone (a restart does not "
+                "find it); set MemoryTier(job=...) to keep it across restarts"
+            )
+        self.job = job
+        self.directory = Path(config.root) / f"s3ckpt-tier-{os.getuid()}" / _slug(job)
+        self.own = self.directory / "own"
+        self.replicas = self.directory / "replicas"
+        self._lock = threading.Lock()
+        for level in (self.directory.parent, self.directory):  # each level this user's alone, not only the last
+            _private_directory(level)
+        self._warned_full = False
+        self._last_size: int | None = None  # the previous save's bytes: the next one's estimate (no walk)
+        self._pruning: concurrent.futures.Future[list[str]] | None = None
+        _private_directory(self.own)
+
+    def __repr__(self) -> str:
+        return f"<NodeTier {self.directory} for {self.run}>"
+
+    # ---- where -------------------------------------------------------------------------------------------------
+
+    def path_of(self, url: str) -> Path:
+        """Where the checkpoint of `url` lives in this tier: ``own/<bucket>/<key>``."""
+        bucket, key = _urls.parse_s3_url(_urls.normalize_s3_url(url))
+        parts = [bucket, *key.split("/")]
+        if not key or any(part in ("", ".", "..") for part in parts):
+            raise ValueError(f"memory tier: cannot keep {url} (an empty, '.' or '..' path segment)")
+        return self.own.joinpath(*parts)
+
+    @staticmethod
+    def record_path(path: Path) -> Path:
+        return path.with_name(path.name + COMMIT_RECORD_SUFFIX)
+
+    # ---- fencing -------------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _launch_lock(self) -> Iterator[None]:
+        if fcntl is None:
+            yield
+            return
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def claim(self) -> None:
+        """Record this run as the tier's newest writer, or raise `CheckpointDirectoryTakenError` if a newer launch
+        of the job wrote here (this run is a straggler: it writes nothing)."""
+        path = self.directory / _LAUNCH_RECORD
+        with self._launch_lock():
+            found = _read_json(path)
+            owner = None
+            if found is not None:
+                with contextlib.suppress(TypeError, ValueError):
+                    owner = _s3.CheckpointRun(**{**found, "attempt": tuple(found.get("attempt", ()))})
+            if owner is not None and owner.run_id != self.run.run_id:
+                if owner.is_newer_than(self.run):
+                    raise _s3.CheckpointDirectoryTakenError(
+                        f"memory tier {self.directory}: {owner} is a newer launch of this job than {self.run}; this "
+                        "run is stale and writes nothing into the tier (docs/fencing.md)",
+                        str(self.directory),
+                        self.run,
+                        owner,
+                    )
+            if owner is None or owner.run_id != self.run.run_id:
+                _write_json_atomically(path, dataclasses.asdict(self.run))
+
+    # ---- save ----------------------------------------------------------------------------------------------------
+
+    def free_bytes(self) -> int:
+        """Room left for a new checkpoint: the tmpfs's free bytes, within `MemoryTier.capacity_bytes`."""
+        found = os.statvfs(self.own)
+        free = found.f_bavail * found.f_frsize
+        if self.config.capacity_bytes is not None:
+            free = min(free, self.config.capacity_bytes - sum(copy.size for copy in self.copies()))
+        return max(free, 0)
+
+    def save(self, checkpoint: Any, url: str, step: int | None, write: Any) -> TierCopy:
+        """Write `checkpoint` for `url` with ``write(checkpoint, stream)`` and commit it; raise `TierFullError`
+        (nothing left behind) when the tier lacks room, before writing or on ENOSPC."""
+        self.claim()
+        needed = (self._last_size if self._last_size is not None else _tensor_bytes(checkpoint)) + _SLACK_BYTES
+        free = self.free_bytes()
+        if needed > free:
+            raise TierFullError(errno.ENOSPC, f"memory tier {self.own}: {needed} bytes needed, {free} free")
+        path = self.path_of(url)
+        partial = _temporary_sibling(path)
+        stream, record_file = None, None
+        try:  # from the first directory on: a full tmpfs (no room, no inode) is a fall-back, never a failed step
+            _private_directory(path.parent)
+            with os.fdopen(_create_private_file(partial), "wb", buffering=0) as raw:
+                stream = _ChecksummingFile(raw.fileno(), self.algorithm)
+                write(checkpoint, stream)
+            if self.config.capacity_bytes is not None and stream.size > free:
+                raise TierFullError(errno.ENOSPC, f"memory tier {self.own}: {stream.size} bytes over its capacity")
+            record = {
+                "format": _FORMAT,
+                "url": url,
+                "step": step,
+                "run": dataclasses.asdict(self.run),
+                "files": {path.name: [stream.size, _checksum_string(self.algorithm, stream.checksum)]},
+                "committed": time.time(),
+                "sequence": time.time_ns(),
+                "drain": None,
+            }
+            record_file = _json_file_beside(self.record_path(path), record)  # needs room: before any change
+            with self._lock:  # the old record goes first: a kill between the renames leaves no false commit
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.record_path(path))
+                os.rename(partial, path)
+                os.rename(record_file, self.record_path(path))
+            self._last_size = stream.size
+        except BaseException as exc:
+            for leftover in (p for p in (partial, record_file) if p is not None):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover)
+            error = exc if isinstance(exc, OSError) else getattr(stream, "error", None)
+            if isinstance(error, OSError) and not isinstance(error, TierFullError):
+                if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise TierFullError(error.errno, f"memory tier {self.own}: {error.strerror}") from exc
+            raise
+        return TierCopy(url, path, record)
+
+    def warn_full_once(self, url: str, error: BaseException) -> None:
+        """One warning per tier that a save went to S3 directly for want of room (later ones are logged at INFO)."""
+        log = logger.info if self._warned_full else logger.warning
+        self._warned_full = True
+        log("%s: no room in the memory tier (%s); this save goes to S3 directly, the step does not fail", url, error)
+
+    # ---- what is there -------------------------------------------------------------------------------------------
+
+    def copy_of(self, url: str) -> TierCopy | None:
+        """The committed copy of `url` (unverified), or None."""
+        path = self.path_of(url)
+        record = _read_json(self.record_path(path))
+        if record is None or record.get("format") != _FORMAT or path.name not in record.get("files", {}):
+            return None
+        if not path.is_file() or path.stat().st_size != record["files"][path.name][0]:
+            return None
+        return TierCopy(url, path, record)
+
+    def verified_copy(self, url: str) -> TierCopy | None:
+        """The committed copy of `url` if its bytes match its record; None if there is none; raises
+        `s3_utils.ChecksumMismatchError` (naming the file and the URL) if they do not."""
+        copy = self.copy_of(url)
+        if copy is None:
+            return None
+        algorithm = copy.checksum.split(" ", 1)[0]
+        size, checksum = _file_checksum(copy.path, algorithm)
+        if (size, checksum) != (copy.size, copy.checksum):
+            raise _s3.ChecksumMismatchError(
+                f"memory tier copy {copy.path} of {url} does not match its commit record: {size} bytes with "
+                f"{checksum}, recorded {copy.size} bytes with {copy.checksum}"
+            )
+        return copy
+
+    def copies(self) -> list[TierCopy]:
+        """Every committed checkpoint of this node, oldest first."""
+        found = []
+        for record_path in self.own.rglob(f"*{COMMIT_RECORD_SUFFIX}"):
+            record = _read_json(record_path)
+            url = record.get("url") if record else None
+            if isinstance(url, str):
+                with contextlib.suppress(ValueError, OSError):
+                    copy = self.copy_of(url)
+                    if copy is not None:
+                        found.append(copy)
+        return sorted(found, key=lambda copy: copy.record.get("sequence", 0))
+
+    def entries_under(self, directory: str) -> list[tuple[str, float]]:
+        """``(path relative to the s3:// `directory`, commit time)`` of the committed checkpoints below it, as
+        resume discovery takes a listing's entries."""
+        prefix = _urls.normalize_s3_url(directory).rstrip("/") + "/"
+        return [
+            (copy.url[len(prefix) :], float(copy.record.get("committed", 0.0)))
+            for copy in self.copies()
+            if copy.url.startswith(prefix)
+        ]
+
+    def tiers_under(self, directory: str) -> dict[str, dict[str, Any]]:
+        """The checkpoints below the s3:// `directory` this node holds: URL -> ``{"tiers": [...], "size": bytes,
+        "committed": epoch seconds}``, tiers ``"memory"`` (its own, committed) and ``"replica"`` (a peer's replica
+        that counts here). For ``ls``; reads records only (no checksums)."""
+        prefix = _urls.normalize_s3_url(directory).rstrip("/") + "/"
+        found: dict[str, dict[str, Any]] = {}
+
+        def add(record: dict[str, Any], tier: str) -> None:
+            url = record.get("url")
+            if isinstance(url, str) and url.startswith(prefix):
+                size = sum(int(entry[0]) for entry in record.get("files", {}).values())
+                entry = found.setdefault(url, {"tiers": [], "size": size, "committed": record.get("committed", 0.0)})
+                entry["tiers"].append(tier)
+
+        for copy in self.copies():
+            add(copy.record, "memory")
+        if self.replicas.is_dir():
+            suffix = _replication_module().MANIFEST_SUFFIX
+            for manifest in sorted(self.replicas.glob(f"*/*{suffix}")):
+                replica = manifest.with_name(manifest.name.removesuffix(suffix))
+                for record_path in replica.glob(f"*{COMMIT_RECORD_SUFFIX}"):
+                    record = _read_json(record_path)
+                    if record is not None:
+                        add(record, "replica")
+        return found
+
+    def pending_drains(self) -> list[TierCopy]:
+        """Committed checkpoints whose drain to S3 was decided and not finished (a kill cut it short), oldest first."""
+        return [copy for copy in self.copies() if copy.drain == "pending"]
+
+    # ---- drain ---------------------------------------------------------------------------------------------------
+
+    def set_drain(self, copy: TierCopy, state: str) -> TierCopy:
+        """Record the drain state of `copy` (``"pending"``, ``"done"``) in its commit record, if it is still the
+        committed copy (a newer save of the same URL keeps its own state)."""
+        with self._lock:
+            current = self.copy_of(copy.url)
+            if current is None or current.record.get("sequence") != copy.record.get("sequence"):
+                return copy
+            record = {**current.record, "drain": state}
+            _write_json_atomically(self.record_path(copy.path), record)
+        return TierCopy(copy.url, copy.path, record)
+
+    @staticmethod
+    def upload(copy: TierCopy, writer: _s3.S3MultipartWriter) -> None:
+        """Stream the tier file of `copy` into `writer` from its mapped pages (no copy by this process), and raise
+        `s3_utils.ChecksumMismatchError` before the writer commits if the bytes are not those the record vouches
+        for (the caller's ``with writer`` then aborts the upload)."""
+        algorithm = _s3.ChecksumAlgorithm.named(copy.checksum.split(" ", 1)[0])
+        with open(copy.path, "rb") as stream:
+            size = os.fstat(stream.fileno()).st_size
+            if size != copy.size:
+                raise _s3.ChecksumMismatchError(
+                    f"memory tier copy {copy.path} of {copy.url} has {size} bytes, its record {copy.size}"
+                )
+            if not size:
+                return
+            mapped = mmap.mmap(stream.fileno(), size, prot=mmap.PROT_READ)
+            checksum = _checksum_string(algorithm, _s3.checksum_of(algorithm, mapped))
+            if checksum != copy.checksum:
+                mapped.close()
+                raise _s3.ChecksumMismatchError(
+                    f"memory tier copy {copy.path} of {copy.url} does not match its commit record ({checksum}, "
+                    f"recorded {copy.checksum}): not uploaded"
+                )
+            writer.write_borrowed(memoryview(mapped), mapped)  # the map lives until the writer has sent its parts
+
+    # ---- removal and the bound ---------------------------------------------------------------------------------
+
+    def remove(self, url: str) -> bool:
+        """Drop the tier's copy of `url` (its record first: a kill in between leaves no false commit)."""
+        path = self.path_of(url)
+        with self._lock:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.record_path(path))
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                return False
+        logger.debug("memory tier: dropped %s", path)
+        return True
+
+    def prune_soon(self) -> None:
+        """`prune` on a helper thread, off the caller's path (`wait_pruned` waits for it; a failure is logged)."""
+        self._pruning = _helper_thread("prune").submit(self.prune)
+
+    def wait_pruned(self) -> None:
+        """Wait for the last `prune_soon`."""
+        pruning, self._pruning = self._pruning, None
+        if pruning is not None:
+            try:
+                pruning.result()
+            except OSError as exc:
+                logger.warning("memory tier %s: dropping old checkpoints failed: %s", self.own, exc)
+
+    def prune(self) -> list[str]:
+        """Keep the newest `MemoryTier.keep` checkpoints; drop older ones unless their drain is pending. Returns the
+        URLs dropped."""
+        copies = self.copies()
+        dropped = []
+        for copy in copies[: max(len(copies) - self.config.keep, 0)]:
+            if copy.drain != "pending" and self.remove(copy.url):
+                dropped.append(copy.url)
+        return dropped
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 6. Replication to the next node (s3_tier_replication)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _replication_module() -> types.ModuleType:
+    name = f"{__package__}.s3_tier_replication" if __package__ else "s3_tier_replication"
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise
+        raise ImportError(
+            "replicating the memory tier needs s3_tier_replication.py beside s3_memory_tier.py (part of "
+            "s3-checkpoint-io): copy it there"
+        ) from exc
+
+
+class TierReplication:
+    """This rank's part of the job's replication: the node's replica server (on its first rank) and a background
+    sender to the next node's. Collective to start (every rank of `group`); `send` never blocks the caller."""
+
+    def __init__(self, tier: NodeTier, group: Any = None, *, bind_host: str = "127.0.0.1", local_rank: int = 0) -> None:
+        module = _replication_module()
+        self._module = module
+        self.tier = tier
+        self.node = _s3.node_key()
+        self.launch = tier.run.run_id if tier.run.job else None
+        self.server = None
+        if local_rank == 0:
+            self.server = module.ReplicaServer(
+                tier.replicas, job=tier.job, launch=self.launch, bind_host=bind_host, keep=tier.config.keep
+            )
+        addresses = module.exchange_addresses(group, server=self.server)
+        nodes = list(addresses)
+        peer = module.peer_of(nodes.index(self.node), len(nodes)) if self.node in addresses else None
+        self.peer = None if peer is None else addresses[nodes[peer]]
+        if self.peer is None:
+            logger.warning("memory tier: no other node to replicate to; a lost node loses what it held in memory")
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="s3ckpt-replicate")
+        self._futures: list[concurrent.futures.Future[None]] = []
+        self.replicated: list[str] = []  # URLs whose copy counts on the peer, oldest first
+
+    @staticmethod
+    def replica_name(url: str) -> str:
+        """The replica's name on the peer for the checkpoint of `url`."""
+        return _slug(url)
+
+    def send(self, copy: TierCopy) -> None:
+        """Queue the replication of `copy` (its file and commit record) to the peer node; the tier is pruned once
+        it counts there."""
+        if self.peer is not None:
+            self._futures = [f for f in self._futures if not f.done()]
+            self._futures.append(self._executor.submit(self._send, copy))
+
+    def _send(self, copy: TierCopy) -> None:
+        record = NodeTier.record_path(copy.path)
+        manifest = {
+            copy.path.name: (copy.size, copy.checksum),
+            record.name: (record.stat().st_size, self._module.file_checksum(record, copy.checksum.split(" ")[0])),
+        }
+        try:
+            self._module.send_directory(
+                copy.path.parent, self.replica_name(copy.url), self.peer, sender_node=self.node, job=self.tier.job,
+                launch=self.launch, manifest=manifest,
+            )  # fmt: skip
+        except OSError as exc:  # the next save replicates again; training goes on
+            logger.warning("memory tier: %s was not replicated to %s:%d: %s", copy.url, *self.peer, exc)
+            raise
+        self.replicated.append(copy.url)
+        self.tier.prune()
+
+    def wait(self) -> None:
+        """Block until every queued replication ended (failures were logged)."""
+        for future in self._futures:
+            with contextlib.suppress(OSError):
+                future.result()
+        self._futures = []
+
+    def close(self) -> None:
+        """Finish the queued replications, stop sending and stop this node's server."""
+        self.wait()
+        self._executor.shutdown(wait=True)
+        if self.server is not None:
+            self.server.close()

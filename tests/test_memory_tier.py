@@ -1,0 +1,412 @@
+"""The memory tier in front of S3 (issue 40): saves into the node's tmpfs, drains to S3, resume from the fastest tier.
+
+Each test keeps its tiers under tmp_path (never /dev/shm). Two simulated nodes are two tier roots; a relaunch is a
+second process (tests/helpers/tier_worker.py), a kill is a SIGKILL.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import json
+import logging
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from s3_servers import rank_environment
+from tiny_lightning import FAMILIES, TOP_K_CHECKPOINT, lightning_family, tiny_module_class, tiny_trainer
+
+import connector
+import s3_checkpoint_admin
+import s3_checkpoint_cli
+import s3_memory_tier
+import s3_utils
+from s3_checkpoint_io import S3CheckpointIO
+from s3_memory_tier import COMMIT_RECORD_SUFFIX, MemoryTier, NodeTier
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "helpers" / "tier_worker.py"
+MiB = 1 << 20
+
+
+def make_checkpoint(step: int, mib: float = 1) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(step)
+    weights = OrderedDict(weight=torch.randn(int(mib * MiB) // 4, generator=generator), bias=torch.arange(7.0) + step)
+    return {"state_dict": weights, "global_step": step, "epoch": 0}
+
+
+def assert_same(loaded: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert loaded["global_step"] == expected["global_step"]
+    for name, tensor in expected["state_dict"].items():
+        assert torch.equal(loaded["state_dict"][name], tensor), name
+
+
+def tiered(root: Path, **config: Any) -> S3CheckpointIO:
+    return S3CheckpointIO(chunk_size_MB=5, memory_tier=MemoryTier(root=str(root), job="job-1", **config))
+
+
+def s3_keys(s3_client: Any, bucket: str) -> list[str]:
+    found = s3_client.list_objects_v2(Bucket=bucket).get("Contents", [])
+    return sorted(o["Key"] for o in found if "s3ckpt" not in o["Key"])
+
+
+def test_a_save_lands_in_memory_as_on_s3_and_resumes_from_memory_bit_identical(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    url = f"s3://{bucket}/run/ckpts/step=1-last.ckpt"
+    plugin = tiered(tmp_path, drain_every=1)
+    state = make_checkpoint(1)
+    plugin.save_checkpoint(state, url)
+    tier = plugin.node_tier()
+    copy = tier.copy_of(url)
+    assert copy is not None
+    assert copy.path == tier.own / bucket / "run" / "ckpts" / "step=1-last.ckpt"  # the S3 layout
+    assert stat.S_IMODE(copy.path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(tier.record_path(copy.path).stat().st_mode) == 0o600
+    for directory in (tier.own, copy.path.parent, tier.directory):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    plugin.teardown()
+    memory_save, s3_save = plugin.records
+    assert (memory_save.tier, s3_save.tier) == ("memory", "s3")
+    assert memory_save.checksum == s3_save.checksum == copy.checksum  # one format, one record across the tiers
+    assert s3_keys(s3_client, bucket) == ["run/ckpts/step=1-last.ckpt"]
+    with s3_utils.S3Utils().download_to_memory(url) as downloaded, open(copy.path, "rb") as stream:
+        assert downloaded.read_all() == stream.read()  # byte for byte
+
+    relaunch = tiered(tmp_path)
+    assert_same(relaunch.load_checkpoint(url, weights_only=True), state)
+    assert relaunch.records[-1].tier == "memory"
+    assert relaunch.records[-1].checksum == copy.checksum
+
+
+def test_drained_then_tier_wiped_resumes_from_s3(s3_server: Any, bucket: str, tmp_path: Path) -> None:
+    url = f"s3://{bucket}/run/step=3-last.ckpt"
+    plugin = tiered(tmp_path / "node0")
+    state = make_checkpoint(3)
+    plugin.save_checkpoint(state, url)
+    plugin.teardown()
+    assert plugin.node_tier().remove(url)  # the node's memory is gone (a new allocation)
+    relaunch = tiered(tmp_path / "node0")
+    assert_same(relaunch.load_checkpoint(url), state)
+    assert relaunch.records[-1].tier == "s3"
+
+
+def test_resume_discovery_takes_the_newest_step_of_any_tier(s3_server: Any, bucket: str, tmp_path: Path) -> None:
+    directory = f"s3://{bucket}/run"
+    plugin = tiered(tmp_path / "node0", drain_every=10)  # the first save drains, the next ones stay in memory
+    for step in (1, 2, 3):
+        plugin.save_checkpoint(make_checkpoint(step), f"{directory}/step={step}-last.ckpt")
+    plugin.wait_for_pending_saves()
+    found = connector.find_resume_checkpoints(directory, s3_utils=plugin.s3)
+    assert found[0] == f"{directory}/step=3-last.ckpt"  # newest, in memory only
+    assert f"{directory}/step=1-last.ckpt" in found  # on S3 (and dropped from memory: keep=2)
+    del plugin  # its process is gone (without a clean end: no last drain)
+    gc.collect()
+    other_node = tiered(tmp_path / "node1")  # another node's tier does not hold steps 2 and 3
+    found_elsewhere = connector.find_resume_checkpoints(directory, s3_utils=other_node.s3)
+    assert found_elsewhere[0] == f"{directory}/step=1-last.ckpt"
+    assert_same(other_node.load_checkpoint(found_elsewhere[0]), make_checkpoint(1))
+
+
+def test_a_memory_copy_that_fails_its_checksum_is_skipped_loudly_for_s3(
+    s3_server: Any, bucket: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = f"s3://{bucket}/run/step=4-last.ckpt"
+    plugin = tiered(tmp_path)
+    state = make_checkpoint(4)
+    plugin.save_checkpoint(state, url)
+    plugin.teardown()
+    path = plugin.node_tier().path_of(url)
+    with open(path, "r+b") as stream:  # one flipped byte in the middle of a tensor
+        stream.seek(path.stat().st_size // 2)
+        byte = stream.read(1)
+        stream.seek(-1, os.SEEK_CUR)
+        stream.write(bytes([byte[0] ^ 0xFF]))
+    relaunch = tiered(tmp_path)
+    with caplog.at_level(logging.ERROR, logger="s3_checkpoint_io"):
+        assert_same(relaunch.load_checkpoint(url), state)
+    assert relaunch.records[-1].tier == "s3"
+    assert any("does not match its commit record" in r.getMessage() and str(path) in r.getMessage()
+               for r in caplog.records if r.levelno == logging.ERROR)
+
+
+def test_a_full_tier_warns_once_and_saves_to_s3_directly(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    plugin = tiered(tmp_path, capacity_bytes=MiB // 2)  # less than one checkpoint
+    with caplog.at_level(logging.INFO, logger="s3_memory_tier"):
+        for step in (1, 2):
+            plugin.save_checkpoint(make_checkpoint(step), f"s3://{bucket}/run/step={step}.ckpt")
+    plugin.teardown()
+    assert [r.tier for r in plugin.records] == ["s3", "s3"]
+    assert s3_keys(s3_client, bucket) == ["run/step=1.ckpt", "run/step=2.ckpt"]
+    assert plugin.node_tier().copies() == []
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "no room" in r.getMessage()]
+    assert len(warnings) == 1
+    assert_same(tiered(tmp_path).load_checkpoint(f"s3://{bucket}/run/step=2.ckpt"), make_checkpoint(2))
+
+
+def test_at_most_keep_checkpoints_stay_in_memory(s3_server: Any, bucket: str, tmp_path: Path) -> None:
+    plugin = tiered(tmp_path, keep=2, drain_every=100)
+    for step in range(1, 6):
+        plugin.save_checkpoint(make_checkpoint(step, mib=0.25), f"s3://{bucket}/run/step={step}.ckpt")
+        plugin.wait_for_pending_saves()
+        assert len(plugin.node_tier().copies()) <= 2
+    assert [copy.record["step"] for copy in plugin.node_tier().copies()] == [4, 5]
+    files = [p for p in plugin.node_tier().own.rglob("*") if p.is_file()]
+    assert len(files) == 4  # two checkpoints and their commit records, no leftovers
+    plugin.teardown()  # the last one is drained at the end of a run
+    assert plugin.node_tier().copy_of(f"s3://{bucket}/run/step=5.ckpt").drain == "done"
+
+
+def test_top_k_removal_keeps_the_s3_copy_until_a_newer_one_is_on_s3(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    plugin = tiered(tmp_path, drain_every=2)  # steps 1, 3 drain
+    urls = [f"s3://{bucket}/run/step={step}.ckpt" for step in (1, 2, 3)]
+    plugin.save_checkpoint(make_checkpoint(1), urls[0])
+    plugin.wait_for_pending_saves()
+    plugin.save_checkpoint(make_checkpoint(2), urls[1])
+    plugin.remove_checkpoint(urls[0])  # top-k drops step 1, but S3 has nothing newer yet
+    plugin.wait_for_pending_saves()
+    assert s3_keys(s3_client, bucket) == ["run/step=1.ckpt"]
+    assert plugin.node_tier().copy_of(urls[0]) is None  # the memory copy went at once
+    plugin.save_checkpoint(make_checkpoint(3), urls[2])
+    plugin.remove_checkpoint(urls[1])
+    plugin.teardown()
+    assert s3_keys(s3_client, bucket) == ["run/step=3.ckpt"]
+
+
+def test_a_drain_cut_short_by_a_kill_is_finished_by_the_relaunch(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    url = f"s3://{bucket}/run/step=7-last.ckpt"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    killed = subprocess.run(
+        [sys.executable, str(WORKER), "save", url, str(tmp_path), "job-1", "7"],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=env,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr[-3000:]
+    assert s3_keys(s3_client, bucket) == []
+    relaunch = subprocess.run(
+        [sys.executable, str(WORKER), "relaunch", str(tmp_path), "job-1"],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=env,
+    )
+    assert relaunch.returncode == 0, relaunch.stderr[-3000:]
+    records = json.loads(relaunch.stdout.strip().splitlines()[-1])
+    assert [(kind, where) for kind, _, _, _, where in records] == [("save", "s3")]
+    tier = NodeTier(MemoryTier(root=str(tmp_path), job="job-1"), s3_utils.current_run())
+    copy = tier.verified_copy(url)
+    assert copy is not None and copy.drain == "done"
+    assert records[0][3] == copy.checksum
+    with s3_utils.S3Utils().download_to_memory(url) as downloaded, open(copy.path, "rb") as stream:
+        assert downloaded.verified_against is not None
+        assert downloaded.read_all() == stream.read()
+
+
+def run_of(attempt: int) -> s3_utils.CheckpointRun:
+    return s3_utils.CheckpointRun(f"slurm:9#{attempt}", "host", 1, 1.0, "slurm:9", (attempt,))
+
+
+def test_a_straggler_of_an_older_launch_cannot_write_into_the_newer_launchs_tier(tmp_path: Path) -> None:
+    config = MemoryTier(root=str(tmp_path))
+    newer = NodeTier(config, run_of(1))
+    newer.claim()
+    straggler = NodeTier(config, run_of(0))
+    assert straggler.directory == newer.directory  # the same job's tier
+    with pytest.raises(s3_utils.CheckpointDirectoryTakenError, match="newer launch"):
+        straggler.save({"x": torch.ones(3)}, "s3://bkt/run/step=1.ckpt", 1, torch.save)
+    assert newer.copies() == []
+    assert not list(newer.own.rglob("*.ckpt*"))
+    newer.save({"x": torch.ones(3)}, "s3://bkt/run/step=2.ckpt", 2, torch.save)  # the newer launch still writes
+    assert [copy.record["step"] for copy in newer.copies()] == [2]
+    assert NodeTier(MemoryTier(root=str(tmp_path), job="another"), run_of(0)).copies() == []  # other jobs see none
+
+
+def test_an_uncommitted_file_is_not_a_checkpoint(tmp_path: Path) -> None:
+    tier = NodeTier(MemoryTier(root=str(tmp_path), job="j"), run_of(0))
+    copy = tier.save({"x": torch.ones(3)}, "s3://bkt/run/step=1.ckpt", 1, torch.save)
+    os.unlink(tier.record_path(copy.path))  # a kill between the data's rename and the record's
+    assert tier.copy_of(copy.url) is None and tier.copies() == []
+    assert tier.record_path(copy.path).name.endswith(COMMIT_RECORD_SUFFIX)
+
+
+def test_the_tier_is_configured_by_one_argument_or_config_key(s3_server: Any, bucket: str, tmp_path: Path) -> None:
+    assert S3CheckpointIO(memory_tier=str(tmp_path)).memory_tier == MemoryTier(root=str(tmp_path))
+    assert S3CheckpointIO().memory_tier is None
+    parts = connector.build_s3_checkpointing(
+        {
+            "s3_checkpointing": {"memory_tier": {"root": str(tmp_path), "keep": 3, "drain_every": 10}},
+            "exp_manager": {"checkpoint_callback_params": {"dirpath": f"s3://{bucket}/run"}},
+        }
+    )
+    assert parts.checkpoint_io.memory_tier == MemoryTier(root=str(tmp_path), keep=3, drain_every=10)
+    with pytest.raises(ValueError, match="unknown key"):
+        S3CheckpointIO(memory_tier={"rooot": str(tmp_path)})
+
+
+def test_without_the_module_the_core_says_what_is_missing() -> None:
+    code = (
+        "import sys; sys.modules['s3_memory_tier'] = None\n"
+        "from s3_checkpoint_io import S3CheckpointIO\n"
+        "S3CheckpointIO()\n"
+        "try:\n    S3CheckpointIO(memory_tier=True)\nexcept ImportError as exc:\n    print(exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "AWS_DEFAULT_REGION": "us-east-1"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "s3_memory_tier.py beside s3_checkpoint_io.py" in done.stdout
+
+
+@pytest.mark.slow
+def test_two_nodes_replicate_and_agree_on_what_every_rank_can_load(
+    s3_server: Any, bucket: str, tmp_path: Path
+) -> None:
+    """Two gloo ranks, each a node with its own tier: node 0's in-memory checkpoint is replicated to node 1, and a
+    collective load uses memory only where every rank has a verified copy, else S3 on every rank alike."""
+    env = rank_environment(s3_server, s3_server.endpoint_url, WORLD_SIZE="2")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "helpers" / "tier_dist_worker.py"), bucket, str(tmp_path)],
+            env={**env, "RANK": str(rank), "GROUP_RANK": str(rank), "LOCAL_RANK": "0"}, cwd=REPO,
+        )
+        for rank in range(2)
+    ]
+    assert [proc.wait(timeout=300) for proc in procs] == [0, 0]
+    node0, node1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2))
+    step1, step2 = (f"s3://{bucket}/run/step={step}-last.ckpt" for step in (1, 2))
+    assert node0["own"] == [step1, step2] and node1["own"] == []
+    name = NodeTier.record_path(Path("x")).name  # the commit record travels with the file
+    assert any(p.endswith("/step=2-last.ckpt") for p in node1["replicas"])
+    assert any(p.endswith("/step=2-last.ckpt" + name[1:]) for p in node1["replicas"])
+    for node in (node0, node1):  # step 2 is only in node 0's memory: no rank loads it; step 1 from S3 everywhere
+        assert node["loads"] == [[step2, "missing", None], [step1, True, "s3"]]
+
+
+@pytest.mark.lightning
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_lightning_fit_saves_into_memory_keeps_top_k_on_s3_and_resumes_from_memory(
+    family: str, s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    pl = lightning_family(family)
+    module_class = tiny_module_class(pl, features=8, outputs=2)
+    dirpath = f"s3://{bucket}/run"
+
+    def fit(module: Any, max_steps: int, **fit_kwargs: Any) -> tuple[Any, S3CheckpointIO]:
+        tier = MemoryTier(root=str(tmp_path), job="j", drain_every=2)
+        plugin = S3CheckpointIO(dirpath, chunk_size_MB=5, memory_tier=tier)
+        callback = connector.s3_model_checkpoint_class(family)(dirpath=dirpath, **TOP_K_CHECKPOINT)
+        trainer = tiny_trainer(pl, max_steps, plugins=[plugin], callbacks=[callback])
+        trainer.fit(module, **fit_kwargs)
+        return trainer, plugin
+
+    first = module_class()
+    _, plugin = fit(first, 6)
+    final_weights = {k: v.clone() for k, v in first.state_dict().items()}
+    assert {r.tier for r in plugin.records if r.kind == "save"} == {"memory", "s3"}
+    assert plugin.records[-1].tier == "s3" and plugin.records[-1].url == f"{dirpath}/last.ckpt"  # drained at the end
+    assert [k for k in s3_keys(s3_client, bucket) if k.endswith(".ckpt")] == [
+        "run/last.ckpt", "run/tiny-step=4.ckpt", "run/tiny-step=6.ckpt"
+    ]  # top-k as without the tier: step 2 left S3 once a newer checkpoint was there
+    assert not s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads")
+
+    second = module_class()
+    resumed, resume_plugin = fit(second, 8, ckpt_path=f"{dirpath}/last.ckpt")
+    assert [r.tier for r in resume_plugin.records if r.kind == "load"] == ["memory"]
+    assert second.started_at["global_step"] == 6
+    for name, tensor in final_weights.items():
+        assert torch.equal(second.started_at["weights"][name], tensor), name
+    assert resumed.global_step == 8
+
+
+def test_ls_shows_each_checkpoints_tiers(
+    s3_server: Any, bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = f"s3://{bucket}/run"
+    plugin = tiered(tmp_path, drain_every=10, keep=3)  # step 1 drains, step 2 stays in memory
+    for step in (1, 2):
+        plugin.save_checkpoint(make_checkpoint(step, mib=0.25), f"{directory}/step={step}.ckpt")
+    plugin.wait_for_pending_saves()
+    plugin.node_tier().remove(f"{directory}/step=1.ckpt")  # memory lost it: only on S3 now
+    plugin.save_checkpoint(make_checkpoint(3, mib=0.25), f"{directory}/step=3.ckpt")
+    plugin.teardown()  # step 3: memory and S3
+    listed = s3_checkpoint_admin.list_checkpoints(directory, memory_tier={"root": str(tmp_path), "job": "job-1"})
+    assert [(entry.step, entry.tiers) for entry in listed] == [
+        (1, ("s3",)), (2, ("memory",)), (3, ("s3", "memory"))
+    ]
+    assert [entry.step for entry in s3_checkpoint_admin.list_checkpoints(directory)] == [1, 3]  # S3 alone
+    assert s3_checkpoint_cli.main(["ls", directory, "--memory-tier", str(tmp_path), "--job", "job-1"]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:-1]
+    assert [row.split("  [")[-1] for row in rows] == ["s3]", "memory]", "s3, memory]"]
+    assert s3_checkpoint_cli.main(["ls", directory, "--json", "--memory-tier", str(tmp_path), "--job", "job-1"]) == 0
+    assert [entry["tiers"] for entry in json.loads(capsys.readouterr().out)] == [["s3"], ["memory"], ["s3", "memory"]]
+    with pytest.raises(ValueError, match="needs its job"):
+        s3_checkpoint_admin.list_checkpoints(directory, memory_tier=str(tmp_path))
+
+
+def test_a_checkpoint_saved_again_after_its_removal_stays(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    plugin = tiered(tmp_path, drain_every=10)
+    first, second = (f"s3://{bucket}/run/{name}.ckpt" for name in ("a", "b"))
+    plugin.save_checkpoint(make_checkpoint(1), first)  # drained
+    plugin.save_checkpoint(make_checkpoint(2), second)
+    plugin.remove_checkpoint(first)  # held for S3 until a newer checkpoint is there
+    plugin.save_checkpoint(make_checkpoint(3), first)  # the same name again: the removal no longer applies
+    plugin.teardown()  # drains the newest, `first`
+    assert s3_keys(s3_client, bucket) == ["run/a.ckpt"]
+    assert_same(tiered(tmp_path / "elsewhere").load_checkpoint(first), make_checkpoint(3))
+    assert plugin.node_tier().copy_of(first) is not None
+
+
+def test_enospc_in_the_middle_of_a_save_warns_once_and_saves_to_s3(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The tmpfs fills up while torch.save writes (the room check passed): no failed step, nothing left behind."""
+    written = {"bytes": 0}
+    real_write = s3_memory_tier._ChecksummingFile._write_all
+
+    def write_until_full(self: Any, view: memoryview) -> None:
+        written["bytes"] += len(view)
+        if written["bytes"] > MiB // 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_write(self, view)
+
+    monkeypatch.setattr(s3_memory_tier._ChecksummingFile, "_write_all", write_until_full)
+    plugin = tiered(tmp_path)
+    with caplog.at_level(logging.INFO, logger="s3_memory_tier"):
+        for step in (1, 2):
+            plugin.save_checkpoint(make_checkpoint(step), f"s3://{bucket}/run/step={step}.ckpt")
+    plugin.teardown()
+    assert [r.tier for r in plugin.records] == ["s3", "s3"]
+    assert s3_keys(s3_client, bucket) == ["run/step=1.ckpt", "run/step=2.ckpt"]
+    assert [p for p in plugin.node_tier().own.rglob("*") if p.is_file()] == []  # no partial file or record
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING and "no room" in r.getMessage()]) == 1
+
+
+def test_drain_minutes_drains_once_the_time_has_passed(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    plugin = tiered(tmp_path, drain_every=100, drain_minutes=1 / 60_000)  # a millisecond
+    for step in (1, 2, 3):
+        plugin.save_checkpoint(make_checkpoint(step, mib=0.25), f"s3://{bucket}/run/step={step}.ckpt")
+        plugin.wait_for_pending_saves()
+        time.sleep(0.01)
+    assert s3_keys(s3_client, bucket) == ["run/step=1.ckpt", "run/step=2.ckpt", "run/step=3.ckpt"]
+    untimed = tiered(tmp_path / "other", drain_every=100)
+    for step in (4, 5):
+        untimed.save_checkpoint(make_checkpoint(step, mib=0.25), f"s3://{bucket}/other/step={step}.ckpt")
+    untimed.wait_for_pending_saves()
+    assert [k for k in s3_keys(s3_client, bucket) if k.startswith("other/")] == ["other/step=4.ckpt"]  # the first
