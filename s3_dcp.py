@@ -1308,7 +1308,7 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
                 item.span = self.read_path.item_span(record, item)
             etag = record["etag"] or None
             path = self.read_path
-            into_target = [path.direct_read(self, relative_path, url, item, etag, record, planner) for item in items]
+            into_target = [path.direct_read(self, relative_path, url, item, etag, planner) for item in items]
             file_direct = [read for read in into_target if read is not None]
             buffered = [item for item, read in zip(items, into_target, strict=True) if read is None]
             for item in buffered:
@@ -1535,9 +1535,8 @@ class ReadPath:
         return None
 
     def direct_read(
-        self, reader: S3StorageReader, relative_path: str, url: str, item: _Item, etag: str | None, record: Any,
-        planner: LoadPlanner,
-    ) -> _DirectRead | None:  # fmt: skip
+        self, reader: S3StorageReader, relative_path: str, url: str, item: _Item, etag: str | None, planner: LoadPlanner
+    ) -> _DirectRead | None:
         """A plan to read `item` with GETs of its own straight into its target, or None (it is buffered)."""
         return None
 
@@ -1643,9 +1642,8 @@ class DirectReads(SpanReads):
     span's recorded checksum. Items without a span (older checkpoints, another byte order) are buffered."""
 
     def direct_read(
-        self, reader: S3StorageReader, relative_path: str, url: str, item: _Item, etag: str | None, record: Any,
-        planner: LoadPlanner,
-    ) -> _DirectRead | None:  # fmt: skip
+        self, reader: S3StorageReader, relative_path: str, url: str, item: _Item, etag: str | None, planner: LoadPlanner
+    ) -> _DirectRead | None:
         if item.span is None or len(item.requests) != 1 or item.length < max(reader.direct_read_min_MB * _s3.MB, 1):
             return None
         request = item.requests[0]
