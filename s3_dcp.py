@@ -17,7 +17,8 @@ own ``FileSystemReader`` loads it once the prefix is copied to a local directory
   before its files complete and by the coordinator before ``.metadata``: a stale run's save fails with
   `s3_utils.CheckpointDirectoryTakenError`, overwriting and committing nothing;
 * per-item checksums, recorded beside ``.metadata`` (before it), let partial and resharded loads verify every byte;
-* loads use parallel ranged GETs, adjacent items coalesced; ``.metadata`` is unpickled with an allow-list, so a
+* loads use parallel ranged GETs, adjacent items coalesced, by the read path the reader is given (`ReadPath`, the
+  reference, or a faster subclass; `FastReads` by default); ``.metadata`` is unpickled with an allow-list, so a
   prefix someone else can write cannot run code on the ranks that load it.
 
 Importing this module never fails for a missing extra: without torch the classes are still defined, and building one
