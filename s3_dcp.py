@@ -1721,7 +1721,7 @@ def _tensor_spans(record: dict[str, Any]) -> dict[str, Any]:
 
 def _span_for_target(item: _Item, target: Any) -> _RecordedSpan | None:
     """`item`'s recorded span (`_plan_groups` sets it for this machine's byte order) if it describes exactly `target`
-    inside the item; else None, and the bytes are located from the item's framing."""
+    inside the item; else None, and the item is buffered and decoded."""
     span = _RecordedSpan.parsed(item.span, item.length)  # its byte count is its shape's, or it is None
     return span if span is not None and (span.dtype, span.shape) == (target.dtype, tuple(target.shape)) else None
 
