@@ -5,44 +5,25 @@
 # s3: `tmp_path` is an s3://bucket/tmp prefix (lightning_own/conftest.py), Trainer adds an S3CheckpointIO
 # (sync or async) and ModelCheckpoint is S3ModelCheckpoint (lightning_own/s3_adapt.py).
 # Licensed under the Apache License, Version 2.0: http://www.apache.org/licenses/LICENSE-2.0
-import time
-from typing import Any, Optional
-
 import pytest
 import torch
 
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-from lightning.pytorch.plugins.io.async_plugin import AsyncCheckpointIO
+from lightning_own.s3_adapt import make_checkpoint_io, torch_load  # s3: our plugin; reading what reached S3
 
-
-class _CaptureCheckpointIO(CheckpointIO):
-    def __init__(self) -> None:
-        self.saved: Optional[dict[str, Any]] = None
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: str, storage_options: Optional[Any] = None) -> None:
-        # Simulate some delay to increase race window
-        time.sleep(0.05)
-        # Store the received checkpoint object (not a deep copy) to inspect tensor values
-        self.saved = checkpoint
-
-    def load_checkpoint(self, path: str, map_location: Optional[Any] = None) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def remove_checkpoint(self, path: str) -> None:
-        pass
+# s3: `_CaptureCheckpointIO` (a base plugin keeping the object it was handed) is gone: the plugin under test is
+# S3CheckpointIO, itself async in the async mode, and what it saved is read back from S3.
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_async_checkpoint_should_snapshot_values_before_mutation():
-    base = _CaptureCheckpointIO()
-    async_io = AsyncCheckpointIO(checkpoint_io=base)
+def test_async_checkpoint_should_snapshot_values_before_mutation(tmp_path):  # s3: tmp_path for the URL
+    async_io = make_checkpoint_io()  # s3: S3CheckpointIO (async in the async mode), not AsyncCheckpointIO(base)
 
     # a tensor that we will mutate after scheduling the save
     t = torch.tensor([0.0])
     ckpt = {"w": t}
 
     # schedule async save
-    async_io.save_checkpoint(ckpt, path="unused")
+    async_io.save_checkpoint(ckpt, path=tmp_path / "w.ckpt")  # s3: a real URL, not "unused"
 
     # mutate immediately afterward to mimic training thread stepping params
     t.add_(1.0)
@@ -50,11 +31,12 @@ def test_async_checkpoint_should_snapshot_values_before_mutation():
     # ensure background thread finished
     async_io.teardown()
 
-    assert base.saved is not None, "Async save did not run"
+    saved = torch_load(tmp_path / "w.ckpt", weights_only=True)  # s3: what reached S3, not `base.saved`
+    assert saved is not None, "Async save did not run"  # s3: saved, not base.saved
 
     # EXPECTATION: AsyncCheckpointIO should have captured value 0.0 (pre-mutation)
     # CURRENT BEHAVIOR (bug): it captures 1.0 because the dict holds references
-    assert torch.allclose(base.saved["w"], torch.tensor([0.0])), (
+    assert torch.allclose(saved["w"], torch.tensor([0.0])), (  # s3: saved, not base.saved
         "AsyncCheckpointIO must snapshot the checkpoint (clone tensors) on the main thread "
         "to avoid races with parameter mutation; got mutated value instead"
     )
