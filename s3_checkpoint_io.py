@@ -833,12 +833,10 @@ def _as_lightning_load_error(url: str, exc: BaseException) -> OSError:
         error: OSError = FileNotFoundError(f"Checkpoint file not found: {url}")
     else:
         error = PermissionError(errno.EACCES, "Permission denied (S3 refused to read the checkpoint)", url)
-    response = getattr(exc.__cause__, "response", None) or getattr(exc, "response", None)
-    metadata = response.get("ResponseMetadata", {}) if isinstance(response, dict) else {}
-    status, request_id = metadata.get("HTTPStatusCode"), metadata.get("RequestId")
-    ids = ", ".join(part for part in (status and f"HTTP {status}", request_id and f"request id {request_id}") if part)
-    error.add_note(f"S3: {exc}" + (f" ({ids})" if ids and str(request_id) not in str(exc) else ""))
-    for note in getattr(exc, "__notes__", []):
+    notes = getattr(exc, "__notes__", [])
+    ids = "" if any(url in note for note in notes) else _s3.response_ids(exc.__cause__ or exc)  # else noted already
+    error.add_note(f"S3: {exc}{ids}")
+    for note in notes:
         error.add_note(note)
     return error
 

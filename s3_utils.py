@@ -58,7 +58,7 @@ __all__ = [
     "buffer_address", "checksum_of", "combine_checksums", "current_run", "error_code", "forget_s3fs_instances",
     "fresh_s3fs_instances", "get_s3_client", "global_rank", "import_optional_dependency", "invalidate_fsspec_cache",
     "is_retriable_error", "is_throttling_error", "job_key", "launch_identity", "node_key", "node_sharing",
-    "release_part_buffers", "request_pacer", "validate_checksum_algorithm", "user_agent", "world_size",
+    "release_part_buffers", "request_pacer", "response_ids", "validate_checksum_algorithm", "user_agent", "world_size",
 ]
 
 logger = logging.getLogger(__name__)
@@ -2116,10 +2116,10 @@ def _annotate(
     if tried:
         hint = f"gave up after {tried}, the last answer {code}" + (f"; {hint}" if hint else "")
     if not any(url in note for note in getattr(exc, "__notes__", [])):
-        exc.add_note(f"while running S3 {operation} on {url}{_response_ids(exc)}" + (f": {hint}" if hint else ""))
+        exc.add_note(f"while running S3 {operation} on {url}{response_ids(exc)}" + (f": {hint}" if hint else ""))
 
 
-def _response_ids(exc: BaseException) -> str:
+def response_ids(exc: BaseException) -> str:
     """`` (HTTP 403, request id ..., host id ...)`` from a botocore error's response, or empty."""
     response = getattr(exc, "response", None)
     metadata = response.get("ResponseMetadata", {}) if isinstance(response, dict) else {}

@@ -195,6 +195,9 @@ def test_state_key_is_model_checkpoints_and_a_subclass_keeps_its_own(bucket: str
     options = {"dirpath": f"s3://{bucket}/run", "monitor": "gstep", "every_n_train_steps": 2}
     assert connector.S3ModelCheckpoint(**options).state_key == pl.callbacks.ModelCheckpoint(**options).state_key
 
+    with pytest.raises(RuntimeError, match="more than one stateful callback"):  # as two ModelCheckpoints would
+        pl.Trainer(callbacks=[connector.S3ModelCheckpoint(**options), pl.callbacks.ModelCheckpoint(**options)])
+
     class Mine(connector.S3ModelCheckpoint):
         pass
 

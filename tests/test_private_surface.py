@@ -471,6 +471,15 @@ def test_model_checkpoint_hooks(pl: Any) -> None:
     assert pl.callbacks.OnExceptionCheckpoint.__name__ == "OnExceptionCheckpoint"  # matched by name in connector
 
 
+def test_callback_state_keys(pl: Any) -> None:
+    """S3ModelCheckpoint's ``state_key`` is ModelCheckpoint's; its ``_legacy_state_key`` (Lightning's fallback key on
+    load) is the ``S3ModelCheckpoint{...}`` key earlier versions wrote, so their checkpoints keep the callback state."""
+    source = inspect.getsource(importlib.import_module(f"{_family(pl)}.trainer.call"))
+    assert "callback_states.get(callback.state_key, callback_states.get(callback._legacy_state_key))" in source
+    assert "def _generate_state_key" in inspect.getsource(pl.callbacks.Callback)  # the class name leads the key
+    assert pl.callbacks.ModelCheckpoint(monitor="x").state_key.startswith("ModelCheckpoint{")
+
+
 def test_checkpoint_io_bases_and_the_async_wrapper(pl: Any) -> None:
     plugin = s3_checkpoint_io.S3CheckpointIO("s3://bucket/run", chunk_size_MB=5)
     registered = s3_checkpoint_io.register_with_lightning(type(plugin))
