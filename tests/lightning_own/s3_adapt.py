@@ -22,7 +22,6 @@ import contextlib
 import fnmatch
 import io
 import os
-import posixpath
 from collections.abc import Iterator
 from typing import Any
 
@@ -139,23 +138,9 @@ class S3Path(str):
     def __truediv__(self, other: str | os.PathLike[str]) -> S3Path:
         return S3Path(f"{self}/{os.fspath(other).strip('/')}")
 
-    def joinpath(self, *parts: str | os.PathLike[str]) -> S3Path:
-        path = self
-        for part in parts:
-            path = path / part
-        return path
-
     @property
     def name(self) -> str:
         return self.rpartition("/")[2]
-
-    @property
-    def stem(self) -> str:
-        return posixpath.splitext(self.name)[0]
-
-    @property
-    def suffix(self) -> str:
-        return posixpath.splitext(self.name)[1]
 
     @property
     def parent(self) -> S3Path:
@@ -169,32 +154,8 @@ class S3Path(str):
             raise NotImplementedError(f"S3Path.glob matches names directly under the prefix only, not {pattern!r}")
         return iter([self / name for name in listdir(self) if fnmatch.fnmatchcase(name, pattern)])
 
-    def is_file(self) -> bool:
-        return isfile(self)
-
-    def is_dir(self) -> bool:
-        return isdir(self)
-
     def exists(self) -> bool:
-        return self.is_file() or self.is_dir()
-
-    def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
-        """S3 has no directories: nothing to make."""
-
-    def read_bytes(self) -> bytes:
-        return read_bytes(self)
-
-    def touch(self) -> None:
-        """An empty object at this URL (an existing one is replaced, as a local touch would keep it empty)."""
-        bucket, key = _split(self)
-        if not isfile(self):
-            state.client.put_object(Bucket=bucket, Key=key, Body=b"")
-
-    def relative_to(self, other: str | os.PathLike[str]) -> str:
-        base = os.fspath(other).rstrip("/") + "/"
-        if not self.startswith(base):
-            raise ValueError(f"{self} is not under {other}")
-        return self[len(base) :]
+        return isfile(self) or isdir(self)
 
 
 def settle(trainer: pl.Trainer) -> None:
