@@ -596,6 +596,8 @@ class S3CheckpointIO:
         self.last_save_blocked_s = time.perf_counter() - started
         self._record(TransferRecord("save", path, copy.size, self.last_save_blocked_s, copy.checksum,
                                     self.last_save_blocked_s, "memory"))
+        with self._lock:  # saved again: an earlier removal of this URL no longer applies
+            self._held_removals = [removal for removal in self._held_removals if removal != path]
         self._tier_saves += 1
         config = self.memory_tier
         timer = config.drain_minutes is not None and time.monotonic() - self._last_drain >= config.drain_minutes * 60
@@ -604,7 +606,7 @@ class S3CheckpointIO:
         if self._replication is not None and self._replication.peer is not None:
             self._replication.send(copy)  # prunes the tier once the copy counts on the peer
         else:
-            tier.prune()
+            tier.prune_soon()
         return True
 
     def start_replication(self, group: Any = None, *, bind_host: str = "127.0.0.1", local_rank: int = 0) -> None:
@@ -635,8 +637,9 @@ class S3CheckpointIO:
         return TransferRecord("save", copy.url, size, elapsed, checksum, 0.0, "s3")
 
     def _drain_newest(self) -> None:
-        """At teardown: drain the newest memory copy if it never was (the last checkpoint of the run)."""
-        copies = self._tier.copies()
+        """At teardown of a process that saved into the tier: drain the newest memory copy if it never was (the last
+        checkpoint of the run; the node's other ranks, which share the tier, leave it to the saver)."""
+        copies = self._tier.copies() if self._tier_saves else []
         if copies and copies[-1].drain is None:
             self._drain(copies[-1])
 
@@ -743,6 +746,8 @@ class S3CheckpointIO:
         self._wait_for_saves_of(None)
         if self._replication is not None:
             self._replication.wait()
+        if self._tier is not None:
+            self._tier.wait_pruned()
 
     def teardown(self) -> None:
         """Wait for all background saves, shut the worker down, and raise if any save or removal failed. With a

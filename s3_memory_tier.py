@@ -195,12 +195,22 @@ def _temporary_sibling(path: Path) -> Path:
     return path.with_name(f".tmp-{path.name}-{secrets.token_hex(4)}")
 
 
-def _write_json_atomically(path: Path, value: Any) -> None:
+def _json_file_beside(path: Path, value: Any) -> Path:
+    """`value` as JSON in a new private temporary sibling of `path` (for a rename into place)."""
     partial = _temporary_sibling(path)
     fd = _create_private_file(partial)
     try:
         with os.fdopen(fd, "wb") as stream:
             stream.write(json.dumps(value, sort_keys=True).encode())
+    except BaseException:
+        os.unlink(partial)
+        raise
+    return partial
+
+
+def _write_json_atomically(path: Path, value: Any) -> None:
+    partial = _json_file_beside(path, value)
+    try:
         os.rename(partial, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -226,7 +236,7 @@ class _ChecksummingFile(io.RawIOBase):
     checksummed on a helper thread while it is being written (both release the GIL), and waited for before the
     write returns: the caller's buffer is only read while the caller lends it."""
 
-    _overlap_min = 1 << 20
+    _overlap_min = 4 << 20  # below, handing the buffer to the thread costs about what the checksum does
 
     def __init__(self, fd: int, algorithm: _s3.ChecksumAlgorithm) -> None:
         super().__init__()
@@ -234,15 +244,23 @@ class _ChecksummingFile(io.RawIOBase):
         self._algorithm = algorithm
         self.checksum = 0
         self.size = 0
+        self.error: OSError | None = None  # what a write raised (torch.save reports it as its own RuntimeError)
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
+        try:
+            return self._write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def _write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         total = len(view)
         if total >= self._overlap_min:
-            checksum = _checksum_thread().submit(self._algorithm.update, view, self.checksum)
+            checksum = _helper_thread("checksum").submit(self._algorithm.update, view, self.checksum)
             self._write_all(view)
             self.checksum = checksum.result()
         else:
@@ -256,17 +274,17 @@ class _ChecksummingFile(io.RawIOBase):
             view = view[os.write(self._fd, view) :]
 
 
-_checksum_thread_lock = threading.Lock()
-_checksum_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_helpers_lock = threading.Lock()
+_helpers: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 
 
-def _checksum_thread() -> concurrent.futures.ThreadPoolExecutor:
-    """The process's helper thread for checksums that overlap a write (created on first use)."""
-    global _checksum_pool
-    with _checksum_thread_lock:
-        if _checksum_pool is None:
-            _checksum_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="s3ckpt-tier-crc")
-        return _checksum_pool
+def _helper_thread(purpose: str) -> concurrent.futures.ThreadPoolExecutor:
+    """The process's helper thread for `purpose` (``"checksum"``: checksums that overlap a write; ``"prune"``:
+    dropping old copies, whose pages take a while to free), created on first use."""
+    with _helpers_lock:
+        if purpose not in _helpers:
+            _helpers[purpose] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"s3ckpt-tier-{purpose}")
+        return _helpers[purpose]
 
 
 def _checksum_string(algorithm: _s3.ChecksumAlgorithm, value: int) -> str:
@@ -334,7 +352,11 @@ class NodeTier:
         self.own = self.directory / "own"
         self.replicas = self.directory / "replicas"
         self._lock = threading.Lock()
+        for level in (self.directory.parent, self.directory):  # each level this user's alone, not only the last
+            _private_directory(level)
         self._warned_full = False
+        self._last_size: int | None = None  # the previous save's bytes: the next one's estimate (no walk)
+        self._pruning: concurrent.futures.Future[list[str]] | None = None
         _private_directory(self.own)
 
     def __repr__(self) -> str:
@@ -404,7 +426,7 @@ class NodeTier:
         """Write `checkpoint` for `url` with ``write(checkpoint, stream)`` and commit it; raise `TierFullError`
         (nothing left behind) when the tier lacks room, before writing or on ENOSPC."""
         self.claim()
-        needed = _tensor_bytes(checkpoint) + _SLACK_BYTES
+        needed = (self._last_size if self._last_size is not None else _tensor_bytes(checkpoint)) + _SLACK_BYTES
         free = self.free_bytes()
         if needed > free:
             raise TierFullError(errno.ENOSPC, f"memory tier {self.own}: {needed} bytes needed, {free} free")
@@ -412,6 +434,7 @@ class NodeTier:
         _private_directory(path.parent)
         partial = _temporary_sibling(path)
         fd = _create_private_file(partial)
+        stream, record_file = None, None
         try:
             with os.fdopen(fd, "wb", buffering=0) as raw:
                 stream = _ChecksummingFile(raw.fileno(), self.algorithm)
@@ -428,20 +451,21 @@ class NodeTier:
                 "sequence": time.time_ns(),
                 "drain": None,
             }
+            record_file = _json_file_beside(self.record_path(path), record)  # needs room: before any change
             with self._lock:  # the old record goes first: a kill between the renames leaves no false commit
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.record_path(path))
                 os.rename(partial, path)
-                _write_json_atomically(self.record_path(path), record)
-        except OSError as exc:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(partial)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not isinstance(exc, TierFullError):
-                raise TierFullError(exc.errno, f"memory tier {self.own}: {exc.strerror}") from exc
-            raise
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(partial)
+                os.rename(record_file, self.record_path(path))
+            self._last_size = stream.size
+        except BaseException as exc:
+            for leftover in (p for p in (partial, record_file) if p is not None):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover)
+            error = exc if isinstance(exc, OSError) else getattr(stream, "error", None)
+            if isinstance(error, OSError) and not isinstance(error, TierFullError):
+                if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise TierFullError(error.errno, f"memory tier {self.own}: {error.strerror}") from exc
             raise
         return TierCopy(url, path, record)
 
@@ -582,6 +606,19 @@ class NodeTier:
                 return False
         logger.debug("memory tier: dropped %s", path)
         return True
+
+    def prune_soon(self) -> None:
+        """`prune` on a helper thread, off the caller's path (`wait_pruned` waits for it; a failure is logged)."""
+        self._pruning = _helper_thread("prune").submit(self.prune)
+
+    def wait_pruned(self) -> None:
+        """Wait for the last `prune_soon`."""
+        pruning, self._pruning = self._pruning, None
+        if pruning is not None:
+            try:
+                pruning.result()
+            except OSError as exc:
+                logger.warning("memory tier %s: dropping old checkpoints failed: %s", self.own, exc)
 
     def prune(self) -> list[str]:
         """Keep the newest `MemoryTier.keep` checkpoints; drop older ones unless their drain is pending. Returns the

@@ -6,6 +6,7 @@ second process (tests/helpers/tier_worker.py), a kill is a SIGKILL.
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import logging
@@ -14,6 +15,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from tiny_lightning import FAMILIES, TOP_K_CHECKPOINT, lightning_family, tiny_mo
 import connector
 import s3_checkpoint_admin
 import s3_checkpoint_cli
+import s3_memory_tier
 import s3_utils
 from s3_checkpoint_io import S3CheckpointIO
 from s3_memory_tier import COMMIT_RECORD_SUFFIX, MemoryTier, NodeTier
@@ -350,3 +353,60 @@ def test_ls_shows_each_checkpoints_tiers(
     assert [entry["tiers"] for entry in json.loads(capsys.readouterr().out)] == [["s3"], ["memory"], ["s3", "memory"]]
     with pytest.raises(ValueError, match="needs its job"):
         s3_checkpoint_admin.list_checkpoints(directory, memory_tier=str(tmp_path))
+
+
+def test_a_checkpoint_saved_again_after_its_removal_stays(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    plugin = tiered(tmp_path, drain_every=10)
+    first, second = (f"s3://{bucket}/run/{name}.ckpt" for name in ("a", "b"))
+    plugin.save_checkpoint(make_checkpoint(1), first)  # drained
+    plugin.save_checkpoint(make_checkpoint(2), second)
+    plugin.remove_checkpoint(first)  # held for S3 until a newer checkpoint is there
+    plugin.save_checkpoint(make_checkpoint(3), first)  # the same name again: the removal no longer applies
+    plugin.teardown()  # drains the newest, `first`
+    assert s3_keys(s3_client, bucket) == ["run/a.ckpt"]
+    assert_same(tiered(tmp_path / "elsewhere").load_checkpoint(first), make_checkpoint(3))
+    assert plugin.node_tier().copy_of(first) is not None
+
+
+def test_enospc_in_the_middle_of_a_save_warns_once_and_saves_to_s3(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The tmpfs fills up while torch.save writes (the room check passed): no failed step, nothing left behind."""
+    written = {"bytes": 0}
+    real_write = s3_memory_tier._ChecksummingFile._write_all
+
+    def write_until_full(self: Any, view: memoryview) -> None:
+        written["bytes"] += len(view)
+        if written["bytes"] > MiB // 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_write(self, view)
+
+    monkeypatch.setattr(s3_memory_tier._ChecksummingFile, "_write_all", write_until_full)
+    plugin = tiered(tmp_path)
+    with caplog.at_level(logging.INFO, logger="s3_memory_tier"):
+        for step in (1, 2):
+            plugin.save_checkpoint(make_checkpoint(step), f"s3://{bucket}/run/step={step}.ckpt")
+    plugin.teardown()
+    assert [r.tier for r in plugin.records] == ["s3", "s3"]
+    assert s3_keys(s3_client, bucket) == ["run/step=1.ckpt", "run/step=2.ckpt"]
+    assert [p for p in plugin.node_tier().own.rglob("*") if p.is_file()] == []  # no partial file or record
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING and "no room" in r.getMessage()]) == 1
+
+
+def test_drain_minutes_drains_once_the_time_has_passed(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    plugin = tiered(tmp_path, drain_every=100, drain_minutes=1 / 60_000)  # a millisecond
+    for step in (1, 2, 3):
+        plugin.save_checkpoint(make_checkpoint(step, mib=0.25), f"s3://{bucket}/run/step={step}.ckpt")
+        plugin.wait_for_pending_saves()
+        time.sleep(0.01)
+    assert s3_keys(s3_client, bucket) == ["run/step=1.ckpt", "run/step=2.ckpt", "run/step=3.ckpt"]
+    untimed = tiered(tmp_path / "other", drain_every=100)
+    for step in (4, 5):
+        untimed.save_checkpoint(make_checkpoint(step, mib=0.25), f"s3://{bucket}/other/step={step}.ckpt")
+    untimed.wait_for_pending_saves()
+    assert [k for k in s3_keys(s3_client, bucket) if k.startswith("other/")] == ["other/step=4.ckpt"]  # the first
