@@ -794,7 +794,10 @@ def memory_tier_entries(directory: str) -> list[tuple[str, float]]:
     this process's `S3CheckpointIO` plugins: resume discovery (connector) adds them to the S3 listing's entries."""
     entries: list[tuple[str, float]] = []
     for plugin in list(_tiered_plugins):
-        entries.extend(plugin.node_tier().entries_under(directory))
+        try:
+            entries.extend(plugin.node_tier().entries_under(directory))
+        except (OSError, ValueError) as exc:  # a tier that cannot be read: resume from S3 alone, said loudly
+            logger.warning("Resume discovery leaves out the memory tier %s: %s", plugin.memory_tier.root, exc)
     return entries
 
 

@@ -431,12 +431,11 @@ class NodeTier:
         if needed > free:
             raise TierFullError(errno.ENOSPC, f"memory tier {self.own}: {needed} bytes needed, {free} free")
         path = self.path_of(url)
-        _private_directory(path.parent)
         partial = _temporary_sibling(path)
-        fd = _create_private_file(partial)
         stream, record_file = None, None
-        try:
-            with os.fdopen(fd, "wb", buffering=0) as raw:
+        try:  # from the first directory on: a full tmpfs (no room, no inode) is a fall-back, never a failed step
+            _private_directory(path.parent)
+            with os.fdopen(_create_private_file(partial), "wb", buffering=0) as raw:
                 stream = _ChecksummingFile(raw.fileno(), self.algorithm)
                 write(checkpoint, stream)
             if self.config.capacity_bytes is not None and stream.size > free:

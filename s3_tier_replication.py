@@ -16,8 +16,9 @@ nothing in the core needs it.
 How a replica counts: it is written into a temporary sibling (``.incoming-...``, mode 0700, files 0600), every file
 verified against the manifest (size and checksum), renamed into place, and only then its manifest written beside it
 (``<name>.replica.json``): a replica counts once its manifest is there. A replica that fails verification never
-counts (removed, logged, the sender told why); a transfer cut short leaves a temporary that the next server on that
-root removes. Replicas live in memory like the tier itself: they survive a process restart, not a reboot.
+counts (removed, logged, the sender told why); a transfer cut short is removed by the server, or, where the server
+itself died, by the next one on that root. Replicas live in memory like the tier: they survive a process restart,
+not a reboot.
 
 Threat model (as torch's TCPStore and the process group's own transport): the job's network is trusted. Every
 request carries the job and launch and an HMAC over the server's one-time nonce, keyed by ``S3CKPT_REPLICA_SECRET``
@@ -39,6 +40,7 @@ import hashlib
 import hmac
 import json
 import logging
+import mmap
 import os
 import secrets
 import select
@@ -164,14 +166,13 @@ def _parents(path: str) -> list[str]:
 
 
 def file_checksum(path: Path | str, algorithm: str | None = "auto") -> str:
-    """The checksum of a file as the manifests spell it (``"CRC32C <base64>"``), read in `CHUNK` pieces."""
+    """The checksum of a file as the manifests spell it (``"CRC32C <base64>"``), read through a mapping."""
     checksums = _s3.ChecksumAlgorithm.named(algorithm)
     value = 0
-    buffer = bytearray(CHUNK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as stream:
-        while count := stream.readinto(buffer):
-            value = checksums.update(view[:count], value)
+    with open(path, "rb") as stream:
+        if os.fstat(stream.fileno()).st_size:  # an empty file cannot be mapped (its checksum is 0)
+            with mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                value = _s3.checksum_of(checksums, mapped)
     return f"{checksums.name} {checksums.encode(value)}"
 
 
@@ -363,6 +364,13 @@ def _readable(sock: socket.socket) -> bool:
     return bool(select.select([sock], [], [], 0)[0])
 
 
+def _remove(*paths: Path | None) -> None:
+    """Remove folders moved aside (a replica dropped or replaced); None for none."""
+    for path in paths:
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def _make_private_directory(path: Path) -> None:
     """Create `path` (and parents) with mode 0700, or check that the existing one is a directory of this user."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -417,7 +425,8 @@ class ReplicaServer:
         self._lock_fd = self._take_root()
         try:
             self._clean_root()
-            self._listener = socket.create_server((bind_host, port), backlog=_MAX_CONNECTIONS)
+            family = socket.getaddrinfo(bind_host, port, type=socket.SOCK_STREAM)[0][0]  # IPv4 or IPv6
+            self._listener = socket.create_server((bind_host, port), family=family, backlog=_MAX_CONNECTIONS)
         except BaseException:
             os.close(self._lock_fd)
             raise
@@ -462,12 +471,16 @@ class ReplicaServer:
     def drop(self, sender_node: str, name: str) -> bool:
         """Remove one replica (its manifest first, so it stops counting at once); whether there was one."""
         with self._lock:
-            return self._drop(_component("sender node", sender_node), _component("name", name))
+            trash = self._retire(_component("sender node", sender_node), _component("name", name))
+        _remove(trash)
+        return trash is not None
 
     def keep_latest(self, sender_node: str, keep: int) -> list[str]:
         """Drop all but the `keep` newest replicas of `sender_node`; the names dropped."""
         with self._lock:
-            return self._keep_latest(_component("sender node", sender_node), keep)
+            dropped = self._keep_latest(_component("sender node", sender_node), keep)
+        _remove(*dropped.values())
+        return list(dropped)
 
     def _replicas(self, sender_node: str | None) -> list[ReplicaInfo]:
         found = []
@@ -491,26 +504,24 @@ class ReplicaServer:
         expected = f"{info.name}{MANIFEST_SUFFIX}"
         return info if path.name == expected and path.parent.name == info.sender_node else None
 
-    def _drop(self, sender_node: str, name: str) -> bool:
+    def _retire(self, sender_node: str, name: str) -> Path | None:
+        """Stop a replica counting (its manifest goes first) and move it aside; where it went (for `_remove`, outside
+        the lock), None if there was none."""
         sender_dir = self.root / sender_node
         manifest, directory = sender_dir / f"{name}{MANIFEST_SUFFIX}", sender_dir / name
-        existed = manifest.exists()
-        with contextlib.suppress(FileNotFoundError):
-            manifest.unlink()
-        if directory.exists():
-            trash = sender_dir / f"{_INCOMING}{name}-dropped-{secrets.token_hex(4)}"
-            os.rename(directory, trash)
-            shutil.rmtree(trash, ignore_errors=True)
-        return existed
+        counted = manifest.exists()
+        manifest.unlink(missing_ok=True)
+        if not directory.exists():
+            return None
+        trash = sender_dir / f"{_INCOMING}{name}-dropped-{secrets.token_hex(4)}"
+        os.rename(directory, trash)
+        return trash if counted else _remove(trash)
 
-    def _keep_latest(self, sender_node: str, keep: int) -> list[str]:
+    def _keep_latest(self, sender_node: str, keep: int) -> dict[str, Path | None]:
         if keep < 1:
             raise ValueError(f"keep={keep}: keep at least one replica")
         held = self._replicas(sender_node)
-        dropped = [info.name for info in held[: max(0, len(held) - keep)]]
-        for name in dropped:
-            self._drop(sender_node, name)
-        return dropped
+        return {info.name: self._retire(sender_node, info.name) for info in held[: max(0, len(held) - keep)]}
 
     # ---- start-up: one server per root; what a killed one left ----------------------------------------------------
 
@@ -559,10 +570,12 @@ class ReplicaServer:
                 connection, _ = self._listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
+            except OSError as exc:
                 if self._closed.is_set():
                     return
-                raise
+                logger.error("Replica server %s:%d cannot accept a connection: %s", *self.address, exc)
+                time.sleep(0.5)  # out of file descriptors, say: try again rather than stop serving
+                continue
             if not self._slots.acquire(blocking=False):
                 threading.Thread(target=self._refuse_busy, args=(connection,), daemon=True).start()
                 continue
@@ -656,7 +669,7 @@ class ReplicaServer:
         try:
             _send_message(connection, {"ok": True})
             _receive_files(connection, temporary, manifest, memoryview(bytearray(min(CHUNK, max(total, 1)))))
-            info = self._commit(temporary, sender_node, name, launch, manifest)
+            info, replaced = self._commit(temporary, sender_node, name, launch, manifest)
         except ReplicaRefusedError as exc:
             shutil.rmtree(temporary, ignore_errors=True)
             logger.error("Replica %s/%s refused: %s", sender_node, name, exc)
@@ -671,11 +684,13 @@ class ReplicaServer:
             *(sender_node, name, len(manifest), total / _s3.MB, seconds, info.path),
         )
         _send_message(connection, {"ok": True, "path": info.path})
+        _remove(*replaced)  # after the answer: the sender does not wait for the clean-up
 
     def _commit(
         self, temporary: Path, sender_node: str, name: str, launch: str | None, manifest: dict[str, tuple[int, str]]
-    ) -> ReplicaInfo:
-        """Rename the verified `temporary` into place and write its manifest beside it (then it counts)."""
+    ) -> tuple[ReplicaInfo, list[Path | None]]:
+        """Rename the verified `temporary` into place and write its manifest beside it (then it counts); the replicas
+        it replaced or that `keep` retired, moved aside for `_remove`."""
         if self._closed.is_set():
             raise ReplicationError("the replica server is closing")
         sender_dir = self.root / sender_node
@@ -684,7 +699,7 @@ class ReplicaServer:
         with self._lock:
             if _older(launch, self._newest.get(sender_node)):
                 raise ReplicaRefusedError(f"launch {self._newest.get(sender_node)!r} of {sender_node} began meanwhile")
-            self._drop(sender_node, name)
+            replaced = [self._retire(sender_node, name)]
             os.rename(temporary, final)
             staged = sender_dir / f"{_INCOMING}{name}{MANIFEST_SUFFIX}-{secrets.token_hex(4)}"
             fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -692,8 +707,8 @@ class ReplicaServer:
                 json.dump(info.record(), stream)
             os.replace(staged, sender_dir / f"{name}{MANIFEST_SUFFIX}")
             if self.keep is not None:
-                self._keep_latest(sender_node, self.keep)
-        return info
+                replaced += self._keep_latest(sender_node, self.keep).values()
+        return info, replaced
 
     def _refuse_and_drain(self, connection: socket.socket, error: str) -> None:
         """Answer a refusal mid-stream, then read what is still on its way (the sender stops at the answer)."""

@@ -14,7 +14,7 @@ The receiving side runs in a process of its own, as on a peer node. Per round, i
   a temporary folder, the rename, the manifest, dropping the previous replica;
 * ``fetch``: `fetch_directory` of that replica back into tmpfs (verified).
 
-Prints a table (median seconds, GiB/s, ratio to ``raw``) and writes ``benchmarks/results/tier-replication-<UTC>.json``.
+Prints a table (median seconds, GiB/s, ratio of the medians to ``raw``'s and the median of each round's ratio) and writes ``benchmarks/results/tier-replication-<UTC>.json``.
 """
 
 from __future__ import annotations
@@ -135,14 +135,20 @@ def main() -> None:
     raw_median = statistics.median(times["raw"])
     rows = {kind: statistics.median(seconds) for kind, seconds in times.items()}
     print(f"{args.mib} MiB in {args.files} files, {args.rounds} rounds, loopback, {os.cpu_count()} CPUs")
-    print(f"{'':10} {'median s':>9} {'GiB/s':>7} {'x raw':>6}   all rounds (s)")
+    per_round = {
+        k: statistics.median(t / raw for t, raw in zip(v, times["raw"], strict=True)) for k, v in times.items()
+    }
+    print(f"{'':10} {'median s':>9} {'GiB/s':>7} {'x raw':>6} {'x raw/rd':>8}   all rounds (s)")
     for kind, median in rows.items():
         spread = " ".join(f"{s:.3f}" for s in times[kind])
-        print(f"{kind:10} {median:9.3f} {gib / median:7.2f} {median / raw_median:6.2f}   {spread}")
+        print(
+            f"{kind:10} {median:9.3f} {gib / median:7.2f} {median / raw_median:6.2f} {per_round[kind]:8.2f}   {spread}"
+        )
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     result = {
         "mib": args.mib, "files": args.files, "rounds": args.rounds, "where": args.where, "times_s": times,
         "median_s": rows, "ratio_to_raw": {k: v / raw_median for k, v in rows.items()},
+        "median_ratio_to_raw_per_round": per_round,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
     }  # fmt: skip
     out = REPO / "benchmarks" / "results" / f"tier-replication-{stamp}.json"
