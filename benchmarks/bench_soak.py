@@ -78,11 +78,13 @@ def main() -> int:
     parser.add_argument("--drain-every", type=int, default=3, help="tier mode: every Nth save in memory goes to S3")
     parser.add_argument("--node-loss-every", type=int, default=10, help="tier mode: every Nth kill loses a node")
     parser.add_argument("--tag", default="")
+    parser.add_argument("--logs", default=None, help="keep the launches' logs in this directory (default: removed)")
     args = parser.parse_args()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     reports = []
-    with moto_server() as server, tempfile.TemporaryDirectory(prefix="soak-logs-") as logs:
+    with moto_server() as server, tempfile.TemporaryDirectory(prefix="soak-logs-") as temporary:
+        logs = args.logs or temporary
         os.environ.update(server.env())
         client = server.client()
         for index, mode in enumerate(args.modes.split(",")):
