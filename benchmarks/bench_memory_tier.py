@@ -355,6 +355,7 @@ def node0(args: Any) -> dict[str, Any]:
     server, endpoint, store = s3_store(str(roots["weed"]), args.weed_wait_s)
     try:
         os.environ.update(endpoint.env())
+        os.environ.setdefault("MASTER_PORT", str(s3_local_servers.free_port()))  # once the store holds its ports
         bucket = "bench-tier"
         endpoint.client().create_bucket(Bucket=bucket)
         env = dict(os.environ, RANK="1", GROUP_RANK="1", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1")
@@ -444,7 +445,6 @@ def main() -> None:
     if args.peer_root:
         peer_node(args.peer_root)
         return
-    os.environ.setdefault("MASTER_PORT", str(s3_local_servers.free_port()))
     os.environ.setdefault("TORCHELASTIC_RUN_ID", f"bench-tier-{os.getpid()}")
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     report = node0(args)
