@@ -37,10 +37,12 @@ from typing import Any
 if __package__:
     from . import s3_checkpoint_io as _ckpt_io
     from . import s3_dirpath_utils as _urls
+    from . import s3_fencing as _fencing
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_checkpoint_io as _ckpt_io
     import s3_dirpath_utils as _urls
+    import s3_fencing as _fencing
     import s3_utils as _s3
 
 
@@ -553,7 +555,7 @@ def is_unusable_checkpoint_error(exc: BaseException) -> bool:
         if id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, _s3.CheckpointDirectoryTakenError):
+        if isinstance(current, _fencing.CheckpointDirectoryTakenError):
             return False
         if isinstance(current, (_s3.ChecksumMismatchError, FileNotFoundError, EOFError)):
             return True
@@ -902,12 +904,12 @@ class S3ModelCheckpointMixin:
         connector = trainer._checkpoint_connector
         state = (getattr(connector, "_ckpt_path", None), getattr(connector, "_user_managed", False))
         plugin = _ckpt_io.s3_checkpoint_io_of(getattr(trainer, "strategy", None))  # its run, else ours
-        shared = (state, self.last_model_path, plugin.run if plugin is not None else _s3.current_run())
+        shared = (state, self.last_model_path, plugin.run if plugin is not None else _fencing.current_run())
         (ckpt_path, user_managed), last_model_path, run = _broadcast_from_rank_zero(trainer, shared)
         connector._ckpt_path = ckpt_path
         connector._user_managed = user_managed
         self.last_model_path = last_model_path
-        _s3.adopt_run(run)  # the ranks of one job are one run (docs/runs.md), whatever their launcher said
+        _fencing.adopt_run(run)  # the ranks of one job are one run (docs/runs.md), whatever their launcher said
 
     def file_exists(self, filepath: Any, trainer: Any, *args: Any, **kwargs: Any) -> bool:
         if not _is_s3_path(filepath):

@@ -1,6 +1,6 @@
 """One run per checkpoint directory: a stale run's saves, overwrites and removals fail and change nothing.
 
-Two runs in two processes (`fence_worker`, each its own `s3_utils.CheckpointRun`) play a job that was replaced and
+Two runs in two processes (`fence_worker`, each its own `s3_fencing.CheckpointRun`) play a job that was replaced and
 the job that replaced it, for single-file saves (sync and async) and DCP saves, on both backends. The moments that
 two processes cannot hit on purpose (a takeover between a run's check and its commit, a rank's files after the
 coordinator planned) are played in one process by two plugins with two runs. The fault proxy plays stores without
@@ -33,19 +33,16 @@ import s3_checkpoint_cli
 import s3_dcp
 from connector import build_s3_checkpointing, find_resume_checkpoint
 from s3_checkpoint_io import S3CheckpointIO
-from s3_utils import (
+from s3_fencing import (
     OWNER_RECORD_NAME,
     CheckpointDirectoryTakenError,
     CheckpointRun,
     DirectoryFence,
     LaunchIdentity,
-    RetryPolicy,
-    S3ClientSettings,
-    S3Utils,
     current_run,
-    is_retriable_error,
     launch_identity,
 )
+from s3_utils import RetryPolicy, S3ClientSettings, S3Utils, is_retriable_error
 
 REPO = Path(__file__).resolve().parent.parent
 HELPERS = Path(__file__).resolve().parent / "helpers"
@@ -461,7 +458,7 @@ def test_an_object_changed_outside_the_run_is_overwritten_with_a_warning(
     last = f"s3://{bucket}/outside/last.ckpt"
     plugin.save_checkpoint(state(1), last)
     s3_client.put_object(Bucket=bucket, Key="outside/last.ckpt", Body=b"copied in by hand")
-    with caplog.at_level(logging.WARNING, logger="s3_utils"):
+    with caplog.at_level(logging.WARNING, logger="s3_fencing"):
         plugin.save_checkpoint(state(2), last)  # If-Match fails; the run still owns the directory: no failure
     assert "is not what this run last left there" in caplog.text
     assert plugin.load_checkpoint(last)["step"] == 2
@@ -476,7 +473,7 @@ def test_store_without_conditional_writes_warns_once_and_saves_go_on(
         settings = S3ClientSettings(endpoint_url=proxy.endpoint_url)
         stale, new = plugin_of(run_at(-60), client_settings=settings), plugin_of(run_at(0), client_settings=settings)
         a, b = f"s3://{bucket}/plain/a.ckpt", f"s3://{bucket}/plain/b.ckpt"
-        with caplog.at_level(logging.WARNING, logger="s3_utils"):
+        with caplog.at_level(logging.WARNING, logger="s3_fencing"):
             for step, url in [(1, a), (2, a), (3, b)]:
                 stale.save_checkpoint(state(step), url)
         warnings = [r.getMessage() for r in caplog.records if "does not support conditional writes" in r.getMessage()]
@@ -523,7 +520,7 @@ def test_an_older_run_never_takes_a_directory_over_and_a_lost_record_is_taken_ag
     assert owner.load_checkpoint(f"{directory}/last.ckpt")["step"] == 1
 
     s3_client.delete_object(Bucket=bucket, Key=f"order/{OWNER_RECORD_NAME}")
-    with caplog.at_level(logging.WARNING, logger="s3_utils"):
+    with caplog.at_level(logging.WARNING, logger="s3_fencing"):
         owner.save_checkpoint(state(2), f"{directory}/last.ckpt")  # a single run does not fail for it
     assert "is gone" in caplog.text
     assert s3_client.head_object(Bucket=bucket, Key=f"order/{OWNER_RECORD_NAME}")

@@ -31,7 +31,7 @@ from fault_proxy import Fault, FaultProxy, FaultRule
 from s3_servers import S3Endpoint, seaweedfs_process
 
 from s3_checkpoint_io import S3CheckpointIO
-from s3_utils import OWNER_RECORD_NAME as OWNER_RECORD
+from s3_fencing import OWNER_RECORD_NAME as OWNER_RECORD
 from s3_utils import ChecksumMismatchError, RetryPolicy, S3ClientSettings, is_retriable_error, is_throttling_error
 
 MiB = 1024 * 1024
