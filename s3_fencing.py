@@ -218,7 +218,6 @@ class _Hold:
 
 
 _holds: dict[tuple[str | None, str, str, str], _Hold] = {}
-_conditional_writes: dict[tuple[str | None, str], bool] = {}  # (endpoint, bucket) -> honours If-Match on writes
 _fence_registry_lock = threading.Lock()
 _UNKNOWN = object()
 
@@ -245,6 +244,7 @@ class DirectoryFence:
         self._follows_conditionally = conditional
         self.directory = _urls.normalize_s3_url(directory).rstrip("/")
         self.bucket, prefix = _urls.s3_dir_prefix(self.directory)
+        self._prefix = prefix
         self.record_key = prefix + OWNER_RECORD_NAME
         self.record_url = f"{_urls.S3_PATH_PREFIX}{self.bucket}/{self.record_key}"
         self.run = run or current_run()
@@ -252,6 +252,11 @@ class DirectoryFence:
         self._store = (utils.settings.endpoint_url, self.bucket)
         with _fence_registry_lock:
             self._hold = _holds.setdefault((*self._store, self.record_key, self.run.run_id), _Hold())
+
+    @property
+    def capabilities(self) -> _s3.StoreCapabilities:
+        """What the store and bucket honour (`s3_utils.store_capabilities`), as far as known."""
+        return _s3.store_capabilities(self._utils, self.bucket)
 
     def __repr__(self) -> str:
         return f"<DirectoryFence {self.directory} for {self.run}>"
@@ -311,7 +316,7 @@ class DirectoryFence:
     def _conditional(self) -> bool:
         if self._follows:
             return self._follows_conditionally
-        return _conditional_writes.get(self._store) is True
+        return self.capabilities.conditional_put is True
 
     def committed(self, key: str, etag: str) -> None:
         self._remember({key: etag or _UNKNOWN})  # no ETag in the answer: nothing to condition the next commit on
@@ -319,8 +324,28 @@ class DirectoryFence:
     def removed(self, keys: Iterable[str]) -> None:
         self._remember(dict.fromkeys(keys))
 
-    def precondition_failed(self, url: str, key: str, exc: BaseException) -> dict[str, str]:
-        """A commit's ETag condition failed: refuse if another run owns the directory, else the conditions to retry."""
+    def conditional_removals(self) -> bool:
+        """Whether this fence's removals carry the ETag they checked: the store honours conditional deletes (probed
+        once per store and bucket); else one warning naming the store, and removals are checked, not conditioned."""
+        record = _s3.store_capabilities(self._utils, self.bucket, ("conditional_delete",), self._prefix)
+        if record.conditional_delete:
+            return True
+        _s3.warn_missing(
+            record, "conditional_delete",
+            "If-Match on DeleteObject / a per-object ETag in DeleteObjects: a fenced removal there is checked against "
+            f"the owner record ({OWNER_RECORD_NAME}) right before it is sent but carries no condition, so a stale run "
+            "paused between that check and its DeleteObjects can still remove a newer run's objects (docs/fencing.md)",
+        )
+        return False
+
+    def committed_etag(self, key: str) -> str | None:
+        with self._hold.lock:
+            state = self._hold.objects.get(key)
+        return state if isinstance(state, str) else None
+
+    def precondition_failed(self, url: str, key: str, exc: BaseException, action: str = "save") -> dict[str, str]:
+        """A commit's or removal's ETag condition failed: refuse if another run owns the directory, else the
+        conditions to retry with (``IfMatch`` on the object there now; ``IfNoneMatch``: there is none)."""
         with self._hold.lock:
             committed_here = isinstance(self._hold.objects.pop(key, None), str)
             try:
@@ -331,11 +356,17 @@ class DirectoryFence:
             record, etag = self._read_record()
             if record is not None and not _is_run_of(record, self.run):
                 try:
-                    self._refuse(url, "save", record)
+                    self._refuse(url, action, record)
                 except CheckpointDirectoryTakenError as refusal:
                     raise refusal from exc
             if record is not None and not self._follows:
                 self._hold.etag = etag
+        if action == "removal":
+            logger.debug(
+                "%s changed since this run read its ETag (S3 answered %s), but %s still owns %s: removing it",
+                url, _s3.error_code(exc), self.run, self.directory,
+            )
+            return {"IfMatch": now} if now else {"IfNoneMatch": "*"}
         logger.log(
             logging.WARNING if committed_here else logging.DEBUG,
             "%s is not what this run last left there (S3 answered %s to its ETag condition), but %s still owns %s: "
@@ -416,7 +447,7 @@ class DirectoryFence:
             if self._adopted_or_refused(url, action, record, etag):
                 return
             generation = _record_generation(record) + 1
-            support = _conditional_writes.get(self._store)
+            support = self.capabilities.conditional_put
             conditions: dict[str, str] = {}
             if support is not False:
                 conditions = {"IfMatch": str(etag)} if record is not None else {"IfNoneMatch": "*"}
@@ -456,7 +487,7 @@ class DirectoryFence:
             self._hold.etag = self._put_record(generation, {"IfNoneMatch": "*"})
         except Exception as exc:
             if _s3.is_precondition_failed(exc, {}):
-                _conditional_writes[self._store] = True
+                _s3.note_capability(self.capabilities, "conditional_put", True)
                 return
             if _refuses_conditions(exc):
                 self._conditional_writes_unsupported(f"it answers {_s3.error_code(exc)} to them")
@@ -465,17 +496,14 @@ class DirectoryFence:
         self._conditional_writes_unsupported("it ignores them (a PUT with If-None-Match: * replaced an object)")
 
     def _conditional_writes_unsupported(self, how: str) -> None:
-        with _fence_registry_lock:
-            known = _conditional_writes.get(self._store)
-            _conditional_writes[self._store] = False
-        if known is not False:
-            logger.warning(
-                "%s (bucket %s) does not support conditional writes (If-Match / If-None-Match): %s. Checkpoint "
-                "directories there are still owned by one run (their %s is checked before every save and removal), "
-                "but not protected: two runs taking a directory over at the same moment, and a stale run's save or "
-                "removal sent in the moment between that check and its request.",
-                self._utils.settings.endpoint_url or "S3", self.bucket, how, OWNER_RECORD_NAME,
-            )
+        _s3.note_capability(self.capabilities, "conditional_put", False)
+        _s3.warn_missing(
+            self.capabilities, "conditional_put",
+            f"conditional writes (If-Match / If-None-Match): {how}. Checkpoint directories there are still owned by "
+            f"one run (their {OWNER_RECORD_NAME} is checked before every save and removal), but not protected: two "
+            "runs taking a directory over at the same moment, and a stale run's save or removal sent in the moment "
+            "between that check and its request.",
+        )
 
     def _raise_if_refused(self, url: str, action: str) -> None:
         if self._hold.refusal is not None:

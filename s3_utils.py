@@ -6,8 +6,10 @@
 and the records a load is verified against. 7. Objects: `S3ObjectInfo`, `DownloadedObject`. 8. Errors: S3's answers
 as Python's exceptions, annotated. 9. `S3Utils`: the facade with NeMo's names; `Fence`, what its writer and removals
 ask of a directory's owner. 10. The ranged reader. 11. Fast paths. 12. The streaming writer (`S3MultipartWriter`).
-13. s3fs caches. Which run this process is, and the fences themselves (`DirectoryFence`), are in s3_fencing.
+13. Store capabilities: what a store honours (`store_capabilities`). 14. s3fs caches. Which run this process is,
+and the fences themselves (`DirectoryFence`), are in s3_fencing.
 """
+
 from __future__ import annotations
 
 import base64
@@ -30,6 +32,7 @@ import os
 import queue
 import random
 import re
+import secrets
 import sys
 import tempfile
 import threading
@@ -51,12 +54,13 @@ __all__ = [
     "DEFAULT_CHUNK_SIZE_MB", "DEFAULT_MAX_READ_CONCURRENCY", "DEFAULT_MAX_WRITE_CONCURRENCY", "GB", "MB",
     "OWNER_RECORD_NAME", "ChecksumAlgorithm", "ChecksumMismatchError", "DownloadedObject", "Fence",
     "MissingOptionalDependencyError", "LAUNCHER_ENV_VARS", "MultipartUploadInfo", "NODE_SHARING_MODULE",
-    "PACER_SHARING_ENV", "PacerLane", "PacerLaneState", "RecordedChecksum", "RequestPacer", "RequestRates",
-    "RetryPolicy", "S3ClientSettings", "S3MultipartWriter", "S3ObjectInfo", "S3RequestOptions", "S3Utils",
-    "SharedLaneStore", "checksum_of", "combine_checksums", "error_code", "forget_s3fs_instances",
-    "fresh_s3fs_instances", "get_s3_client", "global_rank", "import_optional_dependency", "invalidate_fsspec_cache",
-    "is_precondition_failed", "is_retriable_error", "is_throttling_error", "job_key", "node_key", "node_sharing",
-    "release_part_buffers", "request_pacer", "validate_checksum_algorithm", "user_agent", "world_size",
+    "PACER_SHARING_ENV", "PROBE_KEY_PREFIX", "PacerLane", "PacerLaneState", "RecordedChecksum", "RequestPacer",
+    "RequestRates", "RetryPolicy", "S3ClientSettings", "S3MultipartWriter", "S3ObjectInfo", "S3RequestOptions",
+    "S3Utils", "SharedLaneStore", "StoreCapabilities", "CAPABILITIES", "note_capability", "store_capabilities",
+    "warn_missing", "checksum_of", "combine_checksums", "error_code", "forget_s3fs_instances", "fresh_s3fs_instances",
+    "get_s3_client", "global_rank", "import_optional_dependency", "invalidate_fsspec_cache", "is_precondition_failed",
+    "is_retriable_error", "is_throttling_error", "job_key", "node_key", "node_sharing", "release_part_buffers",
+    "request_pacer", "validate_checksum_algorithm", "user_agent", "world_size"
 ]
 
 logger = logging.getLogger(__name__)
@@ -71,11 +75,13 @@ MIN_PART_SIZE = 5 * MB  # S3's minimum for every part but the last
 MAX_PARTS = 10_000  # S3's maximum number of parts in one multipart upload
 CHECKSUM_SIDECAR_SUFFIX = ".s3ckpt-checksum.json"  # a checksum record beside an object
 OWNER_RECORD_NAME = ".s3ckpt-owner.json"  # a checkpoint directory's owner record (s3_fencing.DirectoryFence)
+PROBE_KEY_PREFIX = ".s3ckpt-probe-"  # the temporary object of a capability probe (`store_capabilities`)
 
 
 def _is_package_record(key: str) -> bool:
-    """Whether `key` is a checksum sidecar or an owner record (listings leave them out)."""
-    return key.endswith(CHECKSUM_SIDECAR_SUFFIX) or key.rpartition("/")[2] == OWNER_RECORD_NAME
+    """Whether `key` is a checksum sidecar, an owner record or a capability probe's (listings leave them out)."""
+    name = key.rpartition("/")[2]
+    return key.endswith(CHECKSUM_SIDECAR_SUFFIX) or name == OWNER_RECORD_NAME or name.startswith(PROBE_KEY_PREFIX)
 
 
 _T = TypeVar("_T")
@@ -1446,9 +1452,20 @@ def _response_ids(exc: BaseException) -> str:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+class _RemovalRefusedError(OSError):
+    """A key's error in a DeleteObjects answer, as the exception a fence is handed (`Fence.precondition_failed`)."""
+
+    def __init__(self, code: str, message: str, url: str) -> None:
+        super().__init__(f"S3 answered {code} to the conditional removal of {url}: {message}")
+        self.response = {"Error": {"Code": code, "Message": message}}
+
+
+_CONDITIONAL_REMOVAL_ATTEMPTS = 5  # sends of a removal that a concurrent request (409) or a changed object (412) fails
+
+
 class Fence(Protocol):
     """What the writer and the removals ask of a checkpoint directory's owner (the ``fence=`` of
-    `S3Utils.open_writer`, `S3Utils.remove_object`, `S3Utils.remove_prefix`): s3_fencing's `DirectoryFence` is one."""
+    `S3Utils.open_writer`, `remove_object`, `remove_objects_with_prefix`): s3_fencing's `DirectoryFence` is one."""
 
     def before_mutation(self, url: str, action: str) -> None:
         """Before a ``"save"`` or ``"removal"`` of `url`: raise if this run may not, with nothing changed."""
@@ -1456,8 +1473,15 @@ class Fence(Protocol):
     def conditions(self, key: str) -> dict[str, str]:
         """The ETag condition a commit of `key` carries (``IfMatch`` / ``IfNoneMatch``), or none."""
 
-    def precondition_failed(self, url: str, key: str, exc: BaseException) -> dict[str, str]:
-        """A commit's condition failed (`exc`): raise if another run owns the directory, else the retry's conditions."""
+    def precondition_failed(self, url: str, key: str, exc: BaseException, action: str = "save") -> dict[str, str]:
+        """A commit's or a removal's (`action`) condition failed (`exc`): raise if another run owns the directory,
+        else the retry's conditions (``IfMatch`` on what is there now; ``IfNoneMatch``: nothing is)."""
+
+    def conditional_removals(self) -> bool:
+        """Whether removals carry the ETag they checked (the store honours conditional deletes; else one warning)."""
+
+    def committed_etag(self, key: str) -> str | None:
+        """The ETag this run last committed at `key`, if it knows one."""
 
     def committed(self, key: str, etag: str) -> None:
         """`key` was committed with `etag`."""
@@ -1791,10 +1815,11 @@ class S3Utils:
         """Delete the object at `s3_path` and all under ``s3_path/``; how many. `fence` as in `remove_object`."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
-        keys = [obj.key for obj in self.list_objects(url, include_sidecars=True)]
+        listed = {obj.key: obj.etag for obj in self.list_objects(url, include_sidecars=True)}
+        keys = list(listed)
         if key and not key.endswith("/"):
             keys += [key, key + CHECKSUM_SIDECAR_SUFFIX]
-        self._delete_keys(bucket, keys, url, fence)
+        self._delete_keys(bucket, keys, url, fence, {k: etag for k, etag in listed.items() if etag})
         return len(keys)
 
     @_ClassOrInstanceMethod
@@ -1814,22 +1839,87 @@ class S3Utils:
             self._delete_keys(bucket, list(named), _urls.build_s3_url(bucket))
         return sum(map(len, keys.values()))
 
-    def _delete_keys(self, bucket: str, keys: list[str], url: str, fence: Fence | None = None) -> None:
+    def _delete_keys(
+        self, bucket: str, keys: list[str], url: str, fence: Fence | None = None, etags: Mapping[str, str] | None = None
+    ) -> None:
+        """Delete `keys`. Where the store honours conditional deletes, a fenced removal sends each key's ETag as read
+        before the fence's check (`etags` from a listing, the run's own commit, else a HEAD; a key that is gone is
+        skipped), so an object a newer run wrote after that check is refused by the store (412), and the fence then
+        reads the owner record again; an unfenced removal sends the `etags` it was given (what was listed), and an
+        object replaced since is kept. 409 (a concurrent request) is retried with backoff."""
+        if fence is not None:
+            conditional = bool(keys) and fence.conditional_removals()
+        else:
+            prefix = _urls.s3_dir_prefix(url)[1]
+            conditional = bool(etags) and bool(store_capabilities(self, bucket, ("conditional_delete",), prefix)
+                                              .conditional_delete)
+        known: dict[str, str] = dict(etags or {}) if conditional else {}
+        if conditional and fence is not None:
+            known = self._etags_before_the_check(bucket, keys, known, fence)
+            keys = [k for k in keys if k in known]  # gone: nothing to remove
         if fence is not None and keys:
             fence.before_mutation(url, "removal")
             fence.removed(keys)  # before the request: a half-done removal must not leave stale ETags behind
-        for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
-            batch = keys[start : start + 1000]
-            response = self.call(
-                "delete_objects", url, Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+        policy = self.retry_policy
+        for attempt in range(1, _CONDITIONAL_REMOVAL_ATTEMPTS + 1):
+            retry = []
+            for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+                retry += self._delete_batch(bucket, keys[start : start + 1000], url, fence, known)
+            if not retry:
+                return
+            keys = retry
+            if attempt < _CONDITIONAL_REMOVAL_ATTEMPTS:
+                time.sleep(random.uniform(0, min(policy.max_backoff_s, policy.initial_backoff_s * 2**attempt)))
+        raise OSError(
+            f"Could not delete {len(keys)} object(s) under {url}: the store answered 409 ConditionalRequestConflict "
+            f"{_CONDITIONAL_REMOVAL_ATTEMPTS} times (another request on them each time); try again"
+        )
+
+    def _etags_before_the_check(
+        self, bucket: str, keys: list[str], known: dict[str, str], fence: Fence
+    ) -> dict[str, str]:
+        """Each key's ETag to condition its removal on, read before the fence's check; absent: no object there."""
+        for key in keys:
+            etag = known.get(key) or fence.committed_etag(key)
+            if not etag:
+                try:
+                    etag = self.call("head_object", _object_url(bucket, key), Bucket=bucket, Key=key).get("ETag")
+                except FileNotFoundError:
+                    etag = None
+            if etag:
+                known[key] = etag
+        return known
+
+    def _delete_batch(
+        self, bucket: str, keys: list[str], url: str, fence: Fence | None, known: dict[str, str]
+    ) -> list[str]:
+        """One DeleteObjects of `keys` (conditioned on `known` ETags); the keys to send again."""
+        objects = [{"Key": k, "ETag": known[k]} if k in known else {"Key": k} for k in keys]
+        response = self.call("delete_objects", url, Bucket=bucket, Delete={"Objects": objects, "Quiet": True})
+        retry, errors = [], []
+        for error in response.get("Errors", []):
+            key, code = error.get("Key", ""), error.get("Code")
+            if code == "NoSuchKey":
+                continue
+            if code in ("ConditionalRequestConflict", "409"):
+                retry.append(key)
+            elif code in ("PreconditionFailed", "412") and fence is not None:
+                refused = _RemovalRefusedError(code, error.get("Message", ""), _object_url(bucket, key))
+                conditions = fence.precondition_failed(_object_url(bucket, key), key, refused, "removal")
+                if "IfMatch" in conditions:  # still this run's directory: remove what is there now
+                    known[key] = conditions["IfMatch"]
+                    retry.append(key)
+            elif code in ("PreconditionFailed", "412"):
+                logger.warning("%s changed since it was listed: kept", _object_url(bucket, key))
+            else:
+                errors.append(error)
+        if errors:
+            first = errors[0]
+            raise OSError(
+                f"Could not delete {len(errors)} object(s) under {url}: first "
+                f"{_urls.build_s3_url(bucket, first.get('Key', ''))}: {first.get('Code')} {first.get('Message')}"
             )
-            errors = [e for e in response.get("Errors", []) if e.get("Code") != "NoSuchKey"]
-            if errors:
-                first = errors[0]
-                raise OSError(
-                    f"Could not delete {len(errors)} object(s) under {url}: first "
-                    f"{_urls.build_s3_url(bucket, first.get('Key', ''))}: {first.get('Code')} {first.get('Message')}"
-                )
+        return retry
 
     # ---- in-progress multipart uploads -----------------------------------------------------------------------------
     @_ClassOrInstanceMethod
@@ -2436,17 +2526,14 @@ class _WriterState(enum.Enum):
 # the commit, unbound (`_ChecksumRecords.write_pending`), then binds it to the committed ETag: a kill between any two
 # requests leaves the previous object verifiable by its kept entry, or the new one by the unbound entry of its size.
 
-_CHECKSUM_KEEPING: dict[tuple[str, str, str], bool] = {}
-_CHECKSUM_KEEPING_LOCK = threading.Lock()
-
-
 def _keeps_checksums(utils: S3Utils, bucket: str, kind: str, keeps: bool | None = None) -> bool:
-    """Whether the last commit of this kind to this bucket came back with the store's checksum (`keeps`: remember)."""
-    key = (str(getattr(getattr(utils.client, "meta", None), "endpoint_url", "") or ""), bucket, kind)
-    with _CHECKSUM_KEEPING_LOCK:
+    """Whether the last commit of this kind to this bucket came back with the store's checksum (`keeps`: remember);
+    kept in the store's `StoreCapabilities`."""
+    record = store_capabilities(utils, bucket)
+    with _capabilities_lock:
         if keeps is not None:
-            _CHECKSUM_KEEPING[key] = keeps
-        return _CHECKSUM_KEEPING.get(key, False)
+            record.checksums_kept[kind] = keeps
+        return record.checksums_kept.get(kind, False)
 
 
 class S3MultipartWriter(io.RawIOBase):
@@ -2700,6 +2787,8 @@ class S3MultipartWriter(io.RawIOBase):
             _part_buffers.give_back([buffer])
 
     def _start_multipart(self) -> None:
+        if self._fence is not None:  # before the upload: a probe never runs between a save's own requests
+            self._warn_without_conditional_completes()
         checksum_args = {"ChecksumAlgorithm": self._algorithm.name, "ChecksumType": "FULL_OBJECT"}
         try:
             response = self._utils.call(
@@ -2898,6 +2987,17 @@ class S3MultipartWriter(io.RawIOBase):
         fence.committed(self.key, response.get("ETag", ""))
         return response
 
+    def _warn_without_conditional_completes(self) -> None:
+        prefix = self.key.rpartition("/")[0] + "/" if "/" in self.key else ""
+        record = store_capabilities(self._utils, self.bucket, ("conditional_complete",), prefix)
+        if record.conditional_complete is False:
+            warn_missing(
+                record, "conditional_complete",
+                "If-Match / If-None-Match on CompleteMultipartUpload: a fenced multipart commit there relies on the "
+                "owner record's check alone, so a stale run paused between that check and its commit can replace a "
+                "newer run's object (docs/fencing.md)",
+            )
+
     def _forget_pending_record(self) -> None:
         """After a failed commit to a key without a record: remove the one written, unless an object is there."""
         try:
@@ -2907,6 +3007,210 @@ class S3MultipartWriter(io.RawIOBase):
                 self._records.remove_sidecar(self.bucket, self.key)
         except Exception as exc:  # the record stays: harmless, the next save at this key replaces it
             logger.debug("%s: kept the checksum record of a failed commit: %r", self.url, exc)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Store capabilities: what a store and bucket honours, learnt once per process (docs/s3.md, "What each store honours")
+# --------------------------------------------------------------------------------------------------------------------
+#
+# Every protection that rests on a store's ability reads it here: fencing's conditional commits and removals, the
+# checksums a multipart upload keeps. A probe works on a temporary key under the caller's prefix and removes it
+# (`PROBE_KEY_PREFIX`; listings leave such keys out). What a save learns on the way (the fence's conditional PUT of
+# its owner record, the checksum a commit returns) is noted in the same record, so nothing is probed twice.
+
+CAPABILITIES = (
+    "conditional_put", "conditional_complete", "conditional_delete", "conditional_copy", "multipart_checksum",
+)
+_WRONG_ETAG = '"00000000000000000000000000000000"'
+_REFUSALS = frozenset({"NotImplemented", "501", "InvalidArgument", "InvalidRequest", "400"})
+
+
+@dataclass
+class StoreCapabilities:
+    """What one store and bucket honours (`store_capabilities`); None: not known yet."""
+
+    store: str  # the endpoint URL, or ``"AWS S3"``
+    bucket: str
+    conditional_put: bool | None = None  # If-None-Match: * / If-Match on PutObject answer 412 when they fail
+    conditional_complete: bool | None = None  # If-None-Match: * and If-Match on CompleteMultipartUpload answer 412
+    conditional_delete: bool | None = None  # If-Match on DeleteObject and a per-object ETag in DeleteObjects
+    conditional_copy: bool | None = None  # If-None-Match: * on CopyObject's destination answers 412
+    multipart_checksum: str | None = None  # what a multipart upload keeps: "FULL_OBJECT", "COMPOSITE" or "none"
+    checksums_kept: dict[str, bool] = field(default_factory=dict)  # commit kind -> whether its answer had a checksum
+    warned: set[str] = field(default_factory=set)  # capabilities whose absence was logged
+
+    def describe(self) -> list[str]:
+        """One line per capability, for the debug log and ``s3-checkpoint-io doctor``."""
+        def shown(value: object) -> str:
+            return "unknown" if value is None else "yes" if value is True else "no" if value is False else str(value)
+
+        lines = [f"{name}: {shown(getattr(self, name))}  ({_CAPABILITY_USES[name]})" for name in CAPABILITIES]
+        return [*lines, "409 ConditionalRequestConflict: retried with backoff (not probed: it needs a race)"]
+
+
+_CAPABILITY_USES = {
+    "conditional_put": "fencing: the owner record's takeover and every fenced single-PUT commit",
+    "conditional_complete": "fencing: every fenced multipart commit",
+    "conditional_delete": "fencing, rm and gc: a removal carries the ETag it checked",
+    "conditional_copy": "not used yet",
+    "multipart_checksum": "verified loads; without one, a checksum record beside the object",
+}
+
+
+_capabilities: dict[tuple[str, str], StoreCapabilities] = {}
+_capabilities_lock = threading.RLock()
+
+
+def store_capabilities(
+    utils: S3Utils, bucket: str, probe: Collection[str] = (), prefix: str = ""
+) -> StoreCapabilities:
+    """The record of `utils`'s store and `bucket` (made on first use, kept for the process), after probing each
+    capability named in `probe` (`CAPABILITIES`) that is not known yet, on a temporary key under `prefix`."""
+    endpoint = str(getattr(getattr(utils.client, "meta", None), "endpoint_url", "") or "")
+    store = "AWS S3" if not endpoint or endpoint.endswith(".amazonaws.com") else endpoint
+    with _capabilities_lock:
+        record = _capabilities.setdefault((endpoint, bucket), StoreCapabilities(store, bucket))
+        unknown = [name for name in probe if getattr(record, name) is None]
+        if unknown:
+            _probe_capabilities(utils, record, unknown, prefix)
+            logger.debug("%s (bucket %s): %s", store, bucket, "; ".join(record.describe()))
+        return record
+
+
+def note_capability(record: StoreCapabilities, name: str, value: bool | str) -> None:
+    """Record what a request found out on the way (a fence's conditional PUT, say)."""
+    with _capabilities_lock:
+        if getattr(record, name) != value:
+            setattr(record, name, value)
+            logger.debug("%s (bucket %s): %s is %s", record.store, record.bucket, name, value)
+
+
+def warn_missing(record: StoreCapabilities, name: str, what: str) -> bool:
+    """Log once per store, bucket and capability `name` that it is missing: `what` names it and what is not
+    protected; True if logged."""
+    with _capabilities_lock:
+        if name in record.warned:
+            return False
+        record.warned.add(name)
+    logger.warning("%s (bucket %s) does not honour %s", record.store, record.bucket, what)
+    return True
+
+
+def _probe_capabilities(utils: S3Utils, record: StoreCapabilities, names: list[str], prefix: str) -> None:
+    bucket, key = record.bucket, prefix + PROBE_KEY_PREFIX + secrets.token_hex(8)
+    url = _object_url(bucket, key)
+    utils.call("put_object", url, Bucket=bucket, Key=key, Body=b"probe")
+    try:
+        for name in names:
+            setattr(record, name, _PROBES[name](utils, bucket, key, url))
+    finally:
+        with contextlib.suppress(Exception):
+            utils.call("delete_object", url, Bucket=bucket, Key=key)
+
+
+def _refused_by_condition(utils: S3Utils, operation: str, url: str, **kwargs: Any) -> bool:
+    """Whether a request whose condition fails is refused (412); False when the store ignores or rejects it."""
+    try:
+        utils.call(operation, url, **kwargs)
+    except Exception as exc:
+        if is_precondition_failed(exc, {}):
+            return True
+        if error_code(exc) in _REFUSALS:
+            return False
+        raise
+    return False
+
+
+def _probe_put(utils: S3Utils, bucket: str, key: str, url: str) -> bool:
+    return _refused_by_condition(utils, "put_object", url, Bucket=bucket, Key=key, Body=b"probe", IfNoneMatch="*")
+
+
+def _probe_complete(utils: S3Utils, bucket: str, key: str, url: str) -> bool:
+    """Both conditions must refuse a one-part upload's completion over the probe's object (moto ignores If-Match)."""
+    for condition in ({"IfNoneMatch": "*"}, {"IfMatch": _WRONG_ETAG}):
+        upload = utils.call("create_multipart_upload", url, Bucket=bucket, Key=key)["UploadId"]
+        try:
+            part = utils.call("upload_part", url, Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"probe")
+            parts = {"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]}
+            if not _refused_by_condition(
+                utils, "complete_multipart_upload", url, Bucket=bucket, Key=key, UploadId=upload,
+                MultipartUpload=parts, **condition,
+            ):
+                return False
+        finally:
+            with contextlib.suppress(Exception):
+                utils.call("abort_multipart_upload", url, Bucket=bucket, Key=key, UploadId=upload)
+    return True
+
+
+def _probe_delete(utils: S3Utils, bucket: str, key: str, url: str) -> bool:
+    """Both forms must refuse a wrong ETag and leave the object, and DeleteObjects must remove it on its own ETag
+    (a store, or a proxy, that refuses every ETag is no better than one that ignores them)."""
+    single = _refused_by_condition(utils, "delete_object", url, Bucket=bucket, Key=key, IfMatch=_WRONG_ETAG)
+    batch = {"Objects": [{"Key": key, "ETag": _WRONG_ETAG}], "Quiet": True}
+    errors = utils.call("delete_objects", url, Bucket=bucket, Delete=batch).get("Errors", [])
+    refused = single and any(error.get("Code") in ("PreconditionFailed", "412") for error in errors)
+    try:
+        etag = utils.call("head_object", url, Bucket=bucket, Key=key)["ETag"]
+    except FileNotFoundError:  # one form removed it
+        refused = False
+    else:
+        batch = {"Objects": [{"Key": key, "ETag": etag}], "Quiet": True}
+        refused = refused and not utils.call("delete_objects", url, Bucket=bucket, Delete=batch).get("Errors")
+    utils.call("put_object", url, Bucket=bucket, Key=key, Body=b"probe")  # for the other probes
+    return refused
+
+
+def _probe_copy(utils: S3Utils, bucket: str, key: str, url: str) -> bool:
+    return _refused_by_condition(
+        utils, "copy_object", url, Bucket=bucket, Key=key, CopySource={"Bucket": bucket, "Key": key},
+        MetadataDirective="REPLACE", IfNoneMatch="*",
+    )
+
+
+def _probe_multipart_checksum(utils: S3Utils, bucket: str, key: str, url: str) -> str:
+    """Upload one CRC32 part as a full-object checksum (else composite) and read back what the store kept."""
+    body = b"probe"
+    crc = base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode()
+    for kind in ("FULL_OBJECT", "COMPOSITE"):
+        try:
+            upload = utils.call(
+                "create_multipart_upload", url, Bucket=bucket, Key=key, ChecksumAlgorithm="CRC32", ChecksumType=kind
+            )["UploadId"]
+        except Exception as exc:
+            if error_code(exc) in _REFUSALS:
+                continue
+            raise
+        try:
+            part = utils.call(
+                "upload_part", url, Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=body,
+                ChecksumAlgorithm="CRC32", ChecksumCRC32=crc,
+            )
+            parts = {"Parts": [{"PartNumber": 1, "ETag": part["ETag"], "ChecksumCRC32": crc}]}
+            extra = {"ChecksumCRC32": crc, "ChecksumType": kind} if kind == "FULL_OBJECT" else {}
+            utils.call(
+                "complete_multipart_upload", url, Bucket=bucket, Key=key, UploadId=upload, MultipartUpload=parts,
+                **extra,
+            )
+            upload = ""
+        except Exception as exc:
+            if error_code(exc) in _REFUSALS:
+                continue
+            raise
+        finally:
+            if upload:
+                with contextlib.suppress(Exception):
+                    utils.call("abort_multipart_upload", url, Bucket=bucket, Key=key, UploadId=upload)
+        head = utils.call("head_object", url, Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+        if head.get("ChecksumCRC32"):
+            return str(head.get("ChecksumType") or ("COMPOSITE" if "-" in head["ChecksumCRC32"] else kind))
+    return "none"
+
+
+_PROBES: dict[str, Callable[[S3Utils, str, str, str], Any]] = {
+    "conditional_put": _probe_put, "conditional_complete": _probe_complete, "conditional_delete": _probe_delete,
+    "conditional_copy": _probe_copy, "multipart_checksum": _probe_multipart_checksum,
+}
 
 
 # --------------------------------------------------------------------------------------------------------------------
