@@ -2787,7 +2787,7 @@ class S3MultipartWriter(io.RawIOBase):
             _part_buffers.give_back([buffer])
 
     def _start_multipart(self) -> None:
-        if self._fence is not None:  # before the upload: a probe never runs between a save's own requests
+        if self._fence is not None:
             self._warn_without_conditional_completes()
         checksum_args = {"ChecksumAlgorithm": self._algorithm.name, "ChecksumType": "FULL_OBJECT"}
         try:
@@ -2988,8 +2988,9 @@ class S3MultipartWriter(io.RawIOBase):
         return response
 
     def _warn_without_conditional_completes(self) -> None:
-        prefix = self.key.rpartition("/")[0] + "/" if "/" in self.key else ""
-        record = store_capabilities(self._utils, self.bucket, ("conditional_complete",), prefix)
+        """Where the store is known (`doctor`, an earlier probe) to ignore conditions on completes: no probe here,
+        as several multipart requests amid a save's own would confuse what watches them (and cost a save)."""
+        record = store_capabilities(self._utils, self.bucket)
         if record.conditional_complete is False:
             warn_missing(
                 record, "conditional_complete",
@@ -3097,12 +3098,15 @@ def warn_missing(record: StoreCapabilities, name: str, what: str) -> bool:
 
 
 def _probe_capabilities(utils: S3Utils, record: StoreCapabilities, names: list[str], prefix: str) -> None:
+    """Probe `names`; one that fails (access denied, say) stays unknown: the caller's own request will say why."""
     bucket, key = record.bucket, prefix + PROBE_KEY_PREFIX + secrets.token_hex(8)
     url = _object_url(bucket, key)
-    utils.call("put_object", url, Bucket=bucket, Key=key, Body=b"probe")
     try:
+        utils.call("put_object", url, Bucket=bucket, Key=key, Body=b"probe")
         for name in names:
             setattr(record, name, _PROBES[name](utils, bucket, key, url))
+    except Exception as exc:
+        logger.debug("%s (bucket %s): could not probe %s: %r", record.store, bucket, ", ".join(names), exc)
     finally:
         with contextlib.suppress(Exception):
             utils.call("delete_object", url, Bucket=bucket, Key=key)
