@@ -13,9 +13,9 @@ own ``FileSystemReader`` loads it once the prefix is copied to a local directory
 * ``.metadata`` is the commit marker, one PUT by the coordinator once every rank reported its files durable (no
   copy + delete "rename"); an overwrite deletes the old ``.metadata`` first, so a half-replaced checkpoint never
   looks complete;
-* fencing: the coordinator's run owns the checkpoint directory (`s3_utils.DirectoryFence`), checked by every rank
+* fencing: the coordinator's run owns the checkpoint directory (`s3_fencing.DirectoryFence`), checked by every rank
   before its files complete and by the coordinator before ``.metadata``: a stale run's save fails with
-  `s3_utils.CheckpointDirectoryTakenError`, overwriting and committing nothing;
+  `s3_fencing.CheckpointDirectoryTakenError`, overwriting and committing nothing;
 * per-item checksums, recorded beside ``.metadata`` (before it), let partial and resharded loads verify every byte;
 * loads use parallel ranged GETs, adjacent items coalesced, by the read path the reader is given (`ReadPath`, the
   reference, or a faster subclass; `FastReads` by default); ``.metadata`` is unpickled with an allow-list, so a
@@ -53,10 +53,12 @@ from typing import Any, ClassVar
 if __package__:
     from . import s3_checkpoint_io as _ckpt_io
     from . import s3_dirpath_utils as _urls
+    from . import s3_fencing as _fencing
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_checkpoint_io as _ckpt_io
     import s3_dirpath_utils as _urls
+    import s3_fencing as _fencing
     import s3_utils as _s3
 
 # ---- torch, imported once: every DCP name this module uses (the private ones are pinned by tests/test_dcp.py) -------
@@ -237,7 +239,7 @@ class _FilePrefix:
     the directory, which the rank checks before its files complete (None: fencing off)."""
 
     prefix: str
-    fence: _s3.FenceToken | None = None
+    fence: _fencing.FenceToken | None = None
 
 
 @dataclass(frozen=True)
@@ -340,7 +342,7 @@ class _ItemStream(io.RawIOBase):
     def _carries(tensor: Any, data: Any) -> bool:
         """Whether `data` is the tensor's own memory, all of it (torch.save hands its storage to `write` as is)."""
         nbytes = tensor.numel() * tensor.element_size()
-        return memoryview(data).nbytes == nbytes and _s3.buffer_address(data) == tensor.data_ptr()
+        return memoryview(data).nbytes == nbytes and _ckpt_io.buffer_address(data) == tensor.data_ptr()
 
     def flush(self) -> None:  # the multipart writer uploads full parts by itself
         pass
@@ -558,7 +560,7 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         self.is_coordinator = False
         self.use_collectives = True
         self.fencing = bool(fencing)
-        self._run = _s3.current_run()  # pickled along: DCP's process executor saves as this run
+        self._run = _fencing.current_run()  # pickled along: DCP's process executor saves as this run
         self._replacing = False
 
     def __getstate__(self) -> dict[str, Any]:
@@ -609,7 +611,7 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         files = [(f"{prefix.prefix}{n}{DCP_SHARD_SUFFIX}", bucket) for n, bucket in enumerate(buckets)]
         # checked right before each file's commit (not once per save: a rank stopped after one check must not commit
         # its other files on it), each commit carrying the coordinator's ETag conditions
-        fence = _s3.DirectoryFence.following(self.s3, prefix.fence) if prefix.fence is not None else None
+        fence = _fencing.DirectoryFence.following(self.s3, prefix.fence) if prefix.fence is not None else None
         cancelled = threading.Event()
         results: list[Any] = []
         if len(files) == 1:
@@ -670,14 +672,14 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
     def _metadata_rank(self) -> int | None:
         return self.rank if not self.use_collectives and self.rank is not None else None
 
-    def _fence(self) -> _s3.DirectoryFence | None:
+    def _fence(self) -> _fencing.DirectoryFence | None:
         """This run's fence on the checkpoint directory, on the coordinator (the others follow the token in their
         plan); None with fencing off or on any other rank."""
         if not (self.fencing and self.is_coordinator):
             return None
-        return _s3.DirectoryFence(self.s3, _urls.s3_url_parent(self.path), self._run)
+        return _fencing.DirectoryFence(self.s3, _urls.s3_url_parent(self.path), self._run)
 
-    def _retire_existing_checkpoint(self, fence: _s3.DirectoryFence | None = None) -> None:
+    def _retire_existing_checkpoint(self, fence: _fencing.DirectoryFence | None = None) -> None:
         rank = self._metadata_rank()
         # Without collectives a global .metadata of an earlier save would still be what dcp.load reads first.
         names = [metadata_name(rank)] + ([METADATA_NAME] if rank is not None else [])
@@ -773,7 +775,7 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
             raw.close()  # completes the upload (once the fence allows it): the file is durable from here on
         except BaseException as exc:
             cancelled.set()
-            if isinstance(exc, _s3.CheckpointDirectoryTakenError):
+            if isinstance(exc, _fencing.CheckpointDirectoryTakenError):
                 raise  # its message says what happened and what to do; the upload was aborted
             raise self._upload_error(url, exc) from exc
         info = raw.info
@@ -1931,7 +1933,7 @@ class S3ShardedStrategyMixin:
     ``<path>/`` holding ``__{rank}_{n}.distcp``, ``meta.pt`` (first, by rank 0) and ``.metadata`` (last: complete once
     it exists). Full checkpoints are one object, written by `S3CheckpointIO` on rank 0. Removal deletes the object at
     the path and everything under ``<path>/``. With ``fencing=True`` (the default) saves and removals are refused with
-    `s3_utils.CheckpointDirectoryTakenError`, on every rank, once a newer run took the checkpoint directory over.
+    `s3_fencing.CheckpointDirectoryTakenError`, on every rank, once a newer run took the checkpoint directory over.
 
     Extra keyword arguments (all optional): chunk_size_MB, max_read_concurrency, max_write_concurrency, thread_count,
     checksum_algorithm, endpoint_url, region_name, client_settings, retry_policy, fencing, max_requests_per_second
@@ -2111,7 +2113,7 @@ class S3ShardedStrategyMixin:
                 work()
             except Exception as exc:
                 error = exc
-        shared = error if isinstance(error, _s3.CheckpointDirectoryTakenError) else repr(error) if error else None
+        shared = error if isinstance(error, _fencing.CheckpointDirectoryTakenError) else repr(error) if error else None
         shared = self.broadcast(shared)  # type: ignore[attr-defined]
         if error is not None:
             raise error

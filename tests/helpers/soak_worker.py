@@ -49,8 +49,9 @@ from soak import weights  # noqa: E402
 from connector import find_resume_checkpoints, load_newest_usable  # noqa: E402
 from s3_checkpoint_io import S3CheckpointIO  # noqa: E402
 from s3_dcp import S3StorageReader, S3StorageWriter  # noqa: E402
+from s3_fencing import DirectoryFence, current_run  # noqa: E402
 from s3_memory_tier import MemoryTier  # noqa: E402
-from s3_utils import DirectoryFence, RetryPolicy, S3ClientSettings, S3Utils, current_run  # noqa: E402
+from s3_utils import RetryPolicy, S3ClientSettings, S3Utils  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])

@@ -21,7 +21,7 @@ from conftest import BACKENDS
 from packaging.version import Version
 
 import lightning.pytorch as pl  # isort: skip
-import s3_utils
+import s3_fencing
 from lightning_own import s3_adapt
 
 LIGHTNING_VERSION = Version(pl.__version__)
@@ -96,13 +96,13 @@ def s3_mode(
     from lightning.pytorch.trainer.connectors import callback_connector
 
     monkeypatch.setattr(callback_connector, "ModelCheckpoint", s3_adapt.ModelCheckpoint)
-    run = s3_utils.current_run()
+    run = s3_fencing.current_run()
     try:
         with s3_adapt.running_test(s3_server.client(), request.param):
             yield request.param
     finally:
         # One test's run does not become the next one's (S3ModelCheckpoint.setup adopts its plugin's run process-wide).
-        s3_utils.adopt_run(run)
+        s3_fencing.adopt_run(run)
 
 
 @pytest.fixture
