@@ -542,8 +542,8 @@ class PacerLane:
     STREAK_SCALE = 4.0
     MAX_STREAK = 64
     MIN_RATE = 0.2  # requests/s per process a lane never goes under (to learn when the store has room)
-    QUIET_S = 1.0  # growth (both terms) is 1 + s / QUIET_S times faster s seconds after the last cut (CUBIC-like)
-    MAX_QUIET = 64.0  # up to this many times: a lane left with work after others finished refills the partition
+    QUIET_S = 1.0  # growth is 1 + s / QUIET_S times faster s seconds after `WINDOW_S` without a cut (as CUBIC's),
+    MAX_QUIET = 64.0  # at most this many: a lane left with work after others finished refills the partition sooner
     WINDOW_S = 2.0  # the window over which a lane measures its send rate (to start from, and to cap its growth)
 
     def __init__(
@@ -703,7 +703,7 @@ class PacerLane:
                 return
             n = self._processes
             self._streak = min(self._streak + 1.0 / n, self.MAX_STREAK)
-            quiet = min(1.0 + max(0.0, now - self._epoch) / self.QUIET_S, self.MAX_QUIET)  # s since the last cut
+            quiet = min(1.0 + max(0.0, now - self._epoch - self.WINDOW_S) / self.QUIET_S, self.MAX_QUIET)
             step = quiet * self.GROWTH * (1.0 + self._streak / self.STREAK_SCALE) / math.sqrt(self._rate * n)
             grown = self._rate * (1.0 + step) + quiet * self.CATCH_UP * n * max(0.0, now - self._changed_at)
             grown = min(grown, max(self._rate, 2.0 * self.measured_rate(now)))
