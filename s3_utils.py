@@ -542,8 +542,7 @@ class PacerLane:
     STREAK_SCALE = 4.0
     MAX_STREAK = 64
     MIN_RATE = 0.2  # requests/s per process a lane never goes under (to learn when the store has room)
-    QUIET_S = 1.0  # growth is 1 + s / QUIET_S times faster s seconds after `WINDOW_S` without a cut (as CUBIC's),
-    MAX_QUIET = 64.0  # at most this many: a lane left with work after others finished refills the partition sooner
+    QUIET_S, MAX_QUIET = 1.0, 64.0  # s seconds after WINDOW_S without a cut, growth is 1 + s / QUIET_S times faster
     WINDOW_S = 2.0  # the window over which a lane measures its send rate (to start from, and to cap its growth)
 
     def __init__(
