@@ -542,7 +542,7 @@ class PacerLane:
     STREAK_SCALE = 4.0
     MAX_STREAK = 64
     MIN_RATE = 0.2  # requests/s per process a lane never goes under (to learn when the store has room)
-    QUIET_S, MAX_QUIET = 1.0, 64.0  # s seconds after WINDOW_S without a cut, growth is 1 + s / QUIET_S times faster
+    QUIET_S, MAX_QUIET = 0.25, 64.0  # s seconds after WINDOW_S without a cut, growth is 1 + s / QUIET_S times faster
     WINDOW_S = 2.0  # the window over which a lane measures its send rate (to start from, and to cap its growth)
 
     def __init__(
