@@ -469,10 +469,10 @@ class PacerLane:
     """One direction (reads or writes) of a `RequestPacer`: a token bucket whose rate adapts to S3's answers.
 
     Dormant until the first throttling answer or a budget. The rate starts at `BETA` times the send rate, drops by
-    `BETA` on a throttling answer to a request sent after the last drop, and grows on each success (faster when slow
-    or on a long run; plus `CATCH_UP` for fairness), within ``[MIN_RATE, 2 x send rate]`` and the budget's share. A
-    lane shared by n processes (`SharedLaneStore`) acts as n lanes in lock step. Times are arguments, else `clock`'s
-    (``time.monotonic``; benchmarks/s3_sim.py passes simulated time).
+    `BETA` on a throttling answer to a request sent after the last drop, and grows on each success (faster when slow,
+    on a long run, and the longer since the last drop: `QUIET_S`; plus `CATCH_UP` for fairness), within
+    ``[MIN_RATE, 2 x send rate]`` and the budget's share. A lane shared by n processes (`SharedLaneStore`) acts as n
+    lanes in lock step. Times are arguments, else `clock`'s (``time.monotonic``; benchmarks/s3_sim.py: simulated).
     """
 
     BETA = 0.7
@@ -481,6 +481,7 @@ class PacerLane:
     STREAK_SCALE = 4.0
     MAX_STREAK = 64
     MIN_RATE = 0.2  # requests/s per process a lane never goes under (to learn when the store has room)
+    QUIET_S, MAX_QUIET = 0.25, 64.0  # s seconds after WINDOW_S without a cut, growth is 1 + s / QUIET_S times faster
     WINDOW_S = 2.0  # the window over which a lane measures its send rate (to start from, and to cap its growth)
 
     def __init__(
@@ -632,8 +633,7 @@ class PacerLane:
     def on_success(self, sent: float, now: float) -> None:
         """A success of a request sent at `sent`."""
         self._last_success = now
-        flag = self._flag
-        if not (self._active if flag is None else flag[0][flag[1]]):
+        if not self.active:
             return
         with self._state():
             self._host_last_success = now
@@ -641,8 +641,9 @@ class PacerLane:
                 return
             n = self._processes
             self._streak = min(self._streak + 1.0 / n, self.MAX_STREAK)
-            step = self.GROWTH * (1.0 + self._streak / self.STREAK_SCALE) / math.sqrt(self._rate * n)
-            grown = self._rate * (1.0 + step) + self.CATCH_UP * n * max(0.0, now - self._changed_at)
+            quiet = min(1.0 + max(0.0, now - self._epoch - self.WINDOW_S) / self.QUIET_S, self.MAX_QUIET)
+            step = quiet * self.GROWTH * (1.0 + self._streak / self.STREAK_SCALE) / math.sqrt(self._rate * n)
+            grown = self._rate * (1.0 + step) + quiet * self.CATCH_UP * n * max(0.0, now - self._changed_at)
             grown = min(grown, max(self._rate, 2.0 * self.measured_rate(now)))
             self._changed_at = now
             if grown > self._rate:
@@ -672,8 +673,7 @@ class PacerLane:
     def acquire(self, max_interval_s: float = math.inf) -> float:
         """Wait for a token if pacing (one comes at least every `max_interval_s`); return the send time to report."""
         now = self._clock()
-        flag = self._flag
-        if not (self._active if flag is None else flag[0][flag[1]]):
+        if not self.active:
             self._own_sends.append(now)  # thread-safe, and the only cost of a dormant lane
             return now
         started = now
