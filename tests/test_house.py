@@ -173,8 +173,6 @@ def test_size_limits_name_existing_modules() -> None:
     assert set(MAX_LINES) <= set(MODULES)
 
 
-CORE_CHAIN = ["s3_dirpath_utils", "s3_utils", "s3_checkpoint_io", "connector"]
-"""The core files, each importing only those before it."""
 BELOW = {"s3_node_sharing": "s3_utils"}
 """Optional siblings the core loads on first use, with the last core module they may import (more would be a cycle)."""
 
