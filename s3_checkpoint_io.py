@@ -783,16 +783,8 @@ class S3CheckpointIO:
         S3. In a collective load every rank uses memory only if every rank has a verified copy (else all go to S3
         together, as the shared download needs)."""
         copy, tier = None, "memory"
-        source = self._agreement.sources.get(path) if self._agreement is not None else None
-        try:
-            if source is not None and source.tier == "replica" and source.peer is not None:  # a replaced node
-                copy = _memory_tier_module().fetch_replica(self.node_tier(), source)
-                tier = "replica"
-            elif source is not None and source.tier == "replica":  # a peer's replica held on this node
-                copy = self.node_tier().verified_replica(source.path)
-                tier = "replica"
-            else:
-                copy = self.node_tier().verified_copy(path)
+        try:  # the tier the ranks agreed on for `path` (`agree_resume`), else this node's memory copy
+            copy, tier = _memory_tier_module().copy_to_load(self.node_tier(), self._agreement, path)
         except (OSError, _s3.ChecksumMismatchError) as exc:
             logger.error("%s: skipped, loading %s from S3 instead", exc, path)
         if armed is not None and not all(_all_ranks(copy is not None)):
@@ -814,13 +806,9 @@ class S3CheckpointIO:
         the next loads and resume discovery (`memory_tier_entries`) follow. `step_of(name)`: the step in an S3
         object's name (without it only checkpoints a tier record names count); `list_s3` False where another rank
         lists the same directory."""
-        s3_steps: dict[str, int | None] = {}
-        if list_s3:
-            for obj in self.s3.list_objects(directory):
-                step = step_of(obj.key.rsplit("/", 1)[-1]) if step_of is not None else None
-                s3_steps[f"s3://{obj.bucket}/{obj.key}"] = step
         module = _memory_tier_module()
-        self._agreement = module.agree_on_resume(self.node_tier(), self._replication, directory, s3_steps)
+        listing = self.s3.list_objects(directory) if list_s3 else []
+        self._agreement = module.agree_on_resume(self.node_tier(), self._replication, directory, listing, step_of)
         return self._agreement
 
     # ---- background bookkeeping -----------------------------------------------------------------------------------
@@ -938,9 +926,8 @@ def memory_tier_entries(directory: str) -> list[tuple[str, float]]:
     for plugin in list(_tiered_plugins):
         agreement = plugin._agreement
         try:
-            if agreement is not None and agreement.directory == _urls.normalize_s3_url(directory).rstrip("/"):
-                prefix = agreement.directory + "/"  # what every rank can load, as all agreed
-                entries.extend((url[len(prefix) :], agreement.committed[url]) for url in agreement.urls.values())
+            if agreement is not None and agreement.covers(directory):  # what every rank can load, as all agreed
+                entries.extend(agreement.entries())
                 continue
             entries.extend(plugin.node_tier().entries_under(directory))
         except (OSError, ValueError) as exc:  # a tier that cannot be read: resume from S3 alone, said loudly

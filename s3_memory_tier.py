@@ -75,6 +75,7 @@ __all__ = [
     "TierFullError",
     "TierReplication",
     "agree_on_resume",
+    "copy_to_load",
     "fetch_replica",
 ]
 
@@ -773,6 +774,15 @@ class TierAgreement:
     committed: dict[str, float]
     sources: dict[str, ResumeSource]
 
+    def covers(self, directory: str) -> bool:
+        return self.directory == _urls.normalize_s3_url(directory).rstrip("/")
+
+    def entries(self) -> list[tuple[str, float]]:
+        """``(path relative to the directory, commit time)`` of this rank's checkpoint of each step every rank can
+        load, where this rank reads it from memory or a replica: what resume discovery adds to the S3 listing."""
+        found = [url for url in self.urls.values() if url in self.sources]
+        return [(url[len(self.directory) + 1 :], self.committed[url]) for url in found]
+
 
 def _record_file(files: Mapping[str, Any]) -> str | None:
     return next((name for name in files if name.endswith(COMMIT_RECORD_SUFFIX)), None)
@@ -876,14 +886,20 @@ def agree_on_resume(
     tier: NodeTier,
     replication: TierReplication | None,
     directory: str,
-    s3_steps: Mapping[str, int | None],
+    listing: list[_s3.S3ObjectInfo],
+    step_of: Any = None,
     group: Any = None,
 ) -> TierAgreement:
     """Collective (every rank of `group` calls it, each with its own `directory`, its part): one all_gather of each
-    rank's candidates (steps it can load from its node's memory, a replica, S3: `s3_steps` maps the S3 URLs it
-    listed to their steps), then the newest step every rank can load, and this rank's fastest tier for it. A copy or
-    replica that fails its checksum is left out, loudly. Outside a process group, this process alone decides."""
+    rank's candidates (steps it can load from its node's memory, a replica, S3: the objects of `listing`, whose
+    names `step_of` maps to steps; without it only objects a tier record names count), then the newest step every
+    rank can load, and this rank's fastest tier for it. A copy or replica that fails its checksum is left out,
+    loudly. Outside a process group, this process alone decides."""
     directory = _urls.normalize_s3_url(directory).rstrip("/")
+    s3_steps = {
+        f"s3://{obj.bucket}/{obj.key}": step_of(obj.key.rsplit("/", 1)[-1]) if step_of is not None else None
+        for obj in listing
+    }
     node = _s3.node_key()
     held = {entry[0]: entry for entry in held_replicas(tier)}
     mine = _my_candidates(tier, replication, directory, s3_steps, list(held.values()))
@@ -947,3 +963,15 @@ def fetch_replica(tier: NodeTier, source: ResumeSource) -> TierCopy:
     if copy is None:
         raise _s3.ChecksumMismatchError(f"the replica of {source.url} fetched from {source.peer} did not commit")
     return copy
+
+
+def copy_to_load(tier: NodeTier, agreement: TierAgreement | None, url: str) -> tuple[TierCopy | None, str]:
+    """The verified copy a load of `url` reads and its tier name: where the ranks agreed to read it (`agreement`), a
+    replica held here or fetched from another node (a replaced node), else this node's memory copy (None: none).
+    Raises `s3_utils.ChecksumMismatchError` or `s3_tier_replication.ReplicationError` for one that does not verify."""
+    source = agreement.sources.get(url) if agreement is not None else None
+    if source is not None and source.tier == "replica" and source.peer is not None:
+        return fetch_replica(tier, source), "replica"
+    if source is not None and source.tier == "replica":
+        return tier.verified_replica(source.path), "replica"
+    return tier.verified_copy(url), "memory"
