@@ -24,8 +24,13 @@ argument raises ImportError saying the file is missing. docs/tiers.md shows the 
    `S3CheckpointIO.start_replication`, runs each node's replica server on ``<job>/replicas`` and sends every
    committed checkpoint (file and commit record, verified on arrival) to the next node on a ring in the background.
 
+7. Resume: `agree_on_resume` (behind `S3CheckpointIO.agree_resume`) is one all_gather of what each rank can load
+   (its node's verified copies, the verified replicas each node holds, S3's listing), then the newest step every rank
+   can load and each rank's fastest tier for its part; `copy_to_load` reads it there (`fetch_replica`: a replaced
+   node's part from its peer, verified against manifest and record, then committed as its own copy).
+
 `S3CheckpointIO` drives all of it (when to drain, removals, loads): this module only knows files and records.
-Not built yet: resume from a peer's replica, DCP (`s3_dcp`) and megatron-core paths (docs/tiers.md).
+Not built yet: DCP (`s3_dcp`) and megatron-core paths (docs/tiers.md).
 """
 
 from __future__ import annotations
