@@ -807,7 +807,7 @@ class S3CheckpointIO:
         object's name (without it only checkpoints a tier record names count); `list_s3` False where another rank
         lists the same directory."""
         module = _memory_tier_module()
-        listing = self.s3.list_objects(directory) if list_s3 else []
+        listing = (lambda: self.s3.list_objects(directory)) if list_s3 else list
         self._agreement = module.agree_on_resume(self.node_tier(), self._replication, directory, listing, step_of)
         return self._agreement
 

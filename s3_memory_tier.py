@@ -891,23 +891,27 @@ def agree_on_resume(
     tier: NodeTier,
     replication: TierReplication | None,
     directory: str,
-    listing: list[_s3.S3ObjectInfo],
+    listing: Any,
     step_of: Any = None,
     group: Any = None,
 ) -> TierAgreement:
     """Collective (every rank of `group` calls it, each with its own `directory`, its part): one all_gather of each
-    rank's candidates (steps it can load from its node's memory, a replica, S3: the objects of `listing`, whose
-    names `step_of` maps to steps; without it only objects a tier record names count), then the newest step every
-    rank can load, and this rank's fastest tier for it. A copy or replica that fails its checksum is left out,
-    loudly. Outside a process group, this process alone decides."""
+    rank's candidates (steps it can load from its node's memory, a replica, S3: the objects ``listing()`` returns,
+    whose names `step_of` maps to steps; without it only objects a tier record names count), then the newest step
+    every rank can load, and this rank's fastest tier for it. A copy or replica that fails its checksum is left out,
+    loudly. A rank that fails to list makes every rank raise (no rank waits in the collective). Outside a process
+    group, this process alone decides."""
     directory = _urls.normalize_s3_url(directory).rstrip("/")
-    s3_steps = {
-        f"s3://{obj.bucket}/{obj.key}": step_of(obj.key.rsplit("/", 1)[-1]) if step_of is not None else None
-        for obj in listing
-    }
-    node = _s3.node_key()
-    held = {entry[0]: entry for entry in held_replicas(tier)}
-    mine = _my_candidates(tier, replication, directory, s3_steps, list(held.values()))
+    node, held, failure = _s3.node_key(), {}, None
+    try:
+        s3_steps = {
+            f"s3://{obj.bucket}/{obj.key}": step_of(obj.key.rsplit("/", 1)[-1]) if step_of is not None else None
+            for obj in listing()
+        }
+        held = {entry[0]: entry for entry in held_replicas(tier)}
+        mine = _my_candidates(tier, replication, directory, s3_steps, list(held.values()))
+    except Exception as exc:  # said to every rank through the collective, then raised here
+        failure, mine = exc, {"error": f"{type(exc).__name__}: {exc}"}
     dist = _s3.import_optional_dependency("torch.distributed", "agreeing on a resume step")
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         gathered: list[Any] = [None] * dist.get_world_size(group)
@@ -915,6 +919,11 @@ def agree_on_resume(
         rank = dist.get_rank(group)
     else:
         gathered, rank = [mine], 0
+    if failure is not None:
+        raise failure
+    errors = [f"rank {index}: {entry['error']}" for index, entry in enumerate(gathered) if "error" in entry]
+    if errors:
+        raise RuntimeError(f"memory tier: no resume step agreed for {directory}: {'; '.join(errors)}")
     steps, options = decide(gathered, rank)
     addresses = {entry["node"]: tuple(entry["address"]) for entry in gathered if entry["address"]}
     remote = {h[0]: (e["node"], h) for e in gathered if e["node"] != node and e["node"] in addresses

@@ -18,11 +18,10 @@ import pytest
 from s3_servers import rank_environment
 
 import s3_tier_replication
+from s3_memory_tier import decide
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "helpers" / "tier_resume_worker.py"
-
-pytestmark = pytest.mark.slow
 
 
 def run_job(s3_server: Any, bucket: str, out: Path, *args: str) -> list[dict[str, Any]]:
@@ -53,6 +52,7 @@ def held_replica(out: Path, holder: int, step: int) -> Path:
     return found[0]
 
 
+@pytest.mark.slow
 def test_a_restart_on_the_same_nodes_reads_every_part_from_memory(s3_server: Any, bucket: str, tmp_path: Path) -> None:
     run_job(s3_server, bucket, tmp_path, "save", "10", "1", "2", "3")  # step 1 on S3, 2 and 3 in memory only
     ranks = run_job(s3_server, bucket, tmp_path, "resume")
@@ -60,6 +60,7 @@ def test_a_restart_on_the_same_nodes_reads_every_part_from_memory(s3_server: Any
         assert (found["step"], found["url"], found["tier"], found["equal"]) == (3, url(bucket, rank, 3), "memory", True)
 
 
+@pytest.mark.slow
 def test_a_replaced_node_fetches_its_part_from_its_peers_replica(s3_server: Any, bucket: str, tmp_path: Path) -> None:
     run_job(s3_server, bucket, tmp_path, "save", "10", "1", "2", "3")
     shutil.rmtree(tmp_path / "node1")  # node 1 lost: a new node with an empty tier takes its place
@@ -69,6 +70,7 @@ def test_a_replaced_node_fetches_its_part_from_its_peers_replica(s3_server: Any,
     assert url(bucket, 1, 3) in node1["own"]  # the fetched replica is the new node's memory copy now
 
 
+@pytest.mark.slow
 def test_both_nodes_lost_resume_the_newest_step_on_s3(s3_server: Any, bucket: str, tmp_path: Path) -> None:
     run_job(s3_server, bucket, tmp_path, "save", "2", "1", "2", "3", "4")  # steps 1 and 3 on S3
     shutil.rmtree(tmp_path / "node0")
@@ -77,6 +79,7 @@ def test_both_nodes_lost_resume_the_newest_step_on_s3(s3_server: Any, bucket: st
         assert (found["step"], found["url"], found["tier"], found["equal"]) == (3, url(bucket, rank, 3), "s3", True)
 
 
+@pytest.mark.slow
 def test_a_corrupt_replica_is_skipped_for_s3_at_the_same_step(s3_server: Any, bucket: str, tmp_path: Path) -> None:
     run_job(s3_server, bucket, tmp_path, "save", "1", "1", "2")  # every step on S3 too
     shutil.rmtree(tmp_path / "node1")
@@ -90,6 +93,7 @@ def test_a_corrupt_replica_is_skipped_for_s3_at_the_same_step(s3_server: Any, bu
     assert (node1["tier"], node1["equal"]) == ("s3", True)
 
 
+@pytest.mark.slow
 def test_a_step_only_one_node_holds_is_not_chosen(s3_server: Any, bucket: str, tmp_path: Path) -> None:
     run_job(s3_server, bucket, tmp_path, "save", "10", "1", "2", "3")
     for holder in (0, 1):  # node 1 was killed before its step 3, node 0's step 3 never reached node 1: only node
@@ -102,3 +106,23 @@ def test_a_step_only_one_node_holds_is_not_chosen(s3_server: Any, bucket: str, t
     assert node0["step"] == node1["step"] == 2  # not 3 (node 1 cannot load it), and newer than S3's step 1
     assert (node0["tier"], node1["tier"], node0["equal"], node1["equal"]) == ("memory", "memory", True, True)
     assert node0["steps"] == [2, 1]
+
+
+def test_the_decision_is_the_newest_step_every_rank_can_load_from_some_tier() -> None:
+    def rank(node: str, own: dict, held: list, s3: dict, address: list | None = None) -> dict[str, Any]:
+        return {"node": node, "address": address, "directory": "s3://b/run", "own": own, "held": held, "s3": s3}
+
+    a, b, c = (f"s3://b/run/step={step}.ckpt" for step in (1, 2, 3))
+    gathered = [
+        rank("n0", {b: [2, 0.0], c: [3, 0.0]}, [], {a: 1}),  # rank 0 listed S3: step 1 only
+        rank("n1", {}, [[b, 2, 0.0, "n0", "x"]], {}),  # node 1 holds node 0's step 2: no step 3 anywhere for it
+    ]
+    steps, options = decide(gathered, 1)
+    assert steps == [2, 1]  # not 3 (rank 1 cannot load it), not older than S3's newest
+    assert options[2] == [(1, b, "replica")] and options[1] == [(3, a, "s3")]
+    assert decide(gathered, 0)[1][2] == [(0, b, "memory")]
+    gathered[1]["held"] = []  # only a replica on another node with a server would do: none here
+    gathered[0]["held"] = [[b, 2, 0.0, "n0", "x"]]
+    assert decide(gathered, 1)[0] == [1]
+    gathered[0]["address"] = ["127.0.0.1", 1]
+    assert decide(gathered, 1) == ([2, 1], {2: [(2, b, "replica")], 1: [(3, a, "s3")]})
