@@ -800,12 +800,9 @@ class S3CheckpointIO:
     def agree_resume(
         self, directory: str, step_of: Callable[[str], int | None] | None = None, *, list_s3: bool = True
     ) -> Any:
-        """Collective (every rank, each with the s3:// `directory` of its part): agree in one all_gather on the
-        newest step every rank can load from some tier (its node's memory, a peer's replica, S3), never older than
-        the newest on S3; returns the `s3_memory_tier.TierAgreement` (``.url``: this rank's checkpoint of it), which
-        the next loads and resume discovery (`memory_tier_entries`) follow. `step_of(name)`: the step in an S3
-        object's name (without it only checkpoints a tier record names count); `list_s3` False where another rank
-        lists the same directory."""
+        """Collective: every rank agrees on the newest step it can load from some tier of the s3:// `directory` of
+        its part (`s3_memory_tier.agree_on_resume`; `step_of(name)`: an S3 object's step; `list_s3` False where
+        another rank lists the same directory). Loads and resume discovery follow the returned agreement."""
         module = _memory_tier_module()
         listing = (lambda: self.s3.list_objects(directory)) if list_s3 else list
         self._agreement = module.agree_on_resume(self.node_tier(), self._replication, directory, listing, step_of)
@@ -924,12 +921,8 @@ def memory_tier_entries(directory: str) -> list[tuple[str, float]]:
     this process's `S3CheckpointIO` plugins: resume discovery (connector) adds them to the S3 listing's entries."""
     entries: list[tuple[str, float]] = []
     for plugin in list(_tiered_plugins):
-        agreement = plugin._agreement
-        try:
-            if agreement is not None and agreement.covers(directory):  # what every rank can load, as all agreed
-                entries.extend(agreement.entries())
-                continue
-            entries.extend(plugin.node_tier().entries_under(directory))
+        try:  # after `agree_resume`: what every rank can load, as all agreed
+            entries.extend(plugin.node_tier().entries_under(directory, plugin._agreement))
         except (OSError, ValueError) as exc:  # a tier that cannot be read: resume from S3 alone, said loudly
             logger.warning("Resume discovery leaves out the memory tier %s: %s", plugin.memory_tier.root, exc)
     return entries

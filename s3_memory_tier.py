@@ -542,9 +542,11 @@ class NodeTier:
                         found.append(copy)
         return sorted(found, key=lambda copy: copy.record.get("sequence", 0))
 
-    def entries_under(self, directory: str) -> list[tuple[str, float]]:
+    def entries_under(self, directory: str, agreement: TierAgreement | None = None) -> list[tuple[str, float]]:
         """``(path relative to the s3:// `directory`, commit time)`` of the committed checkpoints below it, as
-        resume discovery takes a listing's entries."""
+        resume discovery takes a listing's entries; with the ranks' `agreement` on `directory`, its entries."""
+        if agreement is not None and agreement.covers(directory):
+            return agreement.entries()
         prefix = _urls.normalize_s3_url(directory).rstrip("/") + "/"
         return [
             (copy.url[len(prefix) :], float(copy.record.get("committed", 0.0)))
