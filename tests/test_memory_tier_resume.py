@@ -106,6 +106,7 @@ def test_a_step_only_one_node_holds_is_not_chosen(s3_server: Any, bucket: str, t
     assert node0["step"] == node1["step"] == 2  # not 3 (node 1 cannot load it), and newer than S3's step 1
     assert (node0["tier"], node1["tier"], node0["equal"], node1["equal"]) == ("memory", "memory", True, True)
     assert node0["steps"] == [2, 1]
+    assert node0["discovered"] == [url(bucket, 0, 1), url(bucket, 0, 2)]  # discovery leaves out what rank 1 lacks
 
 
 def test_the_decision_is_the_newest_step_every_rank_can_load_from_some_tier() -> None:

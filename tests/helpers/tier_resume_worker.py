@@ -58,6 +58,7 @@ def main() -> None:
         "via": agreement.tier,
         "equal": bool(torch.equal(loaded["w"], expected["w"])) and loaded["global_step"] == agreement.step,
         "own": [copy.url for copy in plugin.node_tier().copies()],
+        "discovered": sorted(c.url for c in connector.list_resume_candidates(directory, include_steps=True)),
     }
     dist.barrier()
     plugin.teardown()
