@@ -34,10 +34,12 @@ from typing import Any
 if __package__:
     from . import s3_checkpoint_io as _ckpt_io
     from . import s3_dirpath_utils as _urls
+    from . import s3_fencing as _fencing
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_checkpoint_io as _ckpt_io
     import s3_dirpath_utils as _urls
+    import s3_fencing as _fencing
     import s3_utils as _s3
 
 
@@ -812,14 +814,14 @@ class S3ModelCheckpointMixin:
         connector = trainer._checkpoint_connector
         state = (getattr(connector, "_ckpt_path", None), getattr(connector, "_user_managed", False))
         run = getattr(_ckpt_io.s3_checkpoint_io_of(getattr(trainer, "strategy", None)), "run", None)
-        if not isinstance(run, _s3.CheckpointRun):  # no plugin, or a test double as the plugin: this process's run
-            run = _s3.current_run()
+        if not isinstance(run, _fencing.CheckpointRun):  # no plugin, or a test double as the plugin: this process's run
+            run = _fencing.current_run()
         shared = (state, self.last_model_path, run)
         (ckpt_path, user_managed), last_model_path, run = _broadcast_from_rank_zero(trainer, shared)
         connector._ckpt_path = ckpt_path
         connector._user_managed = user_managed
         self.last_model_path = last_model_path
-        _s3.adopt_run(run)  # the ranks of one job are one run (docs/runs.md), whatever their launcher said
+        _fencing.adopt_run(run)  # the ranks of one job are one run (docs/runs.md), whatever their launcher said
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Lightning's ``AsyncCheckpointIO`` tears down only its own thread: an `S3CheckpointIO` it wraps is torn

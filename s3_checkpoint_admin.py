@@ -38,10 +38,12 @@ from typing import Any
 if __package__:
     from . import connector as _connector
     from . import s3_dirpath_utils as _urls
+    from . import s3_fencing as _fencing
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import connector as _connector
     import s3_dirpath_utils as _urls
+    import s3_fencing as _fencing
     import s3_utils as _s3
 
 __all__ = [
@@ -239,7 +241,7 @@ def _with_memory_tier(entries: list[CheckpointEntry], url: str, config: Any, rec
     config = tier_module.MemoryTier.from_value(config)
     if not config.job:
         raise ValueError("listing a memory tier needs its job (MemoryTier(job=...), ls --job): the tier is per job")
-    held = tier_module.NodeTier(config, _s3.current_run()).tiers_under(url)
+    held = tier_module.NodeTier(config, _fencing.current_run()).tiers_under(url)
     result = []
     for entry in entries:
         extra = held.pop(entry.url, {}).get("tiers", [])

@@ -10,6 +10,7 @@ examples:
   s3-checkpoint-io rm s3://my-bucket/run/checkpoints --keep-last 3 [--dry-run]
   s3-checkpoint-io gc s3://my-bucket/run --older-than 2d [--incomplete-dcp] [--yes]
   s3-checkpoint-io convert s3://my-bucket/run/step-1000 s3://my-bucket/export/model.safetensors [--only model]
+  s3-checkpoint-io doctor s3://my-bucket/run                what the store honours (conditional requests...)
 
 The S3 connection options (--endpoint-url, --region, --max-attempts, --max-requests-per-second) and -v go before
 or after the command. Credentials come from the usual AWS chain (environment, profile, role) and are never printed.
@@ -39,6 +40,9 @@ convert SRC DST: a DCP checkpoint into one file, by DST's suffix: .safetensors (
   are listed as skipped) or .pt/.pth/.ckpt (the nested dict torch.save writes); or one torch file into a DCP
   checkpoint at DST. Streamed (S3 to S3 uses no local disk), every byte read checked against the checksums the
   source records; DST appears only when complete, and an existing one is kept unless --overwrite.
+doctor: probes once, on a temporary key under the prefix that it removes, what the store and bucket honour
+  (conditional PUT, CompleteMultipartUpload, DELETE and CopyObject; multipart checksums) and which protection rests
+  on each.
 
 exit codes (stable, for scripts):
   0    success
@@ -503,6 +507,17 @@ def _duration(text: str) -> datetime.timedelta:
     return age
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Probe what the store and bucket of the URL honour (`s3_utils.store_capabilities`) and print it."""
+    url = s3_url_argument(args.url)
+    bucket, prefix = _urls.s3_dir_prefix(url)
+    record = _s3.store_capabilities(_make_s3(args), bucket, _s3.CAPABILITIES, prefix)
+    print(f"{record.store}, bucket {record.bucket}:")
+    for line in record.describe():
+        print(f"  {line}")
+    return EXIT_OK
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     """Convert a DCP checkpoint into one safetensors or torch file, or one torch file into a DCP checkpoint."""
     try:
@@ -712,6 +727,9 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--older-than", type=_duration, required=True, metavar="AGE", help="e.g. 30m, 6h, 2d")
     gc.add_argument("--incomplete-dcp", action="store_true", help="also DCP checkpoints that never got .metadata")
     gc.add_argument("--yes", action="store_true", help="abort and remove (default: only list what would go)")
+
+    doctor = command("doctor", cmd_doctor, "probe what the store honours: conditional requests, checksums", False)
+    doctor.add_argument("url", metavar="s3://BUCKET/PREFIX", help="where to probe (a temporary key, removed)")
 
     converting = "a DCP checkpoint to one .safetensors/.pt file, or a .pt to DCP"
     convert = command("convert", cmd_convert, converting, uploads=True)

@@ -1,7 +1,7 @@
 """`S3CheckpointIO`: a Lightning checkpoint plugin that streams ``torch.save`` to S3 and loads it back in parallel.
 
 It has the name, arguments and defaults of NeMo's ``nemo.utils.callbacks.s3_checkpoint_io.S3CheckpointIO``. The
-module holds the torch side of checkpointing; everything that talks to S3 is in `s3_utils`:
+module holds the torch side of checkpointing; everything that talks to S3 is in `s3_utils`, fencing in `s3_fencing`:
 
 * saving: ``torch.save`` writes into an `s3_utils.S3MultipartWriter` (a multipart upload that commits only when
   complete); local paths are saved atomically beside their target, as Lightning's ``TorchCheckpointIO`` would;
@@ -11,7 +11,7 @@ module holds the torch side of checkpointing; everything that talks to S3 is in 
   removal waits until every save issued before it is durable; background failures are raised at the next call; a
   load in this process of a URL whose save is in flight (by any instance) waits for it (`wait_for_pending_save`),
   and `pending_operation` tells ModelCheckpoint's name versioning about saves not yet visible on S3;
-* fencing: saves and removals in an ``s3://`` directory go through an `s3_utils.DirectoryFence`, so a stale run
+* fencing: saves and removals in an ``s3://`` directory go through an `s3_fencing.DirectoryFence`, so a stale run
   (an older job still writing where a newer one took over) gets `CheckpointDirectoryTakenError` and changes nothing;
 * collective loads (`collective_resume`, `S3CheckpointIO.collective_load`): every rank loading one checkpoint
   shares one download per node or job, through the optional sibling `s3_node_sharing` (without it: one per rank);
@@ -51,13 +51,15 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 if __package__:
     from . import s3_dirpath_utils as _urls
+    from . import s3_fencing as _fencing
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_dirpath_utils as _urls
+    import s3_fencing as _fencing
     import s3_utils as _s3
 
 __all__ = [
@@ -69,6 +71,7 @@ __all__ = [
     "SharedLoadError",
     "TransferRecord",
     "ResumeFailedError",
+    "buffer_address",
     "collective_resume",
     "is_unusable_checkpoint_error",
     "load_newest_usable",
@@ -85,7 +88,7 @@ __version__ = _s3.__version__
 
 logger = logging.getLogger(__name__)
 
-CheckpointDirectoryTakenError = _s3.CheckpointDirectoryTakenError
+CheckpointDirectoryTakenError = _fencing.CheckpointDirectoryTakenError
 
 _LIGHTNING_CHECKPOINT_IO_BASES = (
     "lightning.fabric.plugins.io.checkpoint_io",
@@ -361,8 +364,8 @@ class S3CheckpointIO:
         self.memory_tier = _memory_tier_config(memory_tier)
         """The `s3_memory_tier.MemoryTier` configuration, or None (no memory tier)."""
         self.fencing = bool(fencing)
-        self._run: _s3.CheckpointRun | None = None  # `run`, fixed at the first fenced operation or pickling
-        self._fence_override: _s3.DirectoryFence | None = None  # set by `using_fence`
+        self._run: _fencing.CheckpointRun | None = None  # `run`, fixed at the first fenced operation or pickling
+        self._fence_override: _fencing.DirectoryFence | None = None  # set by `using_fence`
         self._collective: _CollectiveLoad | None = None
         self.dirpath = _urls.as_path_or_s3_url(dirpath) if dirpath is not None else None
         self.chunk_size_MB = chunk_size_MB
@@ -388,11 +391,11 @@ class S3CheckpointIO:
         return self._async_checkpointing
 
     @property
-    def run(self) -> _s3.CheckpointRun:
-        """The run this plugin saves and removes as (`s3_utils.CheckpointRun`): this process's run (`current_run`)
+    def run(self) -> _fencing.CheckpointRun:
+        """The run this plugin saves and removes as (`s3_fencing.CheckpointRun`): this process's run (`current_run`)
         when it first needs one, kept from then on and pickled along: a spawned copy of this plugin is the same run."""
         if self._run is None:
-            self._run = _s3.current_run()
+            self._run = _fencing.current_run()
         return self._run
 
     def __getstate__(self) -> dict[str, Any]:
@@ -631,17 +634,17 @@ class S3CheckpointIO:
                 return
         self._remove_now(path)
 
-    def fence_for(self, path: str) -> _s3.DirectoryFence | None:
-        """The fence this plugin's saves and removals at `path` check: this run's `s3_utils.DirectoryFence` on the
+    def fence_for(self, path: str) -> _fencing.DirectoryFence | None:
+        """The fence this plugin's saves and removals at `path` check: this run's `s3_fencing.DirectoryFence` on the
         directory holding `path`, or the one a `using_fence` block set (None: fencing off)."""
         if self._fence_override is not None:
             return self._fence_override
         if not self.fencing:
             return None
-        return _s3.DirectoryFence(self.s3, _urls.s3_url_parent(path), self.run)
+        return _fencing.DirectoryFence(self.s3, _urls.s3_url_parent(path), self.run)
 
     @contextlib.contextmanager
-    def using_fence(self, fence: _s3.DirectoryFence | None) -> Iterator[None]:
+    def using_fence(self, fence: _fencing.DirectoryFence | None) -> Iterator[None]:
         """Within the block, every save and removal of this plugin checks `fence` (e.g. a `DirectoryFence.once()`,
         checked once for several requests) instead of its own per-path fence. None changes nothing.
 
@@ -938,6 +941,57 @@ def _all_ranks(value: Any) -> list[Any]:
     return gathered
 
 
+class _PyBufferAPI(NamedTuple):
+    """CPython's buffer protocol through ctypes: ``get(obj, byref(view), flags)`` and ``release(byref(view))``."""
+
+    view: type  # a ctypes Structure with Py_buffer's layout
+    get: Any
+    release: Any
+
+
+@functools.cache
+def _py_buffer_api() -> _PyBufferAPI | None:
+    """``PyObject_GetBuffer`` / ``PyBuffer_Release`` through ctypes (read-only buffers too), or None off CPython."""
+    try:
+        import ctypes
+
+        get_buffer, release = ctypes.pythonapi.PyObject_GetBuffer, ctypes.pythonapi.PyBuffer_Release
+    except (ImportError, AttributeError, OSError):  # no _ctypes, or not CPython
+        return None
+
+    class PyBuffer(ctypes.Structure):
+        _fields_ = [
+            *(("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t)),
+            *(("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int)),
+            *(("format", ctypes.c_void_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p)),
+            *(("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)),
+        ]
+
+    get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(PyBuffer), ctypes.c_int]
+    get_buffer.restype = ctypes.c_int
+    release.argtypes = [ctypes.POINTER(PyBuffer)]
+    release.restype = None
+    return _PyBufferAPI(PyBuffer, get_buffer, release)
+
+
+def buffer_address(data: Any) -> int | None:
+    """The address of the first byte of the contiguous buffer `data` (read-only too), or None where it cannot be had."""
+    api = _py_buffer_api()
+    if api is None:
+        return None
+    import ctypes
+
+    view = api.view()
+    try:  # ctypes raises the exporter's error (BufferError) for a failed call through pythonapi
+        api.get(data, ctypes.byref(view), 0)  # PyBUF_SIMPLE: one contiguous block of bytes
+    except (BufferError, TypeError):
+        return None
+    try:
+        return int(view.buf or 0)
+    finally:
+        api.release(ctypes.byref(view))
+
+
 class _BorrowingStream(io.RawIOBase):
     """The stream ``torch.save`` writes a checkpoint into, in front of an `S3MultipartWriter`: a write that carries
     one of the checkpoint's own CPU tensor storages, whole (``torch.save`` hands each storage's memory to ``write``
@@ -961,7 +1015,7 @@ class _BorrowingStream(io.RawIOBase):
     def write(self, data: Any) -> int:
         nbytes = memoryview(data).nbytes
         if nbytes >= self._min_borrowed:
-            storage = self._storages.get(_s3.buffer_address(data) or 0)
+            storage = self._storages.get(buffer_address(data) or 0)
             if storage is not None and storage.nbytes() == nbytes:
                 return self._writer.write_borrowed(data, storage)
         return self._writer.write(data)

@@ -13,11 +13,12 @@ own ``FileSystemReader`` loads it once the prefix is copied to a local directory
 * ``.metadata`` is the commit marker, one PUT by the coordinator once every rank reported its files durable (no
   copy + delete "rename"); an overwrite deletes the old ``.metadata`` first, so a half-replaced checkpoint never
   looks complete;
-* fencing: the coordinator's run owns the checkpoint directory (`s3_utils.DirectoryFence`), checked by every rank
+* fencing: the coordinator's run owns the checkpoint directory (`s3_fencing.DirectoryFence`), checked by every rank
   before its files complete and by the coordinator before ``.metadata``: a stale run's save fails with
-  `s3_utils.CheckpointDirectoryTakenError`, overwriting and committing nothing;
+  `s3_fencing.CheckpointDirectoryTakenError`, overwriting and committing nothing;
 * per-item checksums, recorded beside ``.metadata`` (before it), let partial and resharded loads verify every byte;
-* loads use parallel ranged GETs, adjacent items coalesced; ``.metadata`` is unpickled with an allow-list, so a
+* loads use parallel ranged GETs, adjacent items coalesced, by the read path the reader is given (`ReadPath`, the
+  reference, or a faster subclass; `FastReads` by default); ``.metadata`` is unpickled with an allow-list, so a
   prefix someone else can write cannot run code on the ranks that load it.
 
 Importing this module never fails for a missing extra: without torch the classes are still defined, and building one
@@ -52,10 +53,12 @@ from typing import Any, ClassVar
 if __package__:
     from . import s3_checkpoint_io as _ckpt_io
     from . import s3_dirpath_utils as _urls
+    from . import s3_fencing as _fencing
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_checkpoint_io as _ckpt_io
     import s3_dirpath_utils as _urls
+    import s3_fencing as _fencing
     import s3_utils as _s3
 
 # ---- torch, imported once: every DCP name this module uses (the private ones are pinned by tests/test_dcp.py) -------
@@ -117,6 +120,9 @@ __all__ = [
     "METADATA_NAME",
     "CheckpointIncompleteError",
     "CheckpointWriteError",
+    "DirectReads",
+    "FastReads",
+    "ReadPath",
     "S3FSDPStrategy",
     "S3LoadPlanner",
     "S3ModelParallelStrategy",
@@ -124,7 +130,10 @@ __all__ = [
     "S3ShardedStrategyMixin",
     "S3StorageReader",
     "S3StorageWriter",
+    "ScatterReads",
+    "SpanReads",
     "UnsafeCheckpointMetadataError",
+    "default_read_path",
     "item_checksums_name",
     "load_metadata_bytes",
     "metadata_name",
@@ -147,9 +156,6 @@ DEFAULT_DCP_MAX_WRITE_CONCURRENCY = 4
 node uploads at the same time, so the node has ranks x this many parts in flight (benchmarks/README.md)."""
 DEFAULT_COALESCE_GAP_MB = 4.0
 """Items of one file closer than this are fetched by one ranged GET (the bytes between are read and dropped)."""
-_DIRECT_READ_MAX_OVERHEAD = 1 << 20
-"""An item's ``torch.save`` framing (zip headers, pickle) beyond its tensor bytes is about 1.5 KiB; an item with much
-more than that is not a plain tensor and takes the buffered path."""
 _ITEM_RECORD_VERSION = 1
 """The item-checksum record's format. Additions that older readers can ignore (such as ``"tensors"``) keep it."""
 
@@ -233,7 +239,7 @@ class _FilePrefix:
     the directory, which the rank checks before its files complete (None: fencing off)."""
 
     prefix: str
-    fence: _s3.FenceToken | None = None
+    fence: _fencing.FenceToken | None = None
 
 
 @dataclass(frozen=True)
@@ -336,7 +342,7 @@ class _ItemStream(io.RawIOBase):
     def _carries(tensor: Any, data: Any) -> bool:
         """Whether `data` is the tensor's own memory, all of it (torch.save hands its storage to `write` as is)."""
         nbytes = tensor.numel() * tensor.element_size()
-        return memoryview(data).nbytes == nbytes and _s3.buffer_address(data) == tensor.data_ptr()
+        return memoryview(data).nbytes == nbytes and _ckpt_io.buffer_address(data) == tensor.data_ptr()
 
     def flush(self) -> None:  # the multipart writer uploads full parts by itself
         pass
@@ -554,7 +560,7 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         self.is_coordinator = False
         self.use_collectives = True
         self.fencing = bool(fencing)
-        self._run = _s3.current_run()  # pickled along: DCP's process executor saves as this run
+        self._run = _fencing.current_run()  # pickled along: DCP's process executor saves as this run
         self._replacing = False
 
     def __getstate__(self) -> dict[str, Any]:
@@ -605,7 +611,7 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         files = [(f"{prefix.prefix}{n}{DCP_SHARD_SUFFIX}", bucket) for n, bucket in enumerate(buckets)]
         # checked right before each file's commit (not once per save: a rank stopped after one check must not commit
         # its other files on it), each commit carrying the coordinator's ETag conditions
-        fence = _s3.DirectoryFence.following(self.s3, prefix.fence) if prefix.fence is not None else None
+        fence = _fencing.DirectoryFence.following(self.s3, prefix.fence) if prefix.fence is not None else None
         cancelled = threading.Event()
         results: list[Any] = []
         if len(files) == 1:
@@ -666,14 +672,14 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
     def _metadata_rank(self) -> int | None:
         return self.rank if not self.use_collectives and self.rank is not None else None
 
-    def _fence(self) -> _s3.DirectoryFence | None:
+    def _fence(self) -> _fencing.DirectoryFence | None:
         """This run's fence on the checkpoint directory, on the coordinator (the others follow the token in their
         plan); None with fencing off or on any other rank."""
         if not (self.fencing and self.is_coordinator):
             return None
-        return _s3.DirectoryFence(self.s3, _urls.s3_url_parent(self.path), self._run)
+        return _fencing.DirectoryFence(self.s3, _urls.s3_url_parent(self.path), self._run)
 
-    def _retire_existing_checkpoint(self, fence: _s3.DirectoryFence | None = None) -> None:
+    def _retire_existing_checkpoint(self, fence: _fencing.DirectoryFence | None = None) -> None:
         rank = self._metadata_rank()
         # Without collectives a global .metadata of an earlier save would still be what dcp.load reads first.
         names = [metadata_name(rank)] + ([METADATA_NAME] if rank is not None else [])
@@ -769,7 +775,7 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
             raw.close()  # completes the upload (once the fence allows it): the file is durable from here on
         except BaseException as exc:
             cancelled.set()
-            if isinstance(exc, _s3.CheckpointDirectoryTakenError):
+            if isinstance(exc, _fencing.CheckpointDirectoryTakenError):
                 raise  # its message says what happened and what to do; the upload was aborted
             raise self._upload_error(url, exc) from exc
         info = raw.info
@@ -889,26 +895,6 @@ class _ViewReader(io.RawIOBase):
 
     def tell(self) -> int:
         return self._position
-
-
-class _FramingReader(_ViewReader):
-    """The head and the tail of one ``torch.save``'d item, with zeros for the tensor bytes between them (not read yet):
-    enough for ``zipfile`` and ``torch.load(map_location="meta")``, which read only the archive's framing."""
-
-    def __init__(self, head: memoryview, tail: memoryview, length: int) -> None:
-        super().__init__(head, length)
-        self._tail = tail
-
-    def _fill(self, out: memoryview, start: int) -> None:
-        end = start + len(out)
-        tail_start = self._length - len(self._tail)
-        out[:] = bytes(len(out))
-        if start < len(self._view):
-            stop = min(end, len(self._view))
-            out[: stop - start] = self._view[start:stop]
-        if end > tail_start:
-            first = max(start, tail_start)
-            out[first - start :] = self._tail[first - tail_start : end - tail_start]
 
 
 @dataclass(frozen=True)
@@ -1056,8 +1042,8 @@ size, reused."""
 def _scatter(group: _Group, chunk: int) -> bool:
     """Lay out where one GET of `group` puts each byte (`group.views`): a filled item's framing into small buffers and
     its tensor bytes into its target, other items into their own buffers, gaps into a reused skip buffer. False (one
-    buffer instead) when it needs more than one GET, its items overlap, or ``scatter_reads`` is off."""
-    if group.end - group.start > chunk or not _s3.fast_path("scatter_reads"):
+    buffer instead) when it needs more than one GET or its items overlap."""
+    if group.end - group.start > chunk:
         return False
     views: list[memoryview] = []
     skip = None
@@ -1106,18 +1092,13 @@ class _Item:
 
 @dataclass
 class _DirectRead:
-    """One item read straight into its target tensor: its framing first, then its tensor bytes into the target."""
+    """One item whose tensor bytes are read straight into its target, where its recorded span says they lie."""
 
     relative_path: str
     url: str
     item: _Item
     etag: str | None
-    file_record: dict[str, Any] | None
-    head: bytearray
-    tail: bytearray
-    layout: _TensorLayout | None = None
-    recorded: int | None = None  # the tensor bytes' own checksum, when the writer recorded their span (no framing)
-    framing: list[Future[int]] = dataclasses.field(default_factory=list)
+    span: _RecordedSpan
     futures: list[Future[int]] = dataclasses.field(default_factory=list)
 
 
@@ -1153,19 +1134,14 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
             coalesced GETs, which put a tensor with a recorded span into its target too (``scatter_reads``). At 4 MiB
             a GPT-style state's 2-9 MiB tensors each took GETs of their own: 2-3x the requests of reading the same
             bytes in chunks, and 1.3-1.5x the load's client CPU (benchmarks/realistic.md).
+        read_path: how items reach their targets (`ReadPath` and its subclasses); default: `default_read_path()`.
         endpoint_url, region_name, client_settings, retry_policy, s3_utils: how to reach S3 (as `S3CheckpointIO`).
         request_options: bucket owner, requester pays; max_requests_per_second: the job's budget. Not with `s3_utils`.
     """
 
     def __getstate__(self) -> dict[str, Any]:
         """Settings travel (`S3Utils` pickles as its settings and retry policy); what a load read does not."""
-        state = {**self.__dict__, "storage_data": None, "_records": None, "_file_progress": None}
-        del state["_stats_lock"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._stats_lock = threading.Lock()
+        return {**self.__dict__, "storage_data": None, "_records": None, "_file_progress": None}
 
     def __init__(
         self,
@@ -1175,6 +1151,7 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         max_read_concurrency: int = _s3.DEFAULT_MAX_READ_CONCURRENCY,
         coalesce_gap_MB: float = DEFAULT_COALESCE_GAP_MB,
         direct_read_min_MB: float | None = None,
+        read_path: ReadPath | None = None,
         endpoint_url: str | None = None,
         region_name: str | None = None,
         client_settings: _s3.S3ClientSettings | None = None,
@@ -1184,6 +1161,8 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         max_requests_per_second: float | dict[str, float] | _s3.RequestRates | None = None,
     ) -> None:
         _validate_sizes(chunk_size_MB, max_read_concurrency, "max_read_concurrency")
+        if read_path is not None and not isinstance(read_path, ReadPath):
+            raise TypeError(f"read_path must be a ReadPath (s3_dcp.ReadPath or a subclass), got {read_path!r}")
         if not coalesce_gap_MB >= 0:
             raise ValueError(f"coalesce_gap_MB must be >= 0, got {coalesce_gap_MB!r}")
         if direct_read_min_MB is None:
@@ -1207,6 +1186,7 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         self.max_read_concurrency = max_read_concurrency
         self.coalesce_gap_MB = coalesce_gap_MB
         self.direct_read_min_MB = direct_read_min_MB
+        self.read_path = read_path if read_path is not None else default_read_path()
         self.load_id = str(uuid.uuid4())
         self.rank: int | None = None
         self.use_collectives = True
@@ -1214,10 +1194,6 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         self._records: dict[str, Any] | None = None
         self._metadata_rank: int | None = None
         self._save_id: str | None = None
-        self._stats_lock = threading.Lock()
-        self.stats = {"requests": 0, "bytes": 0, "direct_items": 0, "recorded_spans": 0}
-        """Ranged GETs and bytes fetched by `read_data`, items read straight into their targets, and tensor items
-        located through the span the writer recorded, read straight or buffered (for tests and benchmarks)."""
 
     # ---- StorageReader --------------------------------------------------------------------------------------------
 
@@ -1277,8 +1253,8 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         in_flight = 0
         with ThreadPoolExecutor(self.max_read_concurrency, thread_name_prefix="s3ckpt-dcp-get") as pool:
             try:
-                direct, fallbacks = self._locate_tensors(pool, direct, chunk)
-                groups += fallbacks
+                for read in direct:  # planned by DirectReads
+                    self.read_path.submit_direct(self, pool, read, chunk)  # type: ignore[attr-defined]
                 for group in groups:
                     while pending and in_flight + (group.end - group.start) > budget:
                         done = pending.popleft()
@@ -1290,7 +1266,7 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
                 while pending:
                     self._consume(pending.popleft(), planner)
                 for read in direct:
-                    self._consume_direct(read, planner, chunk)
+                    self.read_path.consume_direct(self, read, planner, chunk)  # type: ignore[attr-defined]
             except BaseException:
                 for unit in [*pending, *direct]:
                     for future in unit.futures:
@@ -1356,14 +1332,14 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
                         "that .metadata points to: the checkpoint is inconsistent; do not use it"
                     )
                 item.checksum = int(recorded[1])
-                if record.get("byteorder") == sys.byteorder and _s3.fast_path("span_reads"):
-                    item.span = _tensor_spans(record).get(str(item.offset))
+                item.span = self.read_path.item_span(record, item)
             etag = record["etag"] or None
-            into_target = [self._direct_read(relative_path, url, item, etag, record, planner) for item in items]
+            path = self.read_path
+            into_target = [path.direct_read(self, relative_path, url, item, etag, planner) for item in items]
             file_direct = [read for read in into_target if read is not None]
             buffered = [item for item, read in zip(items, into_target, strict=True) if read is None]
             for item in buffered:
-                self._plan_fill(item, planner)
+                self.read_path.plan_fill(item, planner)
             file_groups = self._coalesce(url, relative_path, buffered, gap, limit, etag)
             for group in file_groups:
                 group.file_record = record
@@ -1371,49 +1347,6 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
             groups += file_groups
             direct += file_direct
         return groups, direct
-
-    def _direct_read(
-        self, relative_path: str, url: str, item: _Item, etag: str | None, record: dict[str, Any], planner: LoadPlanner
-    ) -> _DirectRead | None:
-        """A plan to read `item` straight into its target, when it is one large tensor whose target is a whole,
-        contiguous CPU tensor (checked again against the stored layout before any tensor byte is fetched)."""
-        if len(item.requests) != 1 or item.length < max(self.direct_read_min_MB * _s3.MB, 1):
-            return None
-        if not _s3.fast_path("direct_reads"):
-            return None
-        request = item.requests[0]
-        if request.type != LoadItemType.TENSOR or any(request.storage_offsets):
-            return None
-        target = planner.resolve_tensor(request).detach()
-        item.target = target
-        nbytes = target.numel() * target.element_size()
-        overhead = item.length - nbytes
-        if target.device.type != "cpu" or not target.is_contiguous() or not nbytes:
-            return None
-        if not 0 < overhead <= _DIRECT_READ_MAX_OVERHEAD:
-            return None
-        span = _span_for_target(item, target)
-        if span is not None:
-            layout = _TensorLayout(span.start, span.nbytes, None)
-            return _DirectRead(relative_path, url, item, etag, record, bytearray(), bytearray(), layout, span.checksum)
-        framing = min(overhead, item.length)
-        return _DirectRead(relative_path, url, item, etag, record, bytearray(framing), bytearray(framing))
-
-    def _plan_fill(self, item: _Item, planner: LoadPlanner) -> None:
-        """Mark a buffered item whose recorded span is its request's whole stored tensor, with a whole, contiguous CPU
-        target of that dtype and shape: its GET then puts the tensor bytes straight into the target (checked)."""
-        if item.span is None or len(item.requests) != 1 or item.requests[0].type != LoadItemType.TENSOR:
-            return
-        if not _s3.fast_path("scatter_reads"):
-            return
-        request = item.requests[0]
-        span = _RecordedSpan.checked(item.span, item.length, _stored_chunk(planner, request))
-        if span is None:
-            return
-        if item.target is None:
-            item.target = planner.resolve_tensor(request).detach()
-        if span.fills(item.target, request):
-            item.fill = span
 
     def _coalesce(
         self, url: str, relative_path: str, items: list[_Item], gap: int, limit: int, etag: str | None
@@ -1443,96 +1376,6 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         return [_Group(relative_path, url, 0, info.size, items, info.etag or None, info, expected)]
 
     # ---- fetching -------------------------------------------------------------------------------------------------
-
-    def _locate_tensors(
-        self, pool: ThreadPoolExecutor, reads: list[_DirectRead], chunk: int
-    ) -> tuple[list[_DirectRead], list[_Group]]:
-        """Fetch each item's framing (head and tail, in parallel) unless the writer recorded its tensor span, and start
-        fetching its tensor bytes into the target; an item whose stored tensor does not match its target byte for
-        byte comes back as a buffered group."""
-        accepted: list[_DirectRead] = [read for read in reads if read.recorded is not None]
-        for read in accepted:
-            self._submit_direct(pool, read, chunk)
-        reads = [read for read in reads if read.recorded is None]
-        for read in reads:
-            item = read.item
-            head, tail = memoryview(read.head), memoryview(read.tail)
-            read.framing = [
-                pool.submit(self._fetch_into, read.url, item.offset, head, read.etag, None),
-                pool.submit(self._fetch_into, read.url, item.offset + item.length - len(tail), tail, read.etag, None),
-            ]
-        fallbacks: list[_Group] = []
-        for read in reads:
-            for future in read.framing:
-                future.result()
-            item, target = read.item, read.item.target
-            layout = _tensor_layout(_FramingReader(memoryview(read.head), memoryview(read.tail), item.length))
-            meta = layout.meta if layout else None
-            if (
-                layout is not None
-                and meta.dtype == target.dtype
-                and meta.size() == target.size()
-                and meta.is_contiguous()
-                and meta.storage_offset() == 0
-                and layout.nbytes == target.numel() * target.element_size()
-                and layout.start <= len(read.head)
-                and layout.start + layout.nbytes >= item.length - len(read.tail)
-            ):
-                read.layout = layout
-                accepted.append(read)
-                self._submit_direct(pool, read, chunk)
-            else:
-                group = _Group(read.relative_path, read.url, item.offset, item.offset + item.length, [item], read.etag)
-                group.file_record = read.file_record
-                fallbacks.append(group)
-        return accepted, fallbacks
-
-    def _submit_direct(self, pool: ThreadPoolExecutor, read: _DirectRead, chunk: int) -> None:
-        assert read.layout is not None
-        view = tensor_bytes_view(read.item.target)
-        start = read.item.offset + read.layout.start
-        algorithm = _algorithm_of(self._records, read.relative_path)
-        for offset in range(0, len(view), chunk):
-            piece = view[offset : offset + chunk]
-            read.futures.append(pool.submit(self._fetch_into, read.url, start + offset, piece, read.etag, algorithm))
-
-    def _consume_direct(self, read: _DirectRead, planner: LoadPlanner, chunk: int) -> None:
-        """Wait for an item's tensor bytes, verify the whole item (framing and tensor) against its recorded checksum,
-        and commit the target."""
-        assert read.layout is not None
-        item, layout = read.item, read.layout
-        algorithm = _algorithm_of(self._records, read.relative_path)
-        if read.recorded is not None:
-            self._accept_tensor_span(read, algorithm, chunk)
-            planner.commit_tensor(item.requests[0], item.target)
-            return
-        tail_from = layout.start + layout.nbytes - (item.length - len(read.tail))
-        head, tail = memoryview(read.head)[: layout.start], memoryview(read.tail)[tail_from:]
-        pieces = [(_s3.checksum_of(algorithm, head), len(head)), *_tensor_pieces(read, chunk)]
-        actual = _s3.combine_checksums(algorithm, [*pieces, (_s3.checksum_of(algorithm, tail), len(tail))])
-        self._accept_item(read.url, read.relative_path, item, algorithm, actual)
-        self._check_whole_file(read, algorithm)
-        with self._stats_lock:
-            self.stats["direct_items"] += 1
-        planner.commit_tensor(item.requests[0], item.target)
-
-    def _accept_tensor_span(self, read: _DirectRead, algorithm: Any, chunk: int) -> None:
-        """Check a tensor read through its recorded span against the checksum recorded for those bytes. The item's
-        framing was not read, so the file's whole-file check is skipped (its items' checks cover what was read)."""
-        assert read.layout is not None and read.recorded is not None
-        actual = _s3.combine_checksums(algorithm, _tensor_pieces(read, chunk))
-        if actual != read.recorded:
-            start = read.item.offset + read.layout.start
-            raise _s3.ChecksumMismatchError(
-                f"{read.url} is corrupt: bytes {start}-{start + read.layout.nbytes} (the tensor of item "
-                f"{read.item.requests[0].storage_index.fqn}) have {algorithm.name} {actual:#x}, but "
-                f"{read.recorded:#x} was recorded when the checkpoint was written. Do not use it; use an older "
-                "checkpoint."
-            )
-        self._file_progress[read.relative_path][0] -= 1
-        with self._stats_lock:
-            self.stats["direct_items"] += 1
-            self.stats["recorded_spans"] += 1
 
     def _accept_item(self, url: str, relative_path: str, item: _Item, algorithm: Any, actual: int) -> None:
         """Check an item's bytes against its recorded checksum and count them toward its file's whole-file check
@@ -1569,14 +1412,9 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
                 f"{url} ends at byte {start + filled}, but the checkpoint's metadata needs bytes up to "
                 f"{start + length}: the shard was truncated or replaced; do not use this checkpoint"
             )
-        with self._stats_lock:
-            self.stats["requests"] += 1 if length else 0
-            self.stats["bytes"] += length
 
     def _submit(self, pool: ThreadPoolExecutor, group: _Group, chunk: int) -> None:
-        if group.whole_object is None and _scatter(group, chunk):
-            algorithm = _algorithm_of(self._records, group.relative_path)
-            group.futures.append(pool.submit(self._fetch_scattered, group, algorithm))
+        if group.whole_object is None and self.read_path.submit_scattered(self, pool, group, chunk):
             return
         group.buffer = _unzeroed_buffer(group.end - group.start)
         pieces = [(s, min(s + chunk, group.end)) for s in range(group.start, group.end, chunk)] or [(group.start,) * 2]
@@ -1604,46 +1442,10 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         whole = memoryview(group.buffer)
         return [_s3.checksum_of(algorithm, whole[lo:hi]) for lo, hi in segments]
 
-    def _fetch_scattered(self, group: _Group, algorithm: Any) -> list[tuple[int, int | None]]:
-        """One GET of a scattered group (`_scatter`); each item's checksum, and its span's where it was filled."""
-        assert group.views is not None
-        self._get_range(group.url, group.start, group.views, group.etag)
-        if algorithm is None:  # a file nobody recorded checksums for: nothing to check
-            return [(0, None)] * len(group.items)
-        checksums: list[tuple[int, int | None]] = []
-        for item in group.items:
-            if item.fill is None:
-                checksums.append((_s3.checksum_of(algorithm, item.parts[0]), None))
-                continue
-            head, tensor, tail = (_s3.checksum_of(algorithm, part) for part in item.parts)
-            whole = algorithm.combine(algorithm.combine(head, tensor, item.fill.nbytes), tail, len(item.parts[2]))
-            checksums.append((whole, tensor))
-        return checksums
-
-    def _consume_scattered(self, group: _Group, planner: LoadPlanner) -> None:
-        """Verify a scattered group's items (each whole, and each filled tensor against its span's checksum), then
-        commit the filled targets and load the other items from their buffers."""
-        (checksums,) = [future.result() for future in group.futures]
-        algorithm = _algorithm_of(self._records, group.relative_path)
-        for item, (actual, tensor) in zip(group.items, checksums, strict=True):
-            self._accept_item(group.url, group.relative_path, item, algorithm, actual)
-            if item.fill is not None and algorithm is not None and tensor != item.fill.checksum:
-                raise _span_record_modified(group.url, item.offset + item.fill.start, item.fill.nbytes)
-        if algorithm is not None:  # a file with our record (the others have no item checksums to combine)
-            self._check_whole_file(group, algorithm)
-        for item in group.items:
-            if item.fill is None:
-                self._load_item(item.parts[0], item, planner, group)
-                continue
-            planner.commit_tensor(item.requests[0], item.target)
-            with self._stats_lock:
-                self.stats["recorded_spans"] += 1
-        group.views = None
-
     def _consume(self, group: _Group, planner: LoadPlanner) -> None:
         """Wait for a group's bytes, verify them, and load its items into the planner's tensors."""
-        if group.views is not None:
-            self._consume_scattered(group, planner)
+        if group.views is not None:  # laid out by ScatterReads
+            self.read_path.consume_scattered(self, group, planner)  # type: ignore[attr-defined]
             return
         piece_checksums = [future.result() for future in group.futures]
         assert group.buffer is not None
@@ -1710,7 +1512,7 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
                 planner.load_bytes(request, io.BytesIO(data))
                 continue
             if span is None and tensor is None and item.span is not None:
-                span = self._span_bytes(data, item, group, _stored_chunk(planner, request))
+                span = self.read_path.span_bytes(self, data, item, group, _stored_chunk(planner, request))
             target = item.target if item.target is not None else planner.resolve_tensor(request).detach()
             if span is not None and span.fills(target, request):
                 tensor_bytes_view(target)[:] = span.data  # the whole stored tensor into the whole target: one copy
@@ -1727,23 +1529,6 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
             target.copy_(piece)
             planner.commit_tensor(request, target)
 
-    def _span_bytes(
-        self, data: memoryview, item: _Item, group: _Group, stored: tuple[Any, Any] | None
-    ) -> _SpanBytes | None:
-        """The tensor bytes of a verified item where the writer recorded them, without parsing its framing or
-        unpickling it; None when the record does not describe the chunk ``.metadata`` says is stored there (`stored`)
-        inside the item. The checksums before and after the span, combined with the span's own, must give the item's."""
-        span = _RecordedSpan.checked(item.span, len(data), stored)
-        if span is None:
-            return None
-        algorithm = _algorithm_of(self._records, group.relative_path)
-        require_span_in_item(
-            group.url, algorithm, data, item.offset, item.checksum, span.start, span.nbytes, span.checksum
-        )
-        with self._stats_lock:
-            self.stats["recorded_spans"] += 1
-        return _SpanBytes(data[span.start : span.start + span.nbytes], span)
-
     def _incomplete(self, url: str) -> CheckpointIncompleteError:
         try:
             present = self.s3.s3_path_exists(self.path, match_directory=True)
@@ -1759,12 +1544,183 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         )
 
 
-def _tensor_pieces(read: _DirectRead, chunk: int) -> list[tuple[int, int]]:
-    """``(checksum, length)`` of each `chunk`-sized piece of a direct read's tensor bytes, as its fetching threads
-    computed them (for `s3_utils.combine_checksums`)."""
-    assert read.layout is not None
-    nbytes = read.layout.nbytes
-    return [(future.result(), min(chunk, nbytes - n * chunk)) for n, future in enumerate(read.futures)]
+# --------------------------------------------------------------------------------------------------------------------
+# Read paths: how `S3StorageReader` gets an item's bytes into its target (chosen by its ``read_path`` argument)
+# --------------------------------------------------------------------------------------------------------------------
+# `ReadPath` is the reference path and the interface: each file's items are fetched by coalesced ranged GETs into one
+# buffer, verified against their recorded checksums, and decoded from it. Each fast path is a subclass that overrides
+# its own hooks; `FastReads` combines those kept (benchmarks/README.md gives each one's measured gain), and
+# tests/test_fast_paths.py checks each against the reference, tensor for tensor.
+
+
+class ReadPath:
+    """The reference read path (buffered: coalesced GETs into one buffer per group, each item decoded from it), and
+    the hooks a faster path overrides. Stateless: one instance may serve many readers."""
+
+    def item_span(self, record: dict[str, Any], item: _Item) -> Any:
+        """The tensor span the writer recorded for `item` (`_TensorSpan.record()`), if this path uses spans."""
+        return None
+
+    def direct_read(
+        self, reader: S3StorageReader, relative_path: str, url: str, item: _Item, etag: str | None, planner: LoadPlanner
+    ) -> _DirectRead | None:
+        """A plan to read `item` with GETs of its own straight into its target, or None (it is buffered)."""
+        return None
+
+    def plan_fill(self, item: _Item, planner: LoadPlanner) -> None:
+        """Mark a buffered item whose GET may put its tensor's bytes straight into its target (`_Item.fill`)."""
+
+    def submit_scattered(self, reader: S3StorageReader, pool: ThreadPoolExecutor, group: _Group, chunk: int) -> bool:
+        """Start one GET that scatters `group`'s bytes into its items' own buffers and targets; False: not done."""
+        return False
+
+    def span_bytes(
+        self, reader: S3StorageReader, data: memoryview, item: _Item, group: _Group, stored: tuple[Any, Any] | None
+    ) -> _SpanBytes | None:
+        """A buffered tensor item's bytes located through its recorded span, or None (decoded from its archive)."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class SpanReads(ReadPath):
+    """Tensors located through the spans `S3StorageWriter` recorded (on this machine's byte order) instead of decoding
+    their archives; the checksums before, inside and after a span must combine to the item's."""
+
+    def item_span(self, record: dict[str, Any], item: _Item) -> Any:
+        return _tensor_spans(record).get(str(item.offset)) if record.get("byteorder") == sys.byteorder else None
+
+    def span_bytes(
+        self, reader: S3StorageReader, data: memoryview, item: _Item, group: _Group, stored: tuple[Any, Any] | None
+    ) -> _SpanBytes | None:
+        span = _RecordedSpan.checked(item.span, len(data), stored)
+        if span is None:  # the record does not describe the chunk .metadata says is stored there
+            return None
+        algorithm = _algorithm_of(reader._records, group.relative_path)
+        require_span_in_item(
+            group.url, algorithm, data, item.offset, item.checksum, span.start, span.nbytes, span.checksum
+        )
+        return _SpanBytes(data[span.start : span.start + span.nbytes], span)
+
+
+class ScatterReads(SpanReads):
+    """`SpanReads`, plus: one GET of a group of small items scatters each recorded tensor's bytes straight into its
+    target, the framing and the other items into small buffers (`_scatter`); no group buffer, no copy."""
+
+    def plan_fill(self, item: _Item, planner: LoadPlanner) -> None:
+        if item.span is None or len(item.requests) != 1 or item.requests[0].type != LoadItemType.TENSOR:
+            return
+        request = item.requests[0]
+        span = _RecordedSpan.checked(item.span, item.length, _stored_chunk(planner, request))
+        if span is None:
+            return
+        if item.target is None:
+            item.target = planner.resolve_tensor(request).detach()
+        if span.fills(item.target, request):
+            item.fill = span
+
+    def submit_scattered(self, reader: S3StorageReader, pool: ThreadPoolExecutor, group: _Group, chunk: int) -> bool:
+        if not _scatter(group, chunk):
+            return False
+        algorithm = _algorithm_of(reader._records, group.relative_path)
+        group.futures.append(pool.submit(self._fetch_scattered, reader, group, algorithm))
+        return True
+
+    @staticmethod
+    def _fetch_scattered(reader: S3StorageReader, group: _Group, algorithm: Any) -> list[tuple[int, int | None]]:
+        """One GET of a scattered group; each item's checksum, and its span's where it was filled."""
+        assert group.views is not None
+        reader._get_range(group.url, group.start, group.views, group.etag)
+        if algorithm is None:  # a file nobody recorded checksums for: nothing to check
+            return [(0, None)] * len(group.items)
+        checksums: list[tuple[int, int | None]] = []
+        for item in group.items:
+            if item.fill is None:
+                checksums.append((_s3.checksum_of(algorithm, item.parts[0]), None))
+                continue
+            head, tensor, tail = (_s3.checksum_of(algorithm, part) for part in item.parts)
+            whole = algorithm.combine(algorithm.combine(head, tensor, item.fill.nbytes), tail, len(item.parts[2]))
+            checksums.append((whole, tensor))
+        return checksums
+
+    def consume_scattered(self, reader: S3StorageReader, group: _Group, planner: LoadPlanner) -> None:
+        """Verify a scattered group's items (each whole, and each filled tensor against its span's checksum), then
+        commit the filled targets and load the other items from their buffers."""
+        (checksums,) = [future.result() for future in group.futures]
+        algorithm = _algorithm_of(reader._records, group.relative_path)
+        for item, (actual, tensor) in zip(group.items, checksums, strict=True):
+            reader._accept_item(group.url, group.relative_path, item, algorithm, actual)
+            if item.fill is not None and algorithm is not None and tensor != item.fill.checksum:
+                raise _span_record_modified(group.url, item.offset + item.fill.start, item.fill.nbytes)
+        if algorithm is not None:  # a file with our record (the others have no item checksums to combine)
+            reader._check_whole_file(group, algorithm)
+        for item in group.items:
+            if item.fill is None:
+                reader._load_item(item.parts[0], item, planner, group)
+            else:
+                planner.commit_tensor(item.requests[0], item.target)
+        group.views = None
+
+
+class DirectReads(SpanReads):
+    """`SpanReads`, plus: a large tensor item (``direct_read_min_MB``) whose recorded span describes its whole,
+    contiguous CPU target is read with parallel ranged GETs of its own straight into the target, checked against the
+    span's recorded checksum. Items without a span (older checkpoints, another byte order) are buffered."""
+
+    def direct_read(
+        self, reader: S3StorageReader, relative_path: str, url: str, item: _Item, etag: str | None, planner: LoadPlanner
+    ) -> _DirectRead | None:
+        if item.span is None or len(item.requests) != 1 or item.length < max(reader.direct_read_min_MB * _s3.MB, 1):
+            return None
+        request = item.requests[0]
+        if request.type != LoadItemType.TENSOR or any(request.storage_offsets):
+            return None
+        target = item.target = planner.resolve_tensor(request).detach()
+        if target.device.type != "cpu" or not target.is_contiguous() or not target.numel():
+            return None
+        span = _span_for_target(item, target)
+        return None if span is None else _DirectRead(relative_path, url, item, etag, span)
+
+    def submit_direct(self, reader: S3StorageReader, pool: ThreadPoolExecutor, read: _DirectRead, chunk: int) -> None:
+        view = tensor_bytes_view(read.item.target)
+        start = read.item.offset + read.span.start
+        algorithm = _algorithm_of(reader._records, read.relative_path)
+        for offset in range(0, len(view), chunk):
+            piece = view[offset : offset + chunk]
+            read.futures.append(pool.submit(reader._fetch_into, read.url, start + offset, piece, read.etag, algorithm))
+
+    def consume_direct(self, reader: S3StorageReader, read: _DirectRead, planner: LoadPlanner, chunk: int) -> None:
+        """Wait for an item's tensor bytes, check them against the checksum recorded for its span, and commit the
+        target. The item's framing was not read, so its file's whole-file check is skipped (the reads cover it)."""
+        algorithm = _algorithm_of(reader._records, read.relative_path)
+        nbytes = read.span.nbytes
+        pieces = [(future.result(), min(chunk, nbytes - n * chunk)) for n, future in enumerate(read.futures)]
+        actual = _s3.combine_checksums(algorithm, pieces)
+        if actual != read.span.checksum:
+            start = read.item.offset + read.span.start
+            raise _s3.ChecksumMismatchError(
+                f"{read.url} is corrupt: bytes {start}-{start + nbytes} (the tensor of item "
+                f"{read.item.requests[0].storage_index.fqn}) have {algorithm.name} {actual:#x}, but "
+                f"{read.span.checksum:#x} was recorded when the checkpoint was written. Do not use it; use an older "
+                "checkpoint."
+            )
+        reader._file_progress[read.relative_path][0] -= 1
+        planner.commit_tensor(read.item.requests[0], read.item.target)
+
+
+class FastReads(DirectReads, ScatterReads):
+    """Every kept fast path: `DirectReads`, `ScatterReads` and the `SpanReads` both build on (the default)."""
+
+
+def default_read_path() -> ReadPath:
+    """`FastReads`, unless ``S3CKPT_REFERENCE_PATHS`` (`s3_utils.REFERENCE_PATHS_ENV`, a switch for tests and
+    benchmarks) names read paths to leave out: then the reference `ReadPath` plus whichever of them remain (without
+    ``span_reads``, none: the others need the spans)."""
+    if not _s3.fast_path("span_reads"):
+        return ReadPath()
+    paths = {(True, True): FastReads, (True, False): DirectReads, (False, True): ScatterReads}
+    return paths.get((_s3.fast_path("direct_reads"), _s3.fast_path("scatter_reads")), SpanReads)()
 
 
 def _stored_chunk(planner: LoadPlanner, request: Any) -> tuple[tuple[int, ...], Any] | None:
@@ -1791,7 +1747,7 @@ def _tensor_spans(record: dict[str, Any]) -> dict[str, Any]:
 
 def _span_for_target(item: _Item, target: Any) -> _RecordedSpan | None:
     """`item`'s recorded span (`_plan_groups` sets it for this machine's byte order) if it describes exactly `target`
-    inside the item; else None, and the bytes are located from the item's framing."""
+    inside the item; else None, and the item is buffered and decoded."""
     span = _RecordedSpan.parsed(item.span, item.length)  # its byte count is its shape's, or it is None
     return span if span is not None and (span.dtype, span.shape) == (target.dtype, tuple(target.shape)) else None
 
@@ -1977,7 +1933,7 @@ class S3ShardedStrategyMixin:
     ``<path>/`` holding ``__{rank}_{n}.distcp``, ``meta.pt`` (first, by rank 0) and ``.metadata`` (last: complete once
     it exists). Full checkpoints are one object, written by `S3CheckpointIO` on rank 0. Removal deletes the object at
     the path and everything under ``<path>/``. With ``fencing=True`` (the default) saves and removals are refused with
-    `s3_utils.CheckpointDirectoryTakenError`, on every rank, once a newer run took the checkpoint directory over.
+    `s3_fencing.CheckpointDirectoryTakenError`, on every rank, once a newer run took the checkpoint directory over.
 
     Extra keyword arguments (all optional): chunk_size_MB, max_read_concurrency, max_write_concurrency, thread_count,
     checksum_algorithm, endpoint_url, region_name, client_settings, retry_policy, fencing, max_requests_per_second
@@ -2157,7 +2113,7 @@ class S3ShardedStrategyMixin:
                 work()
             except Exception as exc:
                 error = exc
-        shared = error if isinstance(error, _s3.CheckpointDirectoryTakenError) else repr(error) if error else None
+        shared = error if isinstance(error, _fencing.CheckpointDirectoryTakenError) else repr(error) if error else None
         shared = self.broadcast(shared)  # type: ignore[attr-defined]
         if error is not None:
             raise error

@@ -56,11 +56,13 @@ if __package__:
     from . import s3_checkpoint_admin as _admin
     from . import s3_dcp as _dcp
     from . import s3_dirpath_utils as _urls
+    from . import s3_fencing as _fencing
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_checkpoint_admin as _admin
     import s3_dcp as _dcp
     import s3_dirpath_utils as _urls
+    import s3_fencing as _fencing
     import s3_utils as _s3
 
 __all__ = [
@@ -164,7 +166,7 @@ class MegatronS3StorageWriter(_dcp.S3StorageWriter):
         plans = super().prepare_global_plan(plans)
         config = _urls.join_s3_url(self.path, CONFIG_NAME)
         if self.s3.s3_path_exists(config):
-            fence = _s3.DirectoryFence(self.s3, _urls.s3_url_parent(self.path)) if self.fencing else None
+            fence = _fencing.DirectoryFence(self.s3, _urls.s3_url_parent(self.path)) if self.fencing else None
             self.s3.remove_object(config, fence=fence)  # the directory is this run's: the plan just took it
             _s3.invalidate_fsspec_cache(self.path)
         active = _ROUTING.routing
@@ -472,7 +474,7 @@ def _strategy_class() -> type:
 class _S3File(io.BytesIO):
     """An object written by megatron-core (``metadata.json``, ``common.pt``): buffered, uploaded whole on close."""
 
-    def __init__(self, s3: _s3.S3Utils, url: str, fence: _s3.DirectoryFence | None = None) -> None:
+    def __init__(self, s3: _s3.S3Utils, url: str, fence: _fencing.DirectoryFence | None = None) -> None:
         super().__init__()
         self.s3 = s3
         self.url = url
@@ -682,7 +684,7 @@ class S3Routing:
     reader_options: dict[str, Any] = field(default_factory=dict)
     fencing: bool = True
     """megatron-core's own writes (``metadata.json``; ``common.pt`` before 0.19) are fenced as the checkpoint's
-    files: refused with `s3_utils.CheckpointDirectoryTakenError` once a newer run owns the directory holding it."""
+    files: refused with `s3_fencing.CheckpointDirectoryTakenError` once a newer run owns the directory holding it."""
     mechanism: str = ""
     """``"maybe_msc"`` (megatron-core >= 0.19: its ``maybe_msc`` object is taught ``s3://``) or ``"msc_module"``
     (<= 0.18: a stand-in for multi-storage-client's module, with megatron-core's MSC flag on)."""
@@ -714,7 +716,7 @@ class S3Routing:
         try:
             with self.open(held.url, "wb") as file:
                 _s3.import_optional_dependency("torch").save(held.obj, file, *held.args, **held.kwargs)
-        except _s3.CheckpointDirectoryTakenError:
+        except _fencing.CheckpointDirectoryTakenError:
             raise  # names the URL already
         except Exception as exc:
             message = f"{held.url}: megatron-core's common state could not be written: {exc!r}"
@@ -724,7 +726,7 @@ class S3Routing:
         """Read (whole, verified) or write (uploaded on close) one object; text modes decode UTF-8."""
         if any(flag in mode for flag in "wax"):
             checkpoint = _urls.s3_url_parent(url)  # megatron-core writes its files at the checkpoint's top level
-            fence = _s3.DirectoryFence(self.s3, _urls.s3_url_parent(checkpoint)) if self.fencing else None
+            fence = _fencing.DirectoryFence(self.s3, _urls.s3_url_parent(checkpoint)) if self.fencing else None
             file: Any = _S3File(self.s3, url, fence)
             return file if "b" in mode else _S3TextFile(file, encoding="utf-8")
         with self.s3.download_to_memory(url) as downloaded:

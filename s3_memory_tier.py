@@ -12,7 +12,7 @@ argument raises ImportError saying the file is missing. docs/tiers.md shows the 
    A file without a commit record, or whose bytes do not match it, is not a checkpoint. Directories are created
    0700, files 0600, exclusively; the job's directory is the tier's scope: another job never looks into it.
 3. Fencing across tiers: the job's directory records the newest launch that wrote into it (``launch.json``); a save
-   of an older launch (a straggler) raises `s3_utils.CheckpointDirectoryTakenError` and writes nothing.
+   of an older launch (a straggler) raises `s3_fencing.CheckpointDirectoryTakenError` and writes nothing.
 4. Bounded memory: at most `MemoryTier.keep` committed checkpoints per node; older ones are dropped once a newer one
    is committed, except those still waiting for their drain to S3.
 5. Draining: `NodeTier.upload` streams a committed file into an `s3_utils.S3MultipartWriter` straight from the tier's
@@ -65,9 +65,11 @@ except ImportError:  # not on POSIX: no lock around the launch record
 
 if __package__:
     from . import s3_dirpath_utils as _urls
+    from . import s3_fencing as _fencing
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_dirpath_utils as _urls
+    import s3_fencing as _fencing
     import s3_utils as _s3
 
 __all__ = [
@@ -354,7 +356,7 @@ def _slug(text: str) -> str:
 class NodeTier:
     """This node's memory tier for one job, as seen by one process (`S3CheckpointIO` keeps one)."""
 
-    def __init__(self, config: MemoryTier, run: _s3.CheckpointRun, checksum_algorithm: str = "auto") -> None:
+    def __init__(self, config: MemoryTier, run: _fencing.CheckpointRun, checksum_algorithm: str = "auto") -> None:
         self.config = config
         self.run = run
         self.algorithm = _s3.ChecksumAlgorithm.named(checksum_algorithm)
@@ -417,10 +419,10 @@ class NodeTier:
             owner = None
             if found is not None:
                 with contextlib.suppress(TypeError, ValueError):
-                    owner = _s3.CheckpointRun(**{**found, "attempt": tuple(found.get("attempt", ()))})
+                    owner = _fencing.CheckpointRun(**{**found, "attempt": tuple(found.get("attempt", ()))})
             if owner is not None and owner.run_id != self.run.run_id:
                 if owner.is_newer_than(self.run):
-                    raise _s3.CheckpointDirectoryTakenError(
+                    raise _fencing.CheckpointDirectoryTakenError(
                         f"memory tier {self.directory}: {owner} is a newer launch of this job than {self.run}; this "
                         "run is stale and writes nothing into the tier (docs/fencing.md)",
                         str(self.directory),

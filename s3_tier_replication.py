@@ -26,7 +26,7 @@ when the environment sets it (the same value on every node: then only holders of
 replicas) and else by the job's identity, which refuses other jobs and confused peers but is no secret. File bytes
 are verified by checksums, not signed. Fencing: the server refuses a replica whose launch is older than the newest
 launch it has seen for that sender, or than its own (a straggler of an older launch cannot overwrite a newer
-launch's replicas); reads (fetch, list) need the job only. Launches are spelled as `s3_utils.LaunchIdentity.run_id`
+launch's replicas); reads (fetch, list) need the job only. Launches are spelled as `s3_fencing.LaunchIdentity.run_id`
 (``<job>#<attempt>``), ordered by the attempt; None (outside any launcher) has nothing to fence.
 
 Timeouts: every socket operation gives up after `timeout_s` without progress, so a dead or stopped peer costs at
@@ -186,7 +186,7 @@ def directory_manifest(directory: Path | str, algorithm: str | None = "auto") ->
 
 
 def launch_attempt(launch: str | None) -> tuple[int, ...] | None:
-    """The order of a launch spelled ``<job>#<attempt>`` (`s3_utils.LaunchIdentity.run_id`, e.g. ``slurm:42#1.-1``):
+    """The order of a launch spelled ``<job>#<attempt>`` (`s3_fencing.LaunchIdentity.run_id`, e.g. ``slurm:42#1.-1``):
     its attempt numbers, higher is later; None for None (outside any launcher). ValueError for another spelling."""
     if launch is None:
         return None
@@ -197,7 +197,7 @@ def launch_attempt(launch: str | None) -> tuple[int, ...] | None:
         return tuple(int(part) for part in attempt.split(".")) if attempt else ()
     except ValueError:
         raise ValueError(
-            f"launch {launch!r} is not spelled '<job>#<attempt>' (s3_utils.LaunchIdentity.run_id)"
+            f"launch {launch!r} is not spelled '<job>#<attempt>' (s3_fencing.LaunchIdentity.run_id)"
         ) from None
 
 

@@ -1,10 +1,13 @@
 """Everything that talks to S3: one module, in parts that build on each other (read it top to bottom).
 
-1. Optional dependencies, imported on first use; this process (`global_rank`, `world_size`, `launch_identity`...).
-2. Retries: `RetryPolicy`, the single retry layer of every request, and the `RequestPacer` for SlowDown answers.
-3. Client: `S3ClientSettings` and `get_s3_client`. 4. Checksums: S3's CRCs and the records a load is verified against.
-5. Objects: `S3ObjectInfo`, `DownloadedObject`. 6. `S3Utils`: the facade with NeMo's names, and its errors.
-7. The ranged reader. 8. The streaming writer (`S3MultipartWriter`). 9. Fencing: `DirectoryFence`. 10. s3fs caches.
+1. Optional dependencies, imported on first use. 2. This process: `global_rank`, `world_size`, `node_key`, `job_key`.
+3. Retries: `RetryPolicy`, the single retry layer of every request, and the `RequestPacer` for SlowDown answers.
+4. Request options: `S3RequestOptions`. 5. Client: `S3ClientSettings` and `get_s3_client`. 6. Checksums: S3's CRCs
+and the records a load is verified against. 7. Objects: `S3ObjectInfo`, `DownloadedObject`. 8. Errors: S3's answers
+as Python's exceptions, annotated. 9. `S3Utils`: the facade with NeMo's names; `Fence`, what its writer and removals
+ask of a directory's owner. 10. The ranged reader. 11. Fast paths. 12. The streaming writer (`S3MultipartWriter`).
+13. Store capabilities: what a store honours (`store_capabilities`). 14. s3fs caches. Which run this process is,
+and the fences themselves (`DirectoryFence`), are in s3_fencing.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ import queue
 import random
 import re
 import secrets
-import socket
 import sys
 import tempfile
 import threading
@@ -49,17 +51,18 @@ else:  # installed (or copied) as a top-level module
     import s3_dirpath_utils as _urls
 
 __all__ = [
-    "DEFAULT_CHUNK_SIZE_MB", "DEFAULT_MAX_READ_CONCURRENCY", "DEFAULT_MAX_WRITE_CONCURRENCY", "GB", "MB", "CallRetries",
-    "OWNER_RECORD_NAME", "CheckpointDirectoryTakenError", "CheckpointRun", "ChecksumAlgorithm", "ChecksumMismatchError",
-    "DirectoryFence", "DownloadedObject", "FenceToken", "LaunchIdentity", "MissingOptionalDependencyError",
-    "LAUNCHER_ENV_VARS", "MultipartUploadInfo", "NODE_SHARING_MODULE", "PACER_SHARING_ENV", "PacerLane",
-    "PacerLaneState", "RecordedChecksum", "RequestPacer", "RequestRates", "RetryPolicy", "S3ClientSettings",
-    "S3MultipartWriter", "S3ObjectInfo", "S3RequestOptions", "S3Utils", "SharedLaneStore", "SharedLoadError",
-    "adopt_run", "buffer_address", "checksum_of", "combine_checksums", "current_run", "error_code",
-    "forget_s3fs_instances", "fresh_s3fs_instances", "get_s3_client", "global_rank", "import_optional_dependency",
-    "invalidate_fsspec_cache",
-    "is_retriable_error", "is_throttling_error", "job_key", "launch_identity", "node_key", "node_sharing",
-    "release_part_buffers", "request_pacer", "response_ids", "validate_checksum_algorithm", "user_agent", "world_size",
+    "DEFAULT_CHUNK_SIZE_MB", "DEFAULT_MAX_READ_CONCURRENCY", "DEFAULT_MAX_WRITE_CONCURRENCY", "GB", "MB",
+    "CallRetries",
+    "OWNER_RECORD_NAME", "ChecksumAlgorithm", "ChecksumMismatchError", "DownloadedObject", "Fence",
+    "MissingOptionalDependencyError", "LAUNCHER_ENV_VARS", "MultipartUploadInfo", "NODE_SHARING_MODULE",
+    "PACER_SHARING_ENV", "PROBE_KEY_PREFIX", "PacerLane", "PacerLaneState", "RecordedChecksum", "RequestPacer",
+    "RequestRates", "RetryPolicy", "S3ClientSettings", "S3MultipartWriter", "S3ObjectInfo", "S3RequestOptions",
+    "S3Utils", "SharedLaneStore", "SharedLoadError", "StoreCapabilities", "CAPABILITIES", "note_capability",
+    "store_capabilities",
+    "warn_missing", "checksum_of", "combine_checksums", "error_code", "forget_s3fs_instances", "fresh_s3fs_instances",
+    "get_s3_client", "global_rank", "import_optional_dependency", "invalidate_fsspec_cache", "is_precondition_failed",
+    "is_retriable_error", "is_throttling_error", "job_key", "node_key", "node_sharing", "release_part_buffers",
+    "request_pacer", "response_ids", "validate_checksum_algorithm", "user_agent", "world_size"
 ]
 
 logger = logging.getLogger(__name__)
@@ -73,12 +76,14 @@ DEFAULT_MAX_WRITE_CONCURRENCY = 10
 MIN_PART_SIZE = 5 * MB  # S3's minimum for every part but the last
 MAX_PARTS = 10_000  # S3's maximum number of parts in one multipart upload
 CHECKSUM_SIDECAR_SUFFIX = ".s3ckpt-checksum.json"  # a checksum record beside an object
-OWNER_RECORD_NAME = ".s3ckpt-owner.json"  # a checkpoint directory's owner record (`DirectoryFence`)
+OWNER_RECORD_NAME = ".s3ckpt-owner.json"  # a checkpoint directory's owner record (s3_fencing.DirectoryFence)
+PROBE_KEY_PREFIX = ".s3ckpt-probe-"  # the temporary object of a capability probe (`store_capabilities`)
 
 
 def _is_package_record(key: str) -> bool:
-    """Whether `key` is a checksum sidecar or an owner record (listings leave them out)."""
-    return key.endswith(CHECKSUM_SIDECAR_SUFFIX) or key.rpartition("/")[2] == OWNER_RECORD_NAME
+    """Whether `key` is a checksum sidecar, an owner record or a capability probe's (listings leave them out)."""
+    name = key.rpartition("/")[2]
+    return key.endswith(CHECKSUM_SIDECAR_SUFFIX) or name == OWNER_RECORD_NAME or name.startswith(PROBE_KEY_PREFIX)
 
 
 _T = TypeVar("_T")
@@ -232,72 +237,6 @@ def job_key(environ: Mapping[str, str] | None = None) -> str | None:
     environ = os.environ if environ is None else environ
     values = [environ.get(name, "").strip() for name in LAUNCHER_ENV_VARS["job"]]
     return "|".join(values) if any(values) else None
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# This process, continued: the launch it belongs to (its run, for fencing)
-# --------------------------------------------------------------------------------------------------------------------
-#
-# The ranks of one job are one run; a relaunch (torchrun's restart, a SLURM requeue) is a newer one. The launcher's
-# environment names what a relaunch keeps (`job`) and which launch this is (`attempt`). See docs/runs.md.
-
-
-@dataclass(frozen=True)
-class LaunchIdentity:
-    """The launch this process belongs to, as its launcher's environment says (`launch_identity`)."""
-
-    launcher: str  # ``"torchrun"``, ``"slurm"`` or ``"slurm+torchrun"``
-    job: str  # what a relaunch keeps: ``slurm:<job id>`` and/or ``torchrun:<run id>`` (docs/runs.md)
-    attempt: tuple[int, ...]  # which launch of `job` (higher is later): SLURM's restarts and step, torchrun's
-    started: float | None = None  # when the launch started (``SLURM_JOB_START_TIME``), if known
-
-    @property
-    def run_id(self) -> str:
-        return f"{self.job}#{'.'.join(str(n) for n in self.attempt)}"
-
-
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, "").strip())
-    except ValueError:
-        return default
-
-
-def _torchrun_agent() -> str:
-    """This host and the parent torchrun agent (pid and start time, so that a reused pid is another agent)."""
-    parent = os.getppid()
-    try:
-        with open(f"/proc/{parent}/stat", encoding="ascii", errors="replace") as stat_file:
-            started = stat_file.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        started = "?"
-    return f"{socket.gethostname()}:{parent}:{started}"
-
-
-def launch_identity() -> LaunchIdentity | None:
-    """The launch this process belongs to, from SLURM's and torchrun's variables; None outside any launcher. torchrun's
-    default run id ``none`` names no job: then the torchrun agent on this host is (one run per node: `adopt_run`)."""
-    slurm_job = os.environ.get("SLURM_JOB_ID", "").strip()
-    torch_run = os.environ.get("TORCHELASTIC_RUN_ID", "").strip()
-    in_torchrun = bool(torch_run) or "TORCHELASTIC_RESTART_COUNT" in os.environ
-    jobs: list[str] = []
-    attempt: list[int] = []
-    started: float | None = None
-    if slurm_job:
-        jobs.append(f"slurm:{slurm_job}")
-        attempt += [_env_int("SLURM_RESTART_COUNT", 0), _env_int("SLURM_STEP_ID", -1)]
-        start = _env_int("SLURM_JOB_START_TIME", 0)
-        started = float(start) if start > 0 else None
-    if in_torchrun:
-        if torch_run and torch_run != "none":
-            jobs.append(f"torchrun:{torch_run}")
-        elif not slurm_job:
-            jobs.append(f"torchrun:none@{_torchrun_agent()}")
-        attempt.append(_env_int("TORCHELASTIC_RESTART_COUNT", 0))
-    if not jobs:
-        return None
-    launcher = "+".join(name for name, present in (("slurm", slurm_job), ("torchrun", in_torchrun)) if present)
-    return LaunchIdentity(launcher, "/".join(jobs), tuple(attempt), started)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -530,10 +469,10 @@ class PacerLane:
     """One direction (reads or writes) of a `RequestPacer`: a token bucket whose rate adapts to S3's answers.
 
     Dormant until the first throttling answer or a budget. The rate starts at `BETA` times the send rate, drops by
-    `BETA` on a throttling answer to a request sent after the last drop, and grows on each success (faster when slow
-    or on a long run; plus `CATCH_UP` for fairness), within ``[MIN_RATE, 2 x send rate]`` and the budget's share. A
-    lane shared by n processes (`SharedLaneStore`) acts as n lanes in lock step. Times are arguments, else `clock`'s
-    (``time.monotonic``; benchmarks/s3_sim.py passes simulated time).
+    `BETA` on a throttling answer to a request sent after the last drop, and grows on each success (faster when slow,
+    on a long run, and the longer since the last drop: `QUIET_S`; plus `CATCH_UP` for fairness), within
+    ``[MIN_RATE, 2 x send rate]`` and the budget's share. A lane shared by n processes (`SharedLaneStore`) acts as n
+    lanes in lock step. Times are arguments, else `clock`'s (``time.monotonic``; benchmarks/s3_sim.py: simulated).
     """
 
     BETA = 0.7
@@ -542,6 +481,7 @@ class PacerLane:
     STREAK_SCALE = 4.0
     MAX_STREAK = 64
     MIN_RATE = 0.2  # requests/s per process a lane never goes under (to learn when the store has room)
+    QUIET_S, MAX_QUIET = 0.25, 64.0  # s seconds after WINDOW_S without a cut, growth is 1 + s / QUIET_S times faster
     WINDOW_S = 2.0  # the window over which a lane measures its send rate (to start from, and to cap its growth)
 
     def __init__(
@@ -693,8 +633,7 @@ class PacerLane:
     def on_success(self, sent: float, now: float) -> None:
         """A success of a request sent at `sent`."""
         self._last_success = now
-        flag = self._flag
-        if not (self._active if flag is None else flag[0][flag[1]]):
+        if not self.active:
             return
         with self._state():
             self._host_last_success = now
@@ -702,8 +641,9 @@ class PacerLane:
                 return
             n = self._processes
             self._streak = min(self._streak + 1.0 / n, self.MAX_STREAK)
-            step = self.GROWTH * (1.0 + self._streak / self.STREAK_SCALE) / math.sqrt(self._rate * n)
-            grown = self._rate * (1.0 + step) + self.CATCH_UP * n * max(0.0, now - self._changed_at)
+            quiet = min(1.0 + max(0.0, now - self._epoch - self.WINDOW_S) / self.QUIET_S, self.MAX_QUIET)
+            step = quiet * self.GROWTH * (1.0 + self._streak / self.STREAK_SCALE) / math.sqrt(self._rate * n)
+            grown = self._rate * (1.0 + step) + quiet * self.CATCH_UP * n * max(0.0, now - self._changed_at)
             grown = min(grown, max(self._rate, 2.0 * self.measured_rate(now)))
             self._changed_at = now
             if grown > self._rate:
@@ -733,8 +673,7 @@ class PacerLane:
     def acquire(self, max_interval_s: float = math.inf) -> float:
         """Wait for a token if pacing (one comes at least every `max_interval_s`); return the send time to report."""
         now = self._clock()
-        flag = self._flag
-        if not (self._active if flag is None else flag[0][flag[1]]):
+        if not self.active:
             self._own_sends.append(now)  # thread-safe, and the only cost of a dormant lane
             return now
         started = now
@@ -1492,8 +1431,97 @@ class DownloadedObject:
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# Errors: S3's answers as the exceptions Python code expects, annotated with the URL and what to do
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _annotate(
+    exc: BaseException, operation: str, url: str, options: S3RequestOptions | None = None, tried: str = ""
+) -> None:
+    """Note on `exc` (re-raised unchanged) the URL, what S3 said (status, request and host id) and what to do."""
+    code = error_code(exc)
+    if code in {"AccessDenied", "403", "Forbidden"}:
+        hint = "check the credentials and that their policy allows this action on this bucket and key"
+        if options is not None and options.ExpectedBucketOwner:
+            hint += f", and that account {options.ExpectedBucketOwner} (ExpectedBucketOwner) owns the bucket"
+    elif code in {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "NoCredentialsError"}:
+        hint = "check the AWS credentials (environment, profile or role) used by this process"
+    elif code == "400":  # a HEAD has no error body: expired credentials and a wrong region both look like this
+        hint = "the request was refused (400): check the AWS credentials (expired?) and the region of the bucket"
+    elif code in {"AuthorizationHeaderMalformed", "PermanentRedirect", "IllegalLocationConstraintException", "301"}:
+        hint = "the bucket may be in another region: set the region (AWS_REGION or region_name)"
+    else:
+        hint = ""
+    if tried:
+        hint = f"gave up after {tried}, the last answer {code}" + (f"; {hint}" if hint else "")
+    if not any(url in note for note in getattr(exc, "__notes__", [])):
+        exc.add_note(f"while running S3 {operation} on {url}{response_ids(exc)}" + (f": {hint}" if hint else ""))
+
+
+def is_precondition_failed(exc: BaseException, conditions: Mapping[str, str]) -> bool:
+    """Whether `exc` is the store refusing a write's `conditions`: 412, or 404 for If-Match on a key that is gone."""
+    response = getattr(exc, "response", None)
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict) else None
+    if error_code(exc) in ("PreconditionFailed", "412") or status == 412:
+        return True
+    return "IfMatch" in conditions and isinstance(exc, FileNotFoundError)
+
+
+def response_ids(exc: BaseException) -> str:
+    """`` (HTTP 403, request id ..., host id ...)`` from a botocore error's response, or empty."""
+    response = getattr(exc, "response", None)
+    metadata = response.get("ResponseMetadata", {}) if isinstance(response, dict) else {}
+    headers = metadata.get("HTTPHeaders", {})
+    labelled = [
+        ("HTTP", metadata.get("HTTPStatusCode")),
+        ("request id", metadata.get("RequestId") or headers.get("x-amz-request-id")),
+        ("host id", metadata.get("HostId") or headers.get("x-amz-id-2")),
+    ]
+    parts = [f"{label} {value}" for label, value in labelled if value]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # S3Utils
 # --------------------------------------------------------------------------------------------------------------------
+
+
+class _RemovalRefusedError(OSError):
+    """A key's error in a DeleteObjects answer, as the exception a fence is handed (`Fence.precondition_failed`)."""
+
+    def __init__(self, code: str, message: str, url: str) -> None:
+        super().__init__(f"S3 answered {code} to the conditional removal of {url}: {message}")
+        self.response = {"Error": {"Code": code, "Message": message}}
+
+
+_CONDITIONAL_REMOVAL_ATTEMPTS = 5  # sends of a removal that a concurrent request (409) or a changed object (412) fails
+
+
+class Fence(Protocol):
+    """What the writer and the removals ask of a checkpoint directory's owner (the ``fence=`` of
+    `S3Utils.open_writer`, `remove_object`, `remove_objects_with_prefix`): s3_fencing's `DirectoryFence` is one."""
+
+    def before_mutation(self, url: str, action: str) -> None:
+        """Before a ``"save"`` or ``"removal"`` of `url`: raise if this run may not, with nothing changed."""
+
+    def conditions(self, key: str) -> dict[str, str]:
+        """The ETag condition a commit of `key` carries (``IfMatch`` / ``IfNoneMatch``), or none."""
+
+    def precondition_failed(self, url: str, key: str, exc: BaseException, action: str = "save") -> dict[str, str]:
+        """A commit's or a removal's (`action`) condition failed (`exc`): raise if another run owns the directory,
+        else the retry's conditions (``IfMatch`` on what is there now; ``IfNoneMatch``: nothing is)."""
+
+    def conditional_removals(self) -> bool:
+        """Whether removals carry the ETag they checked (the store honours conditional deletes; else one warning)."""
+
+    def committed_etag(self, key: str) -> str | None:
+        """The ETag this run last committed at `key`, if it knows one."""
+
+    def committed(self, key: str, etag: str) -> None:
+        """`key` was committed with `etag`."""
+
+    def removed(self, keys: Iterable[str]) -> None:
+        """`keys` are about to be removed."""
 
 
 def _refuse_overridden(caller: str, winner: str, overridden: list[str]) -> None:
@@ -1796,7 +1824,7 @@ class S3Utils:
 
     # ---- removal --------------------------------------------------------------------------------------------------
     @_ClassOrInstanceMethod
-    def remove_object(self, s3_path: str | os.PathLike[str], *, fence: DirectoryFence | None = None) -> None:
+    def remove_object(self, s3_path: str | os.PathLike[str], *, fence: Fence | None = None) -> None:
         """Delete one object and its checksum record (missing is fine); with a `fence`, only while its run owns it."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
@@ -1806,15 +1834,16 @@ class S3Utils:
 
     @_ClassOrInstanceMethod
     def remove_objects_with_prefix(
-        self, s3_path: str | os.PathLike[str], *, fence: DirectoryFence | None = None
+        self, s3_path: str | os.PathLike[str], *, fence: Fence | None = None
     ) -> int:
         """Delete the object at `s3_path` and all under ``s3_path/``; how many. `fence` as in `remove_object`."""
         url = _urls.normalize_s3_url(s3_path)
         bucket, key = _urls.parse_s3_url(url)
-        keys = [obj.key for obj in self.list_objects(url, include_sidecars=True)]
+        listed = {obj.key: obj.etag for obj in self.list_objects(url, include_sidecars=True)}
+        keys = list(listed)
         if key and not key.endswith("/"):
             keys += [key, key + CHECKSUM_SIDECAR_SUFFIX]
-        self._delete_keys(bucket, keys, url, fence)
+        self._delete_keys(bucket, keys, url, fence, {k: etag for k, etag in listed.items() if etag})
         return len(keys)
 
     @_ClassOrInstanceMethod
@@ -1834,22 +1863,87 @@ class S3Utils:
             self._delete_keys(bucket, list(named), _urls.build_s3_url(bucket))
         return sum(map(len, keys.values()))
 
-    def _delete_keys(self, bucket: str, keys: list[str], url: str, fence: DirectoryFence | None = None) -> None:
+    def _delete_keys(
+        self, bucket: str, keys: list[str], url: str, fence: Fence | None = None, etags: Mapping[str, str] | None = None
+    ) -> None:
+        """Delete `keys`. Where the store honours conditional deletes, a fenced removal sends each key's ETag as read
+        before the fence's check (`etags` from a listing, the run's own commit, else a HEAD; a key that is gone is
+        skipped), so an object a newer run wrote after that check is refused by the store (412), and the fence then
+        reads the owner record again; an unfenced removal sends the `etags` it was given (what was listed), and an
+        object replaced since is kept. 409 (a concurrent request) is retried with backoff."""
+        if fence is not None:
+            conditional = bool(keys) and fence.conditional_removals()
+        else:
+            prefix = _urls.s3_dir_prefix(url)[1]
+            conditional = bool(etags) and bool(store_capabilities(self, bucket, ("conditional_delete",), prefix)
+                                              .conditional_delete)
+        known: dict[str, str] = dict(etags or {}) if conditional else {}
+        if conditional and fence is not None:
+            known = self._etags_before_the_check(bucket, keys, known, fence)
+            keys = [k for k in keys if k in known]  # gone: nothing to remove
         if fence is not None and keys:
             fence.before_mutation(url, "removal")
             fence.removed(keys)  # before the request: a half-done removal must not leave stale ETags behind
-        for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
-            batch = keys[start : start + 1000]
-            response = self.call(
-                "delete_objects", url, Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+        policy = self.retry_policy
+        for attempt in range(1, _CONDITIONAL_REMOVAL_ATTEMPTS + 1):
+            retry = []
+            for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+                retry += self._delete_batch(bucket, keys[start : start + 1000], url, fence, known)
+            if not retry:
+                return
+            keys = retry
+            if attempt < _CONDITIONAL_REMOVAL_ATTEMPTS:
+                time.sleep(random.uniform(0, min(policy.max_backoff_s, policy.initial_backoff_s * 2**attempt)))
+        raise OSError(
+            f"Could not delete {len(keys)} object(s) under {url}: the store answered 409 ConditionalRequestConflict "
+            f"{_CONDITIONAL_REMOVAL_ATTEMPTS} times (another request on them each time); try again"
+        )
+
+    def _etags_before_the_check(
+        self, bucket: str, keys: list[str], known: dict[str, str], fence: Fence
+    ) -> dict[str, str]:
+        """Each key's ETag to condition its removal on, read before the fence's check; absent: no object there."""
+        for key in keys:
+            etag = known.get(key) or fence.committed_etag(key)
+            if not etag:
+                try:
+                    etag = self.call("head_object", _object_url(bucket, key), Bucket=bucket, Key=key).get("ETag")
+                except FileNotFoundError:
+                    etag = None
+            if etag:
+                known[key] = etag
+        return known
+
+    def _delete_batch(
+        self, bucket: str, keys: list[str], url: str, fence: Fence | None, known: dict[str, str]
+    ) -> list[str]:
+        """One DeleteObjects of `keys` (conditioned on `known` ETags); the keys to send again."""
+        objects = [{"Key": k, "ETag": known[k]} if k in known else {"Key": k} for k in keys]
+        response = self.call("delete_objects", url, Bucket=bucket, Delete={"Objects": objects, "Quiet": True})
+        retry, errors = [], []
+        for error in response.get("Errors", []):
+            key, code = error.get("Key", ""), error.get("Code")
+            if code == "NoSuchKey":
+                continue
+            if code in ("ConditionalRequestConflict", "409"):
+                retry.append(key)
+            elif code in ("PreconditionFailed", "412") and fence is not None:
+                refused = _RemovalRefusedError(code, error.get("Message", ""), _object_url(bucket, key))
+                conditions = fence.precondition_failed(_object_url(bucket, key), key, refused, "removal")
+                if "IfMatch" in conditions:  # still this run's directory: remove what is there now
+                    known[key] = conditions["IfMatch"]
+                    retry.append(key)
+            elif code in ("PreconditionFailed", "412"):
+                logger.warning("%s changed since it was listed: kept", _object_url(bucket, key))
+            else:
+                errors.append(error)
+        if errors:
+            first = errors[0]
+            raise OSError(
+                f"Could not delete {len(errors)} object(s) under {url}: first "
+                f"{_urls.build_s3_url(bucket, first.get('Key', ''))}: {first.get('Code')} {first.get('Message')}"
             )
-            errors = [e for e in response.get("Errors", []) if e.get("Code") != "NoSuchKey"]
-            if errors:
-                first = errors[0]
-                raise OSError(
-                    f"Could not delete {len(errors)} object(s) under {url}: first "
-                    f"{_urls.build_s3_url(bucket, first.get('Key', ''))}: {first.get('Code')} {first.get('Message')}"
-                )
+        return retry
 
     # ---- in-progress multipart uploads -----------------------------------------------------------------------------
     @_ClassOrInstanceMethod
@@ -1942,7 +2036,7 @@ class S3Utils:
     def open_writer(
         self, s3_path: str | os.PathLike[str], chunk_size_MB: float = DEFAULT_CHUNK_SIZE_MB,
         max_concurrency: int = DEFAULT_MAX_WRITE_CONCURRENCY, checksum_algorithm: str | None = "auto", *,
-        fence: DirectoryFence | None = None,
+        fence: Fence | None = None,
     ) -> S3MultipartWriter:
         """A write-only binary stream that uploads to `s3_path` as it is written (`S3MultipartWriter`)."""
         return S3MultipartWriter(self, s3_path, int(chunk_size_MB * MB), max_concurrency, checksum_algorithm, fence)
@@ -2115,48 +2209,6 @@ class S3Utils:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Errors: S3's answers as the exceptions Python code expects, annotated with the URL and what to do
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def _annotate(
-    exc: BaseException, operation: str, url: str, options: S3RequestOptions | None = None, tried: str = ""
-) -> None:
-    """Note on `exc` (re-raised unchanged) the URL, what S3 said (status, request and host id) and what to do."""
-    code = error_code(exc)
-    if code in {"AccessDenied", "403", "Forbidden"}:
-        hint = "check the credentials and that their policy allows this action on this bucket and key"
-        if options is not None and options.ExpectedBucketOwner:
-            hint += f", and that account {options.ExpectedBucketOwner} (ExpectedBucketOwner) owns the bucket"
-    elif code in {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "NoCredentialsError"}:
-        hint = "check the AWS credentials (environment, profile or role) used by this process"
-    elif code == "400":  # a HEAD has no error body: expired credentials and a wrong region both look like this
-        hint = "the request was refused (400): check the AWS credentials (expired?) and the region of the bucket"
-    elif code in {"AuthorizationHeaderMalformed", "PermanentRedirect", "IllegalLocationConstraintException", "301"}:
-        hint = "the bucket may be in another region: set the region (AWS_REGION or region_name)"
-    else:
-        hint = ""
-    if tried:
-        hint = f"gave up after {tried}, the last answer {code}" + (f"; {hint}" if hint else "")
-    if not any(url in note for note in getattr(exc, "__notes__", [])):
-        exc.add_note(f"while running S3 {operation} on {url}{response_ids(exc)}" + (f": {hint}" if hint else ""))
-
-
-def response_ids(exc: BaseException) -> str:
-    """`` (HTTP 403, request id ..., host id ...)`` from a botocore error's response, or empty."""
-    response = getattr(exc, "response", None)
-    metadata = response.get("ResponseMetadata", {}) if isinstance(response, dict) else {}
-    headers = metadata.get("HTTPHeaders", {})
-    labelled = [
-        ("HTTP", metadata.get("HTTPStatusCode")),
-        ("request id", metadata.get("RequestId") or headers.get("x-amz-request-id")),
-        ("host id", metadata.get("HostId") or headers.get("x-amz-id-2")),
-    ]
-    parts = [f"{label} {value}" for label, value in labelled if value]
-    return f" ({', '.join(parts)})" if parts else ""
-
-
-# --------------------------------------------------------------------------------------------------------------------
 # The ranged reader: parallel ranged GETs, copied from the socket into a download
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -2322,58 +2374,8 @@ def fast_path(name: str) -> bool:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+_CONDITIONAL_COMMIT_ATTEMPTS = 5  # sends of a commit whose ETag condition fails while its run owns the directory
 _LEND_MIN = 1 * MB  # `S3MultipartWriter.write_borrowed` lends at least this many bytes to a part, or copies them
-
-
-class _PyBufferAPI(NamedTuple):
-    """CPython's buffer protocol through ctypes: ``get(obj, byref(view), flags)`` and ``release(byref(view))``."""
-
-    view: type  # a ctypes Structure with Py_buffer's layout
-    get: Any
-    release: Any
-
-
-@functools.cache
-def _py_buffer_api() -> _PyBufferAPI | None:
-    """``PyObject_GetBuffer`` / ``PyBuffer_Release`` through ctypes (read-only buffers too), or None off CPython."""
-    try:
-        import ctypes
-
-        get_buffer, release = ctypes.pythonapi.PyObject_GetBuffer, ctypes.pythonapi.PyBuffer_Release
-    except (ImportError, AttributeError, OSError):  # no _ctypes, or not CPython
-        return None
-
-    class PyBuffer(ctypes.Structure):
-        _fields_ = [
-            *(("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t)),
-            *(("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int)),
-            *(("format", ctypes.c_void_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p)),
-            *(("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)),
-        ]
-
-    get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(PyBuffer), ctypes.c_int]
-    get_buffer.restype = ctypes.c_int
-    release.argtypes = [ctypes.POINTER(PyBuffer)]
-    release.restype = None
-    return _PyBufferAPI(PyBuffer, get_buffer, release)
-
-
-def buffer_address(data: Any) -> int | None:
-    """The address of the first byte of the contiguous buffer `data` (read-only too), or None where it cannot be had."""
-    api = _py_buffer_api()
-    if api is None:
-        return None
-    import ctypes
-
-    view = api.view()
-    try:  # ctypes raises the exporter's error (BufferError) for a failed call through pythonapi
-        api.get(data, ctypes.byref(view), 0)  # PyBUF_SIMPLE: one contiguous block of bytes
-    except (BufferError, TypeError):
-        return None
-    try:
-        return int(view.buf or 0)
-    finally:
-        api.release(ctypes.byref(view))
 
 
 def _copy_into(target: bytearray, offset: int, source: memoryview) -> None:
@@ -2548,17 +2550,14 @@ class _WriterState(enum.Enum):
 # the commit, unbound (`_ChecksumRecords.write_pending`), then binds it to the committed ETag: a kill between any two
 # requests leaves the previous object verifiable by its kept entry, or the new one by the unbound entry of its size.
 
-_CHECKSUM_KEEPING: dict[tuple[str, str, str], bool] = {}
-_CHECKSUM_KEEPING_LOCK = threading.Lock()
-
-
 def _keeps_checksums(utils: S3Utils, bucket: str, kind: str, keeps: bool | None = None) -> bool:
-    """Whether the last commit of this kind to this bucket came back with the store's checksum (`keeps`: remember)."""
-    key = (str(getattr(getattr(utils.client, "meta", None), "endpoint_url", "") or ""), bucket, kind)
-    with _CHECKSUM_KEEPING_LOCK:
+    """Whether the last commit of this kind to this bucket came back with the store's checksum (`keeps`: remember);
+    kept in the store's `StoreCapabilities`."""
+    record = store_capabilities(utils, bucket)
+    with _capabilities_lock:
         if keeps is not None:
-            _CHECKSUM_KEEPING[key] = keeps
-        return _CHECKSUM_KEEPING.get(key, False)
+            record.checksums_kept[kind] = keeps
+        return record.checksums_kept.get(kind, False)
 
 
 class S3MultipartWriter(io.RawIOBase):
@@ -2574,7 +2573,7 @@ class S3MultipartWriter(io.RawIOBase):
 
     def __init__(
         self, utils: S3Utils, s3_path: str | os.PathLike[str], part_size: int, max_concurrency: int,
-        checksum_algorithm: str | None = "auto", fence: DirectoryFence | None = None,
+        checksum_algorithm: str | None = "auto", fence: Fence | None = None,
     ) -> None:
         super().__init__()
         self._state = _WriterState.ABORTED  # until validated: an invalid writer has nothing to abort at GC
@@ -2812,6 +2811,8 @@ class S3MultipartWriter(io.RawIOBase):
             _part_buffers.give_back([buffer])
 
     def _start_multipart(self) -> None:
+        if self._fence is not None:
+            self._warn_without_conditional_completes()
         checksum_args = {"ChecksumAlgorithm": self._algorithm.name, "ChecksumType": "FULL_OBJECT"}
         try:
             response = self._utils.call(
@@ -2994,7 +2995,7 @@ class S3MultipartWriter(io.RawIOBase):
                     response = request(conditions)
                     break
                 except Exception as exc:
-                    if not (conditions and _precondition_failed(exc, conditions)):
+                    if not (conditions and is_precondition_failed(exc, conditions)):
                         raise
                     if attempt == _CONDITIONAL_COMMIT_ATTEMPTS:
                         exc.add_note(
@@ -3010,6 +3011,18 @@ class S3MultipartWriter(io.RawIOBase):
         fence.committed(self.key, response.get("ETag", ""))
         return response
 
+    def _warn_without_conditional_completes(self) -> None:
+        """Where the store is known (`doctor`, an earlier probe) to ignore conditions on completes: no probe here,
+        as several multipart requests amid a save's own would confuse what watches them (and cost a save)."""
+        record = store_capabilities(self._utils, self.bucket)
+        if record.conditional_complete is False:
+            warn_missing(
+                record, "conditional_complete",
+                "If-Match / If-None-Match on CompleteMultipartUpload: a fenced multipart commit there relies on the "
+                "owner record's check alone, so a stale run paused between that check and its commit can replace a "
+                "newer run's object (docs/fencing.md)",
+            )
+
     def _forget_pending_record(self) -> None:
         """After a failed commit to a key without a record: remove the one written, unless an object is there."""
         try:
@@ -3022,451 +3035,210 @@ class S3MultipartWriter(io.RawIOBase):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Directory ownership: only the newest run commits or removes checkpoints in a directory (fencing)
+# Store capabilities: what a store and bucket honours, learnt once per process (docs/s3.md, "What each store honours")
 # --------------------------------------------------------------------------------------------------------------------
 #
-# A requeued or restarted job can leave two runs writing one directory; the stale one's saves and clean-up would then
-# overwrite and delete the new run's checkpoints. The protocol (docs/fencing.md, docs/runs.md):
-# * a run (`CheckpointRun`) takes a directory over at its first save there, writing the owner record one generation
-#   up with a conditional PUT (``If-None-Match: *``, or ``If-Match`` on the ETag just read). An earlier run is stale.
-# * before every commit and removal, one HEAD of the record: another ETag means another run took over, and the
-#   operation raises `CheckpointDirectoryTakenError` with nothing changed. Once refused, always refused.
-# * every commit carries an ETag condition (``If-Match`` on a key this run committed, else ``If-None-Match: *``), so a
-#   stale run stopped between its HEAD and its commit cannot overwrite the newer run's object; the owner finds itself
-#   in the record and sends again. Left open: new keys of a stale run, and removals (no condition).
-# * other ranks of a sharded save check against the coordinator's `FenceToken`; stores that refuse or ignore
-#   conditional headers are found once per bucket (one warning): the record is then written without conditions.
+# Every protection that rests on a store's ability reads it here: fencing's conditional commits and removals, the
+# checksums a multipart upload keeps. A probe works on a temporary key under the caller's prefix and removes it
+# (`PROBE_KEY_PREFIX`; listings leave such keys out). What a save learns on the way (the fence's conditional PUT of
+# its owner record, the checksum a commit returns) is noted in the same record, so nothing is probed twice.
 
-_OWNER_RECORD_VERSION = 1
-_TAKE_OVER_ATTEMPTS = 5
-_CONDITIONAL_COMMIT_ATTEMPTS = 5  # sends of a commit whose ETag condition fails while its run owns the directory
-_REMEMBERED_KEYS = 10_000  # keys per directory whose last state (ETag, or removed) a run remembers
+CAPABILITIES = (
+    "conditional_put", "conditional_complete", "conditional_delete", "conditional_copy", "multipart_checksum",
+)
+_WRONG_ETAG = '"00000000000000000000000000000000"'
+_REFUSALS = frozenset({"NotImplemented", "501", "InvalidArgument", "InvalidRequest", "400"})
 
 
-@dataclass(frozen=True)
-class CheckpointRun:
-    """Who writes checkpoints (`current_run`): one launch of a job, all its ranks; else one process."""
+@dataclass
+class StoreCapabilities:
+    """What one store and bucket honours (`store_capabilities`); None: not known yet."""
 
-    run_id: str  # ``<job>#<attempt>`` for a launch (``slurm:4242#0.0``); 16 random hex digits outside any launcher
-    host: str
-    pid: int  # of the process (any rank) that made this run's record
-    started: float  # epoch seconds: SLURM's job start time, else this module's import
-    job: str = ""  # `LaunchIdentity.job`; empty outside any launcher
-    attempt: tuple[int, ...] = ()  # `LaunchIdentity.attempt`: higher is later
+    store: str  # the endpoint URL, or ``"AWS S3"``
+    bucket: str
+    conditional_put: bool | None = None  # If-None-Match: * / If-Match on PutObject answer 412 when they fail
+    conditional_complete: bool | None = None  # If-None-Match: * and If-Match on CompleteMultipartUpload answer 412
+    conditional_delete: bool | None = None  # If-Match on DeleteObject and a per-object ETag in DeleteObjects
+    conditional_copy: bool | None = None  # If-None-Match: * on CopyObject's destination answers 412
+    multipart_checksum: str | None = None  # what a multipart upload keeps: "FULL_OBJECT", "COMPOSITE" or "none"
+    checksums_kept: dict[str, bool] = field(default_factory=dict)  # commit kind -> whether its answer had a checksum
+    warned: set[str] = field(default_factory=set)  # capabilities whose absence was logged
 
-    def is_newer_than(self, other: CheckpointRun) -> bool:
-        """Whether this run is a later launch: the higher `attempt` within one job, else the later `started`."""
-        if self.job and self.job == other.job:
-            return self.attempt > other.attempt
-        return self.started > other.started
+    def describe(self) -> list[str]:
+        """One line per capability, for the debug log and ``s3-checkpoint-io doctor``."""
+        def shown(value: object) -> str:
+            return "unknown" if value is None else "yes" if value is True else "no" if value is False else str(value)
 
-    def __str__(self) -> str:
-        started = datetime.datetime.fromtimestamp(self.started, datetime.timezone.utc)
-        return f"run {self.run_id} (host {self.host}, pid {self.pid}, started {started:%Y-%m-%d %H:%M:%S.%f} UTC)"
-
-
-_PROCESS_STARTED = time.time()
-_process_run: CheckpointRun | None = None
-_process_run_lock = threading.Lock()
+        lines = [f"{name}: {shown(getattr(self, name))}  ({_CAPABILITY_USES[name]})" for name in CAPABILITIES]
+        return [*lines, "409 ConditionalRequestConflict: retried with backoff (not probed: it needs a race)"]
 
 
-def current_run() -> CheckpointRun:
-    """This process's run (`CheckpointRun`), made at the first call and kept (also by a forked child)."""
-    global _process_run
-    with _process_run_lock:
-        if _process_run is None:
-            launch = launch_identity()
-            host, pid = socket.gethostname(), os.getpid()
-            if launch is None:
-                _process_run = CheckpointRun(secrets.token_hex(8), host, pid, _PROCESS_STARTED)
-            else:
-                started = launch.started if launch.started is not None else _PROCESS_STARTED
-                _process_run = CheckpointRun(launch.run_id, host, pid, started, launch.job, launch.attempt)
-        return _process_run
+_CAPABILITY_USES = {
+    "conditional_put": "fencing: the owner record's takeover and every fenced single-PUT commit",
+    "conditional_complete": "fencing: every fenced multipart commit",
+    "conditional_delete": "fencing, rm and gc: a removal carries the ETag it checked",
+    "conditional_copy": "not used yet",
+    "multipart_checksum": "verified loads; without one, a checksum record beside the object",
+}
 
 
-def adopt_run(run: CheckpointRun) -> None:
-    """Make `run` this process's run (`current_run`): a job's ranks adopt rank 0's (`S3ModelCheckpoint.setup`)."""
-    global _process_run
-    if not isinstance(run, CheckpointRun):  # it is written into owner records: a stand-in would break every save
-        raise TypeError(f"adopt_run expects a CheckpointRun, got {type(run).__name__}")
-    with _process_run_lock:
-        if _process_run != run:
-            logger.debug("This process is now %s (was %s)", run, _process_run)
-        _process_run = run
+_capabilities: dict[tuple[str, str], StoreCapabilities] = {}
+_capabilities_lock = threading.RLock()
 
 
-class CheckpointDirectoryTakenError(RuntimeError):
-    """A newer `owner` (None: unknown) holds this checkpoint `directory`: this `run`'s save or removal was refused."""
-
-    def __init__(
-        self, message: str, directory: str = "", run: CheckpointRun | None = None, owner: CheckpointRun | None = None
-    ) -> None:
-        super().__init__(message)
-        self.directory = directory
-        self.run = run
-        self.owner = owner
-
-
-@dataclass(frozen=True)
-class FenceToken:
-    """What the other ranks of a sharded save check against: the directory, the owner record's ETag and run, and
-    whether the store honours ETag conditions."""
-
-    directory: str
-    etag: str
-    run: CheckpointRun
-    conditional: bool = False
+def store_capabilities(
+    utils: S3Utils, bucket: str, probe: Collection[str] = (), prefix: str = ""
+) -> StoreCapabilities:
+    """The record of `utils`'s store and `bucket` (made on first use, kept for the process), after probing each
+    capability named in `probe` (`CAPABILITIES`) that is not known yet, on a temporary key under `prefix`."""
+    endpoint = str(getattr(getattr(utils.client, "meta", None), "endpoint_url", "") or "")
+    store = "AWS S3" if not endpoint or endpoint.endswith(".amazonaws.com") else endpoint
+    with _capabilities_lock:
+        record = _capabilities.setdefault((endpoint, bucket), StoreCapabilities(store, bucket))
+        unknown = [name for name in probe if getattr(record, name) is None]
+        if unknown:
+            _probe_capabilities(utils, record, unknown, prefix)
+            logger.debug("%s (bucket %s): %s", store, bucket, "; ".join(record.describe()))
+        return record
 
 
-class _Hold:
-    """One run's hold on one directory, shared by every fence of that run in this process."""
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.etag: str | None = None  # the owner record's ETag while this run holds the directory
-        self.refusal: tuple[CheckpointRun | None, int, bool] | None = None  # (owner, generation, newer) once refused
-        self.objects: dict[str, str | None] = {}  # key -> ETag this run committed, or None: this run removed it
+def note_capability(record: StoreCapabilities, name: str, value: bool | str) -> None:
+    """Record what a request found out on the way (a fence's conditional PUT, say)."""
+    with _capabilities_lock:
+        if getattr(record, name) != value:
+            setattr(record, name, value)
+            logger.debug("%s (bucket %s): %s is %s", record.store, record.bucket, name, value)
 
 
-_holds: dict[tuple[str | None, str, str, str], _Hold] = {}
-_conditional_writes: dict[tuple[str | None, str], bool] = {}  # (endpoint, bucket) -> honours If-Match on writes
-_fence_registry_lock = threading.Lock()
-_UNKNOWN = object()
+def warn_missing(record: StoreCapabilities, name: str, what: str) -> bool:
+    """Log once per store, bucket and capability `name` that it is missing: `what` names it and what is not
+    protected; True if logged."""
+    with _capabilities_lock:
+        if name in record.warned:
+            return False
+        record.warned.add(name)
+    logger.warning("%s (bucket %s) does not honour %s", record.store, record.bucket, what)
+    return True
 
 
-def _precondition_failed(exc: BaseException, conditions: Mapping[str, str]) -> bool:
-    """Whether `exc` is the store refusing a write's `conditions`: 412, or 404 for If-Match on a key that is gone."""
-    response = getattr(exc, "response", None)
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict) else None
-    if error_code(exc) in ("PreconditionFailed", "412") or status == 412:
-        return True
-    return "IfMatch" in conditions and isinstance(exc, FileNotFoundError)
-
-
-def _raise_if_no_bucket(exc: FileNotFoundError) -> None:
-    """A missing record is a fact to act on; a missing bucket is the caller's error (raised with one request)."""
-    if exc.__cause__ is not None and error_code(exc.__cause__) == "NoSuchBucket":
-        raise exc
-
-
-def _refuses_conditions(exc: BaseException) -> bool:
-    return error_code(exc) in ("NotImplemented", "501")
-
-
-class DirectoryFence:
-    """One run's hold on one checkpoint directory (the ``fence=`` of `S3Utils.open_writer` and the removals)."""
-
-    def __init__(
-        self, utils: S3Utils, directory: str | os.PathLike[str], run: CheckpointRun | None = None, *,
-        follows: str | None = None, conditional: bool = False,
-    ) -> None:
-        """`follows`, `conditional`: see `following`."""
-        self._follows = follows
-        self._follows_conditionally = conditional
-        self.directory = _urls.normalize_s3_url(directory).rstrip("/")
-        self.bucket, prefix = _urls.s3_dir_prefix(self.directory)
-        self.record_key = prefix + OWNER_RECORD_NAME
-        self.record_url = _object_url(self.bucket, self.record_key)
-        self.run = run or current_run()
-        self._utils = utils
-        self._store = (utils.settings.endpoint_url, self.bucket)
-        with _fence_registry_lock:
-            self._hold = _holds.setdefault((*self._store, self.record_key, self.run.run_id), _Hold())
-
-    def __repr__(self) -> str:
-        return f"<DirectoryFence {self.directory} for {self.run}>"
-
-    @classmethod
-    def following(cls, utils: S3Utils, token: FenceToken) -> DirectoryFence:
-        """The fence of a rank that commits files for the run that holds `token`: it checks, never takes over."""
-        return cls(utils, token.directory, token.run, follows=token.etag, conditional=token.conditional)
-
-    def once(self) -> _CheckedOnce:
-        """This fence, checked at most once: one HEAD for operations within moments of each other (one rank's save)."""
-        return _CheckedOnce(self)
-
-    # ---- what the writer and the removals call --------------------------------------------------------------------
-    def token(self, url: str) -> FenceToken:
-        """For the other ranks of the save of `url`: take the directory over if need be, and say what they check."""
-        with self._hold.lock, self._noted(url, "save"):
-            self._raise_if_refused(url, "save")
-            if self._hold.etag is None:
-                self._take_over(url, "save")
-            assert self._hold.etag is not None
-            return FenceToken(self.directory, self._hold.etag, self.run, self._conditional())
-
-    def before_mutation(self, url: str, action: str) -> None:
-        """Before a ``"save"`` or ``"removal"`` of `url`: take the directory over, or check (one HEAD) it is held."""
-        hold = self._hold
-        with hold.lock, self._noted(url, action):
-            self._raise_if_refused(url, action)
-            expected = self._follows or hold.etag
-            if expected is None:  # this run has not saved here yet
-                if action != "removal":
-                    self._take_over(url, action)
-                else:  # a removal before this run's first save: refused if a later run holds it; no take-over
-                    self._adopted_or_refused(url, action, *self._read_record())
-                return
-            if self._head_record() == expected:
-                return
-            record, etag = self._read_record()
-            if _is_run_of(record, self.run):  # rewritten by this run from another process (a pickled plugin...)
-                if not self._follows:
-                    hold.etag = etag
-                return
-            if record is None and not self._follows:
-                logger.warning("%s is gone (removed by hand?): %s writes it again", self.record_url, self.run)
-                self._take_over(url, action)
-                return
-            self._refuse(url, action, record or {})
-
-    def conditions(self, key: str) -> dict[str, str]:
-        """The ETag condition for a commit of `key` (none on stores without conditional writes)."""
-        if not self._conditional():
-            return {}
-        with self._hold.lock:
-            state = self._hold.objects.get(key)
-        return {"IfMatch": state} if isinstance(state, str) else {"IfNoneMatch": "*"}
-
-    def _conditional(self) -> bool:
-        if self._follows:
-            return self._follows_conditionally
-        return _conditional_writes.get(self._store) is True
-
-    def committed(self, key: str, etag: str) -> None:
-        self._remember({key: etag or _UNKNOWN})  # no ETag in the answer: nothing to condition the next commit on
-
-    def removed(self, keys: Iterable[str]) -> None:
-        self._remember(dict.fromkeys(keys))
-
-    def precondition_failed(self, url: str, key: str, exc: BaseException) -> dict[str, str]:
-        """A commit's ETag condition failed: refuse if another run owns the directory, else the conditions to retry."""
-        with self._hold.lock:
-            committed_here = isinstance(self._hold.objects.pop(key, None), str)
-            try:
-                now: str | None = self._utils.call("head_object", url, Bucket=self.bucket, Key=key).get("ETag")
-            except FileNotFoundError as missing:
-                _raise_if_no_bucket(missing)
-                now = None
-            record, etag = self._read_record()
-            if record is not None and not _is_run_of(record, self.run):
-                try:
-                    self._refuse(url, "save", record)
-                except CheckpointDirectoryTakenError as refusal:
-                    raise refusal from exc
-            if record is not None and not self._follows:
-                self._hold.etag = etag
-        logger.log(
-            logging.WARNING if committed_here else logging.DEBUG,
-            "%s is not what this run last left there (S3 answered %s to its ETag condition), but %s still owns %s: "
-            "overwriting it (%s)",
-            url,
-            error_code(exc),
-            self.run,
-            self.directory,
-            "a writer outside this run changed it, or an earlier attempt of this request went through"
-            if committed_here
-            else "an object an earlier run left there",
-        )
-        return {"IfMatch": now} if now else {"IfNoneMatch": "*"}
-
-    # ---- the owner record -----------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _noted(self, url: str, action: str) -> Iterator[None]:
-        """Name the checkpoint in errors of the owner record's requests."""
-        try:
-            yield
-        except CheckpointDirectoryTakenError:
-            raise
-        except Exception as exc:
-            exc.add_note(f"while checking that {self.run} owns {self.directory}, before the {action} of {url}")
-            raise
-
-    def _remember(self, states: dict[str, Any]) -> None:
-        """Keep what this run last left at each key (an ETag, or None: removed) for its next commit's condition."""
-        with self._hold.lock:
-            objects = self._hold.objects
-            for key, state in states.items():
-                objects.pop(key, None)
-                if state is not _UNKNOWN:
-                    objects[key] = state
-            while len(objects) > _REMEMBERED_KEYS:
-                del objects[next(iter(objects))]
-
-    def _head_record(self) -> str | None:
-        try:
-            return self._utils.call("head_object", self.record_url, Bucket=self.bucket, Key=self.record_key)["ETag"]
-        except FileNotFoundError as exc:
-            _raise_if_no_bucket(exc)
-            return None
-
-    def _read_record(self) -> tuple[dict[str, Any] | None, str | None]:
-        """The owner record (a dict; ``{}`` if unreadable) and its ETag, or ``(None, None)`` if there is none."""
-        try:
-            response = self._utils.call("get_object", self.record_url, Bucket=self.bucket, Key=self.record_key)
-        except FileNotFoundError as exc:
-            _raise_if_no_bucket(exc)
-            return None, None
-        with response["Body"] as body:
-            raw = body.read()
-        try:
-            record = json.loads(raw)
-        except ValueError:
-            record = None
-        return (record if isinstance(record, dict) else {}), response.get("ETag", "")
-
-    def _put_record(self, generation: int, conditions: Mapping[str, str]) -> str:
-        body = {
-            "version": _OWNER_RECORD_VERSION, "run": self.run.run_id, "host": self.run.host, "pid": self.run.pid,
-            "started": self.run.started, "job": self.run.job, "attempt": list(self.run.attempt),
-            "generation": generation, "taken": time.time(),
-        }
-        response = self._utils.call(
-            "put_object", self.record_url, Bucket=self.bucket, Key=self.record_key,
-            Body=json.dumps(body, sort_keys=True).encode(), ContentType="application/json", **conditions,
-        )
-        return str(response.get("ETag", ""))
-
-    def _take_over(self, url: str, action: str) -> None:
-        """Make this run the directory's owner (lock held), as the comment above says."""
-        hold = self._hold
-        for _ in range(_TAKE_OVER_ATTEMPTS):
-            record, etag = self._read_record()
-            owner = _record_run(record)
-            if self._adopted_or_refused(url, action, record, etag):
-                return
-            generation = _record_generation(record) + 1
-            support = _conditional_writes.get(self._store)
-            conditions: dict[str, str] = {}
-            if support is not False:
-                conditions = {"IfMatch": str(etag)} if record is not None else {"IfNoneMatch": "*"}
-            try:
-                hold.etag = self._put_record(generation, conditions)
-            except Exception as exc:
-                if conditions and _precondition_failed(exc, conditions):
-                    continue  # another run wrote the record since it was read: read it again
-                if conditions and _refuses_conditions(exc):
-                    self._conditional_writes_unsupported(f"it answers {error_code(exc)} to them")
-                    continue
-                raise
-            if support is None:
-                self._probe(generation)
-            previous = f", from {owner}" if owner is not None else ""
-            logger.info("%s took %s over (generation %d%s)", self.run, self.directory, generation, previous)
-            return
-        raise OSError(
-            f"Could not take the checkpoint directory {self.directory} over: its owner record {self.record_url} "
-            f"changed {_TAKE_OVER_ATTEMPTS} times while {self.run} tried. Another run is starting to save there at "
-            "the same moment; run one job per checkpoint directory."
-        )
-
-    def _adopted_or_refused(self, url: str, action: str, record: dict[str, Any] | None, etag: str | None) -> bool:
-        """True if `record` is this run's (adopted); refuse if it is a later run's; else False (free to take)."""
-        if _is_run_of(record, self.run):
-            self._hold.etag = etag
-            return True
-        owner = _record_run(record)
-        if record is not None and owner is not None and owner.is_newer_than(self.run):
-            self._refuse(url, action, record, newer=True)
-        return False
-
-    def _probe(self, generation: int) -> None:
-        """Once per store and bucket: a PUT that must fail (If-None-Match: * on the record just written)."""
-        try:
-            self._hold.etag = self._put_record(generation, {"IfNoneMatch": "*"})
-        except Exception as exc:
-            if _precondition_failed(exc, {}):
-                _conditional_writes[self._store] = True
-                return
-            if _refuses_conditions(exc):
-                self._conditional_writes_unsupported(f"it answers {error_code(exc)} to them")
-                return
-            raise
-        self._conditional_writes_unsupported("it ignores them (a PUT with If-None-Match: * replaced an object)")
-
-    def _conditional_writes_unsupported(self, how: str) -> None:
-        with _fence_registry_lock:
-            known = _conditional_writes.get(self._store)
-            _conditional_writes[self._store] = False
-        if known is not False:
-            logger.warning(
-                "%s (bucket %s) does not support conditional writes (If-Match / If-None-Match): %s. Checkpoint "
-                "directories there are still owned by one run (their %s is checked before every save and removal), "
-                "but not protected: two runs taking a directory over at the same moment, and a stale run's save or "
-                "removal sent in the moment between that check and its request.",
-                self._utils.settings.endpoint_url or "S3", self.bucket, how, OWNER_RECORD_NAME,
-            )
-
-    def _raise_if_refused(self, url: str, action: str) -> None:
-        if self._hold.refusal is not None:
-            raise self._refusal(url, action, *self._hold.refusal)
-
-    def _refuse(self, url: str, action: str, record: dict[str, Any], newer: bool = False) -> None:
-        self._hold.refusal = (_record_run(record), _record_generation(record), newer)  # refused once, refused always
-        raise self._refusal(url, action, *self._hold.refusal)
-
-    def _refusal(
-        self, url: str, action: str, owner: CheckpointRun | None, generation: int, newer: bool = False
-    ) -> CheckpointDirectoryTakenError:
-        holder = f"{owner}" if owner is not None else "another run (its owner record is unreadable)"
-        if newer:
-            why = f"belongs to {holder}, a later launch than this run, {self.run}"
-        else:
-            why = f"was taken over (generation {generation}) by {holder}; this is {self.run}"
-        return CheckpointDirectoryTakenError(
-            f"Refused the {action} of {url}: the checkpoint directory {self.directory} {why}. Nothing was changed: "
-            "the newer run's checkpoints are intact. This run is stale (requeued, replaced or restarted elsewhere): "
-            "stop it. If the other run is gone and this one must go on, restart it (a new run takes the directory "
-            f"over at its first save) or delete {self.record_url}; fencing=False (s3_checkpointing.fencing: false) "
-            "turns the check off.",
-            self.directory, self.run, owner,
-        )
-
-
-def _is_run_of(record: Mapping[str, Any] | None, run: CheckpointRun) -> bool:
-    return isinstance(record, Mapping) and record.get("run") == run.run_id
-
-
-def _record_run(record: Mapping[str, Any] | None) -> CheckpointRun | None:
-    if not isinstance(record, Mapping):
-        return None
+def _probe_capabilities(utils: S3Utils, record: StoreCapabilities, names: list[str], prefix: str) -> None:
+    """Probe `names`; one that fails (access denied, say) stays unknown: the caller's own request will say why."""
+    bucket, key = record.bucket, prefix + PROBE_KEY_PREFIX + secrets.token_hex(8)
+    url = _object_url(bucket, key)
     try:
-        job, attempt = str(record.get("job") or ""), tuple(int(n) for n in record.get("attempt") or ())
-        run, host, pid, started = str(record["run"]), str(record["host"]), int(record["pid"]), float(record["started"])
-        return CheckpointRun(run, host, pid, started, job, attempt)
-    except (KeyError, TypeError, ValueError):
-        return None
+        utils.call("put_object", url, Bucket=bucket, Key=key, Body=b"probe")
+        for name in names:
+            setattr(record, name, _PROBES[name](utils, bucket, key, url))
+    except Exception as exc:
+        logger.debug("%s (bucket %s): could not probe %s: %r", record.store, bucket, ", ".join(names), exc)
+    finally:
+        with contextlib.suppress(Exception):
+            utils.call("delete_object", url, Bucket=bucket, Key=key)
 
 
-def _record_generation(record: Mapping[str, Any] | None) -> int:
-    generation = record.get("generation") if isinstance(record, Mapping) else None
-    return generation if isinstance(generation, int) else 0
+def _refused_by_condition(utils: S3Utils, operation: str, url: str, **kwargs: Any) -> bool:
+    """Whether a request whose condition fails is refused (412); False when the store ignores or rejects it."""
+    try:
+        utils.call(operation, url, **kwargs)
+    except Exception as exc:
+        if is_precondition_failed(exc, {}):
+            return True
+        if error_code(exc) in _REFUSALS:
+            return False
+        raise
+    return False
 
 
-class _CheckedOnce:
-    """A fence whose check runs once: later operations reuse its outcome (see `DirectoryFence.once`)."""
+def _probe_put(utils: S3Utils, bucket: str, key: str, url: str) -> bool:
+    return _refused_by_condition(utils, "put_object", url, Bucket=bucket, Key=key, Body=b"probe", IfNoneMatch="*")
 
-    def __init__(self, fence: DirectoryFence) -> None:
-        self._fence = fence
-        self._lock = threading.Lock()
-        self._checked = False
-        self._error: BaseException | None = None
 
-    def before_mutation(self, url: str, action: str) -> None:
-        with self._lock:
-            if self._error is not None:
-                raise self._error
-            if not self._checked:
-                try:
-                    self._fence.before_mutation(url, action)
-                except BaseException as exc:
-                    self._error = exc
-                    raise
-                self._checked = True
+def _probe_complete(utils: S3Utils, bucket: str, key: str, url: str) -> bool:
+    """Both conditions must refuse a one-part upload's completion over the probe's object (moto ignores If-Match)."""
+    for condition in ({"IfNoneMatch": "*"}, {"IfMatch": _WRONG_ETAG}):
+        upload = utils.call("create_multipart_upload", url, Bucket=bucket, Key=key)["UploadId"]
+        try:
+            part = utils.call("upload_part", url, Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"probe")
+            parts = {"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]}
+            if not _refused_by_condition(
+                utils, "complete_multipart_upload", url, Bucket=bucket, Key=key, UploadId=upload,
+                MultipartUpload=parts, **condition,
+            ):
+                return False
+        finally:
+            with contextlib.suppress(Exception):
+                utils.call("abort_multipart_upload", url, Bucket=bucket, Key=key, UploadId=upload)
+    return True
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._fence, name)
+
+def _probe_delete(utils: S3Utils, bucket: str, key: str, url: str) -> bool:
+    """Both forms must refuse a wrong ETag and leave the object, and DeleteObjects must remove it on its own ETag
+    (a store, or a proxy, that refuses every ETag is no better than one that ignores them)."""
+    single = _refused_by_condition(utils, "delete_object", url, Bucket=bucket, Key=key, IfMatch=_WRONG_ETAG)
+    batch = {"Objects": [{"Key": key, "ETag": _WRONG_ETAG}], "Quiet": True}
+    errors = utils.call("delete_objects", url, Bucket=bucket, Delete=batch).get("Errors", [])
+    refused = single and any(error.get("Code") in ("PreconditionFailed", "412") for error in errors)
+    try:
+        etag = utils.call("head_object", url, Bucket=bucket, Key=key)["ETag"]
+    except FileNotFoundError:  # one form removed it
+        refused = False
+    else:
+        batch = {"Objects": [{"Key": key, "ETag": etag}], "Quiet": True}
+        refused = refused and not utils.call("delete_objects", url, Bucket=bucket, Delete=batch).get("Errors")
+    utils.call("put_object", url, Bucket=bucket, Key=key, Body=b"probe")  # for the other probes
+    return refused
+
+
+def _probe_copy(utils: S3Utils, bucket: str, key: str, url: str) -> bool:
+    return _refused_by_condition(
+        utils, "copy_object", url, Bucket=bucket, Key=key, CopySource={"Bucket": bucket, "Key": key},
+        MetadataDirective="REPLACE", IfNoneMatch="*",
+    )
+
+
+def _probe_multipart_checksum(utils: S3Utils, bucket: str, key: str, url: str) -> str:
+    """Upload one CRC32 part as a full-object checksum (else composite) and read back what the store kept."""
+    body = b"probe"
+    crc = base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode()
+    for kind in ("FULL_OBJECT", "COMPOSITE"):
+        try:
+            upload = utils.call(
+                "create_multipart_upload", url, Bucket=bucket, Key=key, ChecksumAlgorithm="CRC32", ChecksumType=kind
+            )["UploadId"]
+        except Exception as exc:
+            if error_code(exc) in _REFUSALS:
+                continue
+            raise
+        try:
+            part = utils.call(
+                "upload_part", url, Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=body,
+                ChecksumAlgorithm="CRC32", ChecksumCRC32=crc,
+            )
+            parts = {"Parts": [{"PartNumber": 1, "ETag": part["ETag"], "ChecksumCRC32": crc}]}
+            extra = {"ChecksumCRC32": crc, "ChecksumType": kind} if kind == "FULL_OBJECT" else {}
+            utils.call(
+                "complete_multipart_upload", url, Bucket=bucket, Key=key, UploadId=upload, MultipartUpload=parts,
+                **extra,
+            )
+            upload = ""
+        except Exception as exc:
+            if error_code(exc) in _REFUSALS:
+                continue
+            raise
+        finally:
+            if upload:
+                with contextlib.suppress(Exception):
+                    utils.call("abort_multipart_upload", url, Bucket=bucket, Key=key, UploadId=upload)
+        head = utils.call("head_object", url, Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+        if head.get("ChecksumCRC32"):
+            return str(head.get("ChecksumType") or ("COMPOSITE" if "-" in head["ChecksumCRC32"] else kind))
+    return "none"
+
+
+_PROBES: dict[str, Callable[[S3Utils, str, str, str], Any]] = {
+    "conditional_put": _probe_put, "conditional_complete": _probe_complete, "conditional_delete": _probe_delete,
+    "conditional_copy": _probe_copy, "multipart_checksum": _probe_multipart_checksum,
+}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -3501,3 +3273,24 @@ def fresh_s3fs_instances() -> Iterator[None]:
         yield
     finally:
         forget_s3fs_instances()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Names that moved to s3_fencing (importable from here as before, imported on first use)
+# --------------------------------------------------------------------------------------------------------------------
+
+_FENCING_NAMES = frozenset({
+    "CheckpointDirectoryTakenError", "CheckpointRun", "DirectoryFence", "FenceToken", "LaunchIdentity", "adopt_run",
+    "current_run", "launch_identity",
+})
+
+
+def __getattr__(name: str) -> Any:
+    """``s3_utils.DirectoryFence`` and the other names that moved to s3_fencing, which imports this module."""
+    if name not in _FENCING_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if __package__:
+        fencing = importlib.import_module(f"{__package__}.s3_fencing")
+    else:
+        fencing = importlib.import_module("s3_fencing")
+    return getattr(fencing, name)

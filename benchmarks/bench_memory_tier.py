@@ -1,42 +1,71 @@
 #!/usr/bin/env python
-"""Training stall per save with the memory tier against a plain copy of the same tensors into tmpfs (issue 40's
-first target: the tier's stall <= 1.2x the plain copy), and a resume from memory against one from S3 (moto).
+"""The memory tier against today's saves and loads (issue 40, item 8): two simulated nodes, one gloo rank each, the
+realistic GPT-style state (bf16 parameters, fp32 Adam moments), S3 on SeaweedFS (moto only if SeaweedFS stays busy,
+said in the output).
 
-    python benchmarks/bench_memory_tier.py                      # realistic GPT-style state d=256, 2 layers (~70 MiB)
-    python benchmarks/bench_memory_tier.py --d 768 --layers 8   # 0.9 GiB
+    python benchmarks/bench_memory_tier.py                      # d=256, 2 layers (~70 MiB of tensors)
+    python benchmarks/bench_memory_tier.py --d 512 --layers 4   # bigger, where the machine has room
 
-Per round, alternating:
+Node 0 (this process) measures; node 1 (a subprocess, its own ``GROUP_RANK`` and tier directory) runs its replica
+server, as `S3CheckpointIO.start_replication` sets it up, and receives node 0's replicas. Per round, the variants
+alternate (the machine may be shared: medians and min..max over the rounds):
 
-* ``copy``: every tensor's bytes written into one new file in the tmpfs (no serialisation, no checksum): the floor;
-* ``tier``: `S3CheckpointIO.save_checkpoint` with ``memory_tier`` (torch.save into the tmpfs with the running CRC,
-  the atomic rename, the commit record, the launch check, the bound): what training waits for. Drains are kept out
-  of the timed saves (``drain_every`` past the rounds; the first, drained, save is a warm-up);
-* ``load-memory`` / ``load-s3``: `load_checkpoint` of the saved URL from the verified memory copy, and from S3 (a
-  plugin without the tier), each followed by touching every tensor.
+Stall per save (what training waits for) and the time until the checkpoint is on the peer and on S3:
+* ``copy``: every tensor's bytes written into one new tmpfs file (no serialisation, no checksum): the floor;
+* ``tier``: `S3CheckpointIO.save_checkpoint` with ``memory_tier`` (drain every save here, replication on); "on the
+  peer" is when node 1's replica manifest appears, "on S3" when the drain's transfer record appears;
+* ``async-s3``: today's async `S3CheckpointIO` save (the snapshot), on S3 when `wait_for_pending_saves` returns;
+* ``dcp-async``: ``dcp.async_save`` with `s3_dcp.S3StorageWriter` (a one-rank group), on S3 when its future is done.
 
-Prints a table of medians and ratios. Not a quiet machine unless you make it one: say so with the numbers.
+Resume (each load followed by touching every tensor):
+* ``read-tmpfs``: the ``copy`` file's bytes read into preallocated tensors: the floor for a memory resume;
+* ``load-memory``: `load_checkpoint` from the verified memory copy; ``load-s3``: from S3 (a plugin without a tier);
+* ``load-replica``: `s3_tier_replication.fetch_directory` of the replica node 1 holds, then ``torch.load`` of it
+  (a replaced node's resume); ``transport``: the same bytes over a loopback TCP socket: its floor.
+
+Then ``--steps`` saves (a save every step, S3 every 10th) through a request-counting proxy: bytes and requests sent
+to S3, against today's every-step S3 save; and the RAM per node (tmpfs bytes of own copies plus replicas held, and
+RSS), sampled after every save. Writes ``benchmarks/results/memory-tier-<UTC>[-tag].json`` and prints tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import json
+import logging
 import os
+import platform
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+for _path in (REPO, REPO / "benchmarks", REPO / "tests" / "helpers"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 import realistic_state  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
+import s3_local_servers  # noqa: E402
+import s3_tier_replication  # noqa: E402
 from s3_checkpoint_io import S3CheckpointIO  # noqa: E402
-from s3_local_servers import moto_server  # noqa: E402
-from s3_memory_tier import MemoryTier  # noqa: E402
+from s3_memory_tier import MemoryTier, TierReplication  # noqa: E402
+from s3_utils import node_key  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+JOB = "bench-tier"
+
+
+# ---- helpers ------------------------------------------------------------------------------------------------------
 
 
 def tensors_of(obj: object) -> list[torch.Tensor]:
@@ -52,64 +81,385 @@ def tensors_of(obj: object) -> list[torch.Tensor]:
     return found
 
 
-def plain_copy(tensors: list[torch.Tensor], directory: str) -> float:
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def plain_copy(tensors: list[torch.Tensor], path: str) -> float:
     started = time.perf_counter()
-    fd, path = tempfile.mkstemp(dir=directory)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         for tensor in tensors:
-            view = memoryview(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
+            view = byte_view(tensor)
             while view:
                 view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
-    elapsed = time.perf_counter() - started
-    os.unlink(path)
-    return elapsed
+    return time.perf_counter() - started
 
 
-def touch(checkpoint: object) -> None:
-    for tensor in tensors_of(checkpoint):
-        tensor.view(-1)[-1:].clone()  # the pages are there (mapped loads fault them in)
+def read_into(targets: list[torch.Tensor], path: str) -> float:
+    """The floor of a memory resume: the file's bytes read into the preallocated tensors."""
+    started = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        for target in targets:
+            view = byte_view(target)
+            while view:
+                view = view[f.readinto(view) :]
+    return time.perf_counter() - started
+
+
+def touch(checkpoint: object, targets: list[torch.Tensor]) -> None:
+    """What a resume does with the loaded tensors: copy them into the model's and optimizer's own (every byte read,
+    so a memory-mapped load pays for its page faults here)."""
+    loaded = tensors_of(checkpoint)
+    assert len(loaded) == len(targets)
+    for target, tensor in zip(targets, loaded, strict=True):
+        target.copy_(tensor)
+
+
+def transport(path: str) -> float:
+    """The file's bytes over a loopback TCP connection into a buffer: the floor of a replica fetch."""
+    size = os.path.getsize(path)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def send() -> None:
+            with socket.create_connection(("127.0.0.1", port)) as sock, open(path, "rb") as f:
+                sock.sendfile(f)
+
+        started = time.perf_counter()
+        sender = threading.Thread(target=send)
+        sender.start()
+        connection, _ = server.accept()
+        buffer = memoryview(bytearray(size))
+        with connection:
+            while buffer:
+                buffer = buffer[connection.recv_into(buffer) :]
+        sender.join()
+    return time.perf_counter() - started
+
+
+def tmpfs_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def wait_for(predicate: Any, timeout_s: float = 600.0, poll_s: float = 0.002) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("benchmark: waited too long")
+        time.sleep(poll_s)
+
+
+def spread(samples: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
+
+
+# ---- node 1: the peer ---------------------------------------------------------------------------------------------
+
+
+def peer_node(root: str) -> None:
+    """Node 1: its replica server (start_replication) for each of node 0's phases, in step with node 0."""
+    dist.init_process_group("gloo", timeout=dt.timedelta(hours=2))
+    dist.new_group([0])  # collective: node 0's one-rank group for dcp.async_save
+    for phase in ("rounds", "steps"):
+        plugin = S3CheckpointIO(memory_tier=MemoryTier(root=f"{root}/{phase}", job=JOB, keep=2, drain_every=10))
+        plugin.start_replication()
+        dist.barrier()  # node 0 is done with the phase
+        plugin.teardown()
+    dist.destroy_process_group()
+
+
+# ---- node 0: the measurements -------------------------------------------------------------------------------------
+
+
+def s3_store(data_dir: str, wait_s: float) -> Any:
+    """SeaweedFS (one per machine: retried while another run holds it), else moto, said in the results."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            server = s3_local_servers.seaweedfs_server(data_dir, lock="fail")
+            endpoint = server.__enter__()
+            return server, endpoint, "SeaweedFS"
+        except s3_local_servers.LocalServerError as exc:
+            if time.monotonic() > deadline:
+                print(f"SeaweedFS busy ({exc}): moto instead", flush=True)
+                server = s3_local_servers.moto_server()
+                return server, server.__enter__(), "moto (SeaweedFS was busy)"
+            time.sleep(10)
+
+
+def rounds_phase(args: Any, state: dict[str, Any], roots: dict[str, Path], bucket: str) -> dict[str, list[float]]:
+    import torch.distributed.checkpoint as dcp
+
+    from s3_dcp import S3StorageWriter
+
+    tensors = tensors_of(state)
+    results: dict[str, list[float]] = {}
+
+    def add(kind: str, seconds: float) -> None:
+        results.setdefault(kind, []).append(seconds)
+
+    tiered = S3CheckpointIO(memory_tier=MemoryTier(root=str(roots["node0"] / "rounds"), job=JOB, keep=2, drain_every=1))
+    tiered.start_replication()
+    plain = S3CheckpointIO(async_checkpointing=True)  # today's async S3 save
+    targets = [torch.empty_like(t) for t in tensors]  # the "model" a resume copies into
+    group0 = dist.new_group([0])
+    warm = f"s3://{bucket}/warm/step=0.ckpt"
+    tiered.save_checkpoint(state, warm)
+    tiered.wait_for_pending_saves()
+    replica_root = roots["node1"] / "rounds"
+    sender = node_key()
+    for index in range(args.rounds):
+        step = index + 1
+        order = ["copy", "tier", "async-s3", "dcp-async"]
+        order = order[index % len(order) :] + order[: index % len(order)]  # who goes first rotates
+        for variant in order:
+            if variant == "copy":
+                path = str(roots["scratch"] / f"copy-{step}")
+                add("stall copy", plain_copy(tensors, path))
+            elif variant == "tier":
+                url = f"s3://{bucket}/tier/step={step}.ckpt"
+                name = TierReplication.replica_name(url)
+                started = time.perf_counter()
+                tiered.save_checkpoint(state, url)
+                add("stall tier", tiered.last_save_blocked_s)
+                wait_for(lambda n=name: any(replica_root.rglob(f"{n}.replica.json")))
+                add("on peer tier", time.perf_counter() - started)
+                wait_for(lambda u=url: any(r.url == u and r.tier == "s3" for r in list(tiered.records)))
+                add("on S3 tier", time.perf_counter() - started)
+                tiered.wait_for_pending_saves()
+            elif variant == "async-s3":
+                started = time.perf_counter()
+                plain.save_checkpoint(state, f"s3://{bucket}/async/step={step}.ckpt")
+                add("stall async-s3", plain.last_save_blocked_s)
+                plain.wait_for_pending_saves()
+                add("on S3 async-s3", time.perf_counter() - started)
+            else:
+                started = time.perf_counter()
+                writer = S3StorageWriter(f"s3://{bucket}/dcp/step={step}")
+                future = dcp.async_save(state, storage_writer=writer, process_group=group0)
+                add("stall dcp-async", time.perf_counter() - started)
+                future.result()
+                add("on S3 dcp-async", time.perf_counter() - started)
+        # resume, alternating too
+        url = f"s3://{bucket}/tier/step={step}.ckpt"
+        copy_path = str(roots["scratch"] / f"copy-{step}")
+        order = ["read-tmpfs", "load-memory", "load-s3", "load-replica", "transport"]
+        order = order[index % len(order) :] + order[: index % len(order)]
+        for variant in order:
+            started = time.perf_counter()
+            if variant == "read-tmpfs":
+                add(variant, read_into(targets, copy_path))
+                continue
+            if variant == "transport":
+                add(variant, transport(str(tiered.node_tier().path_of(url))))
+                continue
+            if variant == "load-memory":
+                touch(tiered.load_checkpoint(url, weights_only=False), targets)
+                assert tiered.records[-1].tier == "memory", tiered.records[-1]
+            elif variant == "load-s3":
+                touch(plain.load_checkpoint(url, weights_only=False), targets)
+            else:
+                dest = roots["scratch"] / f"fetched-{step}"
+                info = tiered.node_tier()
+                fetched = s3_tier_replication.fetch_directory(
+                    replica_peer(tiered), sender_node=sender, name=TierReplication.replica_name(url), dest=dest,
+                    job=info.job, launch=info.run.run_id if info.run.job else None,
+                )
+                touch(torch.load(fetched / info.path_of(url).name, weights_only=False, mmap=True), targets)
+            add(variant, time.perf_counter() - started)
+        for leftover in roots["scratch"].iterdir():
+            if leftover.is_file():
+                leftover.unlink()
+            else:
+                for f in leftover.iterdir():
+                    f.unlink()
+                leftover.rmdir()
+    tiered.teardown()
+    plain.teardown()
+    dist.barrier()  # node 1 closes this phase's replica server
+    return results
+
+
+def replica_peer(plugin: S3CheckpointIO) -> Any:
+    """The peer's replica server address, as `start_replication` found it: the plugin keeps its `TierReplication`
+    to itself, so the benchmark finds it by type (a resume from a peer's replica is not built into the plugin yet)."""
+    for value in vars(plugin).values():
+        if isinstance(value, TierReplication):
+            return value.peer
+    raise RuntimeError("replication was not started")
+
+
+def steps_phase(args: Any, state: dict[str, Any], roots: dict[str, Path], bucket: str, endpoint: str) -> dict[str, Any]:
+    """`--steps` saves, S3 every 10th, through a request-counting proxy; RAM sampled after each save."""
+    from fault_proxy import FaultProxy
+
+    out: dict[str, Any] = {}
+    root = roots["node0"] / "steps"
+    with FaultProxy(endpoint) as proxy:
+        previous = os.environ.get("AWS_ENDPOINT_URL_S3")
+        os.environ["AWS_ENDPOINT_URL_S3"] = proxy.endpoint_url
+        try:
+            tiered = S3CheckpointIO(memory_tier=MemoryTier(root=str(root), job=JOB, keep=2, drain_every=10))
+            tiered.start_replication()
+            tmpfs_max = own_max = replicas_max = rss_max = 0
+            for step in range(1, args.steps + 1):
+                tiered.save_checkpoint(state, f"s3://{bucket}/steps/step={step}-last.ckpt")
+                own, replicas = tmpfs_bytes(root), tmpfs_bytes(roots["node1"] / "steps")
+                tmpfs_max, own_max = max(tmpfs_max, own + replicas), max(own_max, own)
+                replicas_max, rss_max = max(replicas_max, replicas), max(rss_max, rss_bytes())
+            tiered.teardown()  # the last one drains too
+            dist.barrier()  # node 1 closes its replica server
+            tier_requests = list(proxy.requests)
+            drained = [r for r in tiered.records if r.kind == "save" and r.tier == "s3"]
+            sizes = [r.size for r in tiered.records if r.kind == "save" and r.tier == "memory"]
+            plain = S3CheckpointIO(async_checkpointing=True)
+            mark = len(proxy.requests)
+            plain.save_checkpoint(state, f"s3://{bucket}/steps-plain/step=1-last.ckpt")
+            plain.teardown()
+            one_save = proxy.requests[mark:]
+        finally:
+            if previous is None:
+                os.environ.pop("AWS_ENDPOINT_URL_S3", None)
+            else:
+                os.environ["AWS_ENDPOINT_URL_S3"] = previous
+    checkpoint_bytes = max(sizes)
+    sent = sum(r.size for r in drained)
+    out.update(
+        steps=args.steps, checkpoint_bytes=checkpoint_bytes, drains=len(drained), tier_bytes_to_s3=sent,
+        tier_requests=len(tier_requests), today_bytes_to_s3=args.steps * checkpoint_bytes,
+        today_requests=args.steps * len(one_save), requests_per_plain_save=len(one_save),
+        tmpfs_max_bytes=tmpfs_max, own_max_bytes=own_max, replicas_max_bytes=replicas_max, rss_max_bytes=rss_max,
+        keep=2,
+    )
+    return out
+
+
+def node0(args: Any) -> dict[str, Any]:
+    state = realistic_state.checkpoint(args.d, args.layers)
+    tensors = tensors_of(state)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    base = Path(tempfile.mkdtemp(prefix="bench-tier-", dir=args.tmpfs))
+    roots = {name: base / name for name in ("node0", "node1", "scratch", "weed")}
+    for path in roots.values():
+        path.mkdir(mode=0o700)
+    server, endpoint, store = s3_store(str(roots["weed"]), args.weed_wait_s)
+    try:
+        os.environ.update(endpoint.env())
+        os.environ.setdefault("MASTER_PORT", str(s3_local_servers.free_port()))  # once the store holds its ports
+        bucket = "bench-tier"
+        endpoint.client().create_bucket(Bucket=bucket)
+        env = dict(os.environ, RANK="1", GROUP_RANK="1", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1")
+        peer = subprocess.Popen(
+            [sys.executable, __file__, "--peer-root", str(roots["node1"])], env=env, cwd=REPO,
+        )
+        os.environ.update(RANK="0", GROUP_RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1")
+        dist.init_process_group("gloo", timeout=dt.timedelta(hours=2))
+        samples = rounds_phase(args, state, roots, bucket)
+        steps = steps_phase(args, state, roots, bucket, endpoint.endpoint_url)
+        dist.destroy_process_group()
+        peer.wait(timeout=120)
+    finally:
+        server.__exit__(None, None, None)
+        subprocess.run(["rm", "-rf", str(base)], check=False)
+    return {"store": store, "tensor_bytes": nbytes, "tensors": len(tensors), "samples": samples, "steps": steps}
+
+
+# ---- report -------------------------------------------------------------------------------------------------------
+
+
+def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    m = {kind: spread(values)["median"] for kind, values in report["samples"].items()}
+    steps = report["steps"]
+    k = steps["keep"]
+    ram_limit = (k + 1) * steps["checkpoint_bytes"] + steps["checkpoint_bytes"] * k  # own (K+1) + replicas (K)
+    rows = [
+        ("stall tier <= 1.2x plain copy into tmpfs", m["stall tier"] / m["stall copy"], 1.2, "<="),
+        ("resume from memory <= 1.3x reading the bytes from tmpfs", m["load-memory"] / m["read-tmpfs"], 1.3, "<="),
+        ("resume from memory >= 3x faster than from S3", m["load-s3"] / m["load-memory"], 3.0, ">="),
+        ("resume from a peer's replica <= 2x the bytes over the transport", m["load-replica"] / m["transport"], 2.0,
+         "<="),
+        ("tmpfs per node <= (K+1) x checkpoint + K replicas", steps["tmpfs_max_bytes"] / ram_limit, 1.0, "<="),
+    ]
+    return [
+        {"target": name, "measured": round(value, 3), "bound": bound,
+         "met": value <= bound if op == "<=" else value >= bound}
+        for name, value, bound, op in rows
+    ]
+
+
+def tables(report: dict[str, Any]) -> str:
+    nbytes = report["tensor_bytes"]
+    lines = [
+        f"state d={report['args']['d']} layers={report['args']['layers']}: {nbytes / 2**20:.0f} MiB of tensors, "
+        f"{report['args']['rounds']} rounds, S3 on {report['store']}, {os.cpu_count()} CPUs (shared: not quiet)",
+        "",
+        "| what | median s | min..max s | GiB/s (median) |",
+        "|---|---|---|---|",
+    ]
+    for kind, values in report["samples"].items():
+        s = spread(values)
+        lines.append(f"| {kind} | {s['median']:.3f} | {s['min']:.3f}..{s['max']:.3f} | "
+                     f"{nbytes / s['median'] / 2**30:.2f} |")
+    st = report["steps"]
+    mib = 2**20
+    lines += [
+        "",
+        f"{st['steps']} steps, a save every step, S3 every 10th: to S3 {st['tier_bytes_to_s3'] / mib:.0f} MiB in "
+        f"{st['tier_requests']} requests ({st['drains']} drains) with the tier; today {st['today_bytes_to_s3'] / mib:.0f}"
+        f" MiB in {st['today_requests']} requests ({st['requests_per_plain_save']} per save). RAM per node: tmpfs max "
+        f"{st['tmpfs_max_bytes'] / mib:.0f} MiB (own copies max {st['own_max_bytes'] / mib:.0f} MiB + replicas held max "
+        f"{st['replicas_max_bytes'] / mib:.0f} MiB; checkpoint {st['checkpoint_bytes'] / mib:.0f}"
+        f" MiB, K={st['keep']}), RSS max {st['rss_max_bytes'] / mib:.0f} MiB (includes the training state itself)",
+        "",
+        "| target | measured | bound | met |",
+        "|---|---|---|---|",
+    ]
+    for t in report["targets"]:
+        lines.append(f"| {t['target']} | {t['measured']} | {t['bound']} | {'yes' if t['met'] else 'no'} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--d", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--tmpfs", default="/dev/shm")
+    parser.add_argument("--weed-wait-s", type=float, default=300.0)
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--peer-root", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    state = realistic_state.checkpoint(args.d, args.layers)
-    tensors = tensors_of(state)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    results: dict[str, list[float]] = {"copy": [], "tier": [], "load-memory": [], "load-s3": []}
-    with tempfile.TemporaryDirectory(dir=args.tmpfs) as root, moto_server() as endpoint:
-        os.environ.update(endpoint.env())
-        S3CheckpointIO().s3.client.create_bucket(Bucket="bench")
-        config = MemoryTier(root=root, job="bench", keep=2, drain_every=10**6)
-        tiered, plain = S3CheckpointIO(memory_tier=config), S3CheckpointIO()
-        url = "s3://bench/run/step=0-last.ckpt"
-        tiered.save_checkpoint(state, url)  # warm-up; drained to S3 (the first save always is)
-        tiered.wait_for_pending_saves()
-        for index in range(args.rounds):
-            results["copy"].append(plain_copy(tensors, root))
-            newest = f"s3://bench/run/step={index + 1}.ckpt"
-            tiered.save_checkpoint(state, newest)
-            results["tier"].append(tiered.last_save_blocked_s)
-            for kind, plugin, loaded in (("load-memory", tiered, newest), ("load-s3", plain, url)):
-                started = time.perf_counter()
-                touch(plugin.load_checkpoint(loaded, weights_only=False))
-                results[kind].append(time.perf_counter() - started)
-                assert plugin.records[-1].tier == kind.removeprefix("load-")
-        tiered.teardown()
-    median = {kind: statistics.median(times) for kind, times in results.items()}
-    print(f"state d={args.d} layers={args.layers}: {nbytes / 2**20:.0f} MiB of tensors, {len(tensors)} tensors, "
-          f"{args.rounds} rounds, {os.cpu_count()} CPUs, tmpfs {args.tmpfs}")
-    print("| what | median s | GiB/s | ratio |")
-    print("|---|---|---|---|")
-    for kind, base in (("copy", "copy"), ("tier", "copy"), ("load-memory", "load-memory"), ("load-s3", "load-memory")):
-        seconds = median[kind]
-        print(f"| {kind} | {seconds:.3f} | {nbytes / seconds / 2**30:.2f} | {seconds / median[base]:.2f}x {base} |")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log, when moto stands in
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if args.peer_root:
+        peer_node(args.peer_root)
+        return
+    os.environ.setdefault("TORCHELASTIC_RUN_ID", f"bench-tier-{os.getpid()}")
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    report = node0(args)
+    report["args"] = vars(args)
+    report["targets"] = targets(report)
+    report["summary"] = {kind: spread(values) for kind, values in report["samples"].items()}
+    report["environment"] = {
+        "python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform(),
+        "cpus": os.cpu_count(), "load_average": os.getloadavg(), "note": "shared machine, not quiet",
+    }
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"memory-tier-{stamp}{'-' + args.tag if args.tag else ''}.json"
+    out.write_text(json.dumps(report, indent=1))
+    print(tables(report))
+    print(f"results: {out}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ tests/helpers/soak.py (tests/test_soak.py runs it short in the suite).
     python benchmarks/bench_soak.py                           # 100 kills of single-file saves + 100 of DCP saves
     python benchmarks/bench_soak.py --kills 10 --tag quick    # a smoke run
     python benchmarks/bench_soak.py --modes single --kills 200
+    python benchmarks/bench_soak.py --modes tier --kills 200 --node-loss-every 10   # the memory tier (issue 40)
 
 Each mode is one job: launches 0..K-1 are killed (or left as stragglers), launch K trains to the end, then
 ``s3-checkpoint-io gc`` aborts the uploads the kills left open. Reported per mode: kills (early ones: during the
@@ -47,19 +48,20 @@ def table(reports: list[dict[str, Any]]) -> str:
     rows = [
         "| mode | kills (during resume) | stragglers | resumes (fresh starts) | fallbacks | steps lost per kill: "
         "mean / p50 / max | faults injected | uploads left open / aborted by gc / left after gc | failures | "
-        "straggler overwrites / new keys / removals | minutes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "straggler overwrites / new keys / removals | node losses | resumed from | minutes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
         lost = r["steps_lost"] or [0]
         faults = ", ".join(f"{k} {v}" for k, v in sorted(r["faults_by_kind"].items()))
+        tiers = ", ".join(f"{k} {v}" for k, v in sorted(r.get("resumed_from", {}).items())) or "-"
         rows.append(
             f"| {r['mode']} | {r['kills']} ({r['early_kills']}) | {r['stragglers']} | {r['resumes']} "
             f"({r['fresh_starts']}) | {r['fallbacks']} | {statistics.mean(lost):.1f} / {statistics.median(lost):g} / "
             f"{max(lost)} | {r['faults_injected']} ({faults}) | {r['uploads_left_open']} / "
             f"{r['uploads_aborted_by_gc']} / {r['uploads_after_gc']} | {len(r['failures'])} | "
             f"{len(r['straggler_changes'])} / {r.get('straggler_created', 0)} / {r.get('straggler_removals', 0)} | "
-            f"{r['seconds'] / 60:.1f} |"
+            f"{r.get('node_losses', 0)} | {tiers} | {r['seconds'] / 60:.1f} |"
         )
     return "\n".join(rows)
 
@@ -73,12 +75,16 @@ def main() -> int:
     parser.add_argument("--straggler-probability", type=float, default=0.2)
     parser.add_argument("--early-kill-probability", type=float, default=0.2)
     parser.add_argument("--no-faults", action="store_true")
+    parser.add_argument("--drain-every", type=int, default=3, help="tier mode: every Nth save in memory goes to S3")
+    parser.add_argument("--node-loss-every", type=int, default=10, help="tier mode: every Nth kill loses a node")
     parser.add_argument("--tag", default="")
+    parser.add_argument("--logs", default=None, help="keep the launches' logs in this directory (default: removed)")
     args = parser.parse_args()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     reports = []
-    with moto_server() as server, tempfile.TemporaryDirectory(prefix="soak-logs-") as logs:
+    with moto_server() as server, tempfile.TemporaryDirectory(prefix="soak-logs-") as temporary:
+        logs = args.logs or temporary
         os.environ.update(server.env())
         client = server.client()
         for index, mode in enumerate(args.modes.split(",")):
@@ -92,6 +98,8 @@ def main() -> int:
                 straggler_probability=args.straggler_probability,
                 early_kill_probability=args.early_kill_probability,
                 faults=not args.no_faults,
+                drain_every=args.drain_every,
+                node_loss_every=args.node_loss_every if mode == "tier" else 0,
             )
             report = run_soak(server.env(), server.endpoint_url, bucket, "job", config, Path(logs) / mode)
             reports.append(report.as_json())

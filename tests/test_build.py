@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 CORE_MODULES = [
     "s3_dirpath_utils",
     "s3_utils",
+    "s3_fencing",
     "s3_checkpoint_io",
     "connector",
     "s3_checkpoint_admin",

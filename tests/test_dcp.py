@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 from fault_proxy import Fault, FaultRule  # noqa: E402
+from read_counts import counting_reads  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
 import s3_checkpoint_admin  # noqa: E402
@@ -105,10 +106,11 @@ def _save(state: dict[str, Any], url: str, **kwargs: Any) -> Any:
     return dcp.save(state, storage_writer=_writer(url, **kwargs), no_dist=True)
 
 
-def _load(state: dict[str, Any], url: str, **kwargs: Any) -> Any:
-    reader = _reader(url, **kwargs)
-    dcp.load(state, storage_reader=reader, no_dist=True)
-    return reader
+def _load(state: dict[str, Any], url: str, **kwargs: Any) -> dict[str, int]:
+    """Load `state` with `S3StorageReader`; what the reader did (`read_counts.counting_reads`)."""
+    with counting_reads() as counts:
+        dcp.load(state, storage_reader=_reader(url, **kwargs), no_dist=True)
+    return counts
 
 
 def _download_prefix(client: Any, bucket: str, prefix: str, directory: Path) -> None:
@@ -194,9 +196,9 @@ def test_round_trip_tensors_and_bytes_no_dist(
     assert _open_uploads(s3_client, bucket) == []
 
     loaded = _empty_like(state)
-    reader = _load(loaded, url, direct_read_min_MB=direct_read_min_MB)
+    counts = _load(loaded, url, direct_read_min_MB=direct_read_min_MB)
     _assert_same(loaded, state)
-    assert reader.stats["direct_items"] == (5 if direct_read_min_MB == 0 else 0)  # every tensor, or none
+    assert counts["direct_items"] == (5 if direct_read_min_MB == 0 else 0)  # every tensor, or none
 
     # torch's own reader loads the same checkpoint once the prefix is copied to a local directory
     _download_prefix(s3_client, bucket, "ckpt", tmp_path)
@@ -236,9 +238,9 @@ def test_item_checksums_come_from_the_upload_pass_and_equal_direct_ones(
     dcp.load(local, storage_reader=dcp.FileSystemReader(str(tmp_path)), no_dist=True)
     _assert_same(local, state)
     loaded = _empty_like(state)
-    reader = _load(loaded, f"s3://{bucket}/items", direct_read_min_MB=4)  # a and d direct, below one chunk
+    counts = _load(loaded, f"s3://{bucket}/items", direct_read_min_MB=4)  # a and d direct, below one chunk
     _assert_same(loaded, state)
-    assert reader.stats["direct_items"] == 2  # the zip framing is read without zipfile's CRC check
+    assert counts["direct_items"] == 2  # where their recorded spans say, without zipfile's CRC check
 
 
 def test_checkpoint_id_url_resets_the_writer_and_reader(bucket: str) -> None:
@@ -301,29 +303,29 @@ def test_partial_load_coalesces_adjacent_items(bucket: str, monkeypatch: pytest.
     monkeypatch.setattr(s3_dcp, "_unzeroed_buffer", lambda nbytes: buffers.append(nbytes) or real_buffer(nbytes))
     everything = {key: torch.zeros(1000) for key in state}
     addresses = {key: tensor.data_ptr() for key, tensor in everything.items()}
-    reader = _load(everything, f"s3://{bucket}/many")
+    counts = _load(everything, f"s3://{bucket}/many")
     _assert_same(everything, state)
-    assert reader.stats["requests"] == 1  # 40 adjacent items, one ranged GET
+    assert counts["requests"] == 1  # 40 adjacent items, one ranged GET
     # the writer recorded where each tensor's bytes lie: the GET puts them straight into the targets, no buffer
-    assert reader.stats["recorded_spans"] == 40 and buffers == []
+    assert counts["recorded_spans"] == 40 and buffers == []
     assert {key: tensor.data_ptr() for key, tensor in everything.items()} == addresses
 
     apart = {key: torch.zeros(1000) for key in ("t03", "t05")}  # t04 between them is read past, not loaded
-    reader = _load(apart, f"s3://{bucket}/many")
+    counts = _load(apart, f"s3://{bucket}/many")
     assert torch.equal(apart["t03"], state["t03"]) and torch.equal(apart["t05"], state["t05"])
-    assert reader.stats["requests"] == 1 and reader.stats["bytes"] > 12_000 and buffers == []
+    assert counts["requests"] == 1 and counts["bytes"] > 12_000 and buffers == []
 
     _strip_tensor_spans(f"s3://{bucket}/many")  # an earlier writer's checkpoint: each item into a buffer, decoded
     everything = {key: torch.zeros(1000) for key in state}
-    reader = _load(everything, f"s3://{bucket}/many")
+    counts = _load(everything, f"s3://{bucket}/many")
     _assert_same(everything, state)
-    assert reader.stats["requests"] == 1 and reader.stats["recorded_spans"] == 0 and len(buffers) == 40
+    assert counts["requests"] == 1 and counts["recorded_spans"] == 0 and len(buffers) == 40
 
     some = {key: torch.zeros(1000) for key in ("t03", "t30")}
-    reader = _load(some, f"s3://{bucket}/many", coalesce_gap_MB=0)
+    counts = _load(some, f"s3://{bucket}/many", coalesce_gap_MB=0)
     assert torch.equal(some["t03"], state["t03"]) and torch.equal(some["t30"], state["t30"])
-    assert reader.stats["requests"] == 2
-    assert reader.stats["bytes"] < 20_000  # only what the two items occupy
+    assert counts["requests"] == 2
+    assert counts["bytes"] < 20_000  # only what the two items occupy
 
 
 def test_a_scattered_read_skips_gaps_in_few_large_reads_whatever_the_first_gap() -> None:
@@ -343,25 +345,24 @@ def test_large_item_is_fetched_as_parallel_ranges_straight_into_its_target(bucke
     _save(state, f"s3://{bucket}/huge")
     loaded = {"huge": torch.zeros(3 * 1024 * 1024)}
     address = loaded["huge"].data_ptr()
-    reader = _load(loaded, f"s3://{bucket}/huge", chunk_size_MB=5)
+    counts = _load(loaded, f"s3://{bucket}/huge", chunk_size_MB=5)
     assert torch.equal(loaded["huge"], state["huge"]) and loaded["huge"].data_ptr() == address
-    assert reader.stats["direct_items"] == reader.stats["recorded_spans"] == 1
-    assert reader.stats["requests"] == 3  # 3 ranges of <= 5 MiB: the writer recorded where the tensor's bytes lie
-    assert reader.stats["bytes"] == 12 * 2**20  # the tensor's bytes once, nothing else
+    assert counts["direct_items"] == counts["recorded_spans"] == 1
+    assert counts["requests"] == 3  # 3 ranges of <= 5 MiB: the writer recorded where the tensor's bytes lie
+    assert counts["bytes"] == 12 * 2**20  # the tensor's bytes once, nothing else
 
-    # a checkpoint without that record (an earlier version of this writer): the framing is read first
+    # a checkpoint without that record (an earlier version of this writer): the item is buffered and decoded
     _strip_tensor_spans(f"s3://{bucket}/huge")
     loaded = {"huge": torch.zeros(3 * 1024 * 1024)}
-    reader = _load(loaded, f"s3://{bucket}/huge", chunk_size_MB=5)
+    counts = _load(loaded, f"s3://{bucket}/huge", chunk_size_MB=5)
     assert torch.equal(loaded["huge"], state["huge"])
-    assert reader.stats["direct_items"] == 1 and reader.stats["recorded_spans"] == 0
-    assert reader.stats["requests"] == 2 + 3  # the item's head and tail (its zip framing), then 3 ranges of <= 5 MiB
-    assert 12 * 2**20 < reader.stats["bytes"] < 12 * 2**20 + 8192  # the tensor's bytes once, plus the framing twice
+    assert counts["direct_items"] == 0 and counts["recorded_spans"] == 0
+    assert counts["requests"] == 3 and 12 * 2**20 < counts["bytes"] < 12 * 2**20 + 8192  # the whole item, once
 
     buffered = {"huge": torch.zeros(3 * 1024 * 1024)}
-    reader = _load(buffered, f"s3://{bucket}/huge", chunk_size_MB=5, direct_read_min_MB=64)
+    counts = _load(buffered, f"s3://{bucket}/huge", chunk_size_MB=5, direct_read_min_MB=64)
     assert torch.equal(buffered["huge"], state["huge"])
-    assert reader.stats["direct_items"] == 0 and reader.stats["requests"] == 3
+    assert counts["direct_items"] == 0 and counts["requests"] == 3
 
 
 def _item_record(url: str) -> dict[str, Any]:
@@ -416,16 +417,16 @@ def test_writer_records_where_each_contiguous_tensor_lies_from_the_upload_pass(
     dcp.load(local, storage_reader=dcp.FileSystemReader(str(tmp_path)), no_dist=True)
     _assert_same(local, state)
     loaded = _empty_like(state)
-    reader = _load(loaded, f"s3://{bucket}/spans", direct_read_min_MB=0)
+    counts = _load(loaded, f"s3://{bucket}/spans", direct_read_min_MB=0)
     _assert_same(loaded, state)
-    assert reader.stats["recorded_spans"] == 3 and reader.stats["direct_items"] == 3  # and "transposed" decoded
+    assert counts["recorded_spans"] == 3 and counts["direct_items"] == 3  # and "transposed" decoded
     decoded: list[Any] = []
     real_tensor = s3_dcp._SpanBytes.tensor
     monkeypatch.setattr(s3_dcp._SpanBytes, "tensor", lambda span: decoded.append(span) or real_tensor(span))
     loaded = _empty_like(state)
-    reader = _load(loaded, f"s3://{bucket}/spans")  # "flat" read straight, "rows" and "small" from a buffer
+    counts = _load(loaded, f"s3://{bucket}/spans")  # "flat" read straight, "rows" and "small" from a buffer
     _assert_same(loaded, state)
-    assert reader.stats["recorded_spans"] == 3 and reader.stats["direct_items"] == 1
+    assert counts["recorded_spans"] == 3 and counts["direct_items"] == 1
     assert decoded == []  # whole tensors into whole targets of their dtype: their bytes copied as they are
     converted = {"rows": torch.zeros(600, 1000), "small": torch.zeros(1000, dtype=torch.float64)}
     _load(converted, f"s3://{bucket}/spans")  # other dtypes: decoded from the span, then converted on copy
@@ -501,7 +502,7 @@ def test_the_state_dicts_own_cpu_tensors_are_uploaded_without_a_copy(
 
 
 def test_a_tensor_span_record_that_does_not_fit_its_target_or_bytes_is_not_trusted(bucket: str) -> None:
-    """A span whose dtype, shape or place does not describe the target is ignored (the framing is read instead); a
+    """A span whose dtype, shape or place does not describe the target is ignored (the item is decoded instead); a
     span whose checksum does not match the bytes fails the load, naming the shard, and `verify_checkpoint` finds a
     span record that disagrees with its item."""
     url = f"s3://{bucket}/tampered"
@@ -518,12 +519,12 @@ def test_a_tensor_span_record_that_does_not_fit_its_target_or_bytes_is_not_trust
     ):
         _put_item_record(url, {**genuine, "files": {"__0_0.distcp": {**entry, "tensors": {offset: wrong}}}})
         loaded = {"w": torch.zeros(1200, 1000)}
-        reader = _load(loaded, url, direct_read_min_MB=4)
-        assert torch.equal(loaded["w"], state["w"]) and reader.stats["recorded_spans"] == 0, wrong
-        assert reader.stats["direct_items"] == 1, wrong
+        counts = _load(loaded, url, direct_read_min_MB=4)
+        assert torch.equal(loaded["w"], state["w"]) and counts["recorded_spans"] == 0, wrong
+        assert counts["direct_items"] == 0, wrong
         buffered = {"w": torch.zeros(1200, 1000)}
-        reader = _load(buffered, url, direct_read_min_MB=64)  # decoded from its framing instead
-        assert torch.equal(buffered["w"], state["w"]) and reader.stats["recorded_spans"] == 0, wrong
+        counts = _load(buffered, url, direct_read_min_MB=64)  # decoded from its framing instead
+        assert torch.equal(buffered["w"], state["w"]) and counts["recorded_spans"] == 0, wrong
 
     for bad in ([*span[:2], span[2] ^ 1, *span[3:]], [span[0] + 4, *span[1:]]):  # another checksum, other bytes
         _put_item_record(url, {**genuine, "files": {"__0_0.distcp": {**entry, "tensors": {offset: bad}}}})
@@ -542,8 +543,8 @@ def test_a_tensor_span_record_that_does_not_fit_its_target_or_bytes_is_not_trust
 
     _put_item_record(url, {**genuine, "files": {"__0_0.distcp": {**entry, "tensors": [span]}}})  # not a mapping
     loaded = {"w": torch.zeros(1200, 1000)}
-    reader = _load(loaded, url, direct_read_min_MB=4)
-    assert torch.equal(loaded["w"], state["w"]) and reader.stats["recorded_spans"] == 0
+    counts = _load(loaded, url, direct_read_min_MB=4)
+    assert torch.equal(loaded["w"], state["w"]) and counts["recorded_spans"] == 0
     assert s3_checkpoint_admin.verify_checkpoint(url).problems == []
 
     _put_item_record(url, genuine)
@@ -571,12 +572,12 @@ def test_items_whose_bytes_do_not_match_their_target_take_the_buffered_path(buck
         "plain": torch.zeros(1024, 256),
         "empty": torch.ones(0, 3),
     }
-    reader = _load(loaded, f"s3://{bucket}/mixed", direct_read_min_MB=0)
+    counts = _load(loaded, f"s3://{bucket}/mixed", direct_read_min_MB=0)
     assert torch.equal(loaded["transposed"], state["transposed"])
     assert torch.equal(holder.t(), state["wide"])
     assert torch.equal(loaded["converted"], state["converted"].double())
     assert torch.equal(loaded["plain"], state["plain"]) and loaded["empty"].shape == (0, 3)
-    assert reader.stats["direct_items"] == 1  # only "plain"
+    assert counts["direct_items"] == 1  # only "plain"
 
 
 @pytest.mark.parametrize(
@@ -604,12 +605,7 @@ def test_decoding_an_item_in_place_equals_torch_load(value: Any) -> None:
     assert layout is not None and layout.nbytes == value.untyped_storage().nbytes()
     if layout.nbytes:
         assert data[layout.start : layout.start + layout.nbytes] == bytes(value.untyped_storage())
-        # the head and tail alone (the tensor bytes zeroed) give the same layout: what a direct read uses
-        framing = len(data) - layout.nbytes
-        sparse = s3_dcp._FramingReader(data[:framing], data[len(data) - framing :], len(data))
-        located = s3_dcp._tensor_layout(sparse)
-        assert located is not None and (located.start, located.nbytes) == (layout.start, layout.nbytes)
-        assert located.meta.stride() == value.stride() and located.meta.shape == value.shape
+        assert layout.meta.stride() == value.stride() and layout.meta.shape == value.shape
 
 
 def test_overwrite_replaces_the_previous_checkpoint(bucket: str) -> None:
@@ -993,7 +989,7 @@ def test_works_copied_into_a_package_folder(tmp_path: Path) -> None:
     package.mkdir(parents=True)
     (tmp_path / "nemo_fork" / "__init__.py").write_text("")
     (package / "__init__.py").write_text("")
-    for module in ("s3_dirpath_utils", "s3_utils", "s3_checkpoint_io", "s3_dcp"):
+    for module in ("s3_dirpath_utils", "s3_utils", "s3_fencing", "s3_checkpoint_io", "s3_dcp"):
         shutil.copy(repo / f"{module}.py", package / f"{module}.py")
     code = (
         "import sys\n"

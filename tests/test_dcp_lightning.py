@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 from s3_servers import skip_unless_multirank_backend  # noqa: E402
 
 import s3_dcp  # noqa: E402
-from s3_utils import OWNER_RECORD_NAME  # noqa: E402
+from s3_fencing import OWNER_RECORD_NAME  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.lightning]
 

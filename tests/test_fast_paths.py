@@ -16,6 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
+from read_counts import counting_reads  # noqa: E402
+
 import s3_dcp  # noqa: E402
 import s3_utils  # noqa: E402
 from s3_checkpoint_io import S3CheckpointIO  # noqa: E402
@@ -164,8 +166,8 @@ def test_dcp_save_writes_the_same_files_on_either_path(
 def test_dcp_load_fills_the_same_tensors_on_either_path(
     reference: str, bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A DCP load fills every target identically with the reader's fast path on and on its reference path, and the
-    fast path is what ran when on (the reader's counters)."""
+    """A DCP load fills every target identically with the reader's fast paths on and with `reference` on its
+    reference path, and the fast path is what ran when on (counted from outside the reader)."""
     state = _flat(_gpt_checkpoint())
     url = f"s3://{bucket}/load-{reference}"
     monkeypatch.setenv(s3_utils.REFERENCE_PATHS_ENV, "")
@@ -179,9 +181,10 @@ def test_dcp_load_fills_the_same_tensors_on_either_path(
         loaded = _empty(state)
         reader = s3_dcp.S3StorageReader(url, chunk_size_MB=5, direct_read_min_MB=1)
         scattered.clear()
-        dcp.load(loaded, storage_reader=reader, no_dist=True)
+        with counting_reads() as counts:
+            dcp.load(loaded, storage_reader=reader, no_dist=True)
         _same(loaded, state)
-        stats[label] = {**reader.stats, "scattered_groups": sum(scattered)}
+        stats[label] = {**counts, "scattered_groups": sum(scattered)}
     fast, slow = stats["fast"], stats["reference"]
     assert fast["direct_items"] > 0 and fast["recorded_spans"] > 0 and fast["scattered_groups"] > 0
     if reference in ("direct_reads", "all"):
@@ -190,3 +193,36 @@ def test_dcp_load_fills_the_same_tensors_on_either_path(
         assert slow["recorded_spans"] == 0
     if reference in ("scatter_reads", "all"):
         assert slow["scattered_groups"] == 0
+
+
+@pytest.mark.parametrize(
+    ("read_path", "reference"),
+    [
+        ("ReadPath", "all"),
+        ("SpanReads", "direct_reads,scatter_reads"),
+        ("DirectReads", "scatter_reads"),
+        ("ScatterReads", "direct_reads"),
+    ],
+)
+def test_the_read_path_argument_chooses_what_the_switch_does(
+    read_path: str, reference: str, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``S3StorageReader(read_path=...)`` reads as the environment switch does for the same paths, whatever the
+    switch says; the default is `FastReads`."""
+    state = _flat(_gpt_checkpoint(layers=1))
+    url = f"s3://{bucket}/read-path-{read_path}"
+    dcp.save(state, storage_writer=s3_dcp.S3StorageWriter(url, chunk_size_MB=5), no_dist=True)
+    monkeypatch.delenv(s3_utils.REFERENCE_PATHS_ENV, raising=False)
+    assert type(s3_dcp.S3StorageReader(url).read_path) is s3_dcp.FastReads
+    runs = []
+    for env, path in ((reference, None), ("", getattr(s3_dcp, read_path)())):
+        monkeypatch.setenv(s3_utils.REFERENCE_PATHS_ENV, env)
+        loaded = _empty(state)
+        with counting_reads() as counts:
+            reader = s3_dcp.S3StorageReader(url, chunk_size_MB=5, direct_read_min_MB=1, read_path=path)
+            dcp.load(loaded, storage_reader=reader, no_dist=True)
+        _same(loaded, state)
+        runs.append(counts)
+    assert runs[0] == runs[1]
+    with pytest.raises(TypeError, match="read_path must be a ReadPath"):
+        s3_dcp.S3StorageReader(url, read_path="direct")  # type: ignore[arg-type]

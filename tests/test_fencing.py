@@ -1,6 +1,6 @@
 """One run per checkpoint directory: a stale run's saves, overwrites and removals fail and change nothing.
 
-Two runs in two processes (`fence_worker`, each its own `s3_utils.CheckpointRun`) play a job that was replaced and
+Two runs in two processes (`fence_worker`, each its own `s3_fencing.CheckpointRun`) play a job that was replaced and
 the job that replaced it, for single-file saves (sync and async) and DCP saves, on both backends. The moments that
 two processes cannot hit on purpose (a takeover between a run's check and its commit, a rank's files after the
 coordinator planned) are played in one process by two plugins with two runs. The fault proxy plays stores without
@@ -33,18 +33,22 @@ import s3_checkpoint_cli
 import s3_dcp
 from connector import build_s3_checkpointing, find_resume_checkpoint
 from s3_checkpoint_io import S3CheckpointIO
-from s3_utils import (
+from s3_fencing import (
     OWNER_RECORD_NAME,
     CheckpointDirectoryTakenError,
     CheckpointRun,
     DirectoryFence,
     LaunchIdentity,
+    current_run,
+    launch_identity,
+)
+from s3_utils import (
     RetryPolicy,
     S3ClientSettings,
     S3Utils,
-    current_run,
     is_retriable_error,
-    launch_identity,
+    note_capability,
+    store_capabilities,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -253,8 +257,8 @@ def test_stale_dcp_save_commits_and_overwrites_nothing(two_runs: tuple[Run, Run,
 def test_if_match_refuses_a_takeover_between_check_and_commit(
     mib: float, s3_server: S3Endpoint, bucket: str, s3_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if mib and s3_server.name == "moto":
-        pytest.skip("moto ignores If-Match on CompleteMultipartUpload (SeaweedFS and S3 honour it)")
+    if mib and not store_capabilities(S3Utils(), bucket, ["conditional_complete"]).conditional_complete:
+        pytest.skip(f"{s3_server.name} ignores If-Match on CompleteMultipartUpload (SeaweedFS and S3 honour it)")
     older, newer = run_at(-60), run_at(0)
     stale, new = plugin_of(older), plugin_of(newer)
     last = f"s3://{bucket}/race/last.ckpt"
@@ -385,6 +389,110 @@ def test_async_refused_save_drops_the_removal_waiting_for_it(
     assert snapshot(s3_client, bucket, "deferred/") == before
 
 
+def test_a_stale_removal_stopped_after_its_check_is_refused_by_the_store(
+    s3_server: S3Endpoint, bucket: str, s3_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A straggler paused between its fence check and its DeleteObjects while a relaunch takes the directory over
+    and saves the same name: the removal carries the ETag the straggler committed, the store refuses it (412), and
+    the record it then reads names the newer run. Without the condition the newer run's checkpoint would go."""
+    older, newer = run_at(-60), run_at(0)
+    stale, new = plugin_of(older), plugin_of(newer)
+    url = f"s3://{bucket}/removal/step=1.ckpt"
+    stale.save_checkpoint(state(1), url)
+    check = DirectoryFence.before_mutation
+    raced: list[str] = []
+
+    def newer_run_right_after_the_check(self: DirectoryFence, checked: str, action: str) -> None:
+        check(self, checked, action)
+        if self.run == older and action == "removal" and not raced:
+            raced.append(checked)
+            new.save_checkpoint(state(20), url)  # takes the directory over and replaces the stale run's object
+
+    monkeypatch.setattr(DirectoryFence, "before_mutation", newer_run_right_after_the_check)
+    with pytest.raises(CheckpointDirectoryTakenError) as refused:
+        stale.remove_checkpoint(url)
+    monkeypatch.undo()
+    assert raced == [url] and newer.run_id in str(refused.value)
+    assert "PreconditionFailed" in str(refused.value.__cause__)  # the store's 412 on the removal's ETag
+    assert new.load_checkpoint(url)["step"] == 20
+
+
+def test_a_removal_whose_object_changed_while_the_run_still_owns_it_removes_what_is_there(
+    s3_server: S3Endpoint, bucket: str, s3_client: Any, fault_proxy: FaultProxy
+) -> None:
+    """412 on a removal while the record is still this run's: the object is read again and removed (If-Match on its
+    new ETag), not refused."""
+    plugin = plugin_of(current_run(), client_settings=S3ClientSettings(endpoint_url=fault_proxy.endpoint_url))
+    url = f"s3://{bucket}/changed/step=1.ckpt"
+    plugin.save_checkpoint(state(1), url)
+    s3_client.put_object(Bucket=bucket, Key="changed/step=1.ckpt", Body=b"replaced by hand")
+    assert store_capabilities(plugin.s3, bucket, ["conditional_delete"]).conditional_delete  # probed (moto 5.2.6+)
+    fault_proxy.clear()
+    plugin.remove_checkpoint(url)
+    assert "Contents" not in s3_client.list_objects_v2(Bucket=bucket, Prefix="changed/step=1.ckpt")
+    deletes = [r for r in fault_proxy.requests if r.method == "POST" and "delete" in r.query]
+    assert len(deletes) == 2  # the first one refused (412 on the committed ETag), the second with the new ETag
+
+
+def test_a_conditional_removal_answered_409_is_sent_again(
+    s3_server: S3Endpoint, bucket: str, s3_client: Any, fault_proxy: FaultProxy
+) -> None:
+    """409 ConditionalRequestConflict (a concurrent request on the key) is not a refusal: sent again, removed."""
+    plugin = plugin_of(current_run(), client_settings=S3ClientSettings(endpoint_url=fault_proxy.endpoint_url))
+    url = f"s3://{bucket}/conflict/step=1.ckpt"
+    plugin.save_checkpoint(state(1), url)
+    assert store_capabilities(plugin.s3, bucket, ["conditional_delete"]).conditional_delete
+    conflict = Fault.status(409, "ConditionalRequestConflict")
+    fault_proxy.add_rule(FaultRule(conflict, method="POST", query="delete", times=1))
+    plugin.remove_checkpoint(url)
+    assert "Contents" not in s3_client.list_objects_v2(Bucket=bucket, Prefix="conflict/step=1.ckpt")
+    assert fault_proxy.count(method="POST", faulted=True) == 1
+
+
+def test_a_store_without_conditional_deletes_warns_once_and_checks_before_removing(
+    s3_server: S3Endpoint, bucket: str, s3_client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the store does not honour conditional deletes (recorded so here), fenced removals keep the check
+    before the request, and say once, naming the store, what that leaves open."""
+    plugin = plugin_of(current_run())
+    note_capability(store_capabilities(plugin.s3, bucket), "conditional_delete", False)
+    for step in (1, 2):
+        plugin.save_checkpoint(state(step), f"s3://{bucket}/plain/step={step}.ckpt")
+    with caplog.at_level(logging.WARNING, logger="s3_utils"):
+        plugin.remove_checkpoint(f"s3://{bucket}/plain/step=1.ckpt")
+        plugin.remove_checkpoint(f"s3://{bucket}/plain/step=2.ckpt")
+    warned = [r.getMessage() for r in caplog.records if "If-Match on DeleteObject" in r.getMessage()]
+    assert len(warned) == 1 and bucket in warned[0] and "stale run paused between" in warned[0], warned
+    assert s3_client.list_objects_v2(Bucket=bucket, Prefix="plain/step=").get("Contents") is None
+    newer = plugin_of(run_at(3600))
+    newer.save_checkpoint(state(3), f"s3://{bucket}/plain/step=3.ckpt")
+    with pytest.raises(CheckpointDirectoryTakenError):  # still checked: the owner record refuses the stale run
+        plugin.remove_checkpoint(f"s3://{bucket}/plain/step=3.ckpt")
+
+
+def test_an_unfenced_prefix_removal_keeps_an_object_replaced_since_it_was_listed(
+    s3_server: S3Endpoint, bucket: str, s3_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``rm`` and ``gc`` remove a listed prefix with the ETags of the listing: an object replaced between the
+    listing and the removal is kept (with a warning), the others go."""
+    for name in ("a", "b"):
+        s3_client.put_object(Bucket=bucket, Key=f"dcp.ckpt/{name}", Body=b"old")
+    utils = S3Utils()
+    listing = utils.list_objects
+
+    def replaced_after_the_listing(*args: Any, **kwargs: Any) -> Any:
+        listed = listing(*args, **kwargs)
+        s3_client.put_object(Bucket=bucket, Key="dcp.ckpt/b", Body=b"new")  # a save that came in meanwhile
+        return listed
+
+    monkeypatch.setattr(utils, "list_objects", replaced_after_the_listing)
+    utils.remove_objects_with_prefix(f"s3://{bucket}/dcp.ckpt")
+    monkeypatch.undo()
+    left = [item["Key"] for item in s3_client.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert left == ["dcp.ckpt/b"]
+    assert s3_client.get_object(Bucket=bucket, Key="dcp.ckpt/b")["Body"].read() == b"new"
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # A single run: what it pays, and what it never sees
 # --------------------------------------------------------------------------------------------------------------------
@@ -461,7 +569,7 @@ def test_an_object_changed_outside_the_run_is_overwritten_with_a_warning(
     last = f"s3://{bucket}/outside/last.ckpt"
     plugin.save_checkpoint(state(1), last)
     s3_client.put_object(Bucket=bucket, Key="outside/last.ckpt", Body=b"copied in by hand")
-    with caplog.at_level(logging.WARNING, logger="s3_utils"):
+    with caplog.at_level(logging.WARNING, logger="s3_fencing"):
         plugin.save_checkpoint(state(2), last)  # If-Match fails; the run still owns the directory: no failure
     assert "is not what this run last left there" in caplog.text
     assert plugin.load_checkpoint(last)["step"] == 2
@@ -476,10 +584,10 @@ def test_store_without_conditional_writes_warns_once_and_saves_go_on(
         settings = S3ClientSettings(endpoint_url=proxy.endpoint_url)
         stale, new = plugin_of(run_at(-60), client_settings=settings), plugin_of(run_at(0), client_settings=settings)
         a, b = f"s3://{bucket}/plain/a.ckpt", f"s3://{bucket}/plain/b.ckpt"
-        with caplog.at_level(logging.WARNING, logger="s3_utils"):
+        with caplog.at_level(logging.WARNING, logger="s3_fencing"):
             for step, url in [(1, a), (2, a), (3, b)]:
                 stale.save_checkpoint(state(step), url)
-        warnings = [r.getMessage() for r in caplog.records if "does not support conditional writes" in r.getMessage()]
+        warnings = [r.getMessage() for r in caplog.records if "does not honour conditional writes" in r.getMessage()]
         assert len(warnings) == 1, warnings
         assert proxy.endpoint_url in warnings[0] and bucket in warnings[0] and "not protected" in warnings[0]
         # refused: the takeover's conditional PUT (then written without); ignored: the takeover and the probe
@@ -523,7 +631,7 @@ def test_an_older_run_never_takes_a_directory_over_and_a_lost_record_is_taken_ag
     assert owner.load_checkpoint(f"{directory}/last.ckpt")["step"] == 1
 
     s3_client.delete_object(Bucket=bucket, Key=f"order/{OWNER_RECORD_NAME}")
-    with caplog.at_level(logging.WARNING, logger="s3_utils"):
+    with caplog.at_level(logging.WARNING, logger="s3_fencing"):
         owner.save_checkpoint(state(2), f"{directory}/last.ckpt")  # a single run does not fail for it
     assert "is gone" in caplog.text
     assert s3_client.head_object(Bucket=bucket, Key=f"order/{OWNER_RECORD_NAME}")

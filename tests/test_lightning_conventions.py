@@ -15,7 +15,7 @@ from tiny_lightning import FAMILIES, TOP_K_CHECKPOINT, lightning_family, tiny_mo
 
 import connector
 import s3_checkpoint_io
-import s3_utils
+import s3_fencing
 from s3_checkpoint_io import S3CheckpointIO
 from s3_utils import fresh_s3fs_instances
 
@@ -233,17 +233,17 @@ def test_a_test_double_as_the_plugin_does_not_break_later_saves(bucket: str) -> 
     this process's run, and every later fenced save failed ("Object of type MagicMock is not JSON serializable")."""
     pl = lightning_family("lightning.pytorch")
     dirpath = f"s3://{bucket}/run"
-    before = s3_utils.current_run()
+    before = s3_fencing.current_run()
     double = MagicMock(wraps=S3CheckpointIO(dirpath, chunk_size_MB=5), spec=S3CheckpointIO)
     callback = connector.S3ModelCheckpoint(dirpath=dirpath, **TOP_K_CHECKPOINT)
     try:
         tiny_trainer(pl, 2, plugins=[double], callbacks=[callback]).fit(tiny_module_class(pl, optimizer="sgd")())
         assert double.save_checkpoint.called
-        assert s3_utils.current_run() is before
+        assert s3_fencing.current_run() is before
         later = S3CheckpointIO(f"s3://{bucket}/later", chunk_size_MB=5)
         later.save_checkpoint({"step": 1}, f"s3://{bucket}/later/x.ckpt")
         assert later.load_checkpoint(f"s3://{bucket}/later/x.ckpt") == {"step": 1}
     finally:
-        s3_utils.adopt_run(before) if isinstance(s3_utils.current_run(), s3_utils.CheckpointRun) else None
+        s3_fencing.adopt_run(before) if isinstance(s3_fencing.current_run(), s3_fencing.CheckpointRun) else None
     with pytest.raises(TypeError, match="CheckpointRun"):
-        s3_utils.adopt_run(MagicMock())
+        s3_fencing.adopt_run(MagicMock())

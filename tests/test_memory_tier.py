@@ -28,6 +28,7 @@ from tiny_lightning import FAMILIES, TOP_K_CHECKPOINT, lightning_family, tiny_mo
 import connector
 import s3_checkpoint_admin
 import s3_checkpoint_cli
+import s3_fencing
 import s3_memory_tier
 import s3_utils
 from s3_checkpoint_io import S3CheckpointIO
@@ -204,7 +205,7 @@ def test_a_drain_cut_short_by_a_kill_is_finished_by_the_relaunch(
     assert relaunch.returncode == 0, relaunch.stderr[-3000:]
     records = json.loads(relaunch.stdout.strip().splitlines()[-1])
     assert [(kind, where) for kind, _, _, _, where in records] == [("save", "s3")]
-    tier = NodeTier(MemoryTier(root=str(tmp_path), job="job-1"), s3_utils.current_run())
+    tier = NodeTier(MemoryTier(root=str(tmp_path), job="job-1"), s3_fencing.current_run())
     copy = tier.verified_copy(url)
     assert copy is not None and copy.drain == "done"
     assert records[0][3] == copy.checksum
@@ -213,8 +214,8 @@ def test_a_drain_cut_short_by_a_kill_is_finished_by_the_relaunch(
         assert downloaded.read_all() == stream.read()
 
 
-def run_of(attempt: int) -> s3_utils.CheckpointRun:
-    return s3_utils.CheckpointRun(f"slurm:9#{attempt}", "host", 1, 1.0, "slurm:9", (attempt,))
+def run_of(attempt: int) -> s3_fencing.CheckpointRun:
+    return s3_fencing.CheckpointRun(f"slurm:9#{attempt}", "host", 1, 1.0, "slurm:9", (attempt,))
 
 
 def test_a_straggler_of_an_older_launch_cannot_write_into_the_newer_launchs_tier(tmp_path: Path) -> None:
@@ -223,7 +224,7 @@ def test_a_straggler_of_an_older_launch_cannot_write_into_the_newer_launchs_tier
     newer.claim()
     straggler = NodeTier(config, run_of(0))
     assert straggler.directory == newer.directory  # the same job's tier
-    with pytest.raises(s3_utils.CheckpointDirectoryTakenError, match="newer launch"):
+    with pytest.raises(s3_fencing.CheckpointDirectoryTakenError, match="newer launch"):
         straggler.save({"x": torch.ones(3)}, "s3://bkt/run/step=1.ckpt", 1, torch.save)
     assert newer.copies() == []
     assert not list(newer.own.rglob("*.ckpt*"))

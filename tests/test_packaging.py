@@ -20,7 +20,8 @@ from optional_imports import extras as optional_dependencies
 
 REPO = Path(__file__).resolve().parent.parent
 CORE_MODULES = [
-    "s3_dirpath_utils", "s3_utils", "s3_checkpoint_io", "s3_dcp", "s3_node_sharing", "s3_memory_tier", "connector"
+    "s3_dirpath_utils", "s3_utils", "s3_fencing", "s3_checkpoint_io", "s3_dcp", "s3_node_sharing", "s3_memory_tier",
+    "connector",
 ]
 
 
@@ -35,7 +36,8 @@ def test_core_modules_import_with_every_extra_hidden() -> None:
     hidden = CORE_OPTIONAL_MODULES
     result = run_python(
         """
-        import s3_dirpath_utils, s3_utils, s3_checkpoint_io, s3_dcp, s3_node_sharing, s3_memory_tier, connector
+        import s3_dirpath_utils, s3_utils, s3_fencing, s3_checkpoint_io, s3_dcp, s3_node_sharing, s3_memory_tier
+        import connector
         assert s3_dirpath_utils.parse_s3_url("s3://bucket/key") == ("bucket", "key")
         print("ok")
         """,
@@ -190,10 +192,10 @@ def test_every_module_at_the_repo_root_is_installed() -> None:
     assert sorted(listed) == sorted(path.stem for path in REPO.glob("*.py"))
 
 
-FOUR_CORE_FILES = ["s3_dirpath_utils", "s3_utils", "s3_checkpoint_io", "connector"]
+CORE_FILES = ["s3_dirpath_utils", "s3_utils", "s3_fencing", "s3_checkpoint_io", "connector"]
 """What the design card names: a fork may copy only these (no s3_dcp: no sharded checkpoints on S3)."""
 
-FOUR_FILE_FORKS = """
+CORE_FILE_FORKS = """
 import importlib, sys, types
 sys.path = [p for p in sys.path if p not in ("", {repo!r})]
 sys.path[:0] = [{package_root!r}, {flat!r}]
@@ -238,10 +240,10 @@ fork("", {flat!r}, {url!r} + "/top-level")
 """
 
 
-def test_forks_of_the_four_core_files_checkpoint_resume_and_name_what_a_dcp_checkpoint_needs(
+def test_forks_of_the_core_files_checkpoint_resume_and_name_what_a_dcp_checkpoint_needs(
     bucket: str, s3_server: Any, tmp_path: Path
 ) -> None:
-    """The four files copied into a package folder and as top-level modules (both in one interpreter: their
+    """The five files copied into a package folder and as top-level modules (both in one interpreter: their
     module names differ): single-file save, resume discovery and load work, and a DCP checkpoint met on resume
     names itself and the missing s3_dcp.py."""
     if s3_server.name == "seaweedfs":
@@ -249,12 +251,12 @@ def test_forks_of_the_four_core_files_checkpoint_resume_and_name_what_a_dcp_chec
     package_folder, flat = tmp_path / "nemo_fork" / "utils", tmp_path / "flat"
     for folder in (package_folder, flat):
         folder.mkdir(parents=True)
-        for module in FOUR_CORE_FILES:
+        for module in CORE_FILES:
             shutil.copy(REPO / f"{module}.py", folder / f"{module}.py")
     for init in (tmp_path / "nemo_fork", package_folder):
         (init / "__init__.py").write_text("")
     url = f"s3://{bucket}/run"
-    code = FOUR_FILE_FORKS.format(
+    code = CORE_FILE_FORKS.format(
         repo=str(REPO), package_root=str(tmp_path), flat=str(flat), package_folder=str(package_folder), url=url
     )
     result = run_python(code, cwd=tmp_path)
@@ -311,11 +313,11 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("with_node_sharing", [False, True], ids=["four-files", "with-s3_node_sharing"])
-def test_a_two_rank_job_of_the_four_core_files_works_and_warns_once_that_host_sharing_is_missing(
+@pytest.mark.parametrize("with_node_sharing", [False, True], ids=["core-files", "with-s3_node_sharing"])
+def test_a_two_rank_job_of_the_core_files_works_and_warns_once_that_host_sharing_is_missing(
     bucket: str, s3_server: Any, tmp_path: Path, with_node_sharing: bool
 ) -> None:
-    """Two real ranks (gloo, torchrun's environment) of a fork that copied the four core files, as a package and as
+    """Two real ranks (gloo, torchrun's environment) of a fork that copied the five core files, as a package and as
     top-level modules: each saves, then all load rank 0's checkpoint collectively. Without s3_node_sharing.py each
     rank paces on its own and downloads for itself, and says once (per copy of s3_utils) what is missing and what to
     copy; with it beside them, the pacer is the host's, the load is shared, and nothing is said."""
@@ -323,7 +325,7 @@ def test_a_two_rank_job_of_the_four_core_files_works_and_warns_once_that_host_sh
 
     skip_unless_multirank_backend(s3_server)
     package_folder, flat = tmp_path / "nemo_fork" / "utils", tmp_path / "flat"
-    modules = FOUR_CORE_FILES + (["s3_node_sharing"] if with_node_sharing else [])
+    modules = CORE_FILES + (["s3_node_sharing"] if with_node_sharing else [])
     for folder in (package_folder, flat):
         folder.mkdir(parents=True)
         for module in modules:

@@ -150,7 +150,7 @@ def test_torch_save_pieces_for_archives_without_zip_crc32() -> None:
     assert loaded["meta"] == {"step": 3}
 
 
-# ---- CPython and ctypes: the buffer protocol that finds a write's address (s3_utils.buffer_address) ----------------
+# ---- CPython and ctypes: the buffer protocol that finds a write's address (s3_checkpoint_io.buffer_address) --------
 
 
 def test_py_buffer_layout_gives_the_exporters_address() -> None:
@@ -160,10 +160,11 @@ def test_py_buffer_layout_gives_the_exporters_address() -> None:
     import ctypes
 
     target = bytearray(b"-" * 64)
-    assert s3_utils.buffer_address(memoryview(target)[8:]) == ctypes.addressof(ctypes.c_char.from_buffer(target)) + 8
+    address = ctypes.addressof(ctypes.c_char.from_buffer(target))
+    assert s3_checkpoint_io.buffer_address(memoryview(target)[8:]) == address + 8
     data = b"abcdef"
-    assert ctypes.string_at(s3_utils.buffer_address(memoryview(data).toreadonly()), 6) == data
-    assert s3_utils.buffer_address(memoryview(bytearray(20))[::2]) is None  # not one block
+    assert ctypes.string_at(s3_checkpoint_io.buffer_address(memoryview(data).toreadonly()), 6) == data
+    assert s3_checkpoint_io.buffer_address(memoryview(bytearray(20))[::2]) is None  # not one block
 
 
 def test_torch_writes_each_storage_in_one_write_call() -> None:
@@ -201,13 +202,13 @@ def test_torch_hands_write_each_storages_own_memory() -> None:
             return True
 
         def write(self, data: Any) -> int:
-            seen.append((memoryview(data).nbytes, s3_utils.buffer_address(data)))
+            seen.append((memoryview(data).nbytes, s3_checkpoint_io.buffer_address(data)))
             return memoryview(data).nbytes
 
     s3_checkpoint_io.torch_save_without_zip_crc32({"t": tensor}, Recorder())
     assert (tensor.numel() * 4, tensor.data_ptr()) in seen
-    assert s3_utils.buffer_address(memoryview(b"abc")[1:]) is not None
-    assert s3_utils.buffer_address(memoryview(bytearray(8))[::2]) is None  # not one block
+    assert s3_checkpoint_io.buffer_address(memoryview(b"abc")[1:]) is not None
+    assert s3_checkpoint_io.buffer_address(memoryview(bytearray(8))[::2]) is None  # not one block
 
 
 def test_torch_archive_framing_without_zip_crcs_does_not_depend_on_the_values() -> None:

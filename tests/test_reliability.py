@@ -31,8 +31,15 @@ from fault_proxy import Fault, FaultProxy, FaultRule
 from s3_servers import S3Endpoint, seaweedfs_process
 
 from s3_checkpoint_io import S3CheckpointIO
-from s3_utils import OWNER_RECORD_NAME as OWNER_RECORD
-from s3_utils import ChecksumMismatchError, RetryPolicy, S3ClientSettings, is_retriable_error, is_throttling_error
+from s3_fencing import OWNER_RECORD_NAME as OWNER_RECORD
+from s3_utils import (
+    ChecksumMismatchError,
+    RetryPolicy,
+    S3ClientSettings,
+    is_retriable_error,
+    is_throttling_error,
+    store_capabilities,
+)
 
 MiB = 1024 * 1024
 MODES = ("sync", "async")
@@ -663,6 +670,7 @@ def test_failed_deferred_removal_is_raised_and_deletes_nothing(
     plugin = make_plugin("async", PERSISTENT)
     older_url = f"s3://{bucket}/run/step=1.ckpt"
     save_and_wait(plugin, make_checkpoint(1, 1), older_url)
+    store_capabilities(plugin.s3, bucket, ["conditional_delete"])  # probed before the fault: the removal's own count
     rule = fault_proxy.add_rule(FaultRule(Fault.status(403, "AccessDenied"), method="POST", query="delete"))
     # Two throttled attempts keep the save in flight, so the removal is deferred behind it.
     fault_proxy.add_rule(FaultRule(Fault.slow_down(), method="POST", query_regex=CREATE_UPLOAD_QUERY, times=2))

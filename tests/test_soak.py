@@ -2,7 +2,9 @@
 
 Two ranks under a torchrun-style environment, SIGKILLed at random instants (also while resuming), relaunched as a
 new launch, once left as a straggler that continues after the relaunch saved, through a proxy injecting 503s, resets
-and stalls. The longer version with its table: benchmarks/bench_soak.py (benchmarks/soak.md).
+and stalls. With the memory tier (issue 40, item 6): two simulated nodes saving every step into memory, replicated,
+every 3rd drained to S3, killed at random, and every 2nd kill a node loss (its tier directory wiped).
+The longer version with its table: benchmarks/bench_soak.py (benchmarks/soak.md).
 """
 
 from __future__ import annotations
@@ -22,8 +24,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
     [
         SoakConfig(mode="single", kills=3, seed=3, straggler_launches=(1,), early_kill_probability=0.5),
         SoakConfig(mode="dcp", kills=2, seed=2, straggler_launches=(0,), early_kill_probability=0.0),
+        SoakConfig(
+            mode="tier", kills=3, seed=5, straggler_launches=(), early_kill_probability=0.25, node_loss_every=2,
+            drain_every=3,
+        ),
     ],
-    ids=["single", "dcp"],
+    ids=["single", "dcp", "tier"],
 )
 def test_kills_and_relaunches_never_strand_the_job(
     s3_server: Any, bucket: str, tmp_path: Path, config: SoakConfig
@@ -37,6 +43,7 @@ def test_kills_and_relaunches_never_strand_the_job(
     assert report.uploads_after_gc == 0
     assert report.stragglers == len(config.straggler_launches or ())
     assert report.straggler_changes == []  # every commit carries an ETag condition: no overwrite of the relaunch's
+    assert report.node_losses == (config.kills // config.node_loss_every if config.node_loss_every else 0)
 
 
 @pytest.mark.parametrize(("mode", "sharing"), [("single", "node"), ("single", "job"), ("dcp", "node")])

@@ -115,13 +115,14 @@ class TestPacerLane:
             sends(lane, [n / 100 for n in range(64)])
             lane.on_throttle(sent=0.63, now=0.64)
             lane._rate = rate
-            step = PacerLane.GROWTH * (1 + 1 / PacerLane.STREAK_SCALE) / math.sqrt(rate)
+            step = quiet * PacerLane.GROWTH * (1 + 1 / PacerLane.STREAK_SCALE) / math.sqrt(rate)
             for n in range(64):
-                lane.record_send(2.0 + n / 100)  # still sending: the 2x cap stays out of the way
-            lane.on_success(sent=2.6, now=2.64)  # 2 s after the throttle
+                lane.record_send(4.0 + n / 100)  # still sending: the 2x cap stays out of the way
+            lane.on_success(sent=4.6, now=4.64)  # 4 s after the throttle
             return lane.rate - rate * (1 + step)
 
-        assert gain(0.25) == pytest.approx(2 * PacerLane.CATCH_UP) == pytest.approx(gain(3.0))
+        quiet = 1 + (4.0 - PacerLane.WINDOW_S) / PacerLane.QUIET_S  # 4 s since the last cut: growth quickened
+        assert gain(0.25) == pytest.approx(quiet * 4 * PacerLane.CATCH_UP) == pytest.approx(gain(3.0))
 
     def test_growth_stops_at_twice_the_rate_actually_sent(self) -> None:
         lane = PacerLane("reads")

@@ -18,7 +18,8 @@ import sys
 import threading
 
 from s3_dirpath_utils import s3_url_parent
-from s3_utils import DirectoryFence, S3Utils, current_run
+from s3_fencing import DirectoryFence, current_run
+from s3_utils import S3Utils
 
 
 def main() -> None:

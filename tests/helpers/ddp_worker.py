@@ -40,7 +40,8 @@ def main() -> None:
 
     import connector
     from s3_checkpoint_io import S3CheckpointIO
-    from s3_utils import S3ClientSettings, current_run
+    from s3_fencing import current_run
+    from s3_utils import S3ClientSettings
 
     # Weights differ on every rank (only a real restore makes them agree); 256 rows give 16+ batches per rank and
     # epoch, so no epoch ends within 6 steps whatever the world size.

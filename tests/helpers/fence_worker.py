@@ -1,6 +1,6 @@
 """One training run for the fencing tests: a process that saves, removes and loads checkpoints when told to.
 
-Each process is its own run (`s3_utils.current_run`), so two of them play a stale job and the job that replaced it.
+Each process is its own run (`s3_fencing.current_run`), so two of them play a stale job and the job that replaced it.
 Commands arrive as JSON lines on stdin, answers leave as JSON lines on stdout (``{"ok": true, ...}`` or
 ``{"ok": false, "type": ..., "taken": ..., "message": ...}``); the S3 endpoint and keys come from the environment.
 
@@ -21,7 +21,7 @@ import sys
 import traceback
 from typing import Any
 
-from s3_utils import CheckpointDirectoryTakenError, current_run
+from s3_fencing import CheckpointDirectoryTakenError, current_run
 
 # The run exists from here on (its start time is now): say so before the slow imports, so that the test can start the
 # other run's process at once, and the two import torch and Lightning side by side.

@@ -61,7 +61,8 @@ def run(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> None:
     import torch
 
     from s3_checkpoint_io import S3CheckpointIO
-    from s3_utils import S3ClientSettings, current_run
+    from s3_fencing import current_run
+    from s3_utils import S3ClientSettings
 
     report["run"] = current_run().run_id
     settings = S3ClientSettings(user_agent_extra=f"rank/{rank}", connect_timeout_s=5)

@@ -395,7 +395,7 @@ def scenario_to_stock(ctx: Context) -> dict[str, Any]:
 def scenario_fencing(ctx: Context) -> dict[str, Any]:
     """A newer run takes the directory over: this run's next save there fails on every rank, promptly (as it plans;
     on <= 0.18 before rank 0's common.pt), writing nothing."""
-    import s3_utils
+    import s3_fencing
 
     base = ctx.base + "-fenced"  # its own directory: a newer run takes it over
     first, second = f"{base}/iter_0000001", f"{base}/iter_0000002"
@@ -404,8 +404,8 @@ def scenario_fencing(ctx: Context) -> dict[str, Any]:
     dist_checkpointing.save(sharded_state(ctx, 1), first, sharded_strategy=ctx.strategy())
     ctx.barrier()
     if ctx.rank == 0:
-        newer = s3_utils.CheckpointRun("feedfacefeedface", "newer-host", 1, time.time() + 3600)
-        s3_utils.DirectoryFence(ctx.s3, base, newer).token(second)
+        newer = s3_fencing.CheckpointRun("feedfacefeedface", "newer-host", 1, time.time() + 3600)
+        s3_fencing.DirectoryFence(ctx.s3, base, newer).token(second)
     ctx.barrier()
     started = time.monotonic()
     error = _failure(

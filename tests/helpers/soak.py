@@ -15,6 +15,13 @@ Checked after every relaunch (a failure is counted and described, never raised, 
 * a straggler, once continued, committed, removed or took over nothing (no successful commit, DeleteObjects or
   owner-record PUT from its processes after SIGCONT, as the proxy saw them);
 and at the end: ``s3-checkpoint-io gc --yes`` aborts every multipart upload the kills left open (none remain).
+
+Mode ``tier`` (issue 40, item 6): the job saves every step into the memory tier (each rank a node of its own, its
+tier directory under a tmpfs, replication to the other node on), every ``drain_every``-th save drains to S3, so kills
+fall during the memory copy, the replication, the drain and the clean-up. Every ``node_loss_every``-th kill is also
+a node loss: that node's whole tier directory (its own copies and the replicas it held) is wiped before the
+relaunch, node 0 (the saver) and node 1 in turn. The floor is the newest "-last" save a killed launch saw on S3 (a
+copy only in memory does not count); resumes are counted by the tier they read.
 """
 
 from __future__ import annotations
@@ -25,9 +32,11 @@ import os
 import queue
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -70,6 +79,10 @@ class SoakConfig:
     faults: bool = True
     seed: int = 0
     launch_timeout_s: float = 180.0
+    drain_every: int = 3
+    """``tier``: every Nth save in memory goes to S3."""
+    node_loss_every: int = 0
+    """``tier``: every Nth kill also wipes a node's tier directory (0: never)."""
 
 
 @dataclass
@@ -97,6 +110,9 @@ class SoakReport:
     """Commits of stragglers (after they continued) at keys the relaunch had not written: the gap fencing leaves."""
     straggler_removals: int = 0
     """Removals of stragglers that went through after they continued (which keys, the proxy does not see)."""
+    node_losses: int = 0
+    resumed_from: dict[str, int] = field(default_factory=dict)
+    """Resumes by the tier rank 0 read (``memory``, ``s3``; the memory tier's soak)."""
     seconds: float = 0.0
 
     def as_json(self) -> dict[str, Any]:
@@ -106,7 +122,10 @@ class SoakReport:
 class Launch:
     """The two rank processes of one launch and the events they print."""
 
-    def __init__(self, number: int, env: dict[str, str], argv: list[str], log_dir: Path) -> None:
+    def __init__(
+        self, number: int, env: dict[str, str], argv: list[str], log_dir: Path, *, nodes: bool = False
+    ) -> None:
+        """`nodes`: each rank is a node of its own (``GROUP_RANK`` = rank, one rank per node), else one node."""
         self.number = number
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.seen: list[dict[str, Any]] = []
@@ -116,11 +135,11 @@ class Launch:
             rank_env = dict(
                 env,
                 RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                GROUP_RANK="0",
-                NODE_RANK="0",
+                LOCAL_RANK="0" if nodes else str(rank),
+                GROUP_RANK=str(rank) if nodes else "0",
+                NODE_RANK=str(rank) if nodes else "0",
                 WORLD_SIZE=str(WORLD),
-                LOCAL_WORLD_SIZE=str(WORLD),
+                LOCAL_WORLD_SIZE="1" if nodes else str(WORLD),
                 MASTER_PORT=port,
                 TORCHELASTIC_RESTART_COUNT=str(number),
             )
@@ -283,6 +302,36 @@ def run_soak(
     base = f"s3://{bucket}/{prefix.strip('/')}"
     env = launch_environment(server_env, f"soak-{config.mode}-{config.seed}")
     log_dir.mkdir(parents=True, exist_ok=True)
+    tmpfs = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    tier_root = Path(tempfile.mkdtemp(prefix="soak-tier-", dir=tmpfs)) if config.mode == "tier" else None
+    env["SOAK_TIER_ROOT"] = str(tier_root)
+    try:
+        _run_launches(env, base, config, report, rng, log_dir, endpoint_url, tier_root)
+    finally:
+        if tier_root is not None:
+            shutil.rmtree(tier_root, ignore_errors=True)
+    client = boto3.client("s3", endpoint_url=endpoint_url)
+    open_uploads = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
+    report.uploads_left_open = len(open_uploads)
+    time.sleep(1.1)  # gc aborts only what is older than --older-than (1 s), by the store's clock
+    with contextlib.redirect_stdout(open(os.devnull, "w")):
+        code = s3_checkpoint_cli.main(["gc", base, "--older-than", "1s", "--yes", "--incomplete-dcp"])
+    if code != 0:
+        report.failures.append(f"gc exited {code}")
+    left = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
+    report.uploads_after_gc = len(left)
+    report.uploads_aborted_by_gc = report.uploads_left_open - len(left)
+    if left:
+        report.failures.append(f"gc left {len(left)} open upload(s): {[u['Key'] for u in left]}")
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _run_launches(
+    env: dict[str, str], base: str, config: SoakConfig, report: SoakReport, rng: random.Random, log_dir: Path,
+    endpoint_url: str, tier_root: Path | None,
+) -> None:
+    """The launches, kills, node losses and checks of `run_soak`, through a fault-injecting proxy."""
     with FaultProxy(endpoint_url) as proxy:
         fault_rules = _fault_rules(config.seed) if config.faults else []
         for rule in fault_rules:
@@ -294,9 +343,10 @@ def run_soak(
         for number in range(config.kills + 1):
             final = number == config.kills
             argv = [base, config.mode, str(10**6), "--mib", str(config.mib), "--step-s", str(config.step_s)]
+            argv += ["--drain-every", str(config.drain_every)]
             if final:
                 argv += ["--more", str(config.final_steps)]
-            launch = Launch(number, env, argv, log_dir)
+            launch = Launch(number, env, argv, log_dir, nodes=config.mode == "tier")
             stays = (
                 number in config.straggler_launches
                 if config.straggler_launches is not None
@@ -333,27 +383,16 @@ def run_soak(
             report.kills += 1
             floor = max(floor, launch.newest("durable"))
             progress = max(progress, launch.newest("step"), launch.newest("durable"))
+            if tier_root is not None and config.node_loss_every and report.kills % config.node_loss_every == 0:
+                if straggler is None:  # a node lost: its own copies and the replicas it held are gone
+                    shutil.rmtree(tier_root / f"node{report.node_losses % WORLD}", ignore_errors=True)
+                    report.node_losses += 1
         report.faults_injected = sum(rule.fired for rule in fault_rules)
         for request in proxy.requests:
             if request.fault:
                 kind = request.fault.split(":")[0]
                 report.faults_by_kind[kind] = report.faults_by_kind.get(kind, 0) + 1
         report.requests = len(proxy.requests)
-    client = boto3.client("s3", endpoint_url=endpoint_url)
-    open_uploads = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
-    report.uploads_left_open = len(open_uploads)
-    time.sleep(1.1)  # gc aborts only what is older than --older-than (1 s), by the store's clock
-    with contextlib.redirect_stdout(open(os.devnull, "w")):
-        code = s3_checkpoint_cli.main(["gc", base, "--older-than", "1s", "--yes", "--incomplete-dcp"])
-    if code != 0:
-        report.failures.append(f"gc exited {code}")
-    left = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
-    report.uploads_after_gc = len(left)
-    report.uploads_aborted_by_gc = report.uploads_left_open - len(left)
-    if left:
-        report.failures.append(f"gc left {len(left)} open upload(s): {[u['Key'] for u in left]}")
-    report.seconds = time.monotonic() - started
-    return report
 
 
 def _errors(launch: Launch) -> list[str]:
@@ -387,6 +426,8 @@ def _check_resume(launch: Launch, config: SoakConfig, report: SoakReport, floor:
     else:
         report.resumes += 1
     report.fallbacks += any(e["skipped"] for e in resumed)
+    source = str(resumed[0].get("tier"))
+    report.resumed_from[source] = report.resumed_from.get(source, 0) + 1
     if launch.number:
         report.steps_lost.append(max(0, progress - step))
 

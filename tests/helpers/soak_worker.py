@@ -1,6 +1,6 @@
 """One rank of the kill-and-relaunch soak job (tests/helpers/soak.py starts it; issue 33, item 4).
 
-    python soak_worker.py DIR_URL MODE STEPS [--mib M] [--step-s S]
+    python soak_worker.py DIR_URL MODE STEPS [--mib M] [--step-s S] [--drain-every N]
 
 Runs under a launcher's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``GROUP_RANK``, ``MASTER_ADDR``/
 ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``), one gloo process group. The job is
@@ -16,9 +16,14 @@ checked bit for bit against the closed form.
      removes ``step=N-2.ckpt`` (top-2); the removal waits until the saves before it are durable.
    * ``dcp``: every rank saves its shard of the weights with ``dcp.save`` into ``step=N-last.ckpt/`` (the coordinator
      commits and fences), then global rank 0 removes ``step=N-2-last.ckpt/`` under its fence (top-2).
+   * ``tier``: as ``single`` with the memory tier (issue 40): each rank is a node of its own (``GROUP_RANK``) with
+     its tier under ``$SOAK_TIER_ROOT/node<GROUP_RANK>``, replication on (`S3CheckpointIO.start_replication`); global
+     rank 0 saves ``step=N-last.ckpt`` every step into memory (its "-last" clean-up removes the older one), every
+     ``--drain-every``-th save drains to S3, every save is sent to node 1.
 Events go to stdout as JSON lines (``{"event": ..., "rank": r, ...}``; events: resuming, resumed, step, durable, done,
 error):
-"durable" is sent by global rank 0 once a "-last" save is committed (async saves: when their record appears).
+"durable" is sent by global rank 0 once a "-last" save is committed on S3 (async saves: when their record appears;
+the tier: when its drain's record appears, never for the memory copy). "resumed" says which tier the load read.
 """
 
 from __future__ import annotations
@@ -44,7 +49,9 @@ from soak import weights  # noqa: E402
 from connector import find_resume_checkpoints, load_newest_usable  # noqa: E402
 from s3_checkpoint_io import S3CheckpointIO  # noqa: E402
 from s3_dcp import S3StorageReader, S3StorageWriter  # noqa: E402
-from s3_utils import DirectoryFence, RetryPolicy, S3ClientSettings, S3Utils, current_run  # noqa: E402
+from s3_fencing import DirectoryFence, current_run  # noqa: E402
+from s3_memory_tier import MemoryTier  # noqa: E402
+from s3_utils import RetryPolicy, S3ClientSettings, S3Utils  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -66,7 +73,8 @@ def watch_durable(io: S3CheckpointIO, stop: threading.Event) -> None:
     seen: set[str] = set()
     while not stop.is_set():
         for record in list(io.records):
-            if record.kind == "save" and record.url.endswith("-last.ckpt") and record.url not in seen:
+            on_s3 = record.tier in (None, "s3")  # a memory-tier save counts once its drain is on S3
+            if record.kind == "save" and on_s3 and record.url.endswith("-last.ckpt") and record.url not in seen:
                 seen.add(record.url)
                 emit("durable", step=int(record.url.rpartition("step=")[2].split("-")[0]), url=record.url)
         stop.wait(0.005)
@@ -75,10 +83,11 @@ def watch_durable(io: S3CheckpointIO, stop: threading.Event) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("dir")
-    parser.add_argument("mode", choices=["single", "dcp"])
+    parser.add_argument("mode", choices=["single", "dcp", "tier"])
     parser.add_argument("steps", type=int)
     parser.add_argument("--mib", type=float, default=6.0)
     parser.add_argument("--step-s", type=float, default=0.05)
+    parser.add_argument("--drain-every", type=int, default=3, help="tier: every Nth save in memory goes to S3")
     parser.add_argument("--more", type=int, default=None, help="train this many steps past the resumed one, then end")
     args = parser.parse_args()
     base = args.dir.rstrip("/")
@@ -88,9 +97,16 @@ def main() -> None:
     retries = RetryPolicy(max_attempts=8, initial_backoff_s=0.05, max_backoff_s=0.5)
     utils = S3Utils(settings, retries)
     sharing = os.environ.get("SOAK_LOAD_SHARING", "node")
+    tier = None
+    if args.mode == "tier":
+        root = os.path.join(os.environ["SOAK_TIER_ROOT"], f"node{os.environ['GROUP_RANK']}")
+        tier = MemoryTier(root=root, job="soak", keep=2, drain_every=args.drain_every)
     io = S3CheckpointIO(
-        chunk_size_MB=5, async_checkpointing=args.mode == "single", s3_utils=utils, load_sharing=sharing
+        chunk_size_MB=5, async_checkpointing=args.mode != "dcp", s3_utils=utils, load_sharing=sharing,
+        memory_tier=tier,
     )
+    if tier is not None:
+        io.start_replication()  # collective; global rank 0 finishes the drains a killed launch left
 
     # ---- resume
     found: list[Any] = [None]
@@ -103,7 +119,7 @@ def main() -> None:
     if urls:
 
         def load(url: str) -> dict[str, Any]:
-            if args.mode == "single":
+            if args.mode != "dcp":
                 with io.collective_load():
                     return io.load_checkpoint(url, weights_only=True)
             target: dict[str, Any] = {"step": 0, f"w{RANK}": torch.zeros(len(range(RANK, numel, WORLD)))}
@@ -113,23 +129,28 @@ def main() -> None:
         url, checkpoint = load_newest_usable(urls, load)
         step = int(checkpoint["step"])
         expected = weights(step, numel)
-        got = checkpoint["w"] if args.mode == "single" else checkpoint[f"w{RANK}"]
-        exact = bit_equal(got, expected if args.mode == "single" else expected[RANK::WORLD].clone())
-        emit("resumed", step=step, url=url, exact=exact, skipped=urls.index(url))
+        got = checkpoint[f"w{RANK}"] if args.mode == "dcp" else checkpoint["w"]
+        exact = bit_equal(got, expected[RANK::WORLD].clone() if args.mode == "dcp" else expected)
+        source = io.records[-1].tier if args.mode != "dcp" and io.records else "s3"
+        emit("resumed", step=step, url=url, exact=exact, skipped=urls.index(url), tier=source)
     else:
-        emit("resumed", step=0, url=None, exact=True, skipped=0)
+        emit("resumed", step=0, url=None, exact=True, skipped=0, tier=None)
 
     # ---- train and save
     stop = threading.Event()
     watcher = threading.Thread(target=watch_durable, args=(io, stop), daemon=True)
-    if RANK == 0 and args.mode == "single":
+    if RANK == 0 and args.mode != "dcp":
         watcher.start()
     fence = DirectoryFence(utils, base, current_run()) if RANK == 0 else None
     last = step + args.more if args.more is not None else args.steps
     for current in range(step + 1, last + 1):
         time.sleep(args.step_s)
         w = weights(current, numel)
-        if args.mode == "single":
+        if args.mode == "tier":
+            if RANK == 0:
+                state = {"step": current, "global_step": current, "w": w}
+                io.save_checkpoint(state, f"{base}/step={current}-last.ckpt")
+        elif args.mode == "single":
             if RANK == 0:
                 checkpoint = {"step": current, "w": w}
                 io.save_checkpoint(checkpoint, f"{base}/step={current}.ckpt")

@@ -1,0 +1,578 @@
+"""Which run this process is, and fencing: only the newest run commits or removes checkpoints in a directory.
+
+A core file beside s3_utils (which it uses to talk to S3); s3_checkpoint_io and the siblings build on it. In parts:
+
+1. Launch identity: `launch_identity`, the launch this process belongs to, from SLURM's and torchrun's variables.
+2. Runs: `CheckpointRun`, `current_run`, `adopt_run` (docs/runs.md).
+3. Fencing: `DirectoryFence` (an `s3_utils.Fence`: the ``fence=`` of the writer and the removals), `FenceToken`,
+   `CheckpointDirectoryTakenError`, and the owner record (`OWNER_RECORD_NAME`) (docs/fencing.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+if __package__:
+    from . import s3_dirpath_utils as _urls
+    from . import s3_utils as _s3
+else:  # installed (or copied) as a top-level module
+    import s3_dirpath_utils as _urls
+    import s3_utils as _s3
+
+__all__ = [
+    "OWNER_RECORD_NAME", "CheckpointDirectoryTakenError", "CheckpointRun", "DirectoryFence", "FenceToken",
+    "LaunchIdentity", "adopt_run", "current_run", "launch_identity",
+]
+
+logger = logging.getLogger(__name__)
+__version__ = _urls.__version__
+
+OWNER_RECORD_NAME = _s3.OWNER_RECORD_NAME  # a checkpoint directory's owner record (listings leave it out)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Launch identity: the launch this process belongs to, as its launcher's environment says
+# --------------------------------------------------------------------------------------------------------------------
+#
+# The ranks of one job are one run; a relaunch (torchrun's restart, a SLURM requeue) is a newer one. The launcher's
+# environment names what a relaunch keeps (`job`) and which launch this is (`attempt`). See docs/runs.md.
+
+
+@dataclass(frozen=True)
+class LaunchIdentity:
+    """The launch this process belongs to, as its launcher's environment says (`launch_identity`)."""
+
+    launcher: str  # ``"torchrun"``, ``"slurm"`` or ``"slurm+torchrun"``
+    job: str  # what a relaunch keeps: ``slurm:<job id>`` and/or ``torchrun:<run id>`` (docs/runs.md)
+    attempt: tuple[int, ...]  # which launch of `job` (higher is later): SLURM's restarts and step, torchrun's
+    started: float | None = None  # when the launch started (``SLURM_JOB_START_TIME``), if known
+
+    @property
+    def run_id(self) -> str:
+        return f"{self.job}#{'.'.join(str(n) for n in self.attempt)}"
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, "").strip())
+    except ValueError:
+        return default
+
+
+def _torchrun_agent() -> str:
+    """This host and the parent torchrun agent (pid and start time, so that a reused pid is another agent)."""
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/stat", encoding="ascii", errors="replace") as stat_file:
+            started = stat_file.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = "?"
+    return f"{socket.gethostname()}:{parent}:{started}"
+
+
+def launch_identity() -> LaunchIdentity | None:
+    """The launch this process belongs to, from SLURM's and torchrun's variables; None outside any launcher. torchrun's
+    default run id ``none`` names no job: then the torchrun agent on this host is (one run per node: `adopt_run`)."""
+    slurm_job = os.environ.get("SLURM_JOB_ID", "").strip()
+    torch_run = os.environ.get("TORCHELASTIC_RUN_ID", "").strip()
+    in_torchrun = bool(torch_run) or "TORCHELASTIC_RESTART_COUNT" in os.environ
+    jobs: list[str] = []
+    attempt: list[int] = []
+    started: float | None = None
+    if slurm_job:
+        jobs.append(f"slurm:{slurm_job}")
+        attempt += [_env_int("SLURM_RESTART_COUNT", 0), _env_int("SLURM_STEP_ID", -1)]
+        start = _env_int("SLURM_JOB_START_TIME", 0)
+        started = float(start) if start > 0 else None
+    if in_torchrun:
+        if torch_run and torch_run != "none":
+            jobs.append(f"torchrun:{torch_run}")
+        elif not slurm_job:
+            jobs.append(f"torchrun:none@{_torchrun_agent()}")
+        attempt.append(_env_int("TORCHELASTIC_RESTART_COUNT", 0))
+    if not jobs:
+        return None
+    launcher = "+".join(name for name, present in (("slurm", slurm_job), ("torchrun", in_torchrun)) if present)
+    return LaunchIdentity(launcher, "/".join(jobs), tuple(attempt), started)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Runs: who writes checkpoints (one launch of a job, all its ranks; else one process)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointRun:
+    """Who writes checkpoints (`current_run`): one launch of a job, all its ranks; else one process."""
+
+    run_id: str  # ``<job>#<attempt>`` for a launch (``slurm:4242#0.0``); 16 random hex digits outside any launcher
+    host: str
+    pid: int  # of the process (any rank) that made this run's record
+    started: float  # epoch seconds: SLURM's job start time, else this module's import
+    job: str = ""  # `LaunchIdentity.job`; empty outside any launcher
+    attempt: tuple[int, ...] = ()  # `LaunchIdentity.attempt`: higher is later
+
+    def is_newer_than(self, other: CheckpointRun) -> bool:
+        """Whether this run is a later launch: the higher `attempt` within one job, else the later `started`."""
+        if self.job and self.job == other.job:
+            return self.attempt > other.attempt
+        return self.started > other.started
+
+    def __str__(self) -> str:
+        started = datetime.datetime.fromtimestamp(self.started, datetime.timezone.utc)
+        return f"run {self.run_id} (host {self.host}, pid {self.pid}, started {started:%Y-%m-%d %H:%M:%S.%f} UTC)"
+
+
+_PROCESS_STARTED = time.time()
+_process_run: CheckpointRun | None = None
+_process_run_lock = threading.Lock()
+
+
+def current_run() -> CheckpointRun:
+    """This process's run (`CheckpointRun`), made at the first call and kept (also by a forked child)."""
+    global _process_run
+    with _process_run_lock:
+        if _process_run is None:
+            launch = launch_identity()
+            host, pid = socket.gethostname(), os.getpid()
+            if launch is None:
+                _process_run = CheckpointRun(secrets.token_hex(8), host, pid, _PROCESS_STARTED)
+            else:
+                started = launch.started if launch.started is not None else _PROCESS_STARTED
+                _process_run = CheckpointRun(launch.run_id, host, pid, started, launch.job, launch.attempt)
+        return _process_run
+
+
+def adopt_run(run: CheckpointRun) -> None:
+    """Make `run` this process's run (`current_run`): a job's ranks adopt rank 0's (`S3ModelCheckpoint.setup`)."""
+    global _process_run
+    if not isinstance(run, CheckpointRun):  # it is written into owner records: a stand-in would break every save
+        raise TypeError(f"adopt_run expects a CheckpointRun, got {type(run).__name__}")
+    with _process_run_lock:
+        if _process_run != run:
+            logger.debug("This process is now %s (was %s)", run, _process_run)
+        _process_run = run
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Directory ownership: only the newest run commits or removes checkpoints in a directory (fencing)
+# --------------------------------------------------------------------------------------------------------------------
+#
+# A requeued or restarted job can leave two runs writing one directory; the stale one's saves and clean-up would then
+# overwrite and delete the new run's checkpoints. The protocol (docs/fencing.md, docs/runs.md):
+# * a run (`CheckpointRun`) takes a directory over at its first save there, writing the owner record one generation
+#   up with a conditional PUT (``If-None-Match: *``, or ``If-Match`` on the ETag just read). An earlier run is stale.
+# * before every commit and removal, one HEAD of the record: another ETag means another run took over, and the
+#   operation raises `CheckpointDirectoryTakenError` with nothing changed. Once refused, always refused.
+# * every commit carries an ETag condition (``If-Match`` on a key this run committed, else ``If-None-Match: *``), so a
+#   stale run stopped between its HEAD and its commit cannot overwrite the newer run's object; the owner finds itself
+#   in the record and sends again. Left open: new keys of a stale run, and removals (no condition).
+# * other ranks of a sharded save check against the coordinator's `FenceToken`; stores that refuse or ignore
+#   conditional headers are found once per bucket (one warning): the record is then written without conditions.
+
+_OWNER_RECORD_VERSION = 1
+_TAKE_OVER_ATTEMPTS = 5
+_REMEMBERED_KEYS = 10_000  # keys per directory whose last state (ETag, or removed) a run remembers
+
+
+class CheckpointDirectoryTakenError(RuntimeError):
+    """A newer `owner` (None: unknown) holds this checkpoint `directory`: this `run`'s save or removal was refused."""
+
+    def __init__(
+        self, message: str, directory: str = "", run: CheckpointRun | None = None, owner: CheckpointRun | None = None
+    ) -> None:
+        super().__init__(message)
+        self.directory = directory
+        self.run = run
+        self.owner = owner
+
+
+@dataclass(frozen=True)
+class FenceToken:
+    """What the other ranks of a sharded save check against: the directory, the owner record's ETag and run, and
+    whether the store honours ETag conditions."""
+
+    directory: str
+    etag: str
+    run: CheckpointRun
+    conditional: bool = False
+
+
+class _Hold:
+    """One run's hold on one directory, shared by every fence of that run in this process."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.etag: str | None = None  # the owner record's ETag while this run holds the directory
+        self.refusal: tuple[CheckpointRun | None, int, bool] | None = None  # (owner, generation, newer) once refused
+        self.objects: dict[str, str | None] = {}  # key -> ETag this run committed, or None: this run removed it
+
+
+_holds: dict[tuple[str | None, str, str, str], _Hold] = {}
+_fence_registry_lock = threading.Lock()
+_UNKNOWN = object()
+
+
+def _raise_if_no_bucket(exc: FileNotFoundError) -> None:
+    """A missing record is a fact to act on; a missing bucket is the caller's error (raised with one request)."""
+    if exc.__cause__ is not None and _s3.error_code(exc.__cause__) == "NoSuchBucket":
+        raise exc
+
+
+def _refuses_conditions(exc: BaseException) -> bool:
+    return _s3.error_code(exc) in ("NotImplemented", "501")
+
+
+class DirectoryFence:
+    """One run's hold on one checkpoint directory (the ``fence=`` of `S3Utils.open_writer` and the removals)."""
+
+    def __init__(
+        self, utils: _s3.S3Utils, directory: str | os.PathLike[str], run: CheckpointRun | None = None, *,
+        follows: str | None = None, conditional: bool = False,
+    ) -> None:
+        """`follows`, `conditional`: see `following`."""
+        self._follows = follows
+        self._follows_conditionally = conditional
+        self.directory = _urls.normalize_s3_url(directory).rstrip("/")
+        self.bucket, prefix = _urls.s3_dir_prefix(self.directory)
+        self._prefix = prefix
+        self.record_key = prefix + OWNER_RECORD_NAME
+        self.record_url = f"{_urls.S3_PATH_PREFIX}{self.bucket}/{self.record_key}"
+        self.run = run or current_run()
+        self._utils = utils
+        self._store = (utils.settings.endpoint_url, self.bucket)
+        with _fence_registry_lock:
+            self._hold = _holds.setdefault((*self._store, self.record_key, self.run.run_id), _Hold())
+
+    @property
+    def capabilities(self) -> _s3.StoreCapabilities:
+        """What the store and bucket honour (`s3_utils.store_capabilities`), as far as known."""
+        return _s3.store_capabilities(self._utils, self.bucket)
+
+    def __repr__(self) -> str:
+        return f"<DirectoryFence {self.directory} for {self.run}>"
+
+    @classmethod
+    def following(cls, utils: _s3.S3Utils, token: FenceToken) -> DirectoryFence:
+        """The fence of a rank that commits files for the run that holds `token`: it checks, never takes over."""
+        return cls(utils, token.directory, token.run, follows=token.etag, conditional=token.conditional)
+
+    def once(self) -> _CheckedOnce:
+        """This fence, checked at most once: one HEAD for operations within moments of each other (one rank's save)."""
+        return _CheckedOnce(self)
+
+    # ---- what the writer and the removals call --------------------------------------------------------------------
+    def token(self, url: str) -> FenceToken:
+        """For the other ranks of the save of `url`: take the directory over if need be, and say what they check."""
+        with self._hold.lock, self._noted(url, "save"):
+            self._raise_if_refused(url, "save")
+            if self._hold.etag is None:
+                self._take_over(url, "save")
+            assert self._hold.etag is not None
+            return FenceToken(self.directory, self._hold.etag, self.run, self._conditional())
+
+    def before_mutation(self, url: str, action: str) -> None:
+        """Before a ``"save"`` or ``"removal"`` of `url`: take the directory over, or check (one HEAD) it is held."""
+        hold = self._hold
+        with hold.lock, self._noted(url, action):
+            self._raise_if_refused(url, action)
+            expected = self._follows or hold.etag
+            if expected is None:  # this run has not saved here yet
+                if action != "removal":
+                    self._take_over(url, action)
+                else:  # a removal before this run's first save: refused if a later run holds it; no take-over
+                    self._adopted_or_refused(url, action, *self._read_record())
+                return
+            if self._head_record() == expected:
+                return
+            record, etag = self._read_record()
+            if _is_run_of(record, self.run):  # rewritten by this run from another process (a pickled plugin...)
+                if not self._follows:
+                    hold.etag = etag
+                return
+            if record is None and not self._follows:
+                logger.warning("%s is gone (removed by hand?): %s writes it again", self.record_url, self.run)
+                self._take_over(url, action)
+                return
+            self._refuse(url, action, record or {})
+
+    def conditions(self, key: str) -> dict[str, str]:
+        """The ETag condition for a commit of `key` (none on stores without conditional writes)."""
+        if not self._conditional():
+            return {}
+        with self._hold.lock:
+            state = self._hold.objects.get(key)
+        return {"IfMatch": state} if isinstance(state, str) else {"IfNoneMatch": "*"}
+
+    def _conditional(self) -> bool:
+        if self._follows:
+            return self._follows_conditionally
+        return self.capabilities.conditional_put is True
+
+    def committed(self, key: str, etag: str) -> None:
+        self._remember({key: etag or _UNKNOWN})  # no ETag in the answer: nothing to condition the next commit on
+
+    def removed(self, keys: Iterable[str]) -> None:
+        self._remember(dict.fromkeys(keys))
+
+    def conditional_removals(self) -> bool:
+        """Whether this fence's removals carry the ETag they checked: the store honours conditional deletes (probed
+        once per store and bucket); else one warning naming the store, and removals are checked, not conditioned."""
+        record = _s3.store_capabilities(self._utils, self.bucket, ("conditional_delete",), self._prefix)
+        if record.conditional_delete:
+            return True
+        _s3.warn_missing(
+            record, "conditional_delete",
+            "If-Match on DeleteObject / a per-object ETag in DeleteObjects: a fenced removal there is checked against "
+            f"the owner record ({OWNER_RECORD_NAME}) right before it is sent but carries no condition, so a stale run "
+            "paused between that check and its DeleteObjects can still remove a newer run's objects (docs/fencing.md)",
+        )
+        return False
+
+    def committed_etag(self, key: str) -> str | None:
+        with self._hold.lock:
+            state = self._hold.objects.get(key)
+        return state if isinstance(state, str) else None
+
+    def precondition_failed(self, url: str, key: str, exc: BaseException, action: str = "save") -> dict[str, str]:
+        """A commit's or removal's ETag condition failed: refuse if another run owns the directory, else the
+        conditions to retry with (``IfMatch`` on the object there now; ``IfNoneMatch``: there is none)."""
+        with self._hold.lock:
+            committed_here = isinstance(self._hold.objects.pop(key, None), str)
+            try:
+                now: str | None = self._utils.call("head_object", url, Bucket=self.bucket, Key=key).get("ETag")
+            except FileNotFoundError as missing:
+                _raise_if_no_bucket(missing)
+                now = None
+            record, etag = self._read_record()
+            if record is not None and not _is_run_of(record, self.run):
+                try:
+                    self._refuse(url, action, record)
+                except CheckpointDirectoryTakenError as refusal:
+                    raise refusal from exc
+            if record is not None and not self._follows:
+                self._hold.etag = etag
+        if action == "removal":
+            logger.debug(
+                "%s changed since this run read its ETag (S3 answered %s), but %s still owns %s: removing it",
+                url, _s3.error_code(exc), self.run, self.directory,
+            )
+            return {"IfMatch": now} if now else {"IfNoneMatch": "*"}
+        logger.log(
+            logging.WARNING if committed_here else logging.DEBUG,
+            "%s is not what this run last left there (S3 answered %s to its ETag condition), but %s still owns %s: "
+            "overwriting it (%s)",
+            url,
+            _s3.error_code(exc),
+            self.run,
+            self.directory,
+            "a writer outside this run changed it, or an earlier attempt of this request went through"
+            if committed_here
+            else "an object an earlier run left there",
+        )
+        return {"IfMatch": now} if now else {"IfNoneMatch": "*"}
+
+    # ---- the owner record -----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _noted(self, url: str, action: str) -> Iterator[None]:
+        """Name the checkpoint in errors of the owner record's requests."""
+        try:
+            yield
+        except CheckpointDirectoryTakenError:
+            raise
+        except Exception as exc:
+            exc.add_note(f"while checking that {self.run} owns {self.directory}, before the {action} of {url}")
+            raise
+
+    def _remember(self, states: dict[str, Any]) -> None:
+        """Keep what this run last left at each key (an ETag, or None: removed) for its next commit's condition."""
+        with self._hold.lock:
+            objects = self._hold.objects
+            for key, state in states.items():
+                objects.pop(key, None)
+                if state is not _UNKNOWN:
+                    objects[key] = state
+            while len(objects) > _REMEMBERED_KEYS:
+                del objects[next(iter(objects))]
+
+    def _head_record(self) -> str | None:
+        try:
+            return self._utils.call("head_object", self.record_url, Bucket=self.bucket, Key=self.record_key)["ETag"]
+        except FileNotFoundError as exc:
+            _raise_if_no_bucket(exc)
+            return None
+
+    def _read_record(self) -> tuple[dict[str, Any] | None, str | None]:
+        """The owner record (a dict; ``{}`` if unreadable) and its ETag, or ``(None, None)`` if there is none."""
+        try:
+            response = self._utils.call("get_object", self.record_url, Bucket=self.bucket, Key=self.record_key)
+        except FileNotFoundError as exc:
+            _raise_if_no_bucket(exc)
+            return None, None
+        with response["Body"] as body:
+            raw = body.read()
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            record = None
+        return (record if isinstance(record, dict) else {}), response.get("ETag", "")
+
+    def _put_record(self, generation: int, conditions: Mapping[str, str]) -> str:
+        body = {
+            "version": _OWNER_RECORD_VERSION, "run": self.run.run_id, "host": self.run.host, "pid": self.run.pid,
+            "started": self.run.started, "job": self.run.job, "attempt": list(self.run.attempt),
+            "generation": generation, "taken": time.time(),
+        }
+        response = self._utils.call(
+            "put_object", self.record_url, Bucket=self.bucket, Key=self.record_key,
+            Body=json.dumps(body, sort_keys=True).encode(), ContentType="application/json", **conditions,
+        )
+        return str(response.get("ETag", ""))
+
+    def _take_over(self, url: str, action: str) -> None:
+        """Make this run the directory's owner (lock held), as the comment above says."""
+        hold = self._hold
+        for _ in range(_TAKE_OVER_ATTEMPTS):
+            record, etag = self._read_record()
+            owner = _record_run(record)
+            if self._adopted_or_refused(url, action, record, etag):
+                return
+            generation = _record_generation(record) + 1
+            support = self.capabilities.conditional_put
+            conditions: dict[str, str] = {}
+            if support is not False:
+                conditions = {"IfMatch": str(etag)} if record is not None else {"IfNoneMatch": "*"}
+            try:
+                hold.etag = self._put_record(generation, conditions)
+            except Exception as exc:
+                if conditions and _s3.is_precondition_failed(exc, conditions):
+                    continue  # another run wrote the record since it was read: read it again
+                if conditions and _refuses_conditions(exc):
+                    self._conditional_writes_unsupported(f"it answers {_s3.error_code(exc)} to them")
+                    continue
+                raise
+            if support is None:
+                self._probe(generation)
+            previous = f", from {owner}" if owner is not None else ""
+            logger.info("%s took %s over (generation %d%s)", self.run, self.directory, generation, previous)
+            return
+        raise OSError(
+            f"Could not take the checkpoint directory {self.directory} over: its owner record {self.record_url} "
+            f"changed {_TAKE_OVER_ATTEMPTS} times while {self.run} tried. Another run is starting to save there at "
+            "the same moment; run one job per checkpoint directory."
+        )
+
+    def _adopted_or_refused(self, url: str, action: str, record: dict[str, Any] | None, etag: str | None) -> bool:
+        """True if `record` is this run's (adopted); refuse if it is a later run's; else False (free to take)."""
+        if _is_run_of(record, self.run):
+            self._hold.etag = etag
+            return True
+        owner = _record_run(record)
+        if record is not None and owner is not None and owner.is_newer_than(self.run):
+            self._refuse(url, action, record, newer=True)
+        return False
+
+    def _probe(self, generation: int) -> None:
+        """Once per store and bucket: a PUT that must fail (If-None-Match: * on the record just written)."""
+        try:
+            self._hold.etag = self._put_record(generation, {"IfNoneMatch": "*"})
+        except Exception as exc:
+            if _s3.is_precondition_failed(exc, {}):
+                _s3.note_capability(self.capabilities, "conditional_put", True)
+                return
+            if _refuses_conditions(exc):
+                self._conditional_writes_unsupported(f"it answers {_s3.error_code(exc)} to them")
+                return
+            raise
+        self._conditional_writes_unsupported("it ignores them (a PUT with If-None-Match: * replaced an object)")
+
+    def _conditional_writes_unsupported(self, how: str) -> None:
+        _s3.note_capability(self.capabilities, "conditional_put", False)
+        _s3.warn_missing(
+            self.capabilities, "conditional_put",
+            f"conditional writes (If-Match / If-None-Match): {how}. Checkpoint directories there are still owned by "
+            f"one run (their {OWNER_RECORD_NAME} is checked before every save and removal), but not protected: two "
+            "runs taking a directory over at the same moment, and a stale run's save or removal sent in the moment "
+            "between that check and its request.",
+        )
+
+    def _raise_if_refused(self, url: str, action: str) -> None:
+        if self._hold.refusal is not None:
+            raise self._refusal(url, action, *self._hold.refusal)
+
+    def _refuse(self, url: str, action: str, record: dict[str, Any], newer: bool = False) -> None:
+        self._hold.refusal = (_record_run(record), _record_generation(record), newer)  # refused once, refused always
+        raise self._refusal(url, action, *self._hold.refusal)
+
+    def _refusal(
+        self, url: str, action: str, owner: CheckpointRun | None, generation: int, newer: bool = False
+    ) -> CheckpointDirectoryTakenError:
+        holder = f"{owner}" if owner is not None else "another run (its owner record is unreadable)"
+        if newer:
+            why = f"belongs to {holder}, a later launch than this run, {self.run}"
+        else:
+            why = f"was taken over (generation {generation}) by {holder}; this is {self.run}"
+        return CheckpointDirectoryTakenError(
+            f"Refused the {action} of {url}: the checkpoint directory {self.directory} {why}. Nothing was changed: "
+            "the newer run's checkpoints are intact. This run is stale (requeued, replaced or restarted elsewhere): "
+            "stop it. If the other run is gone and this one must go on, restart it (a new run takes the directory "
+            f"over at its first save) or delete {self.record_url}; fencing=False (s3_checkpointing.fencing: false) "
+            "turns the check off.",
+            self.directory, self.run, owner,
+        )
+
+
+def _is_run_of(record: Mapping[str, Any] | None, run: CheckpointRun) -> bool:
+    return isinstance(record, Mapping) and record.get("run") == run.run_id
+
+
+def _record_run(record: Mapping[str, Any] | None) -> CheckpointRun | None:
+    if not isinstance(record, Mapping):
+        return None
+    try:
+        job, attempt = str(record.get("job") or ""), tuple(int(n) for n in record.get("attempt") or ())
+        run, host, pid, started = str(record["run"]), str(record["host"]), int(record["pid"]), float(record["started"])
+        return CheckpointRun(run, host, pid, started, job, attempt)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _record_generation(record: Mapping[str, Any] | None) -> int:
+    generation = record.get("generation") if isinstance(record, Mapping) else None
+    return generation if isinstance(generation, int) else 0
+
+
+class _CheckedOnce:
+    """A fence whose check runs once: later operations reuse its outcome (see `DirectoryFence.once`)."""
+
+    def __init__(self, fence: DirectoryFence) -> None:
+        self._fence = fence
+        self._lock = threading.Lock()
+        self._checked = False
+        self._error: BaseException | None = None
+
+    def before_mutation(self, url: str, action: str) -> None:
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if not self._checked:
+                try:
+                    self._fence.before_mutation(url, action)
+                except BaseException as exc:
+                    self._error = exc
+                    raise
+                self._checked = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fence, name)
