@@ -669,6 +669,8 @@ class BroadcastResumeConnectorMixin:
             logger.info("Rank %d: resuming from %s as chosen on rank 0 (was given %r)", rank, chosen, checkpoint_path)
         elif chosen:
             logger.info("Rank %d: resuming from checkpoint %s", rank, chosen)
+        if _is_s3_path(chosen):  # every rank, the process group up: the tiers every rank can read `chosen` from
+            _agree_on_tier_resume(trainer)
         started = time.perf_counter()
 
         def load(url: Any) -> None:
@@ -684,6 +686,7 @@ class BroadcastResumeConnectorMixin:
 
     def _parse_ckpt_path(self, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
         if ckpt_path == "last" and _has_s3_checkpoint_dir(self.trainer):
+            _agree_on_tier_resume(self.trainer)  # every rank: one collective over the memory tiers, if any
             rank = global_rank()
             if rank != 0:
                 logger.debug("Rank %d: ckpt_path='last' is resolved on rank 0 and broadcast", rank)
@@ -697,6 +700,16 @@ class BroadcastResumeConnectorMixin:
         return super()._parse_ckpt_path(  # type: ignore[misc]
             state_fn, ckpt_path, model_provided=model_provided, model_connected=model_connected
         )
+
+
+def _agree_on_tier_resume(trainer: Any) -> None:
+    """With a memory tier, every rank agrees on what every rank can load from some tier (`S3CheckpointIO.agree_resume`:
+    memory, a peer's replica, S3), so that rank 0's choice of "last" sees memory-only checkpoints every rank has."""
+    io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
+    if getattr(io, "memory_tier", None) is not None:
+        for callback in getattr(trainer, "checkpoint_callbacks", []) or []:
+            if _is_s3_path(getattr(callback, "dirpath", None)):
+                io.agree_resume(callback.dirpath, checkpoint_step, list_s3=global_rank() == 0)
 
 
 def _last_checkpoint_sources(trainer: Any) -> list[S3ModelCheckpointMixin] | None:
@@ -860,7 +873,7 @@ class S3ModelCheckpointMixin:
         url = self.dirpath
         pattern = self._last_name_pattern()
         try:
-            entries = _s3_entries(url, self._s3_utils(trainer))
+            entries = _s3_entries(url, self._s3_utils(trainer)) + _ckpt_io.memory_tier_entries(url)  # tiers too
         except FileNotFoundError:
             return {}
         times = {f"{url}/{name}": modified for name, modified in entries if "/" not in name and pattern.fullmatch(name)}

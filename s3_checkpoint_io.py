@@ -48,7 +48,7 @@ import traceback
 import types
 import weakref
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
@@ -408,7 +408,7 @@ class S3CheckpointIO:
                 raise RuntimeError("cannot pickle S3CheckpointIO while background saves are pending; call teardown()")
         state = self.__dict__.copy()
         for live in ("_lock", "_executor", "_pending", "_deferred", "_errors", "records", "_fence_override", "_tier",
-                     "_replication"):
+                     "_replication", "_agreement"):
             del state[live]
         state["_run"] = self.run  # a spawned copy of this plugin is the same run
         return state  # `S3Utils` pickles as its settings and retry policy
@@ -677,6 +677,7 @@ class S3CheckpointIO:
         self._last_drain = -math.inf
         self._held_removals: list[str] = []  # S3 removals waiting for a newer checkpoint to be on S3
         self._replication: Any = None  # the `s3_memory_tier.TierReplication`, once `start_replication` ran
+        self._agreement: Any = None  # the `s3_memory_tier.TierAgreement` of the last `agree_resume`
         if self.memory_tier is not None:
             _tiered_plugins.add(self)
 
@@ -784,10 +785,10 @@ class S3CheckpointIO:
         """Load `path` from the memory copy if it verifies (a copy that does not is skipped, loudly); None: load from
         S3. In a collective load every rank uses memory only if every rank has a verified copy (else all go to S3
         together, as the shared download needs)."""
-        copy = None
-        try:
-            copy = self.node_tier().verified_copy(path)
-        except _s3.ChecksumMismatchError as exc:
+        copy, tier = None, "memory"
+        try:  # the tier the ranks agreed on for `path` (`agree_resume`), else this node's memory copy
+            copy, tier = _memory_tier_module().copy_to_load(self.node_tier(), self._agreement, path)
+        except (OSError, _s3.ChecksumMismatchError) as exc:
             logger.error("%s: skipped, loading %s from S3 instead", exc, path)
         if armed is not None and not all(_all_ranks(copy is not None)):
             return None
@@ -795,9 +796,20 @@ class S3CheckpointIO:
             return None
         checkpoint = _torch_load_checkpoint(_torch(), path, str(copy.path), copy.size, True, load_kwargs)
         elapsed = time.perf_counter() - started
-        logger.info("Loaded %s (%.1f MiB) from the memory tier in %.2f s", path, copy.size / _s3.MB, elapsed)
-        self._record(TransferRecord("load", path, copy.size, elapsed, copy.checksum, elapsed, "memory"))
+        logger.info("Loaded %s (%.1f MiB) from the %s tier in %.2f s", path, copy.size / _s3.MB, tier, elapsed)
+        self._record(TransferRecord("load", path, copy.size, elapsed, copy.checksum, elapsed, tier))
         return (checkpoint,)
+
+    def agree_resume(
+        self, directory: str, step_of: Callable[[str], int | None] | None = None, *, list_s3: bool = True
+    ) -> Any:
+        """Collective: every rank agrees on the newest step it can load from some tier of the s3:// `directory` of
+        its part (`s3_memory_tier.agree_on_resume`; `step_of(name)`: an S3 object's step; `list_s3` False where
+        another rank lists the same directory). Loads and resume discovery follow the returned agreement."""
+        module = _memory_tier_module()
+        listing = (lambda: self.s3.list_objects(directory)) if list_s3 else list
+        self._agreement = module.agree_on_resume(self.node_tier(), self._replication, directory, listing, step_of)
+        return self._agreement
 
     # ---- background bookkeeping -----------------------------------------------------------------------------------
 
@@ -912,8 +924,8 @@ def memory_tier_entries(directory: str) -> list[tuple[str, float]]:
     this process's `S3CheckpointIO` plugins: resume discovery (connector) adds them to the S3 listing's entries."""
     entries: list[tuple[str, float]] = []
     for plugin in list(_tiered_plugins):
-        try:
-            entries.extend(plugin.node_tier().entries_under(directory))
+        try:  # after `agree_resume`: what every rank can load, as all agreed
+            entries.extend(plugin.node_tier().entries_under(directory, plugin._agreement))
         except (OSError, ValueError) as exc:  # a tier that cannot be read: resume from S3 alone, said loudly
             logger.warning("Resume discovery leaves out the memory tier %s: %s", plugin.memory_tier.root, exc)
     return entries

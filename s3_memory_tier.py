@@ -24,8 +24,13 @@ argument raises ImportError saying the file is missing. docs/tiers.md shows the 
    `S3CheckpointIO.start_replication`, runs each node's replica server on ``<job>/replicas`` and sends every
    committed checkpoint (file and commit record, verified on arrival) to the next node on a ring in the background.
 
+7. Resume: `agree_on_resume` (behind `S3CheckpointIO.agree_resume`) is one all_gather of what each rank can load
+   (its node's verified copies, the verified replicas each node holds, S3's listing), then the newest step every rank
+   can load and each rank's fastest tier for its part; `copy_to_load` reads it there (`fetch_replica`: a replaced
+   node's part from its peer, verified against manifest and record, then committed as its own copy).
+
 `S3CheckpointIO` drives all of it (when to drain, removals, loads): this module only knows files and records.
-Not built yet: resume from a peer's replica, DCP (`s3_dcp`) and megatron-core paths (docs/tiers.md).
+Not built yet: DCP (`s3_dcp`) and megatron-core paths (docs/tiers.md).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import mmap
 import os
 import re
 import secrets
+import shutil
 import stat
 import threading
 import time
@@ -66,7 +72,19 @@ else:  # installed (or copied) as top-level modules
     import s3_fencing as _fencing
     import s3_utils as _s3
 
-__all__ = ["COMMIT_RECORD_SUFFIX", "MemoryTier", "NodeTier", "TierCopy", "TierFullError", "TierReplication"]
+__all__ = [
+    "COMMIT_RECORD_SUFFIX",
+    "MemoryTier",
+    "NodeTier",
+    "ResumeSource",
+    "TierAgreement",
+    "TierCopy",
+    "TierFullError",
+    "TierReplication",
+    "agree_on_resume",
+    "copy_to_load",
+    "fetch_replica",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -503,6 +521,16 @@ class NodeTier:
             )
         return copy
 
+    def verified_replica(self, path: Path) -> TierCopy:
+        """The peer's checkpoint whose replica this node holds at `path` (a file under `replicas`), checked against
+        the commit record beside it; raises `s3_utils.ChecksumMismatchError` if it does not match (or has none)."""
+        path = Path(path)
+        record = _read_json(self.record_path(path))
+        if not path.resolve().is_relative_to(self.replicas.resolve()) or record is None or "url" not in record:
+            raise _s3.ChecksumMismatchError(f"memory tier: {path} is no replica with a record in {self.replicas}")
+        _verify_against_record(path, record, "the replica")
+        return TierCopy(record["url"], path, record)
+
     def copies(self) -> list[TierCopy]:
         """Every committed checkpoint of this node, oldest first."""
         found = []
@@ -516,9 +544,11 @@ class NodeTier:
                         found.append(copy)
         return sorted(found, key=lambda copy: copy.record.get("sequence", 0))
 
-    def entries_under(self, directory: str) -> list[tuple[str, float]]:
+    def entries_under(self, directory: str, agreement: TierAgreement | None = None) -> list[tuple[str, float]]:
         """``(path relative to the s3:// `directory`, commit time)`` of the committed checkpoints below it, as
-        resume discovery takes a listing's entries."""
+        resume discovery takes a listing's entries; with the ranks' `agreement` on `directory`, its entries."""
+        if agreement is not None and agreement.covers(directory):
+            return agreement.entries()
         prefix = _urls.normalize_s3_url(directory).rstrip("/") + "/"
         return [
             (copy.url[len(prefix) :], float(copy.record.get("committed", 0.0)))
@@ -717,3 +747,249 @@ class TierReplication:
         self._executor.shutdown(wait=True)
         if self.server is not None:
             self.server.close()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 7. Resume: one collective decision over the tiers (own memory, a peer's replica, S3)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResumeSource:
+    """Where this rank reads the checkpoint of `url` outside S3: ``"memory"`` (its node's committed copy at `path`)
+    or ``"replica"`` (a replica held on this node at `path`, or on another node's server `peer`, fetched as the
+    replica `name` of `sender_node`)."""
+
+    url: str
+    tier: str
+    path: Path | None = None
+    peer: tuple[str, int] | None = None
+    sender_node: str | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class TierAgreement:
+    """What every rank agreed on (`agree_on_resume`): the newest `step` complete and verified for every rank on some
+    tier, this rank's `url` of it and its fastest `tier`, and every step every rank can load (newest first) with
+    this rank's URL of each (`urls`; resume discovery takes its entries from there)."""
+
+    directory: str
+    step: int | None
+    url: str | None
+    tier: str | None
+    steps: list[int]
+    urls: dict[int, str]
+    committed: dict[str, float]
+    sources: dict[str, ResumeSource]
+
+    def covers(self, directory: str) -> bool:
+        return self.directory == _urls.normalize_s3_url(directory).rstrip("/")
+
+    def entries(self) -> list[tuple[str, float]]:
+        """``(path relative to the directory, commit time)`` of this rank's checkpoint of each step every rank can
+        load, where this rank reads it from memory or a replica: what resume discovery adds to the S3 listing."""
+        found = [url for url in self.urls.values() if url in self.sources]
+        return [(url[len(self.directory) + 1 :], self.committed[url]) for url in found]
+
+
+def _record_file(files: Mapping[str, Any]) -> str | None:
+    return next((name for name in files if name.endswith(COMMIT_RECORD_SUFFIX)), None)
+
+
+def _verify_against_record(path: Path, record: Mapping[str, Any], what: str) -> None:
+    """Raise `s3_utils.ChecksumMismatchError` unless `path` has the size and checksum its commit record says."""
+    size, checksum = record["files"][path.name]
+    found = _file_checksum(path, str(checksum).split(" ", 1)[0])
+    if found != (int(size), checksum):
+        raise _s3.ChecksumMismatchError(
+            f"{what} {path} of {record.get('url')} does not match its commit record: {found[0]} bytes with "
+            f"{found[1]}, recorded {size} bytes with {checksum}"
+        )
+
+
+def held_replicas(tier: NodeTier) -> list[tuple[str, int | None, float, str, str, Path]]:
+    """The peers' checkpoints whose replica this node holds and that verify against their commit records:
+    ``(url, step, committed, sender_node, name, file)``; one that does not is skipped, said loudly."""
+    if not tier.replicas.is_dir():
+        return []
+    module = _replication_module()
+    found = []
+    for manifest in sorted(tier.replicas.glob(f"*/*{module.MANIFEST_SUFFIX}")):
+        try:
+            info = module.ReplicaInfo.from_record(_read_json(manifest))
+            record_name = _record_file(info.files)
+            folder = manifest.parent / info.name
+            record = _read_json(folder / record_name) if record_name else None
+            if info.job != tier.job or record is None:
+                continue
+            path = folder / record_name.removesuffix(COMMIT_RECORD_SUFFIX)
+            _verify_against_record(path, record, "the replica")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.error("memory tier: the replica %s is skipped for resume: %s", manifest, exc)
+            continue
+        found.append((record["url"], record.get("step"), float(record.get("committed", 0.0)), info.sender_node,
+                      info.name, path))  # fmt: skip
+    return found
+
+
+def _my_candidates(
+    tier: NodeTier,
+    replication: TierReplication | None,
+    directory: str,
+    s3_steps: Mapping[str, int | None],
+    held: list[tuple[str, int | None, float, str, str, Path]],
+) -> dict[str, Any]:
+    """This rank's part of the collective: its node's verified copies and held replicas, its S3 steps."""
+    own = {}
+    for copy in tier.copies():
+        try:
+            tier.verified_copy(copy.url)
+        except _s3.ChecksumMismatchError as exc:
+            logger.error("%s: skipped for resume, the next tier is used", exc)
+            continue
+        own[copy.url] = [copy.record.get("step"), float(copy.record.get("committed", 0.0))]
+    address = None if replication is None or replication.server is None else list(replication.server.address)
+    held_urls = [[url, step, committed, sender, name] for url, step, committed, sender, name, _ in held]
+    return {"node": _s3.node_key(), "address": address, "directory": directory, "own": own, "s3": dict(s3_steps),
+            "held": held_urls}  # fmt: skip
+
+
+def decide(gathered: list[dict[str, Any]], rank: int) -> tuple[list[int], dict[int, list[tuple[int, str, str]]]]:
+    """Every rank's candidates (`agree_on_resume`'s all_gather) -> the steps every rank can load, newest first, and
+    for `rank` each of those steps' ``(tier rank, url, tier)`` options, fastest first (0 memory, 1 a replica on this
+    node, 2 one on another node, 3 S3). The same on every rank: it reads only what was gathered."""
+    addresses = {entry["node"]: entry["address"] for entry in gathered if entry["address"]}
+    s3 = {url: step for entry in gathered for url, step in entry["s3"].items()}
+    steps_of = {url: step for entry in gathered for url, (step, _) in entry["own"].items()}
+    steps_of.update({held[0]: held[1] for entry in gathered for held in entry["held"]})
+
+    def options(entry: dict[str, Any]) -> dict[int, list[tuple[int, str, str]]]:
+        prefix = _urls.normalize_s3_url(entry["directory"]).rstrip("/") + "/"
+        found: dict[int, list[tuple[int, str, str]]] = {}
+
+        def add(url: str, speed: int, tier: str) -> None:
+            step = steps_of.get(url, s3.get(url))
+            if url.startswith(prefix) and isinstance(step, int):
+                found.setdefault(step, []).append((speed, url, tier))
+
+        for url in entry["own"]:
+            add(url, 0, "memory")
+        for other in gathered:
+            for url, _, _, _, _ in other["held"]:
+                if other["node"] == entry["node"]:
+                    add(url, 1, "replica")
+                elif other["node"] in addresses:
+                    add(url, 2, "replica")
+        for url in s3:
+            add(url, 3, "s3")
+        return {step: sorted(set(found_options)) for step, found_options in found.items()}
+
+    every = [options(entry) for entry in gathered]
+    common = set(every[0]).intersection(*every[1:]) if every else set()
+    mine = every[rank]
+    return sorted(common, reverse=True), {step: mine[step] for step in common}
+
+
+def agree_on_resume(
+    tier: NodeTier,
+    replication: TierReplication | None,
+    directory: str,
+    listing: Any,
+    step_of: Any = None,
+    group: Any = None,
+) -> TierAgreement:
+    """Collective (every rank of `group` calls it, each with its own `directory`, its part): one all_gather of each
+    rank's candidates (steps it can load from its node's memory, a replica, S3: the objects ``listing()`` returns,
+    whose names `step_of` maps to steps; without it only objects a tier record names count), then the newest step
+    every rank can load, and this rank's fastest tier for it. A copy or replica that fails its checksum is left out,
+    loudly. A rank that fails to list makes every rank raise (no rank waits in the collective). Outside a process
+    group, this process alone decides."""
+    directory = _urls.normalize_s3_url(directory).rstrip("/")
+    node, held, failure = _s3.node_key(), {}, None
+    try:
+        s3_steps = {
+            f"s3://{obj.bucket}/{obj.key}": step_of(obj.key.rsplit("/", 1)[-1]) if step_of is not None else None
+            for obj in listing()
+        }
+        held = {entry[0]: entry for entry in held_replicas(tier)}
+        mine = _my_candidates(tier, replication, directory, s3_steps, list(held.values()))
+    except Exception as exc:  # said to every rank through the collective, then raised here
+        failure, mine = exc, {"error": f"{type(exc).__name__}: {exc}"}
+    dist = _s3.import_optional_dependency("torch.distributed", "agreeing on a resume step")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+        rank = dist.get_rank(group)
+    else:
+        gathered, rank = [mine], 0
+    if failure is not None:
+        raise failure
+    errors = [f"rank {index}: {entry['error']}" for index, entry in enumerate(gathered) if "error" in entry]
+    if errors:
+        raise RuntimeError(f"memory tier: no resume step agreed for {directory}: {'; '.join(errors)}")
+    steps, options = decide(gathered, rank)
+    addresses = {entry["node"]: tuple(entry["address"]) for entry in gathered if entry["address"]}
+    remote = {h[0]: (e["node"], h) for e in gathered if e["node"] != node and e["node"] in addresses
+              for h in e["held"]}  # fmt: skip
+    sources, urls, committed = {}, {}, {}
+    for step in steps:
+        speed, url, tier_name = options[step][0]
+        urls[step] = url
+        committed[url] = float(mine["own"].get(url, [None, 0.0])[1])
+        if speed == 0:
+            sources[url] = ResumeSource(url, "memory", tier.path_of(url))
+        elif speed == 1:
+            sources[url] = ResumeSource(url, "replica", held[url][5])
+        elif speed == 2:
+            node, entry = remote[url]
+            sources[url] = ResumeSource(url, "replica", None, addresses[node], entry[3], entry[4])
+    newest = steps[0] if steps else None
+    url = urls.get(newest) if newest is not None else None
+    tier_name = None if url is None else (sources[url].tier if url in sources else "s3")
+    if url is not None:
+        logger.info("memory tier: every rank resumes step %s; this rank reads %s from %s", newest, url, tier_name)
+    return TierAgreement(directory, newest, url, tier_name, steps, urls, committed, sources)
+
+
+def fetch_replica(tier: NodeTier, source: ResumeSource) -> TierCopy:
+    """Fetch the replica `source` names from its node into this node's memory tier (a replaced node's resume):
+    verified on arrival against its manifest, then against its commit record, then committed as this node's own
+    copy. Raises `s3_tier_replication.ReplicationError` or `s3_utils.ChecksumMismatchError` (nothing left behind)."""
+    module = _replication_module()
+    launch = tier.run.run_id if tier.run.job else None
+    landing = tier.directory / f"fetched-{secrets.token_hex(4)}"
+    try:
+        module.fetch_directory(source.peer, sender_node=source.sender_node, name=source.name, dest=landing,
+                               job=tier.job, launch=launch)  # fmt: skip
+        record_path = next(landing.glob(f"*{COMMIT_RECORD_SUFFIX}"))
+        record = _read_json(record_path)
+        if record is None or record.get("url") != source.url:
+            raise _s3.ChecksumMismatchError(f"the replica {source.name} of {source.url} has no matching record")
+        fetched = landing / record_path.name.removesuffix(COMMIT_RECORD_SUFFIX)
+        _verify_against_record(fetched, record, "the fetched replica")
+        path = tier.path_of(source.url)
+        _private_directory(path.parent)
+        with tier._lock:  # this module's own class
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tier.record_path(path))
+            os.rename(fetched, path)
+            os.rename(record_path, tier.record_path(path))
+    finally:
+        shutil.rmtree(landing, ignore_errors=True)
+    copy = tier.copy_of(source.url)
+    if copy is None:
+        raise _s3.ChecksumMismatchError(f"the replica of {source.url} fetched from {source.peer} did not commit")
+    return copy
+
+
+def copy_to_load(tier: NodeTier, agreement: TierAgreement | None, url: str) -> tuple[TierCopy | None, str]:
+    """The verified copy a load of `url` reads and its tier name: where the ranks agreed to read it (`agreement`), a
+    replica held here or fetched from another node (a replaced node), else this node's memory copy (None: none).
+    Raises `s3_utils.ChecksumMismatchError` or `s3_tier_replication.ReplicationError` for one that does not verify."""
+    source = agreement.sources.get(url) if agreement is not None else None
+    if source is not None and source.tier == "replica" and source.peer is not None:
+        return fetch_replica(tier, source), "replica"
+    if source is not None and source.tier == "replica":
+        return tier.verified_replica(source.path), "replica"
+    return tier.verified_copy(url), "memory"
