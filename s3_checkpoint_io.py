@@ -720,9 +720,8 @@ class S3CheckpointIO:
         if (self._tier_saves - 1) % config.drain_every == 0 or timer:  # queued, never waited for: S3 slower than
             self._drain(copy)  # the saves fills the tier until a save finds no room and goes to S3 itself
         if self._replication is not None and self._replication.peer is not None:
-            self._replication.send(copy)  # prunes the tier once the copy counts on the peer
-        else:
-            tier.prune_soon()
+            self._replication.send(copy)  # prunes the tier again once the copy counts on the peer
+        tier.prune_soon()  # at most `keep` copies, also while the peer lags or does not answer (bounded memory)
         return True
 
     def start_replication(self, group: Any = None, *, bind_host: str = "127.0.0.1", local_rank: int = 0) -> None:

@@ -18,12 +18,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="S3CheckpointIO._save_to_tier prunes the tier only after a replication counts on the peer when "
-    "replication is on (TierReplication._send calls prune), never on the save's path: with a peer that does not "
-    "answer (or sends slower than saves), every save stays in memory, past keep + the one waiting for its drain",
-)
 def test_a_stalled_peer_does_not_let_the_tier_grow_past_keep(s3_server: Any, bucket: str, tmp_path: Path) -> None:
     env = rank_environment(s3_server, s3_server.endpoint_url, WORLD_SIZE="2")
     worker = REPO / "tests" / "helpers" / "tier_backlog_worker.py"
