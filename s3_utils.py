@@ -1880,7 +1880,7 @@ class S3Utils:
         known: dict[str, str] = dict(etags or {}) if conditional else {}
         if conditional and fence is not None:
             known = self._etags_before_the_check(bucket, keys, known, fence)
-            keys = [k for k in keys if k in known]  # gone: nothing to remove
+            keys = [k for k in keys if k in known or k.endswith("/")]  # gone: nothing to remove
         if fence is not None and keys:
             fence.before_mutation(url, "removal")
             fence.removed(keys)  # before the request: a half-done removal must not leave stale ETags behind
@@ -1904,6 +1904,8 @@ class S3Utils:
     ) -> dict[str, str]:
         """Each key's ETag to condition its removal on, read before the fence's check; absent: no object there."""
         for key in keys:
+            if key.endswith("/"):  # a folder (marker): SeaweedFS answers a HEAD of a folder with children and a 409 to
+                continue  # its conditional delete; it is removed unconditionally, as before conditional removals
             etag = known.get(key) or fence.committed_etag(key)
             if not etag:
                 try:

@@ -157,6 +157,10 @@ class S3Path(str):
     def exists(self) -> bool:
         return isfile(self) or isdir(self)
 
+    def touch(self) -> None:  # s3: pathlib's touch of a new file is an empty object at the URL
+        bucket, key = _split(self)
+        state.client.put_object(Bucket=bucket, Key=key, Body=b"")
+
 
 def settle(trainer: pl.Trainer) -> None:
     """Wait for the trainer's pending async saves, as docs/lightning.md says to before another reader looks at the
