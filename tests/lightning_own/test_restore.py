@@ -37,7 +37,7 @@ from lightning.fabric import seed_everything
 from lightning.pytorch import Callback
 from lightning_own.s3_adapt import Trainer  # s3: adds an S3CheckpointIO
 from lightning_own.s3_adapt import ModelCheckpoint  # s3: is S3ModelCheckpoint
-from lightning_own.s3_adapt import S3Path, http_url, listdir, torch_load  # s3: the S3 answers to os/torch calls
+from lightning_own.s3_adapt import S3Path, http_url, listdir, settle, torch_load  # s3: the S3 answers to os/torch calls
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning_own.helpers.datamodules import ClassifDataModule  # s3: vendored under tests/lightning_own/helpers
@@ -521,6 +521,7 @@ def test_model_saving_loading(tmp_path):
     # save model
     new_weights_path = os.path.join(tmp_path, "save_test.ckpt")
     trainer.save_checkpoint(new_weights_path)
+    settle(trainer)  # s3: async: load_from_checkpoint reads through fsspec, which does not wait (docs/lightning.md)
 
     # load new model
     hparams_path = tutils.get_data_path(logger, path_dir=tmp_path)
@@ -564,6 +565,7 @@ def test_strict_model_load_more_params(monkeypatch, tmp_path, local_tmp_path, ur
     # save model
     new_weights_path = os.path.join(tmp_path, "save_test.ckpt")
     trainer.save_checkpoint(new_weights_path)
+    settle(trainer)  # s3: async: load_from_checkpoint reads through fsspec, which does not wait (docs/lightning.md)
 
     # load new model
     hparams_path = os.path.join(tutils.get_data_path(logger, path_dir=tmp_path), "hparams.yaml")
@@ -604,6 +606,7 @@ def test_strict_model_load_less_params(monkeypatch, tmp_path, local_tmp_path, ur
     # save model
     new_weights_path = os.path.join(tmp_path, "save_test.ckpt")
     trainer.save_checkpoint(new_weights_path)
+    settle(trainer)  # s3: async: load_from_checkpoint reads through fsspec, which does not wait (docs/lightning.md)
 
     # load new model
     hparams_path = os.path.join(tutils.get_data_path(logger, path_dir=tmp_path), "hparams.yaml")
