@@ -2391,34 +2391,18 @@ class _PartBuffers:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: list[bytearray] = []
-        self.held_bytes = 0  # bytes of the buffers writers hold now
-        self.allocated = 0  # buffers ever allocated (the other takes reused one)
 
     def take(self, size: int) -> bytearray:
         with self._lock:
-            self.held_bytes += size
             for index in range(len(self._free) - 1, -1, -1):
                 if len(self._free[index]) == size:
                     return self._free.pop(index)
             self._free.clear()  # none of this size: the others would only add to the memory held
-            self.allocated += 1
         return bytearray(size)
 
     def give_back(self, buffers: Iterable[bytearray]) -> None:
         with self._lock:
-            for buffer in buffers:
-                self.held_bytes -= len(buffer)
-                self._free.append(buffer)
-
-    def forget(self, nbytes: int) -> None:
-        """Buffers a writer took and will not give back (an upload cancelled before it started drops its buffer)."""
-        with self._lock:
-            self.held_bytes -= nbytes
-
-    @property
-    def free_bytes(self) -> int:
-        with self._lock:
-            return sum(len(buffer) for buffer in self._free)
+            self._free.extend(buffers)
 
     def release(self) -> None:
         with self._lock:
@@ -2595,7 +2579,7 @@ class S3MultipartWriter(io.RawIOBase):
         self._utils, self._records, self._fence = utils, _ChecksumRecords(utils), fence
         self._part_size, self._max_concurrency = part_size, max_concurrency
         self._algorithm = ChecksumAlgorithm.named(checksum_algorithm)
-        self._size = self._held_bytes = 0
+        self._size = 0
         self._free_buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
         self._buffers_made = 0  # buffers this writer holds (taken from `_part_buffers`)
         self._unfinished_parts = 0  # queued or in flight; `write_borrowed` keeps it at most max_concurrency + 1
@@ -2768,9 +2752,8 @@ class S3MultipartWriter(io.RawIOBase):
                 returned.append(self._free_buffers.get_nowait())
             except queue.Empty:
                 break
-        _part_buffers.give_back(returned)
-        _part_buffers.forget(self._held_bytes - sum(len(buffer) for buffer in returned))
-        self._held_bytes = self._buffers_made = 0
+        _part_buffers.give_back(returned)  # a buffer an upload cancelled before it started dropped is freed
+        self._buffers_made = 0
 
     def _abort_upload(self) -> None:
         self._state = _WriterState.ABORTED
@@ -2803,13 +2786,11 @@ class S3MultipartWriter(io.RawIOBase):
                 if self._buffers_made <= self._max_concurrency:
                     buffer = _part_buffers.take(size)
                     self._buffers_made += 1
-                    self._held_bytes += size
                     return buffer
                 buffer = self._free_buffers.get()  # every upload gives its buffer back, failed or not
             if len(buffer) == size:
                 return buffer
             self._buffers_made -= 1
-            self._held_bytes -= len(buffer)
             _part_buffers.give_back([buffer])
 
     def _start_multipart(self) -> None:
