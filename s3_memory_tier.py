@@ -1,4 +1,4 @@
-"""A memory tier in front of S3: checkpoints land first in the node's tmpfs, S3 gets them behind (issue 40).
+"""A memory tier in front of S3: checkpoints land first in the node's tmpfs, S3 gets them behind.
 
 An optional sibling of the core modules, switched on with ``S3CheckpointIO(memory_tier=...)`` (or the NeMo
 ``s3_checkpointing: memory_tier:`` key). Without this file the core keeps its behaviour and a ``memory_tier``

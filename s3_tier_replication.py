@@ -1,4 +1,4 @@
-"""A copy of each node's in-memory checkpoint on another node: the memory tier's replicas (issue 40, item 2).
+"""A copy of each node's in-memory checkpoint on another node: the memory tier's replicas.
 
 An optional sibling of the core modules (standard library, `s3_utils` for checksums and this process's identity;
 torch.distributed only for `exchange_addresses`, imported on first use). The memory tier (`s3_memory_tier`) calls it;
