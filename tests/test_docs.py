@@ -116,6 +116,18 @@ def test_every_page_has_python_blocks_or_is_prose() -> None:
     assert len(PAGES) > 1, "docs/*.md not found"
 
 
+def test_tests_readme_maps_every_test_file() -> None:
+    """tests/README.md's tables name every test file and folder of tests/, and only files that exist, so a reader
+    finds where each feature and property is tested."""
+    text = (REPO / "tests" / "README.md").read_text(encoding="utf-8")
+    tables = text[text.index("## Where each feature is tested") : text.index("## Lightning's and torch's own tests")]
+    named = set(re.findall(r"`(test_\w+\.py|\w+_own/)`", tables))
+    present = {p.name for p in (REPO / "tests").glob("test_*.py")} | {
+        f"{p.name}/" for p in (REPO / "tests").glob("*_own") if p.is_dir()
+    }
+    assert named == present, f"missing from tests/README.md: {sorted(present - named)}; gone: {sorted(named - present)}"
+
+
 def heading_anchors(page: Path) -> set[str]:
     """The anchors a Markdown renderer (GitHub's rules) gives the headings of `page`."""
     anchors = set()
