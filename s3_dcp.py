@@ -1298,6 +1298,14 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         self._records = record.get("files", {})
         return self._records
 
+    def use_item_records(self, records: dict[str, Any]) -> None:
+        """Check the items read against `records` instead of the checkpoint's own item record: per file name, what
+        ``.s3ckpt-items.json`` holds under ``files`` (``algorithm``, ``checksum``, ``etag``, ``size``, ``items``:
+        offset -> [length, checksum]). For a checkpoint of another writer whose files the caller checked whole and
+        checksummed item by item (`s3_checkpoint_convert` does); a file missing here is read unverified, with a
+        warning. Holds until `reset`."""
+        self._records = dict(records)
+
     def _plan_groups(self, requests: Iterable[Any], planner: LoadPlanner) -> tuple[list[_Group], list[_DirectRead]]:
         """Group the requests by item and file: coalesced buffered groups, and the items to read into targets."""
         assert self.storage_data is not None

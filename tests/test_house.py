@@ -123,6 +123,111 @@ def test_no_allowed_exception_is_stale() -> None:
     assert ALLOWED <= used, f"stale entries: {sorted(ALLOWED - used)}"
 
 
+def _names_from_other_modules(module: str, tree: ast.Module) -> tuple[dict[str, str], dict[str, str]]:
+    """Module aliases bound to other first-party modules, and names imported from them (``from s3_dcp import X``)."""
+    aliases = {name: other for name, other in _module_aliases(tree).items() if other != module}
+    imported = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (other := _first_party(node.module)) and other != module:
+            imported.update({alias.asname or alias.name: other for alias in node.names})
+    return aliases, imported
+
+
+def foreign_private_writes(module: str, source: str) -> list[tuple[str, str, int]]:
+    """``(other module, target, line)`` for each write in `source` to a private attribute of an object whose class
+    another first-party module defines: ``obj._x = ...`` (also augmented, annotated, in a tuple, or by ``setattr``)
+    where ``obj`` was built by ``other.Class(...)`` or annotated with one of its classes (a name, a parameter,
+    ``self.attr``), or is a module-level object of the other module (``other.obj._x = ...``)."""
+    tree = ast.parse(source)
+    aliases, imported = _names_from_other_modules(module, tree)
+
+    def class_module(expr: ast.AST) -> str | None:  # the other module a callee or an annotation names
+        for node in ast.walk(expr):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                return aliases[node.value.id]
+            if isinstance(node, ast.Name) and node.id in imported:
+                return imported[node.id]
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):  # a string annotation
+                try:
+                    found = class_module(ast.parse(node.value, mode="eval"))
+                except SyntaxError:
+                    continue
+                if found:
+                    return found
+        return None
+
+    typed: dict[str, str] = {}  # the source text of an object -> the module of its class
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            if other := class_module(node.value.func):
+                typed.update({ast.unparse(target): other for target in node.targets})
+        elif isinstance(node, ast.AnnAssign) and (other := class_module(node.annotation)):
+            typed[ast.unparse(node.target)] = other
+        elif isinstance(node, ast.arg) and node.annotation is not None and (other := class_module(node.annotation)):
+            typed[node.arg] = other
+
+    def owner_module(owner: ast.expr) -> str | None:
+        if ast.unparse(owner) in typed:
+            return typed[ast.unparse(owner)]
+        if isinstance(owner, ast.Attribute) and isinstance(owner.value, ast.Name):  # other.obj._x
+            return aliases.get(owner.value.id)
+        return None
+
+    found = []
+    for node in ast.walk(tree):
+        written: list[tuple[ast.expr, str]] = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for element in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if isinstance(element, ast.Attribute) and _private(element.attr):
+                        written.append((element.value, element.attr))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            if len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and _private(str(node.args[1].value)):
+                written.append((node.args[0], str(node.args[1].value)))
+        for owner, name in written:
+            if other := owner_module(owner):
+                found.append((other, f"{ast.unparse(owner)}.{name}", node.lineno))
+    return found
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_no_module_writes_private_attributes_of_another_modules_objects(module: str) -> None:
+    """What a module needs to set on another module's object is a public method or argument there."""
+    writes = foreign_private_writes(module, (ROOT / f"{module}.py").read_text(encoding="utf-8"))
+    assert not writes, "writes to another module's objects' private attributes (add a public way there):\n" + (
+        "\n".join(f"{module}.py:{line}: {target} (an object of {other})" for other, target, line in writes)
+    )
+
+
+def test_the_write_check_finds_each_kind_of_object() -> None:
+    """The checker itself: objects built by another module's class, annotated with one (a parameter, a string
+    annotation, ``self.attr``), imported classes, another module's own objects, ``setattr``; not own objects."""
+    source = (
+        "import s3_dcp\nfrom s3_utils import S3Utils\n"
+        "class Source:\n"
+        "    def __init__(self, url):\n"
+        "        self.reader = s3_dcp.S3StorageReader(url)\n"
+        "        self.reader._records = {}\n"
+        "        self._own = 1\n"
+        "        self.reader.records = {}\n"
+        "    def f(self, writer: 's3_dcp.S3StorageWriter', utils: S3Utils, mine: Source):\n"
+        "        writer._a, other = 1, 2\n"
+        "        utils._b += 1\n"
+        "        mine._c = 1\n"
+        "        setattr(utils, '_d', 1)\n"
+        "        s3_dcp.SOME_OBJECT._e = 1\n"
+    )
+    writes = sorted((other, target) for other, target, _ in foreign_private_writes("s3_checkpoint_convert", source))
+    assert writes == [
+        ("s3_dcp", "s3_dcp.SOME_OBJECT._e"),
+        ("s3_dcp", "self.reader._records"),
+        ("s3_dcp", "writer._a"),
+        ("s3_utils", "utils._b"),
+        ("s3_utils", "utils._d"),
+    ]
+
+
 CORE_CHAIN = ["s3_dirpath_utils", "s3_utils", "s3_fencing", "s3_checkpoint_io", "connector"]
 """The core files, in order: each imports (at its top) only first-party modules before it, so a fork copies them
 alone and any prefix of the chain works without what follows (README.md, "Use in a NeMo 1.x fork")."""
