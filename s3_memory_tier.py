@@ -31,6 +31,8 @@ argument raises ImportError saying the file is missing. docs/tiers.md shows the 
 
 `S3CheckpointIO` drives all of it (when to drain, removals, loads): this module only knows files and records.
 Not built yet: DCP (`s3_dcp`) and megatron-core paths (docs/tiers.md).
+
+Package-internal (docs/api.md) but for `MemoryTier`: users reach it through ``S3CheckpointIO(memory_tier=...)``.
 """
 
 from __future__ import annotations
@@ -73,17 +75,7 @@ else:  # installed (or copied) as top-level modules
     import s3_utils as _s3
 
 __all__ = [
-    "COMMIT_RECORD_SUFFIX",
     "MemoryTier",
-    "NodeTier",
-    "ResumeSource",
-    "TierAgreement",
-    "TierCopy",
-    "TierFullError",
-    "TierReplication",
-    "agree_on_resume",
-    "copy_to_load",
-    "fetch_replica",
 ]
 
 logger = logging.getLogger(__name__)
@@ -354,7 +346,8 @@ def _slug(text: str) -> str:
 
 
 class NodeTier:
-    """This node's memory tier for one job, as seen by one process (`S3CheckpointIO` keeps one)."""
+    """This node's memory tier for one job, as seen by one process (`S3CheckpointIO` keeps one).
+    Package-internal (docs/api.md)."""
 
     def __init__(self, config: MemoryTier, run: _fencing.CheckpointRun, checksum_algorithm: str = "auto") -> None:
         self.config = config

@@ -14,6 +14,8 @@ when a job of more than one process runs without it. Copy this file beside the c
 
 Everything this module creates on the host is created exclusively (O_CREAT | O_EXCL | O_NOFOLLOW) with mode 0600:
 readable by the job's user only.
+
+Package-internal (docs/api.md): the core calls it; users reach it through ``load_sharing`` and the pacer.
 """
 
 from __future__ import annotations
@@ -49,18 +51,7 @@ else:  # installed (or copied) as a top-level module
 if TYPE_CHECKING:
     from s3_checkpoint_io import S3CheckpointIO
 
-__all__ = [
-    "PACER_SHARED_DIR",
-    "SHARED_FILE_DIR",
-    "SharedCheckpointFile",
-    "SharedPacerFile",
-    "create_shared_file",
-    "download_shared",
-    "downloading_ranks",
-    "open_shared_file",
-    "remove_unheld_shared_files",
-    "shared_pacer_file",
-]
+__all__: list[str] = []  # no public names: see docs/api.md
 __version__ = _s3.__version__
 
 logger = logging.getLogger(__name__)

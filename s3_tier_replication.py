@@ -31,6 +31,8 @@ launch's replicas); reads (fetch, list) need the job only. Launches are spelled 
 
 Timeouts: every socket operation gives up after `timeout_s` without progress, so a dead or stopped peer costs at
 most that long; the caller's thread is never held longer than its own send.
+
+Package-internal (docs/api.md) but for its two errors: users reach it through `S3CheckpointIO.start_replication`.
 """
 
 from __future__ import annotations
@@ -65,22 +67,8 @@ else:  # installed (or copied) as a top-level module
     import s3_utils as _s3
 
 __all__ = [
-    "CHUNK",
-    "DEFAULT_TIMEOUT_S",
-    "MANIFEST_SUFFIX",
-    "SECRET_ENV",
-    "ReplicaInfo",
     "ReplicaRefusedError",
-    "ReplicaServer",
     "ReplicationError",
-    "directory_manifest",
-    "exchange_addresses",
-    "fetch_directory",
-    "file_checksum",
-    "launch_attempt",
-    "list_replicas",
-    "peer_of",
-    "send_directory",
 ]
 __version__ = _s3.__version__
 

@@ -8,6 +8,8 @@ by a test (tests/test_private_surface.py, tests/test_dcp.py).
 from __future__ import annotations
 
 import ast
+import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -226,6 +228,102 @@ def test_the_write_check_finds_each_kind_of_object() -> None:
         ("s3_utils", "utils._b"),
         ("s3_utils", "utils._d"),
     ]
+
+
+# ---- the stated API: docs/api.md, each module's __all__, and what siblings use besides ---------------------------
+
+API_DOC = ROOT / "docs" / "api.md"
+
+
+@functools.cache
+def declared_all(module: str) -> list[str]:
+    """The module's ``__all__``, read from its source (no import: a missing extra does not matter here)."""
+    for node in ast.parse((ROOT / f"{module}.py").read_text(encoding="utf-8")).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if any(isinstance(target, ast.Name) and target.id == "__all__" for target in targets) and node.value:
+            return list(ast.literal_eval(node.value))
+    raise AssertionError(f"{module}.py has no __all__")
+
+
+def documented_api() -> dict[str, list[str]]:
+    """docs/api.md's names per module: under each ``## `module` `` heading, the names an item (``- ``, continued by
+    indented lines) lists before its colon: ``- `MB`, `GB`: ...``."""
+    api: dict[str, list[str]] = {}
+    module, item = None, ""
+    for line in [*API_DOC.read_text(encoding="utf-8").splitlines(), ""]:
+        if item and line.startswith("  "):
+            item += " " + line.strip()
+            continue
+        if module and item:
+            api[module] += re.findall(r"`(\w+)`", item.partition("`:")[0] + "`")
+        item = line if line.startswith("- ") else ""
+        if heading := re.match(r"^## `(\w+)`", line):
+            module = heading.group(1)
+            api[module] = []
+    return api
+
+
+def test_docs_api_lists_every_modules_all() -> None:
+    """docs/api.md is the supported API: each module's ``__all__`` holds exactly the names listed there."""
+    api = documented_api()
+    assert sorted(api) == MODULES, f"docs/api.md sections: {sorted(api)}, modules: {MODULES}"
+    for module in MODULES:
+        declared = declared_all(module)
+        assert len(declared) == len(set(declared)), f"{module}.__all__ repeats a name"
+        assert set(declared) == set(api[module]), (
+            f"{module}: in __all__ only {sorted(set(declared) - set(api[module]))}, "
+            f"in docs/api.md only {sorted(set(api[module]) - set(declared))}"
+        )
+
+
+def sibling_uses(module: str, source: str) -> set[tuple[str, str]]:
+    """``(other module, public name)`` that `source` (module `module`) takes from another first-party module."""
+    tree = ast.parse(source)
+    aliases, imported = _names_from_other_modules(module, tree)
+    uses = {(other, name) for name, other in imported.items() if not _private(name)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            if not _private(node.attr) and not node.attr.startswith("__"):
+                uses.add((aliases[node.value.id], node.attr))
+    return uses
+
+
+@functools.cache
+def _definitions(module: str) -> dict[str, tuple[str | None, list[str]]]:
+    """Names `module` defines at its top level: ``name -> (docstring, source lines of the definition and the line
+    above it)``; names bound to another object by import or by ``name = other.name`` are left out."""
+    source = (ROOT / f"{module}.py").read_text(encoding="utf-8")
+    lines = source.splitlines()
+    found: dict[str, tuple[str | None, list[str]]] = {}
+    statements = list(ast.parse(source).body)
+    while statements:
+        node = statements.pop()
+        if isinstance(node, ast.If | ast.Try):
+            statements += node.body + node.orelse + [s for h in getattr(node, "handlers", []) for s in h.body]
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            found[node.name] = (ast.get_docstring(node), [])
+        elif isinstance(node, ast.Assign | ast.AnnAssign) and not isinstance(node.value, ast.Name | ast.Attribute):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Name):
+                    found[target.id] = (None, lines[max(node.lineno - 2, 0) : node.end_lineno])
+    return found
+
+
+def test_what_siblings_use_besides_the_api_is_marked_package_internal() -> None:
+    """A name one module takes from another that is not in the other's ``__all__`` is package-internal: its
+    docstring (or, for a constant, a comment on or above it) says so, so a reader knows users must not rely on it."""
+    unmarked = []
+    for module in MODULES:
+        for other, name in sibling_uses(module, (ROOT / f"{module}.py").read_text(encoding="utf-8")):
+            if name in declared_all(other) or name not in (defined := _definitions(other)):
+                continue
+            docstring, lines = defined[name]
+            text = docstring if docstring is not None else "\n".join(lines)
+            if "package-internal" not in (text or "").lower():
+                unmarked.append(f"{other}.{name} (used by {module})")
+    assert not unmarked, "mark these package-internal (docs/api.md) or list them there:\n" + (
+        "\n".join(sorted(set(unmarked)))
+    )
 
 
 CORE_CHAIN = ["s3_dirpath_utils", "s3_utils", "s3_fencing", "s3_checkpoint_io", "connector"]
