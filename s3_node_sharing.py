@@ -418,7 +418,8 @@ def _shared_pacer_key(endpoint_url: str | None, bucket: str) -> str | None:
 def shared_pacer_file(endpoint_url: str | None, bucket: str) -> SharedPacerFile | None:
     """This process's handle on its host's shared pacer state for the job, endpoint and bucket (what
     `s3_utils.request_pacer` gives its `RequestPacer`); None (with one log line per kind of problem) where there is
-    no job or the file cannot be used safely. ``S3CKPT_PACER_SHARING=0`` is checked by the caller."""
+    no job or the file cannot be used safely. ``S3CKPT_PACER_SHARING=0`` is checked by the caller.
+    Package-internal (docs/api.md)."""
     key = _shared_pacer_key(endpoint_url, bucket)
     if key is None:
         return None
@@ -830,7 +831,7 @@ def download_shared(io: S3CheckpointIO, url: str, node_rank: int | None = None) 
     above); None where every rank should download its own (``"rank"``, one rank per node, no usable /dev/shm: said
     in a warning). A collective call: every rank of the default process group makes it with the same URL.
     `node_rank`: this rank's node (default: `s3_utils.node_key`). Raises `s3_utils.SharedLoadError` when
-    the rank that downloads for this one fails, dies or takes too long."""
+    the rank that downloads for this one fails, dies or takes too long. Package-internal (docs/api.md)."""
     if io.load_sharing == "rank" or fcntl is None:
         return None
     dist = _torch().distributed

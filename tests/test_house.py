@@ -276,16 +276,64 @@ def test_docs_api_lists_every_modules_all() -> None:
         )
 
 
+def _module_loaders(module: str, tree: ast.Module) -> dict[str, str]:
+    """Functions of `tree` that import another first-party module on first use and return it (``importlib`` with
+    the module's name in a string, or in a module-level constant): ``function name -> module``."""
+    constants = {
+        target.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    loaders = {}
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef) or node.name.startswith("__"):
+            continue
+        if "import_module" not in ast.unparse(node):
+            continue
+        names = [n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in constants]
+        texts = _strings_in(node) + [constants[name] for name in names]
+        named = {m for text in texts for m in MODULES if m != module and (text == m or text.endswith(f".{m}"))}
+        if len(named) == 1:
+            loaders[node.name] = named.pop()
+    return loaders
+
+
 def sibling_uses(module: str, source: str) -> set[tuple[str, str]]:
-    """``(other module, public name)`` that `source` (module `module`) takes from another first-party module."""
+    """``(other module, public name)`` that `source` (module `module`) takes from another first-party module: through
+    an alias of it, ``from other import name``, or a loader function's result (``_memory_tier_module().X``)."""
     tree = ast.parse(source)
     aliases, imported = _names_from_other_modules(module, tree)
+    loaders = _module_loaders(module, tree)
+
+    def loaded(call: ast.expr) -> str | None:  # the module a loader call returns: _tier() or _s3.node_sharing()
+        if not isinstance(call, ast.Call):
+            return None
+        if isinstance(call.func, ast.Name):
+            return loaders.get(call.func.id)
+        if isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name):
+            other = aliases.get(call.func.value.id)
+            return _loaders_of(other).get(call.func.attr) if other else None
+        return None
+
+    for node in ast.walk(tree):  # rep = _replication_module()
+        if isinstance(node, ast.Assign) and (other := loaded(node.value)) and other != module:
+            aliases.update({t.id: other for t in node.targets if isinstance(t, ast.Name)})
     uses = {(other, name) for name, other in imported.items() if not _private(name)}
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
-            if not _private(node.attr) and not node.attr.startswith("__"):
-                uses.add((aliases[node.value.id], node.attr))
+        if not isinstance(node, ast.Attribute) or _private(node.attr) or node.attr.startswith("__"):
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id in aliases:
+            uses.add((aliases[node.value.id], node.attr))
+        elif (other := loaded(node.value)) and other != module:
+            uses.add((other, node.attr))
     return uses
+
+
+@functools.cache
+def _loaders_of(module: str) -> dict[str, str]:
+    return _module_loaders(module, ast.parse((ROOT / f"{module}.py").read_text(encoding="utf-8")))
 
 
 @functools.cache
