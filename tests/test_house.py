@@ -357,6 +357,28 @@ def _definitions(module: str) -> dict[str, tuple[str | None, list[str]]]:
     return found
 
 
+def test_the_use_check_finds_each_way_of_reaching_a_sibling() -> None:
+    """The checker itself: an alias, ``from ... import``, a loader function's result (called, or kept in a name),
+    and another module's loader (``s3_utils.node_sharing`` returns `s3_node_sharing`); private names are left out."""
+    source = (
+        "import importlib\nimport s3_utils as _s3\nfrom s3_dcp import METADATA_NAME\n"
+        "TIER = 's3_memory_tier'\n"
+        "def _tier():\n    return importlib.import_module(TIER)\n"
+        "_s3.error_code; _s3._private\n"
+        "_tier().copy_to_load\n"
+        "rep = _tier()\nrep.TierReplication\n"
+        "_s3.node_sharing().download_shared\n"
+    )
+    assert sibling_uses("s3_checkpoint_io", source) == {
+        ("s3_dcp", "METADATA_NAME"),
+        ("s3_utils", "error_code"),
+        ("s3_utils", "node_sharing"),
+        ("s3_memory_tier", "copy_to_load"),
+        ("s3_memory_tier", "TierReplication"),
+        ("s3_node_sharing", "download_shared"),
+    }
+
+
 def test_what_siblings_use_besides_the_api_is_marked_package_internal() -> None:
     """A name one module takes from another that is not in the other's ``__all__`` is package-internal: its
     docstring (or, for a constant, a comment on or above it) says so, so a reader knows users must not rely on it."""
