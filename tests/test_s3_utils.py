@@ -684,6 +684,7 @@ def test_part_buffers_are_reused_across_saves_within_the_memory_bound(
     spy = _WriterSpy(monkeypatch)
     first: list[bytearray] = []  # the first save's buffers, held here so that no address is reused meanwhile
     fresh: list[bool] = []  # for each buffer the second save took: not one of the first save's
+    peaks: list[int] = []  # the most buffers each save's writer held at once
     take = _PartBuffers.take
 
     def take_and_note(pool: _PartBuffers, size: int) -> bytearray:
@@ -696,7 +697,6 @@ def test_part_buffers_are_reused_across_saves_within_the_memory_bound(
 
     monkeypatch.setattr(_PartBuffers, "take", take_and_note)
     data = os.urandom(23 * MiB)
-    peaks: list[int] = []
     release_part_buffers()
     tracemalloc.start()
     try:
