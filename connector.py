@@ -78,16 +78,13 @@ __all__ = [
     "checkpoint_step",
     "classify_checkpoint_name",
     "configure_s3_checkpointing",
-    "distributed_checkpoint_problem",
     "find_resume_checkpoint",
     "find_resume_checkpoints",
-    "global_rank",
     "install_checkpoint_connector",
     "is_global_rank_zero",
     "is_unusable_checkpoint_error",
     "list_resume_candidates",
     "load_newest_usable",
-    "looks_like_distributed_checkpoint",
     "s3_model_checkpoint_class",
     "select_resume_candidate",
     "uninject_model_parallel_rank",
@@ -285,7 +282,8 @@ _DCP_RANK_METADATA = re.compile(rf"__(\d+){re.escape(_METADATA_NAME)}")
 
 def distributed_checkpoint_problem(names: Iterable[str]) -> str | None:
     """Why a directory whose top level holds `names` is an incomplete DCP checkpoint (no ``.metadata``, nor with
-    ``use_collectives=False`` a ``__{rank}.metadata`` for each rank holding shards), or None."""
+    ``use_collectives=False`` a ``__{rank}.metadata`` for each rank holding shards), or None.
+    Package-internal (docs/api.md)."""
     names = set(names)
     if _METADATA_NAME in names or not looks_like_distributed_checkpoint(names):
         return None
@@ -297,7 +295,8 @@ def distributed_checkpoint_problem(names: Iterable[str]) -> str | None:
 
 
 def looks_like_distributed_checkpoint(names: Iterable[str]) -> bool:
-    """Whether top-level `names` are a DCP checkpoint's, complete or not (shards, .metadata, item record, meta.pt)."""
+    """Whether top-level `names` are a DCP checkpoint's, complete or not (shards, .metadata, item record, meta.pt).
+    Package-internal (docs/api.md)."""
     names = set(names)
     markers = {_METADATA_NAME, _ITEM_CHECKSUMS_NAME, _LIGHTNING_META_NAME}
     return not names.isdisjoint(markers) or any(

@@ -53,15 +53,12 @@ __all__ = [
     "IncompleteCheckpoint",
     "Pruning",
     "VerifiedFile",
-    "checkpoint_entry",
-    "classify_checkpoint",
     "find_garbage",
     "list_checkpoints",
     "plan_pruning",
     "prune_checkpoints",
     "remove_checkpoint",
     "remove_incomplete_checkpoint",
-    "resume_after_failures",
     "verify_checkpoint",
 ]
 
@@ -164,7 +161,8 @@ def classify_checkpoint(name: str) -> tuple[int | None, str]:
     """``(step, kind)`` of a checkpoint from its file name: the number in the last ``step=N`` (None if there is
     none), and ``"end"`` (``*end.ckpt``), ``"last"`` (``*last.ckpt``, ``*last-vN.ckpt``) or ``"top-k"``: resume
     discovery's own rules (`connector.checkpoint_step`, `connector.classify_checkpoint_name`), so what ``ls`` calls
-    last or end is what a job resumes from or stops at; ``"other"`` for names not ending in ``.ckpt``."""
+    last or end is what a job resumes from or stops at; ``"other"`` for names not ending in ``.ckpt``.
+    Package-internal (docs/api.md)."""
     base = name.rpartition("/")[2]
     step = _connector.checkpoint_step(base)
     if not base.endswith(_connector.CHECKPOINT_SUFFIX):
@@ -258,7 +256,8 @@ def _with_memory_tier(entries: list[CheckpointEntry], url: str, config: Any, rec
 
 
 def checkpoint_entry(url: str, *, s3_utils: _s3.S3Utils | None = None) -> CheckpointEntry | None:
-    """The object at exactly `url` as an entry (one HEAD), or None when the URL names no object (or a prefix)."""
+    """The object at exactly `url` as an entry (one HEAD), or None when the URL names no object (or a prefix).
+    Package-internal (docs/api.md)."""
     _, key = _urls.parse_s3_url(url)
     if not key or key.endswith("/"):
         return None
@@ -525,7 +524,7 @@ def resume_after_failures(
 ) -> tuple[list[str], str | None]:
     """What resume does in the directory `url` when the checkpoints `failed_urls` do not verify: the ones it skips,
     newest first (`connector.find_resume_checkpoints` order), and the one it starts from (None when none is left).
-    Nothing is deleted: resume only skips them (docs/crash-safety.md)."""
+    Nothing is deleted: resume only skips them (docs/crash-safety.md). Package-internal (docs/api.md)."""
     order = _connector.find_resume_checkpoints(
         url, resume_past_end=True, resume_ignore_no_checkpoint=True, s3_utils=s3_utils
     )

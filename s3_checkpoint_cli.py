@@ -99,16 +99,13 @@ __all__ = [
     "EXIT_S3_ERROR",
     "EXIT_USAGE",
     "EXIT_VERIFY_FAILED",
-    "CliError",
     "build_parser",
-    "cmd_demo",
-    "exit_code_for",
     "main",
 ]
 
 logger = logging.getLogger(__name__)
 
-PROG = "s3-checkpoint-io"
+PROG = "s3-checkpoint-io"  # package-internal (docs/api.md)
 
 EXIT_OK = 0
 EXIT_VERIFY_FAILED = 1
@@ -124,7 +121,8 @@ _CKPT_SUFFIX = _connector.CHECKPOINT_SUFFIX
 
 
 class CliError(Exception):
-    """An expected failure: printed as one line, no traceback, and the process exits with `exit_code`."""
+    """An expected failure: printed as one line, no traceback, and the process exits with `exit_code`.
+    Package-internal (docs/api.md)."""
 
     def __init__(self, exit_code: int, message: str) -> None:
         super().__init__(message)
@@ -137,7 +135,7 @@ class CliError(Exception):
 
 
 def s3_url_argument(text: str, what: str = "URL") -> str:
-    """`text` as a validated ``s3://`` URL, or a usage error naming the problem."""
+    """`text` as a validated ``s3://`` URL, or a usage error naming the problem. Package-internal (docs/api.md)."""
     try:
         url = _urls.normalize_s3_url(text)
         _urls.parse_s3_url(url)
@@ -170,7 +168,8 @@ def _targets(
 
 
 def human_size(size: float) -> str:
-    """`size` bytes for people: ``"512 B"``, ``"1.5 GiB"`` (the demo prints sizes as the CLI does)."""
+    """`size` bytes for people: ``"512 B"``, ``"1.5 GiB"`` (the demo prints sizes as the CLI does).
+    Package-internal (docs/api.md)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(size) < 1024 or unit == "TiB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
@@ -234,7 +233,8 @@ class _Progress:
 
 
 def retry_policy_argument(args: argparse.Namespace) -> _s3.RetryPolicy | None:
-    """The `s3_utils.RetryPolicy` the ``--max-attempts`` flag asks for (None: the default policy)."""
+    """The `s3_utils.RetryPolicy` the ``--max-attempts`` flag asks for (None: the default policy).
+    Package-internal (docs/api.md)."""
     return _s3.RetryPolicy(max_attempts=args.max_attempts) if args.max_attempts else None
 
 

@@ -491,7 +491,7 @@ class _DcpSource:
             }
         # The reader checks items against the records of `S3StorageWriter`; these are the same, taken from bytes that
         # matched the store's checksum (it reads files missing here unverified, with a warning).
-        self.reader._records = records
+        self.reader.use_item_records(records)
         parts = []
         if records:
             parts.append(

@@ -5,6 +5,8 @@ blocked, and whether the resumed weights are the saved ones.
 It measures through what the library exposes (`S3CheckpointIO.records`), and starts a local server from
 `s3_local_servers` when no ``--dirpath`` is given. Imported by the CLI only when the demo runs, so the operator
 commands never pay for torch and Lightning.
+
+Package-internal (docs/api.md): the ``s3-checkpoint-io demo`` command is its interface.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ else:  # installed (or copied) as top-level modules
     import s3_local_servers as _servers
     import s3_utils as _s3
 
-__all__ = ["DEMO_BUCKET", "build_trainer", "cmd_demo"]
+__all__: list[str] = []  # no public names: see docs/api.md
 
 logger = logging.getLogger(__name__)
 

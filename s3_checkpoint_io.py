@@ -63,8 +63,6 @@ else:  # installed (or copied) as top-level modules
     import s3_utils as _s3
 
 __all__ = [
-    "LIGHTNING_FAMILIES",
-    "LOAD_SHARING_MODES",
     "CheckpointDirectoryTakenError",
     "NotACheckpointError",
     "S3CheckpointIO",
@@ -72,15 +70,10 @@ __all__ = [
     "TransferRecord",
     "ResumeFailedError",
     "buffer_address",
-    "collective_resume",
     "is_unusable_checkpoint_error",
     "load_newest_usable",
-    "lightning_user_agent",
     "pending_operation",
-    "memory_tier_entries",
-    "register_with_lightning",
     "s3_checkpoint_io_of",
-    "snapshot_to_host",
     "torch_save_without_zip_crc32",
     "wait_for_pending_save",
 ]
@@ -124,6 +117,7 @@ def register_with_lightning(cls: type) -> list[str]:
     ``lightning.pytorch`` and ``pytorch_lightning`` each have their own ``CheckpointIO`` class and each Trainer rejects
     the other's plugins; registering with both ABCs lets one plugin class serve either Trainer. Returns the modules
     registered with; raises MissingOptionalDependencyError if neither family is installed.
+    Package-internal (docs/api.md).
     """
     with _registration_lock:
         found = []
@@ -141,13 +135,14 @@ def register_with_lightning(cls: type) -> list[str]:
     return found
 
 
-LIGHTNING_FAMILIES = ("lightning.pytorch", "pytorch_lightning")
+LIGHTNING_FAMILIES = ("lightning.pytorch", "pytorch_lightning")  # package-internal (docs/api.md)
 """The two import names Lightning ships under; each has its own classes, and each Trainer rejects the other's."""
 
 
 def lightning_family(family: str | None = None, what: str = "Lightning support") -> str:
     """`family` checked against `LIGHTNING_FAMILIES`, or for None the first one installed (``lightning.pytorch``
-    first); MissingOptionalDependencyError naming the install line (for `what`) if neither is."""
+    first); MissingOptionalDependencyError naming the install line (for `what`) if neither is.
+    Package-internal (docs/api.md)."""
     if family is not None:
         if family not in LIGHTNING_FAMILIES:
             raise ValueError(f"family must be one of {LIGHTNING_FAMILIES}, got {family!r}")
@@ -162,7 +157,8 @@ def lightning_family(family: str | None = None, what: str = "Lightning support")
 
 def lightning_user_agent() -> str | None:
     """``(lightning; 2.6.6)`` for each Lightning family the program has imported, as s3torchconnector reports it in
-    its User-Agent; None without Lightning. Clients built for Lightning (this plugin, s3_dcp's strategies) add it."""
+    its User-Agent; None without Lightning. Clients built for Lightning (this plugin, s3_dcp's strategies) add it.
+    Package-internal (docs/api.md)."""
     comments = []
     for family in ("lightning", "pytorch_lightning"):
         version = getattr(sys.modules.get(family), "__version__", None)
@@ -920,7 +916,8 @@ def _memory_tier_config(value: Any) -> Any:
 
 def memory_tier_entries(directory: str) -> list[tuple[str, float]]:
     """``(path relative to the s3:// `directory`, commit time)`` of the checkpoints below it in the memory tiers of
-    this process's `S3CheckpointIO` plugins: resume discovery (connector) adds them to the S3 listing's entries."""
+    this process's `S3CheckpointIO` plugins: resume discovery (connector) adds them to the S3 listing's entries.
+    Package-internal (docs/api.md)."""
     entries: list[tuple[str, float]] = []
     for plugin in list(_tiered_plugins):
         try:  # after `agree_resume`: what every rank can load, as all agreed
@@ -1075,7 +1072,8 @@ _TORCH_SAVE_PARAMETERS = ("obj", "zip_file", "pickle_module", "pickle_protocol",
 @functools.cache
 def zip_writer_without_crc32() -> bool:
     """Whether this torch has the private pieces `torch_save_without_zip_crc32` builds on, as it expects them (else
-    that function is plain ``torch.save``, and s3_dcp does not reuse archive framing, which assumes no CRCs)."""
+    that function is plain ``torch.save``, and s3_dcp does not reuse archive framing, which assumes no CRCs).
+    Package-internal (docs/api.md)."""
     torch = _torch()
     serialization = torch.serialization
     try:
@@ -1356,6 +1354,7 @@ def collective_resume(trainer: Any) -> Any:
     path); strategies with their own loading (FSDP, DeepSpeed, ModelParallel) keep theirs. The node of each rank is
     the strategy's ``node_rank`` (Lightning's cluster environment: torchrun, SLURM, ...). The connector's
     ``resume_start`` runs inside this.
+    Package-internal (docs/api.md).
     """
     strategy = getattr(trainer, "strategy", None)
     plugin = s3_checkpoint_io_of(strategy)

@@ -113,11 +113,6 @@ else:
     _DCP_IMPORT_ERROR = None
 
 __all__ = [
-    "DCP_SHARD_SUFFIX",
-    "DEFAULT_DCP_MAX_WRITE_CONCURRENCY",
-    "ITEM_CHECKSUMS_NAME",
-    "LIGHTNING_META_NAME",
-    "METADATA_NAME",
     "CheckpointIncompleteError",
     "CheckpointWriteError",
     "DirectReads",
@@ -133,22 +128,15 @@ __all__ = [
     "ScatterReads",
     "SpanReads",
     "UnsafeCheckpointMetadataError",
-    "default_read_path",
-    "item_checksums_name",
-    "load_metadata_bytes",
-    "metadata_name",
-    "require_span_in_item",
     "sharded_strategy_class",
-    "tensor_bytes_view",
-    "zip_record_data_start",
 ]
 
 logger = logging.getLogger(__name__)
 
-METADATA_NAME = ".metadata"
+METADATA_NAME = ".metadata"  # package-internal (docs/api.md)
 """DCP's commit marker, at the root of the checkpoint prefix (``__{rank}.metadata`` per rank without collectives)."""
-DCP_SHARD_SUFFIX = ".distcp"
-ITEM_CHECKSUMS_NAME = ".s3ckpt-items.json"
+DCP_SHARD_SUFFIX = ".distcp"  # package-internal (docs/api.md)
+ITEM_CHECKSUMS_NAME = ".s3ckpt-items.json"  # package-internal (docs/api.md)
 """Per-item checksums recorded by `S3StorageWriter`, written just before ``.metadata``
 (``__{rank}.s3ckpt-items.json`` without collectives). DCP itself never reads it."""
 DEFAULT_DCP_MAX_WRITE_CONCURRENCY = 4
@@ -166,7 +154,7 @@ def metadata_name(rank: int | None = None) -> str:
 
 
 def item_checksums_name(rank: int | None = None) -> str:
-    """The item-checksum record that goes with `metadata_name(rank)`."""
+    """The item-checksum record that goes with `metadata_name(rank)`. Package-internal (docs/api.md)."""
     return ITEM_CHECKSUMS_NAME if rank is None else f"__{rank}{ITEM_CHECKSUMS_NAME}"
 
 
@@ -852,7 +840,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def load_metadata_bytes(data: bytes, url: str) -> Metadata:
-    """Unpickle DCP ``.metadata`` bytes with the allow-list; anything else raises `UnsafeCheckpointMetadataError`."""
+    """Unpickle DCP ``.metadata`` bytes with the allow-list; anything else raises `UnsafeCheckpointMetadataError`.
+    Package-internal (docs/api.md)."""
     _require_dcp()
     metadata = _MetadataUnpickler(io.BytesIO(data), url).load()
     if type(metadata) is not Metadata:
@@ -908,7 +897,8 @@ class _TensorLayout:
 
 def zip_record_data_start(stream: io.RawIOBase, record: zipfile.ZipInfo) -> int | None:
     """Where a stored (uncompressed) zip record's bytes start in `stream`, after its local header; None if no local
-    header is there. ``torch.save`` writes each storage as such a record (convert and the reader locate tensors so)."""
+    header is there. ``torch.save`` writes each storage as such a record (convert and the reader locate tensors so).
+    Package-internal (docs/api.md)."""
     stream.seek(record.header_offset)
     header = stream.read(30)
     if len(header) != 30 or header[:4] != b"PK\x03\x04":
@@ -1070,7 +1060,8 @@ def _scatter(group: _Group, chunk: int) -> bool:
 
 def tensor_bytes_view(tensor: Any) -> memoryview:
     """The bytes of a contiguous CPU tensor as a writable memoryview of its own memory (no copy): socket reads land
-    in the tensor itself, and uploads read from it. The caller keeps the tensor alive while the view is used."""
+    in the tensor itself, and uploads read from it. The caller keeps the tensor alive while the view is used.
+    Package-internal (docs/api.md)."""
     nbytes = tensor.numel() * tensor.element_size()
     return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
 
@@ -1297,6 +1288,14 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
             )
         self._records = record.get("files", {})
         return self._records
+
+    def use_item_records(self, records: dict[str, Any]) -> None:
+        """Check the items read against `records` instead of the checkpoint's own item record: per file name, what
+        ``.s3ckpt-items.json`` holds under ``files`` (``algorithm``, ``checksum``, ``etag``, ``size``, ``items``:
+        offset -> [length, checksum]). For a checkpoint of another writer whose files the caller checked whole and
+        checksummed item by item (`s3_checkpoint_convert` does); a file missing here is read unverified, with a
+        warning. Holds until `reset`."""
+        self._records = dict(records)
 
     def _plan_groups(self, requests: Iterable[Any], planner: LoadPlanner) -> tuple[list[_Group], list[_DirectRead]]:
         """Group the requests by item and file: coalesced buffered groups, and the items to read into targets."""
@@ -1917,7 +1916,7 @@ class S3LoadPlanner(_ArithmeticChunksPlanner, DefaultLoadPlanner):
 # Lightning's sharded strategies
 # --------------------------------------------------------------------------------------------------------------------
 
-LIGHTNING_META_NAME = "meta.pt"
+LIGHTNING_META_NAME = "meta.pt"  # package-internal (docs/api.md)
 """The file Lightning's sharded strategies write beside the DCP files: the checkpoint minus model and optimizer
 states (loops, callbacks, hyper-parameters)."""
 _FABRIC_OF = {"lightning.pytorch": "lightning.fabric", "pytorch_lightning": "lightning_fabric"}
@@ -2240,7 +2239,8 @@ def require_span_in_item(
     url: str, algorithm: Any, item: memoryview, offset: int, checksum: Any, start: int, nbytes: int, recorded: int
 ) -> None:
     """Raise unless a recorded tensor span agrees with its verified item (at `offset`): the checksums before and after
-    the span, combined with the span's, must give the item's `checksum` (no second pass over the tensor bytes)."""
+    the span, combined with the span's, must give the item's `checksum` (no second pass over the tensor bytes).
+    Package-internal (docs/api.md)."""
     combined = algorithm.combine(_s3.checksum_of(algorithm, item[:start]), recorded, nbytes)
     after = item[start + nbytes :]
     combined = algorithm.combine(combined, _s3.checksum_of(algorithm, after), len(after))

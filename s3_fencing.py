@@ -31,8 +31,8 @@ else:  # installed (or copied) as a top-level module
     import s3_utils as _s3
 
 __all__ = [
-    "OWNER_RECORD_NAME", "CheckpointDirectoryTakenError", "CheckpointRun", "DirectoryFence", "FenceToken",
-    "LaunchIdentity", "adopt_run", "current_run", "launch_identity",
+    "OWNER_RECORD_NAME", "CheckpointDirectoryTakenError", "CheckpointRun", "DirectoryFence", "LaunchIdentity",
+    "adopt_run", "current_run", "launch_identity",
 ]
 
 logger = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ class CheckpointDirectoryTakenError(RuntimeError):
 @dataclass(frozen=True)
 class FenceToken:
     """What the other ranks of a sharded save check against: the directory, the owner record's ETag and run, and
-    whether the store honours ETag conditions."""
+    whether the store honours ETag conditions. Package-internal (docs/api.md)."""
 
     directory: str
     etag: str

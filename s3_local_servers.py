@@ -8,6 +8,8 @@
 Both yield a `LocalS3` record (address, credentials, ``env()``, ``client()``) and stop the server on exit; weed is
 stopped by PID with one rule (`stop_process_group`). Every server binds loopback only. Importing this module needs
 only the standard library; boto3 and moto are imported when a server starts.
+
+Supported (docs/api.md): `moto_server`, `seaweedfs_server`, `LocalS3` and the two errors; the rest is package-internal.
 """
 
 from __future__ import annotations
@@ -39,27 +41,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 __all__ = [
-    "WEED_ADMIN_GRPC_PORT",
-    "WEED_FIXED_PORTS",
-    "WEED_GRPC_OFFSET",
-    "WEED_LOCK_PATH",
-    "WEED_S3_PORTS",
     "LocalS3",
     "LocalServerError",
     "ServerNotInstalledError",
-    "WeedProcess",
-    "find_weed",
-    "free_port",
-    "has_listener",
     "moto_server",
-    "port_is_free",
-    "running_weeds",
     "seaweedfs_server",
-    "stop_process_group",
-    "wait_until_ready",
-    "weed_command",
-    "weed_lock",
-    "weed_process",
 ]
 
 logger = logging.getLogger(__name__)

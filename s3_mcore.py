@@ -66,8 +66,6 @@ else:  # installed (or copied) as top-level modules
     import s3_utils as _s3
 
 __all__ = [
-    "CONFIG_NAME",
-    "MEGATRON_CORE_PIP",
     "MegatronS3StorageWriter",
     "S3Routing",
     "S3SaveShardedStrategyMixin",

@@ -1,4 +1,4 @@
-"""A memory tier in front of S3: checkpoints land first in the node's tmpfs, S3 gets them behind (issue 40).
+"""A memory tier in front of S3: checkpoints land first in the node's tmpfs, S3 gets them behind.
 
 An optional sibling of the core modules, switched on with ``S3CheckpointIO(memory_tier=...)`` (or the NeMo
 ``s3_checkpointing: memory_tier:`` key). Without this file the core keeps its behaviour and a ``memory_tier``
@@ -31,6 +31,8 @@ argument raises ImportError saying the file is missing. docs/tiers.md shows the 
 
 `S3CheckpointIO` drives all of it (when to drain, removals, loads): this module only knows files and records.
 Not built yet: DCP (`s3_dcp`) and megatron-core paths (docs/tiers.md).
+
+Package-internal (docs/api.md) but for `MemoryTier`: users reach it through ``S3CheckpointIO(memory_tier=...)``.
 """
 
 from __future__ import annotations
@@ -73,17 +75,7 @@ else:  # installed (or copied) as top-level modules
     import s3_utils as _s3
 
 __all__ = [
-    "COMMIT_RECORD_SUFFIX",
     "MemoryTier",
-    "NodeTier",
-    "ResumeSource",
-    "TierAgreement",
-    "TierCopy",
-    "TierFullError",
-    "TierReplication",
-    "agree_on_resume",
-    "copy_to_load",
-    "fetch_replica",
 ]
 
 logger = logging.getLogger(__name__)
@@ -155,7 +147,7 @@ class MemoryTier:
 
 
 class TierFullError(OSError):
-    """The tier has no room for a checkpoint (the caller saves to S3 directly)."""
+    """The tier has no room for a checkpoint (the caller saves to S3 directly). Package-internal (docs/api.md)."""
 
 
 @dataclass(frozen=True)
@@ -354,7 +346,8 @@ def _slug(text: str) -> str:
 
 
 class NodeTier:
-    """This node's memory tier for one job, as seen by one process (`S3CheckpointIO` keeps one)."""
+    """This node's memory tier for one job, as seen by one process (`S3CheckpointIO` keeps one).
+    Package-internal (docs/api.md)."""
 
     def __init__(self, config: MemoryTier, run: _fencing.CheckpointRun, checksum_algorithm: str = "auto") -> None:
         self.config = config
@@ -682,7 +675,8 @@ def _replication_module() -> types.ModuleType:
 
 class TierReplication:
     """This rank's part of the job's replication: the node's replica server (on its first rank) and a background
-    sender to the next node's. Collective to start (every rank of `group`); `send` never blocks the caller."""
+    sender to the next node's. Collective to start (every rank of `group`); `send` never blocks the caller.
+    Package-internal (docs/api.md)."""
 
     def __init__(self, tier: NodeTier, group: Any = None, *, bind_host: str = "127.0.0.1", local_rank: int = 0) -> None:
         module = _replication_module()
@@ -904,7 +898,7 @@ def agree_on_resume(
     whose names `step_of` maps to steps; without it only objects a tier record names count), then the newest step
     every rank can load, and this rank's fastest tier for it. A copy or replica that fails its checksum is left out,
     loudly. A rank that fails to list makes every rank raise (no rank waits in the collective). Outside a process
-    group, this process alone decides."""
+    group, this process alone decides. Package-internal (docs/api.md)."""
     directory = _urls.normalize_s3_url(directory).rstrip("/")
     node, held, failure = _s3.node_key(), {}, None
     try:
@@ -986,7 +980,8 @@ def fetch_replica(tier: NodeTier, source: ResumeSource) -> TierCopy:
 def copy_to_load(tier: NodeTier, agreement: TierAgreement | None, url: str) -> tuple[TierCopy | None, str]:
     """The verified copy a load of `url` reads and its tier name: where the ranks agreed to read it (`agreement`), a
     replica held here or fetched from another node (a replaced node), else this node's memory copy (None: none).
-    Raises `s3_utils.ChecksumMismatchError` or `s3_tier_replication.ReplicationError` for one that does not verify."""
+    Raises `s3_utils.ChecksumMismatchError` or `s3_tier_replication.ReplicationError` for one that does not verify.
+    Package-internal (docs/api.md)."""
     source = agreement.sources.get(url) if agreement is not None else None
     if source is not None and source.tier == "replica" and source.peer is not None:
         return fetch_replica(tier, source), "replica"

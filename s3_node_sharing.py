@@ -14,6 +14,8 @@ when a job of more than one process runs without it. Copy this file beside the c
 
 Everything this module creates on the host is created exclusively (O_CREAT | O_EXCL | O_NOFOLLOW) with mode 0600:
 readable by the job's user only.
+
+Package-internal (docs/api.md): the core calls it; users reach it through ``load_sharing`` and the pacer.
 """
 
 from __future__ import annotations
@@ -49,18 +51,7 @@ else:  # installed (or copied) as a top-level module
 if TYPE_CHECKING:
     from s3_checkpoint_io import S3CheckpointIO
 
-__all__ = [
-    "PACER_SHARED_DIR",
-    "SHARED_FILE_DIR",
-    "SharedCheckpointFile",
-    "SharedPacerFile",
-    "create_shared_file",
-    "download_shared",
-    "downloading_ranks",
-    "open_shared_file",
-    "remove_unheld_shared_files",
-    "shared_pacer_file",
-]
+__all__: list[str] = []  # no public names: see docs/api.md
 __version__ = _s3.__version__
 
 logger = logging.getLogger(__name__)
@@ -427,7 +418,8 @@ def _shared_pacer_key(endpoint_url: str | None, bucket: str) -> str | None:
 def shared_pacer_file(endpoint_url: str | None, bucket: str) -> SharedPacerFile | None:
     """This process's handle on its host's shared pacer state for the job, endpoint and bucket (what
     `s3_utils.request_pacer` gives its `RequestPacer`); None (with one log line per kind of problem) where there is
-    no job or the file cannot be used safely. ``S3CKPT_PACER_SHARING=0`` is checked by the caller."""
+    no job or the file cannot be used safely. ``S3CKPT_PACER_SHARING=0`` is checked by the caller.
+    Package-internal (docs/api.md)."""
     key = _shared_pacer_key(endpoint_url, bucket)
     if key is None:
         return None
@@ -839,7 +831,7 @@ def download_shared(io: S3CheckpointIO, url: str, node_rank: int | None = None) 
     above); None where every rank should download its own (``"rank"``, one rank per node, no usable /dev/shm: said
     in a warning). A collective call: every rank of the default process group makes it with the same URL.
     `node_rank`: this rank's node (default: `s3_utils.node_key`). Raises `s3_utils.SharedLoadError` when
-    the rank that downloads for this one fails, dies or takes too long."""
+    the rank that downloads for this one fails, dies or takes too long. Package-internal (docs/api.md)."""
     if io.load_sharing == "rank" or fcntl is None:
         return None
     dist = _torch().distributed

@@ -1,4 +1,4 @@
-"""A copy of each node's in-memory checkpoint on another node: the memory tier's replicas (issue 40, item 2).
+"""A copy of each node's in-memory checkpoint on another node: the memory tier's replicas.
 
 An optional sibling of the core modules (standard library, `s3_utils` for checksums and this process's identity;
 torch.distributed only for `exchange_addresses`, imported on first use). The memory tier (`s3_memory_tier`) calls it;
@@ -31,6 +31,8 @@ launch's replicas); reads (fetch, list) need the job only. Launches are spelled 
 
 Timeouts: every socket operation gives up after `timeout_s` without progress, so a dead or stopped peer costs at
 most that long; the caller's thread is never held longer than its own send.
+
+Package-internal (docs/api.md) but for its two errors: users reach it through `S3CheckpointIO.start_replication`.
 """
 
 from __future__ import annotations
@@ -65,22 +67,8 @@ else:  # installed (or copied) as a top-level module
     import s3_utils as _s3
 
 __all__ = [
-    "CHUNK",
-    "DEFAULT_TIMEOUT_S",
-    "MANIFEST_SUFFIX",
-    "SECRET_ENV",
-    "ReplicaInfo",
     "ReplicaRefusedError",
-    "ReplicaServer",
     "ReplicationError",
-    "directory_manifest",
-    "exchange_addresses",
-    "fetch_directory",
-    "file_checksum",
-    "launch_attempt",
-    "list_replicas",
-    "peer_of",
-    "send_directory",
 ]
 __version__ = _s3.__version__
 
@@ -89,6 +77,7 @@ logger = logging.getLogger(__name__)
 CHUNK = 8 * _s3.MB  # the piece of a file in memory at once, on either side
 DEFAULT_TIMEOUT_S = 60.0  # seconds without progress on a socket before a transfer fails
 SECRET_ENV = "S3CKPT_REPLICA_SECRET"  # an optional shared secret, the same on every node of the job
+# package-internal (docs/api.md)
 MANIFEST_SUFFIX = ".replica.json"  # ``root/<sender_node>/<name>.replica.json``: the replica counts once it is there
 PROTOCOL = 1
 _MAGIC = b"S3RP"
@@ -212,7 +201,8 @@ def _older(launch: str | None, newest: str | None) -> bool:
 
 @dataclass(frozen=True)
 class ReplicaInfo:
-    """One replica a server holds: whose, which checkpoint, from which job and launch, its files, and where."""
+    """One replica a server holds: whose, which checkpoint, from which job and launch, its files, and where.
+    Package-internal (docs/api.md)."""
 
     sender_node: str
     name: str
@@ -395,6 +385,7 @@ class ReplicaServer:
     model). `keep`: at most that many replicas per sender, the newest (older ones are dropped after each one that
     counts); None keeps all (`drop` and `keep_latest` bound them by hand). `close` stops it; in-flight transfers
     fail and leave nothing that counts. A second server on the same root raises RuntimeError.
+    Package-internal (docs/api.md).
     """
 
     def __init__(
@@ -830,7 +821,8 @@ def fetch_directory(
     against its manifest as on receipt, and renamed into place only then; returns `dest`.
 
     For a replaced node's resume. Raises ReplicaRefusedError when the peer holds no such replica (or refuses),
-    ReplicationError when the transfer fails or the bytes do not match (nothing is left at `dest`)."""
+    ReplicationError when the transfer fails or the bytes do not match (nothing is left at `dest`).
+    Package-internal (docs/api.md)."""
     dest = Path(dest)
     if dest.exists():
         raise FileExistsError(f"{dest} exists: fetch a replica into a new directory")
@@ -874,7 +866,8 @@ def list_replicas(
 
 def peer_of(node_index: int, node_count: int) -> int | None:
     """The node that holds node `node_index`'s replica: the next one on a ring, ``(i + 1) % n`` (any n >= 2, odd
-    included: node i holds the replica of node i - 1). None for a single node, which has no peer."""
+    included: node i holds the replica of node i - 1). None for a single node, which has no peer.
+    Package-internal (docs/api.md)."""
     if not 0 <= node_index < node_count:
         raise ValueError(f"node index {node_index} is not in 0..{node_count - 1}")
     return None if node_count == 1 else (node_index + 1) % node_count
@@ -885,7 +878,8 @@ def exchange_addresses(group: Any = None, *, server: ReplicaServer | None = None
     default one) that every rank calls, passing its `server` where it runs one (the node's first rank; others None).
 
     Keys are `s3_utils.node_key` labels, ordered by each node's lowest global rank, so ``list(result).index(key)``
-    is a node's index for `peer_of`. A node where no rank serves is left out (with a warning)."""
+    is a node's index for `peer_of`. A node where no rank serves is left out (with a warning).
+    Package-internal (docs/api.md)."""
     dist = _s3.import_optional_dependency("torch.distributed", "the replica address exchange")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("exchange_addresses needs an initialised torch.distributed process group")

@@ -52,17 +52,11 @@ else:  # installed (or copied) as a top-level module
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE_MB", "DEFAULT_MAX_READ_CONCURRENCY", "DEFAULT_MAX_WRITE_CONCURRENCY", "GB", "MB",
-    "CallRetries",
-    "OWNER_RECORD_NAME", "ChecksumAlgorithm", "ChecksumMismatchError", "DownloadedObject", "Fence",
-    "MissingOptionalDependencyError", "LAUNCHER_ENV_VARS", "MultipartUploadInfo", "NODE_SHARING_MODULE",
-    "PACER_SHARING_ENV", "PROBE_KEY_PREFIX", "PacerLane", "PacerLaneState", "RecordedChecksum", "RequestPacer",
-    "RequestRates", "RetryPolicy", "S3ClientSettings", "S3MultipartWriter", "S3ObjectInfo", "S3RequestOptions",
-    "S3Utils", "SharedLaneStore", "SharedLoadError", "StoreCapabilities", "CAPABILITIES", "note_capability",
-    "store_capabilities",
-    "warn_missing", "checksum_of", "combine_checksums", "error_code", "forget_s3fs_instances", "fresh_s3fs_instances",
-    "get_s3_client", "global_rank", "import_optional_dependency", "invalidate_fsspec_cache", "is_precondition_failed",
-    "is_retriable_error", "is_throttling_error", "job_key", "node_key", "node_sharing", "release_part_buffers",
-    "request_pacer", "response_ids", "validate_checksum_algorithm", "user_agent", "world_size"
+    "ChecksumMismatchError", "DownloadedObject", "Fence", "MissingOptionalDependencyError", "MultipartUploadInfo",
+    "PacerLane", "RecordedChecksum", "RequestPacer", "RequestRates", "RetryPolicy", "S3ClientSettings",
+    "S3MultipartWriter", "S3ObjectInfo", "S3RequestOptions", "S3Utils", "SharedLoadError", "StoreCapabilities",
+    "CAPABILITIES", "store_capabilities", "checksum_of", "forget_s3fs_instances", "fresh_s3fs_instances",
+    "invalidate_fsspec_cache", "is_throttling_error", "release_part_buffers", "validate_checksum_algorithm",
 ]
 
 logger = logging.getLogger(__name__)
@@ -73,9 +67,10 @@ GB = 1024**3
 DEFAULT_CHUNK_SIZE_MB = 16  # part size of uploads, range size of downloads (NeMo: 64; benchmarks/README.md)
 DEFAULT_MAX_READ_CONCURRENCY = 15
 DEFAULT_MAX_WRITE_CONCURRENCY = 10
-MIN_PART_SIZE = 5 * MB  # S3's minimum for every part but the last
+MIN_PART_SIZE = 5 * MB  # S3's minimum for every part but the last; package-internal (docs/api.md)
 MAX_PARTS = 10_000  # S3's maximum number of parts in one multipart upload
-CHECKSUM_SIDECAR_SUFFIX = ".s3ckpt-checksum.json"  # a checksum record beside an object
+CHECKSUM_SIDECAR_SUFFIX = ".s3ckpt-checksum.json"  # a checksum record beside an object; package-internal (docs/api.md)
+# package-internal (docs/api.md)
 OWNER_RECORD_NAME = ".s3ckpt-owner.json"  # a checkpoint directory's owner record (s3_fencing.DirectoryFence)
 PROBE_KEY_PREFIX = ".s3ckpt-probe-"  # the temporary object of a capability probe (`store_capabilities`)
 
@@ -109,7 +104,8 @@ class MissingOptionalDependencyError(ImportError):
 
 
 def import_optional_dependency(name: str, feature: str = "") -> types.ModuleType:
-    """Import `name` (a module, e.g. ``"boto3"`` or ``"s3transfer.crt"``) or explain which extra provides it."""
+    """Import `name` (a module, e.g. ``"boto3"`` or ``"s3transfer.crt"``) or explain which extra provides it.
+    Package-internal (docs/api.md)."""
     try:
         return importlib.import_module(name)
     except ImportError as exc:
@@ -129,7 +125,8 @@ _node_sharing_warned = False
 
 
 def node_sharing() -> types.ModuleType | None:
-    """`s3_node_sharing` from beside this module, imported on first use; None (warned once in a job) where absent."""
+    """`s3_node_sharing` from beside this module, imported on first use; None (warned once in a job) where absent.
+    Package-internal (docs/api.md)."""
     global _node_sharing_warned
     if not _node_sharing:
         name = f"{__package__}.{NODE_SHARING_MODULE}" if __package__ else NODE_SHARING_MODULE
@@ -193,7 +190,8 @@ def _process_group() -> Any:
 
 
 def global_rank(environ: Mapping[str, str] | None = None) -> int:
-    """This process's global rank: torch.distributed's, else the launcher's (or node and local rank), else 0."""
+    """This process's global rank: torch.distributed's, else the launcher's (or node and local rank), else 0.
+    Package-internal (docs/api.md)."""
     if environ is None:
         group = _process_group()
         if group is not None:
@@ -219,7 +217,8 @@ def world_size(environ: Mapping[str, str] | None = None) -> int:
 
 
 def node_key(node_rank: int | None = None, environ: Mapping[str, str] | None = None) -> str:
-    """A label equal on every process of this node: the node rank given or the launcher's, else host and boot id."""
+    """A label equal on every process of this node: the node rank given or the launcher's, else host and boot id.
+    Package-internal (docs/api.md)."""
     if node_rank is not None:
         return f"node {node_rank}"
     environ = os.environ if environ is None else environ
@@ -233,7 +232,8 @@ def node_key(node_rank: int | None = None, environ: Mapping[str, str] | None = N
 
 
 def job_key(environ: Mapping[str, str] | None = None) -> str | None:
-    """What tells this job apart from others on the host (`LAUNCHER_ENV_VARS` ``job``); None outside any launcher."""
+    """What tells this job apart from others on the host (`LAUNCHER_ENV_VARS` ``job``); None outside any launcher.
+    Package-internal (docs/api.md)."""
     environ = os.environ if environ is None else environ
     values = [environ.get(name, "").strip() for name in LAUNCHER_ENV_VARS["job"]]
     return "|".join(values) if any(values) else None
@@ -289,7 +289,8 @@ class RetryPolicy:
 
 class CallRetries:
     """One call's failed attempts under a `RetryPolicy`: `after_failure` says how long to wait, or to give up. Times
-    are the caller's (`S3Utils.with_retries` reads ``time.monotonic``; benchmarks/s3_sim.py its simulated clock)."""
+    are the caller's (`S3Utils.with_retries` reads ``time.monotonic``; benchmarks/s3_sim.py its simulated clock).
+    Package-internal (docs/api.md)."""
 
     def __init__(self, policy: RetryPolicy, started: float) -> None:
         self.policy, self.started = policy, started
@@ -354,7 +355,8 @@ def _optional_module(name: str) -> types.ModuleType | None:
 
 
 def error_code(exc: BaseException) -> str:
-    """S3's error code of a botocore error (``"NoSuchKey"``, ``"SlowDown"``...), else the exception's class name."""
+    """S3's error code of a botocore error (``"NoSuchKey"``, ``"SlowDown"``...), else the exception's class name.
+    Package-internal (docs/api.md)."""
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
         return str(response.get("Error", {}).get("Code", ""))
@@ -430,7 +432,8 @@ PACER_SHARING_ENV = "S3CKPT_PACER_SHARING"  # set to ``0`` (or ``off``) to keep 
 
 
 class PacerLaneState(NamedTuple):
-    """What a `PacerLane` keeps in its host's shared state (`SharedLaneStore`), loaded and stored under its lock."""
+    """What a `PacerLane` keeps in its host's shared state (`SharedLaneStore`), loaded and stored under its lock.
+    Package-internal (docs/api.md)."""
 
     active: bool
     rate: float
@@ -781,7 +784,7 @@ def request_pacer(endpoint_url: str | None, bucket: str) -> RequestPacer:
 # Request options: encryption, storage class, tags, bucket owner, requester pays
 # --------------------------------------------------------------------------------------------------------------------
 
-SERVER_SIDE_ENCRYPTIONS = ("AES256", "aws:kms", "aws:kms:dsse")
+SERVER_SIDE_ENCRYPTIONS = ("AES256", "aws:kms", "aws:kms:dsse")  # package-internal (docs/api.md)
 STORAGE_CLASSES = (
     *("STANDARD", "REDUCED_REDUNDANCY", "STANDARD_IA", "ONEZONE_IA", "INTELLIGENT_TIERING", "GLACIER_IR"),
     *("EXPRESS_ONEZONE", "OUTPOSTS", "SNOW"),
@@ -1010,7 +1013,8 @@ def _awscrt_checksums() -> types.ModuleType | None:
 
 
 class ChecksumAlgorithm:
-    """One of S3's full-object CRCs: compute, combine and spell it; get one with `ChecksumAlgorithm.named`."""
+    """One of S3's full-object CRCs: compute, combine and spell it; get one with `ChecksumAlgorithm.named`.
+    Package-internal (docs/api.md)."""
 
     def __init__(
         self, name: str, nbytes: int, polynomial: int, zlib_update: Callable[[Any, int], int] | None = None
@@ -1121,7 +1125,8 @@ def checksum_of(algorithm: ChecksumAlgorithm | None, data: Any, block: int = 64 
 
 
 def combine_checksums(algorithm: ChecksumAlgorithm, parts: Iterable[tuple[int, int]]) -> int:
-    """The checksum of consecutive pieces from their ``(checksum, length)`` pairs, in order (0 for none)."""
+    """The checksum of consecutive pieces from their ``(checksum, length)`` pairs, in order (0 for none).
+    Package-internal (docs/api.md)."""
     total = 0
     for checksum, length in parts:
         total = algorithm.combine(total, checksum, length)
@@ -1459,7 +1464,8 @@ def _annotate(
 
 
 def is_precondition_failed(exc: BaseException, conditions: Mapping[str, str]) -> bool:
-    """Whether `exc` is the store refusing a write's `conditions`: 412, or 404 for If-Match on a key that is gone."""
+    """Whether `exc` is the store refusing a write's `conditions`: 412, or 404 for If-Match on a key that is gone.
+    Package-internal (docs/api.md)."""
     response = getattr(exc, "response", None)
     status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict) else None
     if error_code(exc) in ("PreconditionFailed", "412") or status == 412:
@@ -1468,7 +1474,8 @@ def is_precondition_failed(exc: BaseException, conditions: Mapping[str, str]) ->
 
 
 def response_ids(exc: BaseException) -> str:
-    """`` (HTTP 403, request id ..., host id ...)`` from a botocore error's response, or empty."""
+    """`` (HTTP 403, request id ..., host id ...)`` from a botocore error's response, or empty.
+    Package-internal (docs/api.md)."""
     response = getattr(exc, "response", None)
     metadata = response.get("ResponseMetadata", {}) if isinstance(response, dict) else {}
     headers = metadata.get("HTTPHeaders", {})
@@ -2361,7 +2368,8 @@ FAST_PATHS = ("borrowed_parts", "framing_reuse", "direct_reads", "scatter_reads"
 
 
 def fast_path(name: str) -> bool:
-    """Whether the fast path `name` (one of `FAST_PATHS`) is on: it is unless `REFERENCE_PATHS_ENV` names it."""
+    """Whether the fast path `name` (one of `FAST_PATHS`) is on: it is unless `REFERENCE_PATHS_ENV` names it.
+    Package-internal (docs/api.md)."""
     if name not in FAST_PATHS:
         raise ValueError(f"unknown fast path {name!r}; known: {', '.join(FAST_PATHS)}")
     chosen = os.environ.get(REFERENCE_PATHS_ENV, "")
@@ -2391,34 +2399,18 @@ class _PartBuffers:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: list[bytearray] = []
-        self.held_bytes = 0  # bytes of the buffers writers hold now
-        self.allocated = 0  # buffers ever allocated (the other takes reused one)
 
     def take(self, size: int) -> bytearray:
         with self._lock:
-            self.held_bytes += size
             for index in range(len(self._free) - 1, -1, -1):
                 if len(self._free[index]) == size:
                     return self._free.pop(index)
             self._free.clear()  # none of this size: the others would only add to the memory held
-            self.allocated += 1
         return bytearray(size)
 
     def give_back(self, buffers: Iterable[bytearray]) -> None:
         with self._lock:
-            for buffer in buffers:
-                self.held_bytes -= len(buffer)
-                self._free.append(buffer)
-
-    def forget(self, nbytes: int) -> None:
-        """Buffers a writer took and will not give back (an upload cancelled before it started drops its buffer)."""
-        with self._lock:
-            self.held_bytes -= nbytes
-
-    @property
-    def free_bytes(self) -> int:
-        with self._lock:
-            return sum(len(buffer) for buffer in self._free)
+            self._free.extend(buffers)
 
     def release(self) -> None:
         with self._lock:
@@ -2595,7 +2587,7 @@ class S3MultipartWriter(io.RawIOBase):
         self._utils, self._records, self._fence = utils, _ChecksumRecords(utils), fence
         self._part_size, self._max_concurrency = part_size, max_concurrency
         self._algorithm = ChecksumAlgorithm.named(checksum_algorithm)
-        self._size = self._held_bytes = 0
+        self._size = 0
         self._free_buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
         self._buffers_made = 0  # buffers this writer holds (taken from `_part_buffers`)
         self._unfinished_parts = 0  # queued or in flight; `write_borrowed` keeps it at most max_concurrency + 1
@@ -2768,9 +2760,8 @@ class S3MultipartWriter(io.RawIOBase):
                 returned.append(self._free_buffers.get_nowait())
             except queue.Empty:
                 break
-        _part_buffers.give_back(returned)
-        _part_buffers.forget(self._held_bytes - sum(len(buffer) for buffer in returned))
-        self._held_bytes = self._buffers_made = 0
+        _part_buffers.give_back(returned)  # a buffer an upload cancelled before it started dropped is freed
+        self._buffers_made = 0
 
     def _abort_upload(self) -> None:
         self._state = _WriterState.ABORTED
@@ -2803,13 +2794,11 @@ class S3MultipartWriter(io.RawIOBase):
                 if self._buffers_made <= self._max_concurrency:
                     buffer = _part_buffers.take(size)
                     self._buffers_made += 1
-                    self._held_bytes += size
                     return buffer
                 buffer = self._free_buffers.get()  # every upload gives its buffer back, failed or not
             if len(buffer) == size:
                 return buffer
             self._buffers_made -= 1
-            self._held_bytes -= len(buffer)
             _part_buffers.give_back([buffer])
 
     def _start_multipart(self) -> None:
@@ -3105,7 +3094,7 @@ def store_capabilities(
 
 
 def note_capability(record: StoreCapabilities, name: str, value: bool | str) -> None:
-    """Record what a request found out on the way (a fence's conditional PUT, say)."""
+    """Record what a request found out on the way (a fence's conditional PUT, say). Package-internal (docs/api.md)."""
     with _capabilities_lock:
         if getattr(record, name) != value:
             setattr(record, name, value)
@@ -3114,7 +3103,7 @@ def note_capability(record: StoreCapabilities, name: str, value: bool | str) -> 
 
 def warn_missing(record: StoreCapabilities, name: str, what: str) -> bool:
     """Log once per store, bucket and capability `name` that it is missing: `what` names it and what is not
-    protected; True if logged."""
+    protected; True if logged. Package-internal (docs/api.md)."""
     with _capabilities_lock:
         if name in record.warned:
             return False

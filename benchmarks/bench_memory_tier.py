@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The memory tier against today's saves and loads (issue 40, item 8): two simulated nodes, one gloo rank each, the
+"""The memory tier against today's saves and loads: two simulated nodes, one gloo rank each, the
 realistic GPT-style state (bf16 parameters, fp32 Adam moments), S3 on SeaweedFS (moto only if SeaweedFS stays busy,
 said in the output).
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Kill-and-relaunch soak, long (issue 33, item 4): a deterministic two-rank job, SIGKILLed at random instants and
+"""Kill-and-relaunch soak, long: a deterministic two-rank job, SIGKILLed at random instants and
 relaunched, many times, on moto behind a fault-injecting proxy. The harness and every check are
 tests/helpers/soak.py (tests/test_soak.py runs it short in the suite).
 
     python benchmarks/bench_soak.py                           # 100 kills of single-file saves + 100 of DCP saves
     python benchmarks/bench_soak.py --kills 10 --tag quick    # a smoke run
     python benchmarks/bench_soak.py --modes single --kills 200
-    python benchmarks/bench_soak.py --modes tier --kills 200 --node-loss-every 10   # the memory tier (issue 40)
+    python benchmarks/bench_soak.py --modes tier --kills 200 --node-loss-every 10   # the memory tier
 
 Each mode is one job: launches 0..K-1 are killed (or left as stragglers), launch K trains to the end, then
 ``s3-checkpoint-io gc`` aborts the uploads the kills left open. Reported per mode: kills (early ones: during the

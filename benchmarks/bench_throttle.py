@@ -293,7 +293,7 @@ def _markdown(doc: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "Targets (issue 20): 0 failed; goodput >= 0.9 and <= 0.5 SlowDown per admitted request, saves and loads.",
+        "Targets: 0 failed; goodput >= 0.9 and <= 0.5 SlowDown per admitted request, saves and loads.",
         "goodput = (admitted - burst) / rate over the seconds from the first request to the last admitted one.",
         "",
         "Reference (`frontier`): independent processes sending perfectly evenly (random phases, 2 % jitter, always a",

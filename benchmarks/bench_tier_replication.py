@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""A replica over loopback (`s3_tier_replication`) against a raw socket copy of the same bytes (issue 40: a replica
-within 2x of the time the bytes take over the transport).
+"""A replica over loopback (`s3_tier_replication`) against a raw socket copy of the same bytes (the target: a
+replica within 2x of the time the bytes take over the transport).
 
     python benchmarks/bench_tier_replication.py                 # 1 GiB in 8 files under /dev/shm, 3 rounds
     python benchmarks/bench_tier_replication.py --mib 256 --files 4 --rounds 5

@@ -9,6 +9,7 @@ import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -270,12 +271,21 @@ class TestSelectionS3(SelectionRules):
                 find_resume_checkpoint(missing, resume_ignore_no_checkpoint=ignore)
 
     def test_listing_is_paginated(self, bucket: str) -> None:
+        """25 checkpoints listed 7 keys per request: four listing requests on the wire, each asking for 7 keys, and
+        the newest found on the last page."""
         names = [f"ckpt/gpt--step={step}-last.ckpt" for step in range(25)]
         self.store.put(*names)
         s3 = S3Utils(list_page_size=7)
+        listings: list[str] = []  # the query string of each ListObjectsV2 request sent
+
+        def count(request: Any, **_: Any) -> None:
+            listings.append(request.url.partition("?")[2])
+
+        s3.client.meta.events.register("before-send.s3.ListObjectsV2", count)
         assert (
             find_resume_checkpoint(f"s3://{bucket}/ckpt", s3_utils=s3) == f"s3://{bucket}/ckpt/gpt--step=24-last.ckpt"
         )
+        assert len(listings) == 4 and all("max-keys=7" in query for query in listings), listings
 
     def test_real_dcp_save_is_found_and_costs_one_listing(self, bucket: str) -> None:
         dcp = pytest.importorskip("torch.distributed.checkpoint")

@@ -456,17 +456,18 @@ def test_cli_convert_end_to_end(
 
 
 def test_the_reader_takes_item_checksums_it_is_given(bucket: str, s3_server: Any) -> None:
-    """`_DcpSource` hands S3StorageReader the item checksums it took for a checkpoint of another writer through the
-    attribute the reader keeps its own record in; the reader must verify against them (a wrong one fails)."""
+    """S3StorageReader.use_item_records (how `_DcpSource` hands over the item checksums it took for a checkpoint of
+    another writer): the reader verifies against the records it is given, not its own (a wrong one fails)."""
     _backend_independent(s3_server)
     _save_dcp(f"s3://{bucket}/ours", {"w": torch.ones(10)})
     options = s3_checkpoint_convert._Options(5 * MiB, 5, 2, 2, "auto", True, None)
     source = s3_checkpoint_convert._DcpSource(f"s3://{bucket}/ours", _utils(), options)
-    assert source.reader._item_records() is not None
-    record = dict(source.reader._records)
+    items_url = f"s3://{bucket}/ours/{s3_dcp.item_checksums_name(None)}"
+    with _utils().download_to_memory(items_url) as downloaded:
+        record = json.loads(downloaded.read_all())["files"]
     entry = record["__0_0.distcp"]
     entry["items"] = {offset: [length, checksum ^ 1] for offset, (length, checksum) in entry["items"].items()}
-    source.reader._records = record
+    source.reader.use_item_records(record)
     with pytest.raises(s3_utils.ChecksumMismatchError, match="is corrupt"):
         source.read(["w"])
 

@@ -1,4 +1,4 @@
-"""A kill at any instant of a save leaves the previous object or the new one, and either verifies (issue 33, item 2).
+"""A kill at any instant of a save leaves the previous object or the new one, and either verifies.
 
 Each case first saves version A of an object for real, then saves version B in a process that SIGKILLs itself just
 before its Nth request (tests/helpers/crash_worker.py), for every N the save sends: every instant between two

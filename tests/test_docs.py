@@ -116,6 +116,18 @@ def test_every_page_has_python_blocks_or_is_prose() -> None:
     assert len(PAGES) > 1, "docs/*.md not found"
 
 
+def test_tests_readme_maps_every_test_file() -> None:
+    """tests/README.md's tables name every test file and folder of tests/, and only files that exist, so a reader
+    finds where each feature and property is tested."""
+    text = (REPO / "tests" / "README.md").read_text(encoding="utf-8")
+    tables = text[text.index("## Where each feature is tested") : text.index("## Lightning's and torch's own tests")]
+    named = set(re.findall(r"`(test_\w+\.py|\w+_own/)`", tables))
+    present = {p.name for p in (REPO / "tests").glob("test_*.py")} | {
+        f"{p.name}/" for p in (REPO / "tests").glob("*_own") if p.is_dir()
+    }
+    assert named == present, f"missing from tests/README.md: {sorted(present - named)}; gone: {sorted(named - present)}"
+
+
 def heading_anchors(page: Path) -> set[str]:
     """The anchors a Markdown renderer (GitHub's rules) gives the headings of `page`."""
     anchors = set()
@@ -147,6 +159,60 @@ def test_relative_links_resolve(page: Path) -> None:
         elif anchor and resolved.suffix == ".md" and anchor not in heading_anchors(resolved):
             broken.append(f"{target}#{anchor}")
     assert not broken, f"{page.relative_to(REPO)} has broken links: {broken}"
+
+
+_OPTION = re.compile(r"(?<![\w-])--?[A-Za-z][\w-]*")
+_OPTION_GROUP = re.compile(r"\b[A-Z]+_OPTIONS\b")
+
+
+def _synopsis() -> tuple[set[str], dict[str, str]]:
+    """docs/cli.md's synopsis: the options before COMMAND, and each command's line with its option groups written
+    out (``BUCKET_OPTIONS`` and the like are defined on lines of their own; a command's further lines describe it)."""
+    text = (REPO / "docs" / "cli.md").read_text(encoding="utf-8")
+    block = text[text.index("## Synopsis") :].split("```text\n", 1)[1].split("```", 1)[0]
+    head, commands, groups, current = "", {}, {}, ("head", "")
+    for line in block.splitlines():
+        if command := re.match(r"^  ([a-z]+)\s+(.*)$", line):
+            current = ("command", command.group(1))
+            commands[command.group(1)] = command.group(2)
+        elif group := re.match(r"^([A-Z]+_OPTIONS)\s+(.*)$", line):
+            current = ("group", group.group(1))
+            groups[group.group(1)] = group.group(2)
+        elif current[0] == "head":
+            head += " " + line
+        elif current[0] == "group":
+            groups[current[1]] += " " + line
+
+    def expand(line: str) -> str:
+        while _OPTION_GROUP.search(line):
+            line = _OPTION_GROUP.sub(lambda match: groups[match.group(0)], line)
+        return line
+
+    return set(_OPTION.findall(head)), {name: expand(line) for name, line in commands.items()}
+
+
+def test_cli_synopsis_matches_the_parser() -> None:
+    """docs/cli.md's synopsis names every command and option of the CLI's parser, with every spelling (``-r`` and
+    ``--recursive``), and every positional argument by its metavar; and it names nothing the parser lacks."""
+    import argparse
+
+    from s3_checkpoint_cli import build_parser
+
+    def options(parser: argparse.ArgumentParser) -> set[str]:  # argparse has no public way to list its actions
+        return {s for action in parser._actions for s in action.option_strings if s not in ("-h", "--help")}
+
+    parser = build_parser()
+    (commands,) = [a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    documented_head, documented = _synopsis()
+    top = options(parser)
+    assert documented_head == top, f"before COMMAND: docs only {documented_head - top}, parser {top - documented_head}"
+    assert set(documented) == set(commands), f"commands: docs {sorted(documented)}, parser {sorted(commands)}"
+    for name, sub in commands.items():
+        line, wanted = documented[name], options(sub) - top  # the options before COMMAND are also taken after it
+        written = set(_OPTION.findall(line))
+        assert written == wanted, f"{name}: docs only {written - wanted}, parser only {wanted - written}"
+        positionals = [a.metavar or a.dest for a in sub._actions if not a.option_strings]
+        assert all(metavar in line for metavar in positionals), f"{name}: {positionals} not all in {line!r}"
 
 
 def _cli_invocations() -> list[tuple[str, list[str]]]:

@@ -8,6 +8,8 @@ by a test (tests/test_private_surface.py, tests/test_dcp.py).
 from __future__ import annotations
 
 import ast
+import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -121,6 +123,277 @@ def test_no_allowed_exception_is_stale() -> None:
         for other, name, _ in private_uses(module, (ROOT / f"{module}.py").read_text(encoding="utf-8"))
     }
     assert ALLOWED <= used, f"stale entries: {sorted(ALLOWED - used)}"
+
+
+def _names_from_other_modules(module: str, tree: ast.Module) -> tuple[dict[str, str], dict[str, str]]:
+    """Module aliases bound to other first-party modules, and names imported from them (``from s3_dcp import X``)."""
+    aliases = {name: other for name, other in _module_aliases(tree).items() if other != module}
+    imported = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (other := _first_party(node.module)) and other != module:
+            imported.update({alias.asname or alias.name: other for alias in node.names})
+    return aliases, imported
+
+
+def foreign_private_writes(module: str, source: str) -> list[tuple[str, str, int]]:
+    """``(other module, target, line)`` for each write in `source` to a private attribute of an object whose class
+    another first-party module defines: ``obj._x = ...`` (also augmented, annotated, in a tuple, or by ``setattr``)
+    where ``obj`` was built by ``other.Class(...)`` or annotated with one of its classes (a name, a parameter,
+    ``self.attr``), or is a module-level object of the other module (``other.obj._x = ...``)."""
+    tree = ast.parse(source)
+    aliases, imported = _names_from_other_modules(module, tree)
+
+    def class_module(expr: ast.AST) -> str | None:  # the other module a callee or an annotation names
+        for node in ast.walk(expr):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                return aliases[node.value.id]
+            if isinstance(node, ast.Name) and node.id in imported:
+                return imported[node.id]
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):  # a string annotation
+                try:
+                    found = class_module(ast.parse(node.value, mode="eval"))
+                except SyntaxError:
+                    continue
+                if found:
+                    return found
+        return None
+
+    typed: dict[str, str] = {}  # the source text of an object -> the module of its class
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            if other := class_module(node.value.func):
+                typed.update({ast.unparse(target): other for target in node.targets})
+        elif isinstance(node, ast.AnnAssign) and (other := class_module(node.annotation)):
+            typed[ast.unparse(node.target)] = other
+        elif isinstance(node, ast.arg) and node.annotation is not None and (other := class_module(node.annotation)):
+            typed[node.arg] = other
+
+    def owner_module(owner: ast.expr) -> str | None:
+        if ast.unparse(owner) in typed:
+            return typed[ast.unparse(owner)]
+        if isinstance(owner, ast.Attribute) and isinstance(owner.value, ast.Name):  # other.obj._x
+            return aliases.get(owner.value.id)
+        return None
+
+    found = []
+    for node in ast.walk(tree):
+        written: list[tuple[ast.expr, str]] = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for element in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if isinstance(element, ast.Attribute) and _private(element.attr):
+                        written.append((element.value, element.attr))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            if len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and _private(str(node.args[1].value)):
+                written.append((node.args[0], str(node.args[1].value)))
+        for owner, name in written:
+            if other := owner_module(owner):
+                found.append((other, f"{ast.unparse(owner)}.{name}", node.lineno))
+    return found
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_no_module_writes_private_attributes_of_another_modules_objects(module: str) -> None:
+    """What a module needs to set on another module's object is a public method or argument there."""
+    writes = foreign_private_writes(module, (ROOT / f"{module}.py").read_text(encoding="utf-8"))
+    assert not writes, "writes to another module's objects' private attributes (add a public way there):\n" + (
+        "\n".join(f"{module}.py:{line}: {target} (an object of {other})" for other, target, line in writes)
+    )
+
+
+def test_the_write_check_finds_each_kind_of_object() -> None:
+    """The checker itself: objects built by another module's class, annotated with one (a parameter, a string
+    annotation, ``self.attr``), imported classes, another module's own objects, ``setattr``; not own objects."""
+    source = (
+        "import s3_dcp\nfrom s3_utils import S3Utils\n"
+        "class Source:\n"
+        "    def __init__(self, url):\n"
+        "        self.reader = s3_dcp.S3StorageReader(url)\n"
+        "        self.reader._records = {}\n"
+        "        self._own = 1\n"
+        "        self.reader.records = {}\n"
+        "    def f(self, writer: 's3_dcp.S3StorageWriter', utils: S3Utils, mine: Source):\n"
+        "        writer._a, other = 1, 2\n"
+        "        utils._b += 1\n"
+        "        mine._c = 1\n"
+        "        setattr(utils, '_d', 1)\n"
+        "        s3_dcp.SOME_OBJECT._e = 1\n"
+    )
+    writes = sorted((other, target) for other, target, _ in foreign_private_writes("s3_checkpoint_convert", source))
+    assert writes == [
+        ("s3_dcp", "s3_dcp.SOME_OBJECT._e"),
+        ("s3_dcp", "self.reader._records"),
+        ("s3_dcp", "writer._a"),
+        ("s3_utils", "utils._b"),
+        ("s3_utils", "utils._d"),
+    ]
+
+
+# ---- the stated API: docs/api.md, each module's __all__, and what siblings use besides ---------------------------
+
+API_DOC = ROOT / "docs" / "api.md"
+
+
+@functools.cache
+def declared_all(module: str) -> list[str]:
+    """The module's ``__all__``, read from its source (no import: a missing extra does not matter here)."""
+    for node in ast.parse((ROOT / f"{module}.py").read_text(encoding="utf-8")).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if any(isinstance(target, ast.Name) and target.id == "__all__" for target in targets) and node.value:
+            return list(ast.literal_eval(node.value))
+    raise AssertionError(f"{module}.py has no __all__")
+
+
+def documented_api() -> dict[str, list[str]]:
+    """docs/api.md's names per module: under each ``## `module` `` heading, the names an item (``- ``, continued by
+    indented lines) lists before its colon: ``- `MB`, `GB`: ...``."""
+    api: dict[str, list[str]] = {}
+    module, item = None, ""
+    for line in [*API_DOC.read_text(encoding="utf-8").splitlines(), ""]:
+        if item and line.startswith("  "):
+            item += " " + line.strip()
+            continue
+        if module and item:
+            api[module] += re.findall(r"`(\w+)`", item.partition("`:")[0] + "`")
+        item = line if line.startswith("- ") else ""
+        if heading := re.match(r"^## `(\w+)`", line):
+            module = heading.group(1)
+            api[module] = []
+    return api
+
+
+def test_docs_api_lists_every_modules_all() -> None:
+    """docs/api.md is the supported API: each module's ``__all__`` holds exactly the names listed there."""
+    api = documented_api()
+    assert sorted(api) == MODULES, f"docs/api.md sections: {sorted(api)}, modules: {MODULES}"
+    for module in MODULES:
+        declared = declared_all(module)
+        assert len(declared) == len(set(declared)), f"{module}.__all__ repeats a name"
+        assert set(declared) == set(api[module]), (
+            f"{module}: in __all__ only {sorted(set(declared) - set(api[module]))}, "
+            f"in docs/api.md only {sorted(set(api[module]) - set(declared))}"
+        )
+
+
+def _module_loaders(module: str, tree: ast.Module) -> dict[str, str]:
+    """Functions of `tree` that import another first-party module on first use and return it (``importlib`` with
+    the module's name in a string, or in a module-level constant): ``function name -> module``."""
+    constants = {
+        target.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    loaders = {}
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef) or node.name.startswith("__"):
+            continue
+        if "import_module" not in ast.unparse(node):
+            continue
+        names = [n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in constants]
+        texts = _strings_in(node) + [constants[name] for name in names]
+        named = {m for text in texts for m in MODULES if m != module and (text == m or text.endswith(f".{m}"))}
+        if len(named) == 1:
+            loaders[node.name] = named.pop()
+    return loaders
+
+
+def sibling_uses(module: str, source: str) -> set[tuple[str, str]]:
+    """``(other module, public name)`` that `source` (module `module`) takes from another first-party module: through
+    an alias of it, ``from other import name``, or a loader function's result (``_memory_tier_module().X``)."""
+    tree = ast.parse(source)
+    aliases, imported = _names_from_other_modules(module, tree)
+    loaders = _module_loaders(module, tree)
+
+    def loaded(call: ast.expr) -> str | None:  # the module a loader call returns: _tier() or _s3.node_sharing()
+        if not isinstance(call, ast.Call):
+            return None
+        if isinstance(call.func, ast.Name):
+            return loaders.get(call.func.id)
+        if isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name):
+            other = aliases.get(call.func.value.id)
+            return _loaders_of(other).get(call.func.attr) if other else None
+        return None
+
+    for node in ast.walk(tree):  # rep = _replication_module()
+        if isinstance(node, ast.Assign) and (other := loaded(node.value)) and other != module:
+            aliases.update({t.id: other for t in node.targets if isinstance(t, ast.Name)})
+    uses = {(other, name) for name, other in imported.items() if not _private(name)}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or _private(node.attr) or node.attr.startswith("__"):
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id in aliases:
+            uses.add((aliases[node.value.id], node.attr))
+        elif (other := loaded(node.value)) and other != module:
+            uses.add((other, node.attr))
+    return uses
+
+
+@functools.cache
+def _loaders_of(module: str) -> dict[str, str]:
+    return _module_loaders(module, ast.parse((ROOT / f"{module}.py").read_text(encoding="utf-8")))
+
+
+@functools.cache
+def _definitions(module: str) -> dict[str, tuple[str | None, list[str]]]:
+    """Names `module` defines at its top level: ``name -> (docstring, source lines of the definition and the line
+    above it)``; names bound to another object by import or by ``name = other.name`` are left out."""
+    source = (ROOT / f"{module}.py").read_text(encoding="utf-8")
+    lines = source.splitlines()
+    found: dict[str, tuple[str | None, list[str]]] = {}
+    statements = list(ast.parse(source).body)
+    while statements:
+        node = statements.pop()
+        if isinstance(node, ast.If | ast.Try):
+            statements += node.body + node.orelse + [s for h in getattr(node, "handlers", []) for s in h.body]
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            found[node.name] = (ast.get_docstring(node), [])
+        elif isinstance(node, ast.Assign | ast.AnnAssign) and not isinstance(node.value, ast.Name | ast.Attribute):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Name):
+                    found[target.id] = (None, lines[max(node.lineno - 2, 0) : node.end_lineno])
+    return found
+
+
+def test_the_use_check_finds_each_way_of_reaching_a_sibling() -> None:
+    """The checker itself: an alias, ``from ... import``, a loader function's result (called, or kept in a name),
+    and another module's loader (``s3_utils.node_sharing`` returns `s3_node_sharing`); private names are left out."""
+    source = (
+        "import importlib\nimport s3_utils as _s3\nfrom s3_dcp import METADATA_NAME\n"
+        "TIER = 's3_memory_tier'\n"
+        "def _tier():\n    return importlib.import_module(TIER)\n"
+        "_s3.error_code; _s3._private\n"
+        "_tier().copy_to_load\n"
+        "rep = _tier()\nrep.TierReplication\n"
+        "_s3.node_sharing().download_shared\n"
+    )
+    assert sibling_uses("s3_checkpoint_io", source) == {
+        ("s3_dcp", "METADATA_NAME"),
+        ("s3_utils", "error_code"),
+        ("s3_utils", "node_sharing"),
+        ("s3_memory_tier", "copy_to_load"),
+        ("s3_memory_tier", "TierReplication"),
+        ("s3_node_sharing", "download_shared"),
+    }
+
+
+def test_what_siblings_use_besides_the_api_is_marked_package_internal() -> None:
+    """A name one module takes from another that is not in the other's ``__all__`` is package-internal: its
+    docstring (or, for a constant, a comment on or above it) says so, so a reader knows users must not rely on it."""
+    unmarked = []
+    for module in MODULES:
+        for other, name in sibling_uses(module, (ROOT / f"{module}.py").read_text(encoding="utf-8")):
+            if name in declared_all(other) or name not in (defined := _definitions(other)):
+                continue
+            docstring, lines = defined[name]
+            text = docstring if docstring is not None else "\n".join(lines)
+            if "package-internal" not in (text or "").lower():
+                unmarked.append(f"{other}.{name} (used by {module})")
+    assert not unmarked, "mark these package-internal (docs/api.md) or list them there:\n" + (
+        "\n".join(sorted(set(unmarked)))
+    )
 
 
 CORE_CHAIN = ["s3_dirpath_utils", "s3_utils", "s3_fencing", "s3_checkpoint_io", "connector"]

@@ -1,4 +1,4 @@
-"""S3ModelCheckpoint and S3CheckpointIO behave as Lightning's own classes do with a local directory (issue 43: the
+"""S3ModelCheckpoint and S3CheckpointIO behave as Lightning's own classes do with a local directory (the
 probes that failed when Lightning's own checkpoint tests ran on ``s3://``): name versioning that sees async saves in
 flight, the callback's signature for LightningCLI, callback state that survives a switch of class, Lightning's
 ``AsyncCheckpointIO`` around the plugin, and a test double as the plugin leaving no process-wide state behind."""

@@ -1,4 +1,4 @@
-"""The memory tier in front of S3 (issue 40): saves into the node's tmpfs, drains to S3, resume from the fastest tier.
+"""The memory tier in front of S3: saves into the node's tmpfs, drains to S3, resume from the fastest tier.
 
 Each test keeps its tiers under tmp_path (never /dev/shm). Two simulated nodes are two tier roots; a relaunch is a
 second process (tests/helpers/tier_worker.py), a kill is a SIGKILL.

@@ -1,4 +1,4 @@
-"""The memory tier's bound on a node's memory (issue 40, item 4) when replication lags (found by
+"""The memory tier's bound on a node's memory (at most ``keep`` own copies) when replication lags (found by
 benchmarks/bench_memory_tier.py: own copies reached 6 with keep=2 while each replica took 3 s and a save came every
 0.5 s). Two gloo ranks, each a node with its own tier; real processes, moto."""
 

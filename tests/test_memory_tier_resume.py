@@ -1,4 +1,4 @@
-"""Resume from the fastest tier with two simulated nodes (issue 40, item 5): one collective decision on the newest
+"""Resume from the fastest tier with two simulated nodes: one collective decision on the newest
 step every rank can load from its node's memory, a peer's replica or S3, then each rank reads its part from there.
 
 Each node is a gloo rank of its own (``GROUP_RANK``) with its own tier under tmp_path; a node loss is its tier

@@ -125,7 +125,10 @@ def test_core_modules_work_copied_into_a_package_folder(tmp_path: Path) -> None:
     for module in CORE_MODULES:
         shutil.copy(REPO / f"{module}.py", package / f"{module}.py")
     imports = "\n        ".join(  # continuation lines keep the indentation of the code block below
-        f"from nemo_fork.utils.{module} import {', '.join(public_names(module))}" for module in CORE_MODULES
+        f"from nemo_fork.utils.{module} import {', '.join(names)}"
+        if (names := public_names(module))
+        else f"import nemo_fork.utils.{module}"  # a sibling with no public names (docs/api.md)
+        for module in CORE_MODULES
     )
     # Run from the temporary folder so the repo's own top-level copies cannot be picked up by mistake.
     result = run_python(

@@ -1,4 +1,4 @@
-"""Resume never sticks on a checkpoint that does not verify or load (issue 33, item 3).
+"""Resume never sticks on a checkpoint that does not verify or load.
 
 Discovery gives the checkpoints newest first (`find_resume_checkpoints`); `load_newest_usable` skips the ones that
 fail to verify or load, with a WARNING, and deletes nothing; ``fallback=False`` (``resume_fallback=False``) is strict.

@@ -454,7 +454,7 @@ def test_local_saves_keep_the_zip_crc32(plugin: S3CheckpointIO, tmp_path: pathli
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Lightning's conventions (issue 43): a load waits for this process's pending save of its URL, Lightning's errors
+# Lightning's conventions: a load waits for this process's pending save of its URL, Lightning's errors
 # --------------------------------------------------------------------------------------------------------------------
 
 

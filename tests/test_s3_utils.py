@@ -24,7 +24,7 @@ from s3_utils import (
     S3MultipartWriter,
     S3Utils,
     _BufferReader,
-    _part_buffers,
+    _PartBuffers,
     get_s3_client,
     release_part_buffers,
 )
@@ -669,6 +669,12 @@ def test_listings_come_back_shuffled_and_are_sorted_here(s3_client, bucket: str)
 # ---- part buffers and checksum boundaries (one checksum pass per byte, no fresh pages per save) ----------------------
 
 
+def _kept_by_the_writer_module() -> int:
+    """Bytes that s3_utils' own lines allocated and that are still alive (tracemalloc, from outside the module)."""
+    snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, s3_utils.__file__)])
+    return sum(stat.size for stat in snapshot.statistics("filename"))
+
+
 def test_part_buffers_are_reused_across_saves_within_the_memory_bound(
     s3_server, bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -676,37 +682,65 @@ def test_part_buffers_are_reused_across_saves_within_the_memory_bound(
     max_concurrency + 1, and what the process keeps between saves is no more than writers held at once."""
     utils = S3Utils(S3ClientSettings(endpoint_url=s3_server.endpoint_url, user_agent_extra="buffer-reuse"))
     spy = _WriterSpy(monkeypatch)
+    first: list[bytearray] = []  # the first save's buffers, held here so that no address is reused meanwhile
+    fresh: list[bool] = []  # for each buffer the second save took: not one of the first save's
+    peaks: list[int] = []  # the most buffers each save's writer held at once
+    take = _PartBuffers.take
+
+    def take_and_note(pool: _PartBuffers, size: int) -> bytearray:
+        buffer = take(pool, size)
+        if len(peaks) == 0:
+            first.append(buffer)
+        elif len(peaks) == 1:
+            fresh.append(not any(buffer is old for old in first))
+        return buffer
+
+    monkeypatch.setattr(_PartBuffers, "take", take_and_note)
     data = os.urandom(23 * MiB)
     release_part_buffers()
-    allocated, peaks = _part_buffers.allocated, []
-    for n in range(2):
-        writer = utils.open_writer(f"s3://{bucket}/reuse-{n}", chunk_size_MB=5, max_concurrency=2)
-        with writer:
-            for start in range(0, len(data), 3 * MiB):
-                writer.write(data[start : start + 3 * MiB])
-        peaks.append(spy.most_buffers[id(writer)])
-        if n == 0:
-            allocated_by_first = _part_buffers.allocated - allocated
-    assert 1 <= allocated_by_first <= 3 and max(peaks) <= 3  # max_concurrency + 1
-    assert _part_buffers.allocated - allocated == allocated_by_first  # the second save allocated nothing
-    assert _part_buffers.held_bytes == 0 and _part_buffers.free_bytes <= 3 * 5 * MiB
-    with utils.download_to_memory(f"s3://{bucket}/reuse-1") as downloaded:  # reused buffers carry no stale bytes
-        assert downloaded.read_all() == data
+    tracemalloc.start()
+    try:
+        for n in range(2):
+            writer = utils.open_writer(f"s3://{bucket}/reuse-{n}", chunk_size_MB=5, max_concurrency=2)
+            with writer:
+                for start in range(0, len(data), 3 * MiB):
+                    writer.write(data[start : start + 3 * MiB])
+            peaks.append(spy.most_buffers[id(writer)])
+        assert 1 <= len(first) <= 3 and max(peaks) <= 3  # max_concurrency + 1
+        assert fresh and not any(fresh)  # the second save allocated nothing
+        first.clear()
+        assert 5 * MiB <= _kept_by_the_writer_module() <= 3 * 5 * MiB + MiB  # kept: no more than writers held
+        with utils.download_to_memory(f"s3://{bucket}/reuse-1") as downloaded:  # reused buffers carry no stale bytes
+            assert downloaded.read_all() == data
 
-    # another part size: the kept buffers of the old size go before a new one is allocated
-    with utils.open_writer(f"s3://{bucket}/other-size", chunk_size_MB=6, max_concurrency=1) as writer:
-        writer.write(data[: 13 * MiB])
-    assert _part_buffers.free_bytes <= 2 * 6 * MiB
-    release_part_buffers()
-    assert _part_buffers.free_bytes == 0
+        # another part size: the kept buffers of the old size go before a new one is allocated
+        with utils.open_writer(f"s3://{bucket}/other-size", chunk_size_MB=6, max_concurrency=1) as writer:
+            writer.write(data[: 13 * MiB])
+        assert _kept_by_the_writer_module() <= 2 * 6 * MiB + MiB
+        release_part_buffers()
+        assert _kept_by_the_writer_module() < MiB
+    finally:
+        tracemalloc.stop()
 
 
-def test_failed_upload_gives_back_what_it_can_and_forgets_the_rest(s3_server, bucket: str) -> None:
+def test_failed_upload_keeps_no_more_than_its_buffers_and_release_frees_them(s3_server, bucket: str) -> None:
+    """A failed upload gives its buffers back to the process's free list or drops them: the process keeps no more
+    than the writer held (max_concurrency + 1 parts), and `release_part_buffers` frees all of it."""
     utils = S3Utils(S3ClientSettings(endpoint_url=s3_server.endpoint_url), RetryPolicy(max_attempts=1))
-    with pytest.raises(RuntimeError, match="stop"), utils.open_writer(f"s3://{bucket}/x", chunk_size_MB=5) as writer:
-        writer.write(os.urandom(12 * MiB))
-        raise RuntimeError("stop")
-    assert _part_buffers.held_bytes == 0  # every buffer the writer took is back on the free list or forgotten
+    release_part_buffers()
+    tracemalloc.start()
+    try:
+        with pytest.raises(RuntimeError, match="stop"), utils.open_writer(
+            f"s3://{bucket}/x", chunk_size_MB=5, max_concurrency=1
+        ) as writer:
+            writer.write(os.urandom(12 * MiB))
+            raise RuntimeError("stop")
+        del writer
+        assert _kept_by_the_writer_module() <= 2 * 5 * MiB + MiB
+        release_part_buffers()
+        assert _kept_by_the_writer_module() < MiB
+    finally:
+        tracemalloc.stop()
 
 
 @pytest.mark.parametrize("cut_sizes", [[0, 1, 5 * MiB - 1, 5 * MiB + 2, 3, 0, 7 * MiB], [100, 200], [12 * MiB]])

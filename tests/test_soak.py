@@ -1,8 +1,8 @@
-"""Kill-and-relaunch soak, short (issue 33, item 4): see tests/helpers/soak.py for what it does and checks.
+"""Kill-and-relaunch soak, short: see tests/helpers/soak.py for what it does and checks.
 
 Two ranks under a torchrun-style environment, SIGKILLed at random instants (also while resuming), relaunched as a
 new launch, once left as a straggler that continues after the relaunch saved, through a proxy injecting 503s, resets
-and stalls. With the memory tier (issue 40, item 6): two simulated nodes saving every step into memory, replicated,
+and stalls. With the memory tier: two simulated nodes saving every step into memory, replicated,
 every 3rd drained to S3, killed at random, and every 2nd kill a node loss (its tier directory wiped).
 The longer version with its table: benchmarks/bench_soak.py (benchmarks/soak.md).
 """

@@ -42,7 +42,7 @@ _THREAD_COUNTS = {1, 2}
 
 _NO_EXTENSIONS = (  # s3: why the extension tests are expected to fail
     "S3StorageWriter has no stream transforms: it refuses torch's experimental `_extensions` by name with a "
-    "ValueError (issue 43 item 8), so torch's extension round trips cannot run on it"
+    "ValueError, so torch's extension round trips cannot run on it"
 )
 
 

@@ -1,4 +1,4 @@
-"""The kill-and-relaunch soak (issue 33, item 4): tests/test_soak.py runs it short, benchmarks/bench_soak.py long.
+"""The kill-and-relaunch soak: tests/test_soak.py runs it short, benchmarks/bench_soak.py long.
 
 A launch is two ranks of `soak_worker` (gloo) under a torchrun-style environment: ``TORCHELASTIC_RUN_ID`` fixed for
 the job, ``TORCHELASTIC_RESTART_COUNT`` the launch number, ``RANK`` / ``LOCAL_RANK`` / ``GROUP_RANK`` / ``WORLD_SIZE``
@@ -16,7 +16,7 @@ Checked after every relaunch (a failure is counted and described, never raised, 
   owner-record PUT from its processes after SIGCONT, as the proxy saw them);
 and at the end: ``s3-checkpoint-io gc --yes`` aborts every multipart upload the kills left open (none remain).
 
-Mode ``tier`` (issue 40, item 6): the job saves every step into the memory tier (each rank a node of its own, its
+Mode ``tier``: the job saves every step into the memory tier (each rank a node of its own, its
 tier directory under a tmpfs, replication to the other node on), every ``drain_every``-th save drains to S3, so kills
 fall during the memory copy, the replication, the drain and the clean-up. Every ``node_loss_every``-th kill is also
 a node loss: that node's whole tier directory (its own copies and the replicas it held) is wiped before the

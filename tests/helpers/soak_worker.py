@@ -1,4 +1,4 @@
-"""One rank of the kill-and-relaunch soak job (tests/helpers/soak.py starts it; issue 33, item 4).
+"""One rank of the kill-and-relaunch soak job (tests/helpers/soak.py starts it).
 
     python soak_worker.py DIR_URL MODE STEPS [--mib M] [--step-s S] [--drain-every N]
 
@@ -16,7 +16,7 @@ checked bit for bit against the closed form.
      removes ``step=N-2.ckpt`` (top-2); the removal waits until the saves before it are durable.
    * ``dcp``: every rank saves its shard of the weights with ``dcp.save`` into ``step=N-last.ckpt/`` (the coordinator
      commits and fences), then global rank 0 removes ``step=N-2-last.ckpt/`` under its fence (top-2).
-   * ``tier``: as ``single`` with the memory tier (issue 40): each rank is a node of its own (``GROUP_RANK``) with
+   * ``tier``: as ``single`` with the memory tier: each rank is a node of its own (``GROUP_RANK``) with
      its tier under ``$SOAK_TIER_ROOT/node<GROUP_RANK>``, replication on (`S3CheckpointIO.start_replication`); global
      rank 0 saves ``step=N-last.ckpt`` every step into memory (its "-last" clean-up removes the older one), every
      ``--drain-every``-th save drains to S3, every save is sent to node 1.
