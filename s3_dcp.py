@@ -54,11 +54,13 @@ if __package__:
     from . import s3_checkpoint_io as _ckpt_io
     from . import s3_dirpath_utils as _urls
     from . import s3_fencing as _fencing
+    from . import s3_prefix_spreading as _spread
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_checkpoint_io as _ckpt_io
     import s3_dirpath_utils as _urls
     import s3_fencing as _fencing
+    import s3_prefix_spreading as _spread
     import s3_utils as _s3
 
 # ---- torch, imported once: every DCP name this module uses (the private ones are pinned by tests/test_dcp.py) -------
@@ -190,7 +192,7 @@ def _require_dcp() -> None:
 
 
 def _join(base: str, name: str) -> str:
-    return base.rstrip("/") + "/" + name
+    return _spread.join(base, name)  # a name may lead to a spread directory beside the checkpoint's (../)
 
 
 def _checkpoint_url(path: str | os.PathLike[str]) -> str:
@@ -509,6 +511,8 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
             or a mapping); max_requests_per_second: the job's S3 request budget. Neither with `s3_utils`.
         filesystem_writer_options: torch's other ``FileSystemWriter`` arguments, accepted where S3 gives them their
             meaning, else refused by name with the reason (`_FILESYSTEM_WRITER_OPTIONS`).
+        prefix_spreading: shards over this many key prefixes beside the checkpoint, ``"auto"`` (once the run was
+            throttled) or an `s3_prefix_spreading.PrefixSpreading`; None: one prefix (docs/scale.md).
     """
 
     def __init__(
@@ -529,9 +533,11 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         request_options: _s3.S3RequestOptions | dict[str, Any] | None = None,
         fencing: bool = True,
         max_requests_per_second: float | dict[str, float] | _s3.RequestRates | None = None,
+        prefix_spreading: int | str | _spread.PrefixSpreading | None = None,
         **filesystem_writer_options: Any,
     ) -> None:
         _check_filesystem_writer_options(filesystem_writer_options)
+        self.prefix_spreading = _spread.PrefixSpreading.from_value(prefix_spreading)
         _validate_sizes(chunk_size_MB, max_write_concurrency, "max_write_concurrency")
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be an int >= 1, got {thread_count!r}")
@@ -562,6 +568,7 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         self.fencing = bool(fencing)
         self._run = _fencing.current_run()  # pickled along: DCP's process executor saves as this run
         self._replacing = False
+        self._layout = _spread.SaveLayout()
 
     def __getstate__(self) -> dict[str, Any]:
         """Settings travel (``async_save`` with the process executor pickles the writer; `S3Utils` pickles as its
@@ -595,12 +602,17 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         fence = self._fence()
         token = fence.token(self.path) if fence is not None else None
         self._retire_existing_checkpoint(fence)
+        own = self._metadata_rank()  # saving without collectives, this rank plans for itself alone
+        layout = self._layout = _spread.SaveLayout.plan(self.s3, self.path, self.prefix_spreading, self._replacing)
+        if (record := layout.record()) is not None:  # before any shard: gc and rm find every object
+            self._put(_spread.LAYOUT_NAME, record, fence)
         prefixes = [plan.storage_data or _FilePrefix(f"__{i}_") for i, plan in enumerate(plans)]
         return [
-            dataclasses.replace(plan, storage_data=dataclasses.replace(prefix, fence=token))
+            dataclasses.replace(plan, storage_data=_FilePrefix(
+                layout.file_prefix(self.path, prefix.prefix, i if own is None else own), token))
             if isinstance(prefix, _FilePrefix)
             else plan
-            for plan, prefix in zip(plans, prefixes, strict=True)
+            for i, (plan, prefix) in enumerate(zip(plans, prefixes, strict=True))
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
@@ -702,14 +714,14 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
 
     def _remove_stale_shards(self, kept: set[str], fence: Any = None) -> None:
         """After replacing a checkpoint saved by more ranks or threads: delete its shards the new one does not use."""
-        prefix = self.path + "/"
         stale = []
-        for obj in self.s3.list_objects(self.path):
-            name = obj.url[len(prefix) :]
-            if "/" not in name and name.endswith(DCP_SHARD_SUFFIX) and name not in kept:
-                stale.append(obj.url)
+        for name, obj in _spread.checkpoint_objects(self.s3, self.path, self._layout.stale_shard_directories()):
+            if ("/" not in name or name.startswith("../")) and name.endswith(DCP_SHARD_SUFFIX) and name not in kept:
+                stale.append(obj.url)  # at the top level of the checkpoint or of a spread directory
         for url in stale:
             self.s3.remove_object(url, fence=fence)  # and the checksum record this package may keep beside it
+        if self._layout.previous and not self._layout.directories:  # a spread checkpoint replaced by an unspread one
+            self.s3.remove_object(_join(self.path, _spread.LAYOUT_NAME), fence=fence)
         if stale:
             logger.info(
                 "Removed %d shard(s) of the replaced checkpoint at %s that the new one does not use",
@@ -2051,7 +2063,7 @@ class S3ShardedStrategyMixin:
 
             def save_full() -> None:
                 sharded = url + "/"  # a sharded checkpoint of the same name
-                self.s3.remove_objects_with_prefix(sharded, fence=io.fence_for(url))
+                _spread.remove_checkpoint(self.s3, sharded, fence=io.fence_for(url))
                 io.save_checkpoint(checkpoint, url)
 
             self._on_rank_zero(save_full, f"saving {url}")
@@ -2091,7 +2103,7 @@ class S3ShardedStrategyMixin:
         if self.is_global_zero:  # type: ignore[attr-defined]
             url = _checkpoint_url(filepath)
             self.s3_checkpoint_io.wait_for_pending_saves()
-            self.s3.remove_objects_with_prefix(url, fence=self.s3_checkpoint_io.fence_for(url))  # url and url/...
+            _spread.remove_checkpoint(self.s3, url, fence=self.s3_checkpoint_io.fence_for(url))  # and spread files
             _s3.invalidate_fsspec_cache(url)
         return None
 
