@@ -20,8 +20,8 @@ from optional_imports import extras as optional_dependencies
 
 REPO = Path(__file__).resolve().parent.parent
 CORE_MODULES = [
-    "s3_dirpath_utils", "s3_utils", "s3_fencing", "s3_checkpoint_io", "s3_dcp", "s3_node_sharing", "s3_memory_tier",
-    "connector",
+    "s3_dirpath_utils", "s3_utils", "s3_fencing", "s3_checkpoint_io", "s3_prefix_spreading", "s3_dcp",
+    "s3_node_sharing", "s3_memory_tier", "connector",
 ]
 
 
