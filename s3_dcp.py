@@ -1949,8 +1949,8 @@ class S3ShardedStrategyMixin:
 
     Extra keyword arguments (all optional): chunk_size_MB, max_read_concurrency, max_write_concurrency, thread_count,
     checksum_algorithm, endpoint_url, region_name, client_settings, retry_policy, fencing, max_requests_per_second
-    (as `S3CheckpointIO`), and s3_planners (default True: DCP saves and loads plan with `S3SavePlanner` /
-    `S3LoadPlanner`; False: torch's default planners).
+    (as `S3CheckpointIO`), prefix_spreading (as `S3StorageWriter`), and s3_planners (default True: DCP saves and loads
+    plan with `S3SavePlanner` / `S3LoadPlanner`; False: torch's default planners).
     """
 
     lightning_base: type
@@ -1967,6 +1967,7 @@ class S3ShardedStrategyMixin:
         "retry_policy": None,
         "fencing": True,
         "max_requests_per_second": None,
+        "prefix_spreading": None,
         "s3_planners": True,
     }
 
@@ -1975,6 +1976,7 @@ class S3ShardedStrategyMixin:
         _validate_sizes(options["chunk_size_MB"], options["max_write_concurrency"], "max_write_concurrency")
         _validate_sizes(options["chunk_size_MB"], options["max_read_concurrency"], "max_read_concurrency")
         _s3.validate_checksum_algorithm(options["checksum_algorithm"])
+        _spread.PrefixSpreading.from_value(options["prefix_spreading"])  # refused here, not at the first save
         self.s3 = _s3.S3Utils.from_arguments(
             client_settings=options["client_settings"],
             endpoint_url=options["endpoint_url"],
@@ -2020,6 +2022,7 @@ class S3ShardedStrategyMixin:
             checksum_algorithm=o["checksum_algorithm"],
             s3_utils=self.s3,
             fencing=o["fencing"],
+            prefix_spreading=o["prefix_spreading"],
         )
 
     def s3_storage_reader(self, path: str) -> S3StorageReader:

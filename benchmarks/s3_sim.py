@@ -49,6 +49,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import s3_node_sharing  # noqa: E402
+import s3_prefix_spreading  # noqa: E402
 import s3_utils  # noqa: E402
 
 MiB = 1 << 20
@@ -399,13 +400,20 @@ class Workload:
 
 
 def key_of(work: Workload, name: str, spread_index: int) -> str:
-    if work.layout == "spread":
-        return f"run/{spread_index % work.prefixes:04x}/step-{work.step}/{name}"
+    """The key of `name` as the package lays it out: a spread save's shards (``*.distcp``, ``*.ckpt``) in
+    ``run/s3ckpt-spread-XX/step-N/`` (`s3_prefix_spreading`, the rank's prefix), everything else in ``run/step-N/``."""
+    if work.layout == "spread" and not name.startswith("."):
+        spreading = s3_prefix_spreading.PrefixSpreading(work.prefixes)
+        return f"run/{spreading.segment(spreading.index_of(spread_index))}/step-{work.step}/{name}"
     return f"run/step-{work.step}/{name}"
 
 
 def spread_prefixes(work: Workload) -> list[str]:
-    return [f"run/{p:04x}/" for p in range(work.prefixes)] if work.layout == "spread" else []
+    """The spread layout's prefixes (``run/s3ckpt-spread-XX/``), each assumed partitioned by S3 already."""
+    if work.layout != "spread":
+        return []
+    spreading = s3_prefix_spreading.PrefixSpreading(work.prefixes)
+    return [f"run/{spreading.segment(p)}/" for p in range(work.prefixes)]
 
 
 def rank_phases(work: Workload, rank: int, node_keys: list[str]) -> list[list[tuple[str, str, int]]] | None:
