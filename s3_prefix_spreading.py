@@ -77,7 +77,7 @@ class PrefixSpreading:
     With `after_throttles`, a save spreads only once this process's write pacer for the bucket has seen that many
     throttling answers (``503 SlowDown``) since the process started (``prefix_spreading="auto"``: 16 prefixes after
     the first); from then on every save of the run spreads. The decision is the coordinator's (rank 0), from what
-    its own process saw (and, where the pacer is shared on the host, its node), and every rank follows its plan.
+    its own process saw (not the whole job's count: that is not built), and every rank follows its plan.
     """
 
     prefixes: int = DEFAULT_AUTO_PREFIXES
@@ -106,8 +106,8 @@ class PrefixSpreading:
         return rank % self.prefixes
 
     def segment(self, index: int) -> str:
-        """The key segment of prefix `index`: ``s3ckpt-spread-`` and its index in hex, at least 2 digits, as many as
-        the largest index needs (so that the first 256 names stay the same whatever `prefixes` a later save uses)."""
+        """The key segment of prefix `index`: ``s3ckpt-spread-`` and its index in hex, 2 digits (more beyond 256
+        prefixes), so that a later save with another count up to 256 reuses the same names, and S3's ranges."""
         width = max(2, len(f"{self.prefixes - 1:x}"))
         return f"{SEGMENT_PREFIX}{index:0{width}x}"
 
