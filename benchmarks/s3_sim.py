@@ -391,7 +391,8 @@ class Workload:
     mib_per_rank: float = 256.0  # each rank's file (save, DCP load); the checkpoint every rank loads (single load)
     part_mib: float = 16.0
     layout: str = "one-prefix"  # or "spread"
-    prefixes: int = 1  # spread: how many (already partitioned) prefixes the keys go over
+    prefixes: int = 1  # spread: how many prefixes the keys go over
+    partitioned: bool = True  # spread: whether S3 has partitioned those prefixes already
     load_sharing: str = "node"  # single-file load: "node", "job" or "rank"
     step: int = 1000
     extra_writes_per_file: int = 0  # e.g. the checksum record on stores without full-object checksums
@@ -476,15 +477,16 @@ def _world(ranks: int) -> Iterator[None]:
 
 def run(
     work: Workload, client: ClientParams | None = None, s3: S3Params | None = None, seed: int = 0,
-    start_spread_s: float = 0.0, horizon_s: float = 7200.0,
+    start_spread_s: float = 0.0, horizon_s: float = 7200.0, partitions: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Simulate `work` (all ranks start together, or over `start_spread_s`); the measures as a dict."""
+    """Simulate `work` (all ranks start together, or over `start_spread_s`); the measures as a dict. `partitions`:
+    lower bounds of partitions S3 has already (an earlier run's ``partition_lows``: its splits outlive it)."""
     client = client or ClientParams()
     s3 = s3 or S3Params()
     random.seed(seed)
     rng = random.Random(seed)
     clock = Clock()
-    model = S3Model(s3, spread_prefixes(work))
+    model = S3Model(s3, [*(spread_prefixes(work) if work.partitioned else []), *(partitions or [])])
     direction = "write" if work.direction == "save" else "read"
     per_host = client.ranks_per_host
     node_keys = [f"node{r // per_host}" for r in range(work.ranks)]
@@ -558,6 +560,7 @@ def run(
         "downloads": len(ops) if work.direction == "load" and work.kind == "single" else None,
         "partitions_used": used,
         "splits": len(model.splits),
+        "partition_lows": list(model.lows),
         "p50_s": times[len(times) // 2] if times else None,
         "p99_s": times[min(len(times) - 1, int(0.99 * len(times)))] if times else None,
         "events": clock.events,
