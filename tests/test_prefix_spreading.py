@@ -295,3 +295,26 @@ def test_auto_spreads_the_saves_after_the_runs_writes_were_throttled(
     state = save_as_ranks(f"s3://{bucket}/run/step-2", 2, s3_utils=s3, prefix_spreading="auto")
     assert {k for k in keys(s3_client, bucket) if "step-2" in k} == spread_keys("step-2", {0: [0], 1: [1]})
     assert differences(load(f"s3://{bucket}/run/step-2", state), plain(state)) == []
+
+
+def test_the_scale_simulation_lays_out_the_packages_keys_and_only_spread_splits_outlive_their_save() -> None:
+    """benchmarks/s3_sim.py names spread keys as a spread save does; a split at a save's median key serves the next
+    save's keys only in the spread layout (benchmarks/bench_spread_sim.py's finding, here without simulating)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import s3_sim
+
+    def keys_of(layout: str, step: int) -> list[str]:
+        work = s3_sim.Workload(kind="dcp", layout=layout, prefixes=16, partitioned=False, step=step)
+        return [s3_sim.key_of(work, f"__{rank}_0.distcp", rank) for rank in range(64)]
+
+    url = "s3://bucket/run/step-1000"
+    written = spreading.join(url, spreading.SaveLayout(spreading.PrefixSpreading(16)).file_prefix(url, "__19_", 19))
+    assert f"s3://bucket/{keys_of('spread', 1000)[19]}" == written + "0.distcp"
+    assert keys_of("spread", 1000)[19] == "run/s3ckpt-spread-03/step-1000/__19_0.distcp"
+    for kind, kept in (("one-prefix", False), ("spread", True)):
+        split = sorted(keys_of(kind, 1000))[32]  # S3 splits at the median of what it served
+        model = s3_sim.S3Model(s3_sim.S3Params(), [split])
+        upper = {model.partition_of(key).low for key in keys_of(kind, 1100)}  # the next save
+        assert (upper == {"", split}) is kept, (kind, upper)
