@@ -468,9 +468,12 @@ def _incomplete_checkpoints(
         times = [info.last_modified for info in below] + [u.initiated for u in uploads if u.key.startswith(inside)]
         files = tuple(info for info in below if dcp_file.fullmatch(info.key[len(inside) :]))  # top level: no "/"
         if _spread.LAYOUT_NAME in names:  # its spread directories' files first, the layout record last
-            spread = tuple(i for n, i in _spread.checkpoint_objects(s3, checkpoint_url, include_sidecars=True)
+            directories = _spread.read_layout(s3, checkpoint_url)
+            spread = tuple(i for n, i in _spread.checkpoint_objects(s3, checkpoint_url, directories,
+                                                                      include_sidecars=True)
                            if n.startswith("../") and dcp_file.fullmatch(n.rpartition("/")[2]))
-            times += [info.last_modified for info in spread]
+            times += [info.last_modified for info in spread] + [  # and the uploads of a save still running there
+                u.initiated for d in directories for u in s3.list_multipart_uploads(_spread.join(checkpoint_url, d))]
             files = spread + tuple(sorted(files, key=lambda info: info.key.endswith(_spread.LAYOUT_NAME)))
         found.append(
             IncompleteCheckpoint(

@@ -134,17 +134,17 @@ def _directory(checkpoint_url: str, segment: str) -> str:
 
 
 def join(base: str, relative: str) -> str:
-    """The URL of `relative` (a DCP relative path: ``__0_0.distcp`` or ``../s3ckpt-spread-00/step-2/__0_0.distcp``)
-    under the checkpoint URL `base`. ``..`` goes up one key segment, at most to the directory holding `base` (where
-    the spread directories are): ValueError naming the URL beyond that (a crafted ``.metadata`` reads nothing
-    else)."""
+    """The URL of `relative` (a DCP relative path: ``__0_0.distcp`` or ``../s3ckpt-spread-00/step-2/__0_0.distcp``;
+    a spread directory ``../s3ckpt-spread-00/step-2/`` gives its URL without the ``/``) under the checkpoint URL
+    `base`. ``..`` goes up one key segment, at most to the directory holding `base` (where the spread directories
+    are): ValueError naming the URL beyond that (a crafted ``.metadata`` reads nothing else)."""
     base = base.rstrip("/")
     if not relative.startswith("../"):
         return base + "/" + relative
     bucket, key = _urls.parse_s3_url(base)
     parent = key.rpartition("/")[0]
     resolved = posixpath.normpath(posixpath.join("/", key, relative)).lstrip("/")
-    if not (resolved.startswith(parent + "/") if parent else resolved) or relative.endswith("/"):
+    if not (resolved.startswith(parent + "/") if parent else resolved):
         raise ValueError(f"{base}: the relative path {relative!r} leads outside the directory holding the checkpoint")
     return _urls.build_s3_url(bucket, resolved)
 
@@ -167,7 +167,7 @@ def read_layout(s3: _s3.S3Utils, checkpoint_url: str) -> list[str]:
     if not isinstance(directories, list) or not all(isinstance(d, str) and d.startswith("../") for d in directories):
         raise ValueError(f"{url} is not a layout record (no list of ../ directories): remove it or restore it")
     for directory in directories:
-        join(checkpoint_url, directory + "x")  # refuses a directory outside the run's
+        join(checkpoint_url, directory)  # refuses a directory outside the run's
     return directories
 
 
@@ -184,9 +184,9 @@ def checkpoint_objects(
     base = checkpoint_url.rstrip("/")
     found = [(info.url[len(base) + 1 :], info) for info in s3.list_objects(base, include_sidecars=include_sidecars)]
     for directory in read_layout(s3, base) if directories is None else directories:
-        url = join(base, directory + "x")[:-1]
+        url = join(base, directory)
         for info in s3.list_objects(url, include_sidecars=include_sidecars):
-            name = info.url[len(url) :]
+            name = info.url[len(url) + 1 :]
             if "/" not in name:
                 found.append((directory + name, info))
     return found
@@ -213,7 +213,7 @@ def remove_checkpoint(s3: _s3.S3Utils, checkpoint_url: str, *, fence: Any = None
     base = checkpoint_url.rstrip("/")
     removed = 0
     for directory in read_layout(s3, base):
-        removed += s3.remove_objects_with_prefix(join(base, directory + "x")[:-1], fence=fence)
+        removed += s3.remove_objects_with_prefix(join(base, directory) + "/", fence=fence)
     return removed + s3.remove_objects_with_prefix(checkpoint_url, fence=fence)
 
 
