@@ -53,6 +53,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+__version__ = _urls.__version__
 
 LAYOUT_NAME = ".s3ckpt-layout.json"
 """A spread checkpoint's layout record, beside its ``.metadata``: ``{"version": 1, "directories": [...]}``, each
