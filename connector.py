@@ -276,6 +276,7 @@ _METADATA_NAME = ".metadata"
 _DCP_SHARD_SUFFIX = ".distcp"
 _ITEM_CHECKSUMS_NAME = ".s3ckpt-items.json"
 _LIGHTNING_META_NAME = "meta.pt"
+_LAYOUT_NAME = ".s3ckpt-layout.json"  # s3_prefix_spreading's record: a spread save's first object
 _DCP_SHARD = re.compile(rf"__(\d+)_\d+{re.escape(_DCP_SHARD_SUFFIX)}")
 _DCP_RANK_METADATA = re.compile(rf"__(\d+){re.escape(_METADATA_NAME)}")
 
@@ -298,7 +299,7 @@ def looks_like_distributed_checkpoint(names: Iterable[str]) -> bool:
     """Whether top-level `names` are a DCP checkpoint's, complete or not (shards, .metadata, item record, meta.pt).
     Package-internal (docs/api.md)."""
     names = set(names)
-    markers = {_METADATA_NAME, _ITEM_CHECKSUMS_NAME, _LIGHTNING_META_NAME}
+    markers = {_METADATA_NAME, _ITEM_CHECKSUMS_NAME, _LIGHTNING_META_NAME, _LAYOUT_NAME}
     return not names.isdisjoint(markers) or any(
         _DCP_SHARD.fullmatch(n) or _DCP_RANK_METADATA.fullmatch(n) for n in names
     )

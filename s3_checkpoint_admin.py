@@ -39,11 +39,13 @@ if __package__:
     from . import connector as _connector
     from . import s3_dirpath_utils as _urls
     from . import s3_fencing as _fencing
+    from . import s3_prefix_spreading as _spread
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import connector as _connector
     import s3_dirpath_utils as _urls
     import s3_fencing as _fencing
+    import s3_prefix_spreading as _spread
     import s3_utils as _s3
 
 __all__ = [
@@ -203,17 +205,28 @@ def list_checkpoints(
         folder, _, base = name.rpartition("/")
         top_levels.setdefault(folder, set()).add(base)
     if _connector.looks_like_distributed_checkpoint(top_levels.get("", ())):
-        objects = [info for _, info in listed]
         dcp_url = _urls.build_s3_url(bucket, prefix.rstrip("/"))
+        objects = [info for _, info in listed]
+        if _spread.LAYOUT_NAME in top_levels[""]:  # and the files in its spread directories
+            spread = [(n, i) for n, i in _spread.checkpoint_objects(s3, dcp_url) if n.startswith("../")]
+            objects += [info for _, info in spread]
+            top_levels[""] |= {n.rpartition("/")[2] for n, _ in spread}
         return [CheckpointEntry.from_dcp(dcp_url, _urls.s3_url_name(dcp_url), objects, top_levels[""])]
     folders = {
         folder
         for folder, names in top_levels.items()
         if folder and (recursive or "/" not in folder) and _connector.looks_like_distributed_checkpoint(names)
+        and not _spread.in_spread_directory(folder + "/")
     }
     grouped: dict[str, list[_s3.S3ObjectInfo]] = {}
     entries = []
     for name, info in listed:
+        if _spread.in_spread_directory(name):  # counted with the checkpoint it belongs to, if that is listed
+            owner = _spread.owner_of(name)
+            if owner in folders:
+                grouped.setdefault(owner, []).append(info)
+                top_levels[owner].add(name.rpartition("/")[2])
+            continue
         owner = next((f for f in _ancestors(name) if f in folders), None)
         if owner is not None:
             grouped.setdefault(owner, []).append(info)
@@ -320,7 +333,7 @@ def remove_checkpoint(entry: CheckpointEntry, *, s3_utils: _s3.S3Utils | None = 
     (``x.ckpt/...``, never ``x.ckpt_old/...``)."""
     s3 = _utils(s3_utils)
     if entry.is_dcp:
-        s3.remove_objects_with_prefix(entry.url)
+        _spread.remove_checkpoint(s3, entry.url)  # its spread directories too
     else:
         s3.remove_object(entry.url)
 
@@ -427,8 +440,8 @@ def _dcp_file_pattern(s3_dcp: types.ModuleType) -> re.Pattern[str]:
     meta.pt), or the checksum record beside one: s3_dcp's own file names."""
     metadata, items = re.escape(s3_dcp.METADATA_NAME), re.escape(s3_dcp.ITEM_CHECKSUMS_NAME)
     shard, meta = re.escape(s3_dcp.DCP_SHARD_SUFFIX), re.escape(s3_dcp.LIGHTNING_META_NAME)
-    sidecar = re.escape(_s3.CHECKSUM_SIDECAR_SUFFIX)
-    return re.compile(rf"(?:__\d+_\d+{shard}|(?:__\d+)?(?:{metadata}|{items})|{meta})(?:{sidecar})?")
+    sidecar, layout = re.escape(_s3.CHECKSUM_SIDECAR_SUFFIX), re.escape(_spread.LAYOUT_NAME)
+    return re.compile(rf"(?:__\d+_\d+{shard}|(?:__\d+)?(?:{metadata}|{items})|{meta}|{layout})(?:{sidecar})?")
 
 
 def _incomplete_checkpoints(
@@ -445,12 +458,22 @@ def _incomplete_checkpoints(
     for folder, names in sorted(top_levels.items()):
         if _connector.distributed_checkpoint_problem(names) is None:
             continue
+        if _spread.in_spread_directory(folder + "/") and _spread.owner_of(folder + "/") in top_levels:
+            continue  # a spread directory whose checkpoint is there: its files are that checkpoint's
         inside = prefix + folder + "/" if folder else prefix
         checkpoint_url = _urls.build_s3_url(bucket, inside.rstrip("/"))
         dcp_file = _dcp_file_pattern(_s3_dcp(f"Finding what the incomplete DCP save at {checkpoint_url} wrote"))
         below = [info for info in objects if info.key.startswith(inside)]
         times = [info.last_modified for info in below] + [u.initiated for u in uploads if u.key.startswith(inside)]
         files = tuple(info for info in below if dcp_file.fullmatch(info.key[len(inside) :]))  # top level: no "/"
+        if _spread.LAYOUT_NAME in names:  # its spread directories' files first, the layout record last
+            directories = _spread.read_layout(s3, checkpoint_url)
+            spread = tuple(i for n, i in _spread.checkpoint_objects(s3, checkpoint_url, directories,
+                                                                      include_sidecars=True)
+                           if n.startswith("../") and dcp_file.fullmatch(n.rpartition("/")[2]))
+            times += [info.last_modified for info in spread] + [  # and the uploads of a save still running there
+                u.initiated for d in directories for u in s3.list_multipart_uploads(_spread.join(checkpoint_url, d))]
+            files = spread + tuple(sorted(files, key=lambda info: info.key.endswith(_spread.LAYOUT_NAME)))
         found.append(
             IncompleteCheckpoint(
                 checkpoint_url,
@@ -516,7 +539,7 @@ class CheckpointVerification:
 
 
 def _join(base: str, name: str) -> str:
-    return base.rstrip("/") + "/" + name
+    return _spread.join(base, name)
 
 
 def resume_after_failures(
@@ -553,9 +576,8 @@ def verify_checkpoint(
         raise ValueError(f"{url}: a DCP checkpoint needs a key prefix inside the bucket, e.g. s3://{bucket}/ckpt")
     s3_dcp = _s3_dcp(f"Verifying the DCP checkpoint {url}")
     s3 = _utils(s3_utils)
-    prefix = url + "/"
     metadata = s3_dcp.METADATA_NAME
-    objects = {info.url[len(prefix) :]: info for info in s3.list_objects(url)}
+    objects = dict(_spread.checkpoint_objects(s3, url))  # relative paths as recorded, spread directories' too
     ranks: list[int | None] = [None] if metadata in objects else []
     ranks += sorted(
         int(name[2 : -len(metadata)])

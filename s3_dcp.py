@@ -54,11 +54,13 @@ if __package__:
     from . import s3_checkpoint_io as _ckpt_io
     from . import s3_dirpath_utils as _urls
     from . import s3_fencing as _fencing
+    from . import s3_prefix_spreading as _spread
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_checkpoint_io as _ckpt_io
     import s3_dirpath_utils as _urls
     import s3_fencing as _fencing
+    import s3_prefix_spreading as _spread
     import s3_utils as _s3
 
 # ---- torch, imported once: every DCP name this module uses (the private ones are pinned by tests/test_dcp.py) -------
@@ -178,7 +180,7 @@ def _require_dcp() -> None:
 
 
 def _join(base: str, name: str) -> str:
-    return base.rstrip("/") + "/" + name
+    return _spread.join(base, name)  # a name may lead to a spread directory beside the checkpoint's (../)
 
 
 def _checkpoint_url(path: str | os.PathLike[str]) -> str:
@@ -497,6 +499,8 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
             or a mapping); max_requests_per_second: the job's S3 request budget. Neither with `s3_utils`.
         filesystem_writer_options: torch's other ``FileSystemWriter`` arguments, accepted where S3 gives them their
             meaning, else refused by name with the reason (`_FILESYSTEM_WRITER_OPTIONS`).
+        prefix_spreading: shards over this many key prefixes beside the checkpoint, ``"auto"`` (once the run was
+            throttled) or an `s3_prefix_spreading.PrefixSpreading`; None: one prefix (docs/scale.md).
     """
 
     def __init__(
@@ -517,9 +521,11 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         request_options: _s3.S3RequestOptions | dict[str, Any] | None = None,
         fencing: bool = True,
         max_requests_per_second: float | dict[str, float] | _s3.RequestRates | None = None,
+        prefix_spreading: int | str | _spread.PrefixSpreading | None = None,
         **filesystem_writer_options: Any,
     ) -> None:
         _check_filesystem_writer_options(filesystem_writer_options)
+        self.prefix_spreading = _spread.PrefixSpreading.from_value(prefix_spreading)
         _validate_sizes(chunk_size_MB, max_write_concurrency, "max_write_concurrency")
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be an int >= 1, got {thread_count!r}")
@@ -550,6 +556,7 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         self.fencing = bool(fencing)
         self._run = _fencing.current_run()  # pickled along: DCP's process executor saves as this run
         self._replacing = False
+        self._layout = _spread.SaveLayout()
 
     def __getstate__(self) -> dict[str, Any]:
         """Settings travel (``async_save`` with the process executor pickles the writer; `S3Utils` pickles as its
@@ -583,12 +590,17 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         fence = self._fence()
         token = fence.token(self.path) if fence is not None else None
         self._retire_existing_checkpoint(fence)
+        own = self._metadata_rank()  # saving without collectives, this rank plans for itself alone
+        layout = self._layout = _spread.SaveLayout.plan(self.s3, self.path, self.prefix_spreading, self._replacing)
+        if (record := layout.record()) is not None:  # before any shard: gc and rm find every object
+            self._put(_spread.LAYOUT_NAME, record, fence)
         prefixes = [plan.storage_data or _FilePrefix(f"__{i}_") for i, plan in enumerate(plans)]
         return [
-            dataclasses.replace(plan, storage_data=dataclasses.replace(prefix, fence=token))
+            dataclasses.replace(plan, storage_data=_FilePrefix(
+                layout.file_prefix(self.path, prefix.prefix, i if own is None else own), token))
             if isinstance(prefix, _FilePrefix)
             else plan
-            for plan, prefix in zip(plans, prefixes, strict=True)
+            for i, (plan, prefix) in enumerate(zip(plans, prefixes, strict=True))
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
@@ -690,14 +702,14 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
 
     def _remove_stale_shards(self, kept: set[str], fence: Any = None) -> None:
         """After replacing a checkpoint saved by more ranks or threads: delete its shards the new one does not use."""
-        prefix = self.path + "/"
         stale = []
-        for obj in self.s3.list_objects(self.path):
-            name = obj.url[len(prefix) :]
-            if "/" not in name and name.endswith(DCP_SHARD_SUFFIX) and name not in kept:
-                stale.append(obj.url)
+        for name, obj in _spread.checkpoint_objects(self.s3, self.path, self._layout.stale_shard_directories()):
+            if ("/" not in name or name.startswith("../")) and name.endswith(DCP_SHARD_SUFFIX) and name not in kept:
+                stale.append(obj.url)  # at the top level of the checkpoint or of a spread directory
         for url in stale:
             self.s3.remove_object(url, fence=fence)  # and the checksum record this package may keep beside it
+        if self._layout.previous and not self._layout.directories:  # a spread checkpoint replaced by an unspread one
+            self.s3.remove_object(_join(self.path, _spread.LAYOUT_NAME), fence=fence)
         if stale:
             logger.info(
                 "Removed %d shard(s) of the replaced checkpoint at %s that the new one does not use",
@@ -1936,8 +1948,8 @@ class S3ShardedStrategyMixin:
 
     Extra keyword arguments (all optional): chunk_size_MB, max_read_concurrency, max_write_concurrency, thread_count,
     checksum_algorithm, endpoint_url, region_name, client_settings, retry_policy, fencing, max_requests_per_second
-    (as `S3CheckpointIO`), and s3_planners (default True: DCP saves and loads plan with `S3SavePlanner` /
-    `S3LoadPlanner`; False: torch's default planners).
+    (as `S3CheckpointIO`), prefix_spreading (as `S3StorageWriter`), and s3_planners (default True: DCP saves and loads
+    plan with `S3SavePlanner` / `S3LoadPlanner`; False: torch's default planners).
     """
 
     lightning_base: type
@@ -1954,6 +1966,7 @@ class S3ShardedStrategyMixin:
         "retry_policy": None,
         "fencing": True,
         "max_requests_per_second": None,
+        "prefix_spreading": None,
         "s3_planners": True,
     }
 
@@ -1962,6 +1975,7 @@ class S3ShardedStrategyMixin:
         _validate_sizes(options["chunk_size_MB"], options["max_write_concurrency"], "max_write_concurrency")
         _validate_sizes(options["chunk_size_MB"], options["max_read_concurrency"], "max_read_concurrency")
         _s3.validate_checksum_algorithm(options["checksum_algorithm"])
+        _spread.PrefixSpreading.from_value(options["prefix_spreading"])  # refused here, not at the first save
         self.s3 = _s3.S3Utils.from_arguments(
             client_settings=options["client_settings"],
             endpoint_url=options["endpoint_url"],
@@ -2007,6 +2021,7 @@ class S3ShardedStrategyMixin:
             checksum_algorithm=o["checksum_algorithm"],
             s3_utils=self.s3,
             fencing=o["fencing"],
+            prefix_spreading=o["prefix_spreading"],
         )
 
     def s3_storage_reader(self, path: str) -> S3StorageReader:
@@ -2050,7 +2065,7 @@ class S3ShardedStrategyMixin:
 
             def save_full() -> None:
                 sharded = url + "/"  # a sharded checkpoint of the same name
-                self.s3.remove_objects_with_prefix(sharded, fence=io.fence_for(url))
+                _spread.remove_checkpoint(self.s3, sharded, fence=io.fence_for(url))
                 io.save_checkpoint(checkpoint, url)
 
             self._on_rank_zero(save_full, f"saving {url}")
@@ -2090,7 +2105,7 @@ class S3ShardedStrategyMixin:
         if self.is_global_zero:  # type: ignore[attr-defined]
             url = _checkpoint_url(filepath)
             self.s3_checkpoint_io.wait_for_pending_saves()
-            self.s3.remove_objects_with_prefix(url, fence=self.s3_checkpoint_io.fence_for(url))  # url and url/...
+            _spread.remove_checkpoint(self.s3, url, fence=self.s3_checkpoint_io.fence_for(url))  # and spread files
             _s3.invalidate_fsspec_cache(url)
         return None
 

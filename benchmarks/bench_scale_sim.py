@@ -10,8 +10,8 @@ Scenarios (every rank starts at once):
 
 * saves, single-file (each rank one file, as NeMo's model-parallel ranks write) and DCP (``__{rank}_0.distcp``, then
   the coordinator's checksum record and ``.metadata``), each rank `--mib` MiB in 16 MiB parts, with the default layout
-  (every key under ``run/step-N/``: one partition) and spread over `--prefixes` prefixes (``run/{p:04x}/step-N/``,
-  s3torchconnector's prefix strategies; assumed already partitioned by S3);
+  (every key under ``run/step-N/``: one partition) and spread over `--prefixes` prefixes (the shards in
+  ``run/s3ckpt-spread-XX/step-N/``, `s3_prefix_spreading`'s layout; assumed already partitioned by S3);
   clients: the package's default (its pacer, shared by a host's ranks), with a job budget
   (``max_requests_per_second`` a little under S3's rates) and, at the smallest rank count, without pacing
   (SlowDown retried like any other error: counted attempts, exponential backoff, as botocore's standard mode);

@@ -49,6 +49,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import s3_node_sharing  # noqa: E402
+import s3_prefix_spreading  # noqa: E402
 import s3_utils  # noqa: E402
 
 MiB = 1 << 20
@@ -390,7 +391,8 @@ class Workload:
     mib_per_rank: float = 256.0  # each rank's file (save, DCP load); the checkpoint every rank loads (single load)
     part_mib: float = 16.0
     layout: str = "one-prefix"  # or "spread"
-    prefixes: int = 1  # spread: how many (already partitioned) prefixes the keys go over
+    prefixes: int = 1  # spread: how many prefixes the keys go over
+    partitioned: bool = True  # spread: whether S3 has partitioned those prefixes already
     load_sharing: str = "node"  # single-file load: "node", "job" or "rank"
     step: int = 1000
     extra_writes_per_file: int = 0  # e.g. the checksum record on stores without full-object checksums
@@ -399,13 +401,20 @@ class Workload:
 
 
 def key_of(work: Workload, name: str, spread_index: int) -> str:
-    if work.layout == "spread":
-        return f"run/{spread_index % work.prefixes:04x}/step-{work.step}/{name}"
+    """The key of `name` as the package lays it out: a spread save's shards (``*.distcp``, ``*.ckpt``) in
+    ``run/s3ckpt-spread-XX/step-N/`` (`s3_prefix_spreading`, the rank's prefix), everything else in ``run/step-N/``."""
+    if work.layout == "spread" and not name.startswith("."):
+        spreading = s3_prefix_spreading.PrefixSpreading(work.prefixes)
+        return f"run/{spreading.segment(spreading.index_of(spread_index))}/step-{work.step}/{name}"
     return f"run/step-{work.step}/{name}"
 
 
 def spread_prefixes(work: Workload) -> list[str]:
-    return [f"run/{p:04x}/" for p in range(work.prefixes)] if work.layout == "spread" else []
+    """The spread layout's prefixes (``run/s3ckpt-spread-XX/``), each assumed partitioned by S3 already."""
+    if work.layout != "spread":
+        return []
+    spreading = s3_prefix_spreading.PrefixSpreading(work.prefixes)
+    return [f"run/{spreading.segment(p)}/" for p in range(work.prefixes)]
 
 
 def rank_phases(work: Workload, rank: int, node_keys: list[str]) -> list[list[tuple[str, str, int]]] | None:
@@ -468,15 +477,16 @@ def _world(ranks: int) -> Iterator[None]:
 
 def run(
     work: Workload, client: ClientParams | None = None, s3: S3Params | None = None, seed: int = 0,
-    start_spread_s: float = 0.0, horizon_s: float = 7200.0,
+    start_spread_s: float = 0.0, horizon_s: float = 7200.0, partitions: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Simulate `work` (all ranks start together, or over `start_spread_s`); the measures as a dict."""
+    """Simulate `work` (all ranks start together, or over `start_spread_s`); the measures as a dict. `partitions`:
+    lower bounds of partitions S3 has already (an earlier run's ``partition_lows``: its splits outlive it)."""
     client = client or ClientParams()
     s3 = s3 or S3Params()
     random.seed(seed)
     rng = random.Random(seed)
     clock = Clock()
-    model = S3Model(s3, spread_prefixes(work))
+    model = S3Model(s3, [*(spread_prefixes(work) if work.partitioned else []), *(partitions or [])])
     direction = "write" if work.direction == "save" else "read"
     per_host = client.ranks_per_host
     node_keys = [f"node{r // per_host}" for r in range(work.ranks)]
@@ -550,6 +560,7 @@ def run(
         "downloads": len(ops) if work.direction == "load" and work.kind == "single" else None,
         "partitions_used": used,
         "splits": len(model.splits),
+        "partition_lows": list(model.lows),
         "p50_s": times[len(times) // 2] if times else None,
         "p99_s": times[min(len(times) - 1, int(0.99 * len(times)))] if times else None,
         "events": clock.events,

@@ -33,6 +33,7 @@ TWO_RANK_SCENARIOS = [
     "async_thread",
     "async_process",
     "no_collectives",
+    "spread",
     "from_torch_writer",
     "to_torch_reader",
     "faulty_rank",
@@ -117,6 +118,18 @@ def test_without_collectives_each_rank_commits_its_own_metadata(dcp_run: dict[st
     assert {"__0.metadata", "__1.metadata", "__0.s3ckpt-items.json", "__1.s3ckpt-items.json"} <= set(names)
     assert ".metadata" not in names
     _assert_loaded_identical(dcp_run["outs"][2], "no_collectives", 2)
+
+
+def test_a_spread_save_puts_each_ranks_shard_in_its_prefix_and_loads(dcp_run: dict[str, Any]) -> None:
+    for name, records in (("spread", {".metadata", ".s3ckpt-items.json"}),
+                          ("spread-no-collectives", {"__0.metadata", "__1.metadata"})):
+        assert records | {".s3ckpt-layout.json"} <= set(_names(dcp_run, name))
+        assert not [n for n in _names(dcp_run, name) if n.endswith(".distcp")]
+        for rank in (0, 1):
+            assert _names(dcp_run, f"s3ckpt-spread-0{rank}/{name}") == [f"__{rank}_0.distcp"]
+    for outcome in _outcomes(dcp_run["outs"][2], "spread", 2):
+        assert outcome["ok"], f"{outcome.get('error')}\n{outcome.get('trace')}"
+        assert [outcome[name]["differences"] for name in ("spread", "spread-no-collectives")] == [[], []]
 
 
 def test_loads_what_torch_filesystem_writer_saved(dcp_run: dict[str, Any]) -> None:

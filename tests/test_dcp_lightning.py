@@ -70,10 +70,12 @@ def _launch(module: str, arguments: list[str], world_size: int, cwd: Path, what:
 
 
 def _run_ranks(
-    family: str, phase: str, dirpath: str, out: Path, cwd: Path, strategy: str = "model_parallel", world_size: int = 2
+    family: str, phase: str, dirpath: str, out: Path, cwd: Path, strategy: str = "model_parallel", world_size: int = 2,
+    prefix_spreading: int | None = None,
 ) -> None:
     arguments = ["--family", family, "--phase", phase, "--dirpath", dirpath, "--out", str(out)]
     arguments += ["--strategy", strategy, "--world-size", str(world_size)]
+    arguments += ["--prefix-spreading", str(prefix_spreading)] if prefix_spreading else []
     _launch("dcp_lightning_worker", arguments, world_size, cwd, phase)
 
 
@@ -105,18 +107,23 @@ def test_model_parallel_fit_checkpoints_to_s3_and_resumes(
     out.mkdir()
     cwd.mkdir()
 
-    _run_ranks(family, "fit", dirpath, out, cwd)
+    spread = 2 if family == "pytorch_lightning" else None  # one family saves with prefix spreading, one without
+    _run_ranks(family, "fit", dirpath, out, cwd, prefix_spreading=spread)
     keys = {k for k in keys_now(s3_client, bucket) if k.startswith("run/checkpoints/")}
     assert f"run/checkpoints/{OWNER_RECORD_NAME}" in keys  # rank 0's run took the directory over (fencing)
-    prefixes = {key.split("/")[2] for key in keys} - {OWNER_RECORD_NAME}
+    spread_dirs = {f"s3ckpt-spread-0{rank}" for rank in range(2)} if spread else set()
+    prefixes = {key.split("/")[2] for key in keys} - {OWNER_RECORD_NAME} - spread_dirs
     assert prefixes == {"step=4.ckpt", "step=6.ckpt", "last.ckpt"}  # top 2 by step, step=2 removed whole
     for name in prefixes:
         base = f"run/checkpoints/{name}/"
-        assert {
-            base + n for n in (".metadata", ".s3ckpt-items.json", "meta.pt", "__0_0.distcp", "__1_0.distcp")
-        } <= keys
+        assert {base + n for n in (".metadata", ".s3ckpt-items.json", "meta.pt")} <= keys
+        shards = [f"run/checkpoints/s3ckpt-spread-0{r}/{name}/__{r}_0.distcp" for r in range(2)] if spread else [
+            base + f"__{r}_0.distcp" for r in range(2)
+        ]
+        assert set(shards) <= keys and (base + ".s3ckpt-layout.json" in keys) == bool(spread)
+    assert {key.split("/")[3] for key in keys if key.split("/")[2] in spread_dirs} == (prefixes if spread else set())
 
-    _run_ranks(family, "resume", dirpath, out, cwd)
+    _run_ranks(family, "resume", dirpath, out, cwd, prefix_spreading=spread)
     end = torch.load(out / "fit-end.pt", weights_only=True)
     start = torch.load(out / "resume-start.pt", weights_only=True)
     assert end["global_step"] == 6 and start["global_step"] == 6

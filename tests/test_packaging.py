@@ -20,8 +20,8 @@ from optional_imports import extras as optional_dependencies
 
 REPO = Path(__file__).resolve().parent.parent
 CORE_MODULES = [
-    "s3_dirpath_utils", "s3_utils", "s3_fencing", "s3_checkpoint_io", "s3_dcp", "s3_node_sharing", "s3_memory_tier",
-    "connector",
+    "s3_dirpath_utils", "s3_utils", "s3_fencing", "s3_checkpoint_io", "s3_prefix_spreading", "s3_dcp",
+    "s3_node_sharing", "s3_memory_tier", "connector",
 ]
 
 
@@ -279,6 +279,9 @@ def test_connector_spells_the_dcp_file_names_as_s3_dcp_does() -> None:
     assert connector._s3_dcp() is s3_dcp
     names = ("METADATA_NAME", "DCP_SHARD_SUFFIX", "ITEM_CHECKSUMS_NAME", "LIGHTNING_META_NAME")
     assert [getattr(connector, f"_{name}") for name in names] == [getattr(s3_dcp, name) for name in names]
+    import s3_prefix_spreading
+
+    assert connector._LAYOUT_NAME == s3_prefix_spreading.LAYOUT_NAME
 
 
 FORK_RANK = """

@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--strategy", default="model_parallel", choices=["model_parallel", "fsdp"])
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--prefix-spreading", type=int, default=None, help="the strategy's prefix_spreading")
     args = parser.parse_args(argv)
     out = Path(args.out)
 
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_write_concurrency": 2,
         "max_read_concurrency": 2,
         "retry_policy": s3_utils.RetryPolicy(max_attempts=3, initial_backoff_s=0.05, max_backoff_s=0.2),
+        "prefix_spreading": args.prefix_spreading,
     }
     strategy_class = s3_dcp.sharded_strategy_class(args.strategy, args.family)
     if args.strategy == "model_parallel":

@@ -224,6 +224,18 @@ def scenario_no_collectives(ctx: Context) -> dict[str, Any]:
     return ctx.load_and_compare(ctx.reader("no-collectives"))
 
 
+def scenario_spread(ctx: Context) -> dict[str, Any]:
+    """Each rank's shard in a prefix of its own (``run/s3ckpt-spread-0R/spread/``), with and without collectives."""
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizer = _model(seed=0, world_size=ctx.world_size)
+    _train(model, optimizer, 2)
+    for name, collectives in (("spread", True), ("spread-no-collectives", False)):
+        writer = ctx.writer(name, prefix_spreading=ctx.world_size)
+        dcp.save(_sharded_state(model, optimizer), storage_writer=writer, use_collectives=collectives)
+    return {name: ctx.load_and_compare(ctx.reader(name)) for name in ("spread", "spread-no-collectives")}
+
+
 def scenario_from_torch_writer(ctx: Context) -> dict[str, Any]:
     """torch's FileSystemWriter saves locally, rank 0 uploads the files, our reader loads them."""
     import torch.distributed as dist
