@@ -47,19 +47,17 @@ else:  # installed (or copied) as top-level modules
     import s3_dirpath_utils as _urls
     import s3_utils as _s3
 
-__all__ = [
-    "LAYOUT_NAME", "SEGMENT_PREFIX", "PrefixSpreading", "SaveLayout", "checkpoint_objects", "in_spread_directory",
-    "join", "owner_of", "read_layout", "remove_checkpoint",
-]
+__all__ = ["PrefixSpreading"]
 
 logger = logging.getLogger(__name__)
 __version__ = _urls.__version__
 
-LAYOUT_NAME = ".s3ckpt-layout.json"
+LAYOUT_NAME = ".s3ckpt-layout.json"  # Package-internal (docs/api.md)
 """A spread checkpoint's layout record, beside its ``.metadata``: ``{"version": 1, "directories": [...]}``, each
-directory relative to the checkpoint (``../s3ckpt-spread-03/step-200/``)."""
-SEGMENT_PREFIX = "s3ckpt-spread-"
-"""The spread segment's fixed start; its hexadecimal index follows (``s3ckpt-spread-03``)."""
+directory relative to the checkpoint (``../s3ckpt-spread-03/step-200/``). Package-internal (docs/api.md)."""
+SEGMENT_PREFIX = "s3ckpt-spread-"  # Package-internal (docs/api.md)
+"""The spread segment's fixed start; its hexadecimal index follows (``s3ckpt-spread-03``). Package-internal
+(docs/api.md)."""
 _LAYOUT_VERSION = 1
 DEFAULT_AUTO_PREFIXES = 16
 """Prefixes of ``prefix_spreading="auto"`` once throttling was seen."""
@@ -138,7 +136,8 @@ def join(base: str, relative: str) -> str:
     """The URL of `relative` (a DCP relative path: ``__0_0.distcp`` or ``../s3ckpt-spread-00/step-2/__0_0.distcp``;
     a spread directory ``../s3ckpt-spread-00/step-2/`` gives its URL without the ``/``) under the checkpoint URL
     `base`. ``..`` goes up one key segment, at most to the directory holding `base` (where the spread directories
-    are): ValueError naming the URL beyond that (a crafted ``.metadata`` reads nothing else)."""
+    are): ValueError naming the URL beyond that (a crafted ``.metadata`` reads nothing else).
+    Package-internal (docs/api.md)."""
     base = base.rstrip("/")
     if not relative.startswith("../"):
         return base + "/" + relative
@@ -157,7 +156,7 @@ def join(base: str, relative: str) -> str:
 
 def read_layout(s3: _s3.S3Utils, checkpoint_url: str) -> list[str]:
     """The spread directories (relative, ``../s3ckpt-spread-03/step-200/``) the checkpoint's layout record names;
-    empty without one (one prefix). ValueError naming the record when it is not one."""
+    empty without one (one prefix). ValueError naming the record when it is not one. Package-internal (docs/api.md)."""
     url = join(checkpoint_url, LAYOUT_NAME)
     try:
         with s3.download_to_memory(url) as downloaded:
@@ -181,7 +180,7 @@ def checkpoint_objects(
 ) -> list[tuple[str, _s3.S3ObjectInfo]]:
     """``(relative path, object)`` of every object of the checkpoint: those under its own prefix (any depth), then
     those at the top level of each spread directory (`directories`, or those its layout record names), named as its
-    ``.metadata`` names them (``../s3ckpt-spread-03/step-200/__3_0.distcp``)."""
+    ``.metadata`` names them (``../s3ckpt-spread-03/step-200/__3_0.distcp``). Package-internal (docs/api.md)."""
     base = checkpoint_url.rstrip("/")
     found = [(info.url[len(base) + 1 :], info) for info in s3.list_objects(base, include_sidecars=include_sidecars)]
     for directory in read_layout(s3, base) if directories is None else directories:
@@ -195,13 +194,14 @@ def checkpoint_objects(
 
 def in_spread_directory(relative: str) -> bool:
     """Whether a key relative to a listed directory lies in a spread directory (a segment ``s3ckpt-spread-XX``):
-    it belongs to the checkpoint whose layout record names it, not to a checkpoint of its own."""
+    it belongs to the checkpoint whose layout record names it, not to a checkpoint of its own.
+    Package-internal (docs/api.md)."""
     return any(part.startswith(SEGMENT_PREFIX) for part in relative.split("/")[:-1])
 
 
 def owner_of(relative: str) -> str:
     """The checkpoint folder a key (or folder, ending in ``/``) in a spread directory belongs to, relative to the same
-    listing: ``run/s3ckpt-spread-03/step-200/__3_0.distcp`` -> ``run/step-200``."""
+    listing: ``run/s3ckpt-spread-03/step-200/__3_0.distcp`` -> ``run/step-200``. Package-internal (docs/api.md)."""
     parts = relative.split("/")[:-1]
     spread = next(i for i, part in enumerate(parts) if part.startswith(SEGMENT_PREFIX))
     return "/".join(parts[:spread] + parts[spread + 1 :])
@@ -210,7 +210,8 @@ def owner_of(relative: str) -> str:
 def remove_checkpoint(s3: _s3.S3Utils, checkpoint_url: str, *, fence: Any = None) -> int:
     """Delete a DCP checkpoint with its records, wherever its layout put its objects: first everything in its spread
     directories, then everything at and under `checkpoint_url` (the layout record among them, so that an interrupted
-    removal can be run again). `fence` as in `S3Utils.remove_objects_with_prefix`. How many keys."""
+    removal can be run again). `fence` as in `S3Utils.remove_objects_with_prefix`. How many keys.
+    Package-internal (docs/api.md)."""
     base = checkpoint_url.rstrip("/")
     removed = 0
     for directory in read_layout(s3, base):
@@ -226,7 +227,8 @@ def remove_checkpoint(s3: _s3.S3Utils, checkpoint_url: str, *, fence: Any = None
 @dataclass(frozen=True)
 class SaveLayout:
     """Where one DCP save puts its files: its spread directories (none: one prefix), and those an earlier checkpoint
-    at the same URL used (`previous`), whose shards the save removes once it committed if it does not reuse them."""
+    at the same URL used (`previous`), whose shards the save removes once it committed if it does not reuse them.
+    Package-internal (docs/api.md)."""
 
     spreading: PrefixSpreading | None = None
     directories: tuple[str, ...] = ()
