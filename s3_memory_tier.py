@@ -450,41 +450,61 @@ class NodeTier:
         free = self.free_bytes()
         if needed > free:
             raise TierFullError(errno.ENOSPC, f"memory tier {self.own}: {needed} bytes needed, {free} free")
-        path = self.path_of(url)
-        partial = _temporary_sibling(path)
-        stream, record_file = None, None
+        partial, stream = None, None
         try:  # from the first directory on: a full tmpfs (no room, no inode) is a fall-back, never a failed step
-            _private_directory(path.parent)
-            with os.fdopen(_create_private_file(partial), "wb", buffering=0) as raw:
+            partial, fd = self.temporary_file(url)
+            with os.fdopen(fd, "wb", buffering=0) as raw:
                 stream = _ChecksummingFile(raw.fileno(), self.algorithm)
                 write(checkpoint, stream)
             if self.config.capacity_bytes is not None and stream.size > free:
                 raise TierFullError(errno.ENOSPC, f"memory tier {self.own}: {stream.size} bytes over its capacity")
-            record = {
-                "format": _FORMAT,
-                "url": url,
-                "step": step,
-                "run": dataclasses.asdict(self.run),
-                "files": {path.name: [stream.size, _checksum_string(self.algorithm, stream.checksum)]},
-                "committed": time.time(),
-                "sequence": time.time_ns(),
-                "drain": None,
-            }
-            record_file = _json_file_beside(self.record_path(path), record)  # needs room: before any change
+            copy = self.commit(partial, url, step, stream.size, _checksum_string(self.algorithm, stream.checksum))
+            self._last_size = stream.size
+        except BaseException as exc:
+            if partial is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(partial)
+            error = exc if isinstance(exc, OSError) else getattr(stream, "error", None)
+            if isinstance(error, OSError) and not isinstance(error, TierFullError):
+                if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise TierFullError(error.errno, f"memory tier {self.own}: {error.strerror}") from exc
+            raise
+        return copy
+
+    def temporary_file(self, url: str) -> tuple[Path, int]:
+        """A new private temporary file beside where the copy of `url` lives (its directories made), open for writing:
+        ``(path, fd)``; `commit` makes it the copy."""
+        path = self.path_of(url)
+        _private_directory(path.parent)
+        partial = _temporary_sibling(path)
+        return partial, _create_private_file(partial)
+
+    def commit(self, partial: Path, url: str, step: int | None, size: int, checksum: str, **extra: Any) -> TierCopy:
+        """Make the written `temporary_file` the committed copy of `url` (`size` bytes, `checksum` spelt
+        ``"<ALGORITHM> <b64>"``; `extra` fields go into the commit record): the record is written first into a
+        sibling, then the old record goes, the file and the record are renamed into place."""
+        path = self.path_of(url)
+        record = {
+            "format": _FORMAT,
+            "url": url,
+            "step": step,
+            "run": dataclasses.asdict(self.run),
+            "files": {path.name: [size, checksum]},
+            "committed": time.time(),
+            "sequence": time.time_ns(),
+            "drain": None,
+            **extra,
+        }
+        record_file = _json_file_beside(self.record_path(path), record)  # needs room: before any change
+        try:
             with self._lock:  # the old record goes first: a kill between the renames leaves no false commit
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.record_path(path))
                 os.rename(partial, path)
                 os.rename(record_file, self.record_path(path))
-            self._last_size = stream.size
-        except BaseException as exc:
-            for leftover in (p for p in (partial, record_file) if p is not None):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(leftover)
-            error = exc if isinstance(exc, OSError) else getattr(stream, "error", None)
-            if isinstance(error, OSError) and not isinstance(error, TierFullError):
-                if error.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise TierFullError(error.errno, f"memory tier {self.own}: {error.strerror}") from exc
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(record_file)
             raise
         return TierCopy(url, path, record)
 
@@ -652,13 +672,17 @@ class NodeTier:
                 logger.warning("memory tier %s: dropping old checkpoints failed: %s", self.own, exc)
 
     def prune(self) -> list[str]:
-        """Keep the newest `MemoryTier.keep` checkpoints; drop older ones unless their drain is pending. Returns the
-        URLs dropped."""
-        copies = self.copies()
+        """Keep the newest `MemoryTier.keep` checkpoints; drop older ones unless a drain of theirs is pending. A
+        checkpoint is a copy, or the files whose records name one ``"checkpoint"`` (a DCP checkpoint's, one per
+        file). Returns the URLs dropped."""
+        checkpoints: dict[str, list[TierCopy]] = {}
+        for copy in self.copies():  # oldest first: a checkpoint ranks by its newest file
+            checkpoints.setdefault(copy.record.get("checkpoint") or copy.url, []).append(copy)
+        ordered = sorted(checkpoints.values(), key=lambda files: files[-1].record.get("sequence", 0))
         dropped = []
-        for copy in copies[: max(len(copies) - self.config.keep, 0)]:
-            if copy.drain != "pending" and self.remove(copy.url):
-                dropped.append(copy.url)
+        for files in ordered[: max(len(ordered) - self.config.keep, 0)]:
+            if all(copy.drain != "pending" for copy in files):
+                dropped += [copy.url for copy in files if self.remove(copy.url)]
         return dropped
 
 
