@@ -260,7 +260,8 @@ class DcpTier:
             self._drain_files(last.files, last.run, writer)
             if last.commit:
                 self._drain_commit(last.commit, _listed_files(last.commit), last.run, writer)
-        futures, self._futures = self._futures, []
+        with self._lock:
+            futures, self._futures = self._futures, []
         errors = []
         for future in futures:
             try:
@@ -274,8 +275,17 @@ class DcpTier:
     # ---- draining -------------------------------------------------------------------------------------------------
 
     def _submit(self, work: Any, *args: Any) -> None:
-        self._futures = [future for future in self._futures if not future.done() or future.exception() is not None]
-        self._futures.append(self._executor.submit(work, *args))
+        with self._lock:  # kept: failures, for `finish_drains` to raise
+            self._futures = [future for future in self._futures if not future.done() or future.exception() is not None]
+            self._futures.append(self._executor.submit(work, *args))
+
+    def _superseded(self, copy: _tier.TierCopy) -> bool:
+        """Whether a newer save of the same URL replaced `copy` in memory (its own drain, if due, takes over)."""
+        current = self.node.copy_of(copy.url)
+        if current is not None and current.record.get("sequence") == copy.record.get("sequence"):
+            return False
+        logger.info("memory tier: %s was saved again (or dropped) before its drain; that drain is skipped", copy.url)
+        return True
 
     def _drain_files(self, copies: list[_tier.TierCopy], run: _fencing.CheckpointRun, writer: Any) -> None:
         for copy in [self.node.set_drain(copy, "pending") for copy in copies]:
@@ -312,6 +322,8 @@ class DcpTier:
         """One rank's file: uploaded once no older checkpoint's ``.metadata`` is at its prefix (the coordinator removes
         that one first); nothing to do if S3 has it already (a drain the relaunch finishes)."""
         checkpoint, metadata = copy.record["checkpoint"], copy.record["commit"]
+        if self._superseded(copy):
+            return
         if self._on_s3(copy.url, copy.size, copy.checksum):
             self.node.set_drain(copy, "done")
             return
@@ -340,12 +352,17 @@ class DcpTier:
                   for name, entry in files.items()}  # fmt: skip
 
         def all_there() -> bool:
+            if self._superseded(metadata):
+                raise _SupersededError
             for url in list(wanted):
                 if self._on_s3(url, *wanted[url]):
                     del wanted[url]
             return not wanted
 
-        self._wait(all_there, f"every file of {checkpoint} to be on S3")
+        try:
+            self._wait(all_there, f"every file of {checkpoint} to be on S3")
+        except _SupersededError:
+            return
         for copy in commit:  # the item checksums, then .metadata
             self._upload(copy, fence, writer)
         logger.info("memory tier: drained %s to S3 (committed by its .metadata)", checkpoint)
@@ -362,7 +379,7 @@ class DcpTier:
 
     def _finish_pending_drains(self) -> None:
         """A relaunch: drains a killed process left pending go on (files, then the commits behind them)."""
-        pending = [copy for copy in self.node.pending_drains() if copy.record.get("checkpoint")]
+        pending = self.node.pending_drains(files_of_checkpoints=True)
         commits: dict[str, list[_tier.TierCopy]] = {}
         for copy in pending:
             if copy.url == copy.record.get("commit") or copy.url.endswith(ITEMS_SUFFIX):
@@ -377,6 +394,10 @@ class DcpTier:
             logger.warning("memory tier: finishing the drain of %s a previous process began", checkpoint)
             self._submit(self._upload_commit, commit, _listed_files(commit), self.run, None)
 
+
+
+class _SupersededError(Exception):
+    """A newer save of the same checkpoint URL replaced the one being drained."""
 
 
 def _join(base: str, name: str) -> str:

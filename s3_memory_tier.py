@@ -1,8 +1,9 @@
 """A memory tier in front of S3: checkpoints land first in the node's tmpfs, S3 gets them behind (issue 40).
 
 An optional sibling of the core modules, switched on with ``S3CheckpointIO(memory_tier=...)`` (or the NeMo
-``s3_checkpointing: memory_tier:`` key). Without this file the core keeps its behaviour and a ``memory_tier``
-argument raises ImportError saying the file is missing. docs/tiers.md shows the user's side.
+``s3_checkpointing: memory_tier:`` key) and ``S3StorageWriter`` / ``S3StorageReader(memory_tier=...)``. Without this
+file the core keeps its behaviour and a ``memory_tier`` argument raises ImportError saying the file is missing.
+docs/tiers.md shows the user's side.
 
 1. Configuration: `MemoryTier` (where, how many checkpoints, how often S3 gets one, an optional byte budget).
 2. The node's tier of one job: `NodeTier`. A checkpoint of ``s3://bucket/key`` lands in
@@ -29,8 +30,9 @@ argument raises ImportError saying the file is missing. docs/tiers.md shows the 
    can load and each rank's fastest tier for its part; `copy_to_load` reads it there (`fetch_replica`: a replaced
    node's part from its peer, verified against manifest and record, then committed as its own copy).
 
-`S3CheckpointIO` drives all of it (when to drain, removals, loads): this module only knows files and records.
-Not built yet: DCP (`s3_dcp`) and megatron-core paths (docs/tiers.md).
+`S3CheckpointIO` drives all of it (when to drain, removals, loads): this module only knows files and records. DCP's
+`S3StorageWriter` / `S3StorageReader` drive it through the sibling `s3_dcp_tier` (one copy per file, grouped into a
+checkpoint by their records). Not built yet: the megatron-core path, DCP replication (docs/tiers.md).
 """
 
 from __future__ import annotations
@@ -602,9 +604,12 @@ class NodeTier:
                         add(record, "replica")
         return found
 
-    def pending_drains(self) -> list[TierCopy]:
-        """Committed checkpoints whose drain to S3 was decided and not finished (a kill cut it short), oldest first."""
-        return [copy for copy in self.copies() if copy.drain == "pending"]
+    def pending_drains(self, files_of_checkpoints: bool = False) -> list[TierCopy]:
+        """Committed checkpoints whose drain to S3 was decided and not finished (a kill cut it short), oldest first;
+        with `files_of_checkpoints`, instead the files of multi-file checkpoints (DCP's, `s3_dcp_tier`), which drain
+        in their own order."""
+        pending = [copy for copy in self.copies() if copy.drain == "pending"]
+        return [copy for copy in pending if bool(copy.record.get("checkpoint")) == files_of_checkpoints]
 
     # ---- drain ---------------------------------------------------------------------------------------------------
 
