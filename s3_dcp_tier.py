@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 ITEMS_SUFFIX = ".s3ckpt-items.json"  # s3_dcp.ITEM_CHECKSUMS_NAME: the item checksums a ``.metadata`` goes with
 DRAIN_WAIT_S = 3600.0
 """How long the coordinator's drain waits for every listed file to be on S3 before it gives up (no ``.metadata``)."""
-_POLL_S = (0.05, 2.0)  # first and longest pause between two looks at S3
+_POLL_S = (0.05, 1.0)  # first and longest pause between two looks at S3
 
 
 def config(value: Any) -> _tier.MemoryTier | None:
@@ -354,10 +354,11 @@ class DcpTier:
         def all_there() -> bool:
             if self._superseded(metadata):
                 raise _SupersededError
-            for url in list(wanted):
-                if self._on_s3(url, *wanted[url]):
-                    del wanted[url]
-            return not wanted
+            for url in list(wanted):  # in order, up to the first one missing: one HEAD per look while waiting
+                if not self._on_s3(url, *wanted[url]):
+                    return False
+                del wanted[url]
+            return True
 
         try:
             self._wait(all_there, f"every file of {checkpoint} to be on S3")
