@@ -20,7 +20,9 @@ when it passes ``memory_tier``). docs/tiers.md shows the user's side. In parts:
    ``.metadata`` never reaches S3 before its files; a drain that fails or is killed leaves the checkpoint absent
    from S3 (its files orphaned, as a failed S3 save leaves them) until a relaunch finishes it. Watching S3 costs one
    HEAD per file per poll, off the training path; piggybacking on the next save's plan would instead delay
-   ``.metadata`` until a next save, which the last save of a run never has.
+   ``.metadata`` until a next save, which the last save of a run never has. A process drains on two threads, its
+   files on one, commits on the other (a commit waiting for other ranks never holds up this rank's uploads); a wait
+   gives up after `DRAIN_WAIT_S`, and a drain whose memory copy a newer save of the same URL replaced is skipped.
 4. Reads: `source_of` gives the reader, per file, this node's verified memory copy, else a verified replica held
    here, else None (S3). A copy that fails its checksum is skipped with an error in the log.
 
@@ -57,7 +59,7 @@ __all__ = ["DcpTier", "TierFile", "TierPlan", "cached_source", "config", "read_i
 logger = logging.getLogger(__name__)
 
 ITEMS_SUFFIX = ".s3ckpt-items.json"  # s3_dcp.ITEM_CHECKSUMS_NAME: the item checksums a ``.metadata`` goes with
-DRAIN_WAIT_S = 3600.0
+DRAIN_WAIT_S = 1800.0
 """How long the coordinator's drain waits for every listed file to be on S3 before it gives up (no ``.metadata``)."""
 _POLL_S = (0.05, 1.0)  # first and longest pause between two looks at S3
 
@@ -194,7 +196,10 @@ class DcpTier:
         self.node.claim()
         self.saves = 0
         self._last_drain = -float("inf")
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="s3ckpt-dcp-drain")
+        self._executors = {  # a commit waiting for other ranks' files never holds up this rank's own uploads
+            kind: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"s3ckpt-dcp-drain-{kind}")
+            for kind in ("files", "commits")
+        }
         self._futures: list[concurrent.futures.Future[None]] = []
         self._last: _LastSave | None = None
         self._open: dict[str, list[TierFile]] = {}  # a save's files, from `open_file` to `files_written`
@@ -274,10 +279,10 @@ class DcpTier:
 
     # ---- draining -------------------------------------------------------------------------------------------------
 
-    def _submit(self, work: Any, *args: Any) -> None:
+    def _submit(self, kind: str, work: Any, *args: Any) -> None:
         with self._lock:  # kept: failures, for `finish_drains` to raise
             self._futures = [future for future in self._futures if not future.done() or future.exception() is not None]
-            self._futures.append(self._executor.submit(work, *args))
+            self._futures.append(self._executors[kind].submit(work, *args))
 
     def _superseded(self, copy: _tier.TierCopy) -> bool:
         """Whether a newer save of the same URL replaced `copy` in memory (its own drain, if due, takes over)."""
@@ -289,12 +294,12 @@ class DcpTier:
 
     def _drain_files(self, copies: list[_tier.TierCopy], run: _fencing.CheckpointRun, writer: Any) -> None:
         for copy in [self.node.set_drain(copy, "pending") for copy in copies]:
-            self._submit(self._upload_file, copy, run, writer)
+            self._submit("files", self._upload_file, copy, run, writer)
 
     def _drain_commit(self, commit: list[_tier.TierCopy], files: dict[str, Any], run: _fencing.CheckpointRun,
                       writer: Any) -> None:  # fmt: skip
         commit = [self.node.set_drain(copy, "pending") for copy in commit]
-        self._submit(self._upload_commit, commit, files, run, writer)
+        self._submit("commits", self._upload_commit, commit, files, run, writer)
 
     def _fence(self, checkpoint: str, run: _fencing.CheckpointRun, writer: Any) -> Any:
         if not getattr(writer, "fencing", True):
@@ -387,13 +392,13 @@ class DcpTier:
                 commits.setdefault(copy.record["checkpoint"], []).append(copy)
             else:
                 logger.warning("memory tier: finishing the drain of %s a previous process began", copy.url)
-                self._submit(self._upload_file, copy, self.run, None)
+                self._submit("files", self._upload_file, copy, self.run, None)
         for checkpoint, commit in commits.items():
             commit.sort(key=lambda copy: copy.url == copy.record["commit"])  # the item checksums first
             if commit[-1].url != commit[-1].record["commit"]:
                 continue
             logger.warning("memory tier: finishing the drain of %s a previous process began", checkpoint)
-            self._submit(self._upload_commit, commit, _listed_files(commit), self.run, None)
+            self._submit("commits", self._upload_commit, commit, _listed_files(commit), self.run, None)
 
 
 
