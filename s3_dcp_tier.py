@@ -18,13 +18,18 @@ when it passes ``memory_tier``). docs/tiers.md shows the user's side. In parts:
    so a half-replaced checkpoint never looks complete), then watches S3 until every file the checkpoint lists is
    there with the recorded size and checksum, and only then uploads the item checksums and ``.metadata``. So
    ``.metadata`` never reaches S3 before its files; a drain that fails or is killed leaves the checkpoint absent
-   from S3 (its files orphaned, as a failed S3 save leaves them) until a relaunch finishes it. Watching S3 costs one
-   HEAD per file per poll, off the training path; piggybacking on the next save's plan would instead delay
+   from S3 (its files orphaned, as a failed S3 save leaves them) until a relaunch finishes it. Watching S3 costs a
+   HEAD per file once it is there and one per look while waiting (files are looked for in order), off the training
+   path; piggybacking on the next save's plan would instead delay
    ``.metadata`` until a next save, which the last save of a run never has. A process drains on two threads, its
    files on one, commits on the other (a commit waiting for other ranks never holds up this rank's uploads); a wait
    gives up after `DRAIN_WAIT_S`, and a drain whose memory copy a newer save of the same URL replaced is skipped.
 4. Reads: `source_of` gives the reader, per file, this node's verified memory copy, else a verified replica held
-   here, else None (S3). A copy that fails its checksum is skipped with an error in the log.
+   here, else None (S3). A copy that fails its checksum is skipped with an error in the log. The reader's
+   ``tier_sources`` says where each file came from.
+
+Every rank calls ``S3StorageWriter.finish_drains()`` at the end of a run: the last save drains if it did not, and the
+drains' failures are raised there.
 
 Not built: a tmpfs without room fails the save (the single-file path falls back to S3); replication of DCP files
 (`TierReplication` counts a replica per file, and its server keeps `keep` files, not checkpoints).
