@@ -31,14 +31,15 @@ when it passes ``memory_tier``). docs/tiers.md shows the user's side. In parts:
 Every rank calls ``S3StorageWriter.finish_drains()`` at the end of a run: the last save drains if it did not, and the
 drains' failures are raised there.
 
-Not built: a tmpfs without room fails the save (the single-file path falls back to S3); replication of DCP files
-(`TierReplication` counts a replica per file, and its server keeps `keep` files, not checkpoints).
+Not built: replication of DCP files (`TierReplication` counts a replica per file, and its server keeps `keep` files,
+not checkpoints).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -90,31 +91,72 @@ class TierPlan:
 
 class TierFile:
     """A DCP file written into the node's tier: what `S3StorageWriter` writes into instead of an
-    `s3_utils.S3MultipartWriter` (the same methods it uses), committed by `close` (`abort`: nothing left)."""
+    `s3_utils.S3MultipartWriter` (the same methods it uses), committed by `close` (`abort`: nothing left).
+
+    When the tier has no room for a rank's file (the tmpfs or `MemoryTier.capacity_bytes`), that file goes to S3
+    directly instead, what was written first (one warning per tier; fenced by this process's run): the save goes on,
+    and the coordinator's drain finds the file on S3 like a drained one. Not so for ``.metadata`` and its item
+    checksums (tiny; on S3 they would commit the checkpoint before its files), nor while an older checkpoint's
+    ``.metadata`` is at the prefix on S3 (its files would be overwritten under it): the save fails then."""
 
     def __init__(self, tier: DcpTier, url: str, checkpoint: str, commit: str, algorithm: str) -> None:
         self.url = url
         self._tier, self._checkpoint, self._commit = tier, checkpoint, commit
         self._algorithm = _s3.ChecksumAlgorithm.named(algorithm)
-        self._partial, self._fd = tier.node.temporary_file(url)
         self._pieces: list[tuple[int, int, int]] = []  # (offset, length, checksum) between boundaries
         self._start = self._size = self._checksum = 0
+        self._s3: _s3.S3MultipartWriter | None = None  # the fall-back, once the tier had no room
+        self._partial: Path | None = None
         self.info: _s3.S3ObjectInfo | None = None
         self.copy: _tier.TierCopy | None = None
         self.error: BaseException | None = None
+        try:
+            self._room = tier.node.free_bytes()
+            self._partial, self._fd = tier.node.temporary_file(url)
+        except OSError as exc:
+            self._fall_back(exc)
 
     def write(self, data: Any) -> int:
         try:
             view = memoryview(data).cast("B")
             total = len(view)
             self._checksum = self._algorithm.update(view, self._checksum)
-            while view:
-                view = view[os.write(self._fd, view) :]
+            if self._s3 is None:
+                view = self._write_to_tier(view)
+            if self._s3 is not None and len(view):
+                self._s3.write(view)
             self._size += total
             return total
         except BaseException as exc:
             self.error = exc
             raise
+
+    def _write_to_tier(self, view: memoryview) -> memoryview:
+        """Write `view` into the tier file; what is left of it once the file fell back to S3 (else nothing)."""
+        try:
+            if self._size + len(view) > self._room:
+                raise OSError(errno.ENOSPC, f"no room in the memory tier {self._tier.node.own} for {self.url}")
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError as exc:
+            self._fall_back(exc)
+        return view
+
+    def _fall_back(self, error: OSError) -> None:
+        """Send this file to S3 directly (see the class), what the tier file holds first; else raise `error`."""
+        small = self.url == self._commit or self.url.endswith(ITEMS_SUFFIX)
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT) or small or self._tier.s3.s3_path_exists(self._commit):
+            raise error
+        self._tier.node.warn_full_once(self.url, error)
+        fence = _fencing.DirectoryFence(self._tier.s3, _urls.s3_url_parent(self._checkpoint), self._tier.run)
+        self._s3 = self._tier.s3.open_writer(self.url, checksum_algorithm=self._algorithm.name, fence=fence)
+        if self._partial is not None:
+            os.close(self._fd)
+            with open(self._partial, "rb") as written:
+                while block := written.read(8 * _s3.MB):
+                    self._s3.write(block)
+            os.unlink(self._partial)
+            self._partial = None
 
     def write_borrowed(self, data: Any, owner: object) -> int:
         return self.write(data)  # the copy into memory is the save
@@ -132,8 +174,12 @@ class TierFile:
         return _s3.combine_checksums(self._algorithm, [(checksum, length) for _, length, checksum in pieces])
 
     def close(self) -> None:
-        """Commit the file in the tier (its commit record names its checkpoint)."""
+        """Commit the file in the tier (its commit record names its checkpoint), or on S3 after a fall-back."""
         self.mark_checksum_boundary()
+        if self._s3 is not None:
+            self._s3.close()  # completes the upload (aborted if that fails)
+            self.info = self._s3.info
+            return
         try:
             os.close(self._fd)
             total = _s3.combine_checksums(self._algorithm, [(checksum, length) for _, length, checksum in self._pieces])
@@ -155,10 +201,13 @@ class TierFile:
         self.close() if exc_type is None else self.abort()
 
     def abort(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self._fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._partial)
+        if self._s3 is not None:
+            self._s3.abort()
+        if self._partial is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._partial)
 
 
 # --------------------------------------------------------------------------------------------------------------------

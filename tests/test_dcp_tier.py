@@ -247,3 +247,19 @@ def test_a_drain_cut_short_at_its_commit_leaves_no_metadata_on_s3_and_the_next_p
     relaunched.finish_drains(None, drain_last=False)
     assert s3_names(s3_client, bucket, "run/step-1") == COMMITTED
     load(state_of(1), url, None)
+
+
+def test_a_file_the_tier_has_no_room_for_goes_to_s3_directly_and_the_save_goes_on(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = tier_config(tmp_path, drain_every=10, capacity_bytes=200_000)  # a shard is 1.2 MB, .metadata a few KB
+    save(state_of(1), f"s3://{bucket}/run/step-1", tier).finish_drains()
+    url = f"s3://{bucket}/run/step-2"
+    writer = save(state_of(2), url, tier)  # not a drained save: only the shard is on S3, the commit in memory
+    assert "no room in the memory tier" in caplog.text and "goes to S3 directly" in caplog.text
+    assert s3_names(s3_client, bucket, "run/step-2") == ["__0_0.distcp"]
+    reader = load(state_of(2), url, tier)
+    assert tiers_read(reader) == {".metadata": "memory", ".s3ckpt-items.json": "memory", "__0_0.distcp": "s3"}
+    writer.finish_drains()
+    assert s3_names(s3_client, bucket, "run/step-2") == COMMITTED
+    load(state_of(2), url, None)
