@@ -247,3 +247,15 @@ def test_a_file_the_tier_has_no_room_for_goes_to_s3_directly_and_the_save_goes_o
     writer.finish_drains()
     assert s3_names(s3_client, bucket, "run/step-2") == COMMITTED
     load(state_of(2), url, None)
+
+
+def test_a_save_over_a_checkpoint_on_s3_replaces_it_only_once_its_files_are_there(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """The older .metadata leaves S3 before the new files arrive, the new one comes after them: the prefix never
+    holds a .metadata with files of another save."""
+    tier, url = tier_config(tmp_path, drain_every=1), f"s3://{bucket}/run/last"
+    save(state_of(1), url, tier).finish_drains()
+    save(state_of(2), url, tier).finish_drains()
+    assert s3_names(s3_client, bucket, "run/last") == COMMITTED
+    load(state_of(2), url, None)
