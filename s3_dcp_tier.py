@@ -275,7 +275,7 @@ class DcpTier:
 
     def open_file(self, url: str, checkpoint: str, commit_name: str, algorithm: str) -> TierFile:
         """A file of the checkpoint at `checkpoint` (committed by its ``.metadata``, `commit_name`) into the tier."""
-        commit = _join(checkpoint, commit_name)
+        commit = _urls.join_s3_url(checkpoint, commit_name)
         self.node.claim()  # a straggler writes nothing
         file = TierFile(self, url, checkpoint, commit, algorithm)
         if url != commit and not url.endswith(ITEMS_SUFFIX):
@@ -285,10 +285,8 @@ class DcpTier:
 
     def files_written(self, checkpoint: str, plan: TierPlan, writer: Any) -> None:
         """After a rank's `write_data`: its files are committed in memory; drain them behind if the save drains."""
-        with self._lock:
-            files = self._open.pop(checkpoint, [])
-        copies = [file.copy for file in files if file.copy is not None]
-        with self._lock:
+        with self._lock:  # a file that fell back to S3 has no copy: it is there already
+            copies = [file.copy for file in self._open.pop(checkpoint, []) if file.copy is not None]
             self._last = _LastSave(checkpoint, plan.run, copies, drained=plan.drain)
         if plan.drain:
             self._drain_files(copies, plan.run, writer)
@@ -298,7 +296,7 @@ class DcpTier:
         """After the coordinator committed the item checksums and ``.metadata`` (its `name`) in memory: drain them
         behind the files (`files`: the item-checksum record's) if the save drains."""
         names = [name.removesuffix(".metadata") + ITEMS_SUFFIX, name]
-        commit = [self.node.copy_of(_join(checkpoint, name)) for name in names]
+        commit = [self.node.copy_of(_urls.join_s3_url(checkpoint, name)) for name in names]
         if None in commit:
             raise FileNotFoundError(f"memory tier: the commit of {checkpoint} is not in {self.node.own}")
         with self._lock:
@@ -407,7 +405,7 @@ class DcpTier:
             logger.warning("memory tier: removing the older %s before draining its successor", metadata.url)
             for copy in reversed(commit):
                 self.s3.remove_object(copy.url, fence=fence)
-        wanted = {_join(checkpoint, name): (entry["size"], f"{entry['algorithm']} {entry['checksum']}")
+        wanted = {_urls.join_s3_url(checkpoint, name): (entry["size"], f"{entry['algorithm']} {entry['checksum']}")
                   for name, entry in files.items()}  # fmt: skip
 
         def all_there() -> bool:
@@ -458,10 +456,6 @@ class DcpTier:
 
 class _SupersededError(Exception):
     """A newer save of the same checkpoint URL replaced the one being drained."""
-
-
-def _join(base: str, name: str) -> str:
-    return f"{base.rstrip('/')}/{name}"
 
 
 def _listed_files(commit: list[_tier.TierCopy]) -> dict[str, Any]:
