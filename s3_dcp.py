@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import importlib
 import inspect
 import io
 import json
@@ -183,6 +184,21 @@ def _join(base: str, name: str) -> str:
     return _spread.join(base, name)  # a name may lead to a spread directory beside the checkpoint's (../)
 
 
+def _tier_config(value: Any) -> Any:
+    """The `s3_memory_tier.MemoryTier` a ``memory_tier=`` means (None: off); ImportError naming a file a fork lacks."""
+    try:
+        return None if value is None or value is False else _dcp_tier().config(value)
+    except ModuleNotFoundError as exc:
+        if (missing := (exc.name or "").rsplit(".", 1)[-1]) not in ("s3_dcp_tier", "s3_memory_tier"):
+            raise
+        raise ImportError(f"memory_tier needs {missing}.py beside s3_dcp.py (part of s3-checkpoint-io; a fork that "
+                          "copied only some files lacks it): copy it there, or leave memory_tier unset") from exc
+
+
+def _dcp_tier() -> Any:  # the memory tier's DCP side, a sibling module imported on first use
+    return importlib.import_module(f"{__package__}.s3_dcp_tier" if __package__ else "s3_dcp_tier")
+
+
 def _checkpoint_url(path: str | os.PathLike[str]) -> str:
     url = _urls.normalize_s3_url(path).rstrip("/")
     bucket, key = _urls.parse_s3_url(url)
@@ -230,6 +246,7 @@ class _FilePrefix:
 
     prefix: str
     fence: _fencing.FenceToken | None = None
+    tier: Any = None  # with a memory tier: the coordinator's `s3_dcp_tier.TierPlan` of this save
 
 
 @dataclass(frozen=True)
@@ -467,6 +484,10 @@ class _CheckpointPrefix:
     """What `S3StorageWriter` and `S3StorageReader` share: one checkpoint's ``s3://`` prefix as DCP's id for it."""
 
     path: str
+    memory_tier: Any = None  # an `s3_memory_tier.MemoryTier`: files go through the node's memory (s3_dcp_tier)
+
+    def _tier(self) -> Any:
+        return _dcp_tier().tier_of(self.memory_tier, self.s3, getattr(self, "checksum_algorithm", "auto"))
 
     @property
     def checkpoint_id(self) -> str:
@@ -501,6 +522,8 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
             meaning, else refused by name with the reason (`_FILESYSTEM_WRITER_OPTIONS`).
         prefix_spreading: shards over this many key prefixes beside the checkpoint, ``"auto"`` (once the run was
             throttled) or an `s3_prefix_spreading.PrefixSpreading`; None: one prefix (docs/scale.md).
+        memory_tier: save into the node's memory, S3 behind (`s3_memory_tier.MemoryTier`, a mapping of its fields, a
+            path or True); every rank calls `finish_drains` at the end (docs/tiers.md). Not with `prefix_spreading`.
     """
 
     def __init__(
@@ -522,6 +545,7 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         fencing: bool = True,
         max_requests_per_second: float | dict[str, float] | _s3.RequestRates | None = None,
         prefix_spreading: int | str | _spread.PrefixSpreading | None = None,
+        memory_tier: Any = None,
         **filesystem_writer_options: Any,
     ) -> None:
         _check_filesystem_writer_options(filesystem_writer_options)
@@ -557,6 +581,12 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         self._run = _fencing.current_run()  # pickled along: DCP's process executor saves as this run
         self._replacing = False
         self._layout = _spread.SaveLayout()
+        self.memory_tier, self._tier_plan = _tier_config(memory_tier), None
+        if self.memory_tier is not None and self.prefix_spreading is not None:
+            raise ValueError(
+                f"S3StorageWriter({self.path}): memory_tier and prefix_spreading together are not built; drop one "
+                "(docs/tiers.md)"
+            )
 
     def __getstate__(self) -> dict[str, Any]:
         """Settings travel (``async_save`` with the process executor pickles the writer; `S3Utils` pickles as its
@@ -587,17 +617,27 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         """Once before any rank writes (coordinator; every rank without collectives): take the directory over for
         this run, refuse an existing checkpoint with ``overwrite=False`` or retire its ``.metadata`` (incomplete until
         the new one lands), and give every rank its file prefix and the hold to check."""
-        fence = self._fence()
+        self._tier_plan = tier = self._tier().plan() if self.memory_tier is not None else None  # S3 comes behind
+        fence = self._fence() if tier is None else None
         token = fence.token(self.path) if fence is not None else None
-        self._retire_existing_checkpoint(fence)
+        if tier is None or not self.overwrite:
+            self._retire_existing_checkpoint(fence)
         own = self._metadata_rank()  # saving without collectives, this rank plans for itself alone
-        layout = self._layout = _spread.SaveLayout.plan(self.s3, self.path, self.prefix_spreading, self._replacing)
+        layout = self._layout = (
+            _spread.SaveLayout.plan(self.s3, self.path, self.prefix_spreading, self._replacing)
+            if tier is None
+            else _spread.SaveLayout()  # the tier's files keep the checkpoint's own prefix
+        )
         if (record := layout.record()) is not None:  # before any shard: gc and rm find every object
             self._put(_spread.LAYOUT_NAME, record, fence)
         prefixes = [plan.storage_data or _FilePrefix(f"__{i}_") for i, plan in enumerate(plans)]
         return [
-            dataclasses.replace(plan, storage_data=_FilePrefix(
-                layout.file_prefix(self.path, prefix.prefix, i if own is None else own), token))
+            dataclasses.replace(plan, storage_data=dataclasses.replace(
+                prefix,
+                prefix=layout.file_prefix(self.path, prefix.prefix, i if own is None else own),
+                fence=token,
+                tier=tier,
+            ))
             if isinstance(prefix, _FilePrefix)
             else plan
             for i, (plan, prefix) in enumerate(zip(plans, prefixes, strict=True))
@@ -630,6 +670,8 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
                         errors.append(exc)
             if errors:
                 raise next((e for e in errors if not isinstance(e, _SaveCancelledError)), errors[0])
+        if self.memory_tier is not None:  # committed in memory; drained behind if this save drains
+            self._tier().files_written(self.path, prefix.tier, self)
         done = torch.futures.Future()
         done.set_result(results)
         return done
@@ -661,13 +703,26 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         fence = self._fence()  # checked before the record, before .metadata and before each removal
         self._put(item_checksums_name(rank), json.dumps(record, sort_keys=True).encode(), fence)
         self._put(metadata_name(rank), pickle.dumps(metadata), fence)
+        if self.memory_tier is not None:
+            self._tier().committed(self.path, metadata_name(rank), files, self._tier_plan, self)
         if self._replacing and rank is None:  # only the coordinator of a collective save knows every file
             self._remove_stale_shards(set(files), fence)
         self._replacing = False
         _s3.invalidate_fsspec_cache(self.path)  # Lightning's ModelCheckpoint asks s3fs what exists
         logger.info("Committed DCP checkpoint %s (%d files)", _join(self.path, metadata_name(rank)), len(files))
 
+    def finish_drains(self, drain_last: bool = True) -> None:
+        """Memory tier, every rank at the end of a run: drain the last save if it did not (a run that ends normally
+        leaves its last checkpoint on S3), wait for this process's drains, raise the first failure."""
+        if self.memory_tier is not None:
+            self._tier().finish_drains(self, drain_last)
+
     # ---- internals ------------------------------------------------------------------------------------------------
+
+    def _open(self, url: str, chunk_size_MB: float, concurrency: int, fence: Any) -> Any:
+        if self.memory_tier is not None:  # the node's memory tier, else an S3 multipart upload
+            return self._tier().open_file(url, self.path, metadata_name(self._metadata_rank()), self.checksum_algorithm)
+        return self.s3.open_writer(url, chunk_size_MB, concurrency, self.checksum_algorithm, fence=fence)
 
     def _metadata_rank(self) -> int | None:
         return self.rank if not self.use_collectives and self.rank is not None else None
@@ -718,13 +773,7 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
             )
 
     def _put(self, name: str, body: bytes, fence: Any = None) -> None:
-        with self.s3.open_writer(
-            _join(self.path, name),
-            max(self.chunk_size_MB, len(body) / _s3.MB + 1),
-            1,
-            self.checksum_algorithm,
-            fence=fence,
-        ) as writer:
+        with self._open(_join(self.path, name), max(self.chunk_size_MB, len(body) / _s3.MB + 1), 1, fence) as writer:
             writer.write(body)
 
     def _upload_error(self, url: str, cause: BaseException) -> CheckpointWriteError:
@@ -741,9 +790,7 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
     ) -> list[Any]:
         url = _join(self.path, name)
         algorithm = _s3.ChecksumAlgorithm.named(self.checksum_algorithm)
-        raw = self.s3.open_writer(
-            url, self.chunk_size_MB, self.max_write_concurrency, self.checksum_algorithm, fence=fence
-        )
+        raw = self._open(url, self.chunk_size_MB, self.max_write_concurrency, fence)
         stream = _ItemStream(raw, cancelled)
         ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
         ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
@@ -1138,13 +1185,14 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
             a GPT-style state's 2-9 MiB tensors each took GETs of their own: 2-3x the requests of reading the same
             bytes in chunks, and 1.3-1.5x the load's client CPU (benchmarks/realistic.md).
         read_path: how items reach their targets (`ReadPath` and its subclasses); default: `default_read_path()`.
+        memory_tier: read each file from the node's verified memory copy or a replica it holds, else S3 (as the writer).
         endpoint_url, region_name, client_settings, retry_policy, s3_utils: how to reach S3 (as `S3CheckpointIO`).
         request_options: bucket owner, requester pays; max_requests_per_second: the job's budget. Not with `s3_utils`.
     """
 
     def __getstate__(self) -> dict[str, Any]:
         """Settings travel (`S3Utils` pickles as its settings and retry policy); what a load read does not."""
-        return {**self.__dict__, "storage_data": None, "_records": None, "_file_progress": None}
+        return {**self.__dict__, "storage_data": None, "_records": None, "_file_progress": None, "tier_sources": {}}
 
     def __init__(
         self,
@@ -1162,6 +1210,7 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         s3_utils: _s3.S3Utils | None = None,
         request_options: _s3.S3RequestOptions | dict[str, Any] | None = None,
         max_requests_per_second: float | dict[str, float] | _s3.RequestRates | None = None,
+        memory_tier: Any = None,
     ) -> None:
         _validate_sizes(chunk_size_MB, max_read_concurrency, "max_read_concurrency")
         if read_path is not None and not isinstance(read_path, ReadPath):
@@ -1197,12 +1246,12 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         self._records: dict[str, Any] | None = None
         self._metadata_rank: int | None = None
         self._save_id: str | None = None
+        self.memory_tier, self.tier_sources = _tier_config(memory_tier), {}  # url: (path, tier) or None (S3)
 
     # ---- StorageReader --------------------------------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        self.storage_data = None
-        self._records = None
+        self.storage_data, self._records, self.tier_sources = None, None, {}
         if checkpoint_id:
             self.path = _checkpoint_url(checkpoint_id)
         self.load_id = str(uuid.uuid4())
@@ -1213,8 +1262,7 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         rank = kwargs.get("rank")
         url = _join(self.path, metadata_name(rank))
         try:
-            with self.s3.download_to_memory(url, self.chunk_size_MB, self.max_read_concurrency) as downloaded:
-                data = downloaded.read_all()
+            data = self._read_whole(url)
         except FileNotFoundError as exc:
             raise self._incomplete(url) from exc
         metadata = load_metadata_bytes(data, url)
@@ -1285,8 +1333,7 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
             return self._records or None
         url = _join(self.path, item_checksums_name(self._metadata_rank))
         try:
-            with self.s3.download_to_memory(url, self.chunk_size_MB, self.max_read_concurrency) as downloaded:
-                record = json.loads(downloaded.read_all())
+            record = json.loads(self._read_whole(url))
         except FileNotFoundError:
             self._records = {}
             return None
@@ -1388,6 +1435,15 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
 
     # ---- fetching -------------------------------------------------------------------------------------------------
 
+    def _local(self, url: str) -> Any:  # memory tier: (path, tier) of the node's verified copy or replica; None: S3
+        return None if self.memory_tier is None else _dcp_tier().cached_source(self._tier(), self.tier_sources, url)
+
+    def _read_whole(self, url: str) -> bytes:
+        if (local := self._local(url)) is not None:
+            return local[0].read_bytes()
+        with self.s3.download_to_memory(url, self.chunk_size_MB, self.max_read_concurrency) as downloaded:
+            return downloaded.read_all()
+
     def _accept_item(self, url: str, relative_path: str, item: _Item, algorithm: Any, actual: int) -> None:
         """Check an item's bytes against its recorded checksum and count them toward its file's whole-file check
         (files without a record, another writer's, load unverified with a warning)."""
@@ -1408,9 +1464,10 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
 
     def _get_range(self, url: str, start: int, views: list[memoryview], etag: str | None) -> None:
         """Fill `views` in order with the bytes of `url` from `start` on, in one ranged GET."""
-        length = sum(len(view) for view in views)
+        length, local = sum(len(view) for view in views), self._local(url)
+        read = self.s3.read_range_into if local is None else functools.partial(_dcp_tier().read_into, local[0])
         try:
-            filled = self.s3.read_range_into(url, start, views, etag=etag) if length else 0
+            filled = read(url, start, views, etag=etag) if length else 0
         except Exception as exc:
             if _s3.error_code(exc) in {"PreconditionFailed", "412"}:
                 raise _s3.ChecksumMismatchError(

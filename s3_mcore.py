@@ -176,9 +176,11 @@ class MegatronS3StorageWriter(_dcp.S3StorageWriter):
 _MEGATRON_ARGUMENTS = ("keep_only_main_replica", "thread_count", "cached_metadata", "separation_hint", "cpu_shm_mode")
 """megatron-core 0.19.2's ``TorchDistSaveShardedStrategy`` arguments after ``backend`` and ``version``."""
 _WRITER_OPTIONS = frozenset(inspect.signature(_dcp.S3StorageWriter.__init__).parameters).difference(
-    {"self", "path", "thread_count"}
+    {"self", "path", "thread_count", "memory_tier"}
 )
-"""The keyword arguments of `s3_dcp.S3StorageWriter` the strategy takes besides megatron-core's."""
+"""The keyword arguments of `s3_dcp.S3StorageWriter` the strategy takes besides megatron-core's (not ``memory_tier``:
+megatron-core's ``metadata.json`` and common state would reach S3 before the DCP files, and an async save's upload
+process ends before a drain would; docs/tiers.md)."""
 
 
 def _refuse_separation_hint(separation_hint: str | None, where: str) -> None:

@@ -1,8 +1,9 @@
 """A memory tier in front of S3: checkpoints land first in the node's tmpfs, S3 gets them behind.
 
 An optional sibling of the core modules, switched on with ``S3CheckpointIO(memory_tier=...)`` (or the NeMo
-``s3_checkpointing: memory_tier:`` key). Without this file the core keeps its behaviour and a ``memory_tier``
-argument raises ImportError saying the file is missing. docs/tiers.md shows the user's side.
+``s3_checkpointing: memory_tier:`` key) and ``S3StorageWriter`` / ``S3StorageReader(memory_tier=...)``. Without this
+file the core keeps its behaviour and a ``memory_tier`` argument raises ImportError saying the file is missing.
+docs/tiers.md shows the user's side.
 
 1. Configuration: `MemoryTier` (where, how many checkpoints, how often S3 gets one, an optional byte budget).
 2. The node's tier of one job: `NodeTier`. A checkpoint of ``s3://bucket/key`` lands in
@@ -29,8 +30,9 @@ argument raises ImportError saying the file is missing. docs/tiers.md shows the 
    can load and each rank's fastest tier for its part; `copy_to_load` reads it there (`fetch_replica`: a replaced
    node's part from its peer, verified against manifest and record, then committed as its own copy).
 
-`S3CheckpointIO` drives all of it (when to drain, removals, loads): this module only knows files and records.
-Not built yet: DCP (`s3_dcp`) and megatron-core paths (docs/tiers.md).
+`S3CheckpointIO` drives all of it (when to drain, removals, loads): this module only knows files and records. DCP's
+`S3StorageWriter` / `S3StorageReader` drive it through the sibling `s3_dcp_tier` (one copy per file, grouped into a
+checkpoint by their records). Not built yet: the megatron-core path, DCP replication (docs/tiers.md).
 
 Package-internal (docs/api.md) but for `MemoryTier`: users reach it through ``S3CheckpointIO(memory_tier=...)``.
 """
@@ -80,7 +82,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-COMMIT_RECORD_SUFFIX = ".s3ckpt-tier.json"
+COMMIT_RECORD_SUFFIX = ".s3ckpt-tier.json"  # Package-internal (docs/api.md)
 """Beside each checkpoint in the tier: its commit record (without it, the file is not a checkpoint)."""
 _LAUNCH_RECORD = "launch.json"
 _FORMAT = 1
@@ -152,7 +154,8 @@ class TierFullError(OSError):
 
 @dataclass(frozen=True)
 class TierCopy:
-    """A committed checkpoint in the tier: its file, the S3 URL it mirrors and its commit record."""
+    """A committed checkpoint in the tier: its file, the S3 URL it mirrors and its commit record. Package-internal
+    (docs/api.md)."""
 
     url: str
     path: Path
@@ -443,41 +446,61 @@ class NodeTier:
         free = self.free_bytes()
         if needed > free:
             raise TierFullError(errno.ENOSPC, f"memory tier {self.own}: {needed} bytes needed, {free} free")
-        path = self.path_of(url)
-        partial = _temporary_sibling(path)
-        stream, record_file = None, None
+        partial, stream = None, None
         try:  # from the first directory on: a full tmpfs (no room, no inode) is a fall-back, never a failed step
-            _private_directory(path.parent)
-            with os.fdopen(_create_private_file(partial), "wb", buffering=0) as raw:
+            partial, fd = self.temporary_file(url)
+            with os.fdopen(fd, "wb", buffering=0) as raw:
                 stream = _ChecksummingFile(raw.fileno(), self.algorithm)
                 write(checkpoint, stream)
             if self.config.capacity_bytes is not None and stream.size > free:
                 raise TierFullError(errno.ENOSPC, f"memory tier {self.own}: {stream.size} bytes over its capacity")
-            record = {
-                "format": _FORMAT,
-                "url": url,
-                "step": step,
-                "run": dataclasses.asdict(self.run),
-                "files": {path.name: [stream.size, _checksum_string(self.algorithm, stream.checksum)]},
-                "committed": time.time(),
-                "sequence": time.time_ns(),
-                "drain": None,
-            }
-            record_file = _json_file_beside(self.record_path(path), record)  # needs room: before any change
+            copy = self.commit(partial, url, step, stream.size, _checksum_string(self.algorithm, stream.checksum))
+            self._last_size = stream.size
+        except BaseException as exc:
+            if partial is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(partial)
+            error = exc if isinstance(exc, OSError) else getattr(stream, "error", None)
+            if isinstance(error, OSError) and not isinstance(error, TierFullError):
+                if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise TierFullError(error.errno, f"memory tier {self.own}: {error.strerror}") from exc
+            raise
+        return copy
+
+    def temporary_file(self, url: str) -> tuple[Path, int]:
+        """A new private temporary file beside where the copy of `url` lives (its directories made), open for writing:
+        ``(path, fd)``; `commit` makes it the copy."""
+        path = self.path_of(url)
+        _private_directory(path.parent)
+        partial = _temporary_sibling(path)
+        return partial, _create_private_file(partial)
+
+    def commit(self, partial: Path, url: str, step: int | None, size: int, checksum: str, **extra: Any) -> TierCopy:
+        """Make the written `temporary_file` the committed copy of `url` (`size` bytes, `checksum` spelt
+        ``"<ALGORITHM> <b64>"``; `extra` fields go into the commit record): the record is written first into a
+        sibling, then the old record goes, the file and the record are renamed into place."""
+        path = self.path_of(url)
+        record = {
+            "format": _FORMAT,
+            "url": url,
+            "step": step,
+            "run": dataclasses.asdict(self.run),
+            "files": {path.name: [size, checksum]},
+            "committed": time.time(),
+            "sequence": time.time_ns(),
+            "drain": None,
+            **extra,
+        }
+        record_file = _json_file_beside(self.record_path(path), record)  # needs room: before any change
+        try:
             with self._lock:  # the old record goes first: a kill between the renames leaves no false commit
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.record_path(path))
                 os.rename(partial, path)
                 os.rename(record_file, self.record_path(path))
-            self._last_size = stream.size
-        except BaseException as exc:
-            for leftover in (p for p in (partial, record_file) if p is not None):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(leftover)
-            error = exc if isinstance(exc, OSError) else getattr(stream, "error", None)
-            if isinstance(error, OSError) and not isinstance(error, TierFullError):
-                if error.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise TierFullError(error.errno, f"memory tier {self.own}: {error.strerror}") from exc
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(record_file)
             raise
         return TierCopy(url, path, record)
 
@@ -575,9 +598,12 @@ class NodeTier:
                         add(record, "replica")
         return found
 
-    def pending_drains(self) -> list[TierCopy]:
-        """Committed checkpoints whose drain to S3 was decided and not finished (a kill cut it short), oldest first."""
-        return [copy for copy in self.copies() if copy.drain == "pending"]
+    def pending_drains(self, files_of_checkpoints: bool = False) -> list[TierCopy]:
+        """Committed checkpoints whose drain to S3 was decided and not finished (a kill cut it short), oldest first;
+        with `files_of_checkpoints`, instead the files of multi-file checkpoints (DCP's, `s3_dcp_tier`), which drain
+        in their own order."""
+        pending = [copy for copy in self.copies() if copy.drain == "pending"]
+        return [copy for copy in pending if bool(copy.record.get("checkpoint")) == files_of_checkpoints]
 
     # ---- drain ---------------------------------------------------------------------------------------------------
 
@@ -645,13 +671,17 @@ class NodeTier:
                 logger.warning("memory tier %s: dropping old checkpoints failed: %s", self.own, exc)
 
     def prune(self) -> list[str]:
-        """Keep the newest `MemoryTier.keep` checkpoints; drop older ones unless their drain is pending. Returns the
-        URLs dropped."""
-        copies = self.copies()
+        """Keep the newest `MemoryTier.keep` checkpoints; drop older ones unless a drain of theirs is pending. A
+        checkpoint is a copy, or the files whose records name one ``"checkpoint"`` (a DCP checkpoint's, one per
+        file). Returns the URLs dropped."""
+        checkpoints: dict[str, list[TierCopy]] = {}
+        for copy in self.copies():  # oldest first: a checkpoint ranks by its newest file
+            checkpoints.setdefault(copy.record.get("checkpoint") or copy.url, []).append(copy)
+        ordered = sorted(checkpoints.values(), key=lambda files: files[-1].record.get("sequence", 0))
         dropped = []
-        for copy in copies[: max(len(copies) - self.config.keep, 0)]:
-            if copy.drain != "pending" and self.remove(copy.url):
-                dropped.append(copy.url)
+        for files in ordered[: max(len(ordered) - self.config.keep, 0)]:
+            if all(copy.drain != "pending" for copy in files):
+                dropped += [copy.url for copy in files if self.remove(copy.url)]
         return dropped
 
 

@@ -431,7 +431,7 @@ def test_the_import_check_sees_both_import_forms() -> None:
     assert _top_level_imports(ast.parse(source)) == {"s3_utils", "s3_fencing"}
 
 
-MAX_LINES = {"s3_utils": 3500, "s3_dcp": 2300, "s3_checkpoint_cli": 880, "s3_checkpoint_io": 1500}
+MAX_LINES = {"s3_utils": 3500, "s3_dcp": 2560, "s3_checkpoint_cli": 880, "s3_checkpoint_io": 1500}
 """Line limits of modules that may be larger than `DEFAULT_MAX_LINES`, the limit of every other root-level module."""
 DEFAULT_MAX_LINES = 1300
 

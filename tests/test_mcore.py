@@ -471,6 +471,8 @@ def test_the_strategy_takes_megatron_cores_arguments_and_defaults(megatron: Any)
         strategy_class(separation_hint="optimizer.")
     with pytest.raises(TypeError, match="S3TorchDistSaveShardedStrategy got an unexpected keyword argument 'bogus'"):
         strategy_class(bogus=1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'memory_tier'"):  # not built for megatron-core
+        strategy_class(memory_tier=True)
 
 
 def test_plain_classes_at_module_level(megatron: Any) -> None:

@@ -255,12 +255,16 @@ def test_the_tier_is_configured_by_one_argument_or_config_key(s3_server: Any, bu
         S3CheckpointIO(memory_tier={"rooot": str(tmp_path)})
 
 
-def test_without_the_module_the_core_says_what_is_missing() -> None:
+def test_without_the_module_the_core_and_the_dcp_writer_and_reader_say_what_is_missing() -> None:
     code = (
         "import sys; sys.modules['s3_memory_tier'] = None\n"
         "from s3_checkpoint_io import S3CheckpointIO\n"
-        "S3CheckpointIO()\n"
-        "try:\n    S3CheckpointIO(memory_tier=True)\nexcept ImportError as exc:\n    print(exc)\n"
+        "from s3_dcp import S3StorageReader, S3StorageWriter\n"
+        "S3CheckpointIO(), S3StorageWriter('s3://bkt/x'), S3StorageReader('s3://bkt/x')\n"
+        "for make in (lambda: S3CheckpointIO(memory_tier=True),\n"
+        "             lambda: S3StorageWriter('s3://bkt/x', memory_tier=True),\n"
+        "             lambda: S3StorageReader('s3://bkt/x', memory_tier={'keep': 1})):\n"
+        "    try:\n        make()\n    except ImportError as exc:\n        print(exc)\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
@@ -268,6 +272,7 @@ def test_without_the_module_the_core_says_what_is_missing() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "s3_memory_tier.py beside s3_checkpoint_io.py" in done.stdout
+    assert done.stdout.count("memory_tier needs s3_memory_tier.py beside s3_dcp.py") == 2
 
 
 @pytest.mark.slow

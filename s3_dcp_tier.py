@@ -1,0 +1,521 @@
+"""DCP checkpoints through the memory tier: ``S3StorageWriter(memory_tier=...)``, ``S3StorageReader(memory_tier=...)``.
+
+An optional sibling of `s3_dcp` built on `s3_memory_tier` (a fork without either file gets an ImportError naming it
+when it passes ``memory_tier``). docs/tiers.md shows the user's side. In parts:
+
+1. Files: `TierFile`, what the writer streams a ``__{rank}_{n}.distcp`` file into instead of an S3 multipart upload
+   (the same bytes and item checksums), committed in the node's tier as one copy per file with its commit record
+   (`s3_memory_tier.NodeTier.commit`); the record names the checkpoint (``"checkpoint"``), so `NodeTier.prune`
+   keeps or drops a checkpoint's files together. The coordinator's ``.metadata`` and item-checksum record are
+   committed the same way, ``.metadata`` last: in memory as on S3, a checkpoint without it is not one.
+2. The process's side of the tier: `DcpTier` (one per tier configuration and process): which saves drain (the first,
+   then every `MemoryTier.drain_every`-th, or after `MemoryTier.drain_minutes`, decided by the coordinator when it
+   plans the save and told to every rank in the plan), the background drains, and the relaunch's finishing of
+   drains a kill cut short (`NodeTier.pending_drains`, on each node's first local rank).
+3. Draining, without collectives: every rank uploads its own files from their memory pages (`NodeTier.upload`:
+   checked against the commit record before S3 commits them), fenced by the coordinator's run. The coordinator
+   first removes an older checkpoint's ``.metadata`` at the same prefix (the ranks wait for that before uploading,
+   so a half-replaced checkpoint never looks complete), then watches S3 until every file the checkpoint lists is
+   there with the recorded size and checksum, and only then uploads the item checksums and ``.metadata``. So
+   ``.metadata`` never reaches S3 before its files; a drain that fails or is killed leaves the checkpoint absent
+   from S3 (its files orphaned, as a failed S3 save leaves them) until a relaunch finishes it. Watching S3 costs a
+   HEAD per file once it is there and one per look while waiting (files are looked for in order), off the training
+   path; piggybacking on the next save's plan would instead delay
+   ``.metadata`` until a next save, which the last save of a run never has. A process drains on two threads, its
+   files on one, commits on the other (a commit waiting for other ranks never holds up this rank's uploads); a wait
+   gives up after `DRAIN_WAIT_S`, and a drain whose memory copy a newer save of the same URL replaced is skipped.
+4. Reads: `source_of` gives the reader, per file, this node's verified memory copy, else a verified replica held
+   here, else None (S3). A copy that fails its checksum is skipped with an error in the log. The reader's
+   ``tier_sources`` says where each file came from.
+
+Every rank calls ``S3StorageWriter.finish_drains()`` at the end of a run: the last save drains if it did not, and the
+drains' failures are raised there.
+
+Not built: replication of DCP files (`TierReplication` counts a replica per file, and its server keeps `keep` files,
+not checkpoints).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import errno
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__:
+    from . import s3_dirpath_utils as _urls
+    from . import s3_fencing as _fencing
+    from . import s3_memory_tier as _tier
+    from . import s3_utils as _s3
+else:  # installed (or copied) as top-level modules
+    import s3_dirpath_utils as _urls
+    import s3_fencing as _fencing
+    import s3_memory_tier as _tier
+    import s3_utils as _s3
+
+__all__: list[str] = []  # users reach it through S3StorageWriter / S3StorageReader(memory_tier=...)
+
+logger = logging.getLogger(__name__)
+
+ITEMS_SUFFIX = ".s3ckpt-items.json"  # s3_dcp.ITEM_CHECKSUMS_NAME: the item checksums a ``.metadata`` goes with
+DRAIN_WAIT_S = 1800.0
+"""How long the coordinator's drain waits for every listed file to be on S3 before it gives up (no ``.metadata``)."""
+_POLL_S = (0.05, 1.0)  # first and longest pause between two looks at S3
+
+
+def config(value: Any) -> _tier.MemoryTier | None:
+    """The `s3_memory_tier.MemoryTier` a ``memory_tier=`` argument means (None: off). Package-internal (docs/api.md)."""
+    return _tier.MemoryTier.from_value(value)
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """What the coordinator tells every rank in its save plan: whether this save drains to S3, and the run that
+    holds the checkpoint directory (every rank's upload is fenced by it). Package-internal (docs/api.md)."""
+
+    drain: bool
+    run: _fencing.CheckpointRun
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 1. Files
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class TierFile:
+    """A DCP file written into the node's tier: what `S3StorageWriter` writes into instead of an
+    `s3_utils.S3MultipartWriter` (the same methods it uses), committed by `close` (`abort`: nothing left).
+
+    When the tier has no room for a rank's file (the tmpfs or `MemoryTier.capacity_bytes`), that file goes to S3
+    directly instead, what was written first (one warning per tier; fenced by this process's run): the save goes on,
+    and the coordinator's drain finds the file on S3 like a drained one. Not so for ``.metadata`` and its item
+    checksums (tiny; on S3 they would commit the checkpoint before its files), nor while an older checkpoint's
+    ``.metadata`` is at the prefix on S3 (its files would be overwritten under it): the save fails then.
+    Package-internal (docs/api.md)."""
+
+    def __init__(self, tier: DcpTier, url: str, checkpoint: str, commit: str, algorithm: str) -> None:
+        self.url = url
+        self._tier, self._checkpoint, self._commit = tier, checkpoint, commit
+        self._algorithm = _s3.ChecksumAlgorithm.named(algorithm)
+        self._pieces: list[tuple[int, int, int]] = []  # (offset, length, checksum) between boundaries
+        self._start = self._size = self._checksum = 0
+        self._s3: _s3.S3MultipartWriter | None = None  # the fall-back, once the tier had no room
+        self._partial: Path | None = None
+        self.info: _s3.S3ObjectInfo | None = None
+        self.copy: _tier.TierCopy | None = None
+        self.error: BaseException | None = None
+        try:
+            self._room = tier.node.free_bytes()
+            self._partial, self._fd = tier.node.temporary_file(url)
+        except OSError as exc:
+            self._fall_back(exc)
+
+    def write(self, data: Any) -> int:
+        try:
+            view = memoryview(data).cast("B")
+            total = len(view)
+            self._checksum = self._algorithm.update(view, self._checksum)
+            if self._s3 is None:
+                view = self._write_to_tier(view)
+            if self._s3 is not None and len(view):
+                self._s3.write(view)
+            self._size += total
+            return total
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    def _write_to_tier(self, view: memoryview) -> memoryview:
+        """Write `view` into the tier file; what is left of it once the file fell back to S3 (else nothing)."""
+        try:
+            if self._size + len(view) > self._room:
+                raise OSError(errno.ENOSPC, f"no room in the memory tier {self._tier.node.own} for {self.url}")
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError as exc:
+            self._fall_back(exc)
+        return view
+
+    def _fall_back(self, error: OSError) -> None:
+        """Send this file to S3 directly (see the class), what the tier file holds first; else raise `error`."""
+        small = self.url == self._commit or self.url.endswith(ITEMS_SUFFIX)
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT) or small or self._tier.s3.s3_path_exists(self._commit):
+            raise error
+        self._tier.node.warn_full_once(self.url, error)
+        fence = _fencing.DirectoryFence(self._tier.s3, _urls.s3_url_parent(self._checkpoint), self._tier.run)
+        self._s3 = self._tier.s3.open_writer(self.url, checksum_algorithm=self._algorithm.name, fence=fence)
+        if self._partial is not None:
+            os.close(self._fd)
+            with open(self._partial, "rb") as written:
+                while block := written.read(8 * _s3.MB):
+                    self._s3.write(block)
+            os.unlink(self._partial)
+            self._partial = None
+
+    def write_borrowed(self, data: Any, owner: object) -> int:
+        return self.write(data)  # the copy into memory is the save
+
+    def mark_checksum_boundary(self) -> None:
+        if self._size > self._start:
+            self._pieces.append((self._start, self._size - self._start, self._checksum))
+            self._start, self._checksum = self._size, 0
+
+    def checksum_of(self, start: int, end: int) -> int:
+        """The checksum of bytes ``[start, end)``; both must be boundaries (as the S3 writer's)."""
+        pieces = [piece for piece in self._pieces if start <= piece[0] < end]
+        if start != end and (not pieces or pieces[0][0] != start or sum(p[1] for p in pieces) != end - start):
+            raise ValueError(f"{self.url}: {start}-{end} is not between checksum boundaries")
+        return _s3.combine_checksums(self._algorithm, [(checksum, length) for _, length, checksum in pieces])
+
+    def close(self) -> None:
+        """Commit the file in the tier (its commit record names its checkpoint), or on S3 after a fall-back."""
+        self.mark_checksum_boundary()
+        if self._s3 is not None:
+            self._s3.close()  # completes the upload (aborted if that fails)
+            self.info = self._s3.info
+            return
+        try:
+            os.close(self._fd)
+            total = _s3.combine_checksums(self._algorithm, [(checksum, length) for _, length, checksum in self._pieces])
+            checksum = self._algorithm.encode(total)
+            self.copy = self._tier.node.commit(
+                self._partial, self.url, None, self._size, f"{self._algorithm.name} {checksum}",
+                checkpoint=self._checkpoint, commit=self._commit,
+            )  # fmt: skip
+        except BaseException:
+            self.abort()
+            raise
+        bucket, key = _urls.parse_s3_url(self.url)
+        self.info = _s3.S3ObjectInfo(bucket, key, self._size, "", checksums={self._algorithm.response_field: checksum})
+
+    def __enter__(self) -> TierFile:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.close() if exc_type is None else self.abort()
+
+    def abort(self) -> None:
+        if self._s3 is not None:
+            self._s3.abort()
+        if self._partial is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._partial)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 2. The process's side of the tier
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _LastSave:
+    checkpoint: str
+    run: _fencing.CheckpointRun
+    files: list[_tier.TierCopy] = field(default_factory=list)
+    commit: list[_tier.TierCopy] = field(default_factory=list)  # the coordinator's: item checksums, .metadata
+    drained: bool = False
+
+
+_registry_lock = threading.Lock()
+_registry: dict[tuple[Any, ...], DcpTier] = {}
+
+
+def tier_of(memory_tier: _tier.MemoryTier, s3: _s3.S3Utils, checksum_algorithm: str = "auto") -> DcpTier:
+    """This process's `DcpTier` for `memory_tier`, opened (and claimed: a straggler of an older launch is refused)
+    on first use; on a node's first local rank that also finishes the drains a killed process left pending.
+    Package-internal (docs/api.md)."""
+    key = (memory_tier, _fencing.current_run().run_id)
+    with _registry_lock:
+        found = _registry.get(key)
+        if found is None:
+            found = _registry[key] = DcpTier(memory_tier, s3, checksum_algorithm)
+    return found
+
+
+class DcpTier:
+    """One process's DCP saves and drains through one node tier (`tier_of` keeps one per configuration).
+    Package-internal (docs/api.md)."""
+
+    def __init__(self, memory_tier: _tier.MemoryTier, s3: _s3.S3Utils, checksum_algorithm: str = "auto") -> None:
+        self.config = memory_tier
+        self.s3 = s3
+        self.run = _fencing.current_run()
+        self.node = _tier.NodeTier(memory_tier, self.run, checksum_algorithm)
+        self.node.claim()
+        self.saves = 0
+        self._last_drain = -float("inf")
+        self._executors = {  # a commit waiting for other ranks' files never holds up this rank's own uploads
+            kind: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"s3ckpt-dcp-drain-{kind}")
+            for kind in ("files", "commits")
+        }
+        self._futures: list[concurrent.futures.Future[None]] = []
+        self._last: _LastSave | None = None
+        self._open: dict[str, list[TierFile]] = {}  # a save's files, from `open_file` to `files_written`
+        self._sources_lock = threading.Lock()
+        self._lock = threading.Lock()
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            self._finish_pending_drains()
+
+    def plan(self) -> TierPlan:
+        """The coordinator's decision for its next save (counted): drain it or not."""
+        self.node.claim()
+        self.saves += 1
+        minutes = self.config.drain_minutes
+        timer = minutes is not None and time.monotonic() - self._last_drain >= minutes * 60
+        drain = (self.saves - 1) % self.config.drain_every == 0 or timer
+        if drain:
+            self._last_drain = time.monotonic()
+        return TierPlan(drain, self.run)
+
+    def open_file(self, url: str, checkpoint: str, commit_name: str, algorithm: str) -> TierFile:
+        """A file of the checkpoint at `checkpoint` (committed by its ``.metadata``, `commit_name`) into the tier."""
+        commit = _urls.join_s3_url(checkpoint, commit_name)
+        self.node.claim()  # a straggler writes nothing
+        file = TierFile(self, url, checkpoint, commit, algorithm)
+        if url != commit and not url.endswith(ITEMS_SUFFIX):
+            with self._lock:
+                self._open.setdefault(checkpoint, []).append(file)
+        return file
+
+    def files_written(self, checkpoint: str, plan: TierPlan, writer: Any) -> None:
+        """After a rank's `write_data`: its files are committed in memory; drain them behind if the save drains."""
+        with self._lock:  # a file that fell back to S3 has no copy: it is there already
+            copies = [file.copy for file in self._open.pop(checkpoint, []) if file.copy is not None]
+            self._last = _LastSave(checkpoint, plan.run, copies, drained=plan.drain)
+        if plan.drain:
+            self._drain_files(copies, plan.run, writer)
+        self.node.prune_soon()
+
+    def committed(self, checkpoint: str, name: str, files: dict[str, Any], plan: TierPlan, writer: Any) -> None:
+        """After the coordinator committed the item checksums and ``.metadata`` (its `name`) in memory: drain them
+        behind the files (`files`: the item-checksum record's) if the save drains."""
+        names = [name.removesuffix(".metadata") + ITEMS_SUFFIX, name]
+        commit = [self.node.copy_of(_urls.join_s3_url(checkpoint, name)) for name in names]
+        if None in commit:
+            raise FileNotFoundError(f"memory tier: the commit of {checkpoint} is not in {self.node.own}")
+        with self._lock:
+            if self._last is None or self._last.checkpoint != checkpoint:
+                self._last = _LastSave(checkpoint, plan.run, drained=plan.drain)
+            self._last.commit = commit
+        if plan.drain:
+            self._drain_commit(commit, files, plan.run, writer)
+        self.node.prune_soon()
+
+    def finish_drains(self, writer: Any, drain_last: bool = True) -> None:
+        """Every rank, at the end of a run: drain the last save if it did not drain (the last checkpoint of a run
+        that ends normally reaches S3), then wait for every drain of this process; raise the first failure."""
+        with self._lock:
+            last = self._last
+        if drain_last and last is not None and not last.drained:
+            last.drained = True
+            self._drain_files(last.files, last.run, writer)
+            if last.commit:
+                self._drain_commit(last.commit, _listed_files(last.commit), last.run, writer)
+        with self._lock:
+            futures, self._futures = self._futures, []
+        errors = []
+        for future in futures:
+            try:
+                future.result()
+            except BaseException as exc:
+                errors.append(exc)
+        self.node.wait_pruned()
+        if errors:
+            raise errors[0]
+
+    # ---- draining -------------------------------------------------------------------------------------------------
+
+    def _submit(self, kind: str, work: Any, *args: Any) -> None:
+        with self._lock:  # kept: failures, for `finish_drains` to raise
+            self._futures = [future for future in self._futures if not future.done() or future.exception() is not None]
+            self._futures.append(self._executors[kind].submit(work, *args))
+
+    def _superseded(self, copy: _tier.TierCopy) -> bool:
+        """Whether a newer save of the same URL replaced `copy` in memory (its own drain, if due, takes over)."""
+        current = self.node.copy_of(copy.url)
+        if current is not None and current.record.get("sequence") == copy.record.get("sequence"):
+            return False
+        logger.info("memory tier: %s was saved again (or dropped) before its drain; that drain is skipped", copy.url)
+        return True
+
+    def _drain_files(self, copies: list[_tier.TierCopy], run: _fencing.CheckpointRun, writer: Any) -> None:
+        for copy in [self.node.set_drain(copy, "pending") for copy in copies]:
+            self._submit("files", self._upload_file, copy, run, writer)
+
+    def _drain_commit(self, commit: list[_tier.TierCopy], files: dict[str, Any], run: _fencing.CheckpointRun,
+                      writer: Any) -> None:  # fmt: skip
+        commit = [self.node.set_drain(copy, "pending") for copy in commit]
+        self._submit("commits", self._upload_commit, commit, files, run, writer)
+
+    def _fence(self, checkpoint: str, run: _fencing.CheckpointRun, writer: Any) -> Any:
+        if not getattr(writer, "fencing", True):
+            return None
+        return _fencing.DirectoryFence(self.s3, _urls.s3_url_parent(checkpoint), run)
+
+    def _upload(self, copy: _tier.TierCopy, fence: Any, writer: Any) -> None:
+        chunk = getattr(writer, "chunk_size_MB", _s3.DEFAULT_CHUNK_SIZE_MB)
+        concurrency = getattr(writer, "max_write_concurrency", 4)
+        algorithm = copy.checksum.split(" ", 1)[0]
+        with self.s3.open_writer(copy.url, chunk, concurrency, algorithm, fence=fence) as target:
+            self.node.upload(copy, target)
+        self.node.set_drain(copy, "done")
+
+    def _on_s3(self, url: str, size: int, checksum: str) -> bool:
+        """Whether S3 holds `url` with this size and recorded checksum (``"<ALGORITHM> <b64>"``)."""
+        try:
+            info = self.s3.head_object(url)
+        except FileNotFoundError:
+            return False
+        recorded = self.s3.recorded_checksum(info)
+        return info.size == size and recorded is not None and f"{recorded.algorithm} {recorded.value}" == checksum
+
+    def _upload_file(self, copy: _tier.TierCopy, run: _fencing.CheckpointRun, writer: Any) -> None:
+        """One rank's file: uploaded once no older checkpoint's ``.metadata`` is at its prefix (the coordinator removes
+        that one first); nothing to do if S3 has it already (a drain the relaunch finishes)."""
+        checkpoint, metadata = copy.record["checkpoint"], copy.record["commit"]
+        if self._superseded(copy):
+            return
+        if self._on_s3(copy.url, copy.size, copy.checksum):
+            self.node.set_drain(copy, "done")
+            return
+        older = f"the older {metadata} to be removed before {copy.url}"
+        self._wait(lambda: not self.s3.s3_path_exists(metadata), older)
+        self._upload(copy, self._fence(checkpoint, run, writer), writer)
+        logger.info("memory tier: drained %s to S3", copy.url)
+        self.node.prune()  # what waited for this drain may go
+
+    def _upload_commit(self, commit: list[_tier.TierCopy], files: dict[str, Any], run: _fencing.CheckpointRun,
+                       writer: Any) -> None:  # fmt: skip
+        """The coordinator's: an older ``.metadata`` at the prefix goes first; once every listed file is on S3 as
+        recorded, the item checksums, then ``.metadata`` (the commit) go up, from memory."""
+        metadata = commit[-1]
+        checkpoint = metadata.record["checkpoint"]
+        fence = self._fence(checkpoint, run, writer)
+        if self._on_s3(metadata.url, metadata.size, metadata.checksum):
+            for copy in commit:
+                self.node.set_drain(copy, "done")
+            return
+        if self.s3.s3_path_exists(metadata.url):
+            logger.warning("memory tier: removing the older %s before draining its successor", metadata.url)
+            for copy in reversed(commit):
+                self.s3.remove_object(copy.url, fence=fence)
+        wanted = {_urls.join_s3_url(checkpoint, name): (entry["size"], f"{entry['algorithm']} {entry['checksum']}")
+                  for name, entry in files.items()}  # fmt: skip
+
+        def all_there() -> bool:
+            if self._superseded(metadata):
+                raise _SupersededError
+            for url in list(wanted):  # in order, up to the first one missing: one HEAD per look while waiting
+                if not self._on_s3(url, *wanted[url]):
+                    return False
+                del wanted[url]
+            return True
+
+        try:
+            self._wait(all_there, f"every file of {checkpoint} to be on S3")
+        except _SupersededError:
+            return
+        for copy in commit:  # the item checksums, then .metadata
+            self._upload(copy, fence, writer)
+        logger.info("memory tier: drained %s to S3 (committed by its .metadata)", checkpoint)
+        self.node.prune()
+
+    @staticmethod
+    def _wait(condition: Any, what: str) -> None:
+        pause, deadline = _POLL_S[0], time.monotonic() + DRAIN_WAIT_S
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"memory tier: gave up after {DRAIN_WAIT_S:.0f} s waiting for {what}; not drained")
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_S[1])
+
+    def _finish_pending_drains(self) -> None:
+        """A relaunch: drains a killed process left pending go on (files, then the commits behind them)."""
+        pending = self.node.pending_drains(files_of_checkpoints=True)
+        commits: dict[str, list[_tier.TierCopy]] = {}
+        for copy in pending:
+            if copy.url == copy.record.get("commit") or copy.url.endswith(ITEMS_SUFFIX):
+                commits.setdefault(copy.record["checkpoint"], []).append(copy)
+            else:
+                logger.warning("memory tier: finishing the drain of %s a previous process began", copy.url)
+                self._submit("files", self._upload_file, copy, self.run, None)
+        for checkpoint, commit in commits.items():
+            commit.sort(key=lambda copy: copy.url == copy.record["commit"])  # the item checksums first
+            if commit[-1].url != commit[-1].record["commit"]:
+                continue
+            logger.warning("memory tier: finishing the drain of %s a previous process began", checkpoint)
+            self._submit("commits", self._upload_commit, commit, _listed_files(commit), self.run, None)
+
+
+
+class _SupersededError(Exception):
+    """A newer save of the same checkpoint URL replaced the one being drained."""
+
+
+def _listed_files(commit: list[_tier.TierCopy]) -> dict[str, Any]:
+    """The files a checkpoint's item-checksum record (in the tier) lists: name -> its size, algorithm, checksum."""
+    items = next((copy for copy in commit if copy.url != copy.record["commit"]), None)
+    if items is None:
+        return {}
+    return json.loads(Path(items.path).read_bytes()).get("files", {})
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 4. Reads
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def cached_source(tier: DcpTier, cache: dict[str, Any], url: str) -> tuple[Path, str] | None:
+    """`source_of`, once per `url` and `cache` (a reader's), whichever thread asks first.
+    Package-internal (docs/api.md)."""
+    with tier._sources_lock:
+        if url not in cache:
+            cache[url] = source_of(tier, url)
+        return cache[url]
+
+
+def source_of(tier: DcpTier, url: str) -> tuple[Path, str] | None:
+    """Where this node reads the DCP file `url` outside S3: ``(path, "memory")`` for its verified copy, ``(path,
+    "replica")`` for a verified replica it holds; None: S3. A copy that does not verify is skipped, loudly.
+    Package-internal (docs/api.md)."""
+    try:
+        copy = tier.node.verified_copy(url)
+        if copy is not None:
+            return copy.path, "memory"
+    except (OSError, _s3.ChecksumMismatchError) as exc:
+        logger.error("%s: skipped, reading %s from S3 instead", exc, url)
+    replicas = tier.node.replicas
+    for record_path in replicas.glob(f"*/*/*{_tier.COMMIT_RECORD_SUFFIX}") if replicas.is_dir() else []:
+        path = record_path.with_name(record_path.name.removesuffix(_tier.COMMIT_RECORD_SUFFIX))
+        try:
+            if tier.node.verified_replica(path).url == url:
+                return path, "replica"
+        except (OSError, _s3.ChecksumMismatchError) as exc:
+            logger.error("%s: skipped for %s", exc, url)
+    return None
+
+
+def read_into(path: Path, url: str, start: int, views: list[memoryview], etag: str | None = None) -> int:
+    """Fill `views` in order from the file at `path` (the copy of `url`) from `start` on; how many bytes arrived (as
+    `s3_utils.S3Utils.read_range_into`; `etag` is S3's, for which the tier has no use).
+    Package-internal (docs/api.md)."""
+    filled = 0
+    with open(path, "rb", buffering=0) as stream:
+        stream.seek(start)
+        for view in views:
+            while len(view):
+                count = stream.readinto(view)
+                if not count:
+                    return filled
+                filled += count
+                view = view[count:]
+    return filled

@@ -1,0 +1,267 @@
+"""DCP checkpoints through the memory tier (`S3StorageWriter` / `S3StorageReader` with ``memory_tier=``): saves land in
+the node's tmpfs in S3's layout, loads read verified memory copies, drains put a loadable checkpoint on S3 with its
+``.metadata`` last, and a memory copy that fails its checksum falls back to S3.
+
+Each test keeps its tier under tmp_path (never /dev/shm). Two simulated nodes are two gloo ranks with their own
+``GROUP_RANK`` and tier root (tests/helpers/dcp_tier_worker.py); a kill mid-drain is a worker that exits there.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+from s3_servers import rank_environment  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+
+import s3_dcp  # noqa: E402
+import s3_dcp_tier  # noqa: E402
+import s3_fencing  # noqa: E402
+import s3_memory_tier  # noqa: E402
+from s3_memory_tier import COMMIT_RECORD_SUFFIX, MemoryTier  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+COMMITTED = [".metadata", ".s3ckpt-items.json", "__0_0.distcp"]  # what a one-rank checkpoint has on S3
+WORKER = REPO / "tests" / "helpers" / "dcp_tier_worker.py"
+
+
+def state_of(step: int) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(300, 1000, generator=generator), "b": torch.arange(11.0) + step, "step": step}
+
+
+def empty_like(state: dict[str, Any]) -> dict[str, Any]:
+    return {key: torch.zeros_like(value) if isinstance(value, torch.Tensor) else None for key, value in state.items()}
+
+
+def assert_same(loaded: dict[str, Any], expected: dict[str, Any]) -> None:
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(loaded[key], value), key
+        else:
+            assert loaded[key] == value, key
+
+
+def s3_names(s3_client: Any, bucket: str, prefix: str) -> list[str]:
+    found = s3_client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", [])
+    return sorted(o["Key"][len(prefix) + 1 :] for o in found)
+
+
+def tier_config(root: Path, **fields: Any) -> MemoryTier:
+    return MemoryTier(root=str(root), job="job-1", **fields)
+
+
+def save(state: dict[str, Any], url: str, tier: MemoryTier) -> s3_dcp.S3StorageWriter:
+    writer = s3_dcp.S3StorageWriter(url, chunk_size_MB=5, memory_tier=tier)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    return writer
+
+
+def load(expected: dict[str, Any], url: str, tier: MemoryTier | None) -> s3_dcp.S3StorageReader:
+    reader = s3_dcp.S3StorageReader(url, chunk_size_MB=5, memory_tier=tier)
+    target = empty_like(expected)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert_same(target, expected)
+    return reader
+
+
+def tiers_read(reader: s3_dcp.S3StorageReader) -> dict[str, str]:
+    return {url.rsplit("/", 1)[-1]: (source[1] if source else "s3") for url, source in reader.tier_sources.items()}
+
+
+def test_a_save_lands_in_memory_in_s3_layout_and_loads_bit_exact_from_memory(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    tier = tier_config(tmp_path, drain_every=10)
+    first, second = f"s3://{bucket}/run/step-1", f"s3://{bucket}/run/step-2"
+    writer = save(state_of(1), first, tier)  # the first save drains
+    save(state_of(2), second, tier)  # the second stays in memory
+    writer.finish_drains(drain_last=False)
+    own = s3_dcp_tier.tier_of(tier, writer.s3).node.own
+    files = sorted(p.name for p in (own / bucket / "run" / "step-2").iterdir())
+    assert files == sorted(name + suffix for name in COMMITTED for suffix in ("", COMMIT_RECORD_SUFFIX))
+    assert s3_names(s3_client, bucket, "run/step-2") == []  # not on S3
+    assert s3_names(s3_client, bucket, "run/step-1") == COMMITTED
+
+    reader = load(state_of(2), second, tier)
+    assert set(tiers_read(reader).values()) == {"memory"}
+    load(state_of(1), first, None)  # the drained one loads from S3 alone
+
+
+def test_finish_drains_puts_the_last_save_on_s3_loadable_without_the_tier(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    tier = tier_config(tmp_path, drain_every=10)
+    urls = [f"s3://{bucket}/run/step-{step}" for step in (1, 2, 3)]
+    for step, url in enumerate(urls, 1):
+        writer = save(state_of(step), url, tier)
+    writer.finish_drains()
+    assert s3_names(s3_client, bucket, "run/step-2") == []  # neither the first nor the last
+    assert s3_names(s3_client, bucket, "run/step-3") == COMMITTED
+    load(state_of(3), urls[2], None)
+
+
+def test_a_memory_copy_that_fails_its_checksum_is_skipped_and_s3_read(
+    s3_server: Any, bucket: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = tier_config(tmp_path)
+    url = f"s3://{bucket}/run/step-1"
+    save(state_of(1), url, tier).finish_drains()
+    node = s3_dcp_tier.tier_of(tier, s3_dcp.S3StorageReader(url).s3).node
+    shard = node.path_of(url + "/__0_0.distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    reader = load(state_of(1), url, tier)
+    assert tiers_read(reader) == {".metadata": "memory", ".s3ckpt-items.json": "memory", "__0_0.distcp": "s3"}
+    assert "does not match its commit record" in caplog.text and "from S3 instead" in caplog.text
+
+
+def test_a_drain_whose_file_fails_never_puts_metadata_on_s3(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = tier_config(tmp_path, drain_every=10)
+    save(state_of(1), f"s3://{bucket}/run/step-1", tier).finish_drains()
+    url = f"s3://{bucket}/run/step-2"
+    writer = save(state_of(2), url, tier)  # in memory only
+    shard = s3_dcp_tier.tier_of(tier, writer.s3).node.path_of(url + "/__0_0.distcp")
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    monkeypatch.setattr(s3_dcp_tier, "DRAIN_WAIT_S", 1.0)
+    with pytest.raises(Exception, match=r"does not match its commit record|gave up"):
+        writer.finish_drains()
+    assert s3_names(s3_client, bucket, "run/step-2") == []  # no file, and above all no .metadata
+    assert not s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads")
+
+
+def test_async_save_commits_in_memory_and_drains_behind(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    tier = tier_config(tmp_path)
+    url = f"s3://{bucket}/run/async"
+    writer = s3_dcp.S3StorageWriter(url, chunk_size_MB=5, memory_tier=tier)
+    dcp.async_save(state_of(4), storage_writer=writer, no_dist=True).result()
+    assert s3_dcp_tier.tier_of(tier, writer.s3).node.copy_of(url + "/.metadata") is not None
+    writer.finish_drains()
+    assert s3_names(s3_client, bucket, "run/async") == COMMITTED
+    load(state_of(4), url, None)
+
+
+def test_prune_keeps_keep_checkpoints_with_all_their_files(s3_server: Any, bucket: str, tmp_path: Path) -> None:
+    tier = tier_config(tmp_path, keep=2, drain_every=10)
+    for step in (1, 2, 3):
+        writer = save(state_of(step), f"s3://{bucket}/run/step-{step}", tier)
+    writer.finish_drains(drain_last=False)
+    own = s3_dcp_tier.tier_of(tier, writer.s3).node.own / bucket / "run"
+    assert sorted(p.name for p in own.iterdir() if any(p.iterdir())) == ["step-2", "step-3"]
+    assert len(list((own / "step-3").iterdir())) == 6
+
+
+def test_a_straggler_of_an_older_launch_writes_nothing_into_the_tier(
+    s3_server: Any, bucket: str, tmp_path: Path
+) -> None:
+    tier = tier_config(tmp_path)
+    node = s3_dcp_tier.tier_of(tier, s3_dcp.S3StorageReader(f"s3://{bucket}/x").s3).node
+    newer = s3_fencing.CheckpointRun("newer", "host", 1, node.run.started + 60)
+    (node.directory / "launch.json").write_text(json.dumps({**newer.__dict__, "attempt": []}))
+    url = f"s3://{bucket}/run/step-1"
+    with pytest.raises(CheckpointException, match="newer launch"):
+        save(state_of(1), url, tier)
+    assert not list(node.own.rglob("*"))  # nothing written
+
+
+def run_worker(mode: str, bucket: str, out: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, str(WORKER), mode, bucket, str(out)], env=env, cwd=REPO)
+
+
+def test_two_nodes_save_into_their_own_memory_and_load_each_file_from_the_fastest_tier(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """Two gloo ranks, each a node with its own tier: each rank's file is read from its node's memory; the
+    coordinator's .metadata is only in node 0's memory until the drain, so before it every rank fails alike, naming
+    the checkpoint's s3:// URL, and after it every rank loads."""
+    env = rank_environment(s3_server, s3_server.endpoint_url, WORLD_SIZE="2")
+    procs = [
+        run_worker("two-nodes", bucket, tmp_path, {**env, "RANK": str(rank), "GROUP_RANK": str(rank)})
+        for rank in range(2)
+    ]
+    assert [proc.wait(timeout=300) for proc in procs] == [0, 0]
+    node0, node1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2))
+    assert node0["step1"] == {"equal": True, "tiers": dict.fromkeys(
+        [".metadata", ".s3ckpt-items.json", "__0_0.distcp"], "memory")}  # fmt: skip
+    assert node1["step1"] == {"equal": True, "tiers": {".metadata": "s3", ".s3ckpt-items.json": "s3",
+                                                       "__1_0.distcp": "memory"}}  # fmt: skip
+    for node in (node0, node1):
+        assert f"s3://{bucket}/run/step-2" in node["step2"]["error"]
+        assert node["step2 drained"]["equal"] is True
+    assert s3_names(s3_client, bucket, "run/step-2") == [".metadata", ".s3ckpt-items.json", "__0_0.distcp",
+                                                         "__1_0.distcp"]  # fmt: skip
+
+
+def test_a_drain_cut_short_at_its_commit_leaves_no_metadata_on_s3_and_the_next_process_finishes_it(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The upload of .metadata fails (as a kill there would stop it): its files are on S3, .metadata is not, and the
+    commit records still say the drain is pending; the tier the next process opens finishes it."""
+    tier, url = tier_config(tmp_path), f"s3://{bucket}/run/step-1"
+    upload = s3_memory_tier.NodeTier.upload
+
+    def cut_at_the_commit(copy: Any, writer: Any) -> None:
+        if copy.url.endswith("/.metadata"):
+            raise KeyboardInterrupt("killed")
+        upload(copy, writer)
+
+    monkeypatch.setattr(s3_memory_tier.NodeTier, "upload", staticmethod(cut_at_the_commit))
+    writer = save(state_of(1), url, tier)
+    with pytest.raises(KeyboardInterrupt):
+        writer.finish_drains()
+    assert s3_names(s3_client, bucket, "run/step-1") == [".s3ckpt-items.json", "__0_0.distcp"]  # no .metadata
+    assert not s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads")
+    monkeypatch.setattr(s3_memory_tier.NodeTier, "upload", staticmethod(upload))
+    relaunched = s3_dcp_tier.DcpTier(tier, writer.s3)  # what the next process's first writer or reader opens
+    relaunched.finish_drains(None, drain_last=False)
+    assert s3_names(s3_client, bucket, "run/step-1") == COMMITTED
+    load(state_of(1), url, None)
+
+
+def test_a_file_the_tier_has_no_room_for_goes_to_s3_directly_and_the_save_goes_on(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = tier_config(tmp_path, drain_every=10, capacity_bytes=200_000)  # a shard is 1.2 MB, .metadata a few KB
+    save(state_of(1), f"s3://{bucket}/run/step-1", tier).finish_drains()
+    url = f"s3://{bucket}/run/step-2"
+    writer = save(state_of(2), url, tier)  # not a drained save: only the shard is on S3, the commit in memory
+    assert "no room in the memory tier" in caplog.text and "goes to S3 directly" in caplog.text
+    assert s3_names(s3_client, bucket, "run/step-2") == ["__0_0.distcp"]
+    reader = load(state_of(2), url, tier)
+    assert tiers_read(reader) == {".metadata": "memory", ".s3ckpt-items.json": "memory", "__0_0.distcp": "s3"}
+    writer.finish_drains()
+    assert s3_names(s3_client, bucket, "run/step-2") == COMMITTED
+    load(state_of(2), url, None)
+
+
+def test_a_save_over_a_checkpoint_on_s3_replaces_it_only_once_its_files_are_there(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """The older .metadata leaves S3 before the new files arrive, the new one comes after them: the prefix never
+    holds a .metadata with files of another save."""
+    tier, url = tier_config(tmp_path, drain_every=1), f"s3://{bucket}/run/last"
+    save(state_of(1), url, tier).finish_drains()
+    save(state_of(2), url, tier).finish_drains()
+    assert s3_names(s3_client, bucket, "run/last") == COMMITTED
+    load(state_of(2), url, None)
+
+
+def test_memory_tier_with_prefix_spreading_is_refused_by_name(tmp_path: Path) -> None:
+    """The two layouts do not combine yet: the writer says so before anything is written, naming the URL."""
+    with pytest.raises(ValueError, match=r"s3://my-bucket/run/step-1.*memory_tier and prefix_spreading"):
+        s3_dcp.S3StorageWriter("s3://my-bucket/run/step-1", memory_tier=tier_config(tmp_path), prefix_spreading=4)
