@@ -19,7 +19,8 @@ module holds the torch side of checkpointing; everything that talks to S3 is in 
 * errors keep Lightning's wording: a missing checkpoint is ``FileNotFoundError("Checkpoint file not found: <url>")``,
   one S3 refuses to read a ``PermissionError``, with S3's detail (status, request id) as notes;
 * memory tier (``memory_tier=``): saves land in the node's tmpfs and drain to S3 in the background, loads read
-  the memory copy when it verifies, through the optional sibling `s3_memory_tier` (docs/tiers.md);
+  the memory copy when it verifies, through the optional sibling `s3_memory_tier` (docs/tiers.md); resume discovery
+  (`memory_tier_entries`) and name versioning (`memory_tier_holds`) see what is only in memory;
 * `register_with_lightning`: the class is a ``CheckpointIO`` of every installed Lightning family (``lightning`` and
   ``pytorch_lightning``), so both Trainers accept it; torch and Lightning are imported on first use.
 
@@ -78,6 +79,7 @@ __all__ = [
     "lightning_user_agent",
     "pending_operation",
     "memory_tier_entries",
+    "memory_tier_holds",
     "register_with_lightning",
     "s3_checkpoint_io_of",
     "snapshot_to_host",
@@ -928,6 +930,20 @@ def memory_tier_entries(directory: str) -> list[tuple[str, float]]:
         except (OSError, ValueError) as exc:  # a tier that cannot be read: resume from S3 alone, said loudly
             logger.warning("Resume discovery leaves out the memory tier %s: %s", plugin.memory_tier.root, exc)
     return entries
+
+
+def memory_tier_holds(path: str | os.PathLike[str]) -> bool:
+    """Whether a memory tier of this process's `S3CheckpointIO` plugins holds a committed copy of the s3:// `path`:
+    a checkpoint that exists although S3 may never have had it (its drain not due), so ModelCheckpoint's "does this
+    name exist?" (connector) does not hand its name out again."""
+    url = _urls.normalize_s3_url(path)
+    for plugin in list(_tiered_plugins):
+        try:
+            if plugin.node_tier().copy_of(url) is not None:
+                return True
+        except (OSError, ValueError) as exc:  # a tier that cannot be read: S3 answers alone, said loudly
+            logger.warning("Not looking for %s in the memory tier %s: %s", url, plugin.memory_tier.root, exc)
+    return False
 
 
 def _all_ranks(value: Any) -> list[Any]:

@@ -558,10 +558,10 @@ class NodeTier:
         if copy is None:
             return None
         identity = file_identity(copy.path)
-        if trusted is not None and trusted.verified == identity and (trusted.size, trusted.checksum) == (
-            copy.size,
-            copy.checksum,
-        ):
+        unchanged = trusted is not None and (trusted.verified, trusted.size, trusted.checksum) == (
+            identity, copy.size, copy.checksum
+        )  # fmt: skip
+        if unchanged:
             return dataclasses.replace(copy, verified=identity)
         algorithm = copy.checksum.split(" ", 1)[0]
         size, checksum = file_checksum(copy.path, algorithm)

@@ -411,3 +411,28 @@ def test_drain_minutes_drains_once_the_time_has_passed(
         untimed.save_checkpoint(make_checkpoint(step, mib=0.25), f"s3://{bucket}/other/step={step}.ckpt")
     untimed.wait_for_pending_saves()
     assert [k for k in s3_keys(s3_client, bucket) if k.startswith("other/")] == ["other/step=4.ckpt"]  # the first
+
+
+@pytest.mark.lightning
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_name_held_only_in_memory_exists_for_model_checkpoint(
+    family: str, s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """ModelCheckpoint's "does this name exist?" (its -vN versioning) sees checkpoints that are committed in the
+    node's memory tier and not on S3, so their name is not handed out again while their copy waits to drain."""
+    pl = lightning_family(family)
+    dirpath = f"s3://{bucket}/run"
+    plugin = S3CheckpointIO(dirpath, chunk_size_MB=5, memory_tier=MemoryTier(root=str(tmp_path), job="j",
+                                                                              drain_every=10))  # fmt: skip
+    callback = connector.s3_model_checkpoint_class(family)(dirpath=dirpath, filename="tiny-{step}")
+    trainer = tiny_trainer(pl, 1, plugins=[plugin], callbacks=[callback])
+    on_s3, in_memory, unused = (f"{dirpath}/tiny-step={step}.ckpt" for step in (1, 2, 3))
+    plugin.save_checkpoint(make_checkpoint(1), on_s3)  # the first save drains
+    plugin.save_checkpoint(make_checkpoint(2), in_memory)  # the next nine stay in memory
+    plugin.wait_for_pending_saves()
+    assert s3_keys(s3_client, bucket) == ["run/tiny-step=1.ckpt"]
+    assert callback.file_exists(on_s3, trainer)
+    assert callback.file_exists(in_memory, trainer)
+    assert not callback.file_exists(unused, trainer)
+    plugin.remove_checkpoint(in_memory)
+    assert not callback.file_exists(in_memory, trainer)  # gone from memory, never on S3
