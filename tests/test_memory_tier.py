@@ -436,3 +436,49 @@ def test_a_name_held_only_in_memory_exists_for_model_checkpoint(
     assert not callback.file_exists(unused, trainer)
     plugin.remove_checkpoint(in_memory)
     assert not callback.file_exists(in_memory, trainer)  # gone from memory, never on S3
+
+
+@pytest.mark.lightning
+@pytest.mark.parametrize("family", FAMILIES)
+def test_nemo_resume_if_exists_finds_and_loads_a_checkpoint_only_in_memory(
+    family: str, s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """NeMo-style config with the ``s3_checkpointing: memory_tier:`` key and ``resume_if_exists``: a relaunch on the
+    same node resumes from the newest checkpoint although only the node's memory tier holds it (S3 lost it, or its
+    drain never ran), and reads it from memory."""
+    pl = lightning_family(family)
+    module_class = tiny_module_class(pl, features=8, outputs=2)
+    dirpath = f"s3://{bucket}/run"
+    cfg = {
+        "s3_checkpointing": {"memory_tier": {"root": str(tmp_path), "job": "j", "drain_every": 10}},
+        "exp_manager": {
+            "resume_if_exists": True,
+            "resume_ignore_no_checkpoint": True,
+            "checkpoint_callback_params": {"dirpath": dirpath, **TOP_K_CHECKPOINT},
+        },
+    }
+
+    def launch(module: Any, max_steps: int) -> tuple[Any, Any]:
+        trainer = tiny_trainer(pl, max_steps)
+        parts = connector.configure_s3_checkpointing(trainer, cfg)
+        trainer.fit(module)
+        return parts, trainer
+
+    first = module_class()
+    parts, _ = launch(first, 4)
+    newest = f"{dirpath}/tiny-step=4-last.ckpt"  # NeMo's {filename}-last
+    assert parts.checkpoint_io.node_tier().copy_of(newest) is not None
+    s3_client.delete_object(Bucket=bucket, Key="run/tiny-step=4-last.ckpt")  # on S3 no longer: memory only
+    assert "run/tiny-step=4-last.ckpt" not in s3_keys(s3_client, bucket)
+    weights = {k: v.clone() for k, v in first.state_dict().items()}
+    del parts
+    gc.collect()
+
+    second = module_class()
+    resumed, trainer = launch(second, 6)
+    assert resumed.resume_path == newest
+    assert [r.tier for r in resumed.checkpoint_io.records if r.kind == "load"] == ["memory"]
+    assert second.started_at["global_step"] == 4
+    for name, tensor in weights.items():
+        assert torch.equal(second.started_at["weights"][name], tensor), name
+    assert trainer.global_step == 6
