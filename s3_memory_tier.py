@@ -13,8 +13,8 @@ argument raises ImportError saying the file is missing. docs/tiers.md shows the 
    0700, files 0600, exclusively; the job's directory is the tier's scope: another job never looks into it.
 3. Fencing across tiers: the job's directory records the newest launch that wrote into it (``launch.json``); a save
    of an older launch (a straggler) raises `s3_fencing.CheckpointDirectoryTakenError` and writes nothing.
-4. Bounded memory: at most `MemoryTier.keep` committed checkpoints per node; older ones are dropped once a newer one
-   is committed, except those still waiting for their drain to S3.
+4. Bounded memory: at most `MemoryTier.keep` committed checkpoints per node (each rank's parts counted apart); older
+   ones are dropped once a newer one is committed, except those still waiting for their drain to S3.
 5. Draining: `NodeTier.upload` streams a committed file into an `s3_utils.S3MultipartWriter` straight from the tier's
    pages (no copy by the training process), checking the bytes against the commit record before S3 commits them.
    The commit record says ``"drain": "pending"`` from the moment a drain is decided until S3 has the object, so a
@@ -507,6 +507,7 @@ class NodeTier:
                 "format": _FORMAT,
                 "url": url,
                 "step": step,
+                "rank": _s3.global_rank(),  # the bound counts each saving rank's copies (`prune`)
                 "run": dataclasses.asdict(self.run),
                 "files": {path.name: [stream.size, _checksum_string(self.algorithm, stream.checksum)]},
                 "committed": time.time(),
@@ -703,13 +704,17 @@ class NodeTier:
                 logger.warning("memory tier %s: dropping old checkpoints failed: %s", self.own, exc)
 
     def prune(self) -> list[str]:
-        """Keep the newest `MemoryTier.keep` checkpoints; drop older ones unless their drain is pending. Returns the
-        URLs dropped."""
-        copies = self.copies()
+        """Keep the newest `MemoryTier.keep` checkpoints of each rank that saves on this node (the node's ranks
+        share its tier: counting all their copies together would drop a rank's part of a step still held whole, and
+        keep fewer than `keep` steps); drop older ones unless their drain is pending. Returns the URLs dropped."""
+        by_rank: dict[Any, list[TierCopy]] = {}
+        for copy in self.copies():
+            by_rank.setdefault(copy.record.get("rank"), []).append(copy)
         dropped = []
-        for copy in copies[: max(len(copies) - self.config.keep, 0)]:
-            if copy.drain != "pending" and self.remove(copy.url):
-                dropped.append(copy.url)
+        for copies in by_rank.values():
+            for copy in copies[: max(len(copies) - self.config.keep, 0)]:
+                if copy.drain != "pending" and self.remove(copy.url):
+                    dropped.append(copy.url)
         return dropped
 
 
@@ -748,6 +753,8 @@ class TierReplication:
             )
         addresses = module.exchange_addresses(group, server=self.server)
         nodes = list(addresses)
+        if self.server is not None and nodes:  # `keep` replicas of each of the peer's ranks (as `NodeTier.prune`)
+            self.server.keep = tier.config.keep * max(1, -(-_s3.world_size() // len(nodes)))
         peer = module.peer_of(nodes.index(self.node), len(nodes)) if self.node in addresses else None
         self.peer = None if peer is None else addresses[nodes[peer]]
         if self.peer is None:

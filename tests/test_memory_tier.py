@@ -482,3 +482,27 @@ def test_nemo_resume_if_exists_finds_and_loads_a_checkpoint_only_in_memory(
     for name, tensor in weights.items():
         assert torch.equal(second.started_at["weights"][name], tensor), name
     assert trainer.global_step == 6
+
+
+def test_ranks_sharing_a_node_keep_keep_checkpoints_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks of one node save their parts of each step into the node's tier: `keep` counts each rank's copies,
+    so a step stays whole in memory while the next one is only partly saved, and `keep` steps stay, not fewer."""
+    config = MemoryTier(root=str(tmp_path), job="j", keep=2)
+    ranks = {rank: NodeTier(config, run_of(0)) for rank in (0, 1)}
+
+    def save(rank: int, step: int) -> None:
+        monkeypatch.setenv("RANK", str(rank))
+        ranks[rank].save({"x": torch.full((4,), float(step))}, f"s3://bkt/run/rank{rank}/step={step}.ckpt", step,
+                         torch.save)  # fmt: skip
+        ranks[rank].prune()
+
+    def held() -> list[tuple[int, int]]:
+        return sorted((copy.record["rank"], copy.record["step"]) for copy in ranks[0].copies())
+
+    for step in (1, 2):
+        save(0, step)
+        save(1, step)
+    save(0, 3)  # rank 1 has not saved step 3 yet: steps 2 (whole) and 1 (rank 1's part) stay
+    assert held() == [(0, 2), (0, 3), (1, 1), (1, 2)]
+    save(1, 3)
+    assert held() == [(0, 2), (0, 3), (1, 2), (1, 3)]
