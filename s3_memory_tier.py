@@ -13,8 +13,8 @@ argument raises ImportError saying the file is missing. docs/tiers.md shows the 
    0700, files 0600, exclusively; the job's directory is the tier's scope: another job never looks into it.
 3. Fencing across tiers: the job's directory records the newest launch that wrote into it (``launch.json``); a save
    of an older launch (a straggler) raises `s3_fencing.CheckpointDirectoryTakenError` and writes nothing.
-4. Bounded memory: at most `MemoryTier.keep` committed checkpoints per node (each rank's parts counted apart); older
-   ones are dropped once a newer one is committed, except those still waiting for their drain to S3.
+4. Bounded memory: at most `MemoryTier.keep` committed checkpoints per node (each rank's parts counted apart, one
+   waiting for its drain to S3 included); older ones are dropped once a newer one is committed.
 5. Draining: `NodeTier.upload` streams a committed file into an `s3_utils.S3MultipartWriter` straight from the tier's
    pages (no copy by the training process), checking the bytes against the commit record before S3 commits them.
    The commit record says ``"drain": "pending"`` from the moment a drain is decided until S3 has the object, so a
@@ -107,8 +107,8 @@ class MemoryTier:
     Args:
         root: a tmpfs directory (``/dev/shm`` by default; a dedicated tmpfs keeps checkpoints from crowding out
             other shared memory). The tier lives in ``<root>/s3ckpt-tier-<uid>/<job>/``.
-        keep: at most this many checkpoints in memory per node (older ones are dropped once a newer one is
-            committed and their drain to S3, if due, is done).
+        keep: at most this many checkpoints in memory per node and saving rank, one waiting for its drain to S3
+            included (older ones are dropped once a newer one is committed).
         drain_every: the first checkpoint, then every Nth, is also uploaded to S3 in the background (1: all).
         drain_minutes: also drain a checkpoint when this many minutes passed since the last drain (None: no timer).
         capacity_bytes: the most bytes this node's tier may hold (None: what the tmpfs has free).
@@ -704,16 +704,23 @@ class NodeTier:
                 logger.warning("memory tier %s: dropping old checkpoints failed: %s", self.own, exc)
 
     def prune(self) -> list[str]:
-        """Keep the newest `MemoryTier.keep` checkpoints of each rank that saves on this node (the node's ranks
-        share its tier: counting all their copies together would drop a rank's part of a step still held whole, and
-        keep fewer than `keep` steps); drop older ones unless their drain is pending. Returns the URLs dropped."""
+        """Keep `MemoryTier.keep` checkpoints of each rank that saves on this node (the node's ranks share its
+        tier: counting all their copies together would drop a rank's part of a step still held whole, and keep
+        fewer than `keep` steps): its newest, those whose drain is pending (S3 has no copy yet), then the newest
+        others up to `keep`. So `keep` bounds a node's copies while a drain runs too (only more drains pending at
+        once than `keep` - 1 hold more). Returns the URLs dropped."""
         by_rank: dict[Any, list[TierCopy]] = {}
         for copy in self.copies():
             by_rank.setdefault(copy.record.get("rank"), []).append(copy)
         dropped = []
         for copies in by_rank.values():
-            for copy in copies[: max(len(copies) - self.config.keep, 0)]:
-                if copy.drain != "pending" and self.remove(copy.url):
+            kept = {copies[-1].url} | {copy.url for copy in copies if copy.drain == "pending"}
+            for copy in reversed(copies):
+                if len(kept) >= self.config.keep:
+                    break
+                kept.add(copy.url)
+            for copy in copies:
+                if copy.url not in kept and self.remove(copy.url):
                     dropped.append(copy.url)
         return dropped
 

@@ -506,3 +506,14 @@ def test_ranks_sharing_a_node_keep_keep_checkpoints_each(tmp_path: Path, monkeyp
     assert held() == [(0, 2), (0, 3), (1, 1), (1, 2)]
     save(1, 3)
     assert held() == [(0, 2), (0, 3), (1, 2), (1, 3)]
+
+
+def test_a_copy_waiting_for_its_drain_counts_toward_keep(tmp_path: Path) -> None:
+    """While the drain of an older copy to S3 is pending, that copy stays and counts: the node holds `keep` copies,
+    the draining one and the newest, not `keep` newest ones besides it."""
+    tier = NodeTier(MemoryTier(root=str(tmp_path), job="j", keep=2), run_of(0))
+    copies = [tier.save({"x": torch.ones(4)}, f"s3://bkt/run/step={step}.ckpt", step, torch.save) for step in (1, 2)]
+    tier.set_drain(copies[0], "pending")
+    tier.save({"x": torch.ones(4)}, "s3://bkt/run/step=3.ckpt", 3, torch.save)
+    tier.prune()
+    assert [(copy.record["step"], copy.drain) for copy in tier.copies()] == [(1, "pending"), (3, None)]
