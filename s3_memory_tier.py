@@ -84,6 +84,8 @@ __all__ = [
     "agree_on_resume",
     "copy_to_load",
     "fetch_replica",
+    "file_checksum",
+    "file_identity",
 ]
 
 logger = logging.getLogger(__name__)
@@ -487,8 +489,10 @@ class NodeTier:
 
     def save(self, checkpoint: Any, url: str, step: int | None, write: Any) -> TierCopy:
         """Write `checkpoint` for `url` with ``write(checkpoint, stream)`` and commit it; raise `TierFullError`
-        (nothing left behind) when the tier lacks room, before writing or on ENOSPC."""
+        (nothing left behind) when the tier lacks room, before writing or on ENOSPC. The previous save's drop of old
+        copies (`prune_soon`) is waited for first: while this one is written the node holds `keep` + 1, no more."""
         self.claim()
+        self.wait_pruned()
         needed = (self._last_size if self._last_size is not None else _tensor_bytes(checkpoint)) + _SLACK_BYTES
         free = self.free_bytes()
         if needed > free:

@@ -420,6 +420,8 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         ("resume from memory >= 3x faster than from S3", m["load-s3"] / m["load-memory"], 3.0, ">="),
         ("resume from a peer's replica <= 2x the bytes over the transport", m["load-replica"] / m["transport"], 2.0,
          "<="),
+        ("own copies per node <= (K+1) x node's checkpoint", steps["own_max_bytes"] / ((k + 1) * node_bytes), 1.0,
+         "<="),
         ("tmpfs per node <= (K+1) x node's checkpoint + K replicas", steps["tmpfs_max_bytes"] / ram_limit, 1.0,
          "<="),
     ]
