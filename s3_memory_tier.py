@@ -566,15 +566,8 @@ class NodeTier:
         unchanged = trusted is not None and (trusted.verified, trusted.size, trusted.checksum) == (
             identity, copy.size, copy.checksum
         )  # fmt: skip
-        if unchanged:
-            return dataclasses.replace(copy, verified=identity)
-        algorithm = copy.checksum.split(" ", 1)[0]
-        size, checksum = file_checksum(copy.path, algorithm)
-        if (size, checksum) != (copy.size, copy.checksum):
-            raise _s3.ChecksumMismatchError(
-                f"memory tier copy {copy.path} of {url} does not match its commit record: {size} bytes with "
-                f"{checksum}, recorded {copy.size} bytes with {copy.checksum}"
-            )
+        if not unchanged:
+            _verify_against_record(copy.path, copy.record, "memory tier copy")
         return dataclasses.replace(copy, verified=identity)
 
     def verified_replica(self, path: Path) -> TierCopy:
