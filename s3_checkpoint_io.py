@@ -20,7 +20,7 @@ module holds the torch side of checkpointing; everything that talks to S3 is in 
   one S3 refuses to read a ``PermissionError``, with S3's detail (status, request id) as notes;
 * memory tier (``memory_tier=``): saves land in the node's tmpfs and drain to S3 in the background, loads read
   the memory copy when it verifies, through the optional sibling `s3_memory_tier` (docs/tiers.md); resume discovery
-  (`memory_tier_entries`) and name versioning (`memory_tier_holds`) see what is only in memory;
+  (`memory_tier_entries`) and name versioning (`S3CheckpointIO.holds_in_memory`) see what is only in memory;
 * `register_with_lightning`: the class is a ``CheckpointIO`` of every installed Lightning family (``lightning`` and
   ``pytorch_lightning``), so both Trainers accept it; torch and Lightning are imported on first use.
 
@@ -79,7 +79,6 @@ __all__ = [
     "lightning_user_agent",
     "pending_operation",
     "memory_tier_entries",
-    "memory_tier_holds",
     "register_with_lightning",
     "s3_checkpoint_io_of",
     "snapshot_to_host",
@@ -700,6 +699,20 @@ class S3CheckpointIO:
                     self._submit(copy.url, self._drain_now, copy)
         return self._tier
 
+    def holds_in_memory(self, path: Any) -> bool:
+        """Whether this node's memory tier holds a committed copy of the s3:// `path`: a checkpoint that exists
+        although S3 may never have had it (its drain not due), so ModelCheckpoint's "does this name exist?"
+        (connector) does not hand its name out again. False without a memory tier, or one that cannot be read (said
+        loudly: S3 answers alone)."""
+        if self.memory_tier is None or not _urls.is_s3_url(path):
+            return False
+        url = _urls.normalize_s3_url(path)
+        try:
+            return self.node_tier().copy_of(url) is not None
+        except (OSError, ValueError) as exc:
+            logger.warning("Not looking for %s in the memory tier %s: %s", url, self.memory_tier.root, exc)
+            return False
+
     def _save_to_tier(self, checkpoint: dict[str, Any], path: str, started: float) -> bool:
         """Save into the memory tier and queue its drain when due; False when the tier has no room (one warning:
         the caller saves to S3 directly)."""
@@ -930,20 +943,6 @@ def memory_tier_entries(directory: str) -> list[tuple[str, float]]:
         except (OSError, ValueError) as exc:  # a tier that cannot be read: resume from S3 alone, said loudly
             logger.warning("Resume discovery leaves out the memory tier %s: %s", plugin.memory_tier.root, exc)
     return entries
-
-
-def memory_tier_holds(path: str | os.PathLike[str]) -> bool:
-    """Whether a memory tier of this process's `S3CheckpointIO` plugins holds a committed copy of the s3:// `path`:
-    a checkpoint that exists although S3 may never have had it (its drain not due), so ModelCheckpoint's "does this
-    name exist?" (connector) does not hand its name out again."""
-    url = _urls.normalize_s3_url(path)
-    for plugin in list(_tiered_plugins):
-        try:
-            if plugin.node_tier().copy_of(url) is not None:
-                return True
-        except (OSError, ValueError) as exc:  # a tier that cannot be read: S3 answers alone, said loudly
-            logger.warning("Not looking for %s in the memory tier %s: %s", url, plugin.memory_tier.root, exc)
-    return False
 
 
 def _all_ranks(value: Any) -> list[Any]:
