@@ -763,7 +763,8 @@ def _template_regex(template: str) -> str:
 class S3ModelCheckpointMixin:
     """What `S3ModelCheckpoint` adds to a ``ModelCheckpoint`` class (mixed in front of it, e.g. NeMo's own):
     ``setup()`` installs `NeMoCheckpointConnector` and broadcasts rank 0's resume state; ``file_exists`` asks S3 on
-    rank 0 (a stale s3fs cache made a second run overwrite the first one's checkpoints instead of writing ``-v1``);
+    rank 0 (a stale s3fs cache made a second run overwrite the first one's checkpoints instead of writing ``-v1``),
+    after this process's pending saves and the plugin's memory tier;
     ``"last"`` comes from one listing as ``s3://`` URLs (#18261); top-k keeps its ``s3://`` entries across a resume;
     the checkpoint resumed from and any outside the dirpath are never removed (`kept_from_removal`). S3 is asked
     through the plugin's `S3Utils`, and each save and removal drops the s3fs cache entries of its URL."""
@@ -858,6 +859,9 @@ class S3ModelCheckpointMixin:
             queued = _ckpt_io.pending_operation(url)  # an async save in flight, or a removal deferred behind one
             if queued is not None:
                 return queued == "save"
+            plugin = _ckpt_io.s3_checkpoint_io_of(getattr(trainer, "strategy", None))
+            if plugin is not None and plugin.holds_in_memory(url):  # committed in the node's memory tier
+                return True
             _s3.invalidate_fsspec_cache(url)
             return self._s3_utils(trainer).s3_path_exists(url)
 

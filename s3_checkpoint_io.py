@@ -19,7 +19,8 @@ module holds the torch side of checkpointing; everything that talks to S3 is in 
 * errors keep Lightning's wording: a missing checkpoint is ``FileNotFoundError("Checkpoint file not found: <url>")``,
   one S3 refuses to read a ``PermissionError``, with S3's detail (status, request id) as notes;
 * memory tier (``memory_tier=``): saves land in the node's tmpfs and drain to S3 in the background, loads read
-  the memory copy when it verifies, through the optional sibling `s3_memory_tier` (docs/tiers.md);
+  the memory copy when it verifies, through the optional sibling `s3_memory_tier` (docs/tiers.md); resume discovery
+  (`memory_tier_entries`) and name versioning (`S3CheckpointIO.holds_in_memory`) see what is only in memory;
 * `register_with_lightning`: the class is a ``CheckpointIO`` of every installed Lightning family (``lightning`` and
   ``pytorch_lightning``), so both Trainers accept it; torch and Lightning are imported on first use.
 
@@ -693,6 +694,20 @@ class S3CheckpointIO:
                     logger.warning("memory tier: finishing the drain of %s to S3 a previous process began", copy.url)
                     self._submit(copy.url, self._drain_now, copy)
         return self._tier
+
+    def holds_in_memory(self, path: Any) -> bool:
+        """Whether this node's memory tier holds a committed copy of the s3:// `path`: a checkpoint that exists
+        although S3 may never have had it (its drain not due), so ModelCheckpoint's "does this name exist?"
+        (connector) does not hand its name out again. False without a memory tier, or one that cannot be read (said
+        loudly: S3 answers alone)."""
+        if self.memory_tier is None or not _urls.is_s3_url(path):
+            return False
+        url = _urls.normalize_s3_url(path)
+        try:
+            return self.node_tier().copy_of(url) is not None
+        except (OSError, ValueError) as exc:
+            logger.warning("Not looking for %s in the memory tier %s: %s", url, self.memory_tier.root, exc)
+            return False
 
     def _save_to_tier(self, checkpoint: dict[str, Any], path: str, started: float) -> bool:
         """Save into the memory tier and queue its drain when due; False when the tier has no room (one warning:

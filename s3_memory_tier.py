@@ -14,8 +14,8 @@ docs/tiers.md shows the user's side.
    0700, files 0600, exclusively; the job's directory is the tier's scope: another job never looks into it.
 3. Fencing across tiers: the job's directory records the newest launch that wrote into it (``launch.json``); a save
    of an older launch (a straggler) raises `s3_fencing.CheckpointDirectoryTakenError` and writes nothing.
-4. Bounded memory: at most `MemoryTier.keep` committed checkpoints per node; older ones are dropped once a newer one
-   is committed, except those still waiting for their drain to S3.
+4. Bounded memory: at most `MemoryTier.keep` committed checkpoints per node (each rank's parts counted apart, one
+   waiting for its drain to S3 included); older ones are dropped once a newer one is committed.
 5. Draining: `NodeTier.upload` streams a committed file into an `s3_utils.S3MultipartWriter` straight from the tier's
    pages (no copy by the training process), checking the bytes against the commit record before S3 commits them.
    The commit record says ``"drain": "pending"`` from the moment a drain is decided until S3 has the object, so a
@@ -101,8 +101,8 @@ class MemoryTier:
     Args:
         root: a tmpfs directory (``/dev/shm`` by default; a dedicated tmpfs keeps checkpoints from crowding out
             other shared memory). The tier lives in ``<root>/s3ckpt-tier-<uid>/<job>/``.
-        keep: at most this many checkpoints in memory per node (older ones are dropped once a newer one is
-            committed and their drain to S3, if due, is done).
+        keep: at most this many checkpoints in memory per node and saving rank, one waiting for its drain to S3
+            included (older ones are dropped once a newer one is committed).
         drain_every: the first checkpoint, then every Nth, is also uploaded to S3 in the background (1: all).
         drain_minutes: also drain a checkpoint when this many minutes passed since the last drain (None: no timer).
         capacity_bytes: the most bytes this node's tier may hold (None: what the tmpfs has free).
@@ -154,12 +154,14 @@ class TierFullError(OSError):
 
 @dataclass(frozen=True)
 class TierCopy:
-    """A committed checkpoint in the tier: its file, the S3 URL it mirrors and its commit record. Package-internal
+    """A committed checkpoint in the tier: its file, the S3 URL it mirrors and its commit record; `verified`: the
+    file's `file_identity` when its bytes were found to match the record (None: not checked). Package-internal
     (docs/api.md)."""
 
     url: str
     path: Path
     record: dict[str, Any]
+    verified: tuple[int, ...] | None = None
 
     @property
     def size(self) -> int:
@@ -306,15 +308,56 @@ def _checksum_string(algorithm: _s3.ChecksumAlgorithm, value: int) -> str:
     return f"{algorithm.name} {algorithm.encode(value)}"
 
 
-def _file_checksum(path: Path, algorithm_name: str) -> tuple[int, str]:
-    """(size, ``"<ALGORITHM> <b64>"``) of a file, read through a map of its pages."""
+VERIFY_SEGMENT = 32 << 20
+"""A file larger than this is checksummed in segments of this size on several cores at once (`file_checksum`)."""
+_verify_lock = threading.Lock()
+_verify_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _verify_threads() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's checksum threads for large files (one fewer than the cores, at most 7: the caller checksums a
+    segment too), created on first use."""
+    global _verify_pool
+    with _verify_lock:
+        if _verify_pool is None:
+            workers = max(1, min((os.cpu_count() or 2) - 1, 7))
+            _verify_pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="s3ckpt-tier-verify")
+        return _verify_pool
+
+
+def file_checksum(path: Path | str, algorithm_name: str, segment: int = VERIFY_SEGMENT) -> tuple[int, str]:
+    """(size, ``"<ALGORITHM> <b64>"``) of a file, read through one map of its pages: the full-object checksum a
+    commit record holds. Above `segment` bytes the segments are checksummed on the caller's and helper threads at
+    once (the checksum releases the GIL) and combined, the same value as one pass over the file (a memory resume
+    waits for this pass; on a node's many cores it takes a fraction of the time)."""
     algorithm = _s3.ChecksumAlgorithm.named(algorithm_name)
     with open(path, "rb") as stream:
         size = os.fstat(stream.fileno()).st_size
         if not size:
             return 0, _checksum_string(algorithm, 0)
-        with mmap.mmap(stream.fileno(), size, prot=mmap.PROT_READ) as mapped:
-            return size, _checksum_string(algorithm, _s3.checksum_of(algorithm, mapped))
+        with mmap.mmap(stream.fileno(), size, prot=mmap.PROT_READ) as mapped, memoryview(mapped) as view:
+            if size <= segment:
+                return size, _checksum_string(algorithm, _s3.checksum_of(algorithm, view))
+
+            def part(start: int) -> int:
+                with view[start : start + segment] as piece:
+                    return _s3.checksum_of(algorithm, piece)
+
+            starts = range(0, size, segment)
+            helpers = [_verify_threads().submit(part, start) for start in starts[1:]]
+            try:
+                values = [part(0)]
+            finally:  # the map stays open until every helper is done with it
+                values += [future.result() for future in helpers]
+        lengths = [min(segment, size - start) for start in starts]
+        return size, _checksum_string(algorithm, _s3.combine_checksums(algorithm, zip(values, lengths, strict=True)))
+
+
+def file_identity(path: Path | str) -> tuple[int, ...]:
+    """What changes when a file's bytes may have: device, inode, size, modification and change times (ns). A copy
+    checked against its record while its identity was this needs no second pass while it still is."""
+    found = os.stat(path, follow_symlinks=False)
+    return (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns, found.st_ctime_ns)
 
 
 def _tensor_bytes(obj: Any) -> int:
@@ -440,8 +483,10 @@ class NodeTier:
 
     def save(self, checkpoint: Any, url: str, step: int | None, write: Any) -> TierCopy:
         """Write `checkpoint` for `url` with ``write(checkpoint, stream)`` and commit it; raise `TierFullError`
-        (nothing left behind) when the tier lacks room, before writing or on ENOSPC."""
+        (nothing left behind) when the tier lacks room, before writing or on ENOSPC. The previous save's drop of old
+        copies (`prune_soon`) is waited for first: while this one is written the node holds `keep` + 1, no more."""
         self.claim()
+        self.wait_pruned()
         needed = (self._last_size if self._last_size is not None else _tensor_bytes(checkpoint)) + _SLACK_BYTES
         free = self.free_bytes()
         if needed > free:
@@ -484,6 +529,7 @@ class NodeTier:
             "format": _FORMAT,
             "url": url,
             "step": step,
+            "rank": _s3.global_rank(),  # the bound counts each saving rank's copies (`prune`)
             "run": dataclasses.asdict(self.run),
             "files": {path.name: [size, checksum]},
             "committed": time.time(),
@@ -522,20 +568,21 @@ class NodeTier:
             return None
         return TierCopy(url, path, record)
 
-    def verified_copy(self, url: str) -> TierCopy | None:
+    def verified_copy(self, url: str, trusted: TierCopy | None = None) -> TierCopy | None:
         """The committed copy of `url` if its bytes match its record; None if there is none; raises
-        `s3_utils.ChecksumMismatchError` (naming the file and the URL) if they do not."""
+        `s3_utils.ChecksumMismatchError` (naming the file and the URL) if they do not. `trusted`: this copy as it
+        was verified a moment ago (`agree_on_resume`): while its file and record are unchanged (`file_identity`,
+        size and checksum), its bytes are not read a second time."""
         copy = self.copy_of(url)
         if copy is None:
             return None
-        algorithm = copy.checksum.split(" ", 1)[0]
-        size, checksum = _file_checksum(copy.path, algorithm)
-        if (size, checksum) != (copy.size, copy.checksum):
-            raise _s3.ChecksumMismatchError(
-                f"memory tier copy {copy.path} of {url} does not match its commit record: {size} bytes with "
-                f"{checksum}, recorded {copy.size} bytes with {copy.checksum}"
-            )
-        return copy
+        identity = file_identity(copy.path)
+        unchanged = trusted is not None and (trusted.verified, trusted.size, trusted.checksum) == (
+            identity, copy.size, copy.checksum
+        )  # fmt: skip
+        if not unchanged:
+            _verify_against_record(copy.path, copy.record, "memory tier copy")
+        return dataclasses.replace(copy, verified=identity)
 
     def verified_replica(self, path: Path) -> TierCopy:
         """The peer's checkpoint whose replica this node holds at `path` (a file under `replicas`), checked against
@@ -671,17 +718,27 @@ class NodeTier:
                 logger.warning("memory tier %s: dropping old checkpoints failed: %s", self.own, exc)
 
     def prune(self) -> list[str]:
-        """Keep the newest `MemoryTier.keep` checkpoints; drop older ones unless a drain of theirs is pending. A
-        checkpoint is a copy, or the files whose records name one ``"checkpoint"`` (a DCP checkpoint's, one per
-        file). Returns the URLs dropped."""
-        checkpoints: dict[str, list[TierCopy]] = {}
-        for copy in self.copies():  # oldest first: a checkpoint ranks by its newest file
-            checkpoints.setdefault(copy.record.get("checkpoint") or copy.url, []).append(copy)
-        ordered = sorted(checkpoints.values(), key=lambda files: files[-1].record.get("sequence", 0))
+        """Keep `MemoryTier.keep` checkpoints of each rank that saves on this node (the node's ranks share its
+        tier: counting all their copies together would drop a rank's part of a step still held whole, and keep
+        fewer than `keep` steps): its newest, those whose drain is pending (S3 has no copy yet), then the newest
+        others up to `keep`. A checkpoint is a copy, or the files whose records name one ``"checkpoint"`` (a DCP
+        checkpoint's, one per file), kept or dropped together. So `keep` bounds a node's copies while a drain runs
+        too (only more drains pending at once than `keep` - 1 hold more). Returns the URLs dropped."""
+        by_rank: dict[Any, dict[str, list[TierCopy]]] = {}
+        for copy in self.copies():  # oldest first
+            checkpoint = copy.record.get("checkpoint") or copy.url
+            by_rank.setdefault(copy.record.get("rank"), {}).setdefault(checkpoint, []).append(copy)
         dropped = []
-        for files in ordered[: max(len(ordered) - self.config.keep, 0)]:
-            if all(copy.drain != "pending" for copy in files):
-                dropped += [copy.url for copy in files if self.remove(copy.url)]
+        for checkpoints in by_rank.values():  # a checkpoint ranks by its newest file
+            ordered = sorted(checkpoints.items(), key=lambda item: item[1][-1].record.get("sequence", 0))
+            kept = {ordered[-1][0]} | {key for key, files in ordered if any(c.drain == "pending" for c in files)}
+            for key, _ in reversed(ordered):
+                if len(kept) >= self.config.keep:
+                    break
+                kept.add(key)
+            for key, files in ordered:
+                if key not in kept:
+                    dropped += [copy.url for copy in files if self.remove(copy.url)]
         return dropped
 
 
@@ -721,6 +778,8 @@ class TierReplication:
             )
         addresses = module.exchange_addresses(group, server=self.server)
         nodes = list(addresses)
+        if self.server is not None and nodes:  # `keep` replicas of each of the peer's ranks (as `NodeTier.prune`)
+            self.server.keep = tier.config.keep * max(1, -(-_s3.world_size() // len(nodes)))
         peer = module.peer_of(nodes.index(self.node), len(nodes)) if self.node in addresses else None
         self.peer = None if peer is None else addresses[nodes[peer]]
         if self.peer is None:
@@ -806,6 +865,9 @@ class TierAgreement:
     urls: dict[int, str]
     committed: dict[str, float]
     sources: dict[str, ResumeSource]
+    verified: dict[str, TierCopy] = dataclasses.field(default_factory=dict)
+    """This node's copies as they were verified for the decision: the load of one does not read its bytes again
+    while its file is unchanged (taken by the first load: a later one verifies again)."""
 
     def covers(self, directory: str) -> bool:
         return self.directory == _urls.normalize_s3_url(directory).rstrip("/")
@@ -824,7 +886,7 @@ def _record_file(files: Mapping[str, Any]) -> str | None:
 def _verify_against_record(path: Path, record: Mapping[str, Any], what: str) -> None:
     """Raise `s3_utils.ChecksumMismatchError` unless `path` has the size and checksum its commit record says."""
     size, checksum = record["files"][path.name]
-    found = _file_checksum(path, str(checksum).split(" ", 1)[0])
+    found = file_checksum(path, str(checksum).split(" ", 1)[0])
     if found != (int(size), checksum):
         raise _s3.ChecksumMismatchError(
             f"{what} {path} of {record.get('url')} does not match its commit record: {found[0]} bytes with "
@@ -863,15 +925,20 @@ def _my_candidates(
     directory: str,
     s3_steps: Mapping[str, int | None],
     held: list[tuple[str, int | None, float, str, str, Path]],
+    verified: dict[str, TierCopy],
 ) -> dict[str, Any]:
-    """This rank's part of the collective: its node's verified copies and held replicas, its S3 steps."""
+    """This rank's part of the collective: its node's verified copies (also put in `verified`) and held replicas,
+    its S3 steps."""
     own = {}
     for copy in tier.copies():
         try:
-            tier.verified_copy(copy.url)
+            checked = tier.verified_copy(copy.url)
         except _s3.ChecksumMismatchError as exc:
             logger.error("%s: skipped for resume, the next tier is used", exc)
             continue
+        if checked is None:  # removed meanwhile
+            continue
+        verified[copy.url] = checked
         own[copy.url] = [copy.record.get("step"), float(copy.record.get("committed", 0.0))]
     address = None if replication is None or replication.server is None else list(replication.server.address)
     held_urls = [[url, step, committed, sender, name] for url, step, committed, sender, name, _ in held]
@@ -930,14 +997,14 @@ def agree_on_resume(
     loudly. A rank that fails to list makes every rank raise (no rank waits in the collective). Outside a process
     group, this process alone decides. Package-internal (docs/api.md)."""
     directory = _urls.normalize_s3_url(directory).rstrip("/")
-    node, held, failure = _s3.node_key(), {}, None
+    node, held, failure, verified = _s3.node_key(), {}, None, {}
     try:
         s3_steps = {
             f"s3://{obj.bucket}/{obj.key}": step_of(obj.key.rsplit("/", 1)[-1]) if step_of is not None else None
             for obj in listing()
         }
         held = {entry[0]: entry for entry in held_replicas(tier)}
-        mine = _my_candidates(tier, replication, directory, s3_steps, list(held.values()))
+        mine = _my_candidates(tier, replication, directory, s3_steps, list(held.values()), verified)
     except Exception as exc:  # said to every rank through the collective, then raised here
         failure, mine = exc, {"error": f"{type(exc).__name__}: {exc}"}
     dist = _s3.import_optional_dependency("torch.distributed", "agreeing on a resume step")
@@ -973,7 +1040,7 @@ def agree_on_resume(
     tier_name = None if url is None else (sources[url].tier if url in sources else "s3")
     if url is not None:
         logger.info("memory tier: every rank resumes step %s; this rank reads %s from %s", newest, url, tier_name)
-    return TierAgreement(directory, newest, url, tier_name, steps, urls, committed, sources)
+    return TierAgreement(directory, newest, url, tier_name, steps, urls, committed, sources, verified)
 
 
 def fetch_replica(tier: NodeTier, source: ResumeSource) -> TierCopy:
@@ -1009,12 +1076,14 @@ def fetch_replica(tier: NodeTier, source: ResumeSource) -> TierCopy:
 
 def copy_to_load(tier: NodeTier, agreement: TierAgreement | None, url: str) -> tuple[TierCopy | None, str]:
     """The verified copy a load of `url` reads and its tier name: where the ranks agreed to read it (`agreement`), a
-    replica held here or fetched from another node (a replaced node), else this node's memory copy (None: none).
-    Raises `s3_utils.ChecksumMismatchError` or `s3_tier_replication.ReplicationError` for one that does not verify.
+    replica held here or fetched from another node (a replaced node), else this node's memory copy (None: none;
+    verified once: by the agreement if it verified this very file, else here). Raises
+    `s3_utils.ChecksumMismatchError` or `s3_tier_replication.ReplicationError` for one that does not verify.
     Package-internal (docs/api.md)."""
     source = agreement.sources.get(url) if agreement is not None else None
     if source is not None and source.tier == "replica" and source.peer is not None:
         return fetch_replica(tier, source), "replica"
     if source is not None and source.tier == "replica":
         return tier.verified_replica(source.path), "replica"
-    return tier.verified_copy(url), "memory"
+    trusted = agreement.verified.pop(url, None) if agreement is not None else None
+    return tier.verified_copy(url, trusted), "memory"

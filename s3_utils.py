@@ -207,7 +207,8 @@ def global_rank(environ: Mapping[str, str] | None = None) -> int:
 
 
 def world_size(environ: Mapping[str, str] | None = None) -> int:
-    """The job's process count: torch.distributed's, else the launcher's environment, else 1."""
+    """The job's process count: torch.distributed's, else the launcher's environment, else 1. Package-internal
+    (docs/api.md)."""
     if environ is None:
         group = _process_group()
         if group is not None:

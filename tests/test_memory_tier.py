@@ -416,3 +416,109 @@ def test_drain_minutes_drains_once_the_time_has_passed(
         untimed.save_checkpoint(make_checkpoint(step, mib=0.25), f"s3://{bucket}/other/step={step}.ckpt")
     untimed.wait_for_pending_saves()
     assert [k for k in s3_keys(s3_client, bucket) if k.startswith("other/")] == ["other/step=4.ckpt"]  # the first
+
+
+@pytest.mark.lightning
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_name_held_only_in_memory_exists_for_model_checkpoint(
+    family: str, s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """ModelCheckpoint's "does this name exist?" (its -vN versioning) sees checkpoints that are committed in the
+    node's memory tier and not on S3, so their name is not handed out again while their copy waits to drain."""
+    pl = lightning_family(family)
+    dirpath = f"s3://{bucket}/run"
+    plugin = S3CheckpointIO(dirpath, chunk_size_MB=5, memory_tier=MemoryTier(root=str(tmp_path), job="j",
+                                                                              drain_every=10))  # fmt: skip
+    callback = connector.s3_model_checkpoint_class(family)(dirpath=dirpath, filename="tiny-{step}")
+    trainer = tiny_trainer(pl, 1, plugins=[plugin], callbacks=[callback])
+    on_s3, in_memory, unused = (f"{dirpath}/tiny-step={step}.ckpt" for step in (1, 2, 3))
+    plugin.save_checkpoint(make_checkpoint(1), on_s3)  # the first save drains
+    plugin.save_checkpoint(make_checkpoint(2), in_memory)  # the next nine stay in memory
+    plugin.wait_for_pending_saves()
+    assert s3_keys(s3_client, bucket) == ["run/tiny-step=1.ckpt"]
+    assert callback.file_exists(on_s3, trainer)
+    assert callback.file_exists(in_memory, trainer)
+    assert not callback.file_exists(unused, trainer)
+    plugin.remove_checkpoint(in_memory)
+    assert not callback.file_exists(in_memory, trainer)  # gone from memory, never on S3
+
+
+@pytest.mark.lightning
+@pytest.mark.parametrize("family", FAMILIES)
+def test_nemo_resume_if_exists_finds_and_loads_a_checkpoint_only_in_memory(
+    family: str, s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """NeMo-style config with the ``s3_checkpointing: memory_tier:`` key and ``resume_if_exists``: a relaunch on the
+    same node resumes from the newest checkpoint although only the node's memory tier holds it (S3 lost it, or its
+    drain never ran), and reads it from memory."""
+    pl = lightning_family(family)
+    module_class = tiny_module_class(pl, features=8, outputs=2)
+    dirpath = f"s3://{bucket}/run"
+    cfg = {
+        "s3_checkpointing": {"memory_tier": {"root": str(tmp_path), "job": "j", "drain_every": 10}},
+        "exp_manager": {
+            "resume_if_exists": True,
+            "resume_ignore_no_checkpoint": True,
+            "checkpoint_callback_params": {"dirpath": dirpath, **TOP_K_CHECKPOINT},
+        },
+    }
+
+    def launch(module: Any, max_steps: int) -> tuple[Any, Any]:
+        trainer = tiny_trainer(pl, max_steps)
+        parts = connector.configure_s3_checkpointing(trainer, cfg)
+        trainer.fit(module)
+        return parts, trainer
+
+    first = module_class()
+    parts, _ = launch(first, 4)
+    newest = f"{dirpath}/tiny-step=4-last.ckpt"  # NeMo's {filename}-last
+    assert parts.checkpoint_io.node_tier().copy_of(newest) is not None
+    s3_client.delete_object(Bucket=bucket, Key="run/tiny-step=4-last.ckpt")  # on S3 no longer: memory only
+    assert "run/tiny-step=4-last.ckpt" not in s3_keys(s3_client, bucket)
+    weights = {k: v.clone() for k, v in first.state_dict().items()}
+    del parts
+    gc.collect()
+
+    second = module_class()
+    resumed, trainer = launch(second, 6)
+    assert resumed.resume_path == newest
+    assert [r.tier for r in resumed.checkpoint_io.records if r.kind == "load"] == ["memory"]
+    assert second.started_at["global_step"] == 4
+    for name, tensor in weights.items():
+        assert torch.equal(second.started_at["weights"][name], tensor), name
+    assert trainer.global_step == 6
+
+
+def test_ranks_sharing_a_node_keep_keep_checkpoints_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks of one node save their parts of each step into the node's tier: `keep` counts each rank's copies,
+    so a step stays whole in memory while the next one is only partly saved, and `keep` steps stay, not fewer."""
+    config = MemoryTier(root=str(tmp_path), job="j", keep=2)
+    ranks = {rank: NodeTier(config, run_of(0)) for rank in (0, 1)}
+
+    def save(rank: int, step: int) -> None:
+        monkeypatch.setenv("RANK", str(rank))
+        ranks[rank].save({"x": torch.full((4,), float(step))}, f"s3://bkt/run/rank{rank}/step={step}.ckpt", step,
+                         torch.save)  # fmt: skip
+        ranks[rank].prune()
+
+    def held() -> list[tuple[int, int]]:
+        return sorted((copy.record["rank"], copy.record["step"]) for copy in ranks[0].copies())
+
+    for step in (1, 2):
+        save(0, step)
+        save(1, step)
+    save(0, 3)  # rank 1 has not saved step 3 yet: steps 2 (whole) and 1 (rank 1's part) stay
+    assert held() == [(0, 2), (0, 3), (1, 1), (1, 2)]
+    save(1, 3)
+    assert held() == [(0, 2), (0, 3), (1, 2), (1, 3)]
+
+
+def test_a_copy_waiting_for_its_drain_counts_toward_keep(tmp_path: Path) -> None:
+    """While the drain of an older copy to S3 is pending, that copy stays and counts: the node holds `keep` copies,
+    the draining one and the newest, not `keep` newest ones besides it."""
+    tier = NodeTier(MemoryTier(root=str(tmp_path), job="j", keep=2), run_of(0))
+    copies = [tier.save({"x": torch.ones(4)}, f"s3://bkt/run/step={step}.ckpt", step, torch.save) for step in (1, 2)]
+    tier.set_drain(copies[0], "pending")
+    tier.save({"x": torch.ones(4)}, "s3://bkt/run/step=3.ckpt", 3, torch.save)
+    tier.prune()
+    assert [(copy.record["step"], copy.drain) for copy in tier.copies()] == [(1, "pending"), (3, None)]
