@@ -160,7 +160,7 @@ def test_prune_keeps_keep_checkpoints_with_all_their_files(s3_server: Any, bucke
     tier = tier_config(tmp_path, keep=2, drain_every=10)
     for step in (1, 2, 3):
         writer = save(state_of(step), f"s3://{bucket}/run/step-{step}", tier)
-    writer.finish_drains(drain_last=False)
+        writer.finish_drains(drain_last=False)  # the first save's drain ends: a pending drain would count in `keep`
     own = s3_dcp_tier.tier_of(tier, writer.s3).node.own / bucket / "run"
     assert sorted(p.name for p in own.iterdir() if any(p.iterdir())) == ["step-2", "step-3"]
     assert len(list((own / "step-3").iterdir())) == 6
