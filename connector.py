@@ -369,10 +369,18 @@ def _candidates_from_entries(
 
 
 def _s3_entries(url: str, s3_utils: _s3.S3Utils) -> list[tuple[str, float]]:
-    """Every object under the S3 "directory" `url` (one paginated listing, ``/``-bounded)."""
+    """Every object under the S3 "directory" `url` (one paginated listing, ``/``-bounded), but those a stale run
+    committed after the directory's owner took it over (`s3_fencing.stale_objects`: a GET of the owner record)."""
     _, prefix = _urls.s3_dir_prefix(url)
     entries = []
-    for obj in s3_utils.list_objects(url):
+    listed = s3_utils.list_objects(url)
+    stale = {obj.key for obj in _fencing.stale_objects(s3_utils, url, listed)}
+    if stale:
+        logger.warning(
+            "Not resuming from %d object(s) in %s that a stale run committed after the directory's owner took it "
+            "over: %s", len(stale), url, ", ".join(sorted(stale)[:5]),
+        )
+    for obj in (obj for obj in listed if obj.key not in stale):
         modified = obj.last_modified.timestamp() if hasattr(obj.last_modified, "timestamp") else 0.0
         entries.append((obj.key[len(prefix) :], modified))
     return entries
