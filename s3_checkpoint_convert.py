@@ -281,13 +281,12 @@ def _refuse_stale(source: str, committed: str, s3: _s3.S3Utils, kind: str) -> st
     """`kind`, unless `committed` (the file, or the DCP checkpoint's ``.metadata``) is a stale run's: committed by a
     run older than the owner of the checkpoint's directory after the owner took it over (docs/fencing.md)."""
     directory = _urls.s3_url_parent(source.rstrip("/"))
-    owner = _fencing.directory_owner(s3, directory)
-    if owner is not None and _fencing.stale_objects(s3, directory, [s3.head_object(committed)], owner=owner):
-        raise FileNotFoundError(
-            f"No checkpoint at {source}: it was committed by a stale run after {owner.run} took the directory "
-            f"{directory} over, so no resume, ls or verify counts it (the owner's next save, or s3-checkpoint-io gc, "
-            f"removes it). Convert a checkpoint that s3-checkpoint-io ls {directory} lists."
-        )
+    if owner := _fencing.directory_owner(s3, directory):
+        if _fencing.stale_objects(s3, directory, [s3.head_object(committed)], owner=owner):
+            raise FileNotFoundError(
+                f"No checkpoint at {source}: it was committed by a stale run after {owner.run} took the directory "
+                f"{directory} over, so no resume, ls or verify counts it (the owner's next save, or s3-checkpoint-io "
+                f"gc, removes it). Convert a checkpoint that s3-checkpoint-io ls {directory} lists.")
     return kind
 
 
