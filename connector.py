@@ -369,13 +369,34 @@ def _candidates_from_entries(
 
 
 def _s3_entries(url: str, s3_utils: _s3.S3Utils) -> list[tuple[str, float]]:
-    """Every object under the S3 "directory" `url` (one paginated listing, ``/``-bounded)."""
+    """Every object under the S3 "directory" `url` (one paginated listing, ``/``-bounded), but those a stale run
+    committed after the directory's owner took it over (`s3_fencing.stale_objects`: a GET of the owner record)."""
     _, prefix = _urls.s3_dir_prefix(url)
     entries = []
-    for obj in s3_utils.list_objects(url):
+    listed = s3_utils.list_objects(url)
+    stale = _fencing.stale_objects(s3_utils, url, [obj for obj in listed if _decides(obj.key[len(prefix) :])])
+    if stale:
+        logger.warning(
+            "Not resuming from %s: committed by a stale run after the owner of %s took it over (docs/fencing.md)",
+            ", ".join(sorted(obj.url for obj in stale)[:5]), url,
+        )
+    folders = tuple(obj.key.removesuffix(".metadata") for obj in stale if obj.key.endswith("/.metadata"))
+    dropped = {obj.key for obj in stale}
+    for obj in (obj for obj in listed if obj.key not in dropped and not (folders and obj.key.startswith(folders))):
         modified = obj.last_modified.timestamp() if hasattr(obj.last_modified, "timestamp") else 0.0
         entries.append((obj.key[len(prefix) :], modified))
     return entries
+
+
+def _decides(relative: str) -> bool:
+    """Whether the object at `relative` (to the checkpoint directory) decides a resume candidate: a checkpoint file
+    at the top or in a shard folder, or a DCP checkpoint's ``.metadata`` (which decides for its folder)."""
+    parts = relative.split("/")
+    if len(parts) == 1:
+        return bool(_resume_kind(parts[0], False, True))
+    if len(parts) == 2 and _RANK_FOLDER.fullmatch(parts[0]):
+        return bool(_resume_kind(parts[1], False, True))
+    return len(parts) == 2 and parts[1] == ".metadata"
 
 
 def _local_entries(directory: str) -> list[tuple[str, float]]:

@@ -199,7 +199,10 @@ def list_checkpoints(
     """
     s3 = _utils(s3_utils)
     bucket, prefix = _urls.s3_dir_prefix(url)
-    listed = [(info.key[len(prefix) :], info) for info in s3.list_objects(url)]
+    objects = s3.list_objects(url)
+    top = {info.key[len(prefix) :] for info in objects if "/" not in info.key[len(prefix) :]}
+    directory = _urls.s3_url_parent(url) if _connector.looks_like_distributed_checkpoint(top) else url
+    listed = [(info.key[len(prefix) :], info) for info in _without_stale_objects(s3, directory, objects)]
     top_levels: dict[str, set[str]] = {}  # folder (relative) -> names directly in it
     for name, _ in listed:
         folder, _, base = name.rpartition("/")
@@ -244,6 +247,15 @@ def list_checkpoints(
     if memory_tier is not None:
         entries = _with_memory_tier(entries, url, memory_tier, recursive)
     return sorted(entries, key=_display_key)
+
+
+def _without_stale_objects(
+    s3: _s3.S3Utils, directory: str, objects: list[_s3.S3ObjectInfo]
+) -> list[_s3.S3ObjectInfo]:
+    """`objects` (listed in the checkpoint `directory`) but those a stale run committed after the directory's owner
+    took it over (`s3_fencing.stale_objects`; one GET of the owner record)."""
+    stale = {info.key for info in _fencing.stale_objects(s3, directory, objects)}
+    return [info for info in objects if info.key not in stale]
 
 
 def _with_memory_tier(entries: list[CheckpointEntry], url: str, config: Any, recursive: bool) -> list[CheckpointEntry]:
@@ -393,6 +405,9 @@ class Garbage:
     """Incomplete DCP checkpoints whose newest object is older than the threshold (if they were asked for)."""
     younger: int = 0
     """Uploads and incomplete checkpoints left alone because they are younger (a save may still be running)."""
+    stale: list[_s3.S3ObjectInfo] = dataclasses.field(default_factory=list)
+    """Objects a stale run committed after the directory's owner took it over (`s3_fencing.stale_objects`), of any
+    age: no reader counts them; remove them with `S3Utils.remove_listed` (conditioned on their listed ETags)."""
 
     def age(self, item: _s3.MultipartUploadInfo | IncompleteCheckpoint) -> datetime.timedelta:
         """How old an upload (since initiated) or an incomplete checkpoint (since its newest object) is."""
@@ -409,7 +424,8 @@ def find_garbage(
 ) -> Garbage:
     """The multipart uploads in progress under the S3 "directory" `dirpath` (any depth; ``s3://b/run`` never sees
     ``s3://b/run_old/...``) initiated more than `older_than` ago, and, with `incomplete_checkpoints`, the DCP
-    checkpoints under it without ``.metadata`` whose newest object (or upload in progress inside) is older than that.
+    checkpoints under it without ``.metadata`` whose newest object (or upload in progress inside) is older than that;
+    and, at any age, the objects a stale run committed there after the directory's owner took it over.
 
     Ages are measured by the store's clock (`S3Utils.store_time`), taken before listing, so neither a skewed local
     clock nor a slow listing can make a running save's upload look old. An upload without an initiation time is
@@ -431,7 +447,8 @@ def find_garbage(
     checkpoints = _incomplete_checkpoints(s3, url, uploads, now) if incomplete_checkpoints else []
     old_checkpoints = [checkpoint for checkpoint in checkpoints if checkpoint.newest < cutoff]
     younger = len(uploads) - len(old) + len(checkpoints) - len(old_checkpoints)
-    return Garbage(url, older_than, now, s3.count_upload_parts(old), old_checkpoints, younger)
+    stale = _fencing.stale_objects(s3, url, s3.list_objects(url))
+    return Garbage(url, older_than, now, s3.count_upload_parts(old), old_checkpoints, younger, stale)
 
 
 @functools.cache
@@ -577,7 +594,9 @@ def verify_checkpoint(
     s3_dcp = _s3_dcp(f"Verifying the DCP checkpoint {url}")
     s3 = _utils(s3_utils)
     metadata = s3_dcp.METADATA_NAME
-    objects = dict(_spread.checkpoint_objects(s3, url))  # relative paths as recorded, spread directories' too
+    pairs = _spread.checkpoint_objects(s3, url)  # relative paths as recorded, spread directories' too
+    fresh = {info.key for info in _without_stale_objects(s3, _urls.s3_url_parent(url), [i for _, i in pairs])}
+    objects = {relative: info for relative, info in pairs if info.key in fresh}  # but a stale run's (its owner)
     ranks: list[int | None] = [None] if metadata in objects else []
     ranks += sorted(
         int(name[2 : -len(metadata)])

@@ -34,7 +34,8 @@ rm --keep-last N: keeps the N top-k checkpoints with the highest step (ties: new
   one without .metadata is neither deleted nor counted (its save may still run). --dry-run deletes nothing.
 gc: the multipart uploads in progress under the prefix (any depth) initiated more than --older-than ago (30m,
   6h, 2d...; by the store's clock) left by killed jobs, whose parts are billed until aborted; --incomplete-dcp:
-  also DCP checkpoints without .metadata whose newest object is that old (only their own files are removed).
+  also DCP checkpoints without .metadata whose newest object is that old (only their own files are removed);
+  and, at any age, what a stale run committed after the directory's owner took it over (docs/fencing.md).
   A dry run unless --yes; anything younger (a running save's) is never touched.
 convert SRC DST: a DCP checkpoint into one file, by DST's suffix: .safetensors (tensors only; non-tensor entries
   are listed as skipped) or .pt/.pth/.ckpt (the nested dict torch.save writes); or one torch file into a DCP
@@ -475,12 +476,18 @@ def cmd_gc(args: argparse.Namespace) -> int:
             f"{checkpoint.url}/  (DCP checkpoint without .metadata{kept})",
             flush=True,
         )
+    removed = args.yes and bool(garbage.stale) and bool(s3.remove_listed(garbage.stale))
+    acted += len(garbage.stale) if removed else 0
+    for info in garbage.stale:
+        print(f"{'removed' if removed else 'would remove':12}  {'':>6}  {'':>11}  {human_size(info.size):>10}  "
+              f"{info.url}  (a stale run's, committed after the directory's owner took it over)", flush=True)
     found = f"{len(garbage.uploads)} upload(s) ({sum(u.parts or 0 for u in garbage.uploads)} parts, "
     found += f"{human_size(sum(u.size or 0 for u in garbage.uploads))})"
     if args.incomplete_dcp:
         size = human_size(sum(checkpoint.size for checkpoint in garbage.checkpoints))
         found += f" and {len(garbage.checkpoints)} incomplete DCP checkpoint(s) ({size})"
     found += f" older than {_age(garbage.older_than)} under {url}; {garbage.younger} younger left alone"
+    found += f"; {len(garbage.stale)} object(s) of a stale run" if garbage.stale else ""
     if args.yes:
         print(f"{found}; {acted} aborted or removed")
     else:

@@ -64,10 +64,12 @@ from typing import Any
 if __package__:
     from . import s3_dcp as _dcp
     from . import s3_dirpath_utils as _urls
+    from . import s3_fencing as _fencing
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_dcp as _dcp
     import s3_dirpath_utils as _urls
+    import s3_fencing as _fencing
     import s3_utils as _s3
 
 __all__ = [
@@ -254,9 +256,9 @@ def _source_kind(source: str, s3: _s3.S3Utils) -> str:
     metadata = _join(source, _dcp.METADATA_NAME)
     if _is_s3(source):
         if s3.s3_path_exists(metadata):
-            return "dcp"
+            return _refuse_stale(source, metadata, s3, "dcp")
         if _urls.parse_s3_url(source)[1] and s3.s3_path_exists(source):
-            return "file"
+            return _refuse_stale(source, source, s3, "file")
         present = s3.s3_path_exists(source, match_directory=True)
     else:
         if os.path.isfile(metadata):
@@ -273,6 +275,19 @@ def _source_kind(source: str, s3: _s3.S3Utils) -> str:
     raise FileNotFoundError(
         f"No checkpoint at {source}: neither a DCP checkpoint ({metadata}) nor a torch file. Check the path."
     )
+
+
+def _refuse_stale(source: str, committed: str, s3: _s3.S3Utils, kind: str) -> str:
+    """`kind`, unless `committed` (the file, or the DCP checkpoint's ``.metadata``) is a stale run's: committed by a
+    run older than the owner of the checkpoint's directory after the owner took it over (docs/fencing.md)."""
+    directory = _urls.s3_url_parent(source.rstrip("/"))
+    if owner := _fencing.directory_owner(s3, directory):
+        if _fencing.stale_objects(s3, directory, [s3.head_object(committed)], owner=owner):
+            raise FileNotFoundError(
+                f"No checkpoint at {source}: it was committed by a stale run after {owner.run} took the directory "
+                f"{directory} over, so no resume, ls or verify counts it (the owner's next save, or s3-checkpoint-io "
+                f"gc, removes it). Convert a checkpoint that s3-checkpoint-io ls {directory} lists.")
+    return kind
 
 
 def _file_format(destination: str, source: str) -> str:

@@ -507,6 +507,8 @@ class S3CheckpointIO:
             checksum = " ".join(f"{k.removeprefix('Checksum')} {v}" for k, v in writer.info.checksums.items())
         _s3.invalidate_fsspec_cache(path)
         self._remove_conflicting_last_checkpoints(path, fence)
+        if fence is not None:
+            fence.remove_stale_objects()  # what a stale run committed here since this run took over (docs/fencing.md)
         return size, checksum
 
     def _record(self, record: TransferRecord, blocked_s: float | None = None) -> None:

@@ -707,6 +707,8 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
             self._tier().committed(self.path, metadata_name(rank), files, self._tier_plan, self)
         if self._replacing and rank is None:  # only the coordinator of a collective save knows every file
             self._remove_stale_shards(set(files), fence)
+        if fence is not None:
+            fence.remove_stale_objects()  # what a stale run committed here since this run took over (docs/fencing.md)
         self._replacing = False
         _s3.invalidate_fsspec_cache(self.path)  # Lightning's ModelCheckpoint asks s3fs what exists
         logger.info("Committed DCP checkpoint %s (%d files)", _join(self.path, metadata_name(rank)), len(files))

@@ -6,6 +6,8 @@ A core file beside s3_utils (which it uses to talk to S3); s3_checkpoint_io and 
 2. Runs: `CheckpointRun`, `current_run`, `adopt_run` (docs/runs.md).
 3. Fencing: `DirectoryFence` (an `s3_utils.Fence`: the ``fence=`` of the writer and the removals), `FenceToken`,
    `CheckpointDirectoryTakenError`, and the owner record (`OWNER_RECORD_NAME`) (docs/fencing.md).
+4. Stale objects: `directory_owner`, `stale_objects`: what a run older than the directory's owner committed after
+   the owner took over; readers leave such objects out, and the owner's next save removes them (docs/fencing.md).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import secrets
 import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +42,7 @@ logger = logging.getLogger(__name__)
 __version__ = _urls.__version__
 
 OWNER_RECORD_NAME = _s3.OWNER_RECORD_NAME  # a checkpoint directory's owner record (listings leave it out)
+RUN_METADATA_KEY = "s3ckpt-run"  # user metadata of every fenced commit: the run that wrote the object
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -217,6 +221,8 @@ class _Hold:
         self.etag: str | None = None  # the owner record's ETag while this run holds the directory
         self.refusal: tuple[CheckpointRun | None, int, bool] | None = None  # (owner, generation, newer) once refused
         self.objects: dict[str, str | None] = {}  # key -> ETag this run committed, or None: this run removed it
+        self.record_seen: tuple[str, Any] | None = None  # the record's ETag and modification time at the last HEAD
+        self.not_stale: dict[str, str] = {}  # key -> ETag of objects `remove_stale_objects` found not a stale run's
 
 
 _holds: dict[tuple[str | None, str, str, str], _Hold] = {}
@@ -320,6 +326,10 @@ class DirectoryFence:
             return self._follows_conditionally
         return self.capabilities.conditional_put is True
 
+    def metadata(self) -> dict[str, str]:
+        """The user metadata every commit of this run carries: which run it is (`stale_objects` reads it)."""
+        return {RUN_METADATA_KEY: _run_metadata(self.run)}
+
     def committed(self, key: str, etag: str) -> None:
         self._remember({key: etag or _UNKNOWN})  # no ETag in the answer: nothing to condition the next commit on
 
@@ -339,6 +349,46 @@ class DirectoryFence:
             "paused between that check and its DeleteObjects can still remove a newer run's objects (docs/fencing.md)",
         )
         return False
+
+    def remove_stale_objects(self) -> int:
+        """Remove what other runs committed in this directory after this run took it over (`stale_objects`): the
+        owner's saves call this after each commit. One listing of the directory (and a HEAD of the owner record
+        unless the commit's check just read it), plus a HEAD per object committed since by a writer this process does
+        not know; each removal is fenced and
+        conditioned on the listed ETag. How many objects it removed; a failure only warns (the next save tries
+        again), a refusal is raised."""
+        if self._follows:
+            return 0
+        try:
+            seen = self._hold.record_seen
+            if seen is None or seen[0] != self._hold.etag or seen[1] is None:  # not since this run's last commit
+                self._head_record()
+                seen = self._hold.record_seen
+            if self._hold.etag is None or seen is None or seen[0] != self._hold.etag or seen[1] is None:
+                return 0  # not (or no longer) this run's: its own check refuses what comes next
+            owner = DirectoryOwner(self.directory, self.run, seen[1])
+            hold = self._hold
+            with hold.lock:
+                known = {**hold.not_stale, **{key: etag for key, etag in hold.objects.items() if isinstance(etag, str)}}
+            listed = self._utils.list_objects(self.directory)
+            stale = stale_objects(self._utils, self.directory, listed, owner=owner, known=known)
+            with hold.lock:  # what was found not stale is not asked again (bounded like `objects`)
+                hold.not_stale.update((key, etag) for key, etag in known.items() if key not in hold.objects)
+                while len(hold.not_stale) > _REMEMBERED_KEYS:
+                    del hold.not_stale[next(iter(hold.not_stale))]
+            if stale:
+                self._utils.remove_listed(stale, fence=self)
+                logger.warning(
+                    "Removed %d object(s) a stale run committed in %s after %s took it over: %s", len(stale),
+                    self.directory, self.run, ", ".join(info.url for info in stale[:5]),
+                )
+            return len(stale)
+        except CheckpointDirectoryTakenError:
+            raise
+        except Exception as exc:
+            logger.warning("Could not look for a stale run's objects in %s: %s (the next save looks again)",
+                           self.directory, exc)
+            return 0
 
     def committed_etag(self, key: str) -> str | None:
         with self._hold.lock:
@@ -408,10 +458,12 @@ class DirectoryFence:
 
     def _head_record(self) -> str | None:
         try:
-            return self._utils.call("head_object", self.record_url, Bucket=self.bucket, Key=self.record_key)["ETag"]
+            response = self._utils.call("head_object", self.record_url, Bucket=self.bucket, Key=self.record_key)
         except FileNotFoundError as exc:
             _raise_if_no_bucket(exc)
             return None
+        self._hold.record_seen = (response["ETag"], response.get("LastModified"))
+        return str(response["ETag"])
 
     def _read_record(self) -> tuple[dict[str, Any] | None, str | None]:
         """The owner record (a dict; ``{}`` if unreadable) and its ETag, or ``(None, None)`` if there is none."""
@@ -576,3 +628,119 @@ class _CheckedOnce:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._fence, name)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Stale objects: what a run older than the owner committed after the owner took over
+# --------------------------------------------------------------------------------------------------------------------
+#
+# A stale run paused between its check of the owner record and the commit of a key that holds no object (a new top-k
+# name, a file or the `.metadata` of its DCP save) creates that key when it continues: no condition on that request
+# can refuse it. So every fenced commit names its run (`RUN_METADATA_KEY`), and the owner record's modification time
+# (the store's clock) says when its owner took over. An object another run committed after that is a stale run's:
+# resume discovery, `ls`, `verify` and `convert` leave it out, and the owner's next save (`DirectoryFence.
+# remove_stale_objects`) and `gc` remove it, each removal conditioned on the ETag that was listed (docs/fencing.md).
+
+_COMMIT_MARKER = ".metadata"  # a DCP checkpoint's commit: the run that wrote it decides for the files beside it
+_HEAD_WORKERS = 16
+
+
+@dataclass(frozen=True)
+class DirectoryOwner:
+    """A checkpoint directory's owner as its record says (`directory_owner`)."""
+
+    directory: str
+    run: CheckpointRun
+    taken: datetime.datetime  # the owner record's modification time, by the store's clock: when the owner took over
+
+
+def directory_owner(utils: _s3.S3Utils, directory: str | os.PathLike[str]) -> DirectoryOwner | None:
+    """The owner of the checkpoint `directory` (one GET of its record), or None where it has none (fencing off, no
+    fenced save yet) or the record is unreadable. Package-internal (docs/api.md)."""
+    url = _urls.normalize_s3_url(directory).rstrip("/")
+    bucket, prefix = _urls.s3_dir_prefix(url)
+    key = prefix + OWNER_RECORD_NAME
+    try:
+        response = utils.call("get_object", _urls.build_s3_url(bucket, key), Bucket=bucket, Key=key)
+    except FileNotFoundError as exc:
+        _raise_if_no_bucket(exc)
+        return None
+    with response["Body"] as body:
+        raw = body.read()
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return None
+    run = _record_run(record)
+    if run is None or response.get("LastModified") is None:
+        return None
+    return DirectoryOwner(url, run, response["LastModified"])
+
+
+def stale_objects(
+    utils: _s3.S3Utils, directory: str | os.PathLike[str], objects: Iterable[_s3.S3ObjectInfo], *,
+    owner: DirectoryOwner | object | None = _UNKNOWN, known: Mapping[str, str] | None = None,
+) -> list[_s3.S3ObjectInfo]:
+    """The objects among `objects` (listed under the checkpoint `directory`) that a run older than its `owner` (read
+    with `directory_owner` if not given) committed after the owner took over: a stale run's. Never an object that
+    names no run (written with fencing off, by hand, by another tool), one of a run newer than the owner (so a stale
+    run that believes it still owns the directory never counts the newer run's objects as stale), or one committed
+    before the takeover. Package-internal (docs/api.md).
+
+    Times are the store's, to the second: what an older run commits in the second of the takeover counts as after it
+    (that run was still writing while the newer one saved: a straggler's, not a checkpoint to resume). One HEAD per
+    object committed after that whose listed ETag is not `known` (key -> ETag: the caller's own commits), run at most
+    16 at a time; where a folder's ``.metadata`` (a DCP checkpoint's commit) is among them, it decides for the whole
+    folder, so a DCP checkpoint costs one HEAD. A `known` dict gains the objects found not stale."""
+    if owner is _UNKNOWN:
+        owner = directory_owner(utils, directory)
+    if not isinstance(owner, DirectoryOwner):
+        return []
+    _, prefix = _urls.s3_dir_prefix(owner.directory)
+    after = owner.taken.replace(microsecond=0)  # the store dates to the second: the takeover's second counts
+    groups: dict[str, list[_s3.S3ObjectInfo]] = {}  # name directly in the directory -> its objects since the takeover
+    for info in objects:
+        relative = info.key[len(prefix) :] if info.key.startswith(prefix) else ""
+        if relative and not relative.endswith("/") and info.last_modified is not None and info.last_modified >= after:
+            groups.setdefault(relative.split("/", 1)[0], []).append(info)
+    decisions: list[tuple[_s3.S3ObjectInfo, list[_s3.S3ObjectInfo]]] = []  # (the object whose run decides, for whom)
+    for name, members in groups.items():
+        marker = next((info for info in members if info.key == f"{prefix}{name}/{_COMMIT_MARKER}"), None)
+        decisions += [(marker, members)] if marker is not None else [(info, [info]) for info in members]
+    known = known if known is not None else {}
+    decisions = [(info, members) for info, members in decisions if not info.etag or known.get(info.key) != info.etag]
+    if not decisions:
+        return []
+
+    def writer_run(info: _s3.S3ObjectInfo) -> CheckpointRun | None:
+        try:
+            return _run_from_metadata(utils.head_object(info.url).metadata.get(RUN_METADATA_KEY))
+        except FileNotFoundError:
+            return None  # gone since the listing
+
+    from concurrent.futures import ThreadPoolExecutor  # only where there is something to ask
+
+    with ThreadPoolExecutor(min(_HEAD_WORKERS, len(decisions)), thread_name_prefix="s3ckpt-stale") as pool:
+        runs = list(pool.map(writer_run, [info for info, _ in decisions]))
+    stale = []
+    for (info, members), run in zip(decisions, runs, strict=True):
+        if run is not None and run.run_id != owner.run.run_id and owner.run.is_newer_than(run):
+            stale += members
+        elif isinstance(known, dict) and info.etag:
+            known[info.key] = info.etag  # decided: not a stale run's (the caller may keep it)
+    return stale
+
+
+def _run_metadata(run: CheckpointRun) -> str:
+    """`run` as the value of `RUN_METADATA_KEY`: what `CheckpointRun.is_newer_than` compares, ASCII."""
+    attempt = ".".join(str(n) for n in run.attempt) or "-"
+    return urllib.parse.quote(f"{run.started!r} {attempt} {run.job or '-'} {run.run_id}", safe=" :@#/.-_")
+
+
+def _run_from_metadata(value: str | None) -> CheckpointRun | None:
+    try:
+        started, attempt, job, run_id = urllib.parse.unquote(value or "").split(" ", 3)
+        numbers = tuple(int(n) for n in attempt.split(".")) if attempt != "-" else ()
+        return CheckpointRun(run_id, "", 0, float(started), "" if job == "-" else job, numbers)
+    except ValueError:
+        return None

@@ -1525,6 +1525,9 @@ class Fence(Protocol):
     def committed_etag(self, key: str) -> str | None:
         """The ETag this run last committed at `key`, if it knows one."""
 
+    def metadata(self) -> dict[str, str]:
+        """User metadata every commit carries (the run that wrote it)."""
+
     def committed(self, key: str, etag: str) -> None:
         """`key` was committed with `etag`."""
 
@@ -1869,6 +1872,22 @@ class S3Utils:
                 named[key + CHECKSUM_SIDECAR_SUFFIX] = None
         for bucket, named in keys.items():
             self._delete_keys(bucket, list(named), _urls.build_s3_url(bucket))
+        return sum(map(len, keys.values()))
+
+    def remove_listed(self, objects: Iterable[S3ObjectInfo], *, fence: Fence | None = None) -> int:
+        """Delete these listed objects and their checksum records, each object conditioned on its listed ETag where
+        the store honours conditional deletes (one replaced since it was listed is kept); `fence` as in
+        `remove_object`. Returns how many keys were sent."""
+        keys: dict[str, dict[str, str]] = {}  # bucket -> key -> listed ETag ("" for a checksum record)
+        for info in objects:
+            named = keys.setdefault(info.bucket, {})
+            named[info.key] = info.etag
+            if not info.key.endswith(("/", CHECKSUM_SIDECAR_SUFFIX)):
+                named.setdefault(info.key + CHECKSUM_SIDECAR_SUFFIX, "")
+        for bucket, named in keys.items():
+            etags = {key: etag for key, etag in named.items() if etag}
+            folder = next(iter(named)).rpartition("/")[0]  # where a probe of conditional deletes may write
+            self._delete_keys(bucket, list(named), _urls.build_s3_url(bucket, folder), fence, etags)
         return sum(map(len, keys.values()))
 
     def _delete_keys(
@@ -2806,9 +2825,10 @@ class S3MultipartWriter(io.RawIOBase):
         if self._fence is not None:
             self._warn_without_conditional_completes()
         checksum_args = {"ChecksumAlgorithm": self._algorithm.name, "ChecksumType": "FULL_OBJECT"}
+        metadata = {"Metadata": self._run_metadata()} if self._fence is not None else {}
         try:
             response = self._utils.call(
-                "create_multipart_upload", self.url, Bucket=self.bucket, Key=self.key, **checksum_args
+                "create_multipart_upload", self.url, Bucket=self.bucket, Key=self.key, **checksum_args, **metadata
             )
         except Exception as exc:
             if error_code(exc) not in {"InvalidArgument", "InvalidRequest", "NotImplemented"}:
@@ -2816,9 +2836,15 @@ class S3MultipartWriter(io.RawIOBase):
             url, code = self.url, error_code(exc)
             logger.info("%s: the store rejects full-object checksums (%s); recording them beside the object", url, code)
             self._native_checksums = False
-            response = self._utils.call("create_multipart_upload", self.url, Bucket=self.bucket, Key=self.key)
+            response = self._utils.call(
+                "create_multipart_upload", self.url, Bucket=self.bucket, Key=self.key, **metadata
+            )
         self._upload_id = response["UploadId"]
         self._pool = _thread_pool(self._max_concurrency, "put")
+
+    def _run_metadata(self) -> dict[str, str]:
+        """The fence's metadata (the run that commits this object; `s3_fencing.stale_objects` reads it)."""
+        return dict(self._fence.metadata()) if self._fence is not None else {}
 
     def _send_part(self, buffer: bytearray | memoryview, length: int, owner: object = None) -> None:
         """Queue one part: a part buffer (the upload gives it back), or a borrowed view kept alive by `owner`."""
@@ -2928,7 +2954,8 @@ class S3MultipartWriter(io.RawIOBase):
                 lambda: self._utils.client.put_object(
                     Bucket=self.bucket, Key=self.key, Body=_BufferReader(body, _SEND_BLOCK) if len(buffer) else b"",
                     ChecksumAlgorithm=self._algorithm.name, **{self._algorithm.response_field: checksum},
-                    Metadata={CHECKSUM_METADATA_KEY: f"{self._algorithm.name} {checksum}"}, **conditions,
+                    Metadata={CHECKSUM_METADATA_KEY: f"{self._algorithm.name} {checksum}", **self._run_metadata()},
+                    **conditions,
                 ),
                 "put_object",
                 self.url,

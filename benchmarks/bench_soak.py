@@ -48,7 +48,7 @@ def table(reports: list[dict[str, Any]]) -> str:
     rows = [
         "| mode | kills (during resume) | stragglers | resumes (fresh starts) | fallbacks | steps lost per kill: "
         "mean / p50 / max | faults injected | uploads left open / aborted by gc / left after gc | failures | "
-        "straggler overwrites / new keys / removals | node losses | resumed from | minutes |",
+        "straggler overwrites / new keys (left after the next saves) / removals | node losses | resumed from | minutes |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
@@ -60,7 +60,8 @@ def table(reports: list[dict[str, Any]]) -> str:
             f"({r['fresh_starts']}) | {r['fallbacks']} | {statistics.mean(lost):.1f} / {statistics.median(lost):g} / "
             f"{max(lost)} | {r['faults_injected']} ({faults}) | {r['uploads_left_open']} / "
             f"{r['uploads_aborted_by_gc']} / {r['uploads_after_gc']} | {len(r['failures'])} | "
-            f"{len(r['straggler_changes'])} / {r.get('straggler_created', 0)} / {r.get('straggler_removals', 0)} | "
+            f"{len(r['straggler_changes'])} / {r.get('straggler_created', 0)} "
+            f"({len(r.get('straggler_keys_left', []))} left) / {r.get('straggler_removals', 0)} | "
             f"{r.get('node_losses', 0)} | {tiers} | {r['seconds'] / 60:.1f} |"
         )
     return "\n".join(rows)

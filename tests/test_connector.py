@@ -300,7 +300,10 @@ class TestSelectionS3(SelectionRules):
         original = s3.call
         s3.call = lambda operation, *args, **kwargs: calls.append(operation) or original(operation, *args, **kwargs)
         assert find_resume_checkpoint(f"s3://{bucket}/ckpt", s3_utils=s3) == url
-        assert calls == ["list_objects_v2"]  # no HEAD per DCP folder: the listing shows .metadata
+        # no HEAD per DCP folder to see whether it is complete (the listing shows .metadata); the owner record's GET,
+        # and a HEAD of each candidate committed since its owner took over (a stale run's is ignored)
+        assert calls[:2] == ["list_objects_v2", "get_object"] and set(calls[2:]) <= {"head_object"}
+        assert len(calls) <= 4
 
     def test_last_lookup_of_s3_model_checkpoint_sees_complete_dcp_lasts_only(
         self, bucket: str, caplog: pytest.LogCaptureFixture

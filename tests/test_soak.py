@@ -42,7 +42,9 @@ def test_kills_and_relaunches_never_strand_the_job(
     assert report.resumes + report.fresh_starts == config.kills + 1 - report.early_kills
     assert report.uploads_after_gc == 0
     assert report.stragglers == len(config.straggler_launches or ())
-    assert report.straggler_changes == []  # every commit carries an ETag condition: no overwrite of the relaunch's
+    # with conditions honoured (moto): no straggler overwrote or removed the relaunch's objects, and what it created
+    # (a key the relaunch had not written) was removed by the relaunches' next saves
+    assert (report.straggler_changes, report.straggler_removals, report.straggler_keys_left) == ([], 0, [])
     assert report.node_losses == (config.kills // config.node_loss_every if config.node_loss_every else 0)
 
 
@@ -91,12 +93,16 @@ def test_both_ranks_fall_back_alike_from_a_newest_checkpoint_that_does_not_verif
 
 
 def test_straggler_effects_sorts_what_a_straggler_did_to_the_relaunchs_objects() -> None:
-    """The soak's own measure, on a made-up request log: only the straggler's commits over keys the relaunch had
-    committed before them are overwrites; launch 1 is not launch 12; failed requests and part uploads do nothing."""
+    """The soak's own measure, on a made-up request log: only the straggler's commits over objects the relaunch had
+    committed before them (and not removed) are overwrites; launch 1 is not launch 12; failed requests and part
+    uploads do nothing; a removal counts the relaunch's keys it names."""
     from fault_proxy import RecordedRequest
 
-    def req(method: str, path: str, query: str, launch: int, status: int | None = 200) -> RecordedRequest:
-        return RecordedRequest(method, path, query, status, f"Boto3/1 md/x soak-launch-{launch}", None, 0.0)
+    def req(
+        method: str, path: str, query: str, launch: int, status: int | None = 200, deleted: tuple[str, ...] = ()
+    ) -> RecordedRequest:
+        agent = f"Boto3/1 md/x soak-launch-{launch}"
+        return RecordedRequest(method, path, query, status, agent, None, 0.0, deleted_keys=deleted)
 
     log = [
         req("PUT", "/b/s/step=5.ckpt", "", 0),  # the straggler first: created
@@ -107,9 +113,12 @@ def test_straggler_effects_sorts_what_a_straggler_did_to_the_relaunchs_objects()
         req("PUT", "/b/s/step=8.ckpt", "", 12),  # another launch's: not the relaunch's
         req("PUT", "/b/s/step=8.ckpt", "", 0),  # created
         req("PUT", "/b/s/step=6.ckpt.s3ckpt-checksum.json", "", 0),  # a checksum record: not a commit
-        req("POST", "/b", "delete", 0),  # a removal
+        req("POST", "/b", "delete", 0, deleted=("s/step=6.ckpt", "s/step=5.ckpt")),  # names one of the relaunch's
+        req("PUT", "/b/s/step=9.ckpt", "", 1),  # the relaunch's, then removed by itself:
+        req("POST", "/b", "delete", 1, deleted=("s/step=9.ckpt",)),
+        req("PUT", "/b/s/step=9.ckpt", "", 0),  # the straggler's commit there is a new key, not an overwrite
     ]
     effects = straggler_effects(log, "soak-launch-0", "soak-launch-1")
     assert [(r.method, r.path) for r in effects.overwrites] == [("POST", "/b/s/step=6.ckpt")]
-    assert [r.path for r in effects.created] == ["/b/s/step=5.ckpt", "/b/s/step=8.ckpt"]
-    assert [r.query for r in effects.removals] == ["delete"]
+    assert [r.path for r in effects.created] == ["/b/s/step=5.ckpt", "/b/s/step=8.ckpt", "/b/s/step=9.ckpt"]
+    assert effects.removed == ["/b/s/step=6.ckpt"] and effects.relaunch_removed == {"/b/s/step=9.ckpt"}

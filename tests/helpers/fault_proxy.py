@@ -358,6 +358,7 @@ class RecordedRequest:
     fault: str | None
     started: float
     ended: float | None = None
+    deleted_keys: tuple[str, ...] = ()  # the keys a DeleteObjects request named (its body, as sent upstream)
 
 
 # --------------------------------------------------------------------------------------------
@@ -957,10 +958,19 @@ class _Connection:
                 # may not send the body now, so this connection cannot be reused safely.
                 status, _ = self._relay_response(final, method, fault, routed)
                 return status, False
+        capture = method == "POST" and "?delete" in head.first_line.split(" ")[1] and self.entry is not None
+        body = bytearray()
         if has_body:
             try:
                 for piece, _ in _iter_body(self.creader, framing):
+                    if capture:
+                        body += piece
                     _send(self.upstream, piece)
+                if capture and self.entry is not None:  # which keys a DeleteObjects names: what a removal touched
+                    found = re.findall(r"<Key>(.*?)</Key>", body.decode(errors="replace"))
+                    named = tuple(html.unescape(key) for key in found)
+                    with self.proxy._lock:
+                        self.entry.rec = replace(self.entry.rec, deleted_keys=named)
             except _GoneError:
                 # Either side broke off. If the client vanished there is nothing to do; if the
                 # upstream stopped reading it may still have sent an answer, which we try to relay.

@@ -101,6 +101,7 @@ def main() -> None:
                 "type": types[0],
                 "taken": CheckpointDirectoryTakenError.__name__ in types,
                 "message": "".join(traceback.format_exception_only(exc)),
+                "traceback": "".join(traceback.format_exception(exc))[-3000:],
             }
         print(json.dumps(answer), flush=True)
 

@@ -12,9 +12,11 @@ killed. The last launch trains a few steps to the end.
 Checked after every relaunch (a failure is counted and described, never raised, so a benchmark reports them all):
 * every rank resumed from the same checkpoint, and its weights equal the closed form for its step bit for bit;
 * the resumed step is not older than the newest "-last" save any killed launch reported durable;
-* a straggler, once continued, committed, removed or took over nothing (no successful commit, DeleteObjects or
-  owner-record PUT from its processes after SIGCONT, as the proxy saw them);
-and at the end: ``s3-checkpoint-io gc --yes`` aborts every multipart upload the kills left open (none remain).
+* what a straggler did once continued (SIGCONT), as the proxy saw it: commits over objects the relaunch had
+  committed (overwrites), commits at keys the relaunch had not written (new keys), and removals of the relaunch's
+  objects (the keys its DeleteObjects named that are gone afterwards);
+and at the end: which new keys of stragglers still hold a straggler's object after the relaunches' saves (the owner's
+next save removes them), and ``s3-checkpoint-io gc --yes`` aborts every multipart upload the kills left open.
 
 Mode ``tier``: the job saves every step into the memory tier (each rank a node of its own, its
 tier directory under a tmpfs, replication to the other node on), every ``drain_every``-th save drains to S3, so kills
@@ -39,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,8 +111,15 @@ class SoakReport:
     """Stragglers' commits (after they continued) over keys the relaunch had committed (`straggler_effects`)."""
     straggler_created: int = 0
     """Commits of stragglers (after they continued) at keys the relaunch had not written: the gap fencing leaves."""
+    straggler_keys_left: list[str] = field(default_factory=list)
+    """Of those keys, the ones still holding the straggler's object at the end, after the relaunches' saves (and
+    before ``gc``): what the owner's next save must remove (docs/fencing.md)."""
     straggler_removals: int = 0
-    """Removals of stragglers that went through after they continued (which keys, the proxy does not see)."""
+    """Objects the relaunch had committed (and not removed itself) that a straggler's removal, once it continued,
+    named and that are gone afterwards."""
+    straggler_removed_keys: list[str] = field(default_factory=list)
+    straggler_keys_created: list[tuple[str, int]] = field(default_factory=list)
+    """Each straggler commit at a key the relaunch had not written: (``/bucket/key``, the straggler's launch)."""
     node_losses: int = 0
     resumed_from: dict[str, int] = field(default_factory=dict)
     """Resumes by the tier rank 0 read (``memory``, ``s3``; the memory tier's soak)."""
@@ -258,6 +268,14 @@ def _is_removal(request: Any, agent: str) -> bool:
     return request.method == "DELETE" and "uploadId=" not in request.query
 
 
+def _removed_keys(request: Any) -> list[str]:
+    """The path-style keys (``/bucket/key``) a removal named (a DeleteObjects' body, as the proxy saw it)."""
+    if request.method == "DELETE":
+        return [request.path]
+    bucket = request.path.strip("/").split("/")[0]
+    return [f"/{bucket}/{key}" for key in getattr(request, "deleted_keys", ())]
+
+
 @dataclass
 class StragglerEffects:
     """What a straggler's requests did once it continued (`straggler_effects`)."""
@@ -266,13 +284,17 @@ class StragglerEffects:
     """Commits over a key the relaunch had committed before (an object, or the owner record): what must not be."""
     created: list[Any] = field(default_factory=list)
     """Commits of keys the relaunch had not written (yet): the gap fencing leaves (docs/fencing.md)."""
-    removals: list[Any] = field(default_factory=list)
-    """DeleteObjects / DeleteObject requests that went through (the proxy does not see which keys: reported)."""
+    removed: list[str] = field(default_factory=list)
+    """Keys of the relaunch's objects (committed by it, not removed by it) that the straggler's successful
+    DeleteObjects / DeleteObject named: removed unless the store refused that key's ETag condition (checked after)."""
+    relaunch_removed: set[str] = field(default_factory=set)
+    """Keys the relaunch's own removals named (its clean-up), at any time."""
 
 
 def straggler_effects(requests: list[Any], straggler_agent: str, relaunch_agent: str) -> StragglerEffects:
     """Sort the straggler's successful mutations among `requests` (in the order the proxy saw them) by what they did
-    to the relaunch's objects."""
+    to the relaunch's objects. A key the relaunch committed and then removed itself holds no object of the relaunch:
+    a straggler's commit there is a new key, not an overwrite."""
     relaunch_keys: set[str] = set()
     effects = StragglerEffects()
     for request in requests:
@@ -280,11 +302,16 @@ def straggler_effects(requests: list[Any], straggler_agent: str, relaunch_agent:
         if key is not None:
             relaunch_keys.add(key)
             continue
+        if _is_removal(request, relaunch_agent):
+            named = _removed_keys(request)
+            relaunch_keys.difference_update(named)
+            effects.relaunch_removed.update(named)
+            continue
         key = _commit_key(request, straggler_agent)
         if key is not None:
             (effects.overwrites if key in relaunch_keys else effects.created).append(request)
         elif _is_removal(request, straggler_agent):
-            effects.removals.append(request)
+            effects.removed += [key for key in _removed_keys(request) if key in relaunch_keys]
     return effects
 
 
@@ -313,6 +340,7 @@ def run_soak(
     client = boto3.client("s3", endpoint_url=endpoint_url)
     open_uploads = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
     report.uploads_left_open = len(open_uploads)
+    report.straggler_keys_left = _straggler_keys_left(client, report.straggler_keys_created)
     time.sleep(1.1)  # gc aborts only what is older than --older-than (1 s), by the store's clock
     with contextlib.redirect_stdout(open(os.devnull, "w")):
         code = s3_checkpoint_cli.main(["gc", base, "--older-than", "1s", "--yes", "--incomplete-dcp"])
@@ -332,6 +360,9 @@ def _run_launches(
     endpoint_url: str, tier_root: Path | None,
 ) -> None:
     """The launches, kills, node losses and checks of `run_soak`, through a fault-injecting proxy."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint_url)  # the store itself, past the proxy
     with FaultProxy(endpoint_url) as proxy:
         fault_rules = _fault_rules(config.seed) if config.faults else []
         for rule in fault_rules:
@@ -361,7 +392,7 @@ def _run_launches(
             else:
                 _check_resume(launch, config, report, floor, progress)
             if straggler is not None:
-                _release_straggler(straggler, launch, proxy, config, report)
+                _release_straggler(straggler, launch, proxy, config, report, client)
                 straggler = None
             if final:
                 done = launch.wait_for(lambda e: e.get("event") == "done" and e["rank"] == 0, config.launch_timeout_s)
@@ -432,8 +463,37 @@ def _check_resume(launch: Launch, config: SoakConfig, report: SoakReport, floor:
         report.steps_lost.append(max(0, progress - step))
 
 
+def _holds_object(client: Any, path: str) -> bool:
+    """Whether ``/bucket/key`` holds an object (asked of the store itself, not through the proxy)."""
+    bucket, key = path.lstrip("/").split("/", 1)
+    try:
+        client.head_object(Bucket=bucket, Key=key)
+    except Exception as exc:
+        if getattr(exc, "response", {}).get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            return False
+        raise
+    return True
+
+
+def _straggler_keys_left(client: Any, created: list[tuple[str, int]]) -> list[str]:
+    """The keys stragglers created that still hold a straggler's object (its metadata names that launch's run)."""
+    left = []
+    for path, number in dict.fromkeys(created):
+        bucket, key = path.lstrip("/").split("/", 1)
+        try:
+            metadata = client.head_object(Bucket=bucket, Key=key).get("Metadata", {})
+        except Exception as exc:
+            if getattr(exc, "response", {}).get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                continue
+            raise
+        run = urllib.parse.unquote(metadata.get("s3ckpt-run", "")).rpartition(" ")[2]
+        if run.endswith(f"#{number}"):
+            left.append(path)
+    return left
+
+
 def _release_straggler(
-    straggler: Launch, relaunch: Launch, proxy: FaultProxy, config: SoakConfig, report: SoakReport
+    straggler: Launch, relaunch: Launch, proxy: FaultProxy, config: SoakConfig, report: SoakReport, client: Any
 ) -> None:
     """Once the relaunch has saved, let the straggler run for a while, then kill it; count what it changed."""
     saved = relaunch.wait_for(lambda e: e.get("event") == "durable", config.launch_timeout_s)
@@ -447,7 +507,10 @@ def _release_straggler(
     seen = [r for i, r in enumerate(proxy.requests) if i >= mark or _sent_by(r, relaunch_agent)]
     effects = straggler_effects(seen, straggler_agent, relaunch_agent)
     report.straggler_created += len(effects.created)
-    report.straggler_removals += len(effects.removals)
+    report.straggler_keys_created += [(request.path, straggler.number) for request in effects.created]
+    gone = [key for key in effects.removed if key not in effects.relaunch_removed and not _holds_object(client, key)]
+    report.straggler_removals += len(gone)
+    report.straggler_removed_keys += gone
     if effects.overwrites:
         described = [f"{r.method} {r.path}?{r.query} -> {r.status}" for r in effects.overwrites[:5]]
         report.straggler_changes.append(f"straggler launch {straggler.number} overwrote: {described}")
