@@ -44,6 +44,8 @@ def test_kills_and_relaunches_never_strand_the_job(
     assert report.stragglers == len(config.straggler_launches or ())
     assert report.straggler_changes == []  # every commit carries an ETag condition: no overwrite of the relaunch's
     assert report.node_losses == (config.kills // config.node_loss_every if config.node_loss_every else 0)
+    if config.mode == "tier":  # relaunches read memory: node 0 its own copy (or, once lost, node 1's replica of it)
+        assert report.resumed_from.get("memory", 0) + report.resumed_from.get("replica", 0) > 0, report.resumed_from
 
 
 @pytest.mark.parametrize(("mode", "sharing"), [("single", "node"), ("single", "job"), ("dcp", "node")])

@@ -34,6 +34,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -44,8 +45,6 @@ from pathlib import Path
 from typing import Any
 
 from fault_proxy import Fault, FaultProxy, FaultRule
-
-from s3_local_servers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "soak_worker.py"
@@ -112,7 +111,9 @@ class SoakReport:
     """Removals of stragglers that went through after they continued (which keys, the proxy does not see)."""
     node_losses: int = 0
     resumed_from: dict[str, int] = field(default_factory=dict)
-    """Resumes by the tier rank 0 read (``memory``, ``s3``; the memory tier's soak)."""
+    """Rank loads by the tier each read (``memory``, ``replica``, ``s3``; two per resume)."""
+    resume_tiers: dict[str, int] = field(default_factory=dict)
+    """Resumes by the tiers their ranks read, ``"<rank 0's>/<rank 1's>"`` (e.g. ``memory/replica``)."""
     seconds: float = 0.0
 
     def as_json(self) -> dict[str, Any]:
@@ -130,27 +131,35 @@ class Launch:
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.seen: list[dict[str, Any]] = []
         self.procs: list[subprocess.Popen[str]] = []
-        port = str(free_port())
-        for rank in range(WORLD):
-            rank_env = dict(
-                env,
-                RANK=str(rank),
-                LOCAL_RANK="0" if nodes else str(rank),
-                GROUP_RANK=str(rank) if nodes else "0",
-                NODE_RANK=str(rank) if nodes else "0",
-                WORLD_SIZE=str(WORLD),
-                LOCAL_WORLD_SIZE="1" if nodes else str(WORLD),
-                MASTER_PORT=port,
-                TORCHELASTIC_RESTART_COUNT=str(number),
-            )
-            log = open(log_dir / f"launch{number}-rank{rank}.log", "wb")
-            proc = subprocess.Popen(
-                [sys.executable, str(WORKER), *argv], stdout=subprocess.PIPE, stderr=log, env=rank_env, text=True,
-                cwd=REPO,
-            )
-            log.close()
-            self.procs.append(proc)
-            threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+        # The rendezvous store's socket is bound and listening here, before any rank starts, and handed to rank 0
+        # (``SOAK_STORE_FD``): a port picked free and bound later by rank 0 was taken meanwhile, now and then, by
+        # another process's outgoing connection (EADDRINUSE at init_process_group on a busy machine).
+        store = socket.create_server((env.get("MASTER_ADDR", "127.0.0.1"), 0), backlog=64)
+        try:
+            for rank in range(WORLD):
+                rank_env = dict(
+                    env,
+                    RANK=str(rank),
+                    LOCAL_RANK="0" if nodes else str(rank),
+                    GROUP_RANK=str(rank) if nodes else "0",
+                    NODE_RANK=str(rank) if nodes else "0",
+                    WORLD_SIZE=str(WORLD),
+                    LOCAL_WORLD_SIZE="1" if nodes else str(WORLD),
+                    MASTER_PORT=str(store.getsockname()[1]),
+                    TORCHELASTIC_RESTART_COUNT=str(number),
+                )
+                if rank == 0:
+                    rank_env["SOAK_STORE_FD"] = str(store.fileno())
+                log = open(log_dir / f"launch{number}-rank{rank}.log", "wb")
+                proc = subprocess.Popen(
+                    [sys.executable, str(WORKER), *argv], stdout=subprocess.PIPE, stderr=log, env=rank_env,
+                    text=True, cwd=REPO, pass_fds=(store.fileno(),) if rank == 0 else (),
+                )
+                log.close()
+                self.procs.append(proc)
+                threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+        finally:
+            store.close()  # rank 0 holds its own copy of the socket
 
     def _read(self, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
@@ -191,6 +200,11 @@ class Launch:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signum)
+
+    def dump_stacks(self) -> None:
+        """Have every live rank write all its threads' stacks into its log (a launch that hangs)."""
+        self.signal(signal.SIGUSR1)
+        time.sleep(1.0)
 
     def kill(self) -> None:
         self.signal(signal.SIGCONT)  # a stopped process dies on SIGKILL too, but let it read nothing more
@@ -338,6 +352,7 @@ def _run_launches(
             proxy.add_rule(rule)
         env["AWS_ENDPOINT_URL_S3"] = proxy.endpoint_url
         floor = 0  # the newest "-last" step any killed launch reported durable
+        tier_floor = 0  # tier: the newest step every rank can load from memory or a replica (after the node loss)
         progress = 0  # the newest step any launch reached
         straggler: Launch | None = None
         for number in range(config.kills + 1):
@@ -359,7 +374,7 @@ def _run_launches(
                 time.sleep(rng.uniform(0.0, 0.3))
                 report.early_kills += 1
             else:
-                _check_resume(launch, config, report, floor, progress)
+                _check_resume(launch, config, report, max(floor, tier_floor), progress, tier_floor)
             if straggler is not None:
                 _release_straggler(straggler, launch, proxy, config, report)
                 straggler = None
@@ -387,6 +402,8 @@ def _run_launches(
                 if straggler is None:  # a node lost: its own copies and the replicas it held are gone
                     shutil.rmtree(tier_root / f"node{report.node_losses % WORLD}", ignore_errors=True)
                     report.node_losses += 1
+            if tier_root is not None:  # a straggler still writes: no floor
+                tier_floor = newest_replica_step(tier_root / "node1") if straggler is None else 0
         report.faults_injected = sum(rule.fired for rule in fault_rules)
         for request in proxy.requests:
             if request.fault:
@@ -399,8 +416,28 @@ def _errors(launch: Launch) -> list[str]:
     return [f"rank {e['rank']}: {e['type']}: {e['message'][:300]}" for e in launch.drain() if e.get("event") == "error"]
 
 
-def _check_resume(launch: Launch, config: SoakConfig, report: SoakReport, floor: int, progress: int) -> None:
-    """Wait for both ranks' "resumed" events and check them."""
+def newest_replica_step(node: Path) -> int:
+    """The newest step of the replicas that count on `node` (a manifest beside them; 0: none), read from their commit
+    records. Node 1 holds node 0's replicas, so every rank can load that step from a tier: rank 1 its replica, rank 0
+    its own memory copy or the replica fetched from node 1 (a replaced node)."""
+    import s3_memory_tier
+    import s3_tier_replication
+
+    steps = [0]
+    for manifest in node.glob(f"*/*/replicas/*/*{s3_tier_replication.MANIFEST_SUFFIX}"):
+        with contextlib.suppress(OSError, ValueError):
+            replica = json.loads(manifest.read_text())
+            records = [name for name in replica["files"] if name.endswith(s3_memory_tier.COMMIT_RECORD_SUFFIX)]
+            record = json.loads((manifest.parent / replica["name"] / records[0]).read_text())
+            steps.append(int(record["step"]))
+    return max(steps)
+
+
+def _check_resume(
+    launch: Launch, config: SoakConfig, report: SoakReport, floor: int, progress: int, tier_floor: int = 0
+) -> None:
+    """Wait for both ranks' "resumed" events and check them (`tier_floor`: the newest step every rank can load from
+    a memory tier, read there from memory or a replica, never S3)."""
     resumed = []
     for rank in range(WORLD):
         event = launch.wait_for(
@@ -408,6 +445,7 @@ def _check_resume(launch: Launch, config: SoakConfig, report: SoakReport, floor:
         )
         if event is None:
             report.failures.append(f"launch {launch.number}: rank {rank} did not resume: {_errors(launch)}")
+            launch.dump_stacks()
             return
         resumed.append(event)
     steps = {e["step"] for e in resumed}
@@ -419,15 +457,23 @@ def _check_resume(launch: Launch, config: SoakConfig, report: SoakReport, floor:
         report.failures.append(f"launch {launch.number}: resumed weights differ from the closed form at step {step}")
     if step < floor:
         report.failures.append(
-            f"launch {launch.number}: resumed from step {step}, older than step {floor} a killed launch saw durable"
+            f"launch {launch.number}: resumed from step {step}, older than step {floor} a killed launch saw durable "
+            f"or that survives in memory on both nodes (step {tier_floor})"
+        )
+    tiers = [str(e.get("tier")) for e in resumed]
+    if tier_floor and step == tier_floor and (tiers[1] != "replica" or tiers[0] not in ("memory", "replica")):
+        report.failures.append(
+            f"launch {launch.number}: step {step} is in memory on both nodes, but the ranks read it from {tiers}"
         )
     if resumed[0]["url"] is None:
         report.fresh_starts += 1
     else:
         report.resumes += 1
     report.fallbacks += any(e["skipped"] for e in resumed)
-    source = str(resumed[0].get("tier"))
-    report.resumed_from[source] = report.resumed_from.get(source, 0) + 1
+    if resumed[0]["url"] is not None:
+        for tier in tiers:
+            report.resumed_from[tier] = report.resumed_from.get(tier, 0) + 1
+        report.resume_tiers["/".join(tiers)] = report.resume_tiers.get("/".join(tiers), 0) + 1
     if launch.number:
         report.steps_lost.append(max(0, progress - step))
 

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -46,7 +48,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from soak import weights  # noqa: E402
 
-from connector import find_resume_checkpoints, load_newest_usable  # noqa: E402
+from connector import checkpoint_step, find_resume_checkpoints, load_newest_usable  # noqa: E402
 from s3_checkpoint_io import S3CheckpointIO  # noqa: E402
 from s3_dcp import S3StorageReader, S3StorageWriter  # noqa: E402
 from s3_fencing import DirectoryFence, current_run  # noqa: E402
@@ -57,6 +59,7 @@ RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
 LAUNCH = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 _print_lock = threading.Lock()
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks for every thread's stack before it kills
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -80,6 +83,25 @@ def watch_durable(io: S3CheckpointIO, stop: threading.Event) -> None:
         stop.wait(0.005)
 
 
+def init_process_group(timeout: datetime.timedelta) -> None:
+    """The gloo group over a TCPStore at ``MASTER_ADDR:MASTER_PORT`` that rank 0 serves: on the listening socket the
+    harness passed it (``SOAK_STORE_FD``, bound before the launch started, so no other process can take the port
+    meanwhile), else on a socket it binds now."""
+    listen_fd = os.environ.get("SOAK_STORE_FD") if RANK == 0 else None
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(
+        host, port, WORLD, RANK == 0, timeout=timeout, master_listen_fd=None if listen_fd is None else int(listen_fd)
+    )
+    dist.init_process_group("gloo", store=store, rank=RANK, world_size=WORLD, timeout=timeout)
+
+
+def loaded_from(io: S3CheckpointIO) -> str:
+    """The tier the last load read (``memory``, ``replica``, ``s3``): its transfer record's (drains that a relaunch
+    finishes add save records meanwhile)."""
+    loads = [record for record in io.records if record.kind == "load"]
+    return str(loads[-1].tier) if loads else "s3"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("dir")
@@ -92,7 +114,7 @@ def main() -> None:
     args = parser.parse_args()
     base = args.dir.rstrip("/")
     numel = int(args.mib * 2**20) // 4
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    init_process_group(datetime.timedelta(seconds=120))
     settings = S3ClientSettings(user_agent_extra=f"soak-launch-{LAUNCH}")
     retries = RetryPolicy(max_attempts=8, initial_backoff_s=0.05, max_backoff_s=0.5)
     utils = S3Utils(settings, retries)
@@ -107,6 +129,9 @@ def main() -> None:
     )
     if tier is not None:
         io.start_replication()  # collective; global rank 0 finishes the drains a killed launch left
+        # collective: the newest step every rank can load from some tier (own memory, a peer's replica, S3); rank 0's
+        # discovery below then sees the memory-only checkpoints every rank can load, and each load reads its tier
+        io.agree_resume(base, checkpoint_step, list_s3=RANK == 0)
 
     # ---- resume
     found: list[Any] = [None]
@@ -131,7 +156,7 @@ def main() -> None:
         expected = weights(step, numel)
         got = checkpoint[f"w{RANK}"] if args.mode == "dcp" else checkpoint["w"]
         exact = bit_equal(got, expected[RANK::WORLD].clone() if args.mode == "dcp" else expected)
-        source = io.records[-1].tier if args.mode != "dcp" and io.records else "s3"
+        source = loaded_from(io) if args.mode != "dcp" else "s3"
         emit("resumed", step=step, url=url, exact=exact, skipped=urls.index(url), tier=source)
     else:
         emit("resumed", step=0, url=None, exact=True, skipped=0, tier=None)
