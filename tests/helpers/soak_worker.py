@@ -19,7 +19,8 @@ checked bit for bit against the closed form.
      commits and fences), then global rank 0 removes ``step=N-2-last.ckpt/`` under its fence (top-2).
    * ``tier``: as ``single`` with the memory tier (issue 40): each rank is a node of its own (``GROUP_RANK``) with
      its tier under ``$SOAK_TIER_ROOT/node<GROUP_RANK>``, replication on (`S3CheckpointIO.start_replication`); global
-     rank 0 saves ``step=N-last.ckpt`` every step into memory (its "-last" clean-up removes the older one), every
+     rank 0 saves ``step=N-last.ckpt`` every step into memory and removes ``step=N-1-last.ckpt`` (as Lightning's
+     "-last" clean-up: the memory copy now, the S3 object once a newer checkpoint is on S3), every
      ``--drain-every``-th save drains to S3, every save is sent to node 1.
 With the memory tier every rank first agrees on its resume tier (`S3CheckpointIO.agree_resume`: own memory, the
 peer's replica, S3), so rank 0's discovery sees the memory-only checkpoints every rank can load.
@@ -192,9 +193,11 @@ def main() -> None:
         time.sleep(args.step_s)
         w = weights(current, numel)
         if args.mode == "tier":
-            if RANK == 0:
+            if RANK == 0:  # as Lightning's "-last" clean-up: save the new one, then remove the one before it
                 state = {"step": current, "global_step": current, "w": w}
                 io.save_checkpoint(state, f"{base}/step={current}-last.ckpt")
+                if current > 1:
+                    io.remove_checkpoint(f"{base}/step={current - 1}-last.ckpt")
         elif args.mode == "single":
             if RANK == 0:
                 checkpoint = {"step": current, "w": w}
