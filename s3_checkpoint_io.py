@@ -546,18 +546,22 @@ class S3CheckpointIO:
             raise TypeError(f"load_checkpoint() got unexpected keyword arguments {sorted(unexpected)}")
         path = _urls.as_path_or_s3_url(path)
         self._raise_background_errors()
-        self._wait_for_saves_of(path)
-        wait_for_pending_save(path)  # a save of this URL by another plugin instance in this process
+        tiered = self.memory_tier is not None and _urls.is_s3_url(path)
+        if not tiered:  # a tier's committed copy is read as it is: its drain to S3, maybe queued, is not waited for
+            self._wait_for_saves_of(path)
+            wait_for_pending_save(path)  # a save of this URL by another plugin instance in this process
         torch = _torch()
         load_kwargs: dict[str, Any] = {"map_location": map_location}
         if weights_only is not None:
             load_kwargs["weights_only"] = weights_only
         started = time.perf_counter()
         armed = _take_collective(self)
-        if self.memory_tier is not None and _urls.is_s3_url(path):
+        if tiered:
             loaded = self._load_from_tier(path, armed, load_kwargs, started)
             if loaded is not None:
                 return loaded[0]
+            self._wait_for_saves_of(path)  # from S3: after its drain
+            wait_for_pending_save(path)
         if not _urls.is_s3_url(path):
             if not os.path.exists(path):
                 raise FileNotFoundError(f"Checkpoint file not found: {path}")

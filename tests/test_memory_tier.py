@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from fault_proxy import Fault, FaultProxy, FaultRule
 from s3_servers import rank_environment
 from tiny_lightning import FAMILIES, TOP_K_CHECKPOINT, lightning_family, tiny_module_class, tiny_trainer
 
@@ -212,6 +213,26 @@ def test_a_drain_cut_short_by_a_kill_is_finished_by_the_relaunch(
     with s3_utils.S3Utils().download_to_memory(url) as downloaded, open(copy.path, "rb") as stream:
         assert downloaded.verified_against is not None
         assert downloaded.read_all() == stream.read()
+
+
+def test_a_load_from_memory_does_not_wait_for_that_checkpoints_drain_to_s3(
+    s3_server: Any, bucket: str, tmp_path: Path
+) -> None:
+    """A restart reads its committed memory copy at once, while S3 is still slow to take that checkpoint's drain
+    (a relaunch finishing several drains a kill left used to wait for all of them before its resume)."""
+    url = f"s3://{bucket}/run/step=1-last.ckpt"
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        stalled = proxy.add_rule(FaultRule(Fault.stall(4.0), method="PUT", times=1))
+        plugin = S3CheckpointIO(
+            chunk_size_MB=5, endpoint_url=proxy.endpoint_url, memory_tier=MemoryTier(root=str(tmp_path), job="job-1")
+        )
+        expected = make_checkpoint(1)
+        plugin.save_checkpoint(expected, url)  # into memory; its drain to S3 is queued, and its first PUT stalls
+        assert_same(plugin.load_checkpoint(url), expected)
+        assert [(r.kind, r.tier) for r in plugin.records] == [("save", "memory"), ("load", "memory")]
+        plugin.teardown()  # the drain went on meanwhile, and ends
+    assert stalled.fired == 1
+    assert [(r.kind, r.tier) for r in plugin.records][-1] == ("save", "s3")
 
 
 def run_of(attempt: int) -> s3_fencing.CheckpointRun:
