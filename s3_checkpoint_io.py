@@ -712,6 +712,8 @@ class S3CheckpointIO:
             copy = tier.save(checkpoint, path, step, torch_save_without_zip_crc32)
         except module.TierFullError as exc:
             tier.warn_full_once(path, exc)
+            self._wait_for_saves_of(path)  # a drain of the older copy still reads it
+            tier.remove(path)  # this save goes to S3: no older copy of its URL may stay in memory for a load to read
             return False
         self.last_save_blocked_s = time.perf_counter() - started
         self._record(TransferRecord("save", path, copy.size, self.last_save_blocked_s, copy.checksum,

@@ -157,6 +157,22 @@ def test_a_full_tier_warns_once_and_saves_to_s3_directly(
     assert_same(tiered(tmp_path).load_checkpoint(f"s3://{bucket}/run/step=2.ckpt"), make_checkpoint(2))
 
 
+def test_a_save_that_finds_no_room_leaves_no_older_memory_copy_of_its_url(
+    s3_server: Any, bucket: str, tmp_path: Path
+) -> None:
+    """A URL saved again (Lightning's ``last.ckpt``) when the tier has no room goes to S3, and the older copy of that
+    URL leaves memory: a load reads the newer checkpoint, not the older one from memory."""
+    plugin = tiered(tmp_path, capacity_bytes=3 * MiB)
+    url = f"s3://{bucket}/run/last.ckpt"
+    plugin.save_checkpoint(make_checkpoint(1), url)
+    plugin.wait_for_pending_saves()
+    newer = make_checkpoint(2, mib=4)
+    plugin.save_checkpoint(newer, url)  # no room: to S3 directly
+    assert_same(plugin.load_checkpoint(url), newer)
+    assert [(r.kind, r.tier) for r in plugin.records][-1] == ("load", "s3")
+    plugin.teardown()
+
+
 def test_at_most_keep_checkpoints_stay_in_memory(s3_server: Any, bucket: str, tmp_path: Path) -> None:
     plugin = tiered(tmp_path, keep=2, drain_every=100)
     for step in range(1, 6):
