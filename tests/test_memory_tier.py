@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import io
 import json
 import logging
 import os
@@ -249,6 +250,31 @@ def test_a_load_from_memory_does_not_wait_for_that_checkpoints_drain_to_s3(
         plugin.teardown()  # the drain went on meanwhile, and ends
     assert stalled.fired == 1
     assert [(r.kind, r.tier) for r in plugin.records][-1] == ("save", "s3")
+
+
+def test_a_url_saved_again_while_its_drain_waits_in_the_queue_is_kept_and_drained(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """A drain waits behind a slow one; meanwhile its URL is saved again (a relaunch saving a step again) and newer
+    saves prune the tier to `keep`: the new copy stays until the queued drain uploads it, and S3 gets the new bytes
+    (the pruned copy made the drain fail with FileNotFoundError, raised at the next save)."""
+    url = f"s3://{bucket}/run/step=4-last.ckpt"
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        proxy.add_rule(FaultRule(Fault.stall(3.0), method="PUT", times=1))  # the first drain is slow
+        plugin = S3CheckpointIO(
+            chunk_size_MB=5, endpoint_url=proxy.endpoint_url,
+            memory_tier=MemoryTier(root=str(tmp_path), job="job-1", keep=1, drain_every=3),
+        )  # fmt: skip
+        for step in (1, 2, 3):
+            plugin.save_checkpoint(make_checkpoint(step), f"s3://{bucket}/run/step={step}-last.ckpt")
+        plugin.save_checkpoint(make_checkpoint(4), url)  # the 4th save: its drain is queued behind the first
+        newer = make_checkpoint(4)
+        newer["state_dict"]["bias"] += 1
+        plugin.save_checkpoint(newer, url)  # saved again, its drain not due
+        plugin.save_checkpoint(make_checkpoint(6), f"s3://{bucket}/run/step=6-last.ckpt")  # prunes to keep=1
+        plugin.teardown()
+    body = s3_client.get_object(Bucket=bucket, Key="run/step=4-last.ckpt")["Body"].read()
+    assert_same(torch.load(io.BytesIO(body), weights_only=True), newer)
 
 
 def run_of(attempt: int) -> s3_fencing.CheckpointRun:
