@@ -545,18 +545,22 @@ class S3CheckpointIO:
             raise TypeError(f"load_checkpoint() got unexpected keyword arguments {sorted(unexpected)}")
         path = _urls.as_path_or_s3_url(path)
         self._raise_background_errors()
-        self._wait_for_saves_of(path)
-        wait_for_pending_save(path)  # a save of this URL by another plugin instance in this process
+        tiered = self.memory_tier is not None and _urls.is_s3_url(path)
+        if not tiered:  # a tier's committed copy is read as it is: its drain to S3, maybe queued, is not waited for
+            self._wait_for_saves_of(path)
+            wait_for_pending_save(path)  # a save of this URL by another plugin instance in this process
         torch = _torch()
         load_kwargs: dict[str, Any] = {"map_location": map_location}
         if weights_only is not None:
             load_kwargs["weights_only"] = weights_only
         started = time.perf_counter()
         armed = _take_collective(self)
-        if self.memory_tier is not None and _urls.is_s3_url(path):
+        if tiered:
             loaded = self._load_from_tier(path, armed, load_kwargs, started)
             if loaded is not None:
                 return loaded[0]
+            self._wait_for_saves_of(path)  # from S3: after its drain
+            wait_for_pending_save(path)
         if not _urls.is_s3_url(path):
             if not os.path.exists(path):
                 raise FileNotFoundError(f"Checkpoint file not found: {path}")
@@ -721,6 +725,8 @@ class S3CheckpointIO:
             copy = tier.save(checkpoint, path, step, torch_save_without_zip_crc32)
         except module.TierFullError as exc:
             tier.warn_full_once(path, exc)
+            self._wait_for_saves_of(path)  # a drain of the older copy still reads it
+            tier.remove(path)  # this save goes to S3: no older copy of its URL may stay in memory for a load to read
             return False
         self.last_save_blocked_s = time.perf_counter() - started
         self._record(TransferRecord("save", path, copy.size, self.last_save_blocked_s, copy.checksum,
@@ -730,8 +736,10 @@ class S3CheckpointIO:
         self._tier_saves += 1
         config = self.memory_tier
         timer = config.drain_minutes is not None and time.monotonic() - self._last_drain >= config.drain_minutes * 60
-        if (self._tier_saves - 1) % config.drain_every == 0 or timer:  # queued, never waited for: S3 slower than
-            self._drain(copy)  # the saves fills the tier until a save finds no room and goes to S3 itself
+        with self._lock:  # a drain of an older save of this URL waits or runs: this copy replaces what it uploads
+            draining = any(pending.path == path for pending in self._pending)
+        if (self._tier_saves - 1) % config.drain_every == 0 or timer or draining:  # queued, never waited for: S3
+            self._drain(copy)  # slower than the saves fills the tier until a save finds no room and goes to S3 itself
         if self._replication is not None and self._replication.peer is not None:
             self._replication.send(copy)  # prunes the tier again once the copy counts on the peer
         tier.prune_soon()  # at most `keep` copies, also while the peer lags or does not answer (bounded memory)
@@ -755,10 +763,16 @@ class S3CheckpointIO:
         self._submit(copy.url, self._drain_now, copy, removals=removals)
 
     def _drain_now(self, copy: Any) -> TransferRecord:
-        """Upload a memory copy to S3 from its pages (checked against its commit record first); mark it drained."""
+        """Upload a memory copy to S3 from its pages (checked against its commit record first); mark it drained. A
+        URL saved again since this drain was queued uploads its newest copy (the one its record vouches for); that
+        save queued a drain of its own too, and the copy stays pending (kept in memory) until the last one ran."""
         started = time.perf_counter()
+        copy = self._tier.copy_of(copy.url) or copy
         size, checksum = self._upload(copy.url, lambda writer: self._tier.upload(copy, writer))
-        self._tier.set_drain(copy, "done")
+        with self._lock:
+            waiting = sum(pending.path == copy.url for pending in self._pending) > 1  # this drain is one of them
+        if not waiting:
+            self._tier.set_drain(copy, "done")
         self._tier.prune()
         elapsed = time.perf_counter() - started
         logger.info("Drained %s (%.1f MiB) from the memory tier to S3 in %.2f s", copy.url, size / _s3.MB, elapsed)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import io
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from fault_proxy import Fault, FaultProxy, FaultRule
 from s3_servers import rank_environment
 from tiny_lightning import FAMILIES, TOP_K_CHECKPOINT, lightning_family, tiny_module_class, tiny_trainer
 
@@ -156,6 +158,22 @@ def test_a_full_tier_warns_once_and_saves_to_s3_directly(
     assert_same(tiered(tmp_path).load_checkpoint(f"s3://{bucket}/run/step=2.ckpt"), make_checkpoint(2))
 
 
+def test_a_save_that_finds_no_room_leaves_no_older_memory_copy_of_its_url(
+    s3_server: Any, bucket: str, tmp_path: Path
+) -> None:
+    """A URL saved again (Lightning's ``last.ckpt``) when the tier has no room goes to S3, and the older copy of that
+    URL leaves memory: a load reads the newer checkpoint, not the older one from memory."""
+    plugin = tiered(tmp_path, capacity_bytes=3 * MiB)
+    url = f"s3://{bucket}/run/last.ckpt"
+    plugin.save_checkpoint(make_checkpoint(1), url)
+    plugin.wait_for_pending_saves()
+    newer = make_checkpoint(2, mib=4)
+    plugin.save_checkpoint(newer, url)  # no room: to S3 directly
+    assert_same(plugin.load_checkpoint(url), newer)
+    assert [(r.kind, r.tier) for r in plugin.records][-1] == ("load", "s3")
+    plugin.teardown()
+
+
 def test_at_most_keep_checkpoints_stay_in_memory(s3_server: Any, bucket: str, tmp_path: Path) -> None:
     plugin = tiered(tmp_path, keep=2, drain_every=100)
     for step in range(1, 6):
@@ -212,6 +230,51 @@ def test_a_drain_cut_short_by_a_kill_is_finished_by_the_relaunch(
     with s3_utils.S3Utils().download_to_memory(url) as downloaded, open(copy.path, "rb") as stream:
         assert downloaded.verified_against is not None
         assert downloaded.read_all() == stream.read()
+
+
+def test_a_load_from_memory_does_not_wait_for_that_checkpoints_drain_to_s3(
+    s3_server: Any, bucket: str, tmp_path: Path
+) -> None:
+    """A restart reads its committed memory copy at once, while S3 is still slow to take that checkpoint's drain
+    (a relaunch finishing several drains a kill left used to wait for all of them before its resume)."""
+    url = f"s3://{bucket}/run/step=1-last.ckpt"
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        stalled = proxy.add_rule(FaultRule(Fault.stall(4.0), method="PUT", times=1))
+        plugin = S3CheckpointIO(
+            chunk_size_MB=5, endpoint_url=proxy.endpoint_url, memory_tier=MemoryTier(root=str(tmp_path), job="job-1")
+        )
+        expected = make_checkpoint(1)
+        plugin.save_checkpoint(expected, url)  # into memory; its drain to S3 is queued, and its first PUT stalls
+        assert_same(plugin.load_checkpoint(url), expected)
+        assert [(r.kind, r.tier) for r in plugin.records] == [("save", "memory"), ("load", "memory")]
+        plugin.teardown()  # the drain went on meanwhile, and ends
+    assert stalled.fired == 1
+    assert [(r.kind, r.tier) for r in plugin.records][-1] == ("save", "s3")
+
+
+def test_a_url_saved_again_while_its_drain_waits_in_the_queue_is_kept_and_drained(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """A drain waits behind a slow one; meanwhile its URL is saved again (a relaunch saving a step again) and newer
+    saves prune the tier to `keep`: the new copy stays until the queued drain uploads it, and S3 gets the new bytes
+    (the pruned copy made the drain fail with FileNotFoundError, raised at the next save)."""
+    url = f"s3://{bucket}/run/step=4-last.ckpt"
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        proxy.add_rule(FaultRule(Fault.stall(3.0), method="PUT", times=1))  # the first drain is slow
+        plugin = S3CheckpointIO(
+            chunk_size_MB=5, endpoint_url=proxy.endpoint_url,
+            memory_tier=MemoryTier(root=str(tmp_path), job="job-1", keep=1, drain_every=3),
+        )  # fmt: skip
+        for step in (1, 2, 3):
+            plugin.save_checkpoint(make_checkpoint(step), f"s3://{bucket}/run/step={step}-last.ckpt")
+        plugin.save_checkpoint(make_checkpoint(4), url)  # the 4th save: its drain is queued behind the first
+        newer = make_checkpoint(4)
+        newer["state_dict"]["bias"] += 1
+        plugin.save_checkpoint(newer, url)  # saved again, its drain not due
+        plugin.save_checkpoint(make_checkpoint(6), f"s3://{bucket}/run/step=6-last.ckpt")  # prunes to keep=1
+        plugin.teardown()
+    body = s3_client.get_object(Bucket=bucket, Key="run/step=4-last.ckpt")["Body"].read()
+    assert_same(torch.load(io.BytesIO(body), weights_only=True), newer)
 
 
 def run_of(attempt: int) -> s3_fencing.CheckpointRun:

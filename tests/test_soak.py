@@ -2,8 +2,9 @@
 
 Two ranks under a torchrun-style environment, SIGKILLed at random instants (also while resuming), relaunched as a
 new launch, once left as a straggler that continues after the relaunch saved, through a proxy injecting 503s, resets
-and stalls. With the memory tier: two simulated nodes saving every step into memory, replicated,
-every 3rd drained to S3, killed at random, and every 2nd kill a node loss (its tier directory wiped).
+and stalls. With the memory tier: two simulated nodes saving every step into memory, replicated, every 3rd drained
+to S3, killed at random, and every 2nd kill a node loss (its tier directory wiped); relaunches resume from memory
+(node 0 its own copy, node 1 its replica of it), and after node 0's loss from node 1's replica.
 The longer version with its table: benchmarks/bench_soak.py (benchmarks/soak.md).
 """
 
@@ -46,6 +47,10 @@ def test_kills_and_relaunches_never_strand_the_job(
     # (a key the relaunch had not written) was removed by the relaunches' next saves
     assert (report.straggler_changes, report.straggler_removals, report.straggler_keys_left) == ([], 0, [])
     assert report.node_losses == (config.kills // config.node_loss_every if config.node_loss_every else 0)
+    if config.mode == "tier":  # relaunches read memory: node 0 its own copy, node 1 its replica of it; once node 0 is
+        # lost, node 0 fetches node 1's replica (the harness fails a resume older than the newest replica on node 1)
+        assert report.resume_tiers.get("memory/replica", 0) >= 1, report.resume_tiers
+        assert report.resume_tiers.get("replica/replica", 0) >= 1, report.resume_tiers
 
 
 @pytest.mark.parametrize(("mode", "sharing"), [("single", "node"), ("single", "job"), ("dcp", "node")])

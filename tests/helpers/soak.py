@@ -22,8 +22,15 @@ Mode ``tier``: the job saves every step into the memory tier (each rank a node o
 tier directory under a tmpfs, replication to the other node on), every ``drain_every``-th save drains to S3, so kills
 fall during the memory copy, the replication, the drain and the clean-up. Every ``node_loss_every``-th kill is also
 a node loss: that node's whole tier directory (its own copies and the replicas it held) is wiped before the
-relaunch, node 0 (the saver) and node 1 in turn. The floor is the newest "-last" save a killed launch saw on S3 (a
-copy only in memory does not count); resumes are counted by the tier they read.
+relaunch, node 0 (the saver) and node 1 in turn. Two floors: the newest "-last" save a killed launch saw on S3, and
+the newest replica that survives on node 1 (every rank can load it from a tier: rank 1 its replica, rank 0 its own
+copy or, after its node's loss, the replica fetched from node 1), which the ranks must read from memory or the
+replica, not S3. Loads are counted by the tier each rank read.
+
+Launch mechanics: each launch's ranks are started (and import) while the launch before runs, then let go when it is
+killed; the rendezvous store's socket is bound by the harness and handed to rank 0 (no race for ``MASTER_PORT``); a
+launch that does not resume in time writes every thread's stack into its log (SIGUSR1) before it is killed, and every
+launch's events go to ``launch<N>-events.jsonl`` beside the logs.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -47,8 +55,6 @@ from pathlib import Path
 from typing import Any
 
 from fault_proxy import Fault, FaultProxy, FaultRule
-
-from s3_local_servers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "soak_worker.py"
@@ -122,7 +128,11 @@ class SoakReport:
     """Each straggler commit at a key the relaunch had not written: (``/bucket/key``, the straggler's launch)."""
     node_losses: int = 0
     resumed_from: dict[str, int] = field(default_factory=dict)
-    """Resumes by the tier rank 0 read (``memory``, ``s3``; the memory tier's soak)."""
+    """Rank loads by the tier each read (``memory``, ``replica``, ``s3``; two per resume)."""
+    resume_seconds: list[float] = field(default_factory=list)
+    """Per checked launch: seconds from its start until both ranks had resumed (process start-up included)."""
+    resume_tiers: dict[str, int] = field(default_factory=dict)
+    """Resumes by the tiers their ranks read, ``"<rank 0's>/<rank 1's>"`` (e.g. ``memory/replica``)."""
     seconds: float = 0.0
 
     def as_json(self) -> dict[str, Any]:
@@ -133,34 +143,59 @@ class Launch:
     """The two rank processes of one launch and the events they print."""
 
     def __init__(
-        self, number: int, env: dict[str, str], argv: list[str], log_dir: Path, *, nodes: bool = False
+        self, number: int, env: dict[str, str], argv: list[str], log_dir: Path, *, nodes: bool = False,
+        held: bool = False,
     ) -> None:
-        """`nodes`: each rank is a node of its own (``GROUP_RANK`` = rank, one rank per node), else one node."""
+        """`nodes`: each rank is a node of its own (``GROUP_RANK`` = rank, one rank per node), else one node.
+        `held`: the ranks start and import, then wait for `go` before they touch the process group, the tier or S3
+        (the harness starts the next launch while the current one runs: start-up off the soak's clock)."""
         self.number = number
+        self.log_dir = log_dir
+        self.started = time.monotonic()
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.seen: list[dict[str, Any]] = []
         self.procs: list[subprocess.Popen[str]] = []
-        port = str(free_port())
-        for rank in range(WORLD):
-            rank_env = dict(
-                env,
-                RANK=str(rank),
-                LOCAL_RANK="0" if nodes else str(rank),
-                GROUP_RANK=str(rank) if nodes else "0",
-                NODE_RANK=str(rank) if nodes else "0",
-                WORLD_SIZE=str(WORLD),
-                LOCAL_WORLD_SIZE="1" if nodes else str(WORLD),
-                MASTER_PORT=port,
-                TORCHELASTIC_RESTART_COUNT=str(number),
-            )
-            log = open(log_dir / f"launch{number}-rank{rank}.log", "wb")
-            proc = subprocess.Popen(
-                [sys.executable, str(WORKER), *argv], stdout=subprocess.PIPE, stderr=log, env=rank_env, text=True,
-                cwd=REPO,
-            )
-            log.close()
-            self.procs.append(proc)
-            threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+        # The rendezvous store's socket is bound and listening here, before any rank starts, and handed to rank 0
+        # (``SOAK_STORE_FD``): a port picked free and bound later by rank 0 was taken meanwhile, now and then, by
+        # another process's outgoing connection (EADDRINUSE at init_process_group on a busy machine).
+        store = socket.create_server((env.get("MASTER_ADDR", "127.0.0.1"), 0), backlog=64)
+        try:
+            for rank in range(WORLD):
+                rank_env = dict(
+                    env,
+                    RANK=str(rank),
+                    LOCAL_RANK="0" if nodes else str(rank),
+                    GROUP_RANK=str(rank) if nodes else "0",
+                    NODE_RANK=str(rank) if nodes else "0",
+                    WORLD_SIZE=str(WORLD),
+                    LOCAL_WORLD_SIZE="1" if nodes else str(WORLD),
+                    MASTER_PORT=str(store.getsockname()[1]),
+                    TORCHELASTIC_RESTART_COUNT=str(number),
+                )
+                if rank == 0:
+                    rank_env["SOAK_STORE_FD"] = str(store.fileno())
+                if held:
+                    rank_env["SOAK_HELD"] = "1"
+                log = open(log_dir / f"launch{number}-rank{rank}.log", "wb")
+                proc = subprocess.Popen(
+                    [sys.executable, str(WORKER), *argv], stdout=subprocess.PIPE, stderr=log, env=rank_env,
+                    text=True, cwd=REPO, pass_fds=(store.fileno(),) if rank == 0 else (),
+                    stdin=subprocess.PIPE if held else subprocess.DEVNULL,
+                )
+                log.close()
+                self.procs.append(proc)
+                threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+        finally:
+            store.close()  # rank 0 holds its own copy of the socket
+
+    def go(self) -> None:
+        """Let a `held` launch's ranks run (from here on its clock runs)."""
+        self.started = time.monotonic()
+        for proc in self.procs:
+            if proc.stdin is not None:
+                with contextlib.suppress(OSError):  # a rank that died while it waited: its errors tell
+                    proc.stdin.write("go\n")
+                    proc.stdin.close()
 
     def _read(self, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
@@ -202,11 +237,19 @@ class Launch:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signum)
 
+    def dump_stacks(self) -> None:
+        """Have every live rank write all its threads' stacks into its log (a launch that hangs)."""
+        self.signal(signal.SIGUSR1)
+        time.sleep(1.0)
+
     def kill(self) -> None:
         self.signal(signal.SIGCONT)  # a stopped process dies on SIGKILL too, but let it read nothing more
         self.signal(signal.SIGKILL)
         for proc in self.procs:
             proc.wait(timeout=30)
+        with open(self.log_dir / f"launch{self.number}-events.jsonl", "w") as out:  # seconds since `go` in "t"
+            for event in self.drain():
+                out.write(json.dumps(dict(event, t=round(event["t"] - self.started, 3))) + "\n")
 
     def newest(self, event: str) -> int:
         steps = [e["step"] for e in self.drain() if e.get("event") == event]
@@ -359,7 +402,8 @@ def _run_launches(
     env: dict[str, str], base: str, config: SoakConfig, report: SoakReport, rng: random.Random, log_dir: Path,
     endpoint_url: str, tier_root: Path | None,
 ) -> None:
-    """The launches, kills, node losses and checks of `run_soak`, through a fault-injecting proxy."""
+    """The launches, kills, node losses and checks of `run_soak`, through a fault-injecting proxy. Each launch is
+    started (held) while the one before it runs, and let go once that one is killed."""
     import boto3
 
     client = boto3.client("s3", endpoint_url=endpoint_url)  # the store itself, past the proxy
@@ -368,56 +412,76 @@ def _run_launches(
         for rule in fault_rules:
             proxy.add_rule(rule)
         env["AWS_ENDPOINT_URL_S3"] = proxy.endpoint_url
-        floor = 0  # the newest "-last" step any killed launch reported durable
-        progress = 0  # the newest step any launch reached
-        straggler: Launch | None = None
-        for number in range(config.kills + 1):
-            final = number == config.kills
+
+        def start(number: int) -> Launch:
             argv = [base, config.mode, str(10**6), "--mib", str(config.mib), "--step-s", str(config.step_s)]
             argv += ["--drain-every", str(config.drain_every)]
-            if final:
+            if number == config.kills:
                 argv += ["--more", str(config.final_steps)]
-            launch = Launch(number, env, argv, log_dir, nodes=config.mode == "tier")
-            stays = (
-                number in config.straggler_launches
-                if config.straggler_launches is not None
-                else rng.random() < config.straggler_probability
-            )
-            early = not final and not stays and straggler is None and rng.random() < config.early_kill_probability
-            if early:  # kill it while it loads: after discovery, at a random instant of the load
-                if launch.wait_for(lambda e: e.get("event") == "resuming", config.launch_timeout_s) is None:
-                    report.failures.append(f"launch {number} did not start resuming: {_errors(launch)}")
-                time.sleep(rng.uniform(0.0, 0.3))
-                report.early_kills += 1
-            else:
-                _check_resume(launch, config, report, floor, progress)
-            if straggler is not None:
-                _release_straggler(straggler, launch, proxy, config, report, client)
-                straggler = None
-            if final:
-                done = launch.wait_for(lambda e: e.get("event") == "done" and e["rank"] == 0, config.launch_timeout_s)
-                if done is None:
-                    report.failures.append(f"launch {number}: the final launch did not finish: {_errors(launch)}")
-                launch.kill()
-                break
-            if not early:
-                time.sleep(rng.uniform(*config.kill_window_s))
-            errors = _errors(launch)
-            if errors:
-                report.failures.append(f"launch {number} failed before its kill: {errors}")
-            if stays:
-                launch.signal(signal.SIGSTOP)
-                straggler = launch
-                report.stragglers += 1
-            else:
-                launch.kill()
-            report.kills += 1
-            floor = max(floor, launch.newest("durable"))
-            progress = max(progress, launch.newest("step"), launch.newest("durable"))
-            if tier_root is not None and config.node_loss_every and report.kills % config.node_loss_every == 0:
-                if straggler is None:  # a node lost: its own copies and the replicas it held are gone
-                    shutil.rmtree(tier_root / f"node{report.node_losses % WORLD}", ignore_errors=True)
-                    report.node_losses += 1
+            return Launch(number, env, argv, log_dir, nodes=config.mode == "tier", held=True)
+
+        floor = 0  # the newest "-last" step any killed launch reported durable
+        tier_floor = 0  # tier: the newest step every rank can load from memory or a replica (after the node loss)
+        progress = 0  # the newest step any launch reached
+        straggler: Launch | None = None
+        following: Launch | None = start(0)
+        try:
+            for number in range(config.kills + 1):
+                final = number == config.kills
+                launch = following
+                assert launch is not None
+                launch.go()
+                following = None if final else start(number + 1)  # imports while this one runs
+                stays = (
+                    number in config.straggler_launches
+                    if config.straggler_launches is not None
+                    else rng.random() < config.straggler_probability
+                )
+                early = not final and not stays and straggler is None and rng.random() < config.early_kill_probability
+                if early:  # kill it while it loads: after discovery, at a random instant of the load
+                    if launch.wait_for(lambda e: e.get("event") == "resuming", config.launch_timeout_s) is None:
+                        report.failures.append(f"launch {number} did not start resuming: {_errors(launch)}")
+                        launch.dump_stacks()
+                    time.sleep(rng.uniform(0.0, 0.3))
+                    report.early_kills += 1
+                else:
+                    _check_resume(launch, config, report, max(floor, tier_floor), progress, tier_floor)
+                if straggler is not None:
+                    _release_straggler(straggler, launch, proxy, config, report, client)
+                    straggler = None
+                if final:
+                    done = launch.wait_for(
+                        lambda e: e.get("event") == "done" and e["rank"] == 0, config.launch_timeout_s
+                    )
+                    if done is None:
+                        report.failures.append(f"launch {number}: the final launch did not finish: {_errors(launch)}")
+                        launch.dump_stacks()
+                    launch.kill()
+                    break
+                if not early:
+                    time.sleep(rng.uniform(*config.kill_window_s))
+                errors = _errors(launch)
+                if errors:
+                    report.failures.append(f"launch {number} failed before its kill: {errors}")
+                if stays:
+                    launch.signal(signal.SIGSTOP)
+                    straggler = launch
+                    report.stragglers += 1
+                else:
+                    launch.kill()
+                report.kills += 1
+                floor = max(floor, launch.newest("durable"))
+                progress = max(progress, launch.newest("step"), launch.newest("durable"))
+                if tier_root is not None and config.node_loss_every and report.kills % config.node_loss_every == 0:
+                    if straggler is None:  # a node lost: its own copies and the replicas it held are gone
+                        shutil.rmtree(tier_root / f"node{report.node_losses % WORLD}", ignore_errors=True)
+                        report.node_losses += 1
+                if tier_root is not None:  # a straggler still writes: no floor
+                    tier_floor = newest_replica_step(tier_root / "node1") if straggler is None else 0
+        finally:
+            for left in (following, straggler):
+                if left is not None:
+                    left.kill()
         report.faults_injected = sum(rule.fired for rule in fault_rules)
         for request in proxy.requests:
             if request.fault:
@@ -430,8 +494,28 @@ def _errors(launch: Launch) -> list[str]:
     return [f"rank {e['rank']}: {e['type']}: {e['message'][:300]}" for e in launch.drain() if e.get("event") == "error"]
 
 
-def _check_resume(launch: Launch, config: SoakConfig, report: SoakReport, floor: int, progress: int) -> None:
-    """Wait for both ranks' "resumed" events and check them."""
+def newest_replica_step(node: Path) -> int:
+    """The newest step of the replicas that count on `node` (a manifest beside them; 0: none), read from their commit
+    records. Node 1 holds node 0's replicas, so every rank can load that step from a tier: rank 1 its replica, rank 0
+    its own memory copy or the replica fetched from node 1 (a replaced node)."""
+    import s3_memory_tier
+    import s3_tier_replication
+
+    steps = [0]
+    for manifest in node.glob(f"*/*/replicas/*/*{s3_tier_replication.MANIFEST_SUFFIX}"):
+        with contextlib.suppress(OSError, ValueError):
+            replica = json.loads(manifest.read_text())
+            records = [name for name in replica["files"] if name.endswith(s3_memory_tier.COMMIT_RECORD_SUFFIX)]
+            record = json.loads((manifest.parent / replica["name"] / records[0]).read_text())
+            steps.append(int(record["step"]))
+    return max(steps)
+
+
+def _check_resume(
+    launch: Launch, config: SoakConfig, report: SoakReport, floor: int, progress: int, tier_floor: int = 0
+) -> None:
+    """Wait for both ranks' "resumed" events and check them (`tier_floor`: the newest step every rank can load from
+    a memory tier, read there from memory or a replica, never S3)."""
     resumed = []
     for rank in range(WORLD):
         event = launch.wait_for(
@@ -439,8 +523,10 @@ def _check_resume(launch: Launch, config: SoakConfig, report: SoakReport, floor:
         )
         if event is None:
             report.failures.append(f"launch {launch.number}: rank {rank} did not resume: {_errors(launch)}")
+            launch.dump_stacks()
             return
         resumed.append(event)
+    report.resume_seconds.append(round(max(e["t"] for e in resumed) - launch.started, 2))
     steps = {e["step"] for e in resumed}
     urls = {e["url"] for e in resumed}
     step = resumed[0]["step"]
@@ -450,15 +536,23 @@ def _check_resume(launch: Launch, config: SoakConfig, report: SoakReport, floor:
         report.failures.append(f"launch {launch.number}: resumed weights differ from the closed form at step {step}")
     if step < floor:
         report.failures.append(
-            f"launch {launch.number}: resumed from step {step}, older than step {floor} a killed launch saw durable"
+            f"launch {launch.number}: resumed from step {step}, older than step {floor} a killed launch saw durable "
+            f"or that survives in memory on both nodes (step {tier_floor})"
+        )
+    tiers = [str(e.get("tier")) for e in resumed]
+    if tier_floor and step == tier_floor and (tiers[1] != "replica" or tiers[0] not in ("memory", "replica")):
+        report.failures.append(
+            f"launch {launch.number}: step {step} is in memory on both nodes, but the ranks read it from {tiers}"
         )
     if resumed[0]["url"] is None:
         report.fresh_starts += 1
     else:
         report.resumes += 1
     report.fallbacks += any(e["skipped"] for e in resumed)
-    source = str(resumed[0].get("tier"))
-    report.resumed_from[source] = report.resumed_from.get(source, 0) + 1
+    if resumed[0]["url"] is not None:
+        for tier in tiers:
+            report.resumed_from[tier] = report.resumed_from.get(tier, 0) + 1
+        report.resume_tiers["/".join(tiers)] = report.resume_tiers.get("/".join(tiers), 0) + 1
     if launch.number:
         report.steps_lost.append(max(0, progress - step))
 

@@ -2,7 +2,8 @@
 
     python soak_worker.py DIR_URL MODE STEPS [--mib M] [--step-s S] [--drain-every N]
 
-Runs under a launcher's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``GROUP_RANK``, ``MASTER_ADDR``/
+Started ahead by the harness (``SOAK_HELD``), it imports and then waits for a line on stdin. Runs under a launcher's
+environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``GROUP_RANK``, ``MASTER_ADDR``/
 ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``), one gloo process group. The job is
 deterministic: the weights at step ``s`` are `weights(s)`, a pure function of ``s``, so a resumed checkpoint can be
 checked bit for bit against the closed form.
@@ -18,37 +19,48 @@ checked bit for bit against the closed form.
      commits and fences), then global rank 0 removes ``step=N-2-last.ckpt/`` under its fence (top-2).
    * ``tier``: as ``single`` with the memory tier: each rank is a node of its own (``GROUP_RANK``) with
      its tier under ``$SOAK_TIER_ROOT/node<GROUP_RANK>``, replication on (`S3CheckpointIO.start_replication`); global
-     rank 0 saves ``step=N-last.ckpt`` every step into memory (its "-last" clean-up removes the older one), every
+     rank 0 saves ``step=N-last.ckpt`` every step into memory and removes ``step=N-1-last.ckpt`` (as Lightning's
+     "-last" clean-up: the memory copy now, the S3 object once a newer checkpoint is on S3), every
      ``--drain-every``-th save drains to S3, every save is sent to node 1.
-Events go to stdout as JSON lines (``{"event": ..., "rank": r, ...}``; events: resuming, resumed, step, durable, done,
-error):
+With the memory tier every rank first agrees on its resume tier (`S3CheckpointIO.agree_resume`: own memory, the
+peer's replica, S3), so rank 0's discovery sees the memory-only checkpoints every rank can load.
+Events go to stdout as JSON lines (``{"event": ..., "rank": r, ...}``; events: started, joined (the process group is
+up), replicating, agreed (tier mode), resuming, resumed, step, durable, done, error):
 "durable" is sent by global rank 0 once a "-last" save is committed on S3 (async saves: when their record appears;
 the tier: when its drain's record appears, never for the memory copy). "resumed" says which tier the load read.
 """
 
 from __future__ import annotations
 
+import abc
 import argparse
 import datetime
+import faulthandler
 import json
+import logging
 import os
+import signal
 import sys
 import threading
 import time
+import types
 from typing import Any
 
-# A plain loop, no Trainer: S3CheckpointIO registers itself with one Lightning family, not both (importing
-# pytorch_lightning too costs seconds per launch).
-sys.modules.setdefault("pytorch_lightning", None)  # type: ignore[arg-type]
+# A plain loop, no Trainer: S3CheckpointIO registers itself as a Lightning CheckpointIO, and importing Lightning costs
+# each rank seconds of CPU per launch (3 s idle, 9 s on this shared machine under load). Here a bare ABC stands in
+# for Lightning's, so the job does everything but that import.
+_checkpoint_io = types.ModuleType("lightning.fabric.plugins.io.checkpoint_io")
+_checkpoint_io.CheckpointIO = type("CheckpointIO", (abc.ABC,), {})  # type: ignore[attr-defined]
+sys.modules.setdefault(_checkpoint_io.__name__, _checkpoint_io)
+for _other in ("lightning_fabric", "pytorch_lightning"):  # the standalone packages: not imported either
+    sys.modules.setdefault(_other, None)  # type: ignore[arg-type]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
 from soak import weights  # noqa: E402
 
-from connector import find_resume_checkpoints, load_newest_usable  # noqa: E402
+from connector import checkpoint_step, find_resume_checkpoints, load_newest_usable  # noqa: E402
 from s3_checkpoint_io import S3CheckpointIO  # noqa: E402
-from s3_dcp import S3StorageReader, S3StorageWriter  # noqa: E402
 from s3_fencing import DirectoryFence, current_run  # noqa: E402
 from s3_memory_tier import MemoryTier  # noqa: E402
 from s3_utils import RetryPolicy, S3ClientSettings, S3Utils  # noqa: E402
@@ -57,6 +69,8 @@ RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
 LAUNCH = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 _print_lock = threading.Lock()
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks for every thread's stack before it kills
+logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -80,6 +94,25 @@ def watch_durable(io: S3CheckpointIO, stop: threading.Event) -> None:
         stop.wait(0.005)
 
 
+def init_process_group(timeout: datetime.timedelta) -> None:
+    """The gloo group over a TCPStore at ``MASTER_ADDR:MASTER_PORT`` that rank 0 serves: on the listening socket the
+    harness passed it (``SOAK_STORE_FD``, bound before the launch started, so no other process can take the port
+    meanwhile), else on a socket it binds now."""
+    listen_fd = os.environ.get("SOAK_STORE_FD") if RANK == 0 else None
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(
+        host, port, WORLD, RANK == 0, timeout=timeout, master_listen_fd=None if listen_fd is None else int(listen_fd)
+    )
+    dist.init_process_group("gloo", store=store, rank=RANK, world_size=WORLD, timeout=timeout)
+
+
+def loaded_from(io: S3CheckpointIO) -> str:
+    """The tier the last load read (``memory``, ``replica``, ``s3``): its transfer record's (drains that a relaunch
+    finishes add save records meanwhile)."""
+    loads = [record for record in io.records if record.kind == "load"]
+    return str(loads[-1].tier) if loads else "s3"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("dir")
@@ -90,9 +123,17 @@ def main() -> None:
     parser.add_argument("--drain-every", type=int, default=3, help="tier: every Nth save in memory goes to S3")
     parser.add_argument("--more", type=int, default=None, help="train this many steps past the resumed one, then end")
     args = parser.parse_args()
+    if args.mode == "dcp":  # imported only where used: DCP's import costs a launch a second of start-up
+        import torch.distributed.checkpoint as dcp
+
+        from s3_dcp import S3StorageReader, S3StorageWriter
+    if os.environ.get("SOAK_HELD"):  # started ahead by the harness: wait for its go before touching anything shared
+        sys.stdin.readline()
     base = args.dir.rstrip("/")
     numel = int(args.mib * 2**20) // 4
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    emit("started")
+    init_process_group(datetime.timedelta(seconds=120))
+    emit("joined")
     settings = S3ClientSettings(user_agent_extra=f"soak-launch-{LAUNCH}")
     retries = RetryPolicy(max_attempts=8, initial_backoff_s=0.05, max_backoff_s=0.5)
     utils = S3Utils(settings, retries)
@@ -107,6 +148,11 @@ def main() -> None:
     )
     if tier is not None:
         io.start_replication()  # collective; global rank 0 finishes the drains a killed launch left
+        # collective: the newest step every rank can load from some tier (own memory, a peer's replica, S3); rank 0's
+        # discovery below then sees the memory-only checkpoints every rank can load, and each load reads its tier
+        emit("replicating")
+        io.agree_resume(base, checkpoint_step, list_s3=RANK == 0)
+        emit("agreed")
 
     # ---- resume
     found: list[Any] = [None]
@@ -131,7 +177,7 @@ def main() -> None:
         expected = weights(step, numel)
         got = checkpoint[f"w{RANK}"] if args.mode == "dcp" else checkpoint["w"]
         exact = bit_equal(got, expected[RANK::WORLD].clone() if args.mode == "dcp" else expected)
-        source = io.records[-1].tier if args.mode != "dcp" and io.records else "s3"
+        source = loaded_from(io) if args.mode != "dcp" else "s3"
         emit("resumed", step=step, url=url, exact=exact, skipped=urls.index(url), tier=source)
     else:
         emit("resumed", step=0, url=None, exact=True, skipped=0, tier=None)
@@ -147,9 +193,11 @@ def main() -> None:
         time.sleep(args.step_s)
         w = weights(current, numel)
         if args.mode == "tier":
-            if RANK == 0:
+            if RANK == 0:  # as Lightning's "-last" clean-up: save the new one, then remove the one before it
                 state = {"step": current, "global_step": current, "w": w}
                 io.save_checkpoint(state, f"{base}/step={current}-last.ckpt")
+                if current > 1:
+                    io.remove_checkpoint(f"{base}/step={current - 1}-last.ckpt")
         elif args.mode == "single":
             if RANK == 0:
                 checkpoint = {"step": current, "w": w}
