@@ -773,9 +773,15 @@ class TierReplication:
         self.launch = tier.run.run_id if tier.run.job else None
         self.server = None
         if local_rank == 0:
-            self.server = module.ReplicaServer(
-                tier.replicas, job=tier.job, launch=self.launch, bind_host=bind_host, keep=tier.config.keep
-            )
+            try:
+                self.server = module.ReplicaServer(
+                    tier.replicas, job=tier.job, launch=self.launch, bind_host=bind_host, keep=tier.config.keep
+                )
+            except (RuntimeError, OSError) as exc:  # e.g. a stopped process of an older launch still holds the root
+                # Every rank still joins the exchange below (one rank raising here would leave the others waiting in
+                # it until the process group's timeout); this node then serves no replicas, said loudly.
+                logger.error("memory tier: node %s serves no replicas, so its peer's checkpoints get no copy on "
+                             "another node: %s", self.node, exc)
         addresses = module.exchange_addresses(group, server=self.server)
         nodes = list(addresses)
         if self.server is not None and nodes:  # `keep` replicas of each of the peer's ranks (as `NodeTier.prune`)

@@ -522,3 +522,26 @@ def test_a_peer_without_room_refuses_before_any_byte_is_sent(
         send(tmp_path / "step=3", "step=3", server.address, manifest)
     assert server.replicas() == []
     assert leftovers(server.root) == []
+
+
+def test_a_node_whose_replica_root_is_held_joins_the_exchange_and_serves_none(tmp_path: Path) -> None:
+    """A process of an older launch, stopped, can still hold the node's replica root: starting replication on that
+    node logs an error and goes on without a server there (every rank still joins the address exchange, so none
+    waits in it until the process group's timeout), instead of raising on that rank alone."""
+    script = f"""
+import logging, sys
+import torch.distributed as dist
+import s3_fencing, s3_memory_tier, s3_tier_replication
+logging.basicConfig(level=logging.ERROR, stream=sys.stdout)
+dist.init_process_group("gloo", init_method="file://{tmp_path}/pg", rank=0, world_size=1)
+tier = s3_memory_tier.NodeTier(s3_memory_tier.MemoryTier(root="{tmp_path}/tier", job="job-1"), s3_fencing.current_run())
+with s3_tier_replication.ReplicaServer(tier.replicas, job="job-1", launch=None):  # the older launch's
+    replication = s3_memory_tier.TierReplication(tier)
+print("server", replication.server, "peer", replication.peer)
+replication.close()
+dist.destroy_process_group()
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "serves no replicas" in done.stdout and "Another ReplicaServer" in done.stdout
+    assert "server None peer None" in done.stdout
