@@ -734,6 +734,7 @@ class S3CheckpointIO:
         with self._lock:  # saved again: an earlier removal of this URL no longer applies
             self._held_removals = [removal for removal in self._held_removals if removal != path]
         self._tier_saves += 1
+        tier.unpin()  # a resume's copies stayed until this newer checkpoint was in memory
         config = self.memory_tier
         timer = config.drain_minutes is not None and time.monotonic() - self._last_drain >= config.drain_minutes * 60
         with self._lock:  # a drain of an older save of this URL waits or runs: this copy replaces what it uploads

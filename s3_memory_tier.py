@@ -57,7 +57,7 @@ import stat
 import threading
 import time
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -416,6 +416,8 @@ class NodeTier:
         self._warned_full = False
         self._last_size: int | None = None  # the previous save's bytes: the next one's estimate (no walk)
         self._pruning: concurrent.futures.Future[list[str]] | None = None
+        self._prune_lock = threading.Lock()  # `prune` and `pin` (a copy is pinned before a prune can drop it)
+        self._pinned: frozenset[str] = frozenset()  # URLs a resume agreed to read here (`pin`): never pruned
         _private_directory(self.own)
 
     def __repr__(self) -> str:
@@ -704,6 +706,18 @@ class NodeTier:
         logger.debug("memory tier: dropped %s", path)
         return True
 
+    def pin(self, urls: Iterable[str]) -> None:
+        """Keep the copies of `urls` (replacing the URLs pinned before) until `unpin`, whatever `prune` would drop: a
+        resume agreed to read them, and the drains a relaunch finishes prune the tier meanwhile. Waits for a prune
+        that runs (one that started before could otherwise still drop a copy just pinned)."""
+        with self._prune_lock:
+            self._pinned = frozenset(urls)
+
+    def unpin(self) -> None:
+        """Let `prune` drop what `pin` kept (a newer checkpoint of this process is in the tier)."""
+        with self._prune_lock:
+            self._pinned = frozenset()
+
     def prune_soon(self) -> None:
         """`prune` on a helper thread, off the caller's path (`wait_pruned` waits for it; a failure is logged)."""
         self._pruning = _helper_thread("prune").submit(self.prune)
@@ -723,7 +737,12 @@ class NodeTier:
         fewer than `keep` steps): its newest, those whose drain is pending (S3 has no copy yet), then the newest
         others up to `keep`. A checkpoint is a copy, or the files whose records name one ``"checkpoint"`` (a DCP
         checkpoint's, one per file), kept or dropped together. So `keep` bounds a node's copies while a drain runs
-        too (only more drains pending at once than `keep` - 1 hold more). Returns the URLs dropped."""
+        too (only more drains pending at once than `keep` - 1 hold more). Copies `pin` holds stay besides (a resume
+        reads them). Returns the URLs dropped."""
+        with self._prune_lock:
+            return self._prune(self._pinned)
+
+    def _prune(self, pinned: frozenset[str]) -> list[str]:
         by_rank: dict[Any, dict[str, list[TierCopy]]] = {}
         for copy in self.copies():  # oldest first
             checkpoint = copy.record.get("checkpoint") or copy.url
@@ -736,6 +755,7 @@ class NodeTier:
                 if len(kept) >= self.config.keep:
                     break
                 kept.add(key)
+            kept |= {key for key, files in ordered if any(copy.url in pinned for copy in files)}
             for key, files in ordered:
                 if key not in kept:
                     dropped += [copy.url for copy in files if self.remove(copy.url)]
@@ -1005,6 +1025,7 @@ def agree_on_resume(
     directory = _urls.normalize_s3_url(directory).rstrip("/")
     node, held, failure, verified = _s3.node_key(), {}, None, {}
     try:
+        tier.pin(copy.url for copy in tier.copies())  # nothing this rank offers leaves memory while the ranks decide
         s3_steps = {
             f"s3://{obj.bucket}/{obj.key}": step_of(obj.key.rsplit("/", 1)[-1]) if step_of is not None else None
             for obj in listing()
@@ -1041,6 +1062,7 @@ def agree_on_resume(
         elif speed == 2:
             node, entry = remote[url]
             sources[url] = ResumeSource(url, "replica", None, addresses[node], entry[3], entry[4])
+    tier.pin(sources)  # what this rank reads outside S3 stays until it saves a newer checkpoint (`NodeTier.unpin`)
     newest = steps[0] if steps else None
     url = urls.get(newest) if newest is not None else None
     tier_name = None if url is None else (sources[url].tier if url in sources else "s3")
