@@ -1,5 +1,6 @@
-"""Resume from the fastest tier with two simulated nodes: one collective decision on the newest
-step every rank can load from its node's memory, a peer's replica or S3, then each rank reads its part from there.
+"""The memory tier on two simulated nodes: resume from the fastest tier (one collective decision on the newest
+step every rank can load from its node's memory, a peer's replica or S3, then each rank reads its part from there),
+and a node's bound of ``keep`` own copies while replication to its peer lags.
 
 Each node is a gloo rank of its own (``GROUP_RANK``) with its own tier under tmp_path; a node loss is its tier
 directory removed between the kill and the relaunch (tests/helpers/tier_resume_worker.py).
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -127,3 +129,30 @@ def test_the_decision_is_the_newest_step_every_rank_can_load_from_some_tier() ->
     assert decide(gathered, 1)[0] == [1]
     gathered[0]["address"] = ["127.0.0.1", 1]
     assert decide(gathered, 1) == ([2, 1], {2: [(2, b, "replica")], 1: [(3, a, "s3")]})
+
+
+
+@pytest.mark.slow
+def test_a_stalled_peer_does_not_let_the_tier_grow_past_keep(s3_server: Any, bucket: str, tmp_path: Path) -> None:
+    """At most ``keep`` own copies while each replica takes long and saves come fast (benchmarks/bench_memory_tier.py
+    once saw 6 with keep=2: each replica took 3 s, a save came every 0.5 s)."""
+    env = rank_environment(s3_server, s3_server.endpoint_url, WORLD_SIZE="2")
+    worker = REPO / "tests" / "helpers" / "tier_backlog_worker.py"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), bucket, str(tmp_path), "6"],
+            env={**env, "RANK": str(rank), "GROUP_RANK": str(rank), "LOCAL_RANK": "0"}, cwd=REPO,
+        )
+        for rank in range(2)
+    ]
+    try:
+        assert procs[0].wait(timeout=300) == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+                proc.wait(timeout=60)
+    held = json.loads((tmp_path / "rank0.json").read_text())["held"]
+    # keep=2, plus the first checkpoint while its drain to S3 may still run
+    assert max(held) <= 3, held

@@ -1,4 +1,4 @@
-"""One rank of a two-node job whose replication cannot keep up, for tests/test_memory_tier_bounds.py (gloo, CPU).
+"""One rank of a two-node job whose replication cannot keep up, for tests/test_memory_tier_resume.py (gloo, CPU).
 
     python tier_backlog_worker.py BUCKET OUT_DIR SAVES
 
