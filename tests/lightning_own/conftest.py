@@ -1,6 +1,6 @@
 """Fixtures for Lightning's own checkpoint tests run on ``s3://`` (tests/README.md, "Lightning's own tests").
 
-Every test here runs twice, with a sync and an async `S3CheckpointIO` (``s3_mode``), on the suite's first S3 backend
+Every test here runs with a sync and an async `S3CheckpointIO` (``s3_mode``; `FULL`), on the suite's first S3 backend
 (what these tests check is Lightning's behaviour over this package, not the store), in a fresh bucket: ``tmp_path``
 is an `s3_adapt.S3Path` there and ``local_tmp_path`` is pytest's own ``tmp_path`` for what a test keeps on the local
 disk. The last part vendors the few autouse fixtures of Lightning's tests/tests_pytorch/conftest.py (Apache-2.0,
@@ -47,7 +47,8 @@ if LIGHTNING_VERSION < MIN_LIGHTNING:
 
 
 FULL = os.environ.get("S3CKPT_OWN_TESTS_FULL") == "1"
-"""Run every test in both modes; by default the async mode leaves out `SYNC_ONLY` (the suite's time)."""
+"""Run every test in both modes with every parameter set; by default the async mode leaves out `SYNC_ONLY` and runs
+each test with its first parameter set only (the suite's time: the sync mode runs them all)."""
 
 _SAVES_MOCKED = "its saves are mocks that count calls: the async mode runs the same code"
 _SPAWN = (
@@ -66,8 +67,11 @@ slowest, whose sync run covers what they check."""
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` selects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Everything here is a Lightning test (CI's second environment runs ``-m lightning``); `SYNC_ONLY`."""
+    """Everything here is a Lightning test (CI's second environment runs ``-m lightning``); `SYNC_ONLY`; the async
+    mode's further parameter sets of a test deselected unless `FULL`."""
     here = Path(__file__).parent
+    seen_async: set[tuple[str, str]] = set()  # (file, test) whose first async parameter set was kept
+    repeats = []
     for item in items:
         if here not in Path(item.path).parents:
             continue
@@ -75,9 +79,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         callspec = getattr(item, "callspec", None)
         if callspec is None or callspec.params.get("s3_mode") != "async":
             continue
-        reason = SYNC_ONLY.get(f"{Path(item.path).name}::{item.originalname}")
+        test = (Path(item.path).name, item.originalname)
+        reason = SYNC_ONLY.get("::".join(test))
         if reason is not None and (reason != _SPAWN or not FULL):
             item.add_marker(pytest.mark.skip(reason=f"async mode: {reason}"))
+        elif test in seen_async and not FULL:
+            repeats.append(item)
+        seen_async.add(test)
+    if repeats:  # the async mode's further parameter sets: what they vary, the sync mode covers
+        config.hook.pytest_deselected(items=repeats)
+        dropped = set(map(id, repeats))
+        items[:] = [item for item in items if id(item) not in dropped]
 
 
 @pytest.fixture(scope="session", params=BACKENDS[:1])
