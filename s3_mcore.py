@@ -25,7 +25,7 @@ Three parts, each usable alone:
   strategy and planner with `s3_dcp.S3StorageReader`. It also sends a save by megatron-core's own strategy (its
   default) to an ``s3://`` directory through this package: no save to ``s3://`` lands in a local ``./s3:`` directory.
 * `megatron_checkpoint_io_class` / ``S3MegatronCheckpointIO``: NeMo 2.x's ``MegatronCheckpointIO`` keeping
-  ``s3://`` URLs as text (docs/megatron.md has the recipe).
+  ``s3://`` URLs as text, built by the sibling `s3_mcore_nemo` (docs/megatron.md has the recipe).
 
 The memory tier (``install_s3_routing(memory_tier=...)``, or a strategy's ``memory_tier``; docs/tiers.md): a save
 lands in the node's tmpfs through `s3_dcp_tier` (an async one too: the copy into memory is its staging, and the
@@ -1137,7 +1137,13 @@ _NEMO = "s3_mcore_nemo"
 
 
 def _nemo() -> Any:
-    return importlib.import_module(f"{__package__}.{_NEMO}" if __package__ else _NEMO)
+    try:
+        return importlib.import_module(f"{__package__}.{_NEMO}" if __package__ else _NEMO)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").rsplit(".", 1)[-1] != _NEMO:
+            raise
+        raise ImportError(f"NeMo 2.x's checkpoint IO needs {_NEMO}.py beside s3_mcore.py (part of s3-checkpoint-io; "
+                          "a fork that copied only some files lacks it): copy it there") from exc
 
 
 def megatron_checkpoint_io_class(base: type | None = None) -> type:

@@ -341,9 +341,9 @@ def test_a_drain_killed_before_metadata_json_leaves_no_loadable_checkpoint_and_t
 def test_an_async_save_commits_in_memory_without_an_upload_process_and_drains_behind(
     mcore_run: dict[str, Any],
 ) -> None:
-    """The copy into memory is the async save's staging: megatron-core's queue gets a request with nothing to run in
-    an upload process (whose end would cut a drain short); the finalize step adds metadata.json, the drain takes it
-    to S3 last, and S3 alone then loads the checkpoint."""
+    """megatron-core's own strategy, async: the copy into memory is the save's staging, so megatron-core's queue gets
+    a request with nothing to run in an upload process (whose end would cut a drain short); the finalize step adds
+    metadata.json, the drain takes it to S3 last, and S3 alone then loads the checkpoint."""
     coordinator, _ = found = _outcomes(mcore_run["outs"][2], "tier_async")
     for outcome in found:
         assert outcome["upload_process"] is False and outcome["finalized"] == [0]

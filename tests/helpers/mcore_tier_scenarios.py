@@ -154,8 +154,9 @@ def scenario_cut(ctx: Any) -> dict[str, Any]:
 
 
 def scenario_async(ctx: Any) -> dict[str, Any]:
-    """megatron-core's async save through its AsyncCallsQueue: committed in memory when the request is built (no
-    upload process), ``metadata.json`` by the finalize step; the drain finishes after it, from this process."""
+    """megatron-core's async save with its own (default) strategy, which the routing sends through the tier, through
+    its AsyncCallsQueue: committed in memory when the request is built (no upload process), ``metadata.json`` by the
+    finalize step; the drain finishes after it, from this process."""
     from mcore_stub import cuda_calls_of_megatron_core
     from mcore_worker import sharded_state
     from megatron.core import dist_checkpointing
@@ -165,9 +166,7 @@ def scenario_async(ctx: Any) -> dict[str, Any]:
 
     routing = _use_tier(ctx, _tier(ctx, "async"))
     name = "iter_0000005"
-    request = dist_checkpointing.save(
-        sharded_state(ctx, 5), ctx.url(name), sharded_strategy=ctx.strategy(), async_sharded_save=True
-    )
+    request = dist_checkpointing.save(sharded_state(ctx, 5), ctx.url(name), async_sharded_save=True)
     with cuda_calls_of_megatron_core():
         queue = AsyncCallsQueue()
         queue.schedule_async_request(request)
