@@ -310,6 +310,53 @@ class DcpTier:
             self._drain_commit(commit, files, plan.run, writer)
         self.node.prune_soon()
 
+    def follow_commit(self, url: str, checkpoint: str, commit_name: str, body: bytes, writer: Any) -> _tier.TierCopy:
+        """A small file another layer writes beside the checkpoint at `checkpoint` once its ``.metadata``
+        (`commit_name`) is committed in this node's tier (megatron-core's ``metadata.json`` and ``common.pt``, which its
+        loads look for first): committed in the tier after ``.metadata``; on S3 it comes after ``.metadata`` too (in the
+        order written), and goes before an older ``.metadata`` at the prefix does. It drains when the checkpoint does
+        (at once if that was decided; with `finish_drains` if it is the last save). Never falls back to S3 directly:
+        there it would mark a checkpoint whose files are still in memory. Package-internal (docs/api.md)."""
+        commit = _urls.join_s3_url(checkpoint, commit_name)
+        self.node.claim()  # a straggler writes nothing
+        metadata = self.node.copy_of(commit)
+        if metadata is None:
+            raise FileNotFoundError(f"memory tier: {url} follows {commit}, which is not in {self.node.own}")
+        algorithm = self.node.algorithm
+        partial, fd = self.node.temporary_file(url)
+        try:
+            with os.fdopen(fd, "wb", buffering=0) as stream:
+                stream.write(body)
+            checksum = f"{algorithm.name} {algorithm.encode(algorithm.update(memoryview(body), 0))}"
+            copy = self.node.commit(partial, url, None, len(body), checksum, checkpoint=checkpoint, commit=commit,
+                                    follows_commit=True)  # fmt: skip
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(partial)
+            raise
+        with self._lock:
+            last = self._last if self._last is not None and self._last.checkpoint == checkpoint else None
+            if last is not None:
+                last.commit = [c for c in last.commit if c.url != url] + [copy]
+        if metadata.drain is not None or (last is not None and last.drained):  # its checkpoint's drain was decided
+            group = self._commit_group(metadata)
+            self._drain_commit(group, _listed_files(group), last.run if last is not None else self.run, writer)
+        return copy
+
+    def _commit_group(self, metadata: _tier.TierCopy) -> list[_tier.TierCopy]:
+        """The item checksums, ``.metadata`` and the files that follow it (oldest first), as this node's tier holds
+        them for the checkpoint `metadata` commits."""
+        items = self.node.copy_of(metadata.url.removesuffix(".metadata") + ITEMS_SUFFIX)
+        directory = metadata.path.parent
+        followers = []
+        for record_path in directory.glob(f"*{_tier.COMMIT_RECORD_SUFFIX}"):
+            name = record_path.name.removesuffix(_tier.COMMIT_RECORD_SUFFIX)
+            copy = self.node.copy_of(_urls.join_s3_url(metadata.record["checkpoint"], name))
+            if copy is not None and copy.record.get("follows_commit"):
+                followers.append(copy)
+        followers.sort(key=lambda copy: copy.record.get("sequence", 0))
+        return [*([items] if items is not None else []), metadata, *followers]
+
     def finish_drains(self, writer: Any, drain_last: bool = True) -> None:
         """Every rank, at the end of a run: drain the last save if it did not drain (the last checkpoint of a run
         that ends normally reaches S3), then wait for every drain of this process; raise the first failure."""
@@ -397,17 +444,24 @@ class DcpTier:
                        writer: Any) -> None:  # fmt: skip
         """The coordinator's: an older ``.metadata`` at the prefix goes first; once every listed file is on S3 as
         recorded, the item checksums, then ``.metadata`` (the commit) go up, from memory."""
-        metadata = commit[-1]
+        metadata = next(copy for copy in commit if copy.url == copy.record["commit"])
+        followers = [copy for copy in commit if copy.record.get("follows_commit")]
         checkpoint = metadata.record["checkpoint"]
         fence = self._fence(checkpoint, run, writer)
-        if self._on_s3(metadata.url, metadata.size, metadata.checksum):
+        if self._on_s3(metadata.url, metadata.size, metadata.checksum):  # committed there: what follows it, if not yet
+            for copy in followers:
+                if not self._superseded(copy) and not self._on_s3(copy.url, copy.size, copy.checksum):
+                    self._upload(copy, fence, writer)
             for copy in commit:
                 self.node.set_drain(copy, "done")
             return
         if self.s3.s3_path_exists(metadata.url):
             logger.warning("memory tier: removing the older %s before draining its successor", metadata.url)
-            for copy in reversed(commit):
-                self.s3.remove_object(copy.url, fence=fence)
+            declared = [_urls.join_s3_url(checkpoint, name) for name in getattr(writer, "commit_followers", ())]
+            for url in dict.fromkeys([*declared, *(copy.url for copy in reversed(commit))]):  # followers first
+                if url in declared and not self.s3.s3_path_exists(url):
+                    continue
+                self.s3.remove_object(url, fence=fence)
         wanted = {_urls.join_s3_url(checkpoint, name): (entry["size"], f"{entry['algorithm']} {entry['checksum']}")
                   for name, entry in files.items()}  # fmt: skip
 
@@ -424,7 +478,7 @@ class DcpTier:
             self._wait(all_there, f"every file of {checkpoint} to be on S3")
         except _SupersededError:
             return
-        for copy in commit:  # the item checksums, then .metadata
+        for copy in commit:  # the item checksums, then .metadata, then what follows it
             self._upload(copy, fence, writer)
         logger.info("memory tier: drained %s to S3 (committed by its .metadata)", checkpoint)
         self.node.prune()
@@ -441,29 +495,34 @@ class DcpTier:
     def _finish_pending_drains(self) -> None:
         """A relaunch: drains a killed process left pending go on (files, then the commits behind them)."""
         pending = self.node.pending_drains(files_of_checkpoints=True)
-        commits: dict[str, list[_tier.TierCopy]] = {}
+        commits: dict[str, str] = {}  # checkpoint -> the URL of its .metadata
         for copy in pending:
-            if copy.url == copy.record.get("commit") or copy.url.endswith(ITEMS_SUFFIX):
-                commits.setdefault(copy.record["checkpoint"], []).append(copy)
+            if copy.url == copy.record.get("commit") or copy.url.endswith(ITEMS_SUFFIX) or _follows(copy):
+                commits[copy.record["checkpoint"]] = copy.record["commit"]
             else:
                 logger.warning("memory tier: finishing the drain of %s a previous process began", copy.url)
                 self._submit("files", self._upload_file, copy, self.run, None)
-        for checkpoint, commit in commits.items():
-            commit.sort(key=lambda copy: copy.url == copy.record["commit"])  # the item checksums first
-            if commit[-1].url != commit[-1].record["commit"]:
+        for checkpoint, commit_url in commits.items():  # what follows .metadata may be pending after it drained
+            metadata = self.node.copy_of(commit_url)
+            if metadata is None:
                 continue
+            commit = self._commit_group(metadata)
             logger.warning("memory tier: finishing the drain of %s a previous process began", checkpoint)
             self._submit("commits", self._upload_commit, commit, _listed_files(commit), self.run, None)
-
 
 
 class _SupersededError(Exception):
     """A newer save of the same checkpoint URL replaced the one being drained."""
 
 
+def _follows(copy: _tier.TierCopy) -> bool:
+    """Whether `copy` is a file that follows its checkpoint's commit (`DcpTier.follow_commit`)."""
+    return bool(copy.record.get("follows_commit"))
+
+
 def _listed_files(commit: list[_tier.TierCopy]) -> dict[str, Any]:
     """The files a checkpoint's item-checksum record (in the tier) lists: name -> its size, algorithm, checksum."""
-    items = next((copy for copy in commit if copy.url != copy.record["commit"]), None)
+    items = next((copy for copy in commit if copy.url.endswith(ITEMS_SUFFIX)), None)
     if items is None:
         return {}
     return json.loads(Path(items.path).read_bytes()).get("files", {})

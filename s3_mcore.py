@@ -25,7 +25,14 @@ Three parts, each usable alone:
   strategy and planner with `s3_dcp.S3StorageReader`. It also sends a save by megatron-core's own strategy (its
   default) to an ``s3://`` directory through this package: no save to ``s3://`` lands in a local ``./s3:`` directory.
 * `megatron_checkpoint_io_class` / ``S3MegatronCheckpointIO``: NeMo 2.x's ``MegatronCheckpointIO`` keeping
-  ``s3://`` URLs as text (docs/megatron.md has the recipe).
+  ``s3://`` URLs as text, built by the sibling `s3_mcore_nemo` (docs/megatron.md has the recipe).
+
+The memory tier (``install_s3_routing(memory_tier=...)``, or a strategy's ``memory_tier``; docs/tiers.md): a save
+lands in the node's tmpfs through `s3_dcp_tier` (an async one too: the copy into memory is its staging, and the
+drains run on the training process's threads, not in megatron-core's upload process, which ends with its request);
+megatron-core's ``metadata.json`` (and <= 0.18's ``common.pt``) follow ``.metadata`` into the tier and onto S3, so a
+checkpoint is on S3 as megatron-core recognises one (``metadata.json``) only once all its files are. Loads read the
+node's verified memory copies first. Every rank calls `finish_drains` at the end of a run.
 
 megatron-core is imported on first use: importing this module never needs it. Versions: 0.19.2 and 0.18.2 are tested;
 0.16-0.18 (NeMo 2.x's) are handled by feature detection (docs/megatron.md says what differs). No call here needs
@@ -70,6 +77,7 @@ __all__ = [
     "S3Routing",
     "S3SaveShardedStrategyMixin",
     "S3TorchDistSaveShardedStrategy",
+    "finish_drains",
     "install_s3_routing",
     "megatron_checkpoint_io_class",
     "megatron_s3_url",
@@ -83,7 +91,7 @@ logger = logging.getLogger(__name__)
 MEGATRON_CORE_PIP = "pip install --no-deps megatron-core==0.19.2 numpy packaging"
 """How to install megatron-core for this module (its wheel declares far more than ``dist_checkpointing`` uses).
 NeMo 2.x users keep the megatron-core their NeMo pins (0.16-0.18)."""
-CONFIG_NAME = "metadata.json"
+CONFIG_NAME = "metadata.json"  # package-internal (docs/api.md)
 """megatron-core's "this is a distributed checkpoint" marker, written after DCP's ``.metadata``."""
 COMMON_STATE_NAME = "common.pt"
 """Non-sharded state of megatron-core <= 0.18 checkpoints (0.19 keeps it inside the DCP files)."""
@@ -117,6 +125,14 @@ def _async_utils() -> Any:
 
 def _msc_utils() -> Any:
     return _mcore("msc_utils")
+
+
+_DCP_TIER = "s3_dcp_tier"
+
+
+def _dcp_tier() -> Any:
+    """The memory tier's DCP side (`s3_dcp_tier`), a sibling imported on first use (only with ``memory_tier``)."""
+    return importlib.import_module(f"{__package__}.{_DCP_TIER}" if __package__ else _DCP_TIER)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -153,34 +169,74 @@ def megatron_s3_url(path: Any) -> str | None:
 class MegatronS3StorageWriter(_dcp.S3StorageWriter):
     """`s3_dcp.S3StorageWriter` for megatron-core checkpoints (same arguments): an overwrite also retires the old
     checkpoint's ``metadata.json`` before anything is written, and on megatron-core <= 0.18 the ``common.pt`` the
-    routing holds is written once the save has taken the directory over."""
+    routing holds is written once the save has taken the directory over.
+
+    With ``memory_tier``, megatron-core's own files (``common.pt`` on <= 0.18, then ``metadata.json``) go into the
+    node's tier after ``.metadata`` (`s3_dcp_tier.DcpTier.follow_commit`, through the routing), so they reach S3 only
+    after every file and ``.metadata`` have, and leave it first when a newer save replaces the checkpoint there."""
+
+    commit_followers = (COMMON_STATE_NAME, CONFIG_NAME)
+    """Memory tier: the files that come after ``.metadata`` (removed from S3 before an older ``.metadata`` is)."""
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        if self.memory_tier is not None:  # `finish_drains` finishes what it drains behind
+            with _TIER_WRITERS_LOCK:
+                _TIER_WRITERS[self.memory_tier] = self
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
         """`s3_dcp.S3StorageWriter.prepare_global_plan` (take the directory over, refuse or retire an old
         ``.metadata``), then retire megatron-core's ``metadata.json`` of the checkpoint being replaced (it would
         otherwise outlive the old ``.metadata`` until this save's finalize step writes the new one), then, on
         megatron-core <= 0.18, write the ``common.pt`` the routing holds for this checkpoint
-        (`S3Routing._save_common_state`). A failure here fails every rank's save at once, as DCP's planning does."""
+        (`S3Routing._save_common_state`). A failure here fails every rank's save at once, as DCP's planning does.
+        With the memory tier, S3 is left alone (the drain replaces what is there, ``metadata.json`` first) and the
+        routing sends megatron-core's files for this checkpoint into the tier once `finish` committed it there."""
         plans = super().prepare_global_plan(plans)
+        active = _ROUTING.routing
+        if self.memory_tier is not None:
+            if active is not None:
+                active._tier_saves[self.path] = self
+            return plans
         config = _urls.join_s3_url(self.path, CONFIG_NAME)
         if self.s3.s3_path_exists(config):
             fence = _fencing.DirectoryFence(self.s3, _urls.s3_url_parent(self.path)) if self.fencing else None
             self.s3.remove_object(config, fence=fence)  # the directory is this run's: the plan just took it
             _s3.invalidate_fsspec_cache(self.path)
-        active = _ROUTING.routing
         if active is not None:
             active._write_common_state(self.path)
         return plans
+
+    def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+        """`s3_dcp.S3StorageWriter.finish`; with the memory tier, then the ``common.pt`` the routing holds (<= 0.18),
+        into the tier after ``.metadata``."""
+        super().finish(metadata=metadata, results=results)
+        active = _ROUTING.routing
+        if self.memory_tier is not None and active is not None:
+            active._write_common_state(self.path)
+
+
+_TIER_WRITERS_LOCK = threading.Lock()
+_TIER_WRITERS: dict[Any, MegatronS3StorageWriter] = {}  # memory tier -> this process's last writer through it
+
+
+def finish_drains(drain_last: bool = True) -> None:
+    """Memory tier, every rank at the end of a run (after its last save returned; for an async save, after its
+    finalize step): drain each tier's last checkpoint if it did not drain, so that the last checkpoint of a run that
+    ends normally is on S3 (``metadata.json`` last), wait for this process's drains, and raise the first failure.
+    Nothing to do without the memory tier."""
+    with _TIER_WRITERS_LOCK:
+        writers = list(_TIER_WRITERS.values())
+    for writer in writers:
+        writer.finish_drains(drain_last)
 
 
 _MEGATRON_ARGUMENTS = ("keep_only_main_replica", "thread_count", "cached_metadata", "separation_hint", "cpu_shm_mode")
 """megatron-core 0.19.2's ``TorchDistSaveShardedStrategy`` arguments after ``backend`` and ``version``."""
 _WRITER_OPTIONS = frozenset(inspect.signature(_dcp.S3StorageWriter.__init__).parameters).difference(
-    {"self", "path", "thread_count", "memory_tier"}
+    {"self", "path", "thread_count"}
 )
-"""The keyword arguments of `s3_dcp.S3StorageWriter` the strategy takes besides megatron-core's (not ``memory_tier``:
-megatron-core's ``metadata.json`` and common state would reach S3 before the DCP files, and an async save's upload
-process ends before a drain would; docs/tiers.md)."""
+"""The keyword arguments of `s3_dcp.S3StorageWriter` the strategy takes besides megatron-core's."""
 
 
 def _refuse_separation_hint(separation_hint: str | None, where: str) -> None:
@@ -330,7 +386,15 @@ def _save_to_s3(strategy: Any, sharded_state_dict: Any, writer: MegatronS3Storag
 
 def _async_save_to_s3(strategy: Any, sharded_state_dict: Any, writer: MegatronS3StorageWriter) -> Any:
     """`_save_to_s3` as megatron-core's ``AsyncRequest``: host copies of this rank's shards are taken now, the upload
-    runs in megatron-core's upload process, and the commit happens in the request's finalize step."""
+    runs in megatron-core's upload process, and the commit happens in the request's finalize step.
+
+    With the memory tier the save is the copy into memory, made here (training waits for it, as for any tier
+    save) and committed in the tier; the drains run on this process's threads, which outlive megatron-core's upload
+    process (a fork that ends with its request). The request has nothing left to run: megatron-core's finalize step
+    writes ``metadata.json`` (into the tier too)."""
+    if writer.memory_tier is not None:
+        _save_to_s3(strategy, sharded_state_dict, writer)
+        return _async_utils().AsyncRequest(async_fn=None, async_fn_args=(), finalize_fns=[])
     save = _plan_save(strategy, sharded_state_dict, writer)
     staged = _stage(save.plan, save.planner)
     result_dir = tempfile.mkdtemp(prefix="s3ckpt-mcore-")
@@ -385,7 +449,8 @@ class S3SaveShardedStrategyMixin:
             process gets them, which is what it asks for.
         **writer_options: keyword arguments for `s3_dcp.S3StorageWriter` (``client_settings``, ``retry_policy``,
             ``chunk_size_MB``, ``max_write_concurrency``, ``fencing``, ``overwrite``, ``max_requests_per_second``,
-            ``request_options``, ...). A bad one fails here, not in the middle of a save.
+            ``request_options``, ``memory_tier``, ...). A bad one fails here, not in the middle of a save. Without
+            ``memory_tier``, the routing's (`install_s3_routing`) applies; ``memory_tier=False`` turns it off here.
 
     ``async_save`` returns megatron-core's ``AsyncRequest``: host copies of the shards are taken at once, the upload
     runs in megatron-core's upload process, and the commit happens in the request's finalize step
@@ -435,7 +500,11 @@ class S3SaveShardedStrategyMixin:
     def s3_writer(self, url: str) -> MegatronS3StorageWriter:
         """The writer of one save to `url`, with this strategy's options and its current ``thread_count`` (Megatron-LM
         and NeMo set that attribute after building the strategy)."""
-        return MegatronS3StorageWriter(url, **{**self.writer_options, "thread_count": self.thread_count})
+        options = {**self.writer_options, "thread_count": self.thread_count}
+        active = _ROUTING.routing
+        if "memory_tier" not in options and active is not None and active.memory_tier is not None:
+            options["memory_tier"] = active.memory_tier  # the routing's, unless this strategy names its own
+        return MegatronS3StorageWriter(url, **options)
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
         url = megatron_s3_url(checkpoint_dir)
@@ -500,6 +569,23 @@ class _S3File(io.BytesIO):
             self.close()
 
 
+class _FollowerFile(_S3File):
+    """An object megatron-core writes beside a checkpoint saved into the memory tier (``metadata.json``;
+    ``common.pt`` on <= 0.18): buffered, committed on close in the node's tier after the checkpoint's ``.metadata``,
+    and drained to S3 after it (`s3_dcp_tier.DcpTier.follow_commit`)."""
+
+    def __init__(self, writer: MegatronS3StorageWriter, url: str) -> None:
+        super().__init__(writer.s3, url)
+        self.writer = writer
+
+    def close(self) -> None:
+        if not self.closed:
+            writer = self.writer
+            tier = _dcp_tier().tier_of(writer.memory_tier, writer.s3, writer.checksum_algorithm)
+            tier.follow_commit(self.url, writer.path, _dcp.METADATA_NAME, self.getvalue(), writer)
+        io.BytesIO.close(self)
+
+
 class _S3TextFile(io.TextIOWrapper):
     """`_S3File` in a text mode (UTF-8): also uploads nothing when its ``with`` block raises."""
 
@@ -535,13 +621,13 @@ class _S3Path:
         return self.url.rstrip("/").rsplit("/", 1)[-1]
 
     def exists(self) -> bool:
-        return self._routing.s3.s3_path_exists(self.url, match_directory=True)
+        return self.is_file() or self._routing.is_dir(self.url)
 
     def is_dir(self) -> bool:
-        return self._routing.s3.s3_path_exists(self.url, match_directory=True) and not self.is_file()
+        return self._routing.is_dir(self.url) and not self.is_file()
 
     def is_file(self) -> bool:
-        return self._routing.s3.s3_path_exists(self.url)
+        return self._routing.exists(self.url)
 
     def iterdir(self) -> Iterator[_S3Path]:
         """The entries right under this prefix (objects and sub-prefixes), as a directory listing shows them."""
@@ -582,7 +668,7 @@ class _RoutedPath(_Router):
 class _RoutedOsPath(_Router):
     def exists(self, path: Any) -> bool:
         url = megatron_s3_url(path)
-        return self._fallback.exists(path) if url is None else self._routing.s3.s3_path_exists(url)
+        return self._fallback.exists(path) if url is None else self._routing.exists(url)
 
     def isdir(self, path: Any, *args: Any, **kwargs: Any) -> bool:
         url = megatron_s3_url(path)
@@ -590,7 +676,7 @@ class _RoutedOsPath(_Router):
             if self._fallback is os.path:
                 return os.path.isdir(path)  # the stdlib takes no `strict` (multi-storage-client's does)
             return self._fallback.isdir(path, *args, **kwargs)
-        return self._routing.s3.s3_path_exists(url, match_directory=True)
+        return self._routing.is_dir(url)
 
 
 class _RoutedOs(_Router):
@@ -689,8 +775,14 @@ class S3Routing:
     """``"maybe_msc"`` (megatron-core >= 0.19: its ``maybe_msc`` object is taught ``s3://``) or ``"msc_module"``
     (<= 0.18: a stand-in for multi-storage-client's module, with megatron-core's MSC flag on)."""
     previous_flag: bool | None = None
+    memory_tier: Any = None
+    """An `s3_memory_tier.MemoryTier` (None: off): loads read each file from this node's verified memory copy first
+    (megatron-core's ``metadata.json`` and common state too), and saves go into it (megatron-core's own strategy,
+    and `S3TorchDistSaveShardedStrategy` unless it names its own). docs/tiers.md."""
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _held_common_state: _HeldCommonState | None = field(default=None, repr=False)
+    _tier_saves: dict[str, MegatronS3StorageWriter] = field(default_factory=dict, repr=False)
+    """Checkpoints saved into the memory tier whose megatron-core files (``metadata.json`` last) are still to come."""
 
     def _save_common_state(self, obj: Any, url: str, *args: Any, **kwargs: Any) -> None:
         """megatron-core <= 0.18's ``common.pt``, which rank 0 alone saves right before every rank enters the save
@@ -723,24 +815,72 @@ class S3Routing:
             raise _dcp.CheckpointWriteError(message) from exc
 
     def open(self, url: str, mode: str = "r") -> Any:
-        """Read (whole, verified) or write (uploaded on close) one object; text modes decode UTF-8."""
+        """Read (whole, verified; from this node's memory tier first) or write (uploaded on close; for a checkpoint
+        saved into the memory tier, committed there after its ``.metadata``) one object; text modes decode UTF-8."""
         if any(flag in mode for flag in "wax"):
             checkpoint = _urls.s3_url_parent(url)  # megatron-core writes its files at the checkpoint's top level
-            fence = _fencing.DirectoryFence(self.s3, _urls.s3_url_parent(checkpoint)) if self.fencing else None
-            file: Any = _S3File(self.s3, url, fence)
+            tier_save = self._tier_saves.get(checkpoint)
+            if tier_save is not None:
+                if _urls.s3_url_name(url) == CONFIG_NAME:  # megatron-core's last file of a save
+                    del self._tier_saves[checkpoint]
+                file: Any = _FollowerFile(tier_save, url)
+            else:
+                fence = _fencing.DirectoryFence(self.s3, _urls.s3_url_parent(checkpoint)) if self.fencing else None
+                file = _S3File(self.s3, url, fence)
             return file if "b" in mode else _S3TextFile(file, encoding="utf-8")
-        with self.s3.download_to_memory(url) as downloaded:
-            data = downloaded.read_all()
+        local = self._tier_source(url)
+        if local is not None:
+            data: Any = local[0].read_bytes()
+        else:
+            with self.s3.download_to_memory(url) as downloaded:
+                data = downloaded.read_all()
         return io.BytesIO(data) if "b" in mode else io.StringIO(bytes(data).decode("utf-8"))
 
+    def exists(self, url: str) -> bool:
+        """Whether the object `url` is in this node's memory tier or on S3."""
+        return self._tier_copy(url) or self.s3.s3_path_exists(url)
+
+    def is_dir(self, url: str) -> bool:
+        """Whether `url` is a checkpoint in this node's memory tier (its ``.metadata`` or ``metadata.json``) or a
+        prefix on S3."""
+        in_tier = any(self._tier_copy(_urls.join_s3_url(url, name)) for name in (_dcp.METADATA_NAME, CONFIG_NAME))
+        return in_tier or self.s3.s3_path_exists(url, match_directory=True)
+
+    def remove_from_tier(self, url: str) -> None:
+        """Drop this node's memory copies of the checkpoint at `url` (and below it): a drain still due skips them."""
+        tier = self._node_tier()
+        prefix = url.rstrip("/") + "/"
+        for copy in tier.node.copies() if tier is not None else []:
+            if copy.url.startswith(prefix):
+                tier.node.remove(copy.url)
+
+    def _node_tier(self) -> Any:
+        return None if self.memory_tier is None else _dcp_tier().tier_of(self.memory_tier, self.s3)
+
+    def _tier_copy(self, url: str) -> bool:
+        tier = self._node_tier()
+        try:
+            return tier is not None and tier.node.copy_of(url) is not None
+        except ValueError:  # not a URL the tier can hold (a bucket alone)
+            return False
+
+    def _tier_source(self, url: str) -> Any:
+        """``(path, tier)`` of this node's verified copy (or a replica held here) of `url`; None: S3."""
+        tier = self._node_tier()
+        return None if tier is None or not self._tier_copy(url) else _dcp_tier().source_of(tier, url)
+
     def reader(self, url: str) -> Any:
-        """The DCP reader for an ``s3://`` checkpoint (megatron-core's filesystem reader, routed)."""
-        return _dcp.S3StorageReader(url, **self.reader_options)
+        """The DCP reader for an ``s3://`` checkpoint (megatron-core's filesystem reader, routed); with the memory
+        tier, it reads each file from this node's verified memory copy first."""
+        tier = {} if self.memory_tier is None else {"memory_tier": self.memory_tier}
+        return _dcp.S3StorageReader(url, **{**tier, **self.reader_options})
 
     def writer(self, url: str, thread_count: int = 1) -> MegatronS3StorageWriter:
         """The writer of a save that megatron-core's own strategy makes to an ``s3://`` checkpoint (its default among
-        them): this routing's `s3` and `fencing`, the strategy's ``thread_count``."""
-        return MegatronS3StorageWriter(url, s3_utils=self.s3, thread_count=thread_count, fencing=self.fencing)
+        them): this routing's `s3`, `fencing` and `memory_tier`, the strategy's ``thread_count``."""
+        return MegatronS3StorageWriter(
+            url, s3_utils=self.s3, thread_count=thread_count, fencing=self.fencing, memory_tier=self.memory_tier
+        )
 
     def uninstall(self) -> None:
         """Put megatron-core's file operations back as they were before `install_s3_routing`."""
@@ -765,7 +905,11 @@ def routing() -> S3Routing | None:
 
 
 def install_s3_routing(
-    s3_utils: _s3.S3Utils | None = None, *, reader_options: dict[str, Any] | None = None, fencing: bool = True
+    s3_utils: _s3.S3Utils | None = None,
+    *,
+    reader_options: dict[str, Any] | None = None,
+    fencing: bool = True,
+    memory_tier: Any = None,
 ) -> S3Routing:
     """Route megatron-core's own file operations for ``s3://`` paths to this package, in this process.
 
@@ -786,7 +930,11 @@ def install_s3_routing(
             ``max_read_concurrency``, ``max_requests_per_second``, ...).
         fencing: fence megatron-core's own writes as the writer fences the checkpoint's files (`S3Routing.fencing`;
             pass the same as the strategy's ``fencing`` option).
+        memory_tier: the node's memory tier (`s3_memory_tier.MemoryTier`, a mapping of its fields, a path or True;
+            `S3Routing.memory_tier`): saves land there with S3 behind, loads read it first; every rank calls
+            `finish_drains` at the end of the run (docs/tiers.md).
     """
+    tier = _dcp_tier().config(memory_tier) if memory_tier is not None and memory_tier is not False else None
     msc_utils = _msc_utils()
     torch_strategies = _torch_strategies()
     with _ROUTING.lock:
@@ -795,8 +943,9 @@ def install_s3_routing(
             active.s3 = s3_utils or active.s3
             active.reader_options = dict(reader_options or {})
             active.fencing = fencing
+            active.memory_tier = tier
             return active
-        routing_ = S3Routing(s3_utils or _s3.S3Utils(), dict(reader_options or {}), fencing)
+        routing_ = S3Routing(s3_utils or _s3.S3Utils(), dict(reader_options or {}), fencing, memory_tier=tier)
         _route_filesystem_reader(routing_, torch_strategies)
         maybe = getattr(msc_utils, "maybe_msc", None)
         if maybe is not None:
@@ -843,7 +992,7 @@ class _RoutedMaybeMsc:
         url = megatron_s3_url(path)
         if url is None:
             return super().path_isdir(path, strict=strict)  # type: ignore[misc]
-        return self._s3_routing.s3.s3_path_exists(url, match_directory=True)
+        return self._s3_routing.is_dir(url)
 
 
 def _route_maybe_msc(routing_: S3Routing, maybe: Any) -> None:
@@ -981,217 +1130,43 @@ def verify_checkpoint(path: Any, s3_utils: _s3.S3Utils | None = None) -> _admin.
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# NeMo 2.x: MegatronCheckpointIO keeping s3:// URLs as text
+# NeMo 2.x: MegatronCheckpointIO keeping s3:// URLs as text (the sibling s3_mcore_nemo)
 # --------------------------------------------------------------------------------------------------------------------
 
-WEIGHTS_SUBDIR = "weights"
-"""NeMo 2.x keeps the distributed checkpoint in ``<checkpoint>/weights`` (``ckpt_to_weights_subdir``)."""
+_NEMO = "s3_mcore_nemo"
 
 
-def nemo_checkpoint_url(path: Any) -> str | None:
-    """The ``s3://`` URL of the NeMo 2.x checkpoint directory `path` names (text, Path or collapsed Path), without the
-    ``.ckpt`` suffix Lightning gives checkpoint names (as NeMo's ``ckpt_to_dir``); None if it is not ``s3://``."""
-    url = megatron_s3_url(path)
-    return url.removesuffix(".ckpt") if url is not None else None
-
-
-class _S3MegatronCheckpointIOMixin:
-    """The ``s3://`` half of `megatron_checkpoint_io_class`: NeMo's ``MegatronCheckpointIO`` turns the URL into a
-    ``pathlib.Path`` (``s3:/bucket/...``) and makes local directories for it; these methods keep it a URL."""
-
-    def __init__(self, *args: Any, s3_writer_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.s3_writer_options = dict(s3_writer_options or {})
-        install_s3_routing()
-
-    @property
-    def s3_save_sharded_strategy(self) -> Any:
-        """`S3TorchDistSaveShardedStrategy`, inside ``FullyParallelSaveStrategyWrapper`` when NeMo's
-        ``parallel_save`` is on (its default), as NeMo builds its own."""
-        cached = self.__dict__.get("_s3_save_strategy")
-        if cached is None:
-            options = dict(self.s3_writer_options)
-            multiproc = getattr(self, "torch_dist_multiproc", None)  # NeMo's thread_count for torch_dist
-            if multiproc is not None:
-                options.setdefault("thread_count", multiproc)
-            cached = _strategy_class()(**options)
-            if getattr(self, "parallel_save", False):
-                fully_parallel = _mcore("dist_checkpointing.strategies.fully_parallel")
-                within_dp = getattr(self, "parallel_save_within_dp", False)
-                group = _data_parallel_group() if within_dp else None
-                constant = bool(getattr(self, "assume_constant_structure", False))
-                cached = fully_parallel.FullyParallelSaveStrategyWrapper(cached, group, constant)
-            self.__dict__["_s3_save_strategy"] = cached
-        return cached
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> Any:
-        """As NeMo's, for ``s3://``: saves to ``<url>/weights``; returns megatron-core's ``AsyncRequest`` when
-        ``async_save`` is on (for NeMo's ``AsyncFinalizableCheckpointIO``), else None."""
-        url = nemo_checkpoint_url(path)
-        if url is None:
-            return super().save_checkpoint(checkpoint, path, storage_options)  # type: ignore[misc]
-        weights = url if url.endswith("/" + WEIGHTS_SUBDIR) else _urls.join_s3_url(url, WEIGHTS_SUBDIR)
-        serialization = _mcore("dist_checkpointing.serialization")
-        kwargs: dict[str, Any] = {}
-        content_metadata = (storage_options or {}).get("content_metadata")
-        if content_metadata is not None:
-            kwargs["content_metadata"] = content_metadata
-        constant = getattr(self, "assume_constant_structure", False)
-        validate = not (getattr(self, "validated_consistency", False) and constant)
-        self.validated_consistency = True
-        asynchronous = bool(getattr(self, "async_save", False))
-        request = serialization.save(
-            sharded_state_dict=checkpoint,
-            checkpoint_dir=weights,
-            sharded_strategy=self.s3_save_sharded_strategy,
-            validate_access_integrity=validate,
-            async_sharded_save=asynchronous,
-            **kwargs,
-        )
-        logger.info("Saved the distributed checkpoint %s%s", weights, " (upload scheduled)" if asynchronous else "")
-        return request if asynchronous else None
-
-    def load_checkpoint(
-        self, path: Any, sharded_state_dict: Any = None, map_location: Any = None, strict: Any = None
-    ) -> dict[str, Any]:
-        """As NeMo's, for ``s3://``: loads ``<url>/weights`` when it exists (NeMo 2.x's layout), else ``<url>``.
-        `strict` as NeMo takes it (what ``MegatronStrategy`` passes: ``strict_loading`` or ``ckpt_load_strictness``):
-        a bool (False drops the keys the checkpoint lacks first), a ``StrictHandling`` or its text, or None."""
-        url = nemo_checkpoint_url(path)
-        if url is None:
-            return super().load_checkpoint(  # type: ignore[misc]
-                path, sharded_state_dict=sharded_state_dict, map_location=map_location, strict=strict
-            )
-        if map_location is not None:
-            raise ValueError("map_location is not supported for distributed checkpoints (as in NeMo's checkpoint IO)")
-        if sharded_state_dict is None:
-            raise ValueError("a distributed checkpoint needs the model's sharded_state_dict to load")
-        checkpoint_dir = _nemo_weights_to_load(url)
-        serialization = _mcore("dist_checkpointing.serialization")
-        strict_handling = _mcore("dist_checkpointing.validation").StrictHandling
-        if isinstance(strict, bool):  # NeMo's translation (megatron-core takes no bool)
-            if not strict and hasattr(self, "adjust_non_strict_load"):
-                sharded_state_dict = self.adjust_non_strict_load(checkpoint_dir, sharded_state_dict)
-            strict = strict_handling.ASSUME_OK_UNEXPECTED if strict else strict_handling.LOG_ALL
-        if strict is None:
-            strict = strict_handling.ASSUME_OK_UNEXPECTED
-        strategy = None
-        if getattr(self, "parallel_load", False):  # NeMo's ckpt_parallel_load (megatron-core's wrapper needs CUDA)
-            fully_parallel = _mcore("dist_checkpointing.strategies.fully_parallel")
-            base_strategy = _torch_strategies().TorchDistLoadShardedStrategy()
-            strategy = fully_parallel.FullyParallelLoadStrategyWrapper(base_strategy, _data_parallel_group())
-        loaded = serialization.load(sharded_state_dict, checkpoint_dir, sharded_strategy=strategy, strict=strict)
-        return _to_current_cuda_device(loaded)
-
-    def remove_checkpoint(self, path: Any) -> None:
-        """Removes every object under the checkpoint's prefix (``.metadata`` first, so it never looks complete)."""
-        url = nemo_checkpoint_url(path)
-        if url is None:
-            return super().remove_checkpoint(path)  # type: ignore[misc]
-        s3 = _nemo_s3()
-        weights = _urls.join_s3_url(url, WEIGHTS_SUBDIR)
-        markers = (_urls.join_s3_url(weights, _dcp.METADATA_NAME), _urls.join_s3_url(url, _dcp.METADATA_NAME))
-        for marker in markers:
-            if s3.s3_path_exists(marker):
-                s3.remove_object(marker)
-        s3.remove_objects_with_prefix(url)
-        return None
-
-
-def _nemo_s3() -> _s3.S3Utils:
-    """How the NeMo checkpoint IO reaches S3: the installed routing's `S3Utils`, else the default one."""
-    return _ROUTING.routing.s3 if _ROUTING.routing is not None else _s3.S3Utils()
-
-
-def _nemo_weights_to_load(url: str) -> str:
-    """``<url>/weights`` when it holds megatron-core's ``metadata.json`` (NeMo 2.x's layout), else `url` if it does;
-    FileNotFoundError (as NeMo's) if neither does."""
-    s3 = _nemo_s3()
-    weights = url if url.endswith("/" + WEIGHTS_SUBDIR) else _urls.join_s3_url(url, WEIGHTS_SUBDIR)
-    for candidate in dict.fromkeys((weights, url)):
-        if s3.s3_path_exists(_urls.join_s3_url(candidate, CONFIG_NAME)):
-            return candidate
-    raise FileNotFoundError(f"Checkpoint file not found: {url} (no {CONFIG_NAME} in it or in its {WEIGHTS_SUBDIR}/)")
-
-
-def _data_parallel_group() -> Any:
-    """megatron-core's data-parallel group (with context parallelism), as NeMo passes to the fully-parallel
-    wrappers; None (the whole world) where megatron-core's model parallelism is not initialised."""
-    parallel_state = _mcore("parallel_state")
-    if not parallel_state.model_parallel_is_initialized():
-        return None
-    return parallel_state.get_data_parallel_group(with_context_parallel=True)
-
-
-def _to_current_cuda_device(checkpoint: Any) -> Any:
-    """NeMo's ``_fix_tensors_device`` after a load: CUDA tensors on another device move to the current one. A no-op
-    where CUDA is not initialised (NeMo's asserts instead, so its own load cannot run on CPU)."""
-    torch = _s3.import_optional_dependency("torch", "megatron-core checkpoints")
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return checkpoint
-    current = torch.device("cuda", index=torch.cuda.current_device())
-
-    def move(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.is_cuda and value.device != current:
-            return value.to(current)
-        return value
-
-    return _mcore("dist_checkpointing.dict_utils").dict_list_map_outplace(move, checkpoint)
+def _nemo() -> Any:
+    try:
+        return importlib.import_module(f"{__package__}.{_NEMO}" if __package__ else _NEMO)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").rsplit(".", 1)[-1] != _NEMO:
+            raise
+        raise ImportError(f"NeMo 2.x's checkpoint IO needs {_NEMO}.py beside s3_mcore.py (part of s3-checkpoint-io; "
+                          "a fork that copied only some files lacks it): copy it there") from exc
 
 
 def megatron_checkpoint_io_class(base: type | None = None) -> type:
-    """NeMo 2.x's ``MegatronCheckpointIO`` (or `base`) with ``s3://`` support: ``S3MegatronCheckpointIO``.
-
-    Built on NeMo's class (``nemo.lightning.io.pl.MegatronCheckpointIO``), so it is what NeMo's
-    ``AsyncFinalizableCheckpointIO`` accepts. It takes NeMo's arguments plus ``s3_writer_options`` (keyword
-    arguments for `s3_dcp.S3StorageWriter`), installs `install_s3_routing`, and for ``s3://`` paths saves and loads
-    ``<url>/weights`` with `S3TorchDistSaveShardedStrategy` (other paths go to NeMo's code). `base` is for other
-    frameworks with NeMo's interface (and tests without NeMo)."""
-    if base is None:
-        base = _nemo_megatron_checkpoint_io()
-    return _checkpoint_io_class(base)
+    """NeMo 2.x's ``MegatronCheckpointIO`` (or `base`) with ``s3://`` support: ``S3MegatronCheckpointIO``
+    (`s3_mcore_nemo.megatron_checkpoint_io_class`, docs/megatron.md)."""
+    return _nemo().megatron_checkpoint_io_class(base)
 
 
-def _content_metadata_loader(base: type) -> Callable[..., Any]:
-    original = getattr(base, "load_content_metadata", None)
-
-    def load_content_metadata(path: Any = None, preloaded_state_dict: Any = None) -> Any:
-        """As NeMo's (``MegatronStrategy.load_checkpoint`` calls it before every load), for ``s3://``: the content
-        metadata saved in ``<url>/weights`` (or ``<url>``), NeMo's default where the checkpoint has none. NeMo's
-        own looks for ``weights/`` on local disk and fails on an ``s3://`` checkpoint."""
-        url = nemo_checkpoint_url(path)
-        serialization = _mcore("dist_checkpointing.serialization")
-        if url is not None and preloaded_state_dict is None:
-            preloaded_state_dict = serialization.load_common_state_dict(_nemo_weights_to_load(url))
-            path = None
-        if original is None:  # a base without NeMo's method
-            return serialization.load_content_metadata(path, preloaded_state_dict=preloaded_state_dict)
-        return original(path, preloaded_state_dict=preloaded_state_dict)
-
-    return load_content_metadata
+def nemo_checkpoint_url(path: Any) -> str | None:
+    """The ``s3://`` URL of the NeMo 2.x checkpoint directory `path` names, without Lightning's ``.ckpt``
+    (`s3_mcore_nemo.nemo_checkpoint_url`)."""
+    return _nemo().nemo_checkpoint_url(path)
 
 
-@functools.cache
-def _checkpoint_io_class(base: type) -> type:
-    namespace = {
-        "__module__": __name__,
-        "__qualname__": "S3MegatronCheckpointIO",
-        "__doc__": _S3MegatronCheckpointIOMixin.__doc__,
-        "load_content_metadata": staticmethod(_content_metadata_loader(base)),
-    }
-    return type("S3MegatronCheckpointIO", (_S3MegatronCheckpointIOMixin, base), namespace)
+def megatron_core(module: str = "") -> Any:
+    """``megatron.core`` or one of its submodules, imported on first use; ImportError naming the pip line.
+    Package-internal (docs/api.md)."""
+    return _mcore(module)
 
 
-def _nemo_megatron_checkpoint_io() -> type:
-    try:
-        return importlib.import_module("nemo.lightning.io.pl").MegatronCheckpointIO
-    except ImportError as exc:
-        raise _s3.MissingOptionalDependencyError(
-            f"S3MegatronCheckpointIO builds on NeMo 2.x's MegatronCheckpointIO, which could not be imported ({exc}). "
-            "Install nemo-toolkit 2.x (with the megatron-core it pins), or use S3TorchDistSaveShardedStrategy with "
-            "megatron-core directly.",
-            name="nemo",
-        ) from exc
+def save_strategy_class() -> type:
+    """`S3TorchDistSaveShardedStrategy` (built on first use). Package-internal (docs/api.md)."""
+    return _strategy_class()
 
 
 # --------------------------------------------------------------------------------------------------------------------

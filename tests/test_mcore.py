@@ -67,6 +67,9 @@ TWO_RANK_SCENARIOS = [
     "default_strategy",
     "main_replica",
     "overwrite",
+    "tier_sync",
+    "tier_cut",
+    "tier_async",
 ]
 
 
@@ -286,6 +289,70 @@ def test_reshard_two_to_one(mcore_run: dict[str, Any]) -> None:
     _outcomes(mcore_run["outs"][1], "reshard", world_size=1)
 
 
+# ---- 2 ranks on one node through the memory tier (tests/helpers/mcore_tier_scenarios.py) -----------------------------
+
+DCP_FILES = [".metadata", ".s3ckpt-items.json", "__0_0.distcp", "__1_0.distcp"]
+"""What the DCP part of a 2-rank checkpoint has on S3 (CHECKPOINT_FILES less megatron-core's own files)."""
+MEGATRON_FILES = ["common.pt", "metadata.json"] if BEFORE_0_19 else ["metadata.json"]
+
+
+def test_a_save_lands_in_memory_and_a_megatron_core_load_reads_it_there(mcore_run: dict[str, Any]) -> None:
+    """The second save is not on S3 at all, yet megatron-core loads it, every file from the node's memory
+    (metadata.json and common state included: S3 has none of them); S3 alone does not know it."""
+    for outcome in _outcomes(mcore_run["outs"][2], "tier_sync"):
+        assert outcome["names"] == {"iter_0000001": CHECKPOINT_FILES, "iter_0000002": []}
+        assert outcome["memory"]["tiers"] == ["memory"]
+        assert "does not exist" in outcome["s3_only"]["error"], outcome["s3_only"]
+        assert outcome["names_after_finish"] == CHECKPOINT_FILES  # finish_drains: the last save reaches S3
+
+
+def test_megatron_cores_files_reach_s3_after_every_file_and_metadata(mcore_run: dict[str, Any]) -> None:
+    """The coordinator drains the item checksums, then .metadata, then megatron-core's files (common.pt before
+    metadata.json on <= 0.18): metadata.json, what megatron-core's load looks for first, is the last to reach S3."""
+    coordinator, other = _outcomes(mcore_run["outs"][2], "tier_sync")
+    for drained in (coordinator["drained"], coordinator["drained_last"]):
+        assert drained[0] == "__0_0.distcp" and drained[-(2 + len(MEGATRON_FILES)) :] == [
+            ".s3ckpt-items.json", ".metadata", *MEGATRON_FILES
+        ]  # fmt: skip
+    assert other["drained"] == other["drained_last"] == ["__1_0.distcp"]
+
+
+def test_a_drain_killed_before_metadata_json_leaves_no_loadable_checkpoint_and_the_next_process_finishes_it(
+    mcore_run: dict[str, Any],
+) -> None:
+    coordinator, other = _outcomes(mcore_run["outs"][2], "tier_cut")
+    for name, file in (("iter_0000003", ".metadata"), ("iter_0000004", "metadata.json")):
+        assert coordinator["killed"][name].startswith("KeyboardInterrupt: killed while draining s3://")
+        assert coordinator["killed"][name].endswith(f"/{name}/{file}")
+    assert other["killed"] == {"iter_0000003": "", "iter_0000004": ""}
+    for outcome in (coordinator, other):
+        assert outcome["after_kill"] == {
+            "iter_0000003": [".s3ckpt-items.json", "__0_0.distcp", "__1_0.distcp"],  # no .metadata, no metadata.json
+            "iter_0000004": DCP_FILES + MEGATRON_FILES[:-1],  # all but metadata.json
+        }
+        for refused in outcome["refused"].values():  # megatron-core does not take either for a checkpoint
+            assert "is not a distributed checkpoint" in refused["error"], refused
+        assert outcome["names"] == {"iter_0000003": CHECKPOINT_FILES, "iter_0000004": CHECKPOINT_FILES}
+    assert coordinator["drained"]["iter_0000003"][-(2 + len(MEGATRON_FILES)) :] == [
+        ".s3ckpt-items.json", ".metadata", *MEGATRON_FILES
+    ]  # fmt: skip
+
+
+def test_an_async_save_commits_in_memory_without_an_upload_process_and_drains_behind(
+    mcore_run: dict[str, Any],
+) -> None:
+    """megatron-core's own strategy, async: the copy into memory is the save's staging, so megatron-core's queue gets
+    a request with nothing to run in an upload process (whose end would cut a drain short); the finalize step adds
+    metadata.json, the drain takes it to S3 last, and S3 alone then loads the checkpoint."""
+    coordinator, _ = found = _outcomes(mcore_run["outs"][2], "tier_async")
+    for outcome in found:
+        assert outcome["upload_process"] is False and outcome["finalized"] == [0]
+        assert outcome["memory"]["tiers"] == ["memory"]
+        assert outcome["names"] == CHECKPOINT_FILES
+        assert outcome["s3_only"]["differences"] == []
+    assert coordinator["drained"][-1] == "metadata.json"
+
+
 # ---- this process: the routing, the module without megatron-core -----------------------------------------------------
 
 
@@ -471,8 +538,9 @@ def test_the_strategy_takes_megatron_cores_arguments_and_defaults(megatron: Any)
         strategy_class(separation_hint="optimizer.")
     with pytest.raises(TypeError, match="S3TorchDistSaveShardedStrategy got an unexpected keyword argument 'bogus'"):
         strategy_class(bogus=1)
-    with pytest.raises(TypeError, match="unexpected keyword argument 'memory_tier'"):  # not built for megatron-core
-        strategy_class(memory_tier=True)
+    assert strategy_class(memory_tier={"root": "tier", "drain_every": 5}).writer_options["memory_tier"] == {
+        "root": "tier", "drain_every": 5
+    }  # fmt: skip
 
 
 def test_plain_classes_at_module_level(megatron: Any) -> None:

@@ -21,6 +21,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import mcore_tier_scenarios
+
 warnings.filterwarnings("ignore")
 
 SAVED_WORLD = 2  # the checkpoints the 1-rank run reshards were saved by 2 ranks
@@ -132,6 +134,7 @@ class Context:
         self.settings = s3_utils.S3ClientSettings(endpoint_url=args.endpoint)
         self.direct_settings = s3_utils.S3ClientSettings(endpoint_url=args.direct_endpoint or args.endpoint)
         self.s3 = s3_utils.S3Utils(self.direct_settings)
+        self.reader_options = {"client_settings": self.settings, "retry_policy": self.retry_policy}
 
     def url(self, name: str) -> str:
         return f"{self.base}/{name}"
@@ -738,6 +741,7 @@ def scenario_parallel_load(ctx: Context) -> dict[str, Any]:
 
 
 SCENARIOS = {name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")}
+SCENARIOS.update(mcore_tier_scenarios.SCENARIOS)  # tier_*: megatron-core saves through the memory tier
 
 
 # ---- ranks ----------------------------------------------------------------------------------------------------------
@@ -765,9 +769,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         device = f"cuda:{index}"
     dist.init_process_group(args.backend, rank=rank, world_size=args.world_size)
     ctx = Context(args, rank, args.world_size, device)
-    routing = s3_mcore.install_s3_routing(
-        ctx.s3, reader_options={"client_settings": ctx.settings, "retry_policy": ctx.retry_policy}
-    )
+    routing = s3_mcore.install_s3_routing(ctx.s3, reader_options=ctx.reader_options)
     try:
         run_scenarios(SCENARIOS, args.scenarios, ctx, rank)
     finally:

@@ -1,0 +1,241 @@
+"""megatron-core saves through the memory tier: the ``tier_*`` scenarios of tests/helpers/mcore_worker.py (its 2
+ranks on one simulated node: one tier root under ``--out``, LOCAL_RANK 0 and 1; tests/test_mcore.py asserts on them).
+
+Each scenario installs `s3_mcore`'s routing with ``memory_tier`` and puts it back without the tier when it ends; the
+ranks adopt rank 0's run first, as one launch's ranks share one. The state and its expected values are
+mcore_worker's. Each scenario has a tier of its own (its own ``job``), so its
+first save is the one that drains. Which files this process drained, in order, is recorded around
+`s3_memory_tier.NodeTier.upload`; a kill of the drain at one file is that upload raising there.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from typing import Any
+
+DRAINED: list[str] = []  # "<checkpoint>/<file>" in the order this process's drains uploaded them
+CUT_AT: set[str] = set()  # file names whose drain is killed (the upload raises before S3 commits it)
+
+
+def _tier(ctx: Any, job: str, **fields: Any) -> Any:
+    import s3_memory_tier
+
+    return s3_memory_tier.MemoryTier(root=str(ctx.out / "node0"), job=job, **{"drain_every": 10, **fields})
+
+
+def _use_tier(ctx: Any, tier: Any) -> Any:
+    import s3_mcore
+
+    return s3_mcore.install_s3_routing(ctx.s3, reader_options=ctx.reader_options, memory_tier=tier)
+
+
+def _readers(routing: Any) -> list[Any]:
+    """Every DCP reader the routing hands megatron-core from now on (their ``tier_sources`` say where files came
+    from)."""
+    made: list[Any] = []
+    original = routing.reader
+
+    def reader(url: str) -> Any:
+        made.append(original(url))
+        return made[-1]
+
+    routing.reader = reader
+    return made
+
+
+def _tiers_read(readers: list[Any]) -> list[str]:
+    return sorted({source[1] if source else "s3" for r in readers for source in r.tier_sources.values()})
+
+
+def _load(ctx: Any, name: str, version: int, routing: Any) -> dict[str, Any]:
+    """megatron-core's load of ``name``: its differences from `version` and the tiers its files came from."""
+    from mcore_worker import _load_and_compare
+
+    readers = _readers(routing)
+    try:
+        return {**_load_and_compare(ctx, ctx.url(name), version), "tiers": _tiers_read(readers)}
+    finally:
+        del routing.reader
+
+
+def _s3_only_load(ctx: Any, name: str, version: int) -> dict[str, Any]:
+    """The load a relaunch on new nodes makes: S3 alone (no tier); ``error`` if megatron-core refuses it."""
+    from mcore_worker import _load_and_compare
+
+    import s3_mcore
+
+    s3_mcore.install_s3_routing(ctx.s3, reader_options=ctx.reader_options)  # memory_tier off
+    try:
+        return _load_and_compare(ctx, ctx.url(name), version)
+    except Exception as exc:  # megatron-core's CheckpointingException: not a checkpoint it recognises
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _drained(name: str) -> list[str]:
+    return [entry.split("/", 1)[1] for entry in DRAINED if entry.split("/", 1)[0] == name]
+
+
+# ---- scenarios ------------------------------------------------------------------------------------------------------
+
+
+def scenario_sync(ctx: Any) -> dict[str, Any]:
+    """Two saves by megatron-core's own call with the S3 strategy (the routing's tier): the first drains, the second
+    stays in memory. The second loads from memory while S3 has none of it; S3 alone does not see it."""
+    from mcore_worker import _save
+
+    import s3_mcore
+
+    routing = _use_tier(ctx, _tier(ctx, "sync"))
+    started = time.monotonic()
+    _save(ctx, "iter_0000001", 1)
+    _save(ctx, "iter_0000002", 2)
+    save_seconds = time.monotonic() - started
+    s3_mcore.finish_drains(drain_last=False)  # the first save's drain
+    ctx.barrier()
+    in_memory = _load(ctx, "iter_0000002", 2, routing)
+    found = {
+        "names": {name: ctx.names(name) for name in ("iter_0000001", "iter_0000002")},
+        "memory": in_memory,
+        "s3_only": _s3_only_load(ctx, "iter_0000002", 2),
+        "drained": _drained("iter_0000001"),
+        "save_seconds": save_seconds,
+    }
+    _use_tier(ctx, _tier(ctx, "sync"))
+    s3_mcore.finish_drains()  # the last save reaches S3 too
+    ctx.barrier()
+    found["names_after_finish"] = ctx.names("iter_0000002")
+    found["drained_last"] = _drained("iter_0000002")
+    return {"differences": in_memory["differences"], **found}
+
+
+def scenario_cut(ctx: Any) -> dict[str, Any]:
+    """A drain killed at ``.metadata`` (iter_0000003) and one killed at ``metadata.json`` (iter_0000004, a save
+    that drains at once: ``drain_every=1``): S3 then holds no checkpoint megatron-core recognises. The next process
+    of the job finishes both drains; with the tier wiped, both load from S3 alone."""
+    from mcore_worker import _save
+
+    import s3_dcp_tier
+    import s3_mcore
+
+    tier = _tier(ctx, "cut", drain_every=1)
+    _use_tier(ctx, tier)
+    cuts = {"iter_0000003": ".metadata", "iter_0000004": "metadata.json"}
+    killed = {}
+    for version, (name, cut) in enumerate(cuts.items(), 3):
+        CUT_AT.clear()
+        CUT_AT.add(f"{name}/{cut}")
+        _save(ctx, name, version)
+        try:
+            s3_mcore.finish_drains()
+            killed[name] = ""
+        except BaseException as exc:  # the simulated kill (rank 0's commit drain only)
+            killed[name] = f"{type(exc).__name__}: {exc}"
+        ctx.barrier()
+    CUT_AT.clear()
+    after_kill = {name: ctx.names(name) for name in cuts}
+    refused = {name: _s3_only_load(ctx, name, version) for version, name in enumerate(cuts, 3)}
+    ctx.barrier()
+    relaunch = s3_dcp_tier.DcpTier(tier, ctx.s3)  # what the next process's first writer or reader opens
+    relaunch.finish_drains(None, drain_last=False)
+    ctx.barrier()
+    if ctx.rank == 0:
+        shutil.rmtree(ctx.out / "node0")  # the node is gone
+    ctx.barrier()
+    loaded = {name: _s3_only_load(ctx, name, version) for version, name in enumerate(cuts, 3)}
+    return {
+        "differences": [d for outcome in loaded.values() for d in outcome.get("differences", [outcome.get("error")])],
+        "killed": killed,
+        "after_kill": after_kill,
+        "refused": refused,
+        "names": {name: ctx.names(name) for name in cuts},
+        "drained": {name: _drained(name) for name in cuts},
+    }
+
+
+def scenario_async(ctx: Any) -> dict[str, Any]:
+    """megatron-core's async save with its own (default) strategy, which the routing sends through the tier, through
+    its AsyncCallsQueue: committed in memory when the request is built (no upload process), ``metadata.json`` by the
+    finalize step; the drain finishes after it, from this process."""
+    from mcore_stub import cuda_calls_of_megatron_core
+    from mcore_worker import sharded_state
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    import s3_mcore
+
+    routing = _use_tier(ctx, _tier(ctx, "async"))
+    name = "iter_0000005"
+    request = dist_checkpointing.save(sharded_state(ctx, 5), ctx.url(name), async_sharded_save=True)
+    with cuda_calls_of_megatron_core():
+        queue = AsyncCallsQueue()
+        queue.schedule_async_request(request)
+        finalized = queue.maybe_finalize_async_calls(blocking=True)
+        queue.close()
+    ctx.barrier()
+    in_memory = _load(ctx, name, 5, routing)
+    s3_mcore.finish_drains()
+    ctx.barrier()
+    return {
+        "differences": in_memory["differences"],
+        "upload_process": request.async_fn is not None,
+        "finalized": finalized,
+        "memory": in_memory,
+        "names": ctx.names(name),
+        "drained": _drained(name),
+        "s3_only": _s3_only_load(ctx, name, 5),
+    }
+
+
+def _record_drains() -> None:
+    """Record which files this process drains, in order (`DRAINED`), and kill the drain at those in `CUT_AT`."""
+    import s3_memory_tier
+
+    upload = s3_memory_tier.NodeTier.upload
+
+    def recorded(copy: Any, writer: Any) -> None:
+        where = "/".join(copy.url.rsplit("/", 2)[-2:])
+        if where in CUT_AT:
+            raise KeyboardInterrupt(f"killed while draining {copy.url}")
+        upload(copy, writer)
+        DRAINED.append(where)
+
+    s3_memory_tier.NodeTier.upload = staticmethod(recorded)
+
+
+def _one_launch(ctx: Any) -> None:
+    """The ranks of one launch of a job share its run (a launcher's job id does that; these ranks adopt rank 0's, as
+    `S3ModelCheckpoint.setup` makes them): the node's tier takes a run other than its newest for a straggler's."""
+    import torch.distributed as dist
+
+    import s3_fencing
+
+    run = [s3_fencing.current_run()]
+    dist.broadcast_object_list(run, src=0)
+    s3_fencing.adopt_run(run[0])
+
+
+_READY: list[bool] = []  # set once this process records its drains and shares rank 0's run
+
+
+def _prepared(scenario: Any) -> Any:
+    def run(ctx: Any) -> dict[str, Any]:
+        if not _READY:
+            _READY.append(True)
+            _record_drains()
+            _one_launch(ctx)
+        base, ctx.base = ctx.base, ctx.base + "-tier"  # resume discovery's test looks at the others' base
+        try:
+            return scenario(ctx)
+        finally:
+            ctx.base = base
+            import s3_mcore
+
+            s3_mcore.install_s3_routing(ctx.s3, reader_options=ctx.reader_options)  # the tier off again
+
+    return run
+
+
+SCENARIOS = {
+    f"tier_{name[len('scenario_') :]}": _prepared(fn) for name, fn in globals().items() if name.startswith("scenario_")
+}
