@@ -24,15 +24,23 @@ when it passes ``memory_tier``). docs/tiers.md shows the user's side. In parts:
    ``.metadata`` until a next save, which the last save of a run never has. A process drains on two threads, its
    files on one, commits on the other (a commit waiting for other ranks never holds up this rank's uploads); a wait
    gives up after `DRAIN_WAIT_S`, and a drain whose memory copy a newer save of the same URL replaced is skipped.
-4. Reads: `source_of` gives the reader, per file, this node's verified memory copy, else a verified replica held
-   here, else None (S3). A copy that fails its checksum is skipped with an error in the log. The reader's
-   ``tier_sources`` says where each file came from.
+4. Reads: `source_of` gives the reader, per file, where the ranks agreed it reads it (`agree_resume`), else this
+   node's verified memory copy, a verified replica held here, or (replicating) this node's replica its peer holds,
+   fetched into memory; else None (S3). A copy that fails its checksum is skipped with an error in the log. The
+   reader's ``tier_sources`` says where each file came from.
+
+5. Replication and the resume agreement: `start_replication` (the ring of `s3_memory_tier.TierReplication`; each
+   file a save commits is sent as a replica of its own, in the retention group of its checkpoint and rank, so the
+   peer keeps whole checkpoints) and `agree_resume` (`s3_memory_tier.gather_candidates` and `s3_memory_tier.decide`
+   over checkpoints: one all_gather of the files each node reaches, then the newest step every rank can load).
+   A checkpoint counts for a rank only when its node reaches every file of it: DCP's load may read another rank's
+   file (an item that rank alone saved), and which ones only the load's plan knows. A file only in another node's
+   memory is handed over to the node that lacks it (a barrier after the hand-overs, only when there are any), if the
+   node holding it replicates; else the checkpoint does not count there (``.metadata`` only in node 0's memory, no
+   replication: no other node can load it).
 
 Every rank calls ``S3StorageWriter.finish_drains()`` at the end of a run: the last save drains if it did not, and the
 drains' failures are raised there.
-
-Not built: replication of DCP files (`TierReplication` counts a replica per file, and its server keeps `keep` files,
-not checkpoints).
 """
 
 from __future__ import annotations
@@ -60,7 +68,10 @@ else:  # installed (or copied) as top-level modules
     import s3_memory_tier as _tier
     import s3_utils as _s3
 
-__all__: list[str] = []  # users reach it through S3StorageWriter / S3StorageReader(memory_tier=...)
+__all__ = [
+    "agree_resume",
+    "start_replication",
+]  # users reach the rest through S3StorageWriter / S3StorageReader(memory_tier=...)
 
 logger = logging.getLogger(__name__)
 
@@ -684,8 +695,8 @@ def _candidates(tier: DcpTier, s3: Any, directory: str, step_of: Any, verified: 
     for obj in s3.list_objects(directory) if s3 is not None else []:
         relative = f"s3://{obj.bucket}/{obj.key}"[len(prefix) :]
         name, _, file = relative.partition("/")
-        step = step_of(name) if step_of is not None else None
-        if file == ".metadata" and isinstance(step, int):
+        step = step_of(name) if step_of is not None and file == ".metadata" else None
+        if isinstance(step, int) and not isinstance(step, bool):
             on_s3[prefix + name] = step
     replication = tier.replication
     address = None if replication is None or replication.server is None else list(replication.server.address)

@@ -32,7 +32,8 @@ docs/tiers.md shows the user's side.
 
 `S3CheckpointIO` drives all of it (when to drain, removals, loads): this module only knows files and records. DCP's
 `S3StorageWriter` / `S3StorageReader` drive it through the sibling `s3_dcp_tier` (one copy per file, grouped into a
-checkpoint by their records). Not built yet: the megatron-core path, DCP replication (docs/tiers.md).
+checkpoint by their records; its replicas counted per checkpoint, its resume decided with `gather_candidates` and
+`decide`). Not built yet: the megatron-core path (docs/tiers.md).
 
 Package-internal (docs/api.md) but for `MemoryTier`: users reach it through ``S3CheckpointIO(memory_tier=...)``.
 """
