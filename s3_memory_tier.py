@@ -816,6 +816,10 @@ class TierReplication:
             self._futures.append(self._executor.submit(self._send, copy))
 
     def _send(self, copy: TierCopy) -> None:
+        current = self.tier.copy_of(copy.url)
+        if current is None or current.record.get("sequence") != copy.record.get("sequence"):
+            logger.info("memory tier: %s left memory (or was saved again) before its replication: not sent", copy.url)
+            return
         try:
             self.send_to(copy, self.peer)
         except OSError as exc:  # the next save replicates again; training goes on
