@@ -290,6 +290,7 @@ def replicas_of_node0(out: Path) -> dict[str, list[str]]:
 NODE0_FILES = [".metadata", ".s3ckpt-items.json", "__0_0.distcp"]
 
 
+@pytest.mark.slow
 def test_replicas_keep_whole_dcp_checkpoints_a_replaced_node_loads_and_every_rank_agrees_on_a_loadable_step(
     s3_server: Any, bucket: str, tmp_path: Path
 ) -> None:
