@@ -526,6 +526,8 @@ def source_of(tier: DcpTier, url: str) -> tuple[Path, str] | None:
         try:
             copy, name = _tier.copy_to_load(tier.node, agreement, url)
             if copy is not None:
+                if agreement.sources[url].peer is not None:  # fetched: this node's copy now, not fetched again
+                    agreement.sources[url] = _tier.ResumeSource(url, "memory", copy.path)
                 return copy.path, name
         except (OSError, _s3.ChecksumMismatchError) as exc:
             logger.error("%s: skipped for %s, the next tier is used", exc, url)
