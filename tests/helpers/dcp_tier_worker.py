@@ -10,9 +10,9 @@ its drains, loads step 1 (its file from its node's memory, the rest where it is)
 its .metadata: every rank fails alike), drains the last save and loads step 2 from S3. Writes OUT_DIR/rank<N>.json.
 replicated-save: replication started (`s3_dcp_tier.start_replication`), every rank saves steps 1 (drained), 2, 3 (in
 memory and on the other node only, keep=2), each waited for (drain, replication), and exits without its teardown (a
-kill). relaunch: replication started again, step 2 loaded (chosen by hand), then the step every rank agrees on
-(`s3_dcp_tier.agree_resume`) loaded; OUT_DIR/rank<N>.json says which step, whether it is bit-identical, and the tier
-each file came from.
+kill). relaunch: replication started again, step 2 loaded (chosen by hand), node 0's memory emptied again, then the
+step every rank agrees on (`s3_dcp_tier.agree_resume`) loaded; OUT_DIR/rank<N>.json says which step, whether it is
+bit-identical, and the tier each file came from.
 """
 
 from __future__ import annotations
@@ -95,6 +95,10 @@ def relaunch(bucket: str, out: Path) -> None:
     reader = s3_dcp.S3StorageReader(f"s3://{bucket}/run/step-2", chunk_size_MB=5, memory_tier=tier)
     s3_dcp_tier.start_replication(reader)
     result: dict[str, Any] = {"step 2": load(reader.path, key, tensor_of(2, rank), tier)}  # chosen by hand
+    if rank == 0:  # node 0's memory lost again: what that load fetched into it goes
+        node = s3_dcp_tier.tier_of(tier, reader.s3).node
+        for copy in node.copies():
+            node.remove(copy.url)
     agreement = s3_dcp_tier.agree_resume(reader, f"s3://{bucket}/run", lambda name: int(name.split("-")[1]))
     result["agreed"] = {"step": agreement.step, "steps": agreement.steps, "url": agreement.url, "via": agreement.tier,
                         **load(agreement.url, key, tensor_of(agreement.step, rank), tier)}  # fmt: skip
