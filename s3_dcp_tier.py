@@ -24,15 +24,23 @@ when it passes ``memory_tier``). docs/tiers.md shows the user's side. In parts:
    ``.metadata`` until a next save, which the last save of a run never has. A process drains on two threads, its
    files on one, commits on the other (a commit waiting for other ranks never holds up this rank's uploads); a wait
    gives up after `DRAIN_WAIT_S`, and a drain whose memory copy a newer save of the same URL replaced is skipped.
-4. Reads: `source_of` gives the reader, per file, this node's verified memory copy, else a verified replica held
-   here, else None (S3). A copy that fails its checksum is skipped with an error in the log. The reader's
-   ``tier_sources`` says where each file came from.
+4. Reads: `source_of` gives the reader, per file, where the ranks agreed it reads it (`agree_resume`), else this
+   node's verified memory copy, a verified replica held here, or (replicating) this node's replica its peer holds,
+   fetched into memory; else None (S3). A copy that fails its checksum is skipped with an error in the log. The
+   reader's ``tier_sources`` says where each file came from.
+
+5. Replication and the resume agreement: `start_replication` (the ring of `s3_memory_tier.TierReplication`; each
+   file a save commits is sent as a replica of its own, in the retention group of its checkpoint and rank, so the
+   peer keeps whole checkpoints) and `agree_resume` (`s3_memory_tier.gather_candidates` and `s3_memory_tier.decide`
+   over checkpoints: one all_gather of the files each node reaches, then the newest step every rank can load).
+   A checkpoint counts for a rank only when its node reaches every file of it: DCP's load may read another rank's
+   file (an item that rank alone saved), and which ones only the load's plan knows. A file only in another node's
+   memory is handed over to the node that lacks it (a barrier after the hand-overs, only when there are any), if the
+   node holding it replicates; else the checkpoint does not count there (``.metadata`` only in node 0's memory, no
+   replication: no other node can load it).
 
 Every rank calls ``S3StorageWriter.finish_drains()`` at the end of a run: the last save drains if it did not, and the
 drains' failures are raised there.
-
-Not built: replication of DCP files (`TierReplication` counts a replica per file, and its server keeps `keep` files,
-not checkpoints).
 """
 
 from __future__ import annotations
@@ -60,7 +68,10 @@ else:  # installed (or copied) as top-level modules
     import s3_memory_tier as _tier
     import s3_utils as _s3
 
-__all__: list[str] = []  # users reach it through S3StorageWriter / S3StorageReader(memory_tier=...)
+__all__ = [
+    "agree_resume",
+    "start_replication",
+]  # users reach the rest through S3StorageWriter / S3StorageReader(memory_tier=...)
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +273,9 @@ class DcpTier:
         self._open: dict[str, list[TierFile]] = {}  # a save's files, from `open_file` to `files_written`
         self._sources_lock = threading.Lock()
         self._lock = threading.Lock()
+        self.replication: _tier.TierReplication | None = None  # `start_replication`
+        self.agreement: _tier.TierAgreement | None = None  # the last `agree_resume`: where a load reads each file
+        self.peer_unreachable = False  # a fetch from the peer failed: this process asks it no more
         if os.environ.get("LOCAL_RANK", "0") == "0":
             self._finish_pending_drains()
 
@@ -293,6 +307,7 @@ class DcpTier:
             self._last = _LastSave(checkpoint, plan.run, copies, drained=plan.drain)
         if plan.drain:
             self._drain_files(copies, plan.run, writer)
+        self._replicate(copies)
         self.node.prune_soon()
 
     def committed(self, checkpoint: str, name: str, files: dict[str, Any], plan: TierPlan, writer: Any) -> None:
@@ -308,6 +323,7 @@ class DcpTier:
             self._last.commit = commit
         if plan.drain:
             self._drain_commit(commit, files, plan.run, writer)
+        self._replicate(commit)
         self.node.prune_soon()
 
     def follow_commit(self, url: str, checkpoint: str, commit_name: str, body: bytes, writer: Any) -> _tier.TierCopy:
@@ -367,6 +383,8 @@ class DcpTier:
             self._drain_files(last.files, last.run, writer)
             if last.commit:
                 self._drain_commit(last.commit, _listed_files(last.commit), last.run, writer)
+        if self.replication is not None:  # the last save reaches the peer too (failures were logged)
+            self.replication.wait()
         with self._lock:
             futures, self._futures = self._futures, []
         errors = []
@@ -378,6 +396,21 @@ class DcpTier:
         self.node.wait_pruned()
         if errors:
             raise errors[0]
+
+    def start_replication(self, group: Any = None, *, bind_host: str = "127.0.0.1", local_rank: int = 0) -> None:
+        """Collective (`start_replication`): this node's replica server (on its first rank) and a sender to the next
+        node; every save's files are sent from then on, the first rank's loads fetch from the peer."""
+        if self.replication is not None:
+            logger.warning("memory tier: replication of %s already runs; started once", self.node.directory)
+            return
+        self.replication = _tier.TierReplication(self.node, group, bind_host=bind_host, local_rank=local_rank)
+
+    def _replicate(self, copies: list[_tier.TierCopy]) -> None:
+        """Send a save's files committed in memory to the peer node, in the background (never waited for here)."""
+        if self.replication is not None:
+            with self._lock:  # `TierReplication.send` keeps a list: one caller at a time
+                for copy in copies:
+                    self.replication.send(copy)
 
     # ---- draining -------------------------------------------------------------------------------------------------
 
@@ -543,9 +576,20 @@ def cached_source(tier: DcpTier, cache: dict[str, Any], url: str) -> tuple[Path,
 
 
 def source_of(tier: DcpTier, url: str) -> tuple[Path, str] | None:
-    """Where this node reads the DCP file `url` outside S3: ``(path, "memory")`` for its verified copy, ``(path,
-    "replica")`` for a verified replica it holds; None: S3. A copy that does not verify is skipped, loudly.
-    Package-internal (docs/api.md)."""
+    """Where this node reads the DCP file `url` outside S3, fastest first: where the ranks agreed it reads it
+    (`agree_resume`), this node's verified copy (``"memory"``), a verified replica held here, or, with replication
+    started, this node's replica its peer holds (a replaced node; fetched, verified and made this node's copy):
+    ``(path, tier)``; None: S3. A copy that does not verify is skipped, loudly. Package-internal (docs/api.md)."""
+    agreement = tier.agreement
+    if agreement is not None and url in agreement.sources:
+        try:
+            copy, name = _tier.copy_to_load(tier.node, agreement, url)
+            if copy is not None:
+                if agreement.sources[url].peer is not None:  # fetched: this node's copy now, not fetched again
+                    agreement.sources[url] = _tier.ResumeSource(url, "memory", copy.path)
+                return copy.path, name
+        except (OSError, _s3.ChecksumMismatchError) as exc:
+            logger.error("%s: skipped for %s, the next tier is used", exc, url)
     try:
         copy = tier.node.verified_copy(url)
         if copy is not None:
@@ -556,11 +600,29 @@ def source_of(tier: DcpTier, url: str) -> tuple[Path, str] | None:
     for record_path in replicas.glob(f"*/*/*{_tier.COMMIT_RECORD_SUFFIX}") if replicas.is_dir() else []:
         path = record_path.with_name(record_path.name.removesuffix(_tier.COMMIT_RECORD_SUFFIX))
         try:
-            if tier.node.verified_replica(path).url == url:
-                return path, "replica"
-        except (OSError, _s3.ChecksumMismatchError) as exc:
+            if json.loads(record_path.read_bytes()).get("url") == url:  # the record first: only that one is read
+                return tier.node.verified_replica(path).path, "replica"
+        except (OSError, ValueError, AttributeError, _s3.ChecksumMismatchError) as exc:
             logger.error("%s: skipped for %s", exc, url)
-    return None
+    return _fetched_back(tier, url)
+
+
+def _fetched_back(tier: DcpTier, url: str) -> tuple[Path, str] | None:
+    """This node's file of `url` from the replica its peer holds (`TierReplication.fetch_back`); None: not there. A
+    peer that cannot be reached is asked no more by this process (said once)."""
+    replication = tier.replication
+    if replication is None or tier.peer_unreachable:
+        return None
+    try:
+        copy = replication.fetch_back(url)
+    except _s3.ChecksumMismatchError as exc:
+        logger.error("%s: skipped, reading %s from S3 instead", exc, url)
+        return None
+    except OSError as exc:
+        tier.peer_unreachable = True
+        logger.error("memory tier: the peer holding this node's replicas cannot be reached (%s); reading from S3", exc)
+        return None
+    return None if copy is None else (copy.path, "replica")
 
 
 def read_into(path: Path, url: str, start: int, views: list[memoryview], etag: str | None = None) -> int:
@@ -578,3 +640,209 @@ def read_into(path: Path, url: str, start: int, views: list[memoryview], etag: s
                 filled += count
                 view = view[count:]
     return filled
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 5. Replication and the resume agreement (the DCP side of `s3_memory_tier`'s)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _storage_tier(storage: Any) -> DcpTier:
+    """The `DcpTier` of an `S3StorageWriter` / `S3StorageReader` made with ``memory_tier=``."""
+    memory_tier = getattr(storage, "memory_tier", None)
+    if memory_tier is None or not hasattr(storage, "s3"):
+        raise ValueError(f"{storage!r} is no S3StorageWriter / S3StorageReader with a memory_tier")
+    return tier_of(memory_tier, storage.s3, getattr(storage, "checksum_algorithm", "auto"))
+
+
+def start_replication(storage: Any, group: Any = None, *, bind_host: str = "127.0.0.1", local_rank: int | None = None
+                      ) -> None:  # fmt: skip
+    """Replicate this node's DCP saves in memory to the next node (a ring over the job's nodes), as
+    ``S3CheckpointIO.start_replication`` does for single files: collective, every rank of `group` (default: the
+    default process group) calls it once, with a writer or reader made with the job's ``memory_tier``; the node's
+    first rank (`local_rank`, default ``LOCAL_RANK``) serves its peers' replicas on `bind_host` (the node's address
+    on the job's network). Each file a save commits in memory is then sent in the background, verified on arrival;
+    the peer keeps `MemoryTier.keep` checkpoints of each rank, all of a checkpoint's files together. A load of a file
+    this node lacks fetches it from the peer's replica (a replaced node) before it goes to S3."""
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    _storage_tier(storage).start_replication(group, bind_host=bind_host, local_rank=local_rank)
+
+
+def agree_resume(storage: Any, directory: str, step_of: Any = None, *, group: Any = None) -> _tier.TierAgreement:
+    """Collective, every rank of `group`: the newest DCP checkpoint under the s3:// `directory` (one per
+    ``<directory>/<name>/``, `step_of(name)` its step; a name without one is left out) that every rank can load
+    from some tier, as ``S3CheckpointIO.agree_resume`` for single files: one all_gather of what each node holds
+    (its verified copies and replicas) and of which checkpoints are committed on S3 (listed by the group's first
+    rank), then `s3_memory_tier.decide`. A checkpoint counts for a rank when it is on S3 (its ``.metadata``), or
+    when every file its item-checksum record lists, that record and ``.metadata`` are each in the rank's node's
+    memory, a replica held there, or a replica another node serves: ``.metadata``, the coordinator's, only in
+    another node's memory (no replication) does not count. Never older than the newest on S3, never one some rank
+    cannot load. Returns the `s3_memory_tier.TierAgreement` (``step``, ``url``: the checkpoint, ``tier``); the
+    loads of this process follow it (each file from the tier agreed, a remote replica fetched into memory)."""
+    tier = _storage_tier(storage)
+    directory = _urls.normalize_s3_url(directory).rstrip("/")
+    dist = _s3.import_optional_dependency("torch.distributed", "agreeing on a resume step")
+    lists_s3 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank(group) == 0
+    verified: dict[str, _tier.TierCopy] = {}
+    held_paths: dict[str, Path] = {}
+
+    def candidates() -> dict[str, Any]:
+        return _candidates(tier, storage.s3 if lists_s3 else None, directory, step_of, verified, held_paths)
+
+    gathered, rank = _tier.gather_candidates(candidates, directory, group)
+    steps, files, sources, hand_overs, any_hand_over = decide(gathered, rank, tier.node, held_paths)
+    if any_hand_over:
+        _hand_over(tier, hand_overs)
+        dist.barrier(group=group)  # every hand-over is in place before any rank loads
+    urls = {step: checkpoint for step, checkpoint in steps}
+    newest = steps[0][0] if steps else None
+    url = urls.get(newest) if newest is not None else None
+    tiers = {sources[f].tier for f in files}
+    tier_name = None if url is None else ("s3" if not tiers else "replica" if "replica" in tiers else "memory")
+    if url is not None:
+        logger.info("memory tier: every rank resumes DCP step %s; this rank reads %s from %s", newest, url, tier_name)
+    committed = dict.fromkeys(urls.values(), 0.0)
+    tier.agreement = _tier.TierAgreement(directory, newest, url, tier_name, list(urls), urls, committed, sources,
+                                         verified)  # fmt: skip
+    return tier.agreement
+
+
+def _checkpoint_of(record: dict[str, Any], url: str, prefix: str, step_of: Any) -> tuple[str, int] | None:
+    """The DCP checkpoint directly under `prefix` whose file `url` is (its record names it), and its step; None."""
+    checkpoint = record.get("checkpoint")
+    if not isinstance(checkpoint, str) or not url.startswith(checkpoint + "/") or not checkpoint.startswith(prefix):
+        return None
+    name = checkpoint[len(prefix) :]
+    step = step_of(name) if step_of is not None and "/" not in name else None
+    return (checkpoint, step) if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _candidates(tier: DcpTier, s3: Any, directory: str, step_of: Any, verified: dict[str, _tier.TierCopy],
+                held_paths: dict[str, Path]) -> dict[str, Any]:  # fmt: skip
+    """This rank's part of the collective: the DCP files below `directory` its node holds verified (own copies,
+    also put in `verified`; replicas, their paths in `held_paths`), the file lists of the item-checksum records
+    among them, and (with `s3`) the checkpoints whose ``.metadata`` S3 has."""
+    prefix = directory + "/"
+    own, held, lists, steps = {}, [], {}, {}
+
+    def note(url: str, record: dict[str, Any], path: Path) -> bool:
+        found = _checkpoint_of(record, url, prefix, step_of)
+        if found is None:
+            return False
+        steps[found[0]] = found[1]
+        commit = record.get("commit")
+        if isinstance(commit, str) and url == commit.removesuffix(".metadata") + ITEMS_SUFFIX:
+            listed = json.loads(Path(path).read_bytes()).get("files", {})
+            lists[found[0]] = [commit, [url] + [_urls.join_s3_url(found[0], name) for name in listed]]
+        return True
+
+    for copy in tier.node.copies():
+        if _checkpoint_of(copy.record, copy.url, prefix, step_of) is None:
+            continue
+        try:
+            checked = tier.node.verified_copy(copy.url)
+        except _s3.ChecksumMismatchError as exc:
+            logger.error("%s: skipped for resume, the next tier is used", exc)
+            continue
+        if checked is not None and note(copy.url, copy.record, copy.path):
+            verified[copy.url] = checked
+            own[copy.url] = 1
+    for url, _, _, sender, name, path, record in _tier.held_replicas(tier.node):
+        if note(url, record, path):
+            held.append([url, sender, name, str(path)])
+            held_paths[url] = path
+    on_s3 = {}
+    for obj in s3.list_objects(directory) if s3 is not None else []:
+        relative = f"s3://{obj.bucket}/{obj.key}"[len(prefix) :]
+        name, _, file = relative.partition("/")
+        step = step_of(name) if step_of is not None and file == ".metadata" else None
+        if isinstance(step, int) and not isinstance(step, bool):
+            on_s3[prefix + name] = step
+    replication = tier.replication
+    address = None if replication is None or replication.server is None else list(replication.server.address)
+    return {"node": _s3.node_key(), "address": address, "directory": directory, "own": sorted(own), "held": held,
+            "lists": lists, "steps": steps, "s3": on_s3, "replicating": replication is not None}  # fmt: skip
+
+
+def _hand_over(tier: DcpTier, hand_overs: list[tuple[str, tuple[str, int]]]) -> None:
+    """Send the files of the agreed checkpoint another node needs from this node's memory to that node's replica
+    server (verified there). One that fails is said loudly: that node's load then reads the file from S3 or fails
+    naming it; the collective goes on."""
+    for url, address in hand_overs:
+        try:
+            copy = tier.node.copy_of(url)
+            if copy is None:
+                raise FileNotFoundError(f"{url} left this node's memory tier")
+            if tier.replication is None:
+                raise OSError("replication was not started in this process (start_replication)")
+            tier.replication.send_to(copy, address)
+            logger.info("memory tier: handed %s over to the node at %s:%d for its resume", url, *address)
+        except OSError as exc:
+            logger.error("memory tier: could not hand %s over to %s:%d for its resume: %s", url, *address, exc)
+
+
+def decide(gathered: list[dict[str, Any]], rank: int, node: _tier.NodeTier, held_paths: dict[str, Path]) -> Any:
+    """Every rank's DCP candidates -> ``[(step, checkpoint)]`` every rank can load (newest first), the files of the
+    newest if this rank loads it outside S3 (else none), where it reads each of them, and the hand-overs this rank
+    makes first (``(file url, address)``: a file of the newest in its node's memory that another node's ranks cannot
+    reach otherwise) and whether any rank makes one. A checkpoint becomes one URL per rank for
+    `s3_memory_tier.decide`: on S3 as listed, "in memory" for a rank whose node reaches each of its files: in its
+    memory or a replica held there, a replica another node serves, or (nodes with replication started) another
+    node's memory, handed over. The same on every rank. Package-internal (docs/api.md)."""
+    addresses = {entry["node"]: tuple(entry["address"]) for entry in gathered if entry["address"]}
+    at_node: dict[str, dict[str, Any]] = {}
+    served: dict[str, tuple[str, str, str]] = {}  # file -> (serving node, sender node, replica name)
+    handed: dict[str, str] = {}  # file -> a node with replication started that has it in memory
+    for entry in gathered:
+        here = at_node.setdefault(entry["node"], {})
+        here.update(dict.fromkeys(entry["own"], "memory"))
+        for url, sender, name, path in entry["held"]:
+            here.setdefault(url, Path(path))
+            if entry["node"] in addresses:
+                served.setdefault(url, (entry["node"], sender, name))
+        if entry["replicating"]:
+            for url in entry["own"]:
+                handed.setdefault(url, entry["node"])
+    lists = {checkpoint: files for entry in gathered for checkpoint, files in entry["lists"].items()}
+    steps = {checkpoint: step for entry in gathered for checkpoint, step in entry["steps"].items()}
+    s3 = {checkpoint: step for entry in gathered for checkpoint, step in entry["s3"].items()}
+    wholes = []
+    for entry in gathered:
+        reach = at_node[entry["node"]].keys() | served.keys() | (handed.keys() if entry["node"] in addresses else set())
+        wholes.append({checkpoint: [commit, *files] for checkpoint, (commit, files) in lists.items()
+                       if checkpoint in steps and {commit, *files} <= reach})  # fmt: skip
+    converted = [
+        {"node": entry["node"], "address": None, "directory": entry["directory"], "held": [], "s3": s3,
+         "own": {checkpoint: [steps[checkpoint], 0.0] for checkpoint in whole}}
+        for entry, whole in zip(gathered, wholes, strict=True)
+    ]  # fmt: skip
+    common, options = _tier.decide(converted, rank)
+    agreed = [(step, options[step][0][1]) for step in common]
+    if not agreed:
+        return agreed, [], {}, [], False
+    checkpoint = agreed[0][1]
+    first_rank = {}
+    for index, entry in enumerate(gathered):
+        first_rank.setdefault(entry["node"], index)
+    hand_overs, any_hand_over = [], False
+    for target, index in first_rank.items():  # each node that loads the newest outside S3, once
+        for url in wholes[index].get(checkpoint, []):
+            if url not in at_node[target] and url not in served:
+                any_hand_over = True
+                if first_rank[handed[url]] == rank:
+                    hand_overs.append((url, addresses[target]))
+    mine, here = wholes[rank].get(checkpoint, []), at_node[gathered[rank]["node"]]
+    sources = {}
+    for url in mine if options[agreed[0][0]][0][0] == 0 else []:
+        if here.get(url) == "memory":
+            sources[url] = _tier.ResumeSource(url, "memory", node.path_of(url))
+        elif url in here:
+            sources[url] = _tier.ResumeSource(url, "replica", held_paths.get(url, here[url]))
+        elif url in served:
+            holder, sender, name = served[url]
+            sources[url] = _tier.ResumeSource(url, "replica", None, addresses[holder], sender, name)
+        else:  # handed over to this node before the load
+            path = node.replicas / handed[url] / _tier.TierReplication.replica_name(url) / url.rsplit("/", 1)[-1]
+            sources[url] = _tier.ResumeSource(url, "replica", path)
+    return agreed, (mine if sources else []), sources, hand_overs, any_hand_over

@@ -32,7 +32,8 @@ docs/tiers.md shows the user's side.
 
 `S3CheckpointIO` drives all of it (when to drain, removals, loads): this module only knows files and records. DCP's
 `S3StorageWriter` / `S3StorageReader` drive it through the sibling `s3_dcp_tier` (one copy per file, grouped into a
-checkpoint by their records). Not built yet: the megatron-core path, DCP replication (docs/tiers.md).
+checkpoint by their records; its replicas counted per checkpoint, its resume decided with `gather_candidates` and
+`decide`). Not built yet: the megatron-core path (docs/tiers.md).
 
 Package-internal (docs/api.md) but for `MemoryTier`: users reach it through ``S3CheckpointIO(memory_tier=...)``.
 """
@@ -819,6 +820,14 @@ class TierReplication:
         """The replica's name on the peer for the checkpoint of `url`."""
         return _slug(url)
 
+    @staticmethod
+    def retention_group(record: Mapping[str, Any]) -> str | None:
+        """What the peer's `keep` counts a replica in: one saving rank's files of one multi-file checkpoint (a DCP
+        checkpoint's, whose records name it ``"checkpoint"``) count as one, as `NodeTier.prune` counts them; a
+        single-file checkpoint counts by itself (None)."""
+        checkpoint = record.get("checkpoint")
+        return f"{checkpoint} rank {record.get('rank')}" if checkpoint else None
+
     def send(self, copy: TierCopy) -> None:
         """Queue the replication of `copy` (its file and commit record) to the peer node; the tier is pruned once
         it counts there."""
@@ -827,21 +836,44 @@ class TierReplication:
             self._futures.append(self._executor.submit(self._send, copy))
 
     def _send(self, copy: TierCopy) -> None:
-        record = NodeTier.record_path(copy.path)
-        manifest = {
-            copy.path.name: (copy.size, copy.checksum),
-            record.name: (record.stat().st_size, self._module.file_checksum(record, copy.checksum.split(" ")[0])),
-        }
+        current = self.tier.copy_of(copy.url)
+        if current is None or current.record.get("sequence") != copy.record.get("sequence"):
+            logger.info("memory tier: %s left memory (or was saved again) before its replication: not sent", copy.url)
+            return
         try:
-            self._module.send_directory(
-                copy.path.parent, self.replica_name(copy.url), self.peer, sender_node=self.node, job=self.tier.job,
-                launch=self.launch, manifest=manifest,
-            )  # fmt: skip
+            self.send_to(copy, self.peer)
         except OSError as exc:  # the next save replicates again; training goes on
             logger.warning("memory tier: %s was not replicated to %s:%d: %s", copy.url, *self.peer, exc)
             raise
         self.replicated.append(copy.url)
         self.tier.prune()
+
+    def send_to(self, copy: TierCopy, address: tuple[str, int]) -> None:
+        """Send `copy` (its file and commit record) to the replica server at `address` now, as this node's replica
+        (a hand-over to a node that lacks it, or the ring's background send); raises
+        `s3_tier_replication.ReplicationError`."""
+        record = NodeTier.record_path(copy.path)
+        manifest = {
+            copy.path.name: (copy.size, copy.checksum),
+            record.name: (record.stat().st_size, self._module.file_checksum(record, copy.checksum.split(" ")[0])),
+        }
+        self._module.send_directory(
+            copy.path.parent, self.replica_name(copy.url), tuple(address), sender_node=self.node, job=self.tier.job,
+            launch=self.launch, manifest=manifest, group=self.retention_group(copy.record),
+        )  # fmt: skip
+
+    def fetch_back(self, url: str) -> TierCopy | None:
+        """This node's checkpoint file of `url` from the replica its peer holds (a replaced node's load without an
+        agreement), committed as this node's copy once verified; None when the peer holds none. Raises
+        `s3_tier_replication.ReplicationError` when the peer cannot be reached, `s3_utils.ChecksumMismatchError`
+        when its replica does not verify."""
+        if self.peer is None:
+            return None
+        source = ResumeSource(url, "replica", None, self.peer, self.node, self.replica_name(url))
+        try:
+            return fetch_replica(self.tier, source)
+        except self._module.ReplicaRefusedError:
+            return None
 
     def wait(self) -> None:
         """Block until every queued replication ended (failures were logged)."""
@@ -867,7 +899,7 @@ class TierReplication:
 class ResumeSource:
     """Where this rank reads the checkpoint of `url` outside S3: ``"memory"`` (its node's committed copy at `path`)
     or ``"replica"`` (a replica held on this node at `path`, or on another node's server `peer`, fetched as the
-    replica `name` of `sender_node`)."""
+    replica `name` of `sender_node`). Package-internal (docs/api.md)."""
 
     url: str
     tier: str
@@ -881,7 +913,8 @@ class ResumeSource:
 class TierAgreement:
     """What every rank agreed on (`agree_on_resume`): the newest `step` complete and verified for every rank on some
     tier, this rank's `url` of it and its fastest `tier`, and every step every rank can load (newest first) with
-    this rank's URL of each (`urls`; resume discovery takes its entries from there)."""
+    this rank's URL of each (`urls`; resume discovery takes its entries from there); `sources`: where this rank reads
+    each URL outside S3 (a DCP checkpoint's: each of its files). Package-internal (docs/api.md)."""
 
     directory: str
     step: int | None
@@ -920,9 +953,10 @@ def _verify_against_record(path: Path, record: Mapping[str, Any], what: str) -> 
         )
 
 
-def held_replicas(tier: NodeTier) -> list[tuple[str, int | None, float, str, str, Path]]:
+def held_replicas(tier: NodeTier) -> list[tuple[str, int | None, float, str, str, Path, dict[str, Any]]]:
     """The peers' checkpoints whose replica this node holds and that verify against their commit records:
-    ``(url, step, committed, sender_node, name, file)``; one that does not is skipped, said loudly."""
+    ``(url, step, committed, sender_node, name, file, record)``; one that does not is skipped, said loudly.
+    Package-internal (docs/api.md)."""
     if not tier.replicas.is_dir():
         return []
     module = _replication_module()
@@ -941,7 +975,7 @@ def held_replicas(tier: NodeTier) -> list[tuple[str, int | None, float, str, str
             logger.error("memory tier: the replica %s is skipped for resume: %s", manifest, exc)
             continue
         found.append((record["url"], record.get("step"), float(record.get("committed", 0.0)), info.sender_node,
-                      info.name, path))  # fmt: skip
+                      info.name, path, record))  # fmt: skip
     return found
 
 
@@ -950,7 +984,7 @@ def _my_candidates(
     replication: TierReplication | None,
     directory: str,
     s3_steps: Mapping[str, int | None],
-    held: list[tuple[str, int | None, float, str, str, Path]],
+    held: list[tuple[str, int | None, float, str, str, Path, dict[str, Any]]],
     verified: dict[str, TierCopy],
 ) -> dict[str, Any]:
     """This rank's part of the collective: its node's verified copies (also put in `verified`) and held replicas,
@@ -967,7 +1001,7 @@ def _my_candidates(
         verified[copy.url] = checked
         own[copy.url] = [copy.record.get("step"), float(copy.record.get("committed", 0.0))]
     address = None if replication is None or replication.server is None else list(replication.server.address)
-    held_urls = [[url, step, committed, sender, name] for url, step, committed, sender, name, _ in held]
+    held_urls = [[url, step, committed, sender, name] for url, step, committed, sender, name, *_ in held]
     return {"node": _s3.node_key(), "address": address, "directory": directory, "own": own, "s3": dict(s3_steps),
             "held": held_urls}  # fmt: skip
 
@@ -975,7 +1009,8 @@ def _my_candidates(
 def decide(gathered: list[dict[str, Any]], rank: int) -> tuple[list[int], dict[int, list[tuple[int, str, str]]]]:
     """Every rank's candidates (`agree_on_resume`'s all_gather) -> the steps every rank can load, newest first, and
     for `rank` each of those steps' ``(tier rank, url, tier)`` options, fastest first (0 memory, 1 a replica on this
-    node, 2 one on another node, 3 S3). The same on every rank: it reads only what was gathered."""
+    node, 2 one on another node, 3 S3). The same on every rank: it reads only what was gathered.
+    Package-internal (docs/api.md)."""
     addresses = {entry["node"]: entry["address"] for entry in gathered if entry["address"]}
     s3 = {url: step for entry in gathered for url, step in entry["s3"].items()}
     steps_of = {url: step for entry in gathered for url, (step, _) in entry["own"].items()}
@@ -1008,6 +1043,32 @@ def decide(gathered: list[dict[str, Any]], rank: int) -> tuple[list[int], dict[i
     return sorted(common, reverse=True), {step: mine[step] for step in common}
 
 
+def gather_candidates(candidates: Any, directory: str, group: Any = None) -> tuple[list[dict[str, Any]], int]:
+    """The collective of a resume decision: one all_gather of each rank's ``candidates()`` (what it can load; a
+    dict), then every rank's entries and this rank's index. A rank whose ``candidates()`` raises makes every rank
+    raise (this rank its own error, the others a RuntimeError naming it and `directory`): no rank waits in a
+    collective the others left. Outside a process group (or a group of one), this process's entry alone.
+    Package-internal (docs/api.md)."""
+    failure = None
+    try:
+        mine = candidates()
+    except Exception as exc:  # said to every rank through the collective, then raised here
+        failure, mine = exc, {"error": f"{type(exc).__name__}: {exc}"}
+    dist = _s3.import_optional_dependency("torch.distributed", "agreeing on a resume step")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+        rank = dist.get_rank(group)
+    else:
+        gathered, rank = [mine], 0
+    if failure is not None:
+        raise failure
+    errors = [f"rank {index}: {entry['error']}" for index, entry in enumerate(gathered) if "error" in entry]
+    if errors:
+        raise RuntimeError(f"memory tier: no resume step agreed for {directory}: {'; '.join(errors)}")
+    return gathered, rank
+
+
 def agree_on_resume(
     tier: NodeTier,
     replication: TierReplication | None,
@@ -1023,29 +1084,19 @@ def agree_on_resume(
     loudly. A rank that fails to list makes every rank raise (no rank waits in the collective). Outside a process
     group, this process alone decides. Package-internal (docs/api.md)."""
     directory = _urls.normalize_s3_url(directory).rstrip("/")
-    node, held, failure, verified = _s3.node_key(), {}, None, {}
-    try:
+    node, held, verified = _s3.node_key(), {}, {}
+
+    def candidates() -> dict[str, Any]:
         tier.pin(copy.url for copy in tier.copies())  # nothing this rank offers leaves memory while the ranks decide
         s3_steps = {
             f"s3://{obj.bucket}/{obj.key}": step_of(obj.key.rsplit("/", 1)[-1]) if step_of is not None else None
             for obj in listing()
         }
-        held = {entry[0]: entry for entry in held_replicas(tier)}
-        mine = _my_candidates(tier, replication, directory, s3_steps, list(held.values()), verified)
-    except Exception as exc:  # said to every rank through the collective, then raised here
-        failure, mine = exc, {"error": f"{type(exc).__name__}: {exc}"}
-    dist = _s3.import_optional_dependency("torch.distributed", "agreeing on a resume step")
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, mine, group=group)
-        rank = dist.get_rank(group)
-    else:
-        gathered, rank = [mine], 0
-    if failure is not None:
-        raise failure
-    errors = [f"rank {index}: {entry['error']}" for index, entry in enumerate(gathered) if "error" in entry]
-    if errors:
-        raise RuntimeError(f"memory tier: no resume step agreed for {directory}: {'; '.join(errors)}")
+        held.update({entry[0]: entry for entry in held_replicas(tier)})
+        return _my_candidates(tier, replication, directory, s3_steps, list(held.values()), verified)
+
+    gathered, rank = gather_candidates(candidates, directory, group)
+    mine = gathered[rank]
     steps, options = decide(gathered, rank)
     addresses = {entry["node"]: tuple(entry["address"]) for entry in gathered if entry["address"]}
     remote = {h[0]: (e["node"], h) for e in gathered if e["node"] != node and e["node"] in addresses
@@ -1074,7 +1125,8 @@ def agree_on_resume(
 def fetch_replica(tier: NodeTier, source: ResumeSource) -> TierCopy:
     """Fetch the replica `source` names from its node into this node's memory tier (a replaced node's resume):
     verified on arrival against its manifest, then against its commit record, then committed as this node's own
-    copy. Raises `s3_tier_replication.ReplicationError` or `s3_utils.ChecksumMismatchError` (nothing left behind)."""
+    copy. Raises `s3_tier_replication.ReplicationError` or `s3_utils.ChecksumMismatchError` (nothing left behind).
+    Package-internal (docs/api.md)."""
     module = _replication_module()
     launch = tier.run.run_id if tier.run.job else None
     landing = tier.directory / f"fetched-{secrets.token_hex(4)}"

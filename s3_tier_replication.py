@@ -121,6 +121,14 @@ def _relative(path: Any) -> str:
     return path
 
 
+def _group(value: Any) -> str | None:
+    """`value` if it is a usable retention group (a string of at most 2000 characters, a checkpoint's URL say) or
+    None, else ValueError."""
+    if value is None or (isinstance(value, str) and 0 < len(value) <= 2000 and "\0" not in value):
+        return value
+    raise ValueError(f"retention group {value!r} is not a non-empty string of at most 2000 characters")
+
+
 def _checksum_parts(text: Any) -> tuple[_s3.ChecksumAlgorithm, str]:
     """The algorithm and value of a checksum spelled ``"<ALGORITHM> <value>"`` (as the package's records)."""
     name, _, value = text.partition(" ") if isinstance(text, str) else ("", "", "")
@@ -211,6 +219,7 @@ class ReplicaInfo:
     files: dict[str, tuple[int, str]]  # the manifest it was verified against
     received: float  # epoch seconds when it counted
     path: str  # its directory on the server's host
+    group: str | None = None  # what `keep` counts it with (one checkpoint's files: a DCP rank's); None: by itself
 
     @property
     def nbytes(self) -> int:
@@ -221,7 +230,7 @@ class ReplicaInfo:
         return {
             "format": "s3ckpt-replica", "version": PROTOCOL, "sender_node": self.sender_node, "name": self.name,
             "job": self.job, "launch": self.launch, "received": self.received, "path": self.path,
-            "files": {path: list(entry) for path, entry in self.files.items()},
+            "files": {path: list(entry) for path, entry in self.files.items()}, "group": self.group,
         }  # fmt: skip
 
     @classmethod
@@ -233,7 +242,7 @@ class ReplicaInfo:
         return cls(
             _component("sender node", record.get("sender_node")), _component("name", record.get("name")),
             str(record.get("job")), launch, _checked_manifest(record.get("files")),
-            float(record.get("received", 0.0)), str(record.get("path", "")),
+            float(record.get("received", 0.0)), str(record.get("path", "")), _group(record.get("group")),
         )  # fmt: skip
 
 
@@ -383,8 +392,10 @@ class ReplicaServer:
     the job's network) and `port` (0: any free port); `address` is what peers connect to (`advertise_host` if
     the bound address is not reachable as such). `job` and `launch` are this process's (see the module's threat
     model). `keep`: at most that many replicas per sender, the newest (older ones are dropped after each one that
-    counts); None keeps all (`drop` and `keep_latest` bound them by hand). `close` stops it; in-flight transfers
-    fail and leave nothing that counts. A second server on the same root raises RuntimeError.
+    counts), where the replicas a sender put in one retention group (`send_directory`'s `group`: the files of one
+    checkpoint) count as one, kept or dropped together; None keeps all (`drop` and `keep_latest` bound them by
+    hand). `close` stops it; in-flight transfers fail and leave nothing that counts. A second server on the same
+    root raises RuntimeError.
     Package-internal (docs/api.md).
     """
 
@@ -467,7 +478,8 @@ class ReplicaServer:
         return trash is not None
 
     def keep_latest(self, sender_node: str, keep: int) -> list[str]:
-        """Drop all but the `keep` newest replicas of `sender_node`; the names dropped."""
+        """Drop all but the `keep` newest replicas of `sender_node` (a retention group counts as one, ranked by its
+        newest replica); the names dropped."""
         with self._lock:
             dropped = self._keep_latest(_component("sender node", sender_node), keep)
         _remove(*dropped.values())
@@ -511,8 +523,12 @@ class ReplicaServer:
     def _keep_latest(self, sender_node: str, keep: int) -> dict[str, Path | None]:
         if keep < 1:
             raise ValueError(f"keep={keep}: keep at least one replica")
-        held = self._replicas(sender_node)
-        return {info.name: self._retire(sender_node, info.name) for info in held[: max(0, len(held) - keep)]}
+        groups: dict[str, list[ReplicaInfo]] = {}
+        for info in self._replicas(sender_node):  # oldest first: a group ranks by its newest replica
+            groups.setdefault(info.group or f"name {info.name}", []).append(info)
+        ordered = sorted(groups.values(), key=lambda held: (held[-1].received, held[-1].name))
+        retired = [info for held in ordered[: max(0, len(ordered) - keep)] for info in held]
+        return {info.name: self._retire(sender_node, info.name) for info in retired}
 
     # ---- start-up: one server per root; what a killed one left ----------------------------------------------------
 
@@ -645,6 +661,7 @@ class ReplicaServer:
         try:
             name = _component("name", request.get("name"))
             manifest = _checked_manifest(request.get("files"))
+            group = _group(request.get("group"))
             total = sum(size for size, _ in manifest.values())
             room = shutil.disk_usage(self.root).free
             if total > room:
@@ -660,7 +677,7 @@ class ReplicaServer:
         try:
             _send_message(connection, {"ok": True})
             _receive_files(connection, temporary, manifest, memoryview(bytearray(min(CHUNK, max(total, 1)))))
-            info, replaced = self._commit(temporary, sender_node, name, launch, manifest)
+            info, replaced = self._commit(temporary, sender_node, name, launch, manifest, group)
         except ReplicaRefusedError as exc:
             shutil.rmtree(temporary, ignore_errors=True)
             logger.error("Replica %s/%s refused: %s", sender_node, name, exc)
@@ -678,7 +695,8 @@ class ReplicaServer:
         _remove(*replaced)  # after the answer: the sender does not wait for the clean-up
 
     def _commit(
-        self, temporary: Path, sender_node: str, name: str, launch: str | None, manifest: dict[str, tuple[int, str]]
+        self, temporary: Path, sender_node: str, name: str, launch: str | None, manifest: dict[str, tuple[int, str]],
+        group: str | None = None,
     ) -> tuple[ReplicaInfo, list[Path | None]]:
         """Rename the verified `temporary` into place and write its manifest beside it (then it counts); the replicas
         it replaced or that `keep` retired, moved aside for `_remove`."""
@@ -686,7 +704,7 @@ class ReplicaServer:
             raise ReplicationError("the replica server is closing")
         sender_dir = self.root / sender_node
         final = sender_dir / name
-        info = ReplicaInfo(sender_node, name, self.job, launch, manifest, time.time(), str(final))
+        info = ReplicaInfo(sender_node, name, self.job, launch, manifest, time.time(), str(final), group)
         with self._lock:
             if _older(launch, self._newest.get(sender_node)):
                 raise ReplicaRefusedError(f"launch {self._newest.get(sender_node)!r} of {sender_node} began meanwhile")
@@ -773,9 +791,11 @@ def send_directory(
     launch: str | None,
     manifest: Mapping[str, tuple[int, str]],
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    group: str | None = None,
 ) -> None:
     """Replicate the files of `manifest` (relative path -> ``(size, "<ALGORITHM> <value>")``) under `src` to `peer`,
-    as its replica `name` of `sender_node`; returns once the peer has verified it and it counts there.
+    as its replica `name` of `sender_node`; returns once the peer has verified it and it counts there. `group`: the
+    retention group the peer's `keep` counts it in (the files of one checkpoint, sent one by one), None: by itself.
 
     Streams each file in pieces (bounded memory, sendfile). Raises ValueError for a bad name or manifest,
     ReplicaRefusedError when the peer refuses (another job, an older launch, bytes that do not match the manifest),
@@ -784,6 +804,7 @@ def send_directory(
     src = Path(src)
     request = _request(job, launch, "put", _component("sender node", sender_node), _component("name", name))
     files = _checked_manifest(manifest)
+    request["group"] = _group(group)
     for path, (size, _) in files.items():  # before any byte goes out: a wrong manifest is the caller's error
         try:
             found = os.stat(src / path).st_size

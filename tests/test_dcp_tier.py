@@ -9,6 +9,7 @@ Each test keeps its tier under tmp_path (never /dev/shm). Two simulated nodes ar
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -265,3 +266,86 @@ def test_memory_tier_with_prefix_spreading_is_refused_by_name(tmp_path: Path) ->
     """The two layouts do not combine yet: the writer says so before anything is written, naming the URL."""
     with pytest.raises(ValueError, match=r"s3://my-bucket/run/step-1.*memory_tier and prefix_spreading"):
         s3_dcp.S3StorageWriter("s3://my-bucket/run/step-1", memory_tier=tier_config(tmp_path), prefix_spreading=4)
+
+
+def run_launch(s3_server: Any, mode: str, bucket: str, out: Path) -> list[dict[str, Any]]:
+    """Both ranks of one launch of the two-node job (each rank a node: its own GROUP_RANK and tier root); the
+    results each rank wrote (none for a save)."""
+    env = rank_environment(s3_server, s3_server.endpoint_url, WORLD_SIZE="2", LOCAL_RANK="0")
+    procs = [run_worker(mode, bucket, out, {**env, "RANK": str(rank), "GROUP_RANK": str(rank)}) for rank in range(2)]
+    assert [proc.wait(timeout=300) for proc in procs] == [0, 0]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)] if mode == "relaunch" else []
+
+
+def replicas_of_node0(out: Path) -> dict[str, list[str]]:
+    """The replicas of node 0's files node 1 holds: checkpoint -> its file names."""
+    found: dict[str, list[str]] = {}
+    for record in (out / "node1").rglob(f"replicas/*/*/*{COMMIT_RECORD_SUFFIX}"):
+        url = json.loads(record.read_text())["url"]
+        checkpoint, name = url.rsplit("/", 1)
+        found.setdefault(checkpoint.rsplit("/", 1)[-1], []).append(name)
+    return {checkpoint: sorted(names) for checkpoint, names in sorted(found.items())}
+
+
+NODE0_FILES = [".metadata", ".s3ckpt-items.json", "__0_0.distcp"]
+
+
+@pytest.mark.slow
+def test_replicas_keep_whole_dcp_checkpoints_a_replaced_node_loads_and_every_rank_agrees_on_a_loadable_step(
+    s3_server: Any, bucket: str, tmp_path: Path
+) -> None:
+    """Replication on (step 1 on S3, 2 and 3 in memory): node 1 keeps node 0's `keep` newest DCP checkpoints with
+    all their files (retention counts checkpoints, not files). Node 0 lost, and its step 3 shard never reached node
+    1: node 0's rank reads each of its files of step 2 from node 1's replica, bit-exact. No rank may resume step 3
+    (that shard is nowhere), nor fall back to step 1 (S3's newest) while step 2 is whole on the nodes: every rank
+    agrees on step 2 in one collective and loads it bit-exact (node 0, its memory emptied again, from node 1)."""
+    run_launch(s3_server, "replicated-save", bucket, tmp_path)
+    assert replicas_of_node0(tmp_path) == {"step-2": NODE0_FILES, "step-3": NODE0_FILES}
+    shutil.rmtree(tmp_path / "node0")  # node 0 lost: a new node with an empty tier takes its place
+    for record in (tmp_path / "node1").rglob(f"replicas/*/*/__0_0.distcp{COMMIT_RECORD_SUFFIX}"):
+        if "/run/step-3/" in json.loads(record.read_text())["url"]:
+            shutil.rmtree(record.parent)
+    node0, node1 = run_launch(s3_server, "relaunch", bucket, tmp_path)
+    assert node0["step 2"] == {"equal": True, "tiers": dict.fromkeys(NODE0_FILES, "replica")}
+    assert node1["step 2"] == {"equal": True, "tiers": {".metadata": "replica", ".s3ckpt-items.json": "replica",
+                                                        "__1_0.distcp": "memory"}}  # fmt: skip
+    for node in (node0["agreed"], node1["agreed"]):
+        assert (node["step"], node["steps"], node["url"], node["equal"]) == (2, [2, 1], f"s3://{bucket}/run/step-2",
+                                                                             True)  # fmt: skip
+    # node 0 fetches its files from node 1's replicas where the agreement says; node 1's shard, which it does not
+    # read, was handed over from node 1's memory (the decision counts every file)
+    assert (node0["agreed"]["via"], node0["agreed"]["tiers"]) == ("replica", dict.fromkeys(NODE0_FILES, "replica"))
+    assert node1["agreed"]["via"] == "replica"
+
+
+def test_the_dcp_decision_counts_a_checkpoint_only_where_each_of_its_files_is_reachable(tmp_path: Path) -> None:
+    """.metadata (the coordinator's) only in node 0's memory, no replication: node 1 cannot load step 2, so every
+    rank takes step 1 from S3. Replicating, node 1 reads node 0's files of step 2 from the replicas it holds. With
+    node 1's shard in its memory only, a node 0 whose replicas were lost reaches it only when node 1 replicates
+    (node 1 hands it over before the load); node 0 fetches its own files from node 1's replicas."""
+    node = s3_memory_tier.NodeTier(tier_config(tmp_path), s3_fencing.current_run())
+    run = "s3://my-bucket/run"
+    files = [f"{run}/step-2/{name}" for name in (".s3ckpt-items.json", "__0_0.distcp", "__1_0.distcp")]
+    meta, items, shard0, shard1 = f"{run}/step-2/.metadata", *files
+
+    def entry(name: str, own: list[str], held: list[str], address: bool = False, replicating: bool = False) -> dict:
+        return {"node": name, "address": ["127.0.0.1", 9] if address else None, "directory": run, "own": own,
+                "held": [[url, "n0", f"r{i}", f"/replicas/n0/r{i}/x"] for i, url in enumerate(held)],
+                "lists": {f"{run}/step-2": [meta, files]} if items in own + held else {},
+                "steps": {f"{run}/step-2": 2}, "s3": {f"{run}/step-1": 1}, "replicating": replicating}  # fmt: skip
+
+    alone = [entry("n0", [meta, items, shard0], []), entry("n1", [shard1], [])]
+    assert s3_dcp_tier.decide(alone, 1, node, {})[0] == [(1, f"{run}/step-1")]
+    replicated = [entry("n0", [meta, items, shard0], [], True, True),
+                  entry("n1", [shard1], [meta, items, shard0], True, True)]  # fmt: skip
+    steps, mine, sources, *_ = s3_dcp_tier.decide(replicated, 1, node, {})
+    assert steps == [(2, f"{run}/step-2"), (1, f"{run}/step-1")]
+    assert sorted(mine) == sorted([meta, *files])
+    assert {url: source.tier for url, source in sources.items()} == {
+        meta: "replica", items: "replica", shard0: "replica", shard1: "memory"}  # fmt: skip
+    lost = [entry("n0", [], [], address=True), entry("n1", [shard1], [meta, items, shard0], address=True)]
+    assert s3_dcp_tier.decide(lost, 0, node, {})[0] == [(1, f"{run}/step-1")]  # shard 1 out of node 0's reach
+    lost[1]["replicating"] = True
+    steps, _, sources, hand_overs, any_hand_over = s3_dcp_tier.decide(lost, 1, node, {})
+    assert steps[0] == (2, f"{run}/step-2") and any_hand_over and hand_overs == [(shard1, ("127.0.0.1", 9))]
+    assert s3_dcp_tier.decide(lost, 0, node, {})[2][meta].peer == ("127.0.0.1", 9)  # fetched from node 1

@@ -434,6 +434,23 @@ def test_retention_keeps_the_newest_replicas(tmp_path: Path) -> None:
 # ---- topology ------------------------------------------------------------------------------------------------------
 
 
+def test_retention_counts_the_files_of_one_checkpoint_as_one(tmp_path: Path) -> None:
+    """A multi-file checkpoint replicated file by file (a DCP one) is kept or dropped whole: `keep` counts retention
+    groups, not files, and a group ranks by its newest file."""
+    manifest = make_checkpoint(tmp_path / "ckpt", big=1000)
+    with replication.ReplicaServer(tmp_path / "replicas", job=JOB, launch=LAUNCH, keep=2) as server:
+        for step in range(1, 5):
+            for part in ("a", "b", "c"):
+                send(tmp_path / "ckpt", f"step{step}-{part}", server.address, manifest, group=f"s3://b/run/step-{step}")
+        names = [i.name for i in server.replicas(NODE)]
+        assert names == [f"step{step}-{part}" for step in (3, 4) for part in ("a", "b", "c")]
+        assert {i.group for i in server.replicas(NODE)} == {"s3://b/run/step-3", "s3://b/run/step-4"}
+        send(tmp_path / "ckpt", "alone", server.address, manifest)  # no group: counts by itself
+        assert sorted({i.group or i.name for i in server.replicas(NODE)}) == ["alone", "s3://b/run/step-4"]
+        with pytest.raises(ValueError, match="retention group"):
+            send(tmp_path / "ckpt", "bad", server.address, manifest, group="")
+
+
 @pytest.mark.parametrize("count", [2, 3, 5])
 def test_ring_peers_cover_every_node_once(count: int) -> None:
     peers = [replication.peer_of(node, count) for node in range(count)]
