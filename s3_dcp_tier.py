@@ -308,6 +308,7 @@ class DcpTier:
         if plan.drain:
             self._drain_files(copies, plan.run, writer)
         self._replicate(copies)
+        self.node.unpin()  # a resume's files stayed until this newer save was in memory
         self.node.prune_soon()
 
     def committed(self, checkpoint: str, name: str, files: dict[str, Any], plan: TierPlan, writer: Any) -> None:
@@ -688,10 +689,12 @@ def agree_resume(storage: Any, directory: str, step_of: Any = None, *, group: An
     held_paths: dict[str, Path] = {}
 
     def candidates() -> dict[str, Any]:
+        tier.node.pin(copy.url for copy in tier.node.copies())  # nothing offered leaves memory while ranks decide
         return _candidates(tier, storage.s3 if lists_s3 else None, directory, step_of, verified, held_paths)
 
     gathered, rank = _tier.gather_candidates(candidates, directory, group)
     steps, files, sources, hand_overs, any_hand_over = decide(gathered, rank, tier.node, held_paths)
+    tier.node.pin(sources)  # the files this rank reads outside S3 stay until its next save (`NodeTier.unpin`)
     if any_hand_over:
         _hand_over(tier, hand_overs)
         dist.barrier(group=group)  # every hand-over is in place before any rank loads
