@@ -396,7 +396,7 @@ def test_what_siblings_use_besides_the_api_is_marked_package_internal() -> None:
     )
 
 
-CORE_CHAIN = ["s3_dirpath_utils", "s3_utils", "s3_fencing", "s3_checkpoint_io", "connector"]
+CORE_CHAIN = ["s3_dirpath_utils", "s3_pacing", "s3_utils", "s3_fencing", "s3_checkpoint_io", "connector"]
 """The core files, in order: each imports (at its top) only first-party modules before it, so a fork copies them
 alone and any prefix of the chain works without what follows (README.md, "Use in a NeMo 1.x fork")."""
 
@@ -431,9 +431,13 @@ def test_the_import_check_sees_both_import_forms() -> None:
     assert _top_level_imports(ast.parse(source)) == {"s3_utils", "s3_fencing"}
 
 
-MAX_LINES = {"s3_utils": 3500, "s3_dcp": 2560, "s3_checkpoint_cli": 880, "s3_checkpoint_io": 1500}
-"""Line limits of modules that may be larger than `DEFAULT_MAX_LINES`, the limit of every other root-level module."""
-DEFAULT_MAX_LINES = 1300
+MAX_LINES = {
+    "s3_utils": 3000, "s3_dcp": 2560, "s3_checkpoint_io": 1550, "s3_checkpoint_convert": 1430, "connector": 1390,
+    "s3_mcore": 1330, "s3_memory_tier": 1200, "s3_checkpoint_cli": 900,
+}
+"""Line limits of modules that may be larger than `DEFAULT_MAX_LINES`, the limit of every other root-level module:
+about 10% above each module's size when set, and never above 3,000 (a module that needs more is split by concept)."""
+DEFAULT_MAX_LINES = 1000
 
 @pytest.mark.parametrize("module", MODULES)
 def test_module_size(module: str) -> None:

@@ -453,17 +453,3 @@ def test_checkpoint_name_rules(name: str, is_directory: bool, kind: str | None, 
     if not is_directory:
         assert (kind == "last") == bool(connector.LAST_FILE_PATTERN.search(name))
         assert (kind == "end") == name.endswith(connector.END_FILE_SUFFIX)
-
-
-def test_names_that_moved_to_s3_fencing_are_still_importable_from_s3_utils() -> None:
-    """Run identity and fencing live in s3_fencing; code that imported them from s3_utils keeps working (the same
-    objects, imported on first use: s3_fencing imports s3_utils, never the other way at import time)."""
-    import s3_fencing
-    from s3_utils import DirectoryFence, current_run
-
-    assert DirectoryFence is s3_fencing.DirectoryFence and current_run is s3_fencing.current_run
-    for name in ("CheckpointDirectoryTakenError", "CheckpointRun", "FenceToken", "LaunchIdentity", "adopt_run"):
-        assert getattr(s3_utils, name) is getattr(s3_fencing, name)
-    assert s3_utils.OWNER_RECORD_NAME == s3_fencing.OWNER_RECORD_NAME
-    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
-        s3_utils.not_a_name  # noqa: B018
