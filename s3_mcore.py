@@ -183,6 +183,13 @@ megatron-core's ``metadata.json`` and common state would reach S3 before the DCP
 process ends before a drain would; docs/tiers.md)."""
 
 
+_CONNECTION_ARGUMENTS = frozenset(
+    {"s3_utils", "client_settings", "endpoint_url", "region_name", "retry_policy", "request_options"}
+    | {"max_requests_per_second"}
+)
+"""The writer's and reader's arguments that say how to reach S3 (`s3_utils.S3Utils.from_arguments`)."""
+
+
 def _refuse_separation_hint(separation_hint: str | None, where: str) -> None:
     """ValueError for a ``separation_hint``: megatron-core's local writer puts the tensors whose key starts with it
     into separate files; the S3 writer splits each rank's items into ``thread_count`` objects by size alone."""
@@ -734,8 +741,10 @@ class S3Routing:
         return io.BytesIO(data) if "b" in mode else io.StringIO(bytes(data).decode("utf-8"))
 
     def reader(self, url: str) -> Any:
-        """The DCP reader for an ``s3://`` checkpoint (megatron-core's filesystem reader, routed)."""
-        return _dcp.S3StorageReader(url, **self.reader_options)
+        """The DCP reader for an ``s3://`` checkpoint (megatron-core's filesystem reader, routed): through this
+        routing's `s3` unless `reader_options` say how to reach S3 themselves."""
+        connection = {"s3_utils": self.s3} if not _CONNECTION_ARGUMENTS & set(self.reader_options) else {}
+        return _dcp.S3StorageReader(url, **connection, **self.reader_options)
 
     def writer(self, url: str, thread_count: int = 1) -> MegatronS3StorageWriter:
         """The writer of a save that megatron-core's own strategy makes to an ``s3://`` checkpoint (its default among
@@ -1002,7 +1011,8 @@ class _S3MegatronCheckpointIOMixin:
     def __init__(self, *args: Any, s3_writer_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.s3_writer_options = dict(s3_writer_options or {})
-        install_s3_routing()
+        connection = {k: v for k, v in self.s3_writer_options.items() if k in _CONNECTION_ARGUMENTS}
+        install_s3_routing(_s3.S3Utils.from_arguments(**connection) if connection else None)  # loads as saves
 
     @property
     def s3_save_sharded_strategy(self) -> Any:

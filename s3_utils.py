@@ -1,6 +1,6 @@
 """Everything that talks to S3: one core file, in parts that build on each other (read it top to bottom).
 
-1. Optional dependencies, imported on first use, and the optional sibling s3_node_sharing. 2. This process (not S3,
+1. Optional dependencies and sibling modules (`import_sibling`), imported on first use. 2. This process (not S3,
 but every part asks it): `global_rank`, `world_size`, `node_key`, `job_key`. 3. Retries: `RetryPolicy`, the single
 retry layer of every request; throttling answers, and `request_pacer`, which wires the pacer (s3_pacing) to this
 process's job and host. 4. Request options: `S3RequestOptions`. 5. Client: `S3ClientSettings` and `get_s3_client`.
@@ -27,6 +27,7 @@ import io
 import itertools
 import json
 import logging
+import math
 import mmap
 import os
 import queue
@@ -77,6 +78,20 @@ OWNER_RECORD_NAME = ".s3ckpt-owner.json"  # a checkpoint directory's owner recor
 PROBE_KEY_PREFIX = ".s3ckpt-probe-"  # the temporary object of a capability probe (`store_capabilities`)
 
 
+def check_transfer_sizes(chunk_size_MB: float, **concurrency: int) -> None:
+    """Refuse a part and range size under S3's minimum part size (or not a number), and a concurrency (named by its
+    argument: ``max_read_concurrency=...``) that is not an int >= 1: the one check of every class that takes them.
+    Package-internal (docs/api.md)."""
+    number = isinstance(chunk_size_MB, (int, float)) and not isinstance(chunk_size_MB, bool)
+    if not (number and math.isfinite(chunk_size_MB) and chunk_size_MB * MB >= MIN_PART_SIZE):
+        raise ValueError(
+            f"chunk_size_MB must be a number >= {MIN_PART_SIZE // MB} (S3's minimum part size), got {chunk_size_MB!r}"
+        )
+    for name, value in concurrency.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
 def _is_package_record(key: str) -> bool:
     """Whether `key` is a checksum sidecar, an owner record or a capability probe's (listings leave them out)."""
     name = key.rpartition("/")[2]
@@ -121,6 +136,21 @@ def import_optional_dependency(name: str, feature: str = "") -> types.ModuleType
         ) from exc
 
 
+def import_sibling(name: str, package: str | None) -> types.ModuleType | None:
+    """The module `name` from beside the caller, imported now: ``package.name`` inside a package (pass the caller's
+    ``__package__``, which differs per copy: ``nemo.utils`` in a fork), else the top-level module `name`. None where
+    that file is absent (a fork copied only some files); one that is there but fails to import raises as usual. What
+    an absent sibling means (a feature off, or an error naming the file) is the caller's to say.
+    Package-internal (docs/api.md)."""
+    full = f"{package}.{name}" if package else name
+    try:
+        return importlib.import_module(full)
+    except ModuleNotFoundError as exc:
+        if exc.name != full:
+            raise
+        return None
+
+
 NODE_SHARING_MODULE = "s3_node_sharing"  # the optional sibling module with what a host's processes share
 _node_sharing: list[types.ModuleType | None] = []  # the import's outcome, once known
 _node_sharing_warned = False
@@ -131,13 +161,7 @@ def node_sharing() -> types.ModuleType | None:
     Package-internal (docs/api.md)."""
     global _node_sharing_warned
     if not _node_sharing:
-        name = f"{__package__}.{NODE_SHARING_MODULE}" if __package__ else NODE_SHARING_MODULE
-        try:
-            _node_sharing.append(importlib.import_module(name))
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            _node_sharing.append(None)
+        _node_sharing.append(import_sibling(NODE_SHARING_MODULE, __package__))
     module = _node_sharing[0]
     processes = 1 if module is not None or _node_sharing_warned else world_size()
     if processes > 1:
@@ -2084,25 +2108,19 @@ _SEND_BLOCK = 1 << 62
 """The smallest block `_BufferReader.read` hands the HTTP client: a part goes out in one ``sendall`` (no GIL)."""
 
 
-class _BufferReader(io.RawIOBase):
-    """A seekable read-only stream over a buffer or a part body's segments (botocore would copy ``bytes`` bodies)."""
+class SeekableReader(io.RawIOBase):
+    """A seekable read-only stream of `length` bytes, for ``zipfile``, ``torch.load`` or an HTTP client: the position
+    bookkeeping (``readable``, ``seekable``, ``seek``, ``tell``, ``readinto``) of every such stream of the package; a
+    subclass says where the bytes come from (`fill_at`). Package-internal (docs/api.md)."""
 
-    def __init__(self, buffer: memoryview | list[memoryview], min_block: int = 0) -> None:
+    def __init__(self, length: int) -> None:
         super().__init__()
-        self._segments = buffer if isinstance(buffer, list) else [buffer]
-        self._starts = list(itertools.accumulate((len(segment) for segment in self._segments[:-1]), initial=0))
-        self._length = sum(len(segment) for segment in self._segments)
+        self.length = length
         self._position = 0
-        self._min_block = min_block
 
-    def _block(self, size: int) -> memoryview:
-        if self._position >= self._length or size <= 0:
-            return memoryview(b"")
-        index = bisect.bisect_right(self._starts, self._position) - 1
-        segment, start = self._segments[index], self._position - self._starts[index]
-        block = segment[start : start + size]
-        self._position += len(block)
-        return block
+    def fill_at(self, out: memoryview, start: int) -> None:
+        """Copy the bytes from `start` on into `out` (never past `length`)."""
+        raise NotImplementedError
 
     def readable(self) -> bool:
         return True
@@ -2110,30 +2128,55 @@ class _BufferReader(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
-    def read(self, size: int | None = -1) -> memoryview:  # type: ignore[override]
-        """The next `size` bytes (at least `min_block`) as a view of the buffer, not a copy."""
-        if size is not None and 0 <= size < self._min_block:
-            size = self._min_block
-        return self._block(self._length if size is None or size < 0 else size)
-
-    def readinto(self, target: Any) -> int:
-        target = memoryview(target).cast("B")
-        done = 0
-        while done < len(target):
-            block = self._block(len(target) - done)
-            if not block:
-                break
-            target[done : done + len(block)] = block
-            done += len(block)
-        return done
-
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.length}[whence]
         self._position = max(0, base + offset)
         return self._position
 
     def tell(self) -> int:
         return self._position
+
+    def readinto(self, target: Any) -> int:
+        out = memoryview(target).cast("B")
+        count = max(0, min(len(out), self.length - self._position))
+        if count:
+            self.fill_at(out[:count], self._position)
+            self._position += count
+        return count
+
+
+class _BufferReader(SeekableReader):
+    """A stream over a buffer or a part body's segments whose ``read`` hands out views (botocore would copy
+    ``bytes`` bodies)."""
+
+    def __init__(self, buffer: memoryview | list[memoryview], min_block: int = 0) -> None:
+        self._segments = buffer if isinstance(buffer, list) else [buffer]
+        self._starts = list(itertools.accumulate((len(segment) for segment in self._segments[:-1]), initial=0))
+        super().__init__(sum(len(segment) for segment in self._segments))
+        self._min_block = min_block
+
+    def _block(self, start: int, size: int) -> memoryview:
+        """The bytes from `start` on, at most `size`, within one segment."""
+        if start >= self.length or size <= 0:
+            return memoryview(b"")
+        index = bisect.bisect_right(self._starts, start) - 1
+        offset = start - self._starts[index]
+        return self._segments[index][offset : offset + size]
+
+    def read(self, size: int | None = -1) -> memoryview:  # type: ignore[override]
+        """The next `size` bytes (at least `min_block`) as a view of the buffer, not a copy."""
+        if size is not None and 0 <= size < self._min_block:
+            size = self._min_block
+        block = self._block(self._position, self.length if size is None or size < 0 else size)
+        self._position += len(block)
+        return block
+
+    def fill_at(self, out: memoryview, start: int) -> None:
+        done = 0
+        while done < len(out):
+            block = self._block(start + done, len(out) - done)
+            out[done : done + len(block)] = block
+            done += len(block)
 
 
 @dataclass(frozen=True)
@@ -2226,10 +2269,7 @@ class S3MultipartWriter(io.RawIOBase):
     ) -> None:
         super().__init__()
         self._state = _WriterState.ABORTED  # until validated: an invalid writer has nothing to abort at GC
-        if part_size < MIN_PART_SIZE:
-            raise ValueError(f"part size must be at least {MIN_PART_SIZE // MB} MiB (S3's minimum), got {part_size}")
-        if max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        check_transfer_sizes(part_size / MB, max_concurrency=max_concurrency)
         self.url = _urls.normalize_s3_url(s3_path)
         self.bucket, self.key = _urls.parse_s3_url(self.url)
         if not self.key or self.key.endswith("/"):

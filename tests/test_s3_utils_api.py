@@ -453,3 +453,30 @@ def test_checkpoint_name_rules(name: str, is_directory: bool, kind: str | None, 
     if not is_directory:
         assert (kind == "last") == bool(connector.LAST_FILE_PATTERN.search(name))
         assert (kind == "end") == name.endswith(connector.END_FILE_SUFFIX)
+
+
+def test_one_settings_object_reaches_every_class(bucket: str, s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An endpoint given only in an `S3ClientSettings` (the environment names one where nothing listens) is the one
+    the client of each class uses, handed over as ``s3_utils=`` or as ``client_settings=``: the plugin saves and
+    loads through it; DCP's writer and reader and the Lightning strategy build on it (docs/s3.md)."""
+    torch = pytest.importorskip("torch")
+    import s3_dcp
+
+    settings = S3ClientSettings(endpoint_url=s3_server.endpoint_url)
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # what a class that ignored the settings would reach
+    for given in ({"s3_utils": S3Utils(settings)}, {"client_settings": settings}):
+        plugin = S3CheckpointIO(**given)
+        url = f"s3://{bucket}/{next(iter(given))}/m.ckpt"
+        plugin.save_checkpoint({"w": torch.arange(3.0)}, url)
+        assert torch.equal(plugin.load_checkpoint(url)["w"], torch.arange(3.0))
+        plugin.teardown()
+        built = [
+            s3_dcp.S3StorageWriter(f"s3://{bucket}/dcp", **given),
+            s3_dcp.S3StorageReader(f"s3://{bucket}/dcp", **given),
+            s3_dcp.S3ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1, **given),
+        ]
+        for made in built:
+            assert made.s3.client.meta.endpoint_url == s3_server.endpoint_url, made
+        if "s3_utils" in given:
+            assert all(made.s3 is given["s3_utils"] for made in [plugin, *built])
