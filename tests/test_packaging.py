@@ -36,7 +36,8 @@ def test_core_modules_import_with_every_extra_hidden() -> None:
     hidden = CORE_OPTIONAL_MODULES
     result = run_python(
         """
-        import s3_dirpath_utils, s3_utils, s3_fencing, s3_checkpoint_io, s3_dcp, s3_node_sharing, s3_memory_tier
+        import s3_dirpath_utils, s3_pacing, s3_utils, s3_fencing, s3_checkpoint_io
+        import s3_dcp, s3_node_sharing, s3_memory_tier
         import connector
         assert s3_dirpath_utils.parse_s3_url("s3://bucket/key") == ("bucket", "key")
         print("ok")
