@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib
 import inspect
 import logging
 import math
@@ -46,13 +45,7 @@ else:  # installed (or copied) as top-level modules
 @functools.cache
 def _s3_dcp() -> types.ModuleType | None:
     """`s3_dcp` from beside this module, imported on first need, or None where a fork copied only the core files."""
-    name = f"{__package__}.s3_dcp" if __package__ else "s3_dcp"
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name != name:
-            raise
-        return None
+    return _s3.import_sibling("s3_dcp", __package__)
 
 
 __all__ = [

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import importlib
 import json
 import logging
 import os
@@ -71,17 +70,14 @@ def _s3_dcp(purpose: str) -> types.ModuleType:
     """`s3_dcp` from beside this module, imported now (the first time a DCP checkpoint is met), or
     `connector.DCPSupportMissingError` naming what is missing where it is absent. One that is there but fails to
     import raises as usual."""
-    name = f"{__package__}.s3_dcp" if __package__ else "s3_dcp"
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name != name:
-            raise
+    module = _s3.import_sibling("s3_dcp", __package__)
+    if module is None:
         here = os.path.dirname(os.path.abspath(__file__))
         raise _connector.DCPSupportMissingError(
             f"{purpose} needs s3_dcp.py (the DCP file names and item-checksum records), which is not beside "
             f"s3_checkpoint_admin.py in {here}: install s3-checkpoint-io, or copy s3_dcp.py from it there."
-        ) from exc
+        )
+    return module
 
 
 def _utils(s3_utils: _s3.S3Utils | None) -> _s3.S3Utils:
@@ -260,7 +256,9 @@ def _without_stale_objects(
 
 def _with_memory_tier(entries: list[CheckpointEntry], url: str, config: Any, recursive: bool) -> list[CheckpointEntry]:
     """`entries` with the tiers this node's memory tier adds, and its checkpoints that S3 does not have."""
-    tier_module = importlib.import_module(f"{__package__}.s3_memory_tier" if __package__ else "s3_memory_tier")
+    tier_module = _s3.import_sibling("s3_memory_tier", __package__)
+    if tier_module is None:
+        raise ImportError("listing a memory tier needs s3_memory_tier.py beside s3_checkpoint_admin.py: copy it there")
     config = tier_module.MemoryTier.from_value(config)
     if not config.job:
         raise ValueError("listing a memory tier needs its job (MemoryTier(job=...), ls --job): the tier is per job")

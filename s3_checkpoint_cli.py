@@ -66,7 +66,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import importlib
 import json
 import logging
 import os
@@ -550,7 +549,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _sibling(name: str) -> types.ModuleType:
     """A module beside this one, imported only for its command (convert needs s3_dcp, the demo torch and Lightning)."""
-    return importlib.import_module(f"{__package__}.{name}" if __package__ else name)
+    module = _s3.import_sibling(name, __package__)
+    if module is None:
+        raise ImportError(f"this command needs {name}.py beside s3_checkpoint_cli.py (part of s3-checkpoint-io)")
+    return module
 
 
 # --------------------------------------------------------------------------------------------------------------------

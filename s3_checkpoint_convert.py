@@ -199,10 +199,9 @@ def convert_checkpoint(
             or a pickle ``weights_only`` refuses.
         s3_utils.ChecksumMismatchError: bytes that do not match what was recorded; nothing is written.
     """
-    if chunk_size_MB * _s3.MB < _s3.MIN_PART_SIZE:
-        raise ValueError(f"chunk_size_MB must be >= 5 (S3's minimum part size), got {chunk_size_MB!r}")
-    if max_read_concurrency < 1 or max_write_concurrency < 1:
-        raise ValueError("max_read_concurrency and max_write_concurrency must be >= 1")
+    _s3.check_transfer_sizes(
+        chunk_size_MB, max_read_concurrency=max_read_concurrency, max_write_concurrency=max_write_concurrency
+    )
     _s3.validate_checksum_algorithm(checksum_algorithm)
     source, destination = _location(src), _location(dst)
     if source == destination:
@@ -987,46 +986,25 @@ def _write_torch(source: _DcpSource, fqns: list[str], sink: _Sink, options: _Opt
 # --------------------------------------------------------------------------------------------------------------------
 
 
-class _RangedS3File(io.RawIOBase):
+class _RangedS3File(_s3.SeekableReader):
     """A read-only, seekable view of one S3 object for ``zipfile`` and torch's archive reader, which read only the
     framing and the pickle: small reads, served from a read-ahead buffer; every GET pinned to the ETag."""
 
     def __init__(self, s3: _s3.S3Utils, url: str, size: int, etag: str) -> None:
-        super().__init__()
+        super().__init__(size)
         self._s3, self.url, self.size, self.etag = s3, url, size, etag
-        self._position = 0
         self._cached_at = 0
         self._cached = b""
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.size}[whence]
-        self._position = max(0, base + offset)
-        return self._position
-
-    def tell(self) -> int:
-        return self._position
-
-    def readinto(self, target: Any) -> int:
-        out = memoryview(target).cast("B")
-        count = max(0, min(len(out), self.size - self._position))
-        if not count:
-            return 0
-        start, end = self._position, self._position + count
+    def fill_at(self, out: memoryview, start: int) -> None:
+        end = start + len(out)
         if not (self._cached_at <= start and end <= self._cached_at + len(self._cached)):
-            length = min(max(count, _READ_AHEAD), self.size - start)
+            length = min(max(len(out), _READ_AHEAD), self.size - start)
             buffer = bytearray(length)
             if self._s3.read_range_into(self.url, start, buffer, etag=self.etag or None) != length:
                 raise _s3.ChecksumMismatchError(f"{self.url} ended before byte {start + length}: was it replaced?")
             self._cached_at, self._cached = start, bytes(buffer)
-        out[:count] = self._cached[start - self._cached_at : end - self._cached_at]
-        self._position = end
-        return count
+        out[:] = self._cached[start - self._cached_at : end - self._cached_at]
 
 
 def _record_bytes(archive: zipfile.ZipFile, stream: Any, record: zipfile.ZipInfo) -> bytes:

@@ -33,7 +33,6 @@ import contextlib
 import copy
 import errno
 import functools
-import importlib
 import inspect
 import io
 import logging
@@ -103,13 +102,7 @@ MEMORY_TIER_MODULE = "s3_memory_tier"  # the optional sibling module behind ``me
 @functools.cache
 def _memory_tier_module() -> types.ModuleType | None:
     """`s3_memory_tier` from beside this module, imported on first need, or None where a fork copied only the core."""
-    name = f"{__package__}.{MEMORY_TIER_MODULE}" if __package__ else MEMORY_TIER_MODULE
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name != name:
-            raise
-        return None
+    return _s3.import_sibling(MEMORY_TIER_MODULE, __package__)
 
 
 def register_with_lightning(cls: type) -> list[str]:
@@ -279,8 +272,9 @@ class S3CheckpointIO:
         async_checkpointing: upload in a background thread after snapshotting the tensors to host memory.
         max_saves_in_flight: async only: at most this many saves run at once; a further save waits for the oldest.
         checksum_algorithm: ``"auto"`` (CRC32C with awscrt, else CRC32), ``"CRC32C"``, ``"CRC64NVME"`` or ``"CRC32"``.
-        endpoint_url, region_name, client_settings, retry_policy: how to reach S3 (see `s3_utils.S3ClientSettings`).
-        s3_utils: a ready `S3Utils` to use instead of building one from the settings above.
+        s3_utils: how to reach S3, one object for every class (docs/s3.md#one-settings-object-for-every-class).
+        endpoint_url, region_name, client_settings, retry_policy: NeMo's loose arguments, instead of `s3_utils`
+            (see `s3_utils.S3ClientSettings`).
         request_options: server-side encryption, storage class, tags, expected bucket owner, requester pays, as an
             `s3_utils.S3RequestOptions` or a mapping of its fields (S3's parameter names, e.g.
             ``{"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": "alias/ckpt"}``); checked here, added to every
@@ -345,16 +339,11 @@ class S3CheckpointIO:
         )
         _torch()
         register_with_lightning(type(self))
-        if not (math.isfinite(chunk_size_MB) and chunk_size_MB * _s3.MB >= _s3.MIN_PART_SIZE):
-            raise ValueError(f"chunk_size_MB must be a number >= 5 (S3's minimum part size), got {chunk_size_MB}")
+        _s3.check_transfer_sizes(
+            chunk_size_MB, max_read_concurrency=max_read_concurrency, max_write_concurrency=max_write_concurrency,
+            max_saves_in_flight=max_saves_in_flight,
+        )  # fmt: skip
         _s3.validate_checksum_algorithm(checksum_algorithm)
-        for name, value in [
-            ("max_read_concurrency", max_read_concurrency),
-            ("max_write_concurrency", max_write_concurrency),
-            ("max_saves_in_flight", max_saves_in_flight),
-        ]:
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
         if load_sharing not in LOAD_SHARING_MODES:
             raise ValueError(f"load_sharing must be one of {LOAD_SHARING_MODES}, got {load_sharing!r}")
         self.load_sharing = load_sharing

@@ -31,7 +31,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import importlib
 import inspect
 import io
 import json
@@ -188,15 +187,22 @@ def _tier_config(value: Any) -> Any:
     """The `s3_memory_tier.MemoryTier` a ``memory_tier=`` means (None: off); ImportError naming a file a fork lacks."""
     try:
         return None if value is None or value is False else _dcp_tier().config(value)
-    except ModuleNotFoundError as exc:
-        if (missing := (exc.name or "").rsplit(".", 1)[-1]) not in ("s3_dcp_tier", "s3_memory_tier"):
+    except ModuleNotFoundError as exc:  # s3_dcp_tier is there, but not s3_memory_tier (which it imports)
+        if (exc.name or "").rsplit(".", 1)[-1] != "s3_memory_tier":
             raise
-        raise ImportError(f"memory_tier needs {missing}.py beside s3_dcp.py (part of s3-checkpoint-io; a fork that "
-                          "copied only some files lacks it): copy it there, or leave memory_tier unset") from exc
+        raise _tier_missing("s3_memory_tier") from exc
+
+
+def _tier_missing(name: str) -> ImportError:
+    return ImportError(f"memory_tier needs {name}.py beside s3_dcp.py (part of s3-checkpoint-io; a fork that copied "
+                       "only some files lacks it): copy it there, or leave memory_tier unset")
 
 
 def _dcp_tier() -> Any:  # the memory tier's DCP side, a sibling module imported on first use
-    return importlib.import_module(f"{__package__}.s3_dcp_tier" if __package__ else "s3_dcp_tier")
+    module = _s3.import_sibling("s3_dcp_tier", __package__)
+    if module is None:
+        raise _tier_missing("s3_dcp_tier")
+    return module
 
 
 def _checkpoint_url(path: str | os.PathLike[str]) -> str:
@@ -205,13 +211,6 @@ def _checkpoint_url(path: str | os.PathLike[str]) -> str:
     if not key:
         raise ValueError(f"{url}: a DCP checkpoint needs a key prefix inside the bucket, e.g. s3://{bucket}/ckpt")
     return url
-
-
-def _validate_sizes(chunk_size_MB: float, concurrency: int, concurrency_name: str) -> None:
-    if not (isinstance(chunk_size_MB, (int, float)) and chunk_size_MB * _s3.MB >= _s3.MIN_PART_SIZE):
-        raise ValueError(f"chunk_size_MB must be a number >= 5 (S3's minimum part size), got {chunk_size_MB!r}")
-    if not isinstance(concurrency, int) or concurrency < 1:
-        raise ValueError(f"{concurrency_name} must be an int >= 1, got {concurrency!r}")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -550,7 +549,7 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
     ) -> None:
         _check_filesystem_writer_options(filesystem_writer_options)
         self.prefix_spreading = _spread.PrefixSpreading.from_value(prefix_spreading)
-        _validate_sizes(chunk_size_MB, max_write_concurrency, "max_write_concurrency")
+        _s3.check_transfer_sizes(chunk_size_MB, max_write_concurrency=max_write_concurrency)
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be an int >= 1, got {thread_count!r}")
         _s3.validate_checksum_algorithm(checksum_algorithm)
@@ -912,39 +911,16 @@ def load_metadata_bytes(data: bytes, url: str) -> Metadata:
     return metadata
 
 
-class _ViewReader(io.RawIOBase):
-    """A seekable read-only stream over one item's bytes in memory (``zipfile`` and ``torch.load`` read it in place).
-    Unlike `s3_utils._BufferReader`, which hands views to an upload, ``read`` returns bytes: both readers need them."""
+class _ViewReader(_s3.SeekableReader):
+    """A seekable read-only stream over one item's bytes in memory (``zipfile`` and ``torch.load`` read it in place);
+    ``read`` returns bytes, as both readers need."""
 
     def __init__(self, view: memoryview, length: int | None = None) -> None:
-        super().__init__()
+        super().__init__(len(view) if length is None else length)
         self._view = view
-        self._length = len(view) if length is None else length
-        self._position = 0
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, target: Any) -> int:
-        out = memoryview(target).cast("B")
-        count = max(0, min(len(out), self._length - self._position))
-        self._fill(out[:count], self._position)
-        self._position += count
-        return count
-
-    def _fill(self, out: memoryview, start: int) -> None:
+    def fill_at(self, out: memoryview, start: int) -> None:
         out[:] = self._view[start : start + len(out)]
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
-        self._position = max(0, base + offset)
-        return self._position
-
-    def tell(self) -> int:
-        return self._position
 
 
 @dataclass(frozen=True)
@@ -1214,7 +1190,7 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         max_requests_per_second: float | dict[str, float] | _s3.RequestRates | None = None,
         memory_tier: Any = None,
     ) -> None:
-        _validate_sizes(chunk_size_MB, max_read_concurrency, "max_read_concurrency")
+        _s3.check_transfer_sizes(chunk_size_MB, max_read_concurrency=max_read_concurrency)
         if read_path is not None and not isinstance(read_path, ReadPath):
             raise TypeError(f"read_path must be a ReadPath (s3_dcp.ReadPath or a subclass), got {read_path!r}")
         if not coalesce_gap_MB >= 0:
@@ -2006,9 +1982,10 @@ class S3ShardedStrategyMixin:
     `s3_fencing.CheckpointDirectoryTakenError`, on every rank, once a newer run took the checkpoint directory over.
 
     Extra keyword arguments (all optional): chunk_size_MB, max_read_concurrency, max_write_concurrency, thread_count,
-    checksum_algorithm, endpoint_url, region_name, client_settings, retry_policy, fencing, max_requests_per_second
-    (as `S3CheckpointIO`), prefix_spreading (as `S3StorageWriter`), and s3_planners (default True: DCP saves and loads
-    plan with `S3SavePlanner` / `S3LoadPlanner`; False: torch's default planners).
+    checksum_algorithm, s3_utils or client_settings (how to reach S3: docs/s3.md#one-settings-object-for-every-class),
+    endpoint_url, region_name, retry_policy, request_options, fencing, max_requests_per_second (as `S3CheckpointIO`),
+    prefix_spreading (as `S3StorageWriter`), and s3_planners (default True: DCP saves and loads plan with
+    `S3SavePlanner` / `S3LoadPlanner`; False: torch's default planners).
     """
 
     lightning_base: type
@@ -2021,8 +1998,10 @@ class S3ShardedStrategyMixin:
         "checksum_algorithm": "auto",
         "endpoint_url": None,
         "region_name": None,
+        "s3_utils": None,
         "client_settings": None,
         "retry_policy": None,
+        "request_options": None,
         "fencing": True,
         "max_requests_per_second": None,
         "prefix_spreading": None,
@@ -2031,15 +2010,19 @@ class S3ShardedStrategyMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         options = {name: kwargs.pop(name, default) for name, default in self._S3_OPTIONS.items()}
-        _validate_sizes(options["chunk_size_MB"], options["max_write_concurrency"], "max_write_concurrency")
-        _validate_sizes(options["chunk_size_MB"], options["max_read_concurrency"], "max_read_concurrency")
+        _s3.check_transfer_sizes(
+            options["chunk_size_MB"], max_write_concurrency=options["max_write_concurrency"],
+            max_read_concurrency=options["max_read_concurrency"],
+        )  # fmt: skip
         _s3.validate_checksum_algorithm(options["checksum_algorithm"])
         _spread.PrefixSpreading.from_value(options["prefix_spreading"])  # refused here, not at the first save
         self.s3 = _s3.S3Utils.from_arguments(
+            s3_utils=options.pop("s3_utils"),
             client_settings=options["client_settings"],
             endpoint_url=options["endpoint_url"],
             region_name=options["region_name"],
             retry_policy=options["retry_policy"],
+            request_options=options["request_options"],
             max_requests_per_second=options["max_requests_per_second"],
             max_pool_connections=max(
                 options["max_read_concurrency"], options["thread_count"] * options["max_write_concurrency"]

@@ -131,8 +131,13 @@ _DCP_TIER = "s3_dcp_tier"
 
 
 def _dcp_tier() -> Any:
-    """The memory tier's DCP side (`s3_dcp_tier`), a sibling imported on first use (only with ``memory_tier``)."""
-    return importlib.import_module(f"{__package__}.{_DCP_TIER}" if __package__ else _DCP_TIER)
+    """The memory tier's DCP side (`s3_dcp_tier`), a sibling imported on first use (only with ``memory_tier``);
+    ImportError naming the file where a fork lacks it."""
+    sibling = _s3.import_sibling(_DCP_TIER, __package__)
+    if sibling is None:
+        raise ImportError(f"memory_tier for megatron-core needs {_DCP_TIER}.py and s3_memory_tier.py beside "
+                          "s3_mcore.py (part of s3-checkpoint-io): copy them there")
+    return sibling
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -237,6 +242,13 @@ _WRITER_OPTIONS = frozenset(inspect.signature(_dcp.S3StorageWriter.__init__).par
     {"self", "path", "thread_count"}
 )
 """The keyword arguments of `s3_dcp.S3StorageWriter` the strategy takes besides megatron-core's."""
+
+
+CONNECTION_ARGUMENTS = frozenset(  # package-internal (docs/api.md)
+    {"s3_utils", "client_settings", "endpoint_url", "region_name", "retry_policy", "request_options"}
+    | {"max_requests_per_second"}
+)
+"""The writer's and reader's arguments that say how to reach S3 (`s3_utils.S3Utils.from_arguments`)."""
 
 
 def _refuse_separation_hint(separation_hint: str | None, where: str) -> None:
@@ -870,10 +882,12 @@ class S3Routing:
         return None if tier is None or not self._tier_copy(url) else _dcp_tier().source_of(tier, url)
 
     def reader(self, url: str) -> Any:
-        """The DCP reader for an ``s3://`` checkpoint (megatron-core's filesystem reader, routed); with the memory
-        tier, it reads each file from this node's verified memory copy first."""
+        """The DCP reader for an ``s3://`` checkpoint (megatron-core's filesystem reader, routed): through this
+        routing's `s3` unless `reader_options` say how to reach S3 themselves; with the memory tier, it reads each
+        file from this node's verified memory copy first."""
+        connection = {"s3_utils": self.s3} if not CONNECTION_ARGUMENTS & set(self.reader_options) else {}
         tier = {} if self.memory_tier is None else {"memory_tier": self.memory_tier}
-        return _dcp.S3StorageReader(url, **{**tier, **self.reader_options})
+        return _dcp.S3StorageReader(url, **connection, **{**tier, **self.reader_options})
 
     def writer(self, url: str, thread_count: int = 1) -> MegatronS3StorageWriter:
         """The writer of a save that megatron-core's own strategy makes to an ``s3://`` checkpoint (its default among
@@ -1137,13 +1151,11 @@ _NEMO = "s3_mcore_nemo"
 
 
 def _nemo() -> Any:
-    try:
-        return importlib.import_module(f"{__package__}.{_NEMO}" if __package__ else _NEMO)
-    except ModuleNotFoundError as exc:
-        if (exc.name or "").rsplit(".", 1)[-1] != _NEMO:
-            raise
+    sibling = _s3.import_sibling(_NEMO, __package__)
+    if sibling is None:
         raise ImportError(f"NeMo 2.x's checkpoint IO needs {_NEMO}.py beside s3_mcore.py (part of s3-checkpoint-io; "
-                          "a fork that copied only some files lacks it): copy it there") from exc
+                          "a fork that copied only some files lacks it): copy it there")
+    return sibling
 
 
 def megatron_checkpoint_io_class(base: type | None = None) -> type:

@@ -56,7 +56,11 @@ class _S3MegatronCheckpointIOMixin:
     def __init__(self, *args: Any, s3_writer_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.s3_writer_options = dict(s3_writer_options or {})
-        _mc.install_s3_routing(memory_tier=self.s3_writer_options.get("memory_tier"))  # loads read the tier too
+        connection = {k: v for k, v in self.s3_writer_options.items() if k in _mc.CONNECTION_ARGUMENTS}
+        _mc.install_s3_routing(  # loads go to the store the saves go to, and read the tier too
+            _s3.S3Utils.from_arguments(**connection) if connection else None,
+            memory_tier=self.s3_writer_options.get("memory_tier"),
+        )
 
     @property
     def s3_save_sharded_strategy(self) -> Any:

@@ -45,7 +45,6 @@ import contextlib
 import dataclasses
 import errno
 import hashlib
-import importlib
 import io
 import json
 import logging
@@ -769,16 +768,13 @@ class NodeTier:
 
 
 def _replication_module() -> types.ModuleType:
-    name = f"{__package__}.s3_tier_replication" if __package__ else "s3_tier_replication"
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name != name:
-            raise
+    module = _s3.import_sibling("s3_tier_replication", __package__)
+    if module is None:
         raise ImportError(
             "replicating the memory tier needs s3_tier_replication.py beside s3_memory_tier.py (part of "
             "s3-checkpoint-io): copy it there"
-        ) from exc
+        )
+    return module
 
 
 class TierReplication:
@@ -855,7 +851,7 @@ class TierReplication:
         record = NodeTier.record_path(copy.path)
         manifest = {
             copy.path.name: (copy.size, copy.checksum),
-            record.name: (record.stat().st_size, self._module.file_checksum(record, copy.checksum.split(" ")[0])),
+            record.name: file_checksum(record, copy.checksum.split(" ")[0]),
         }
         self._module.send_directory(
             copy.path.parent, self.replica_name(copy.url), tuple(address), sender_node=self.node, job=self.tier.job,

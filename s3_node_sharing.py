@@ -1,6 +1,6 @@
 """What the processes of a job on one host share through /dev/shm: the request pacer's state and checkpoint loads.
 
-An optional sibling of the core modules (s3_dirpath_utils, s3_utils, s3_checkpoint_io, connector), in the
+An optional sibling of the core modules (README.md's fork table), in the
 ``s3_dcp`` pattern: the core imports it on first use (`s3_utils.node_sharing`) and works without it, with a pacer
 per process (as ``S3CKPT_PACER_SHARING=0``) and one download per rank (as ``load_sharing="rank"``), and one warning
 when a job of more than one process runs without it. Copy this file beside the core ones for multi-node scale.
@@ -8,7 +8,7 @@ when a job of more than one process runs without it. Copy this file beside the c
 1. Files the host's processes share: `create_shared_file` (exclusive, mode 0600), `open_shared_file` (only such a
    file of this user) and `remove_unheld_shared_files` (what killed jobs left).
 2. The host's shared pacer state: `SharedPacerFile`, one small mapped file per job, endpoint and bucket holding the
-   lanes of `s3_utils.RequestPacer` for all of the job's processes on the host (`shared_pacer_file`).
+   lanes of `s3_pacing.RequestPacer` for all of the job's processes on the host (`shared_pacer_file`).
 3. Load sharing: `download_shared`, one download per node (``load_sharing="node"``) or per job (``"job"``) of a
    checkpoint every rank loads at once, into a file the node's ranks map (`SharedCheckpointFile`).
 
@@ -44,8 +44,10 @@ except ImportError:  # not on POSIX: nothing is shared (a pacer per process, a d
     fcntl = None  # type: ignore[assignment]
 
 if __package__:
+    from . import s3_pacing as _pacing
     from . import s3_utils as _s3
 else:  # installed (or copied) as a top-level module
+    import s3_pacing as _pacing
     import s3_utils as _s3
 
 if TYPE_CHECKING:
@@ -334,13 +336,13 @@ class SharedPacerFile:
         (value,) = struct.unpack_from("<d", self._mm, self.LANES_AT + lane * self.LANE.size + 8 + 6 * 8)
         return value
 
-    def load(self, lane: int) -> _s3.PacerLaneState:
+    def load(self, lane: int) -> _pacing.PacerLaneState:
         """The lane's state (under `locked`)."""
         values = self.LANE.unpack_from(self._mm, self.LANES_AT + lane * self.LANE.size)
         count = values[11]  # values[10], the ring's next index, is unused: the ring is stored oldest first
-        return _s3.PacerLaneState(bool(values[0]), *values[1:10], sends=tuple(values[12 : 12 + count]))
+        return _pacing.PacerLaneState(bool(values[0]), *values[1:10], sends=tuple(values[12 : 12 + count]))
 
-    def store(self, lane: int, state: _s3.PacerLaneState) -> None:
+    def store(self, lane: int, state: _pacing.PacerLaneState) -> None:
         """Write the lane's state (under `locked`): an infinite rate (dormant) is stored as 0, the newest 64 sends."""
         sends = state.sends[-64:]
         rate = state.rate if math.isfinite(state.rate) else 0.0

@@ -42,7 +42,6 @@ import hashlib
 import hmac
 import json
 import logging
-import mmap
 import os
 import secrets
 import select
@@ -160,26 +159,6 @@ def _checked_manifest(manifest: Any) -> dict[str, tuple[int, str]]:
 
 def _parents(path: str) -> list[str]:
     return [str(parent) for parent in PurePosixPath(path).parents if str(parent) != "."]
-
-
-def file_checksum(path: Path | str, algorithm: str | None = "auto") -> str:
-    """The checksum of a file as the manifests spell it (``"CRC32C <base64>"``), read through a mapping."""
-    checksums = _s3.ChecksumAlgorithm.named(algorithm)
-    value = 0
-    with open(path, "rb") as stream:
-        if os.fstat(stream.fileno()).st_size:  # an empty file cannot be mapped (its checksum is 0)
-            with mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                value = _s3.checksum_of(checksums, mapped)
-    return f"{checksums.name} {checksums.encode(value)}"
-
-
-def directory_manifest(directory: Path | str, algorithm: str | None = "auto") -> dict[str, tuple[int, str]]:
-    """The manifest of every regular file under `directory` (for a caller without its own records, and tests)."""
-    root = Path(directory)
-    manifest = {}
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink()):
-        manifest[path.relative_to(root).as_posix()] = (path.stat().st_size, file_checksum(path, algorithm))
-    return manifest
 
 
 def launch_attempt(launch: str | None) -> tuple[int, ...] | None:

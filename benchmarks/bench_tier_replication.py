@@ -35,6 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import s3_memory_tier  # noqa: E402
 import s3_tier_replication as replication  # noqa: E402
 
 MiB = 1024 * 1024
@@ -103,7 +104,7 @@ def main() -> None:
         path = source / f"__{index}_0.distcp"
         path.write_bytes(os.urandom(args.mib * MiB // args.files))
         files.append(path)
-    manifest = replication.directory_manifest(source)
+    manifest = {path.name: s3_memory_tier.file_checksum(path, "auto") for path in files}
     processes = []
     try:
         raw, raw_address = start("raw-receiver", "-")

@@ -1,6 +1,6 @@
 """A discrete-event model of S3 at scale, driving this package's own request pacer and retry policy in simulated time.
 
-What is the package's (imported, not copied): `s3_utils.RequestPacer` / `PacerLane` (one per simulated process, the
+What is the package's (imported, not copied): `s3_pacing.RequestPacer` / `PacerLane` (one per simulated process, the
 ranks of a host sharing their lanes' state through a `SharedLaneStore`, as ``s3_node_sharing.SharedPacerFile`` does
 on a real host), the job budget (`RequestPacer.limit`, each process's share by ``WORLD_SIZE``), `s3_utils.CallRetries`
 (what `S3Utils.with_retries` does after each failed attempt), and `s3_node_sharing.downloading_ranks` (who downloads
@@ -49,6 +49,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import s3_node_sharing  # noqa: E402
+import s3_pacing  # noqa: E402
 import s3_prefix_spreading  # noqa: E402
 import s3_utils  # noqa: E402
 
@@ -152,7 +153,7 @@ class S3Model:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# A host's shared pacer state, in memory (the `s3_utils.SharedLaneStore` protocol; SharedPacerFile on a real host)
+# A host's shared pacer state, in memory (the `s3_pacing.SharedLaneStore` protocol; SharedPacerFile on a real host)
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -161,17 +162,17 @@ class HostLaneStore:
 
     def __init__(self, processes: int) -> None:
         self.processes = processes
-        fresh = s3_utils.PacerLaneState(False, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, ())
+        fresh = s3_pacing.PacerLaneState(False, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, ())
         self._states = [fresh, fresh]
         self._active = bytearray(2)
 
     def locked(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def load(self, lane: int) -> s3_utils.PacerLaneState:
+    def load(self, lane: int) -> s3_pacing.PacerLaneState:
         return self._states[lane]  # (a dormant lane's rate is ignored by PacerLane._load)
 
-    def store(self, lane: int, state: s3_utils.PacerLaneState) -> None:
+    def store(self, lane: int, state: s3_pacing.PacerLaneState) -> None:
         self._states[lane] = state  # (its sends: a lane's newest 64 already)
         self._active[lane] = 1 if state.active else 0
 
@@ -292,11 +293,12 @@ class Cluster:
             counts[rank // per_host] += 1
         stores = [HostLaneStore(max(1, count)) for count in counts]
         self.pacers = [
-            s3_utils.RequestPacer("http://sim", "bucket", stores[r // per_host], clock=clock) for r in range(ranks)
+            s3_pacing.RequestPacer("http://sim", "bucket", stores[r // per_host], clock=clock, world_size=s3_utils.world_size)
+            for r in range(ranks)
         ]
         if client.pacer == "budget" and client.budget is not None:
             for pacer in self.pacers:
-                pacer.limit(s3_utils.RequestRates(*client.budget))
+                pacer.limit(s3_pacing.RequestRates(*client.budget))
         self.waiting = [{"write": deque(), "read": deque()} for _ in range(self.hosts)]
         self.polling = [{"write": False, "read": False} for _ in range(self.hosts)]
         self.host_transfers = [0] * self.hosts

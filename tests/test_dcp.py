@@ -989,7 +989,8 @@ def test_works_copied_into_a_package_folder(tmp_path: Path) -> None:
     package.mkdir(parents=True)
     (tmp_path / "nemo_fork" / "__init__.py").write_text("")
     (package / "__init__.py").write_text("")
-    for module in ("s3_dirpath_utils", "s3_utils", "s3_fencing", "s3_checkpoint_io", "s3_prefix_spreading", "s3_dcp"):
+    core = ("s3_dirpath_utils", "s3_pacing", "s3_utils", "s3_fencing", "s3_checkpoint_io")
+    for module in (*core, "s3_prefix_spreading", "s3_dcp"):
         shutil.copy(repo / f"{module}.py", package / f"{module}.py")
     code = (
         "import sys\n"

@@ -277,8 +277,9 @@ def test_docs_api_lists_every_modules_all() -> None:
 
 
 def _module_loaders(module: str, tree: ast.Module) -> dict[str, str]:
-    """Functions of `tree` that import another first-party module on first use and return it (``importlib`` with
-    the module's name in a string, or in a module-level constant): ``function name -> module``."""
+    """Functions of `tree` that import another first-party module on first use and return it (``importlib`` or
+    ``s3_utils.import_sibling`` with the module's name in a string, or in a module-level constant):
+    ``function name -> module``."""
     constants = {
         target.id: node.value.value
         for node in tree.body
@@ -290,7 +291,7 @@ def _module_loaders(module: str, tree: ast.Module) -> dict[str, str]:
     for node in tree.body:
         if not isinstance(node, ast.FunctionDef) or node.name.startswith("__"):
             continue
-        if "import_module" not in ast.unparse(node):
+        if "import_module" not in ast.unparse(node) and "import_sibling" not in ast.unparse(node):
             continue
         names = [n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in constants]
         texts = _strings_in(node) + [constants[name] for name in names]
@@ -358,8 +359,9 @@ def _definitions(module: str) -> dict[str, tuple[str | None, list[str]]]:
 
 
 def test_the_use_check_finds_each_way_of_reaching_a_sibling() -> None:
-    """The checker itself: an alias, ``from ... import``, a loader function's result (called, or kept in a name),
-    and another module's loader (``s3_utils.node_sharing`` returns `s3_node_sharing`); private names are left out."""
+    """The checker itself: an alias, ``from ... import``, a loader function's result (``importlib`` or
+    ``import_sibling``; called, or kept in a name), and another module's loader (``s3_utils.node_sharing`` returns
+    `s3_node_sharing`); private names are left out."""
     source = (
         "import importlib\nimport s3_utils as _s3\nfrom s3_dcp import METADATA_NAME\n"
         "TIER = 's3_memory_tier'\n"
@@ -368,8 +370,11 @@ def test_the_use_check_finds_each_way_of_reaching_a_sibling() -> None:
         "_tier().copy_to_load\n"
         "rep = _tier()\nrep.TierReplication\n"
         "_s3.node_sharing().download_shared\n"
+        "def _convert():\n    return _urls.import_sibling('s3_checkpoint_convert', __package__)\n"
+        "_convert().convert_checkpoint\n"
     )
     assert sibling_uses("s3_checkpoint_io", source) == {
+        ("s3_checkpoint_convert", "convert_checkpoint"),
         ("s3_dcp", "METADATA_NAME"),
         ("s3_utils", "error_code"),
         ("s3_utils", "node_sharing"),
@@ -396,7 +401,7 @@ def test_what_siblings_use_besides_the_api_is_marked_package_internal() -> None:
     )
 
 
-CORE_CHAIN = ["s3_dirpath_utils", "s3_utils", "s3_fencing", "s3_checkpoint_io", "connector"]
+CORE_CHAIN = ["s3_dirpath_utils", "s3_pacing", "s3_utils", "s3_fencing", "s3_checkpoint_io", "connector"]
 """The core files, in order: each imports (at its top) only first-party modules before it, so a fork copies them
 alone and any prefix of the chain works without what follows (README.md, "Use in a NeMo 1.x fork")."""
 
@@ -431,9 +436,13 @@ def test_the_import_check_sees_both_import_forms() -> None:
     assert _top_level_imports(ast.parse(source)) == {"s3_utils", "s3_fencing"}
 
 
-MAX_LINES = {"s3_utils": 3500, "s3_dcp": 2560, "s3_checkpoint_cli": 880, "s3_checkpoint_io": 1500}
-"""Line limits of modules that may be larger than `DEFAULT_MAX_LINES`, the limit of every other root-level module."""
-DEFAULT_MAX_LINES = 1300
+MAX_LINES = {
+    "s3_utils": 3000, "s3_dcp": 2560, "s3_checkpoint_io": 1550, "s3_checkpoint_convert": 1400, "connector": 1390,
+    "s3_mcore": 1350, "s3_memory_tier": 1200, "s3_checkpoint_cli": 900,
+}
+"""Line limits of modules that may be larger than `DEFAULT_MAX_LINES`, the limit of every other root-level module:
+about 10% above each module's size when set, and never above 3,000 (a module that needs more is split by concept)."""
+DEFAULT_MAX_LINES = 1000
 
 @pytest.mark.parametrize("module", MODULES)
 def test_module_size(module: str) -> None:

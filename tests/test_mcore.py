@@ -402,6 +402,33 @@ def routed(megatron: Any) -> Iterator[Any]:
 
 
 @pytest.mark.skipif(BEFORE_0_19, reason="megatron-core >= 0.19's maybe_msc")
+def test_one_s3_utils_reaches_the_save_strategy_the_routing_and_the_loads_it_routes(routed: Any) -> None:
+    """An `S3Utils` given to megatron-core's save strategy, to the routing, or (as writer options) to NeMo 2.x's
+    checkpoint IO is what their writers use and what the readers of megatron-core's own loads use: loads go where
+    saves went; reader options that say how to reach S3 still win (docs/s3.md)."""
+    from megatron.core.dist_checkpointing import serialization
+
+    from s3_utils import S3ClientSettings, S3Utils
+
+    url = "s3://bkt/run/iter_0000001"
+    s3 = S3Utils(S3ClientSettings(endpoint_url="http://127.0.0.1:9"))
+    assert s3_mcore.S3TorchDistSaveShardedStrategy(s3_utils=s3).s3_writer(url).s3 is s3
+
+    class NeMoLike:  # NeMo 2.x's MegatronCheckpointIO, as far as the constructor goes
+        def __init__(self, **kwargs: Any) -> None:
+            pass
+
+    s3_mcore.megatron_checkpoint_io_class(NeMoLike)(s3_writer_options={"client_settings": s3.settings})
+    routing = s3_mcore.routing()
+    assert routing is not None and routing.s3.settings.endpoint_url == "http://127.0.0.1:9"
+    assert serialization._get_filesystem_reader(Path(url)).s3 is routing.s3
+    s3_mcore.install_s3_routing(s3)
+    assert serialization._get_filesystem_reader(Path(url)).s3 is s3
+    s3_mcore.install_s3_routing(s3, reader_options={"endpoint_url": "http://127.0.0.1:8"})
+    assert serialization._get_filesystem_reader(Path(url)).s3.settings.endpoint_url == "http://127.0.0.1:8"
+
+
+@pytest.mark.skipif(BEFORE_0_19, reason="megatron-core >= 0.19's maybe_msc")
 def test_routing_installs_once_and_uninstalls(routed: Any, tmp_path: Path) -> None:
     from megatron.core.dist_checkpointing import serialization
     from megatron.core.dist_checkpointing.strategies import torch as torch_strategies

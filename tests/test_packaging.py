@@ -20,7 +20,7 @@ from optional_imports import extras as optional_dependencies
 
 REPO = Path(__file__).resolve().parent.parent
 CORE_MODULES = [
-    "s3_dirpath_utils", "s3_utils", "s3_fencing", "s3_checkpoint_io", "s3_prefix_spreading", "s3_dcp",
+    "s3_dirpath_utils", "s3_pacing", "s3_utils", "s3_fencing", "s3_checkpoint_io", "s3_prefix_spreading", "s3_dcp",
     "s3_node_sharing", "s3_memory_tier", "connector",
 ]
 
@@ -36,7 +36,8 @@ def test_core_modules_import_with_every_extra_hidden() -> None:
     hidden = CORE_OPTIONAL_MODULES
     result = run_python(
         """
-        import s3_dirpath_utils, s3_utils, s3_fencing, s3_checkpoint_io, s3_dcp, s3_node_sharing, s3_memory_tier
+        import s3_dirpath_utils, s3_pacing, s3_utils, s3_fencing, s3_checkpoint_io
+        import s3_dcp, s3_node_sharing, s3_memory_tier
         import connector
         assert s3_dirpath_utils.parse_s3_url("s3://bucket/key") == ("bucket", "key")
         print("ok")
@@ -195,7 +196,7 @@ def test_every_module_at_the_repo_root_is_installed() -> None:
     assert sorted(listed) == sorted(path.stem for path in REPO.glob("*.py"))
 
 
-CORE_FILES = ["s3_dirpath_utils", "s3_utils", "s3_fencing", "s3_checkpoint_io", "connector"]
+CORE_FILES = ["s3_dirpath_utils", "s3_pacing", "s3_utils", "s3_fencing", "s3_checkpoint_io", "connector"]
 """What the design card names: a fork may copy only these (no s3_dcp: no sharded checkpoints on S3)."""
 
 CORE_FILE_FORKS = """
@@ -246,7 +247,7 @@ fork("", {flat!r}, {url!r} + "/top-level")
 def test_forks_of_the_core_files_checkpoint_resume_and_name_what_a_dcp_checkpoint_needs(
     bucket: str, s3_server: Any, tmp_path: Path
 ) -> None:
-    """The five files copied into a package folder and as top-level modules (both in one interpreter: their
+    """The six files copied into a package folder and as top-level modules (both in one interpreter: their
     module names differ): single-file save, resume discovery and load work, and a DCP checkpoint met on resume
     names itself and the missing s3_dcp.py."""
     if s3_server.name == "seaweedfs":
@@ -323,7 +324,7 @@ dist.destroy_process_group()
 def test_a_two_rank_job_of_the_core_files_works_and_warns_once_that_host_sharing_is_missing(
     bucket: str, s3_server: Any, tmp_path: Path, with_node_sharing: bool
 ) -> None:
-    """Two real ranks (gloo, torchrun's environment) of a fork that copied the five core files, as a package and as
+    """Two real ranks (gloo, torchrun's environment) of a fork that copied the six core files, as a package and as
     top-level modules: each saves, then all load rank 0's checkpoint collectively. Without s3_node_sharing.py each
     rank paces on its own and downloads for itself, and says once (per copy of s3_utils) what is missing and what to
     copy; with it beside them, the pacer is the host's, the load is shared, and nothing is said."""

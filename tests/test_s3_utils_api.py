@@ -455,15 +455,28 @@ def test_checkpoint_name_rules(name: str, is_directory: bool, kind: str | None, 
         assert (kind == "end") == name.endswith(connector.END_FILE_SUFFIX)
 
 
-def test_names_that_moved_to_s3_fencing_are_still_importable_from_s3_utils() -> None:
-    """Run identity and fencing live in s3_fencing; code that imported them from s3_utils keeps working (the same
-    objects, imported on first use: s3_fencing imports s3_utils, never the other way at import time)."""
-    import s3_fencing
-    from s3_utils import DirectoryFence, current_run
+def test_one_settings_object_reaches_every_class(bucket: str, s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An endpoint given only in an `S3ClientSettings` (the environment names one where nothing listens) is the one
+    the client of each class uses, handed over as ``s3_utils=`` or as ``client_settings=``: the plugin saves and
+    loads through it; DCP's writer and reader and the Lightning strategy build on it (docs/s3.md)."""
+    torch = pytest.importorskip("torch")
+    import s3_dcp
 
-    assert DirectoryFence is s3_fencing.DirectoryFence and current_run is s3_fencing.current_run
-    for name in ("CheckpointDirectoryTakenError", "CheckpointRun", "FenceToken", "LaunchIdentity", "adopt_run"):
-        assert getattr(s3_utils, name) is getattr(s3_fencing, name)
-    assert s3_utils.OWNER_RECORD_NAME == s3_fencing.OWNER_RECORD_NAME
-    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
-        s3_utils.not_a_name  # noqa: B018
+    settings = S3ClientSettings(endpoint_url=s3_server.endpoint_url)
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # what a class that ignored the settings would reach
+    for given in ({"s3_utils": S3Utils(settings)}, {"client_settings": settings}):
+        plugin = S3CheckpointIO(**given)
+        url = f"s3://{bucket}/{next(iter(given))}/m.ckpt"
+        plugin.save_checkpoint({"w": torch.arange(3.0)}, url)
+        assert torch.equal(plugin.load_checkpoint(url)["w"], torch.arange(3.0))
+        plugin.teardown()
+        built = [
+            s3_dcp.S3StorageWriter(f"s3://{bucket}/dcp", **given),
+            s3_dcp.S3StorageReader(f"s3://{bucket}/dcp", **given),
+            s3_dcp.S3ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1, **given),
+        ]
+        for made in built:
+            assert made.s3.client.meta.endpoint_url == s3_server.endpoint_url, made
+        if "s3_utils" in given:
+            assert all(made.s3 is given["s3_utils"] for made in [plugin, *built])

@@ -25,6 +25,7 @@ from optional_imports import CORE_OPTIONAL_MODULES, HIDE_PREAMBLE
 
 import s3_tier_replication as replication
 from s3_local_servers import free_port
+from s3_memory_tier import file_checksum
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "helpers" / "replication_worker.py"
@@ -41,7 +42,13 @@ def make_checkpoint(path: Path, big: int = 20 * MiB + 123) -> dict[str, tuple[in
     (path / "empty").write_bytes(b"")
     (path / ".metadata").write_bytes(b'{"step": 3}')
     (path / "sub" / "extra.pt").write_bytes(os.urandom(5000))
-    return replication.directory_manifest(path)
+    return directory_manifest(path)
+
+
+def directory_manifest(root: Path) -> dict[str, tuple[int, str]]:
+    """The manifest of every regular file under `root`, as the memory tier builds one from its commit records."""
+    files = sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+    return {path.relative_to(root).as_posix(): file_checksum(path, "auto") for path in files}
 
 
 def send(src: Path, name: str, peer: tuple[str, int], manifest: dict, **overrides: object) -> None:
@@ -76,7 +83,7 @@ def test_a_replica_arrives_bit_identical_private_and_listed(tmp_path: Path, serv
     send(tmp_path / "memory" / "step=3", "step=3", server.address, manifest)
 
     replica = server.root / NODE / "step=3"
-    assert replication.directory_manifest(replica) == manifest
+    assert directory_manifest(replica) == manifest
     for path in manifest:
         assert (replica / path).read_bytes() == (tmp_path / "memory" / "step=3" / path).read_bytes()
         assert stat.S_IMODE((replica / path).stat().st_mode) == 0o600
@@ -100,8 +107,8 @@ def test_manifest_checksums_are_spelled_as_the_package_records(tmp_path: Path) -
 
     crc32c = s3_utils.ChecksumAlgorithm.named("CRC32C")
     expected = f"CRC32C {crc32c.encode(s3_utils.checksum_of(crc32c, b'hello'))}"
-    assert replication.file_checksum(tmp_path / "f") == expected
-    assert replication.file_checksum(tmp_path / "f", "CRC32").startswith("CRC32 ")
+    assert file_checksum(tmp_path / "f", "CRC32C") == (5, expected)
+    assert file_checksum(tmp_path / "f", "CRC32")[1].startswith("CRC32 ")
 
 
 def test_a_replica_is_fetched_back_verified(tmp_path: Path, server: replication.ReplicaServer) -> None:
@@ -111,7 +118,7 @@ def test_a_replica_is_fetched_back_verified(tmp_path: Path, server: replication.
 
     back = replication.fetch_directory(server.address, dest=tmp_path / "restored", **target)
     assert back == tmp_path / "restored"
-    assert replication.directory_manifest(back) == manifest
+    assert directory_manifest(back) == manifest
     assert (back / "__0_0.distcp").read_bytes() == (tmp_path / "memory" / "step=5" / "__0_0.distcp").read_bytes()
     with pytest.raises(FileExistsError):
         replication.fetch_directory(server.address, dest=back, **target)
@@ -205,13 +212,13 @@ def test_a_wrong_manifest_is_refused_and_the_previous_replica_stays(
 ) -> None:
     manifest = make_checkpoint(tmp_path / "step=3")
     send(tmp_path / "step=3", "step=3", server.address, manifest)
-    before = replication.directory_manifest(server.root / NODE / "step=3")
+    before = directory_manifest(server.root / NODE / "step=3")
 
     (tmp_path / "step=3" / "__1_0.distcp").write_bytes(os.urandom(1000))  # same size, other bytes: stale manifest
     with pytest.raises(replication.ReplicaRefusedError, match=r"__1_0.distcp.*arrived with"):
         send(tmp_path / "step=3", "step=3", server.address, manifest)
     assert [info.files for info in server.replicas()] == [manifest]  # the earlier replica of that name still counts
-    assert replication.directory_manifest(server.root / NODE / "step=3") == before
+    assert directory_manifest(server.root / NODE / "step=3") == before
     assert leftovers(server.root) == []
 
     longer = {**manifest, "empty": (10, manifest["empty"][1])}  # a size that disagrees: refused before sending
@@ -364,7 +371,7 @@ def test_a_peer_that_dies_or_stalls_mid_transfer_fails_the_send_in_time_and_leav
     source.mkdir()
     with open(source / "big.bin", "wb") as stream:  # sparse: quick to make, slow enough to catch mid-way
         stream.truncate(1024 * MiB)
-    manifest = replication.directory_manifest(source)
+    manifest = directory_manifest(source)
     root = tmp_path / "replicas"
     with Served(root) as (process, address):
         outcome: list[BaseException | None] = []
@@ -469,9 +476,9 @@ def test_replication_needs_no_extra_and_the_address_exchange_names_torch(tmp_pat
     """Every extra hidden (torch, boto3, awscrt...): a round trip works (CRC32 without awscrt); only the address
     exchange needs torch, and says how to install it."""
     code = HIDE_PREAMBLE.format(hidden=set(CORE_OPTIONAL_MODULES)) + (
-        "import pathlib, s3_tier_replication as r, s3_utils\n"
+        "import pathlib, s3_memory_tier, s3_tier_replication as r, s3_utils\n"
         f"src = pathlib.Path({str(tmp_path / 'src')!r}); src.mkdir(); (src / 'f').write_bytes(b'x' * 100)\n"
-        "manifest = r.directory_manifest(src)\n"
+        "manifest = {'f': s3_memory_tier.file_checksum(src / 'f', 'auto')}\n"
         "assert manifest['f'][1].startswith('CRC32 '), manifest\n"
         f"with r.ReplicaServer(pathlib.Path({str(tmp_path / 'root')!r}), job='j', launch=None) as server:\n"
         "    r.send_directory(src, 'n', server.address, sender_node='a', job='j', launch=None, manifest=manifest)\n"

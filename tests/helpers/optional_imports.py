@@ -48,7 +48,7 @@ LIGHTNING_MODULES = _MODULES_OF["lightning"]
 """The top-level modules the lightning extra installs (both Lightning families and fabric)."""
 
 CORE_OPTIONAL_MODULES = modules_of("s3", "lightning")
-"""What the four core modules may import: the s3 and lightning extras, and torch."""
+"""What the core modules may import: the s3 and lightning extras, and torch."""
 
 DEMO_OPTIONAL_MODULES = modules_of("demo")
 """What the CLI and its demo may import (the demo extra includes the cli and lightning ones), and torch."""

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import s3_tier_replication as replication
+from s3_memory_tier import file_checksum
 
 JOB = "test-job"
 LAUNCH = "test-job#0"
@@ -49,7 +50,7 @@ def exchange(out: Path) -> None:
         source = out / f"node{node}" / "memory" / "step=1"
         source.mkdir(parents=True)
         (source / "shard.bin").write_bytes(bytes([node]) * (1 << 20) + os.urandom(4096))
-        manifest = replication.directory_manifest(source)
+        manifest = {"shard.bin": file_checksum(source / "shard.bin", "auto")}
         if peer is not None:
             replication.send_directory(
                 source, "step=1", addresses[nodes[peer]], sender_node=nodes[me], job=JOB, launch=LAUNCH,

@@ -1,0 +1,413 @@
+"""The request pacer: how fast this process sends S3 requests once S3 answers SlowDown, or under a job's budget.
+
+A core file, standard library only, imported by s3_utils (whose `S3Utils.with_retries` sends every request through
+the process's `RequestPacer`, made by `s3_utils.request_pacer`). Two parts:
+
+1. `RequestRates`: a job-wide budget of requests per second, from a number, a ``write=N,read=M`` string or a mapping.
+2. The pacer: `PacerLane`, an adaptive token bucket for one direction (writes or reads), and `RequestPacer`, the two
+   lanes of one process for one bucket. A lane may keep its state in a store shared by the job's processes on the
+   host (`SharedLaneStore`; ``s3_node_sharing.SharedPacerFile`` is one), so a process learns from its neighbours'
+   SlowDowns too.
+
+Why and with what figures: docs/scale.md ("Under S3 throttling"); benchmarks/s3_sim.py simulates thousands of ranks
+with these very classes (their clock is an argument).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+__all__ = ["PacerLane", "RequestPacer", "RequestRates"]
+
+logger = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------------------------------------------------
+# Budgets
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestRates:
+    """A job-wide budget of requests per second: `write` (PUT, POST, DELETE), `read` (GET, HEAD); None: no budget."""
+
+    write: float | None = None
+    read: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("write", "read"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+                raise ValueError(f"max_requests_per_second: {name} must be a positive number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+
+    @classmethod
+    def from_value(cls, value: float | str | Mapping[str, float] | RequestRates | None) -> RequestRates | None:
+        """A budget from a number, a ``write=..,read=..`` string or a mapping with keys ``write`` / ``read``."""
+        if value is None or isinstance(value, RequestRates):
+            return value
+        if isinstance(value, str):
+            text = value.strip()
+            pairs = [part.split("=", 1) for part in text.split(",") if part.strip()]
+            problem = f"max_requests_per_second must be a number or 'write=N,read=M', got {value!r}"
+            try:
+                if "=" not in text:
+                    value = dict.fromkeys(("write", "read"), float(text))
+                elif all(len(pair) == 2 for pair in pairs):
+                    value = {key.strip(): float(number) for key, number in pairs}
+                else:
+                    raise ValueError(text)
+            except ValueError:
+                raise ValueError(problem) from None
+        if isinstance(value, Mapping):
+            unknown = sorted(str(key) for key in value if key not in ("write", "read"))
+            if unknown:
+                raise ValueError(f"max_requests_per_second takes the keys 'write' and 'read', got {unknown}")
+            rates = cls(value.get("write"), value.get("read"))
+            return rates if (rates.write, rates.read) != (None, None) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"max_requests_per_second must be a number or a mapping, got {type(value).__name__}")
+        return cls(value, value)
+
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The pacer: lanes, their state shared on a host, and one process's pacer of a bucket
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class PacerLaneState(NamedTuple):
+    """What a `PacerLane` keeps in its host's shared state (`SharedLaneStore`), loaded and stored under its lock.
+    Package-internal (docs/api.md)."""
+
+    active: bool
+    rate: float
+    tokens: float
+    refilled_at: float
+    epoch: float
+    changed_at: float
+    streak: float
+    last_success: float
+    throttles: int
+    activations: int
+    sends: tuple[float, ...]  # send times (oldest first), the newest 64
+
+
+class SharedLaneStore(Protocol):
+    """The host-shared state behind the lanes of a `RequestPacer` (``s3_node_sharing.SharedPacerFile``).
+    Package-internal (docs/api.md)."""
+
+    processes: int  # the processes using the state, as of the last `locked` section
+
+    def locked(self) -> contextlib.AbstractContextManager[None]: ...
+    def load(self, lane: int) -> PacerLaneState: ...
+    def store(self, lane: int, state: PacerLaneState) -> None: ...
+    def active_flag(self, lane: int) -> tuple[Any, int]: ...
+    def last_success(self, lane: int) -> float: ...
+
+
+class PacerLane:
+    """One direction (reads or writes) of a `RequestPacer`: a token bucket whose rate adapts to S3's answers.
+
+    Dormant until the first throttling answer or a budget. The rate starts at `BETA` times the send rate, drops by
+    `BETA` on a throttling answer to a request sent after the last drop, and grows on each success (faster when slow,
+    on a long run, and the longer since the last drop: `QUIET_S`; plus `CATCH_UP` for fairness), within
+    ``[MIN_RATE, 2 x send rate]`` and the budget's share. A lane shared by n processes (`SharedLaneStore`) acts as n
+    lanes in lock step. Times are arguments, else `clock`'s (``time.monotonic``; benchmarks/s3_sim.py: simulated).
+    """
+
+    BETA = 0.7
+    GROWTH = 0.1
+    CATCH_UP = 0.05  # requests per second added per second of successes, whatever the rate (fairness between processes)
+    STREAK_SCALE = 4.0
+    MAX_STREAK = 64
+    MIN_RATE = 0.2  # requests/s per process a lane never goes under (to learn when the store has room)
+    QUIET_S, MAX_QUIET = 0.25, 64.0  # s seconds after WINDOW_S without a cut, growth is 1 + s / QUIET_S times faster
+    WINDOW_S = 2.0  # the window over which a lane measures its send rate (to start from, and to cap its growth)
+
+    def __init__(
+        self, name: str, limit: Callable[[], float | None] | None = None, shared: SharedLaneStore | None = None,
+        index: int = 0, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.name, self._limit, self._shared, self._index, self._clock = name, limit, shared, index, clock
+        self._flag = shared.active_flag(index) if shared is not None else None  # (mapping, offset) of `active`
+        self._cond = threading.Condition(threading.Lock())
+        self._active, self._rate = False, math.inf
+        self._tokens, self._refilled_at, self._epoch, self._changed_at, self._streak = 0.0, 0.0, -math.inf, 0.0, 0.0
+        self._sends: collections.deque[float] = collections.deque(maxlen=64)
+        self._own_sends = self._sends  # this process's sends (a shared lane's `_sends` are the host's while pacing)
+        self._processes, self._last_success = 1, -math.inf
+        self._host_last_success = -math.inf  # a shared lane's host-wide figures, as loaded
+        self._host_throttles = self._host_activations = 0
+        self.throttles = 0  # throttling answers this process saw
+        self.waits = 0  # requests of this process that waited for a token
+        self.waited_s = 0.0  # seconds they waited, summed over threads
+        self.activations = 0  # times this process woke the lane
+        if limit is not None and limit() is not None:
+            with self._state():
+                if not self._active:
+                    self._activate_with_budget(clock())
+
+    def __repr__(self) -> str:
+        state = f"{self.rate:.3g} requests/s" if self.active else "dormant"
+        where = f", shared by {self.processes} processes" if self._shared is not None else ""
+        return f"<PacerLane {self.name}: {state}{where}, {self.throttles} throttled, {self.waited_s:.2f} s waited>"
+
+    @property
+    def shared(self) -> bool:
+        """Whether this lane is the host's (shared with the job's other processes on this host)."""
+        return self._shared is not None
+
+    @property
+    def processes(self) -> int:
+        """The processes this lane paces: 1, or those of the job on this host that share it."""
+        return self._processes
+
+    @property
+    def active(self) -> bool:
+        flag = self._flag
+        return self._active if flag is None else flag[0][flag[1]] != 0
+
+    @property
+    def rate(self) -> float:
+        """Requests per second this lane lets through (infinite while dormant); a shared lane's is the host's."""
+        if self._shared is not None:
+            with self._state():
+                pass
+        return self._rate if self._active else math.inf
+
+    @property
+    def last_success(self) -> float:
+        """`time.monotonic()` of the last success through this lane (a shared lane's: of any process of the host)."""
+        if self._shared is not None:
+            return max(self._last_success, self._shared.last_success(self._index))
+        return self._last_success
+
+    # ---- the shared state ----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _state(self) -> Iterator[None]:
+        """Hold the lane; for a shared lane, hold the host's state too and work on a copy of it (stored back)."""
+        with self._cond:
+            shared = self._shared
+            if shared is None:
+                yield
+                return
+            with shared.locked():
+                self._load(shared)
+                yield
+                self._store(shared)
+
+    def _load(self, shared: SharedLaneStore) -> None:
+        state = shared.load(self._index)
+        self._active = state.active
+        self._rate = state.rate if state.active else math.inf
+        self._tokens, self._refilled_at, self._epoch, self._changed_at, self._streak = state[2:7]
+        self._host_last_success, self._host_throttles, self._host_activations = state[7:10]
+        self._sends = collections.deque(state.sends, maxlen=64)
+        self._processes = shared.processes
+
+    def _store(self, shared: SharedLaneStore) -> None:
+        shared.store(
+            self._index,
+            PacerLaneState(
+                self._active, self._rate, self._tokens, self._refilled_at, self._epoch, self._changed_at, self._streak,
+                self._host_last_success, self._host_throttles, self._host_activations, tuple(self._sends),
+            ),
+        )
+
+    # ---- the arithmetic (times from time.monotonic(), or a test's clock) ----------------------------------------
+    def record_send(self, now: float) -> None:
+        self._sends.append(now)
+
+    def measured_rate(self, now: float, sends: Iterable[float] | None = None) -> float:
+        """Requests sent per second over the last `WINDOW_S` (by this lane, or the given send times)."""
+        sends = tuple(self._sends if sends is None else sends)
+        recent = [t for t in sends if t > now - self.WINDOW_S]
+        if len(recent) == 64 and now > recent[0]:
+            return len(recent) / (now - recent[0])
+        return len(recent) / self.WINDOW_S
+
+    def reserve(self, now: float, floor: float = 0.0) -> float:
+        """Take a token (0.0: send now) or say how many seconds until one is there (at `floor` per second at least)."""
+        with self._state():
+            return self._reserve(now, floor)
+
+    def _reserve(self, now: float, floor: float = 0.0) -> float:
+        if not self._active:
+            self._own_sends.append(now)
+            return 0.0
+        limit = self._apply_limit(now)
+        floor *= self._processes  # each process's waiting request gets one at least that often
+        rate = max(self._rate, min(floor, limit if limit is not None else math.inf))  # a budget is never exceeded
+        self._tokens = min(1.0, self._tokens + (now - self._refilled_at) * rate)
+        self._refilled_at = now
+        if self._tokens >= 1.0 - 1e-9:  # (1 / rate) * rate may come out a hair under 1
+            self._tokens = max(0.0, self._tokens - 1.0)
+            self._sends.append(now)
+            return 0.0
+        return max((1.0 - self._tokens) / rate, 1e-4)
+
+    def on_throttle(self, sent: float, now: float) -> None:
+        """A throttling answer to a request sent at `sent`."""
+        with self._state():
+            self.throttles += 1
+            self._host_throttles += 1
+            self._streak = 0.0
+            n = self._processes
+            if not self._active:
+                self._active = True
+                self.activations += 1
+                self._host_activations += 1
+                self._rate = max(self.MIN_RATE * n, self.BETA * self.measured_rate(now, self._own_sends) * n)
+                if self._shared is not None:
+                    self._sends = collections.deque(self._own_sends, maxlen=64)
+                self._apply_limit(now)
+                self._tokens, self._refilled_at, self._epoch, self._changed_at = 0.0, now, now, now
+                whose = f"the {n} processes of this job on this host share" if n > 1 else "this process's"
+                message = "S3 throttles %s: pacing %s %s at %.3g requests/s from now on"
+                logger.info(message, self.name, whose, self.name, self._rate)
+            elif sent >= self._epoch:
+                self._set_rate(max(self.MIN_RATE * n, self.BETA * self._rate), now)
+                self._epoch = self._changed_at = now
+                logger.debug("S3 throttles %s: %.3g requests/s", self.name, self._rate)
+
+    def on_success(self, sent: float, now: float) -> None:
+        """A success of a request sent at `sent`."""
+        self._last_success = now
+        if not self.active:
+            return
+        with self._state():
+            self._host_last_success = now
+            if not self._active:
+                return
+            n = self._processes
+            self._streak = min(self._streak + 1.0 / n, self.MAX_STREAK)
+            quiet = min(1.0 + max(0.0, now - self._epoch - self.WINDOW_S) / self.QUIET_S, self.MAX_QUIET)
+            step = quiet * self.GROWTH * (1.0 + self._streak / self.STREAK_SCALE) / math.sqrt(self._rate * n)
+            grown = self._rate * (1.0 + step) + quiet * self.CATCH_UP * n * max(0.0, now - self._changed_at)
+            grown = min(grown, max(self._rate, 2.0 * self.measured_rate(now)))
+            self._changed_at = now
+            if grown > self._rate:
+                self._set_rate(grown, now)
+                self._cond.notify_all()
+
+    def _set_rate(self, rate: float, now: float) -> None:
+        self._tokens = min(1.0, self._tokens + (now - self._refilled_at) * self._rate)
+        self._refilled_at = now
+        self._rate = rate
+        self._apply_limit(now)
+
+    def _activate_with_budget(self, now: float) -> None:
+        self._active = True
+        self._rate = math.inf
+        self._apply_limit(now)
+        self._tokens, self._refilled_at, self._changed_at = 1.0, now, now
+
+    def _apply_limit(self, now: float) -> float | None:
+        limit = self._limit() if self._limit is not None else None
+        if limit is not None:
+            limit *= self._processes  # the host's lane: the shares of the processes that use it
+            self._rate = min(self._rate, limit)
+        return limit
+
+    # ---- the blocking side ------------------------------------------------------------------------------------
+    def acquire(self, max_interval_s: float = math.inf) -> float:
+        """Wait for a token if pacing (one comes at least every `max_interval_s`); return the send time to report."""
+        now = self._clock()
+        if not self.active:
+            self._own_sends.append(now)  # thread-safe, and the only cost of a dormant lane
+            return now
+        started = now
+        floor = 1.0 / max_interval_s if max_interval_s > 0 else math.inf
+        while True:
+            with self._state():
+                wait = self._reserve(now, floor)
+            if wait <= 0.0:
+                break
+            with self._cond:
+                self._cond.wait(wait)  # woken early when this process's successes grow the rate
+            now = self._clock()
+        if now > started:
+            with self._cond:
+                self.waits += 1
+                self.waited_s += now - started
+        return now
+
+
+_WRITE_OPERATIONS = frozenset(
+    {
+        *("put_object", "upload_part", "upload_part_copy", "copy_object", "create_multipart_upload"),
+        *("complete_multipart_upload", "abort_multipart_upload", "delete_object", "delete_objects", "create_bucket"),
+        "delete_bucket",
+    }
+)
+"""boto3 operations S3 counts as writes (PUT, POST, DELETE); every other operation is a read (GET, HEAD)."""
+
+
+class RequestPacer:
+    """The request pacer of one process for one bucket and endpoint: a `PacerLane` each for writes and for reads.
+    A budget (`limit`) is job-wide: this process takes its share, the rate over `world_size()` (the job's processes,
+    ``s3_utils.world_size`` as `s3_utils.request_pacer` builds it; None: this process alone)."""
+
+    def __init__(
+        self, endpoint_url: str | None, bucket: str, shared: SharedLaneStore | None = None,
+        clock: Callable[[], float] = time.monotonic, world_size: Callable[[], int] | None = None,
+    ) -> None:
+        self.endpoint_url, self.bucket, self._clock, self._world_size = endpoint_url, bucket, clock, world_size
+        self._budget: RequestRates | None = None
+        self._world: tuple[float, int] = (-math.inf, 1)
+        self.writes = PacerLane("writes", lambda: self._share("write"), shared, 0, clock)
+        self.reads = PacerLane("reads", lambda: self._share("read"), shared, 1, clock)
+
+    def __repr__(self) -> str:
+        return f"<RequestPacer s3://{self.bucket} ({self.endpoint_url or 'AWS'}): {self.writes!r}, {self.reads!r}>"
+
+    @property
+    def shared(self) -> bool:
+        """Whether the lanes are shared with the job's other processes on this host."""
+        return self.writes.shared
+
+    def lane(self, operation: str) -> PacerLane:
+        return self.writes if operation in _WRITE_OPERATIONS else self.reads
+
+    def limit(self, budget: RequestRates) -> None:
+        """Apply a job-wide budget (the smallest one given so far wins, per direction)."""
+        old = self._budget or RequestRates()
+        if self._budget is not None and _smaller(old, budget) == old:
+            return  # nothing new: the common case, one check per request of an S3Utils with a budget
+        self._budget = _smaller(old, budget)
+        now = self._clock()
+        for lane in (self.writes, self.reads):
+            with lane._state():
+                if lane._limit is not None and lane._limit() is not None and not lane._active:
+                    lane._activate_with_budget(now)
+                lane._apply_limit(now)
+
+    def _share(self, direction: str) -> float | None:
+        """The job-wide rate over the world size (asked again every 5 s: the process group starts after S3 requests)."""
+        budget = self._budget
+        rate = getattr(budget, direction) if budget is not None else None
+        if rate is None:
+            return None
+        checked, world = self._world
+        now = self._clock()
+        if now - checked > 5.0:
+            world = self._world_size() if self._world_size is not None else 1
+            self._world = (now, world)
+        return rate / world
+
+
+def _smaller(first: RequestRates, second: RequestRates) -> RequestRates:
+    def least(a: float | None, b: float | None) -> float | None:
+        return b if a is None else a if b is None else min(a, b)
+
+    return RequestRates(least(first.write, second.write), least(first.read, second.read))
