@@ -370,11 +370,11 @@ class ReplicaServer:
     A daemon thread accepts connections on `bind_host` (127.0.0.1 by default; on a cluster, the node's address on
     the job's network) and `port` (0: any free port); `address` is what peers connect to (`advertise_host` if
     the bound address is not reachable as such). `job` and `launch` are this process's (see the module's threat
-    model). `keep`: at most that many replicas per sender, the newest (older ones are dropped after each one that
-    counts), where the replicas a sender put in one retention group (`send_directory`'s `group`: the files of one
-    checkpoint) count as one, kept or dropped together; None keeps all (`drop` and `keep_latest` bound them by
-    hand). `close` stops it; in-flight transfers fail and leave nothing that counts. A second server on the same
-    root raises RuntimeError.
+    model). `keep`: at most that many replicas per sender, the newest, the one arriving included (with ``keep >= 2``
+    the oldest is dropped as a new one starts to arrive; with 1, once the new one counts), where the replicas a
+    sender put in one retention group (`send_directory`'s `group`: the files of one checkpoint) count as one, kept or
+    dropped together; None keeps all (`drop` and `keep_latest` bound them by hand). `close` stops it; in-flight
+    transfers fail and leave nothing that counts. A second server on the same root raises RuntimeError.
     Package-internal (docs/api.md).
     """
 
@@ -498,6 +498,21 @@ class ReplicaServer:
         trash = sender_dir / f"{_INCOMING}{name}-dropped-{secrets.token_hex(4)}"
         os.rename(directory, trash)
         return trash if counted else _remove(trash)
+
+    def _make_room(self, sender_node: str, name: str, group: str | None, launch: str | None) -> list[Path | None]:
+        """Before a replica of a new retention group arrives: with ``keep >= 2``, retire the oldest groups of
+        `sender_node` down to ``keep - 1``, so that the node never holds more than `keep` per sender, the one arriving
+        included (the newest complete one stays while it arrives). With ``keep == 1`` the one held stays until its
+        successor counts. What was retired, for `_remove`."""
+        if self.keep is None or self.keep < 2 or not (self.root / sender_node).is_dir():
+            return []
+        with self._lock:
+            if _older(launch, self._newest.get(sender_node)):
+                return []  # refused at its commit: it replaces nothing
+            held = {info.group or f"name {info.name}" for info in self._replicas(sender_node)}
+            if (group or f"name {name}") in held:
+                return []  # another file of a group held, or a replica of the same name sent again
+            return list(self._keep_latest(sender_node, self.keep - 1).values())
 
     def _keep_latest(self, sender_node: str, keep: int) -> dict[str, Path | None]:
         if keep < 1:
@@ -650,6 +665,7 @@ class ReplicaServer:
             return
         sender_dir = self.root / sender_node
         _make_private_directory(sender_dir)
+        _remove(*self._make_room(sender_node, name, group, launch))
         temporary = sender_dir / f"{_INCOMING}{name}-{secrets.token_hex(4)}"
         temporary.mkdir(mode=0o700)
         started = time.perf_counter()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import stat
@@ -436,6 +437,27 @@ def test_retention_keeps_the_newest_replicas(tmp_path: Path) -> None:
         while leftovers(server.root) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert sorted(p.name for p in (server.root / NODE).iterdir()) == ["step=4", "step=4.replica.json"]
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_a_node_holds_at_most_keep_replicas_per_sender_while_one_arrives(tmp_path: Path, keep: int) -> None:
+    """With ``keep >= 2`` the oldest replica is dropped as a new one starts to arrive, so a node holds at most `keep`
+    per sender, the arriving one included (the RAM bound of docs/tiers.md), and the newest complete one stays even if
+    the new one fails; with ``keep=1`` the one held stays until its successor counts."""
+    manifest = make_checkpoint(tmp_path / "ckpt", big=1000)
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "changed")
+    (tmp_path / "changed" / "__1_0.distcp").write_bytes(os.urandom(1000))  # the manifest no longer matches
+    with replication.ReplicaServer(tmp_path / "replicas", job=JOB, launch=LAUNCH, keep=keep) as server:
+        for step in range(1, keep + 1):
+            send(tmp_path / "ckpt", f"step={step}", server.address, manifest)
+        with pytest.raises(replication.ReplicaRefusedError, match="arrived with"):
+            send(tmp_path / "changed", f"step={keep + 1}", server.address, manifest)
+        held = [f"step={step}" for step in range(1, keep + 1)]
+        assert [i.name for i in server.replicas(NODE)] == (held[1:] if keep >= 2 else held)
+        send(tmp_path / "ckpt", f"step={keep + 1}", server.address, manifest)
+        assert [i.name for i in server.replicas(NODE)] == [*held[1:], f"step={keep + 1}"]
+        send(tmp_path / "ckpt", f"step={keep + 1}", server.address, manifest)  # the same name again: drops nothing
+        assert [i.name for i in server.replicas(NODE)] == [*held[1:], f"step={keep + 1}"]
 
 
 # ---- topology ------------------------------------------------------------------------------------------------------
