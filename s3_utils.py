@@ -476,7 +476,9 @@ class PacerLane:
     `BETA` on a throttling answer to a request sent after the last drop, and grows on each success (faster when slow,
     on a long run, and the longer since the last drop: `QUIET_S`; plus `CATCH_UP` for fairness), within
     ``[MIN_RATE, 2 x send rate]`` and the budget's share. A lane shared by n processes (`SharedLaneStore`) acts as n
-    lanes in lock step. Times are arguments, else `clock`'s (``time.monotonic``; benchmarks/s3_sim.py: simulated).
+    lanes in lock step, but for its floor: `MIN_RATE` is the host's, so that a job's floors add up to far less than
+    one S3 partition serves even at thousands of hosts. Times are arguments, else `clock`'s (``time.monotonic``;
+    benchmarks/s3_sim.py: simulated).
     """
 
     BETA = 0.7
@@ -484,7 +486,7 @@ class PacerLane:
     CATCH_UP = 0.05  # requests per second added per second of successes, whatever the rate (fairness between processes)
     STREAK_SCALE = 4.0
     MAX_STREAK = 64
-    MIN_RATE = 0.2  # requests/s per process a lane never goes under (to learn when the store has room)
+    MIN_RATE = 0.2  # requests/s a lane (a host's shared one too) never goes under (to learn when the store has room)
     QUIET_S, MAX_QUIET = 0.25, 64.0  # s seconds after WINDOW_S without a cut, growth is 1 + s / QUIET_S times faster
     WINDOW_S = 2.0  # the window over which a lane measures its send rate (to start from, and to cap its growth)
 
@@ -621,7 +623,7 @@ class PacerLane:
                 self._active = True
                 self.activations += 1
                 self._host_activations += 1
-                self._rate = max(self.MIN_RATE * n, self.BETA * self.measured_rate(now, self._own_sends) * n)
+                self._rate = max(self.MIN_RATE, self.BETA * self.measured_rate(now, self._own_sends) * n)
                 if self._shared is not None:
                     self._sends = collections.deque(self._own_sends, maxlen=64)
                 self._apply_limit(now)
@@ -630,7 +632,7 @@ class PacerLane:
                 message = "S3 throttles %s: pacing %s %s at %.3g requests/s from now on"
                 logger.info(message, self.name, whose, self.name, self._rate)
             elif sent >= self._epoch:
-                self._set_rate(max(self.MIN_RATE * n, self.BETA * self._rate), now)
+                self._set_rate(max(self.MIN_RATE, self.BETA * self._rate), now)
                 self._epoch = self._changed_at = now
                 logger.debug("S3 throttles %s: %.3g requests/s", self.name, self._rate)
 

@@ -70,6 +70,7 @@ class S3Params:
     quiet_s: float = 5.0  # a gap this long without SlowDown ends "sustained"
     latency_s: float = 0.1  # an admitted request's fixed time (first byte, or the PUT's answer)
     slowdown_latency_s: float = 0.02  # a SlowDown answer's round trip
+    latency_jitter: float = 0.2  # each request's fixed time is drawn from (1 +- this) x latency_s / slowdown_latency_s
     conn_bytes_per_s: float = 625e6  # 5 Gb/s per connection
     host_bytes_per_s: float = 12.5e9  # 100 Gb/s host NIC toward S3
     unlimited: bool = False  # no partition limits at all (the bandwidth bound)
@@ -300,6 +301,7 @@ class Cluster:
         self.waiting = [{"write": deque(), "read": deque()} for _ in range(self.hosts)]
         self.polling = [{"write": False, "read": False} for _ in range(self.hosts)]
         self.host_transfers = [0] * self.hosts
+        self.jitter = random.Random(f"latency {ranks}")  # its own stream: the retry policy's draws stay as they were
         self.failures = 0
         self.sent = {"write": 0, "read": 0}
         self.waited_s = 0.0
@@ -348,9 +350,13 @@ class Cluster:
             host = req.rank // self.client.ranks_per_host
             self.host_transfers[host] += 1
             rate = min(params.conn_bytes_per_s, params.host_bytes_per_s / self.host_transfers[host])
-            self.clock.at(now + params.latency_s + req.nbytes / rate, self._succeeded, req, host)
+            self.clock.at(now + self._latency(params.latency_s) + req.nbytes / rate, self._succeeded, req, host)
         else:
-            self.clock.at(now + params.slowdown_latency_s, self._throttled, req)
+            self.clock.at(now + self._latency(params.slowdown_latency_s), self._throttled, req)
+
+    def _latency(self, mean: float) -> float:
+        spread = self.s3.params.latency_jitter
+        return mean * self.jitter.uniform(1.0 - spread, 1.0 + spread) if spread else mean
 
     def _succeeded(self, req: Request, host: int) -> None:
         self.host_transfers[host] -= 1
@@ -528,15 +534,17 @@ def run(
         if part.admitted[direction] + part.throttled[direction]:
             per_partition[part.low or "(bucket)"] = part.admitted[direction]
     hot = max(per_partition.values()) if per_partition else 0
-    capacity_bound = hot / rate if not s3.unlimited else 0.0  # the hottest partition's requests at its rate
+    # the hottest partition's requests beyond its burst at its rate: in t seconds a partition admits at most its burst
+    # plus t x its rate, so no client can take less
+    capacity_bound = max(0.0, hot - rate * s3.burst_s) / rate if not s3.unlimited else 0.0
     first, last = model.first_request.get(direction, T0), model.last_admitted.get(direction, T0)
     used = len(per_partition)
     # the emulation's goodput, of the partition that bounds the run (the hottest): its admitted requests beyond its
     # burst at its rate / the seconds from the first request to the last admitted one
-    goodput = max(0.0, hot - rate * s3.burst_s) / rate / (last - first) if last > first else None
+    goodput = capacity_bound / (last - first) if last > first else None
     bandwidth_bound = bandwidth_bound_s(work, client, s3, concurrency)
     bound = max(capacity_bound, bandwidth_bound)
-    if capacity_bound <= max(bandwidth_bound, s3.burst_s):
+    if capacity_bound <= bandwidth_bound:
         goodput = None  # the partitions do not bound this run (or its burst alone serves it): goodput says nothing
     times = sorted(o.finished - o.started for o in ops if o.finished is not None)
     return {

@@ -11,6 +11,7 @@ be left behind.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -55,6 +56,31 @@ def sends(lane: PacerLane, times: list[float]) -> None:
         assert lane.reserve(t) == 0.0
 
 
+class OneHostStore:
+    """A host's shared lane state in memory (what ``s3_node_sharing.SharedPacerFile`` keeps in /dev/shm)."""
+
+    def __init__(self, processes: int) -> None:
+        self.processes = processes
+        self.states = [s3_utils.PacerLaneState(False, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, ())] * 2
+        self.flags = bytearray(2)
+
+    def locked(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def load(self, lane: int) -> s3_utils.PacerLaneState:
+        return self.states[lane]
+
+    def store(self, lane: int, state: s3_utils.PacerLaneState) -> None:
+        self.states[lane] = state
+        self.flags[lane] = state.active
+
+    def active_flag(self, lane: int) -> tuple[Any, int]:
+        return self.flags, lane
+
+    def last_success(self, lane: int) -> float:
+        return self.states[lane].last_success
+
+
 class TestPacerLane:
     def test_a_dormant_lane_never_holds_a_request(self) -> None:
         lane = PacerLane("writes")
@@ -91,6 +117,18 @@ class TestPacerLane:
         for n in range(1, 20):
             lane.on_throttle(sent=n, now=n + 0.01)
         assert lane.rate == PacerLane.MIN_RATE
+
+    def test_a_hosts_shared_lane_has_one_floor_whatever_its_processes(self) -> None:
+        """The floor is the host's, not n processes' floors: 2,048 hosts of 8 processes would otherwise never go
+        under 3,277 requests/s together, 94 % of what one S3 partition serves, and could not make room by slowing."""
+        store = OneHostStore(processes=8)
+        lane = PacerLane("writes", shared=store)
+        sends(lane, [1.0 + n / 20 for n in range(20)])  # 10 per second over the 2 s window, while dormant
+        lane.on_throttle(sent=1.95, now=2.0)
+        assert lane.rate == pytest.approx(0.7 * 10 * 8, rel=0.06)  # the host's 8 processes at that pace
+        for n in range(3, 40):
+            lane.on_throttle(sent=n, now=n + 0.01)
+        assert lane.rate == PacerLane.MIN_RATE and store.processes == 8
 
     def test_successes_grow_the_rate_more_for_slow_lanes_and_long_runs(self) -> None:
         def grown(rate: float, run: int) -> float:
