@@ -23,7 +23,9 @@ on a shared resume). What is modelled here:
   process's lane (`PacerLane.reserve`, at the floor `acquire` uses), is sent, and on SlowDown calls `on_throttle`
   then `CallRetries.after_failure` (give up, or retry when the pacer allows); on success `on_success`. One
   difference from threads blocked in `acquire`: the host's waiting requests queue in order, and only the first polls
-  the lane (real threads all wake and all but one go back to sleep: the same grants, far fewer events).
+  the lane (real threads all wake and all but one go back to sleep: the same grants, far fewer events); a success that
+  grows a lane's rate polls again at once (`acquire`'s threads wait on a condition its successes notify; here a
+  success of any of the host's ranks wakes the host's queue, where a real host wakes the threads of that process).
 
 Deterministic: the only randomness is `random.uniform` in `CallRetries` (for errors other than throttling), seeded
 by `run`.
@@ -300,6 +302,7 @@ class Cluster:
                 pacer.limit(s3_utils.RequestRates(*client.budget))
         self.waiting = [{"write": deque(), "read": deque()} for _ in range(self.hosts)]
         self.polling = [{"write": False, "read": False} for _ in range(self.hosts)]
+        self.poll_due = [{"write": 0, "read": 0} for _ in range(self.hosts)]  # which scheduled poll is the live one
         self.host_transfers = [0] * self.hosts
         self.jitter = random.Random(f"latency {ranks}")  # its own stream: the retry policy's draws stay as they were
         self.failures = 0
@@ -322,8 +325,12 @@ class Cluster:
             self.polling[host][req.direction] = True
             self._poll(host, req.direction)
 
-    def _poll(self, host: int, direction: str) -> None:
-        """The first waiting request of the host asks its process's lane for a token (as `PacerLane.acquire`)."""
+    def _poll(self, host: int, direction: str, due: int | None = None) -> None:
+        """The first waiting request of the host asks its process's lane for a token (as `PacerLane.acquire`); `due`:
+        a scheduled poll's number, ignored once a success that grew the lane has polled again (as `acquire`'s threads
+        are woken early then)."""
+        if due is not None and due != self.poll_due[host][direction]:
+            return
         queue = self.waiting[host][direction]
         now = self.clock.now
         floor = 1.0 / self.client.policy.max_backoff_s
@@ -333,7 +340,8 @@ class Cluster:
             # a dormant lane: `acquire`'s own fast path (no wait, no lock); else the token bucket `acquire` loops on
             wait = 0.0 if not lane.active and lane.acquire() == now else lane.reserve(now, floor)
             if wait > 0.0:
-                self.clock.at(now + wait, self._poll, host, direction)
+                self.poll_due[host][direction] += 1
+                self.clock.at(now + wait, self._poll, host, direction, self.poll_due[host][direction])
                 return
             queue.popleft()
             self.waited_s += now - req.queued
@@ -362,7 +370,10 @@ class Cluster:
         self.host_transfers[host] -= 1
         if self.client.pacer != "none":
             lane = self.pacers[req.rank].lane("upload_part" if req.direction == "write" else "get_object")
+            before = lane.rate
             lane.on_success(req.sent, self.clock.now)
+            if self.polling[host][req.direction] and lane.rate > before:  # a grown rate wakes the waiting requests
+                self._poll(host, req.direction)
         req.op.request_done(True)
 
     def _throttled(self, req: Request) -> None:
