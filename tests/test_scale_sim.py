@@ -147,3 +147,14 @@ def test_no_run_beats_the_partition_capacity_bound() -> None:
         assert result["failed"] == 0
         assert result["elapsed_s"] >= result["capacity_bound_s"]
         assert result["time_over_bound"] >= 0.95, (work, result["time_over_bound"])
+
+
+def test_a_grown_lane_wakes_the_hosts_waiting_requests() -> None:
+    """`PacerLane.acquire` waits on a condition that a success growing the rate notifies: a host cut to the floor
+    (one token per 5 s) sends again as soon as it grows, not when its old wait ends. A node-mode resume of 1,024
+    ranks against a tenth of S3's rates (as 10,240 against S3's) then ends within 1.3x its bound (1.15x; 1.37x when
+    the waiting requests slept through the growth)."""
+    work = s3_sim.Workload(kind="single", direction="load", ranks=1024, mib_per_rank=1024)
+    result = s3_sim.run(work, s3=SMALL_S3)
+    assert result["failed"] == 0 and result["throttled"] > 0
+    assert result["time_over_bound"] <= 1.3, result["time_over_bound"]
