@@ -24,8 +24,8 @@ on a shared resume). What is modelled here:
   then `CallRetries.after_failure` (give up, or retry when the pacer allows); on success `on_success`. One
   difference from threads blocked in `acquire`: the host's waiting requests queue in order, and only the first polls
   the lane (real threads all wake and all but one go back to sleep: the same grants, far fewer events); a success that
-  grows a lane's rate polls again at once (`acquire`'s threads wait on a condition its successes notify; here a
-  success of any of the host's ranks wakes the host's queue, where a real host wakes the threads of that process).
+  grows a lane's rate polls the host's queue again at once if the rank that succeeded has a request in it
+  (`acquire`'s threads wait on a condition that their own process's growing successes notify).
 
 Deterministic: the only randomness is `random.uniform` in `CallRetries` (for errors other than throttling), seeded
 by `run`.
@@ -303,6 +303,7 @@ class Cluster:
         self.waiting = [{"write": deque(), "read": deque()} for _ in range(self.hosts)]
         self.polling = [{"write": False, "read": False} for _ in range(self.hosts)]
         self.poll_due = [{"write": 0, "read": 0} for _ in range(self.hosts)]  # which scheduled poll is the live one
+        self.queued = [{"write": 0, "read": 0} for _ in range(ranks)]  # each rank's requests in its host's queue
         self.host_transfers = [0] * self.hosts
         self.jitter = random.Random(f"latency {ranks}")  # its own stream: the retry policy's draws stay as they were
         self.failures = 0
@@ -321,6 +322,7 @@ class Cluster:
         host = req.rank // self.client.ranks_per_host
         req.queued = self.clock.now
         self.waiting[host][req.direction].append(req)
+        self.queued[req.rank][req.direction] += 1
         if not self.polling[host][req.direction]:
             self.polling[host][req.direction] = True
             self._poll(host, req.direction)
@@ -344,6 +346,7 @@ class Cluster:
                 self.clock.at(now + wait, self._poll, host, direction, self.poll_due[host][direction])
                 return
             queue.popleft()
+            self.queued[req.rank][direction] -= 1
             self.waited_s += now - req.queued
             self._send(req)
         self.polling[host][direction] = False
@@ -372,7 +375,7 @@ class Cluster:
             lane = self.pacers[req.rank].lane("upload_part" if req.direction == "write" else "get_object")
             before = lane.rate
             lane.on_success(req.sent, self.clock.now)
-            if self.polling[host][req.direction] and lane.rate > before:  # a grown rate wakes the waiting requests
+            if self.queued[req.rank][req.direction] and lane.rate > before:  # wakes the process's waiting requests
                 self._poll(host, req.direction)
         req.op.request_done(True)
 
