@@ -118,17 +118,20 @@ class TestPacerLane:
             lane.on_throttle(sent=n, now=n + 0.01)
         assert lane.rate == PacerLane.MIN_RATE
 
-    def test_a_hosts_shared_lane_has_one_floor_whatever_its_processes(self) -> None:
-        """The floor is the host's, not n processes' floors: 2,048 hosts of 8 processes would otherwise never go
-        under 3,277 requests/s together, 94 % of what one S3 partition serves, and could not make room by slowing."""
-        store = OneHostStore(processes=8)
-        lane = PacerLane("writes", shared=store)
-        sends(lane, [1.0 + n / 20 for n in range(20)])  # 10 per second over the 2 s window, while dormant
-        lane.on_throttle(sent=1.95, now=2.0)
-        assert lane.rate == pytest.approx(0.7 * 10 * 8, rel=0.06)  # the host's 8 processes at that pace
-        for n in range(3, 40):
-            lane.on_throttle(sent=n, now=n + 0.01)
-        assert lane.rate == PacerLane.MIN_RATE and store.processes == 8
+    def test_a_jobs_floors_add_up_to_job_min_rate_at_most(self) -> None:
+        """The floor is MIN_RATE per process, but a job's floors together stay at JOB_MIN_RATE: 2,048 hosts of 8
+        processes would otherwise never go under 3,277 requests/s, 94 % of what one S3 prefix serves, and could not
+        make room by slowing down. A job of 8 processes keeps MIN_RATE each."""
+        for world, floor in ((8, PacerLane.MIN_RATE), (16_384, PacerLane.JOB_MIN_RATE / 16_384)):
+            store = OneHostStore(processes=8)
+            lane = PacerLane("writes", shared=store, world=lambda world=world: world)
+            sends(lane, [1.0 + n / 20 for n in range(20)])  # 10 per second over the 2 s window, while dormant
+            lane.on_throttle(sent=1.95, now=2.0)
+            assert lane.rate == pytest.approx(0.7 * 10 * 8, rel=0.06)  # the host's 8 processes at that pace
+            for n in range(3, 40):
+                lane.on_throttle(sent=n, now=n + 0.01)
+            assert lane.rate == pytest.approx(8 * floor), world
+        assert 2_048 * 8 * PacerLane.JOB_MIN_RATE / 16_384 == PacerLane.JOB_MIN_RATE
 
     def test_successes_grow_the_rate_more_for_slow_lanes_and_long_runs(self) -> None:
         def grown(rate: float, run: int) -> float:
