@@ -121,8 +121,10 @@ class PacerLane:
     Dormant until the first throttling answer or a budget. The rate starts at `BETA` times the send rate, drops by
     `BETA` on a throttling answer to a request sent after the last drop, and grows on each success (faster when slow,
     on a long run, and the longer since the last drop: `QUIET_S`; plus `CATCH_UP` for fairness), within
-    ``[MIN_RATE, 2 x send rate]`` and the budget's share. A lane shared by n processes (`SharedLaneStore`) acts as n
-    lanes in lock step. Times are arguments, else `clock`'s (``time.monotonic``; benchmarks/s3_sim.py: simulated).
+    ``[floor, 2 x send rate]`` and the budget's share; the floor is `MIN_RATE` per process, less in a job of more
+    than ``JOB_MIN_RATE / MIN_RATE`` processes (`world`), whose floors together stay at `JOB_MIN_RATE`. A lane shared
+    by n processes (`SharedLaneStore`) acts as n lanes in lock step. Times are arguments, else `clock`'s
+    (``time.monotonic``; benchmarks/s3_sim.py: simulated).
     """
 
     BETA = 0.7
@@ -131,14 +133,16 @@ class PacerLane:
     STREAK_SCALE = 4.0
     MAX_STREAK = 64
     MIN_RATE = 0.2  # requests/s per process a lane never goes under (to learn when the store has room)
+    JOB_MIN_RATE = 800.0  # the most a job's floors add up to: a quarter of one S3 prefix's writes, at any world size
     QUIET_S, MAX_QUIET = 0.25, 64.0  # s seconds after WINDOW_S without a cut, growth is 1 + s / QUIET_S times faster
     WINDOW_S = 2.0  # the window over which a lane measures its send rate (to start from, and to cap its growth)
 
     def __init__(
         self, name: str, limit: Callable[[], float | None] | None = None, shared: SharedLaneStore | None = None,
-        index: int = 0, clock: Callable[[], float] = time.monotonic,
+        index: int = 0, clock: Callable[[], float] = time.monotonic, world: Callable[[], int] | None = None,
     ) -> None:
         self.name, self._limit, self._shared, self._index, self._clock = name, limit, shared, index, clock
+        self._world = world  # the job's process count (None: 1)
         self._flag = shared.active_flag(index) if shared is not None else None  # (mapping, offset) of `active`
         self._cond = threading.Condition(threading.Lock())
         self._active, self._rate = False, math.inf
@@ -267,7 +271,7 @@ class PacerLane:
                 self._active = True
                 self.activations += 1
                 self._host_activations += 1
-                self._rate = max(self.MIN_RATE * n, self.BETA * self.measured_rate(now, self._own_sends) * n)
+                self._rate = max(self._floor(), self.BETA * self.measured_rate(now, self._own_sends) * n)
                 if self._shared is not None:
                     self._sends = collections.deque(self._own_sends, maxlen=64)
                 self._apply_limit(now)
@@ -276,7 +280,7 @@ class PacerLane:
                 message = "S3 throttles %s: pacing %s %s at %.3g requests/s from now on"
                 logger.info(message, self.name, whose, self.name, self._rate)
             elif sent >= self._epoch:
-                self._set_rate(max(self.MIN_RATE * n, self.BETA * self._rate), now)
+                self._set_rate(max(self._floor(), self.BETA * self._rate), now)
                 self._epoch = self._changed_at = now
                 logger.debug("S3 throttles %s: %.3g requests/s", self.name, self._rate)
 
@@ -299,6 +303,13 @@ class PacerLane:
             if grown > self._rate:
                 self._set_rate(grown, now)
                 self._cond.notify_all()
+
+    def _floor(self) -> float:
+        """The lane's least rate: `MIN_RATE` per process it paces, but a job's floors add up to `JOB_MIN_RATE` at
+        most (2,048 hosts of 8 processes would otherwise never go under 3,277 requests/s together, 94 % of what one S3
+        prefix serves, and could not make room by slowing down)."""
+        world = max(1, self._world()) if self._world is not None else 1
+        return min(self.MIN_RATE, self.JOB_MIN_RATE / world) * self._processes
 
     def _set_rate(self, rate: float, now: float) -> None:
         self._tokens = min(1.0, self._tokens + (now - self._refilled_at) * self._rate)
@@ -365,8 +376,8 @@ class RequestPacer:
         self.endpoint_url, self.bucket, self._clock, self._world_size = endpoint_url, bucket, clock, world_size
         self._budget: RequestRates | None = None
         self._world: tuple[float, int] = (-math.inf, 1)
-        self.writes = PacerLane("writes", lambda: self._share("write"), shared, 0, clock)
-        self.reads = PacerLane("reads", lambda: self._share("read"), shared, 1, clock)
+        self.writes = PacerLane("writes", lambda: self._share("write"), shared, 0, clock, self._processes_of_job)
+        self.reads = PacerLane("reads", lambda: self._share("read"), shared, 1, clock, self._processes_of_job)
 
     def __repr__(self) -> str:
         return f"<RequestPacer s3://{self.bucket} ({self.endpoint_url or 'AWS'}): {self.writes!r}, {self.reads!r}>"
@@ -393,17 +404,20 @@ class RequestPacer:
                 lane._apply_limit(now)
 
     def _share(self, direction: str) -> float | None:
-        """The job-wide rate over the world size (asked again every 5 s: the process group starts after S3 requests)."""
+        """The job-wide rate over the world size."""
         budget = self._budget
         rate = getattr(budget, direction) if budget is not None else None
-        if rate is None:
-            return None
+        return None if rate is None else rate / self._processes_of_job()
+
+    def _processes_of_job(self) -> int:
+        """The job's process count, `world_size()` (asked again every 5 s: the process group starts after S3
+        requests); 1 without it."""
         checked, world = self._world
         now = self._clock()
         if now - checked > 5.0:
             world = self._world_size() if self._world_size is not None else 1
             self._world = (now, world)
-        return rate / world
+        return world
 
 
 def _smaller(first: RequestRates, second: RequestRates) -> RequestRates:

@@ -23,7 +23,9 @@ on a shared resume). What is modelled here:
   process's lane (`PacerLane.reserve`, at the floor `acquire` uses), is sent, and on SlowDown calls `on_throttle`
   then `CallRetries.after_failure` (give up, or retry when the pacer allows); on success `on_success`. One
   difference from threads blocked in `acquire`: the host's waiting requests queue in order, and only the first polls
-  the lane (real threads all wake and all but one go back to sleep: the same grants, far fewer events).
+  the lane (real threads all wake and all but one go back to sleep: the same grants, far fewer events); a success that
+  grows a lane's rate polls the host's queue again at once if the rank that succeeded has a request in it
+  (`acquire`'s threads wait on a condition that their own process's growing successes notify).
 
 Deterministic: the only randomness is `random.uniform` in `CallRetries` (for errors other than throttling), seeded
 by `run`.
@@ -71,6 +73,7 @@ class S3Params:
     quiet_s: float = 5.0  # a gap this long without SlowDown ends "sustained"
     latency_s: float = 0.1  # an admitted request's fixed time (first byte, or the PUT's answer)
     slowdown_latency_s: float = 0.02  # a SlowDown answer's round trip
+    latency_jitter: float = 0.2  # each request's fixed time is drawn from (1 +- this) x latency_s / slowdown_latency_s
     conn_bytes_per_s: float = 625e6  # 5 Gb/s per connection
     host_bytes_per_s: float = 12.5e9  # 100 Gb/s host NIC toward S3
     unlimited: bool = False  # no partition limits at all (the bandwidth bound)
@@ -301,7 +304,10 @@ class Cluster:
                 pacer.limit(s3_pacing.RequestRates(*client.budget))
         self.waiting = [{"write": deque(), "read": deque()} for _ in range(self.hosts)]
         self.polling = [{"write": False, "read": False} for _ in range(self.hosts)]
+        self.poll_due = [{"write": 0, "read": 0} for _ in range(self.hosts)]  # which scheduled poll is the live one
+        self.queued = [{"write": 0, "read": 0} for _ in range(ranks)]  # each rank's requests in its host's queue
         self.host_transfers = [0] * self.hosts
+        self.jitter = random.Random(f"latency {ranks}")  # its own stream: the retry policy's draws stay as they were
         self.failures = 0
         self.sent = {"write": 0, "read": 0}
         self.waited_s = 0.0
@@ -318,12 +324,17 @@ class Cluster:
         host = req.rank // self.client.ranks_per_host
         req.queued = self.clock.now
         self.waiting[host][req.direction].append(req)
+        self.queued[req.rank][req.direction] += 1
         if not self.polling[host][req.direction]:
             self.polling[host][req.direction] = True
             self._poll(host, req.direction)
 
-    def _poll(self, host: int, direction: str) -> None:
-        """The first waiting request of the host asks its process's lane for a token (as `PacerLane.acquire`)."""
+    def _poll(self, host: int, direction: str, due: int | None = None) -> None:
+        """The first waiting request of the host asks its process's lane for a token (as `PacerLane.acquire`); `due`:
+        a scheduled poll's number, ignored once a success that grew the lane has polled again (as `acquire`'s threads
+        are woken early then)."""
+        if due is not None and due != self.poll_due[host][direction]:
+            return
         queue = self.waiting[host][direction]
         now = self.clock.now
         floor = 1.0 / self.client.policy.max_backoff_s
@@ -333,9 +344,11 @@ class Cluster:
             # a dormant lane: `acquire`'s own fast path (no wait, no lock); else the token bucket `acquire` loops on
             wait = 0.0 if not lane.active and lane.acquire() == now else lane.reserve(now, floor)
             if wait > 0.0:
-                self.clock.at(now + wait, self._poll, host, direction)
+                self.poll_due[host][direction] += 1
+                self.clock.at(now + wait, self._poll, host, direction, self.poll_due[host][direction])
                 return
             queue.popleft()
+            self.queued[req.rank][direction] -= 1
             self.waited_s += now - req.queued
             self._send(req)
         self.polling[host][direction] = False
@@ -350,15 +363,22 @@ class Cluster:
             host = req.rank // self.client.ranks_per_host
             self.host_transfers[host] += 1
             rate = min(params.conn_bytes_per_s, params.host_bytes_per_s / self.host_transfers[host])
-            self.clock.at(now + params.latency_s + req.nbytes / rate, self._succeeded, req, host)
+            self.clock.at(now + self._latency(params.latency_s) + req.nbytes / rate, self._succeeded, req, host)
         else:
-            self.clock.at(now + params.slowdown_latency_s, self._throttled, req)
+            self.clock.at(now + self._latency(params.slowdown_latency_s), self._throttled, req)
+
+    def _latency(self, mean: float) -> float:
+        spread = self.s3.params.latency_jitter
+        return mean * self.jitter.uniform(1.0 - spread, 1.0 + spread) if spread else mean
 
     def _succeeded(self, req: Request, host: int) -> None:
         self.host_transfers[host] -= 1
         if self.client.pacer != "none":
             lane = self.pacers[req.rank].lane("upload_part" if req.direction == "write" else "get_object")
+            before = lane.rate
             lane.on_success(req.sent, self.clock.now)
+            if self.queued[req.rank][req.direction] and lane.rate > before:  # wakes the process's waiting requests
+                self._poll(host, req.direction)
         req.op.request_done(True)
 
     def _throttled(self, req: Request) -> None:
@@ -530,15 +550,17 @@ def run(
         if part.admitted[direction] + part.throttled[direction]:
             per_partition[part.low or "(bucket)"] = part.admitted[direction]
     hot = max(per_partition.values()) if per_partition else 0
-    capacity_bound = hot / rate if not s3.unlimited else 0.0  # the hottest partition's requests at its rate
+    # the hottest partition's requests beyond its burst at its rate: in t seconds a partition admits at most its burst
+    # plus t x its rate, so no client can take less
+    capacity_bound = max(0.0, hot - rate * s3.burst_s) / rate if not s3.unlimited else 0.0
     first, last = model.first_request.get(direction, T0), model.last_admitted.get(direction, T0)
     used = len(per_partition)
     # the emulation's goodput, of the partition that bounds the run (the hottest): its admitted requests beyond its
     # burst at its rate / the seconds from the first request to the last admitted one
-    goodput = max(0.0, hot - rate * s3.burst_s) / rate / (last - first) if last > first else None
+    goodput = capacity_bound / (last - first) if last > first else None
     bandwidth_bound = bandwidth_bound_s(work, client, s3, concurrency)
     bound = max(capacity_bound, bandwidth_bound)
-    if capacity_bound <= max(bandwidth_bound, s3.burst_s):
+    if capacity_bound <= bandwidth_bound:
         goodput = None  # the partitions do not bound this run (or its burst alone serves it): goodput says nothing
     times = sorted(o.finished - o.started for o in ops if o.finished is not None)
     return {

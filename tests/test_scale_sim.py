@@ -123,11 +123,38 @@ def test_who_downloads_is_the_packages_decision() -> None:
 def test_lanes_left_with_work_refill_the_partition_once_others_finish() -> None:
     """The tail: after some hosts finish, the others' lanes grow back faster the longer S3 has not throttled
     (`PacerLane.QUIET_S`), so a save and a DCP load of 512 ranks against a tenth of S3's rates (as 4,096-5,120 ranks
-    against S3's) take at most 1.3x the partition-capacity bound (1.40x and 1.53x with growth that ignored it)."""
-    for work in (
-        s3_sim.Workload(kind="single", ranks=512, mib_per_rank=64),
-        s3_sim.Workload(kind="dcp", direction="load", ranks=512, mib_per_rank=64),
+    against S3's) take at most 1.45x and 1.8x the partition-capacity bound, its requests beyond its burst at its rate
+    (1.34x and 1.54x; 1.58x and 2.17x with growth that ignored it)."""
+    for work, most in (
+        (s3_sim.Workload(kind="single", ranks=512, mib_per_rank=64), 1.45),
+        (s3_sim.Workload(kind="dcp", direction="load", ranks=512, mib_per_rank=64), 1.8),
     ):
         result = s3_sim.run(work, s3=SMALL_S3)
         assert result["failed"] == 0 and result["throttled"] > 0
-        assert result["time_over_bound"] <= 1.3, (work, result["time_over_bound"])
+        assert result["time_over_bound"] <= most, (work, result["time_over_bound"])
+
+
+def test_no_run_beats_the_partition_capacity_bound() -> None:
+    """The bound is a partition's burst plus its rate: in t seconds it admits at most its burst and t x its rate, so
+    a run whose burst serves much of it (spread over partitioned prefixes) still takes no less than the bound, and
+    one that the burst serves entirely has only its bandwidth bound."""
+    for work in (
+        s3_sim.Workload(kind="dcp", ranks=512, mib_per_rank=64, layout="spread", prefixes=8),
+        s3_sim.Workload(kind="dcp", ranks=512, mib_per_rank=64),
+        s3_sim.Workload(kind="single", ranks=32, mib_per_rank=64),
+    ):
+        result = s3_sim.run(work, s3=SMALL_S3)
+        assert result["failed"] == 0
+        assert result["elapsed_s"] >= result["capacity_bound_s"]
+        assert result["time_over_bound"] >= 0.95, (work, result["time_over_bound"])
+
+
+def test_a_grown_lane_wakes_the_hosts_waiting_requests() -> None:
+    """`PacerLane.acquire` waits on a condition that a success growing the rate notifies: a host cut to the floor
+    (one token per 5 s) sends again as soon as it grows, not when its old wait ends. A node-mode resume of 1,024
+    ranks against a tenth of S3's rates (as 10,240 against S3's) then ends within 1.3x its bound (1.15x; 1.37x when
+    the waiting requests slept through the growth)."""
+    work = s3_sim.Workload(kind="single", direction="load", ranks=1024, mib_per_rank=1024)
+    result = s3_sim.run(work, s3=SMALL_S3)
+    assert result["failed"] == 0 and result["throttled"] > 0
+    assert result["time_over_bound"] <= 1.3, result["time_over_bound"]

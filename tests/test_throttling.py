@@ -11,6 +11,7 @@ be left behind.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -31,6 +32,7 @@ from s3_servers import S3Endpoint, rank_environment, skip_unless_multirank_backe
 
 import s3_checkpoint_cli as cli
 import s3_node_sharing
+import s3_pacing
 import s3_utils
 from s3_utils import (
     PacerLane,
@@ -53,6 +55,31 @@ MiB = 1 << 20
 def sends(lane: PacerLane, times: list[float]) -> None:
     for t in times:
         assert lane.reserve(t) == 0.0
+
+
+class OneHostStore:
+    """A host's shared lane state in memory (what ``s3_node_sharing.SharedPacerFile`` keeps in /dev/shm)."""
+
+    def __init__(self, processes: int) -> None:
+        self.processes = processes
+        self.states = [s3_pacing.PacerLaneState(False, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, ())] * 2
+        self.flags = bytearray(2)
+
+    def locked(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def load(self, lane: int) -> s3_pacing.PacerLaneState:
+        return self.states[lane]
+
+    def store(self, lane: int, state: s3_pacing.PacerLaneState) -> None:
+        self.states[lane] = state
+        self.flags[lane] = state.active
+
+    def active_flag(self, lane: int) -> tuple[Any, int]:
+        return self.flags, lane
+
+    def last_success(self, lane: int) -> float:
+        return self.states[lane].last_success
 
 
 class TestPacerLane:
@@ -91,6 +118,21 @@ class TestPacerLane:
         for n in range(1, 20):
             lane.on_throttle(sent=n, now=n + 0.01)
         assert lane.rate == PacerLane.MIN_RATE
+
+    def test_a_jobs_floors_add_up_to_job_min_rate_at_most(self) -> None:
+        """The floor is MIN_RATE per process, but a job's floors together stay at JOB_MIN_RATE: 2,048 hosts of 8
+        processes would otherwise never go under 3,277 requests/s, 94 % of what one S3 prefix serves, and could not
+        make room by slowing down. A job of 8 processes keeps MIN_RATE each."""
+        for world, floor in ((8, PacerLane.MIN_RATE), (16_384, PacerLane.JOB_MIN_RATE / 16_384)):
+            store = OneHostStore(processes=8)
+            lane = PacerLane("writes", shared=store, world=lambda world=world: world)
+            sends(lane, [1.0 + n / 20 for n in range(20)])  # 10 per second over the 2 s window, while dormant
+            lane.on_throttle(sent=1.95, now=2.0)
+            assert lane.rate == pytest.approx(0.7 * 10 * 8, rel=0.06)  # the host's 8 processes at that pace
+            for n in range(3, 40):
+                lane.on_throttle(sent=n, now=n + 0.01)
+            assert lane.rate == pytest.approx(8 * floor), world
+        assert 2_048 * 8 * PacerLane.JOB_MIN_RATE / 16_384 == PacerLane.JOB_MIN_RATE
 
     def test_successes_grow_the_rate_more_for_slow_lanes_and_long_runs(self) -> None:
         def grown(rate: float, run: int) -> float:
