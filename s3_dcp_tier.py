@@ -694,7 +694,7 @@ def agree_resume(storage: Any, directory: str, step_of: Any = None, *, group: An
 
     gathered, rank = _tier.gather_candidates(candidates, directory, group)
     steps, files, sources, hand_overs, any_hand_over = decide(gathered, rank, tier.node, held_paths)
-    tier.node.pin(sources)  # the files this rank reads outside S3 stay until its next save (`NodeTier.unpin`)
+    tier.node.pin(f for f in files if f in sources)  # the files to load stay until the next save (`NodeTier.unpin`)
     if any_hand_over:
         _hand_over(tier, hand_overs)
         dist.barrier(group=group)  # every hand-over is in place before any rank loads

@@ -1109,9 +1109,9 @@ def agree_on_resume(
         elif speed == 2:
             node, entry = remote[url]
             sources[url] = ResumeSource(url, "replica", None, addresses[node], entry[3], entry[4])
-    tier.pin(sources)  # what this rank reads outside S3 stays until it saves a newer checkpoint (`NodeTier.unpin`)
     newest = steps[0] if steps else None
     url = urls.get(newest) if newest is not None else None
+    tier.pin([url] if url in sources else [])  # the copy to load stays until this rank saves again (`unpin`)
     tier_name = None if url is None else (sources[url].tier if url in sources else "s3")
     if url is not None:
         logger.info("memory tier: every rank resumes step %s; this rank reads %s from %s", newest, url, tier_name)

@@ -37,6 +37,7 @@ Package-internal (docs/api.md) but for its two errors: users reach it through `S
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import hmac
@@ -398,6 +399,7 @@ class ReplicaServer:
         self.root, self.job, self.launch = Path(root).absolute(), job, launch
         self.keep, self.timeout_s = keep, timeout_s
         self._lock = threading.Lock()
+        self._arriving: collections.Counter[tuple[str, str]] = collections.Counter()  # (sender, group) transfers
         self._closed = threading.Event()
         self._connections: set[socket.socket] = set()
         self._slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
@@ -499,20 +501,22 @@ class ReplicaServer:
         os.rename(directory, trash)
         return trash if counted else _remove(trash)
 
-    def _make_room(self, sender_node: str, name: str, group: str | None, launch: str | None) -> list[Path | None]:
-        """Before a replica of a new retention group arrives: with ``keep >= 2``, retire the oldest groups of
-        `sender_node` down to ``keep - 1``, so that the node never holds more than `keep` per sender, the one arriving
-        included (the newest complete one stays while it arrives). With ``keep == 1`` the one held stays until its
-        successor counts. What was retired, for `_remove`."""
-        if self.keep is None or self.keep < 2 or not (self.root / sender_node).is_dir():
-            return []
+    def _make_room(self, arriving: tuple[str, str], launch: str | None) -> list[Path | None]:
+        """Before a replica arrives (`arriving`: its sender and retention group, counted as arriving until
+        `_receive` ends): with ``keep >= 2``, retire the oldest groups of the sender so that it holds at most `keep`,
+        the groups arriving at once included, and the newest complete one stays while they arrive. With ``keep ==
+        1`` the one held stays until its successor counts. What was retired, for `_remove`."""
+        sender_node, key = arriving
         with self._lock:
-            if _older(launch, self._newest.get(sender_node)):
-                return []  # refused at its commit: it replaces nothing
+            others = {k for (node, k), count in self._arriving.items() if node == sender_node and count and k != key}
+            self._arriving[arriving] += 1
+            if self.keep is None or self.keep < 2 or _older(launch, self._newest.get(sender_node)):
+                return []  # (a stale launch is refused at its commit: it replaces nothing)
             held = {info.group or f"name {info.name}" for info in self._replicas(sender_node)}
-            if (group or f"name {name}") in held:
+            if key in held:
                 return []  # another file of a group held, or a replica of the same name sent again
-            return list(self._keep_latest(sender_node, self.keep - 1).values())
+            room = max(1, self.keep - 1 - len(others - held))
+            return list(self._keep_latest(sender_node, room).values())
 
     def _keep_latest(self, sender_node: str, keep: int) -> dict[str, Path | None]:
         if keep < 1:
@@ -665,11 +669,12 @@ class ReplicaServer:
             return
         sender_dir = self.root / sender_node
         _make_private_directory(sender_dir)
-        _remove(*self._make_room(sender_node, name, group, launch))
+        arriving = (sender_node, group or f"name {name}")
         temporary = sender_dir / f"{_INCOMING}{name}-{secrets.token_hex(4)}"
         temporary.mkdir(mode=0o700)
         started = time.perf_counter()
         try:
+            _remove(*self._make_room(arriving, launch))
             _send_message(connection, {"ok": True})
             _receive_files(connection, temporary, manifest, memoryview(bytearray(min(CHUNK, max(total, 1)))))
             info, replaced = self._commit(temporary, sender_node, name, launch, manifest, group)
@@ -681,6 +686,9 @@ class ReplicaServer:
         except BaseException:
             shutil.rmtree(temporary, ignore_errors=True)
             raise
+        finally:
+            with self._lock:
+                self._arriving[arriving] -= 1
         seconds = time.perf_counter() - started
         logger.info(
             "Replica %s/%s counts: %d files, %.1f MiB in %.2f s (%s)",
