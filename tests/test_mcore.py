@@ -70,6 +70,7 @@ TWO_RANK_SCENARIOS = [
     "tier_sync",
     "tier_cut",
     "tier_async",
+    "tier_two_nodes",
 ]
 
 
