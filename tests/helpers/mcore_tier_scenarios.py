@@ -212,9 +212,12 @@ def scenario_two_nodes(ctx: Any) -> dict[str, Any]:
         s3_mcore.finish_drains(drain_last=False)  # the first save's drain; every replication sent
         ctx.barrier()
         on_s3 = ctx.names("iter_0000007")
-        if ctx.rank == 0:  # node 0's memory is lost
+        if ctx.rank == 0:  # node 0's memory is lost: its checkpoints and the replicas it held
             for copy in dcp_tier.node.copies():
                 dcp_tier.node.remove(copy.url)
+            for held in dcp_tier.node.replicas.iterdir():  # one folder per sender (its live server's lock stays)
+                if held.is_dir():
+                    shutil.rmtree(held)
         ctx.barrier()
         agreement = s3_mcore.agree_resume(ctx.base)
         sources = {url.rsplit("/", 1)[-1]: [source.tier, source.peer is not None]
