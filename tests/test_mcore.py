@@ -359,9 +359,10 @@ def test_two_nodes_agree_on_a_checkpoint_only_in_memory_and_megatron_core_loads_
 ) -> None:
     """Each rank a node of its own, replication started: iter_0000007 is only in the nodes' memory (S3 has none of
     it) when node 0 loses its memory and the replicas it held. Every rank agrees on it, not on iter_0000006 (S3's
-    newest), and megatron-core loads it bit-exact: node 0 fetches each file, metadata.json included, from node 1's
-    replicas (node 1's shard, in node 1's memory only, handed over); node 1 reads its shard from memory and node 0's
-    files from the replicas it holds. Without metadata.json on the peer, every rank would resume iter_0000006."""
+    newest) nor on iter_0000008 (on S3 without metadata.json), and megatron-core loads it bit-exact: node 0 fetches
+    each file, metadata.json included, from node 1's replicas (node 1's shard, in node 1's memory only, handed over);
+    node 1 reads its shard from memory and node 0's files from the replicas it holds. Without metadata.json on the
+    peer, every rank would resume iter_0000006."""
     node0, node1 = _outcomes(mcore_run["outs"][2], "tier_two_nodes")
     files = DCP_FILES + MEGATRON_FILES
     for node in (node0, node1):

@@ -191,8 +191,9 @@ def scenario_async(ctx: Any) -> dict[str, Any]:
 def scenario_two_nodes(ctx: Any) -> dict[str, Any]:
     """Each rank a node of its own (GROUP_RANK, LOCAL_RANK 0, its tier root ``node<rank>``), replication started:
     iter_0000006 drains (the first save), iter_0000007 stays in memory and on the other node. Node 0's memory is then
-    lost; every rank agrees on iter_0000007 and megatron-core loads it, node 0 from node 1's replicas (its
-    metadata.json too), node 1 from its memory and the replicas it holds."""
+    lost, and S3 gets an iter_0000008 with .metadata but no metadata.json (a drain killed in between); every rank
+    agrees on iter_0000007 and megatron-core loads it, node 0 from node 1's replicas (its metadata.json too), node 1
+    from its memory and the replicas it holds."""
     import os
 
     from mcore_worker import _load_and_compare, _save
@@ -218,6 +219,8 @@ def scenario_two_nodes(ctx: Any) -> dict[str, Any]:
             for held in dcp_tier.node.replicas.iterdir():  # one folder per sender (its live server's lock stays)
                 if held.is_dir():
                     shutil.rmtree(held)
+            with ctx.s3.open_writer(ctx.url("iter_0000008/.metadata")) as stray:  # a drain killed before metadata.json
+                stray.write(b"not loadable by megatron-core")
         ctx.barrier()
         agreement = s3_mcore.agree_resume(ctx.base)
         sources = {url.rsplit("/", 1)[-1]: [source.tier, source.peer is not None]
