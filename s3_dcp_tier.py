@@ -37,7 +37,9 @@ when it passes ``memory_tier``). docs/tiers.md shows the user's side. In parts:
    file (an item that rank alone saved), and which ones only the load's plan knows. A file only in another node's
    memory is handed over to the node that lacks it (a barrier after the hand-overs, only when there are any), if the
    node holding it replicates; else the checkpoint does not count there (``.metadata`` only in node 0's memory, no
-   replication: no other node can load it).
+   replication: no other node can load it). Files that follow ``.metadata`` (megatron-core's ``metadata.json``,
+   ``common.pt``) are replicated and counted as the checkpoint's others are; ``agree_resume(followers=...)`` names
+   those a checkpoint must have to count at all (`s3_mcore.agree_resume` passes megatron-core's).
 
 Every rank calls ``S3StorageWriter.finish_drains()`` at the end of a run: the last save drains if it did not, and the
 drains' failures are raised there.
@@ -332,8 +334,9 @@ class DcpTier:
         (`commit_name`) is committed in this node's tier (megatron-core's ``metadata.json`` and ``common.pt``, which its
         loads look for first): committed in the tier after ``.metadata``; on S3 it comes after ``.metadata`` too (in the
         order written), and goes before an older ``.metadata`` at the prefix does. It drains when the checkpoint does
-        (at once if that was decided; with `finish_drains` if it is the last save). Never falls back to S3 directly:
-        there it would mark a checkpoint whose files are still in memory. Package-internal (docs/api.md)."""
+        (at once if that was decided; with `finish_drains` if it is the last save), and is replicated as the
+        checkpoint's other files are. Never falls back to S3 directly: there it would mark a checkpoint whose files
+        are still in memory. Package-internal (docs/api.md)."""
         commit = _urls.join_s3_url(checkpoint, commit_name)
         self.node.claim()  # a straggler writes nothing
         metadata = self.node.copy_of(commit)
@@ -358,6 +361,7 @@ class DcpTier:
         if metadata.drain is not None or (last is not None and last.drained):  # its checkpoint's drain was decided
             group = self._commit_group(metadata)
             self._drain_commit(group, _listed_files(group), last.run if last is not None else self.run, writer)
+        self._replicate([copy])  # the peer needs it too: a checkpoint counts for resume only with it
         return copy
 
     def _commit_group(self, metadata: _tier.TierCopy) -> list[_tier.TierCopy]:
@@ -551,7 +555,11 @@ class _SupersededError(Exception):
 
 def _follows(copy: _tier.TierCopy) -> bool:
     """Whether `copy` is a file that follows its checkpoint's commit (`DcpTier.follow_commit`)."""
-    return bool(copy.record.get("follows_commit"))
+    return _follows_record(copy.record)
+
+
+def _follows_record(record: dict[str, Any]) -> bool:
+    return bool(record.get("follows_commit"))
 
 
 def _listed_files(commit: list[_tier.TierCopy]) -> dict[str, Any]:
@@ -670,7 +678,8 @@ def start_replication(storage: Any, group: Any = None, *, bind_host: str = "127.
     _storage_tier(storage).start_replication(group, bind_host=bind_host, local_rank=local_rank)
 
 
-def agree_resume(storage: Any, directory: str, step_of: Any = None, *, group: Any = None) -> _tier.TierAgreement:
+def agree_resume(storage: Any, directory: str, step_of: Any = None, *, group: Any = None,
+                 followers: tuple[str, ...] = ()) -> _tier.TierAgreement:  # fmt: skip
     """Collective, every rank of `group`: the newest DCP checkpoint under the s3:// `directory` (one per
     ``<directory>/<name>/``, `step_of(name)` its step; a name without one is left out) that every rank can load
     from some tier, as ``S3CheckpointIO.agree_resume`` for single files: one all_gather of what each node holds
@@ -679,8 +688,11 @@ def agree_resume(storage: Any, directory: str, step_of: Any = None, *, group: An
     when every file its item-checksum record lists, that record and ``.metadata`` are each in the rank's node's
     memory, a replica held there, or a replica another node serves: ``.metadata``, the coordinator's, only in
     another node's memory (no replication) does not count. Never older than the newest on S3, never one some rank
-    cannot load. Returns the `s3_memory_tier.TierAgreement` (``step``, ``url``: the checkpoint, ``tier``); the
-    loads of this process follow it (each file from the tier agreed, a remote replica fetched into memory)."""
+    cannot load. `followers`: the names of files another layer writes after ``.metadata`` that a checkpoint must
+    have to count (megatron-core's ``metadata.json``), on S3 as in the tiers; a file that followed ``.metadata``
+    into a tier (`DcpTier.follow_commit`) counts like the checkpoint's other files wherever a node knows of it.
+    Returns the `s3_memory_tier.TierAgreement` (``step``, ``url``: the checkpoint, ``tier``); the loads of this
+    process follow it (each file from the tier agreed, a remote replica fetched into memory)."""
     tier = _storage_tier(storage)
     directory = _urls.normalize_s3_url(directory).rstrip("/")
     dist = _s3.import_optional_dependency("torch.distributed", "agreeing on a resume step")
@@ -690,7 +702,8 @@ def agree_resume(storage: Any, directory: str, step_of: Any = None, *, group: An
 
     def candidates() -> dict[str, Any]:
         tier.node.pin(copy.url for copy in tier.node.copies())  # nothing offered leaves memory while ranks decide
-        return _candidates(tier, storage.s3 if lists_s3 else None, directory, step_of, verified, held_paths)
+        s3 = storage.s3 if lists_s3 else None
+        return _candidates(tier, s3, directory, step_of, verified, held_paths, tuple(followers))
 
     gathered, rank = _tier.gather_candidates(candidates, directory, group)
     steps, files, sources, hand_overs, any_hand_over = decide(gathered, rank, tier.node, held_paths)
@@ -722,18 +735,21 @@ def _checkpoint_of(record: dict[str, Any], url: str, prefix: str, step_of: Any) 
 
 
 def _candidates(tier: DcpTier, s3: Any, directory: str, step_of: Any, verified: dict[str, _tier.TierCopy],
-                held_paths: dict[str, Path]) -> dict[str, Any]:  # fmt: skip
+                held_paths: dict[str, Path], required: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
     """This rank's part of the collective: the DCP files below `directory` its node holds verified (own copies,
     also put in `verified`; replicas, their paths in `held_paths`), the file lists of the item-checksum records
-    among them, and (with `s3`) the checkpoints whose ``.metadata`` S3 has."""
+    among them, the files each checkpoint needs after ``.metadata`` (the `required` names, those that followed it
+    into a tier), and (with `s3`) the checkpoints whose ``.metadata`` and `required` files S3 has."""
     prefix = directory + "/"
-    own, held, lists, steps = {}, [], {}, {}
+    own, held, lists, steps, followers = {}, [], {}, {}, {}
 
     def note(url: str, record: dict[str, Any], path: Path) -> bool:
         found = _checkpoint_of(record, url, prefix, step_of)
         if found is None:
             return False
         steps[found[0]] = found[1]
+        if _follows_record(record):
+            followers.setdefault(found[0], set()).add(url)
         commit = record.get("commit")
         if isinstance(commit, str) and url == commit.removesuffix(".metadata") + ITEMS_SUFFIX:
             listed = json.loads(Path(path).read_bytes()).get("files", {})
@@ -755,17 +771,22 @@ def _candidates(tier: DcpTier, s3: Any, directory: str, step_of: Any, verified: 
         if note(url, record, path):
             held.append([url, sender, name, str(path)])
             held_paths[url] = path
-    on_s3 = {}
+    on_s3, names_on_s3 = {}, {}
     for obj in s3.list_objects(directory) if s3 is not None else []:
         relative = f"s3://{obj.bucket}/{obj.key}"[len(prefix) :]
         name, _, file = relative.partition("/")
+        names_on_s3.setdefault(name, set()).add(file)
         step = step_of(name) if step_of is not None and file == ".metadata" else None
         if isinstance(step, int) and not isinstance(step, bool):
             on_s3[prefix + name] = step
+    on_s3 = {url: step for url, step in on_s3.items() if set(required) <= names_on_s3[url[len(prefix) :]]}
+    for checkpoint in steps:
+        followers.setdefault(checkpoint, set()).update(_urls.join_s3_url(checkpoint, name) for name in required)
     replication = tier.replication
     address = None if replication is None or replication.server is None else list(replication.server.address)
     return {"node": _s3.node_key(), "address": address, "directory": directory, "own": sorted(own), "held": held,
-            "lists": lists, "steps": steps, "s3": on_s3, "replicating": replication is not None}  # fmt: skip
+            "lists": lists, "steps": steps, "s3": on_s3, "replicating": replication is not None,
+            "followers": {checkpoint: sorted(urls) for checkpoint, urls in followers.items()}}  # fmt: skip
 
 
 def _hand_over(tier: DcpTier, hand_overs: list[tuple[str, tuple[str, int]]]) -> None:
@@ -790,7 +811,8 @@ def decide(gathered: list[dict[str, Any]], rank: int, node: _tier.NodeTier, held
     newest if this rank loads it outside S3 (else none), where it reads each of them, and the hand-overs this rank
     makes first (``(file url, address)``: a file of the newest in its node's memory that another node's ranks cannot
     reach otherwise) and whether any rank makes one. A checkpoint becomes one URL per rank for
-    `s3_memory_tier.decide`: on S3 as listed, "in memory" for a rank whose node reaches each of its files: in its
+    `s3_memory_tier.decide`: on S3 as listed, "in memory" for a rank whose node reaches each of its files (those its
+    item-checksum record lists, that record, ``.metadata`` and the ``"followers"`` some node names for it): in its
     memory or a replica held there, a replica another node serves, or (nodes with replication started) another
     node's memory, handed over. The same on every rank. Package-internal (docs/api.md)."""
     addresses = {entry["node"]: tuple(entry["address"]) for entry in gathered if entry["address"]}
@@ -807,7 +829,12 @@ def decide(gathered: list[dict[str, Any]], rank: int, node: _tier.NodeTier, held
         if entry["replicating"]:
             for url in entry["own"]:
                 handed.setdefault(url, entry["node"])
-    lists = {checkpoint: files for entry in gathered for checkpoint, files in entry["lists"].items()}
+    followers: dict[str, set[str]] = {}  # what follows .metadata, wherever a node knows of it
+    for entry in gathered:
+        for checkpoint, urls in entry.get("followers", {}).items():
+            followers.setdefault(checkpoint, set()).update(urls)
+    lists = {checkpoint: [commit, [*files, *sorted(followers.get(checkpoint, ()))]]
+             for entry in gathered for checkpoint, (commit, files) in entry["lists"].items()}  # fmt: skip
     steps = {checkpoint: step for entry in gathered for checkpoint, step in entry["steps"].items()}
     s3 = {checkpoint: step for entry in gathered for checkpoint, step in entry["s3"].items()}
     wholes = []

@@ -32,7 +32,9 @@ lands in the node's tmpfs through `s3_dcp_tier` (an async one too: the copy into
 drains run on the training process's threads, not in megatron-core's upload process, which ends with its request);
 megatron-core's ``metadata.json`` (and <= 0.18's ``common.pt``) follow ``.metadata`` into the tier and onto S3, so a
 checkpoint is on S3 as megatron-core recognises one (``metadata.json``) only once all its files are. Loads read the
-node's verified memory copies first. Every rank calls `finish_drains` at the end of a run.
+node's verified memory copies first. Every rank calls `finish_drains` at the end of a run. `start_replication` copies
+each checkpoint in memory, ``metadata.json`` included, to the next node; `agree_resume` makes every rank resume the
+newest checkpoint every rank reaches whole on some tier, and the loads that follow read each file where agreed.
 
 megatron-core is imported on first use: importing this module never needs it. Versions: 0.19.2 and 0.18.2 are tested;
 0.16-0.18 (NeMo 2.x's) are handled by feature detection (docs/megatron.md says what differs). No call here needs
@@ -77,12 +79,14 @@ __all__ = [
     "S3Routing",
     "S3SaveShardedStrategyMixin",
     "S3TorchDistSaveShardedStrategy",
+    "agree_resume",
     "finish_drains",
     "install_s3_routing",
     "megatron_checkpoint_io_class",
     "megatron_s3_url",
     "nemo_checkpoint_url",
     "routing",
+    "start_replication",
     "verify_checkpoint",
 ]
 
@@ -234,6 +238,43 @@ def finish_drains(drain_last: bool = True) -> None:
         writers = list(_TIER_WRITERS.values())
     for writer in writers:
         writer.finish_drains(drain_last)
+
+
+def _tier_routing(what: str) -> S3Routing:
+    """The active routing, which must have a memory tier for `what`."""
+    active = _ROUTING.routing
+    if active is None or active.memory_tier is None:
+        raise RuntimeError(f"s3_mcore.{what} needs the memory tier: call install_s3_routing(memory_tier=...) first")
+    return active
+
+
+def start_replication(group: Any = None, *, bind_host: str = "127.0.0.1", local_rank: int | None = None) -> None:
+    """Memory tier: send each checkpoint this node saves into memory (every file, megatron-core's ``metadata.json``
+    and ``common.pt`` included) to the next node's, verified there (`s3_dcp_tier.start_replication` with the
+    routing's tier). Collective: every rank of `group` (default: the default process group) once, after
+    `install_s3_routing` with ``memory_tier`` and after the process group is up; the node's first rank (`local_rank`,
+    default ``LOCAL_RANK``) serves the peer's replicas on `bind_host`, the node's address on the job's network."""
+    _dcp_tier().start_replication(_tier_routing("start_replication"), group, bind_host=bind_host, local_rank=local_rank)
+
+
+def _iteration_of(name: str) -> int | None:
+    """The iteration of a Megatron-LM checkpoint directory name (``iter_0000100`` -> 100); None for other names."""
+    digits = name.removeprefix("iter_")
+    return int(digits) if digits != name and digits.isdigit() else None
+
+
+def agree_resume(dirpath: str, step_of: Callable[[str], int | None] | None = None, *, group: Any = None) -> Any:
+    """Memory tier, collective (every rank of `group`, after `install_s3_routing` with ``memory_tier``): the newest
+    megatron-core checkpoint under the ``s3://`` `dirpath` (one per ``<dirpath>/<name>/``, `step_of(name)` its step,
+    default Megatron-LM's ``iter_0000100``) that every rank can load whole from some tier: its node's memory, a
+    replica held there or on another node, S3. A checkpoint counts only where every file is reachable,
+    ``metadata.json`` included; on S3, only with its ``metadata.json``. Never older than the newest on S3. Returns
+    the `s3_memory_tier.TierAgreement` (``step``, ``url``, ``tier``); ``dist_checkpointing.load(..., agreement.url)``
+    then reads each file where agreed (a peer's replica fetched into this node's memory), megatron-core's own files
+    too (`s3_dcp_tier.agree_resume` with megatron-core's files as ``followers``)."""
+    active = _tier_routing("agree_resume")
+    followers = (COMMON_STATE_NAME, CONFIG_NAME) if active.mechanism == "msc_module" else (CONFIG_NAME,)
+    return _dcp_tier().agree_resume(active, dirpath, step_of or _iteration_of, group=group, followers=followers)
 
 
 _MEGATRON_ARGUMENTS = ("keep_only_main_replica", "thread_count", "cached_metadata", "separation_hint", "cpu_shm_mode")
@@ -870,14 +911,17 @@ class S3Routing:
         return None if self.memory_tier is None else _dcp_tier().tier_of(self.memory_tier, self.s3)
 
     def _tier_copy(self, url: str) -> bool:
+        """Whether this node's tier has `url`, or the ranks agreed where this rank reads it (`agree_resume`)."""
         tier = self._node_tier()
+        agreement = None if tier is None else tier.agreement
         try:
-            return tier is not None and tier.node.copy_of(url) is not None
+            return tier is not None and (tier.node.copy_of(url) is not None or url in getattr(agreement, "sources", ()))
         except ValueError:  # not a URL the tier can hold (a bucket alone)
             return False
 
     def _tier_source(self, url: str) -> Any:
-        """``(path, tier)`` of this node's verified copy (or a replica held here) of `url`; None: S3."""
+        """``(path, tier)`` of where the ranks agreed this rank reads `url` (a replica fetched if need be), else of
+        this node's verified copy (or a replica held here); None: S3."""
         tier = self._node_tier()
         return None if tier is None or not self._tier_copy(url) else _dcp_tier().source_of(tier, url)
 

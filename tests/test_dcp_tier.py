@@ -349,3 +349,27 @@ def test_the_dcp_decision_counts_a_checkpoint_only_where_each_of_its_files_is_re
     steps, _, sources, hand_overs, any_hand_over = s3_dcp_tier.decide(lost, 1, node, {})
     assert steps[0] == (2, f"{run}/step-2") and any_hand_over and hand_overs == [(shard1, ("127.0.0.1", 9))]
     assert s3_dcp_tier.decide(lost, 0, node, {})[2][meta].peer == ("127.0.0.1", 9)  # fetched from node 1
+
+
+def test_a_checkpoint_counts_only_where_the_files_that_follow_its_metadata_are_reachable(tmp_path: Path) -> None:
+    """megatron-core's metadata.json follows .metadata: node 0 lost its memory, node 1 holds replicas of every DCP
+    file of step 2 but not metadata.json, so no rank can load step 2 as megatron-core: every rank takes step 1 (S3).
+    With the metadata.json replica held on node 1 too, every rank takes step 2, node 0 fetching metadata.json."""
+    node = s3_memory_tier.NodeTier(tier_config(tmp_path), s3_fencing.current_run())
+    run = "s3://my-bucket/run"
+    meta, items, shard0, shard1, config = (f"{run}/step-2/{name}" for name in (
+        ".metadata", ".s3ckpt-items.json", "__0_0.distcp", "__1_0.distcp", "metadata.json"))  # fmt: skip
+
+    def entries(held: list[str]) -> list[dict[str, Any]]:
+        common = {"directory": run, "steps": {f"{run}/step-2": 2}, "s3": {f"{run}/step-1": 1}, "replicating": True,
+                  "followers": {f"{run}/step-2": [config]}}  # what agree_resume(followers=...) requires
+        return [{**common, "node": "n0", "address": ["127.0.0.1", 9], "own": [], "held": [], "lists": {}},
+                {**common, "node": "n1", "address": ["127.0.0.1", 10], "own": [shard1],
+                 "held": [[url, "n0", f"r{i}", f"/replicas/n0/r{i}/x"] for i, url in enumerate(held)],
+                 "lists": {f"{run}/step-2": [meta, [items, shard0, shard1]]}}]  # fmt: skip
+
+    for rank in (0, 1):
+        assert s3_dcp_tier.decide(entries([meta, items, shard0]), rank, node, {})[0] == [(1, f"{run}/step-1")]
+    steps, mine, sources, *_ = s3_dcp_tier.decide(entries([meta, items, shard0, config]), 0, node, {})
+    assert steps[0] == (2, f"{run}/step-2") and config in mine
+    assert sources[config].peer == ("127.0.0.1", 10)  # fetched from node 1's replica

@@ -70,6 +70,7 @@ TWO_RANK_SCENARIOS = [
     "tier_sync",
     "tier_cut",
     "tier_async",
+    "tier_two_nodes",
 ]
 
 
@@ -289,7 +290,7 @@ def test_reshard_two_to_one(mcore_run: dict[str, Any]) -> None:
     _outcomes(mcore_run["outs"][1], "reshard", world_size=1)
 
 
-# ---- 2 ranks on one node through the memory tier (tests/helpers/mcore_tier_scenarios.py) -----------------------------
+# ---- 2 ranks through the memory tier, on one node and on two (tests/helpers/mcore_tier_scenarios.py) ----------------
 
 DCP_FILES = [".metadata", ".s3ckpt-items.json", "__0_0.distcp", "__1_0.distcp"]
 """What the DCP part of a 2-rank checkpoint has on S3 (CHECKPOINT_FILES less megatron-core's own files)."""
@@ -351,6 +352,28 @@ def test_an_async_save_commits_in_memory_without_an_upload_process_and_drains_be
         assert outcome["names"] == CHECKPOINT_FILES
         assert outcome["s3_only"]["differences"] == []
     assert coordinator["drained"][-1] == "metadata.json"
+
+
+def test_two_nodes_agree_on_a_checkpoint_only_in_memory_and_megatron_core_loads_it_from_the_peers_replicas(
+    mcore_run: dict[str, Any],
+) -> None:
+    """Each rank a node of its own, replication started: iter_0000007 is only in the nodes' memory (S3 has none of
+    it) when node 0 loses its memory and the replicas it held. Every rank agrees on it, not on iter_0000006 (S3's
+    newest) nor on iter_0000008 (on S3 without metadata.json), and megatron-core loads it bit-exact: node 0 fetches
+    each file, metadata.json included, from node 1's replicas (node 1's shard, in node 1's memory only, handed over);
+    node 1 reads its shard from memory and node 0's files from the replicas it holds. Without metadata.json on the
+    peer, every rank would resume iter_0000006."""
+    node0, node1 = _outcomes(mcore_run["outs"][2], "tier_two_nodes")
+    files = DCP_FILES + MEGATRON_FILES
+    for node in (node0, node1):
+        assert node["on_s3"] == []
+        assert node["agreed"] == [7, [7, 6], "replica"]
+        assert sorted(node["sources"]) == sorted(files)
+    assert node0["sources"] == {**{name: ["replica", True] for name in files}, "__1_0.distcp": ["replica", False]}
+    assert node1["sources"] == {**{name: ["replica", False] for name in files}, "__1_0.distcp": ["memory", False]}
+    assert set(node0["first_reads"].values()) == {"replica"} and "__0_0.distcp" in node0["first_reads"]
+    assert node1["first_reads"]["__1_0.distcp"] == "memory"
+    assert {tier for name, tier in node1["first_reads"].items() if name != "__1_0.distcp"} == {"replica"}
 
 
 # ---- this process: the routing, the module without megatron-core -----------------------------------------------------

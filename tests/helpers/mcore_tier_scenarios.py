@@ -1,5 +1,6 @@
 """megatron-core saves through the memory tier: the ``tier_*`` scenarios of tests/helpers/mcore_worker.py (its 2
-ranks on one simulated node: one tier root under ``--out``, LOCAL_RANK 0 and 1; tests/test_mcore.py asserts on them).
+ranks on one simulated node: one tier root under ``--out``, LOCAL_RANK 0 and 1; ``tier_two_nodes`` makes each rank a
+node of its own for its duration; tests/test_mcore.py asserts on them).
 
 Each scenario installs `s3_mcore`'s routing with ``memory_tier`` and puts it back without the tier when it ends; the
 ranks adopt rank 0's run first, as one launch's ranks share one. The state and its expected values are
@@ -18,10 +19,10 @@ DRAINED: list[str] = []  # "<checkpoint>/<file>" in the order this process's dra
 CUT_AT: set[str] = set()  # file names whose drain is killed (the upload raises before S3 commits it)
 
 
-def _tier(ctx: Any, job: str, **fields: Any) -> Any:
+def _tier(ctx: Any, job: str, node: int = 0, **fields: Any) -> Any:
     import s3_memory_tier
 
-    return s3_memory_tier.MemoryTier(root=str(ctx.out / "node0"), job=job, **{"drain_every": 10, **fields})
+    return s3_memory_tier.MemoryTier(root=str(ctx.out / f"node{node}"), job=job, **{"drain_every": 10, **fields})
 
 
 def _use_tier(ctx: Any, tier: Any) -> Any:
@@ -185,6 +186,67 @@ def scenario_async(ctx: Any) -> dict[str, Any]:
         "drained": _drained(name),
         "s3_only": _s3_only_load(ctx, name, 5),
     }
+
+
+def scenario_two_nodes(ctx: Any) -> dict[str, Any]:
+    """Each rank a node of its own (GROUP_RANK, LOCAL_RANK 0, its tier root ``node<rank>``), replication started:
+    iter_0000006 drains (the first save), iter_0000007 stays in memory and on the other node. Node 0's memory is then
+    lost, and S3 gets an iter_0000008 with .metadata but no metadata.json (a drain killed in between); every rank
+    agrees on iter_0000007 and megatron-core loads it, node 0 from node 1's replicas (its metadata.json too), node 1
+    from its memory and the replicas it holds."""
+    import os
+
+    from mcore_worker import _load_and_compare, _save
+
+    import s3_dcp_tier
+    import s3_mcore
+
+    before = {name: os.environ.get(name) for name in ("GROUP_RANK", "LOCAL_RANK")}
+    os.environ.update(GROUP_RANK=str(ctx.rank), LOCAL_RANK="0")
+    tier = _tier(ctx, "two-nodes", node=ctx.rank)
+    routing = _use_tier(ctx, tier)
+    dcp_tier = s3_dcp_tier.tier_of(tier, ctx.s3)
+    try:
+        s3_mcore.start_replication()
+        for version in (6, 7):
+            _save(ctx, f"iter_{version:07d}", version)
+        s3_mcore.finish_drains(drain_last=False)  # the first save's drain; every replication sent
+        ctx.barrier()
+        on_s3 = ctx.names("iter_0000007")
+        if ctx.rank == 0:  # node 0's memory is lost: its checkpoints and the replicas it held
+            for copy in dcp_tier.node.copies():
+                dcp_tier.node.remove(copy.url)
+            for held in dcp_tier.node.replicas.iterdir():  # one folder per sender (its live server's lock stays)
+                if held.is_dir():
+                    shutil.rmtree(held)
+            with ctx.s3.open_writer(ctx.url("iter_0000008/.metadata")) as stray:  # a drain killed before metadata.json
+                stray.write(b"not loadable by megatron-core")
+        ctx.barrier()
+        agreement = s3_mcore.agree_resume(ctx.base)
+        sources = {url.rsplit("/", 1)[-1]: [source.tier, source.peer is not None]
+                   for url, source in agreement.sources.items()}  # fmt: skip (before the load fetches)
+        readers = _readers(routing)
+        try:
+            loaded = _load_and_compare(ctx, agreement.url, agreement.step)
+        finally:
+            del routing.reader
+        first_reads: dict[str, str] = {}
+        for reader in readers:
+            for url, source in reader.tier_sources.items():
+                first_reads.setdefault(url.rsplit("/", 1)[-1], source[1] if source else "s3")
+        ctx.barrier()  # no replica server goes while the other node still fetches from it
+        return {
+            "differences": loaded["differences"],
+            "on_s3": on_s3,
+            "agreed": [agreement.step, agreement.steps[:2], agreement.tier],
+            "sources": sources,
+            "first_reads": first_reads,
+        }
+    finally:
+        if dcp_tier.replication is not None:
+            dcp_tier.replication.close()
+        for name, value in before.items():
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
 
 
 def _record_drains() -> None:
