@@ -21,9 +21,13 @@ when it passes ``memory_tier``). docs/tiers.md shows the user's side. In parts:
    from S3 (its files orphaned, as a failed S3 save leaves them) until a relaunch finishes it. Watching S3 costs a
    HEAD per file once it is there and one per look while waiting (files are looked for in order), off the training
    path; piggybacking on the next save's plan would instead delay
-   ``.metadata`` until a next save, which the last save of a run never has. A process drains on two threads, its
-   files on one, commits on the other (a commit waiting for other ranks never holds up this rank's uploads); a wait
-   gives up after `DRAIN_WAIT_S`, and a drain whose memory copy a newer save of the same URL replaced is skipped.
+   ``.metadata`` until a next save, which the last save of a run never has. With prefix spreading a save's files
+   keep their spread URLs in memory (``run/s3ckpt-spread-03/step-200/``), their commit records name the save's spread
+   directories (``"layout"``), and the layout record goes to S3 before any file goes into one of them
+   (`s3_prefix_spreading.ensure_layout`): by each rank before its first file, by the coordinator before it waits.
+   A process drains on two threads, its files on one, commits on the other (a commit waiting for other ranks never
+   holds up this rank's uploads); a wait gives up after `DRAIN_WAIT_S`, and a drain whose memory copy a newer save
+   of the same URL replaced is skipped.
 4. Reads: `source_of` gives the reader, per file, where the ranks agreed it reads it (`agree_resume`), else this
    node's verified memory copy, a verified replica held here, or (replicating) this node's replica its peer holds,
    fetched into memory; else None (S3). A copy that fails its checksum is skipped with an error in the log. The

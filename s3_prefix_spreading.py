@@ -21,7 +21,8 @@ Nothing needs configuring to read, list, verify, convert or remove a spread chec
 * each shard's relative path in ``.metadata`` (and in the item-checksum record) is ``../s3ckpt-spread-03/step-200/
   __3_0.distcp``: `join` resolves it (`s3_dcp.S3StorageReader`, ``convert``, ``verify``), and torch's own
   ``FileSystemReader`` resolves it too in a local copy of the run directory;
-* the layout record (`LAYOUT_NAME`) names the spread directories, written before any shard, removed last, so ``ls``,
+* the layout record (`LAYOUT_NAME`) names the spread directories, written before any shard (by the memory tier's
+  drain, `ensure_layout`, before the first shard reaches S3), removed last, so ``ls``,
   ``rm``, ``gc`` and overwriting saves find every object of a checkpoint, also of one whose save never committed
   (`checkpoint_objects`, `remove_checkpoint`); the segment's fixed name (`SEGMENT_PREFIX`) keeps listings from
   mistaking a spread directory for a checkpoint of its own (`in_spread_directory`).
