@@ -22,6 +22,7 @@ dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 from s3_servers import rank_environment  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 
 import s3_dcp  # noqa: E402
 import s3_dcp_tier  # noqa: E402
@@ -312,6 +313,38 @@ def test_with_prefix_spreading_a_save_lands_in_memory_under_its_spread_urls_and_
     load(state_of(2), url, None)
     shutil.rmtree(node.own)  # the node's memory lost: its tier reads S3
     assert set(tiers_read(load(state_of(2), url, tier)).values()) == {"s3"}
+
+
+def test_with_prefix_spreading_three_ranks_fill_two_spread_directories_in_memory_and_on_s3(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """Three ranks of one collective save, played in this process as ``dcp.save`` drives them (rank 0 coordinates):
+    ranks 0 and 2 write into spread directory 00, rank 1 into 01, in memory; the drain (the first save drains) puts
+    the layout record naming both up, then every shard, then .metadata; a load reads every file from memory, and S3
+    alone gives the same state."""
+    tier, url = tier_config(tmp_path), f"s3://{bucket}/run/step-2"
+    writers = [s3_dcp.S3StorageWriter(url, chunk_size_MB=5, memory_tier=tier, prefix_spreading=2) for _ in range(3)]
+    planners = [DefaultSavePlanner() for _ in range(3)]
+    states = [{f"w{rank}": torch.full((2000,), float(rank)), f"b{rank}": torch.arange(7.0) * rank} for rank in range(3)]
+    for rank, (writer, planner) in enumerate(zip(writers, planners, strict=True)):
+        writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+        planner.set_up_planner(state_dict=states[rank], storage_meta=None, is_coordinator=rank == 0)
+    local = [w.prepare_local_plan(p.create_local_plan()) for w, p in zip(writers, planners, strict=True)]
+    global_plans, metadata = planners[0].create_global_plan(local)
+    global_plans = writers[0].prepare_global_plan(global_plans)
+    results = [writer.write_data(planner.finish_plan(plan), planner).wait()
+               for writer, planner, plan in zip(writers, planners, global_plans, strict=True)]  # fmt: skip
+    writers[0].finish(metadata, results)
+    node = s3_dcp_tier.tier_of(tier, writers[0].s3).node
+    for rank, spread in ((0, "00"), (1, "01"), (2, "00")):
+        assert node.copy_of(f"s3://{bucket}/run/s3ckpt-spread-{spread}/step-2/__{rank}_0.distcp") is not None
+    writers[0].finish_drains()
+    assert s3_names(s3_client, bucket, "run/step-2") == SPREAD_TOP
+    assert s3_names(s3_client, bucket, "run/s3ckpt-spread-00/step-2") == ["__0_0.distcp", "__2_0.distcp"]
+    assert s3_names(s3_client, bucket, "run/s3ckpt-spread-01/step-2") == ["__1_0.distcp"]
+    whole = {key: value for state in states for key, value in state.items()}
+    assert set(tiers_read(load(whole, url, tier)).values()) == {"memory"}
+    load(whole, url, None)
 
 
 @pytest.mark.parametrize("cut", ["__0_0.distcp", ".metadata"])
