@@ -522,7 +522,8 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         prefix_spreading: shards over this many key prefixes beside the checkpoint, ``"auto"`` (once the run was
             throttled) or an `s3_prefix_spreading.PrefixSpreading`; None: one prefix (docs/scale.md).
         memory_tier: save into the node's memory, S3 behind (`s3_memory_tier.MemoryTier`, a mapping of its fields, a
-            path or True); every rank calls `finish_drains` at the end (docs/tiers.md). Not with `prefix_spreading`.
+            path or True); every rank calls `finish_drains` at the end (docs/tiers.md). With `prefix_spreading` the
+            files land in memory under their spread URLs, and the layout record reaches S3 before any of them.
     """
 
     def __init__(
@@ -581,11 +582,6 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         self._replacing = False
         self._layout = _spread.SaveLayout()
         self.memory_tier, self._tier_plan = _tier_config(memory_tier), None
-        if self.memory_tier is not None and self.prefix_spreading is not None:
-            raise ValueError(
-                f"S3StorageWriter({self.path}): memory_tier and prefix_spreading together are not built; drop one "
-                "(docs/tiers.md)"
-            )
 
     def __getstate__(self) -> dict[str, Any]:
         """Settings travel (``async_save`` with the process executor pickles the writer; `S3Utils` pickles as its
@@ -616,19 +612,18 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         """Once before any rank writes (coordinator; every rank without collectives): take the directory over for
         this run, refuse an existing checkpoint with ``overwrite=False`` or retire its ``.metadata`` (incomplete until
         the new one lands), and give every rank its file prefix and the hold to check."""
-        self._tier_plan = tier = self._tier().plan() if self.memory_tier is not None else None  # S3 comes behind
-        fence = self._fence() if tier is None else None
+        tiered = self.memory_tier is not None  # S3 comes behind: nothing read or written there now
+        fence = self._fence() if not tiered else None
         token = fence.token(self.path) if fence is not None else None
-        if tier is None or not self.overwrite:
+        if not tiered or not self.overwrite:
             self._retire_existing_checkpoint(fence)
         own = self._metadata_rank()  # saving without collectives, this rank plans for itself alone
-        layout = self._layout = (
-            _spread.SaveLayout.plan(self.s3, self.path, self.prefix_spreading, self._replacing)
-            if tier is None
-            else _spread.SaveLayout()  # the tier's files keep the checkpoint's own prefix
+        layout = self._layout = _spread.SaveLayout.plan(
+            self.s3, self.path, self.prefix_spreading, self._replacing, look=not tiered
         )
-        if (record := layout.record()) is not None:  # before any shard: gc and rm find every object
-            self._put(_spread.LAYOUT_NAME, record, fence)
+        tier = self._tier_plan = self._tier().plan(layout.directories) if tiered else None
+        if not tiered and (record := layout.record()) is not None:  # before any shard: gc and rm find every object
+            self._put(_spread.LAYOUT_NAME, record, fence)  # (the tier's drains write it before their first file)
         prefixes = [plan.storage_data or _FilePrefix(f"__{i}_") for i, plan in enumerate(plans)]
         return [
             dataclasses.replace(plan, storage_data=dataclasses.replace(
@@ -646,6 +641,7 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         """Stream this rank's items into ``thread_count`` files, concurrently; every file is complete and durable when
         the returned future is set. On failure no file of this rank appears and the error is raised."""
         prefix: _FilePrefix = plan.storage_data
+        self._tier_plan = prefix.tier if self.memory_tier is not None else None  # every rank: the save's directories
         buckets = _split_items(self.thread_count, plan.items, WriteItemType.BYTE_IO)
         files = [(f"{prefix.prefix}{n}{DCP_SHARD_SUFFIX}", bucket) for n, bucket in enumerate(buckets)]
         # checked right before each file's commit (not once per save: a rank stopped after one check must not commit
@@ -722,7 +718,9 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
 
     def _open(self, url: str, chunk_size_MB: float, concurrency: int, fence: Any) -> Any:
         if self.memory_tier is not None:  # the node's memory tier, else an S3 multipart upload
-            return self._tier().open_file(url, self.path, metadata_name(self._metadata_rank()), self.checksum_algorithm)
+            directories = self._tier_plan.directories if self._tier_plan is not None else ()
+            return self._tier().open_file(url, self.path, metadata_name(self._metadata_rank()), self.checksum_algorithm,
+                                          directories)  # fmt: skip
         return self.s3.open_writer(url, chunk_size_MB, concurrency, self.checksum_algorithm, fence=fence)
 
     def _metadata_rank(self) -> int | None:

@@ -21,9 +21,13 @@ when it passes ``memory_tier``). docs/tiers.md shows the user's side. In parts:
    from S3 (its files orphaned, as a failed S3 save leaves them) until a relaunch finishes it. Watching S3 costs a
    HEAD per file once it is there and one per look while waiting (files are looked for in order), off the training
    path; piggybacking on the next save's plan would instead delay
-   ``.metadata`` until a next save, which the last save of a run never has. A process drains on two threads, its
-   files on one, commits on the other (a commit waiting for other ranks never holds up this rank's uploads); a wait
-   gives up after `DRAIN_WAIT_S`, and a drain whose memory copy a newer save of the same URL replaced is skipped.
+   ``.metadata`` until a next save, which the last save of a run never has. With prefix spreading a save's files
+   keep their spread URLs in memory (``run/s3ckpt-spread-03/step-200/``), their commit records name the save's spread
+   directories (``"layout"``), and the layout record goes to S3 before any file goes into one of them
+   (`s3_prefix_spreading.ensure_layout`): by each rank before its first file, by the coordinator before it waits.
+   A process drains on two threads, its files on one, commits on the other (a commit waiting for other ranks never
+   holds up this rank's uploads); a wait gives up after `DRAIN_WAIT_S`, and a drain whose memory copy a newer save
+   of the same URL replaced is skipped.
 4. Reads: `source_of` gives the reader, per file, where the ranks agreed it reads it (`agree_resume`), else this
    node's verified memory copy, a verified replica held here, or (replicating) this node's replica its peer holds,
    fetched into memory; else None (S3). A copy that fails its checksum is skipped with an error in the log. The
@@ -63,11 +67,13 @@ if __package__:
     from . import s3_dirpath_utils as _urls
     from . import s3_fencing as _fencing
     from . import s3_memory_tier as _tier
+    from . import s3_prefix_spreading as _spread
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_dirpath_utils as _urls
     import s3_fencing as _fencing
     import s3_memory_tier as _tier
+    import s3_prefix_spreading as _spread
     import s3_utils as _s3
 
 __all__ = [
@@ -90,11 +96,14 @@ def config(value: Any) -> _tier.MemoryTier | None:
 
 @dataclass(frozen=True)
 class TierPlan:
-    """What the coordinator tells every rank in its save plan: whether this save drains to S3, and the run that
-    holds the checkpoint directory (every rank's upload is fenced by it). Package-internal (docs/api.md)."""
+    """What the coordinator tells every rank in its save plan: whether this save drains to S3, the run that
+    holds the checkpoint directory (every rank's upload is fenced by it), and the save's spread directories (prefix
+    spreading; none: one prefix), which the layout record on S3 names before any file goes into one of them.
+    Package-internal (docs/api.md)."""
 
     drain: bool
     run: _fencing.CheckpointRun
+    directories: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -113,9 +122,11 @@ class TierFile:
     ``.metadata`` is at the prefix on S3 (its files would be overwritten under it): the save fails then.
     Package-internal (docs/api.md)."""
 
-    def __init__(self, tier: DcpTier, url: str, checkpoint: str, commit: str, algorithm: str) -> None:
+    def __init__(self, tier: DcpTier, url: str, checkpoint: str, commit: str, algorithm: str,
+                 directories: tuple[str, ...] = ()) -> None:  # fmt: skip
         self.url = url
         self._tier, self._checkpoint, self._commit = tier, checkpoint, commit
+        self._directories = tuple(directories)  # the save's spread directories (`TierPlan.directories`)
         self._algorithm = _s3.ChecksumAlgorithm.named(algorithm)
         self._pieces: list[tuple[int, int, int]] = []  # (offset, length, checksum) between boundaries
         self._start = self._size = self._checksum = 0
@@ -163,6 +174,7 @@ class TierFile:
             raise error
         self._tier.node.warn_full_once(self.url, error)
         fence = _fencing.DirectoryFence(self._tier.s3, _urls.s3_url_parent(self._checkpoint), self._tier.run)
+        _spread.ensure_layout(self._tier.s3, self._checkpoint, self._directories, fence=fence)  # before the file
         self._s3 = self._tier.s3.open_writer(self.url, checksum_algorithm=self._algorithm.name, fence=fence)
         if self._partial is not None:
             os.close(self._fd)
@@ -201,6 +213,7 @@ class TierFile:
             self.copy = self._tier.node.commit(
                 self._partial, self.url, None, self._size, f"{self._algorithm.name} {checksum}",
                 checkpoint=self._checkpoint, commit=self._commit,
+                **({"layout": list(self._directories)} if self._directories else {}),
             )  # fmt: skip
         except BaseException:
             self.abort()
@@ -281,8 +294,9 @@ class DcpTier:
         if os.environ.get("LOCAL_RANK", "0") == "0":
             self._finish_pending_drains()
 
-    def plan(self) -> TierPlan:
-        """The coordinator's decision for its next save (counted): drain it or not."""
+    def plan(self, directories: tuple[str, ...] = ()) -> TierPlan:
+        """The coordinator's decision for its next save (counted): drain it or not; `directories`: its spread
+        directories (`s3_prefix_spreading.SaveLayout`)."""
         self.node.claim()
         self.saves += 1
         minutes = self.config.drain_minutes
@@ -290,13 +304,15 @@ class DcpTier:
         drain = (self.saves - 1) % self.config.drain_every == 0 or timer
         if drain:
             self._last_drain = time.monotonic()
-        return TierPlan(drain, self.run)
+        return TierPlan(drain, self.run, tuple(directories))
 
-    def open_file(self, url: str, checkpoint: str, commit_name: str, algorithm: str) -> TierFile:
-        """A file of the checkpoint at `checkpoint` (committed by its ``.metadata``, `commit_name`) into the tier."""
+    def open_file(self, url: str, checkpoint: str, commit_name: str, algorithm: str,
+                  directories: tuple[str, ...] = ()) -> TierFile:  # fmt: skip
+        """A file of the checkpoint at `checkpoint` (committed by its ``.metadata``, `commit_name`) into the tier;
+        `directories`: the save's spread directories (its commit record keeps them for the drain)."""
         commit = _urls.join_s3_url(checkpoint, commit_name)
         self.node.claim()  # a straggler writes nothing
-        file = TierFile(self, url, checkpoint, commit, algorithm)
+        file = TierFile(self, url, checkpoint, commit, algorithm, directories)
         if url != commit and not url.endswith(ITEMS_SUFFIX):
             with self._lock:
                 self._open.setdefault(checkpoint, []).append(file)
@@ -474,7 +490,9 @@ class DcpTier:
             return
         older = f"the older {metadata} to be removed before {copy.url}"
         self._wait(lambda: not self.s3.s3_path_exists(metadata), older)
-        self._upload(copy, self._fence(checkpoint, run, writer), writer)
+        fence = self._fence(checkpoint, run, writer)
+        _spread.ensure_layout(self.s3, checkpoint, copy.record.get("layout", ()), fence=fence)  # before the file
+        self._upload(copy, fence, writer)
         logger.info("memory tier: drained %s to S3", copy.url)
         self.node.prune()  # what waited for this drain may go
 
@@ -500,7 +518,8 @@ class DcpTier:
                 if url in declared and not self.s3.s3_path_exists(url):
                     continue
                 self.s3.remove_object(url, fence=fence)
-        wanted = {_urls.join_s3_url(checkpoint, name): (entry["size"], f"{entry['algorithm']} {entry['checksum']}")
+        _spread.ensure_layout(self.s3, checkpoint, metadata.record.get("layout", ()), fence=fence)
+        wanted = {_spread.join(checkpoint, name): (entry["size"], f"{entry['algorithm']} {entry['checksum']}")
                   for name, entry in files.items()}  # fmt: skip
 
         def all_there() -> bool:
@@ -727,7 +746,7 @@ def agree_resume(storage: Any, directory: str, step_of: Any = None, *, group: An
 def _checkpoint_of(record: dict[str, Any], url: str, prefix: str, step_of: Any) -> tuple[str, int] | None:
     """The DCP checkpoint directly under `prefix` whose file `url` is (its record names it), and its step; None."""
     checkpoint = record.get("checkpoint")
-    if not isinstance(checkpoint, str) or not url.startswith(checkpoint + "/") or not checkpoint.startswith(prefix):
+    if not isinstance(checkpoint, str) or not checkpoint.startswith(prefix) or not _spread.belongs_to(url, checkpoint):
         return None
     name = checkpoint[len(prefix) :]
     step = step_of(name) if step_of is not None and "/" not in name else None
@@ -753,7 +772,7 @@ def _candidates(tier: DcpTier, s3: Any, directory: str, step_of: Any, verified: 
         commit = record.get("commit")
         if isinstance(commit, str) and url == commit.removesuffix(".metadata") + ITEMS_SUFFIX:
             listed = json.loads(Path(path).read_bytes()).get("files", {})
-            lists[found[0]] = [commit, [url] + [_urls.join_s3_url(found[0], name) for name in listed]]
+            lists[found[0]] = [commit, [url] + [_spread.join(found[0], name) for name in listed]]
         return True
 
     for copy in tier.node.copies():

@@ -21,7 +21,8 @@ Nothing needs configuring to read, list, verify, convert or remove a spread chec
 * each shard's relative path in ``.metadata`` (and in the item-checksum record) is ``../s3ckpt-spread-03/step-200/
   __3_0.distcp``: `join` resolves it (`s3_dcp.S3StorageReader`, ``convert``, ``verify``), and torch's own
   ``FileSystemReader`` resolves it too in a local copy of the run directory;
-* the layout record (`LAYOUT_NAME`) names the spread directories, written before any shard, removed last, so ``ls``,
+* the layout record (`LAYOUT_NAME`) names the spread directories, written before any shard (by the memory tier's
+  drain, `ensure_layout`, before the first shard reaches S3), removed last, so ``ls``,
   ``rm``, ``gc`` and overwriting saves find every object of a checkpoint, also of one whose save never committed
   (`checkpoint_objects`, `remove_checkpoint`); the segment's fixed name (`SEGMENT_PREFIX`) keeps listings from
   mistaking a spread directory for a checkpoint of its own (`in_spread_directory`).
@@ -192,6 +193,40 @@ def checkpoint_objects(
     return found
 
 
+def ensure_layout(s3: _s3.S3Utils, checkpoint_url: str, directories: Iterable[str], *, fence: Any = None) -> None:
+    """Make the layout record on S3 name every one of `directories` (a spread save's, each relative as in the
+    record) before a file of the save goes into one of them: nothing when the record names them already, else the
+    record of these and those it named (an earlier checkpoint's at the same URL), with `fence` (as `S3Utils.open_writer`
+    takes it). Every rank of a save passes the same `directories`, so ranks that do this at once write the same
+    record. The memory tier's drains and its files that go to S3 directly call this (`s3_dcp_tier`).
+    Package-internal (docs/api.md)."""
+    wanted = set(directories)
+    if not wanted:
+        return
+    named = set(read_layout(s3, checkpoint_url))
+    if wanted <= named:
+        return
+    for directory in wanted:
+        join(checkpoint_url, directory)  # refuses a directory outside the run's
+    body = _layout_record(wanted | named)
+    with s3.open_writer(join(checkpoint_url, LAYOUT_NAME), max(_s3.DEFAULT_CHUNK_SIZE_MB, 1), 1, fence=fence) as out:
+        out.write(body)
+
+
+def belongs_to(url: str, checkpoint_url: str) -> bool:
+    """Whether the object `url` is a file of the checkpoint at `checkpoint_url`: under its prefix, or at the top level
+    of one of its spread directories (``run/s3ckpt-spread-03/step-200/__3_0.distcp`` of ``run/step-200``).
+    Package-internal (docs/api.md)."""
+    base = checkpoint_url.rstrip("/")
+    if url.startswith(base + "/"):
+        return True
+    parent = base.rpartition("/")[0] + "/"
+    if not url.startswith(parent):
+        return False
+    relative = url[len(parent) :]
+    return relative.count("/") == 2 and in_spread_directory(relative) and owner_of(relative) == base[len(parent) :]
+
+
 def in_spread_directory(relative: str) -> bool:
     """Whether a key relative to a listed directory lies in a spread directory (a segment ``s3ckpt-spread-XX``):
     it belongs to the checkpoint whose layout record names it, not to a checkpoint of its own.
@@ -235,11 +270,14 @@ class SaveLayout:
     previous: tuple[str, ...] = ()
 
     @classmethod
-    def plan(cls, s3: _s3.S3Utils, url: str, spreading: PrefixSpreading | None, replacing: bool) -> SaveLayout:
+    def plan(
+        cls, s3: _s3.S3Utils, url: str, spreading: PrefixSpreading | None, replacing: bool, *, look: bool = True
+    ) -> SaveLayout:
         """The layout of a save to `url`: every directory of `spreading` (ranks without collectives plan alone, and
         each writes the same record). The earlier checkpoint's directories are read when the save spreads or
-        replaces a checkpoint: a default save to a new URL reads nothing."""
-        previous = tuple(read_layout(s3, url)) if spreading is not None or replacing else ()
+        replaces a checkpoint: a default save to a new URL reads nothing. With `look` False nothing is read (the
+        memory tier's saves: `ensure_layout` merges the earlier record when the save reaches S3)."""
+        previous = tuple(read_layout(s3, url)) if look and (spreading is not None or replacing) else ()
         if spreading is None or not spreading.applies(s3, url):
             return cls(None, (), previous)
         return cls(spreading, tuple(_directory(url, spreading.segment(i)) for i in range(spreading.prefixes)), previous)

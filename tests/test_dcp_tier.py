@@ -22,11 +22,13 @@ dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 from s3_servers import rank_environment  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 
 import s3_dcp  # noqa: E402
 import s3_dcp_tier  # noqa: E402
 import s3_fencing  # noqa: E402
 import s3_memory_tier  # noqa: E402
+import s3_prefix_spreading  # noqa: E402
 from s3_memory_tier import COMMIT_RECORD_SUFFIX, MemoryTier  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -262,10 +264,145 @@ def test_a_save_over_a_checkpoint_on_s3_replaces_it_only_once_its_files_are_ther
     load(state_of(2), url, None)
 
 
-def test_memory_tier_with_prefix_spreading_is_refused_by_name(tmp_path: Path) -> None:
-    """The two layouts do not combine yet: the writer says so before anything is written, naming the URL."""
-    with pytest.raises(ValueError, match=r"s3://my-bucket/run/step-1.*memory_tier and prefix_spreading"):
-        s3_dcp.S3StorageWriter("s3://my-bucket/run/step-1", memory_tier=tier_config(tmp_path), prefix_spreading=4)
+SPREAD_SHARD = "s3ckpt-spread-00/step-2/__0_0.distcp"  # rank 0's shard of run/step-2 spread over 2 prefixes
+LAYOUT = s3_prefix_spreading.LAYOUT_NAME
+SPREAD_TOP = sorted([".metadata", LAYOUT, ".s3ckpt-items.json"])  # what a spread checkpoint has at its own prefix
+
+
+def spread_save(state: dict[str, Any], url: str, tier: MemoryTier) -> s3_dcp.S3StorageWriter:
+    writer = s3_dcp.S3StorageWriter(url, chunk_size_MB=5, memory_tier=tier, prefix_spreading=2)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    return writer
+
+
+def test_with_prefix_spreading_a_save_lands_in_memory_under_its_spread_urls_and_drains_layout_first_metadata_last(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both together: the shard is in memory under the URL S3 will hold it at (run/s3ckpt-spread-00/step-2/); S3
+    holds nothing of the checkpoint until its drain; the drain puts the layout record up before the shard and
+    .metadata after everything, so ls, rm and gc find every object; a load reads memory, and with the tier wiped
+    reads S3, bit-exact."""
+    tier, url = tier_config(tmp_path, drain_every=10), f"s3://{bucket}/run/step-2"
+    spread_save(state_of(1), f"s3://{bucket}/run/step-1", tier).finish_drains(drain_last=False)  # the drained 1st
+    writer = spread_save(state_of(2), url, tier)  # in memory only
+    node = s3_dcp_tier.tier_of(tier, writer.s3).node
+    assert node.copy_of(f"s3://{bucket}/run/{SPREAD_SHARD}") is not None
+    assert sorted(p.name for p in (node.own / bucket / "run" / "step-2").iterdir()) == sorted(
+        name + suffix for name in (".metadata", ".s3ckpt-items.json") for suffix in ("", COMMIT_RECORD_SUFFIX))
+    assert s3_names(s3_client, bucket, "run/step-2") == s3_names(s3_client, bucket, "run/s3ckpt-spread-00/step-2") == []
+    reader = load(state_of(2), url, tier)
+    assert tiers_read(reader) == dict.fromkeys([".metadata", ".s3ckpt-items.json", "__0_0.distcp"], "memory")
+    assert f"s3://{bucket}/run/{SPREAD_SHARD}" in reader.tier_sources
+
+    order: list[tuple[str, bool]] = []  # each upload from memory, and whether the layout record was on S3 then
+    upload = s3_memory_tier.NodeTier.upload
+
+    def noted(copy: Any, target: Any) -> None:
+        order.append((copy.url.rsplit("/", 1)[-1], s3_names(s3_client, bucket, "run/step-2") != []))
+        upload(copy, target)
+
+    monkeypatch.setattr(s3_memory_tier.NodeTier, "upload", staticmethod(noted))
+    writer.finish_drains()  # the last save drains
+    assert order == [("__0_0.distcp", True), (".s3ckpt-items.json", True), (".metadata", True)]
+    assert s3_names(s3_client, bucket, "run/step-2") == SPREAD_TOP
+    assert s3_names(s3_client, bucket, "run/s3ckpt-spread-00/step-2") == ["__0_0.distcp"]
+    layout = json.loads(s3_client.get_object(Bucket=bucket, Key=f"run/step-2/{LAYOUT}")["Body"].read())
+    assert layout["directories"] == ["../s3ckpt-spread-00/step-2/", "../s3ckpt-spread-01/step-2/"]
+    named = sorted(name for name, _ in s3_prefix_spreading.checkpoint_objects(writer.s3, url))
+    assert named == sorted([".metadata", LAYOUT, ".s3ckpt-items.json", "../" + SPREAD_SHARD])
+    load(state_of(2), url, None)
+    shutil.rmtree(node.own)  # the node's memory lost: its tier reads S3
+    assert set(tiers_read(load(state_of(2), url, tier)).values()) == {"s3"}
+
+
+def test_with_prefix_spreading_three_ranks_fill_two_spread_directories_in_memory_and_on_s3(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """Three ranks of one collective save, played in this process as ``dcp.save`` drives them (rank 0 coordinates):
+    ranks 0 and 2 write into spread directory 00, rank 1 into 01, in memory; the drain (the first save drains) puts
+    the layout record naming both up, then every shard, then .metadata; a load reads every file from memory, and S3
+    alone gives the same state."""
+    tier, url = tier_config(tmp_path), f"s3://{bucket}/run/step-2"
+    writers = [s3_dcp.S3StorageWriter(url, chunk_size_MB=5, memory_tier=tier, prefix_spreading=2) for _ in range(3)]
+    planners = [DefaultSavePlanner() for _ in range(3)]
+    states = [{f"w{rank}": torch.full((2000,), float(rank)), f"b{rank}": torch.arange(7.0) * rank} for rank in range(3)]
+    for rank, (writer, planner) in enumerate(zip(writers, planners, strict=True)):
+        writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+        planner.set_up_planner(state_dict=states[rank], storage_meta=None, is_coordinator=rank == 0)
+    local = [w.prepare_local_plan(p.create_local_plan()) for w, p in zip(writers, planners, strict=True)]
+    global_plans, metadata = planners[0].create_global_plan(local)
+    global_plans = writers[0].prepare_global_plan(global_plans)
+    results = [writer.write_data(planner.finish_plan(plan), planner).wait()
+               for writer, planner, plan in zip(writers, planners, global_plans, strict=True)]  # fmt: skip
+    writers[0].finish(metadata, results)
+    node = s3_dcp_tier.tier_of(tier, writers[0].s3).node
+    for rank, spread in ((0, "00"), (1, "01"), (2, "00")):
+        assert node.copy_of(f"s3://{bucket}/run/s3ckpt-spread-{spread}/step-2/__{rank}_0.distcp") is not None
+    writers[0].finish_drains()
+    assert s3_names(s3_client, bucket, "run/step-2") == SPREAD_TOP
+    assert s3_names(s3_client, bucket, "run/s3ckpt-spread-00/step-2") == ["__0_0.distcp", "__2_0.distcp"]
+    assert s3_names(s3_client, bucket, "run/s3ckpt-spread-01/step-2") == ["__1_0.distcp"]
+    whole = {key: value for state in states for key, value in state.items()}
+    assert set(tiers_read(load(whole, url, tier)).values()) == {"memory"}
+    load(whole, url, None)
+
+
+@pytest.mark.parametrize("cut", ["__0_0.distcp", ".metadata"])
+def test_with_prefix_spreading_a_cut_drain_leaves_no_metadata_on_s3_and_the_next_process_finishes_it(
+    cut: str, s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kill at the spread shard's upload or at .metadata's: S3 has no .metadata (nothing loadable), and the next
+    process's tier finishes the drain from the commit records alone (they keep the save's spread directories)."""
+    tier, url = tier_config(tmp_path), f"s3://{bucket}/run/step-2"
+    upload = s3_memory_tier.NodeTier.upload
+
+    def killed_there(copy: Any, target: Any) -> None:
+        if copy.url.endswith("/" + cut):
+            raise KeyboardInterrupt("killed")
+        upload(copy, target)
+
+    monkeypatch.setattr(s3_memory_tier.NodeTier, "upload", staticmethod(killed_there))
+    monkeypatch.setattr(s3_dcp_tier, "DRAIN_WAIT_S", 0.5)  # the commit waits for a shard that never comes
+    writer = spread_save(state_of(2), url, tier)
+    with pytest.raises((KeyboardInterrupt, TimeoutError)):
+        writer.finish_drains()
+    assert ".metadata" not in s3_names(s3_client, bucket, "run/step-2")
+    assert not s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads")
+    monkeypatch.setattr(s3_memory_tier.NodeTier, "upload", staticmethod(upload))
+    relaunched = s3_dcp_tier.DcpTier(tier, writer.s3)  # what the next process's first writer or reader opens
+    relaunched.finish_drains(None, drain_last=False)
+    assert s3_names(s3_client, bucket, "run/step-2") == SPREAD_TOP
+    assert s3_names(s3_client, bucket, "run/s3ckpt-spread-00/step-2") == ["__0_0.distcp"]
+    load(state_of(2), url, None)
+
+
+def test_with_prefix_spreading_the_resume_agreement_counts_a_checkpoint_whose_shards_are_in_spread_directories(
+    s3_server: Any, bucket: str, tmp_path: Path
+) -> None:
+    """Step 1 on S3, step 2 in memory only, both spread: the agreement takes step 2 from memory (its shard, under a
+    spread prefix, is the checkpoint's), and the load follows it."""
+    tier = tier_config(tmp_path, drain_every=10)
+    spread_save(state_of(1), f"s3://{bucket}/run/step-1", tier).finish_drains(drain_last=False)
+    writer = spread_save(state_of(2), f"s3://{bucket}/run/step-2", tier)
+    agreed = s3_dcp_tier.agree_resume(writer, f"s3://{bucket}/run", lambda name: int(name.removeprefix("step-")))
+    assert (agreed.step, agreed.url, agreed.tier) == (2, f"s3://{bucket}/run/step-2", "memory")
+    assert f"s3://{bucket}/run/{SPREAD_SHARD}" in agreed.sources
+    reader = load(state_of(2), agreed.url, tier)
+    assert set(tiers_read(reader).values()) == {"memory"}
+
+
+def test_with_prefix_spreading_a_file_the_tier_has_no_room_for_goes_to_s3_after_the_layout_record(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    tier = tier_config(tmp_path, drain_every=10, capacity_bytes=200_000)  # a shard is 1.2 MB, .metadata a few KB
+    spread_save(state_of(1), f"s3://{bucket}/run/step-1", tier).finish_drains()
+    url = f"s3://{bucket}/run/step-2"
+    writer = spread_save(state_of(2), url, tier)  # not drained: the shard went to S3 directly, the commit did not
+    assert s3_names(s3_client, bucket, "run/step-2") == [LAYOUT]
+    assert s3_names(s3_client, bucket, "run/s3ckpt-spread-00/step-2") == ["__0_0.distcp"]
+    writer.finish_drains()
+    assert s3_names(s3_client, bucket, "run/step-2") == SPREAD_TOP
+    load(state_of(2), url, None)
 
 
 def run_launch(s3_server: Any, mode: str, bucket: str, out: Path) -> list[dict[str, Any]]:
