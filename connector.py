@@ -603,7 +603,8 @@ def check_resume(
     ``<log_dir>/checkpoints``); on S3 **only global rank 0 lists** (rank from the environment) and the others get its
     choice by broadcast; a local directory is searched on every rank, as in NeMo. Errors as `find_resume_checkpoint`.
     `resume_fallback` (default True): a checkpoint that does not verify or load is skipped on every rank for the next
-    newest (`load_newest_usable`); False: strict. Also installs `NeMoCheckpointConnector`."""
+    newest (`load_newest_usable`); False: strict. Also installs `NeMoCheckpointConnector`, which with a memory tier
+    and several ranks makes rank 0's choice again once the process group exists, among what every rank can load."""
     if resume_if_exists and not dirpath and not log_dir:
         raise ValueError(
             "Resuming requires the checkpoint dirpath or the log_dir (checkpoints are in log_dir/checkpoints)"
@@ -689,7 +690,8 @@ class BroadcastResumeConnectorMixin:
     """What `NeMoCheckpointConnector` adds to Lightning's ``_CheckpointConnector`` (mixed in front of it).
     ``resume_start``: every rank loads rank 0's choice (broadcast), whatever Lightning passed in there, collectively
     (`s3_checkpoint_io.collective_resume`), falling back past one that does not load (`load_newest_usable`) unless
-    `resume_fallback` is off. ``ckpt_path="last"`` on S3 is resolved on global rank 0 only, from one listing per
+    `resume_fallback` is off; with a memory tier, first agreeing over the tiers (`check_resume`'s choice made again,
+    see `tier_rediscovery`). ``ckpt_path="last"`` on S3 is resolved on global rank 0 only, from one listing per
     `S3ModelCheckpoint` (Lightning's own resolution, still on rank 0, if some candidate lives elsewhere)."""
 
     trainer: Any
@@ -706,9 +708,11 @@ class BroadcastResumeConnectorMixin:
     def resume_start(self, checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> None:
         trainer = self.trainer
         discovery, self.tier_rediscovery = self.tier_rediscovery, None
-        tiered = _tiered_checkpoint_io(trainer) if discovery and getattr(trainer, "world_size", 1) > 1 else None
-        if tiered is not None:  # every rank: one collective; then rank 0 chooses among what every rank can load
-            tiered.agree_resume(discovery.directory, checkpoint_step, list_s3=global_rank() == 0)  # type: ignore
+        tiered = _tiered_checkpoint_io(trainer) if getattr(trainer, "world_size", 1) > 1 else None
+        agreed = None  # the s3:// directory the ranks agree on here
+        if discovery is not None and tiered is not None:  # every rank: one collective, then rank 0 chooses again
+            agreed = _normalize_dirpath(discovery.directory)
+            tiered.agree_resume(agreed, checkpoint_step, list_s3=global_rank() == 0)
             chosen, fallbacks = _on_rank_zero_then_broadcast(
                 trainer, lambda: self._choose_again(discovery, checkpoint_path), "choosing the checkpoint again"
             )
@@ -720,9 +724,8 @@ class BroadcastResumeConnectorMixin:
             logger.info("Rank %d: resuming from %s as chosen on rank 0 (was given %r)", rank, chosen, checkpoint_path)
         elif chosen:
             logger.info("Rank %d: resuming from checkpoint %s", rank, chosen)
-        agreed = tiered is not None and str(chosen).startswith(f"{_normalize_dirpath(discovery.directory)}/")
-        if _is_s3_path(chosen) and not agreed:  # every rank, the process group up: the tiers every rank can read
-            _agree_on_tier_resume(trainer)  # `chosen` from
+        if _is_s3_path(chosen) and not (agreed and str(chosen).startswith(f"{agreed}/")):  # every rank, the group
+            _agree_on_tier_resume(trainer)  # up: the tiers every rank can read `chosen` from
         started = time.perf_counter()
 
         def load(url: Any) -> None:
