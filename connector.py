@@ -566,6 +566,26 @@ def _s3_utils_of_trainer(trainer: Any) -> _s3.S3Utils | None:
     return s3 if isinstance(s3, _s3.S3Utils) else None
 
 
+@dataclass(frozen=True)
+class _Discovery:
+    """What `check_resume` looked for with ``resume_if_exists`` (and, on rank 0, what it chose), so that the choice
+    can be made again once the process group exists (`BroadcastResumeConnectorMixin.resume_start`)."""
+
+    directory: str
+    resume_past_end: bool
+    resume_ignore_no_checkpoint: bool
+    s3_utils: _s3.S3Utils | None
+    resume_fallback: bool
+    resume_from_checkpoint: str | None = None  # what resuming falls back to when the search finds nothing
+    chosen: str | None = None  # rank 0's choice
+
+    def find(self, trainer: Any) -> list[str]:
+        return find_resume_checkpoints(
+            self.directory, self.resume_past_end, self.resume_ignore_no_checkpoint,
+            s3_utils=self.s3_utils or _s3_utils_of_trainer(trainer), fallbacks=self.resume_fallback,
+        )  # fmt: skip
+
+
 def check_resume(
     trainer: Any,
     log_dir: str | os.PathLike[str] | None = None,
@@ -583,7 +603,8 @@ def check_resume(
     ``<log_dir>/checkpoints``); on S3 **only global rank 0 lists** (rank from the environment) and the others get its
     choice by broadcast; a local directory is searched on every rank, as in NeMo. Errors as `find_resume_checkpoint`.
     `resume_fallback` (default True): a checkpoint that does not verify or load is skipped on every rank for the next
-    newest (`load_newest_usable`); False: strict. Also installs `NeMoCheckpointConnector`."""
+    newest (`load_newest_usable`); False: strict. Also installs `NeMoCheckpointConnector`, which with a memory tier
+    and several ranks makes rank 0's choice again once the process group exists, among what every rank can load."""
     if resume_if_exists and not dirpath and not log_dir:
         raise ValueError(
             "Resuming requires the checkpoint dirpath or the log_dir (checkpoints are in log_dir/checkpoints)"
@@ -596,20 +617,24 @@ def check_resume(
             _urls.as_path_or_s3_url(dirpath) if dirpath else os.path.join(os.fspath(log_dir or ""), "checkpoints")
         )
         rank = global_rank()
+        discovery = _Discovery(
+            directory, resume_past_end, resume_ignore_no_checkpoint, s3_utils, resume_fallback, checkpoint
+        )
         if _urls.is_s3_url(directory) and rank != 0:
             logger.debug(
                 "Rank %d: not listing %s; global rank 0 finds the checkpoint and broadcasts it", rank, directory
             )
         else:
-            s3_utils = s3_utils or _s3_utils_of_trainer(trainer)
-            found = find_resume_checkpoints(
-                directory, resume_past_end, resume_ignore_no_checkpoint, s3_utils=s3_utils, fallbacks=resume_fallback
-            )
+            found = discovery.find(trainer)
             if found:
                 checkpoint = found[0]
                 _set_resume_fallbacks(trainer, found[0], found[1:], resume_fallback)
             elif checkpoint is not None:
                 logger.warning("Training from resume_from_checkpoint=%s instead", checkpoint)
+        if _urls.is_s3_url(directory):  # with a memory tier, made again once every rank can take part
+            connector = getattr(trainer, "_checkpoint_connector", None)
+            if isinstance(connector, BroadcastResumeConnectorMixin):
+                connector.tier_rediscovery = dataclasses.replace(discovery, chosen=checkpoint)
     if checkpoint is not None:
         trainer.ckpt_path = checkpoint
         logger.info("Resuming training from checkpoint: %s", checkpoint)
@@ -665,7 +690,8 @@ class BroadcastResumeConnectorMixin:
     """What `NeMoCheckpointConnector` adds to Lightning's ``_CheckpointConnector`` (mixed in front of it).
     ``resume_start``: every rank loads rank 0's choice (broadcast), whatever Lightning passed in there, collectively
     (`s3_checkpoint_io.collective_resume`), falling back past one that does not load (`load_newest_usable`) unless
-    `resume_fallback` is off. ``ckpt_path="last"`` on S3 is resolved on global rank 0 only, from one listing per
+    `resume_fallback` is off; with a memory tier, first agreeing over the tiers (`check_resume`'s choice made again,
+    see `tier_rediscovery`). ``ckpt_path="last"`` on S3 is resolved on global rank 0 only, from one listing per
     `S3ModelCheckpoint` (Lightning's own resolution, still on rank 0, if some candidate lives elsewhere)."""
 
     trainer: Any
@@ -674,17 +700,32 @@ class BroadcastResumeConnectorMixin:
     resume_fallbacks: dict[str, list[str]] = {}  # noqa: RUF012 (replaced, never mutated)
     """On the rank that ran discovery: the chosen checkpoint -> the ones to fall back to, newest first."""
 
+    tier_rediscovery: _Discovery | None = None
+    """Set by `check_resume` (``resume_if_exists`` on S3); taken by the next ``resume_start``, where with a memory
+    tier and several ranks every rank agrees over the tiers, then rank 0 makes its choice again from what all can
+    load (before the process group, it saw S3 and its own node's memory only)."""
+
     def resume_start(self, checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> None:
         trainer = self.trainer
-        fallbacks = self.resume_fallbacks.get(checkpoint_path, []) if self.resume_fallback and checkpoint_path else []
-        chosen, fallbacks = _broadcast_from_rank_zero(trainer, (checkpoint_path, fallbacks))
+        discovery, self.tier_rediscovery = self.tier_rediscovery, None
+        tiered = _tiered_checkpoint_io(trainer) if getattr(trainer, "world_size", 1) > 1 else None
+        agreed = None  # the s3:// directory the ranks agree on here
+        if discovery is not None and tiered is not None:  # every rank: one collective, then rank 0 chooses again
+            agreed = _normalize_dirpath(discovery.directory)
+            tiered.agree_resume(agreed, checkpoint_step, list_s3=global_rank() == 0)
+            chosen, fallbacks = _on_rank_zero_then_broadcast(
+                trainer, lambda: self._choose_again(discovery, checkpoint_path), "choosing the checkpoint again"
+            )
+        else:
+            fallbacks = self._fallbacks_of(checkpoint_path)
+            chosen, fallbacks = _broadcast_from_rank_zero(trainer, (checkpoint_path, fallbacks))
         rank = getattr(trainer, "global_rank", 0)
         if chosen != checkpoint_path:
             logger.info("Rank %d: resuming from %s as chosen on rank 0 (was given %r)", rank, chosen, checkpoint_path)
         elif chosen:
             logger.info("Rank %d: resuming from checkpoint %s", rank, chosen)
-        if _is_s3_path(chosen):  # every rank, the process group up: the tiers every rank can read `chosen` from
-            _agree_on_tier_resume(trainer)
+        if _is_s3_path(chosen) and not (agreed and str(chosen).startswith(f"{agreed}/")):  # every rank, the group
+            _agree_on_tier_resume(trainer)  # up: the tiers every rank can read `chosen` from
         started = time.perf_counter()
 
         def load(url: Any) -> None:
@@ -697,6 +738,28 @@ class BroadcastResumeConnectorMixin:
             load(chosen)
         if chosen:
             logger.info("Rank %d: loaded %s in %.2f s", rank, chosen, time.perf_counter() - started)
+
+    def _fallbacks_of(self, checkpoint_path: Any) -> list[str]:
+        return self.resume_fallbacks.get(checkpoint_path, []) if self.resume_fallback and checkpoint_path else []
+
+    def _choose_again(self, discovery: _Discovery, checkpoint_path: Any) -> tuple[Any, list[str]]:
+        """On rank 0, after the ranks agreed over the tiers: `check_resume`'s search again, which now sees in the
+        memory tiers only what every rank can load (and S3); a ``ckpt_path`` given to ``fit`` instead stays."""
+        if checkpoint_path != discovery.chosen:
+            return checkpoint_path, self._fallbacks_of(checkpoint_path)
+        try:
+            found = discovery.find(self.trainer)
+        except CheckpointNotFoundError as exc:
+            raise CheckpointNotFoundError(f"{exc} ({checkpoint_path} is not loadable on every rank.)") from exc
+        chosen = found[0] if found else discovery.resume_from_checkpoint
+        if chosen != checkpoint_path:
+            logger.warning(
+                "Resuming from %s, the newest checkpoint every rank can load from some tier, not %s (found in "
+                "rank 0's memory tier before the process group existed)", chosen, checkpoint_path,
+            )  # fmt: skip
+        if found:
+            _set_resume_fallbacks(self.trainer, found[0], found[1:], discovery.resume_fallback)
+        return chosen, self._fallbacks_of(chosen)
 
     def _parse_ckpt_path(self, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
         if ckpt_path == "last" and _has_s3_checkpoint_dir(self.trainer):
@@ -716,11 +779,17 @@ class BroadcastResumeConnectorMixin:
         )
 
 
+def _tiered_checkpoint_io(trainer: Any) -> Any:
+    """The trainer's checkpoint plugin if it has a memory tier (an `S3CheckpointIO`), else None."""
+    io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
+    return io if getattr(io, "memory_tier", None) is not None else None
+
+
 def _agree_on_tier_resume(trainer: Any) -> None:
     """With a memory tier, every rank agrees on what every rank can load from some tier (`S3CheckpointIO.agree_resume`:
     memory, a peer's replica, S3), so that rank 0's choice of "last" sees memory-only checkpoints every rank has."""
-    io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
-    if getattr(io, "memory_tier", None) is not None:
+    io = _tiered_checkpoint_io(trainer)
+    if io is not None:
         for callback in getattr(trainer, "checkpoint_callbacks", []) or []:
             if _is_s3_path(getattr(callback, "dirpath", None)):
                 io.agree_resume(callback.dirpath, checkpoint_step, list_s3=global_rank() == 0)

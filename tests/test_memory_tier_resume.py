@@ -8,6 +8,7 @@ directory removed between the kill and the relaunch (tests/helpers/tier_resume_w
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import signal
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from s3_servers import rank_environment
 
 import s3_tier_replication
@@ -24,6 +26,7 @@ from s3_memory_tier import decide
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "helpers" / "tier_resume_worker.py"
+NEMO_WORKER = REPO / "tests" / "helpers" / "nemo_tier_resume_worker.py"
 
 
 def run_job(s3_server: Any, bucket: str, out: Path, *args: str) -> list[dict[str, Any]]:
@@ -109,6 +112,48 @@ def test_a_step_only_one_node_holds_is_not_chosen(s3_server: Any, bucket: str, t
     assert (node0["tier"], node1["tier"], node0["equal"], node1["equal"]) == ("memory", "memory", True, True)
     assert node0["steps"] == [2, 1]
     assert node0["discovered"] == [url(bucket, 0, 1), url(bucket, 0, 2)]  # discovery leaves out what rank 1 lacks
+
+
+@pytest.mark.slow
+@pytest.mark.lightning
+def test_nemo_resume_if_exists_resumes_the_newest_step_every_node_can_load(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """``check_resume`` (NeMo's exp_manager, before the process group) sees node 0's memory, which holds a newer
+    checkpoint than S3 that node 1 cannot load (not replicated). Once the process group is up the ranks agree, and
+    every rank resumes the newest one every rank can load, at once: strict (no fallback), nothing fails to load."""
+    pytest.importorskip("lightning")
+    dirpath = f"s3://{bucket}/run"
+    env = rank_environment(s3_server, s3_server.endpoint_url, LOCAL_WORLD_SIZE="1", LOCAL_RANK="0")
+
+    def launch(phase: str, ranks: int) -> None:
+        procs = []
+        for rank in range(ranks):
+            log = tmp_path / f"{phase}{rank}.log"
+            with log.open("wb") as stream:
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(NEMO_WORKER), dirpath, str(tmp_path), phase], stdout=stream,
+                    env={**env, "WORLD_SIZE": str(ranks), "RANK": str(rank), "GROUP_RANK": str(rank)},
+                    stderr=subprocess.STDOUT, cwd=REPO,
+                ))  # fmt: skip
+        codes = [proc.wait(timeout=300) for proc in procs]
+        assert codes == [0] * ranks, "\n".join((tmp_path / f"{phase}{r}.log").read_text()[-3000:] for r in range(ranks))
+
+    launch("save", 1)  # node 0 alone: in DDP only rank 0 saves
+    keys = sorted(o["Key"] for o in s3_client.list_objects_v2(Bucket=bucket, Prefix="run/").get("Contents", []))
+    assert [key for key in keys if key.endswith(".ckpt")] == ["run/tiny-step=2-last.ckpt"]  # step 4: node 0's memory
+    assert list((tmp_path / "node0").rglob("tiny-step=4-last.ckpt")) and not list((tmp_path / "node1").rglob("*.ckpt"))
+    launch("resume", 2)
+    body = s3_client.get_object(Bucket=bucket, Key="run/tiny-step=2-last.ckpt")["Body"].read()
+    expected = torch.load(io.BytesIO(body), weights_only=False)["state_dict"]
+    agreed = f"{dirpath}/tiny-step=2-last.ckpt"
+    for rank in range(2):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert (report["ckpt_path"], report["global_step"], report["end"]) == (agreed, 2, 6), rank
+        assert report["loads"] == [[agreed, "s3"]], rank  # one load, of the agreed step, from the tier it is on
+        for name, tensor in expected.items():
+            assert torch.equal(torch.tensor(report["weights"][name]), tensor), (rank, name)
+    assert json.loads((tmp_path / "rank0.json").read_text())["check_resume"] == f"{dirpath}/tiny-step=4-last.ckpt"
 
 
 def test_the_decision_is_the_newest_step_every_rank_can_load_from_some_tier() -> None:
