@@ -1982,8 +1982,11 @@ class S3ShardedStrategyMixin:
     Extra keyword arguments (all optional): chunk_size_MB, max_read_concurrency, max_write_concurrency, thread_count,
     checksum_algorithm, s3_utils or client_settings (how to reach S3: docs/s3.md#one-settings-object-for-every-class),
     endpoint_url, region_name, retry_policy, request_options, fencing, max_requests_per_second (as `S3CheckpointIO`),
-    prefix_spreading (as `S3StorageWriter`), and s3_planners (default True: DCP saves and loads plan with
-    `S3SavePlanner` / `S3LoadPlanner`; False: torch's default planners).
+    prefix_spreading (as `S3StorageWriter`), s3_planners (default True: DCP saves and loads plan with
+    `S3SavePlanner` / `S3LoadPlanner`; False: torch's default planners), and memory_tier (as `S3StorageWriter`:
+    sharded saves land in the node's memory and drain to S3 behind, ``.metadata`` last; loads read memory first;
+    ``meta.pt`` still goes to S3 first; teardown finishes the drains on every rank, so a run that ends normally leaves
+    its last checkpoint on S3; removal also drops the checkpoint's memory copies on each node. docs/tiers.md).
     """
 
     lightning_base: type
@@ -2004,6 +2007,7 @@ class S3ShardedStrategyMixin:
         "max_requests_per_second": None,
         "prefix_spreading": None,
         "s3_planners": True,
+        "memory_tier": None,
     }
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -2014,6 +2018,7 @@ class S3ShardedStrategyMixin:
         )  # fmt: skip
         _s3.validate_checksum_algorithm(options["checksum_algorithm"])
         _spread.PrefixSpreading.from_value(options["prefix_spreading"])  # refused here, not at the first save
+        options["memory_tier"] = _tier_config(options["memory_tier"])  # a MemoryTier or None; refused here too
         self.s3 = _s3.S3Utils.from_arguments(
             s3_utils=options.pop("s3_utils"),
             client_settings=options["client_settings"],
@@ -2033,6 +2038,7 @@ class S3ShardedStrategyMixin:
         super().__init__(*args, **kwargs)
         self.s3_options = options
         self._s3_io: _ckpt_io.S3CheckpointIO | None = None
+        self._tier_writer: S3StorageWriter | None = None  # memory tier: the last save's writer (its drains finish)
 
     # ---- helpers --------------------------------------------------------------------------------------------------
 
@@ -2053,7 +2059,7 @@ class S3ShardedStrategyMixin:
 
     def s3_storage_writer(self, path: str) -> S3StorageWriter:
         o = self.s3_options
-        return S3StorageWriter(
+        writer = S3StorageWriter(
             path,
             chunk_size_MB=o["chunk_size_MB"],
             max_write_concurrency=o["max_write_concurrency"],
@@ -2062,13 +2068,18 @@ class S3ShardedStrategyMixin:
             s3_utils=self.s3,
             fencing=o["fencing"],
             prefix_spreading=o["prefix_spreading"],
+            memory_tier=o["memory_tier"],
         )
+        if o["memory_tier"] is not None:
+            self._tier_writer = writer
+        return writer
 
     def s3_storage_reader(self, path: str) -> S3StorageReader:
         o = self.s3_options
         return S3StorageReader(
-            path, chunk_size_MB=o["chunk_size_MB"], max_read_concurrency=o["max_read_concurrency"], s3_utils=self.s3
-        )
+            path, chunk_size_MB=o["chunk_size_MB"], max_read_concurrency=o["max_read_concurrency"], s3_utils=self.s3,
+            memory_tier=o["memory_tier"],
+        )  # fmt: skip
 
     def _dcp_planner(self, direction: str) -> S3SavePlanner | S3LoadPlanner | None:
         """`S3SavePlanner()` / `S3LoadPlanner()` (``direction`` "save" / "load"), or None (torch's default) with
@@ -2083,13 +2094,23 @@ class S3ShardedStrategyMixin:
         return bool(getattr(self, "_save_distributed_checkpoint", True))
 
     def _is_s3_sharded_checkpoint(self, url: str) -> bool:
-        """Whether `url` is a complete DCP checkpoint (rank 0 asks, every rank gets the answer)."""
+        """Whether `url` is a complete DCP checkpoint: its ``.metadata`` in rank 0's memory tier or on S3 (rank 0 asks,
+        every rank gets the answer; a rank whose node has no copy reads S3's, or fails the load naming the URL)."""
         found = None
         if self.is_global_zero:  # type: ignore[attr-defined]
-            found = self.s3.s3_path_exists(_join(url, METADATA_NAME))
+            tier = self._node_tier()
+            metadata = _join(url, METADATA_NAME)
+            found = (tier is not None and _dcp_tier().holds(tier, metadata)) or self.s3.s3_path_exists(metadata)
         return bool(self.broadcast(found))  # type: ignore[attr-defined]
 
     # ---- save / load / remove -------------------------------------------------------------------------------------
+
+    def setup_environment(self) -> None:
+        """Memory tier: once the process group is up, every rank adopts rank 0's run (docs/runs.md), so the node's
+        tier takes the job's ranks for one launch, not for stragglers of each other."""
+        super().setup_environment()  # type: ignore[misc]
+        if self.s3_options["memory_tier"] is not None:
+            _fencing.adopt_run(self.broadcast(_fencing.current_run()))  # type: ignore[attr-defined]
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if not _urls.is_s3_url(filepath):
@@ -2142,6 +2163,9 @@ class S3ShardedStrategyMixin:
     def remove_checkpoint(self, filepath: Any) -> None:
         if not _urls.is_s3_url(filepath):
             return super().remove_checkpoint(filepath)  # type: ignore[misc]
+        tier = self._node_tier()
+        if tier is not None and getattr(self, "local_rank", 0) == 0:  # each node's memory copies; due drains skip them
+            _dcp_tier().drop_checkpoint(tier, _checkpoint_url(filepath))
         if self.is_global_zero:  # type: ignore[attr-defined]
             url = _checkpoint_url(filepath)
             self.s3_checkpoint_io.wait_for_pending_saves()
@@ -2150,13 +2174,23 @@ class S3ShardedStrategyMixin:
         return None
 
     def teardown(self) -> None:
+        """Memory tier: every rank finishes its drains first (the last save reaches S3; a drain's failure is raised)."""
+        writer, self._tier_writer = self._tier_writer, None
         try:
-            if self._s3_io is not None:
-                self._s3_io.teardown()
+            if writer is not None:
+                writer.finish_drains()
         finally:
-            super().teardown()  # type: ignore[misc]
+            try:
+                if self._s3_io is not None:
+                    self._s3_io.teardown()
+            finally:
+                super().teardown()  # type: ignore[misc]
 
     # ---- internals ------------------------------------------------------------------------------------------------
+
+    def _node_tier(self) -> Any:  # memory tier: this process's `s3_dcp_tier.DcpTier`; None: no tier
+        memory_tier = self.s3_options["memory_tier"]
+        return None if memory_tier is None else _dcp_tier().tier_of(memory_tier, self.s3)
 
     def _on_rank_zero(self, work: Callable[[], None], what: str) -> None:
         """Run `work` on global rank 0 while the other ranks wait, then raise on every rank if it failed (a refused,

@@ -635,6 +635,25 @@ def source_of(tier: DcpTier, url: str) -> tuple[Path, str] | None:
     return _fetched_back(tier, url)
 
 
+def holds(tier: DcpTier, url: str) -> bool:
+    """Whether this node's tier has a committed copy of `url`, or the ranks agreed where this rank reads it
+    (`agree_resume`). Package-internal (docs/api.md)."""
+    try:
+        return tier.node.copy_of(url) is not None or url in getattr(tier.agreement, "sources", ())
+    except ValueError:  # not a URL the tier can hold (a bucket alone)
+        return False
+
+
+def drop_checkpoint(tier: DcpTier, url: str) -> None:
+    """Drop this node's memory copies of the checkpoint at `url` (the files below it and its spread files, which
+    their records name it): a drain still due skips them (a drain skips a copy dropped from memory).
+    Package-internal (docs/api.md)."""
+    checkpoint = url.rstrip("/")
+    for copy in tier.node.copies():
+        if copy.url.startswith(checkpoint + "/") or copy.record.get("checkpoint", "").rstrip("/") == checkpoint:
+            tier.node.remove(copy.url)
+
+
 def _fetched_back(tier: DcpTier, url: str) -> tuple[Path, str] | None:
     """This node's file of `url` from the replica its peer holds (`TierReplication.fetch_back`); None: not there. A
     peer that cannot be reached is asked no more by this process (said once)."""

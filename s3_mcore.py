@@ -902,10 +902,8 @@ class S3Routing:
     def remove_from_tier(self, url: str) -> None:
         """Drop this node's memory copies of the checkpoint at `url` (and below it): a drain still due skips them."""
         tier = self._node_tier()
-        prefix = url.rstrip("/") + "/"
-        for copy in tier.node.copies() if tier is not None else []:
-            if copy.url.startswith(prefix):
-                tier.node.remove(copy.url)
+        if tier is not None:
+            _dcp_tier().drop_checkpoint(tier, url)
 
     def _node_tier(self) -> Any:
         return None if self.memory_tier is None else _dcp_tier().tier_of(self.memory_tier, self.s3)
@@ -913,11 +911,7 @@ class S3Routing:
     def _tier_copy(self, url: str) -> bool:
         """Whether this node's tier has `url`, or the ranks agreed where this rank reads it (`agree_resume`)."""
         tier = self._node_tier()
-        agreement = None if tier is None else tier.agreement
-        try:
-            return tier is not None and (tier.node.copy_of(url) is not None or url in getattr(agreement, "sources", ()))
-        except ValueError:  # not a URL the tier can hold (a bucket alone)
-            return False
+        return tier is not None and _dcp_tier().holds(tier, url)
 
     def _tier_source(self, url: str) -> Any:
         """``(path, tier)`` of where the ranks agreed this rank reads `url` (a replica fetched if need be), else of

@@ -9,6 +9,7 @@ ranks run tests/helpers/dcp_lightning_worker.py, started the way a launcher star
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -71,11 +72,12 @@ def _launch(module: str, arguments: list[str], world_size: int, cwd: Path, what:
 
 def _run_ranks(
     family: str, phase: str, dirpath: str, out: Path, cwd: Path, strategy: str = "model_parallel", world_size: int = 2,
-    prefix_spreading: int | None = None,
+    prefix_spreading: int | None = None, memory_tier: Path | None = None,
 ) -> None:
     arguments = ["--family", family, "--phase", phase, "--dirpath", dirpath, "--out", str(out)]
     arguments += ["--strategy", strategy, "--world-size", str(world_size)]
     arguments += ["--prefix-spreading", str(prefix_spreading)] if prefix_spreading else []
+    arguments += ["--memory-tier", str(memory_tier)] if memory_tier else []
     _launch("dcp_lightning_worker", arguments, world_size, cwd, phase)
 
 
@@ -142,6 +144,48 @@ def test_model_parallel_fit_checkpoints_to_s3_and_resumes(
 
     assert list(cwd.iterdir()) == [], f"something was written locally: {list(cwd.iterdir())}"
     assert not Path("s3:").exists()
+
+
+def test_model_parallel_saves_into_the_memory_tier_resumes_from_it_and_drains_the_last_at_teardown(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """With ``memory_tier`` the sharded strategy saves into the node's memory (S3 gets a checkpoint's ``.metadata``
+    only from its drain: the first save, then the last at teardown), top-k removal drops the memory copies too, a
+    relaunch on the same node resumes from memory (``.metadata`` there only), and teardown leaves the newest
+    checkpoint complete on S3."""
+    pytest.importorskip("lightning.pytorch")
+    skip_unless_multirank_backend(s3_server)
+    dirpath, base = f"s3://{bucket}/run/checkpoints", "run/checkpoints/"
+    out, cwd, root = tmp_path / "out", tmp_path / "cwd", tmp_path / "tier"
+    for folder in (out, cwd, root):
+        folder.mkdir()
+
+    def in_memory() -> set[str]:  # the checkpoints with a committed .metadata in the tier
+        return {path.parent.name for path in root.rglob(".metadata") if path.parent.parent.name == "checkpoints"}
+
+    _run_ranks("lightning.pytorch", "fit", dirpath, out, cwd, memory_tier=root)
+    assert (out / "fit-s3-last-before-teardown").read_text() == "False"  # last.ckpt was in memory only
+    keys = {k for k in keys_now(s3_client, bucket) if k.startswith(base)}
+    assert {k.split("/")[2] for k in keys} - {OWNER_RECORD_NAME} == {"step=4.ckpt", "step=6.ckpt", "last.ckpt"}
+    assert {base + f"last.ckpt/{n}" for n in (".metadata", "meta.pt", "__0_0.distcp", "__1_0.distcp")} <= keys
+    assert base + "step=6.ckpt/meta.pt" in keys and base + "step=6.ckpt/.metadata" not in keys  # never drained
+    assert in_memory() == {"step=4.ckpt", "step=6.ckpt", "last.ckpt"}  # step=2.ckpt: removed from memory too
+
+    for name in (".metadata", ".s3ckpt-items.json"):  # as if the drain had not run: .metadata only in memory
+        s3_client.delete_object(Bucket=bucket, Key=f"{base}last.ckpt/{name}")
+    _run_ranks("lightning.pytorch", "resume", dirpath, out, cwd, memory_tier=root)
+    end = torch.load(out / "fit-end.pt", weights_only=True)
+    start = torch.load(out / "resume-start.pt", weights_only=True)
+    assert start["global_step"] == 6 and _equal(start["model"], end["model"]) and _equal(start["optim"], end["optim"])
+    for rank in range(2):
+        sources = json.loads((out / f"resume-sources-rank{rank}.json").read_text())
+        assert f"{dirpath}/last.ckpt/.metadata" in sources and f"{dirpath}/last.ckpt/__{rank}_0.distcp" in sources
+        assert set(sources.values()) == {"memory"}, sources
+    assert (out / "resume-s3-last-before-teardown").read_text() == "False"
+    keys = {k for k in keys_now(s3_client, bucket) if k.startswith(base)}
+    assert {base + f"last.ckpt/{n}" for n in (".metadata", ".s3ckpt-items.json", "meta.pt")} <= keys
+    assert base + "step=8.ckpt/.metadata" in keys and not any(k.startswith(base + "step=4.ckpt/") for k in keys)
+    assert list(cwd.iterdir()) == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDP1 (FSDPStrategy) needs a GPU")

@@ -7,13 +7,17 @@ with `S3ModelParallelStrategy` on CPU (``--strategy model_parallel``, 2 ranks) o
 ``s3://`` dirpath; phase ``resume`` starts a fresh
 Trainer from ``<dirpath>/last.ckpt``. Rank 0 writes the full (unsharded) state at the start and end of each phase to
 ``<out>/<phase>-start.pt`` / ``-end.pt`` for the test to compare. ``fit`` also saves a full (consolidated)
-checkpoint; ``resume`` loads it back after training on (``full-loaded.pt``).
+checkpoint; ``resume`` loads it back after training on (``full-loaded.pt``). With ``--memory-tier ROOT`` the strategy
+saves through a memory tier under ROOT (a ``memory_tier`` config mapping); rank 0 writes whether S3 had
+``last.ckpt/.metadata`` when training ended, before teardown (``<phase>-s3-last-before-teardown``), each rank where its
+loads read each file (``<phase>-sources-rank<r>.json``: the readers' ``tier_sources``), and no full checkpoint is made.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 import warnings
@@ -88,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategy", default="model_parallel", choices=["model_parallel", "fsdp"])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--prefix-spreading", type=int, default=None, help="the strategy's prefix_spreading")
+    parser.add_argument("--memory-tier", default=None, help="the root of the strategy's memory tier")
     args = parser.parse_args(argv)
     out = Path(args.out)
 
@@ -106,11 +111,23 @@ def main(argv: list[str] | None = None) -> int:
         "retry_policy": s3_utils.RetryPolicy(max_attempts=3, initial_backoff_s=0.05, max_backoff_s=0.2),
         "prefix_spreading": args.prefix_spreading,
     }
+    if args.memory_tier:  # a config key's mapping; drains the first save, then only the last one (at teardown)
+        s3_options["memory_tier"] = {"root": args.memory_tier, "job": "job-1", "drain_every": 100, "keep": 4}
     strategy_class = s3_dcp.sharded_strategy_class(args.strategy, args.family)
     if args.strategy == "model_parallel":
         strategy = strategy_class(data_parallel_size=args.world_size, tensor_parallel_size=1, **s3_options)
     else:
         strategy = strategy_class(state_dict_type="sharded", **s3_options)
+    readers: list[Any] = []
+    make_reader = strategy.s3_storage_reader
+    strategy.s3_storage_reader = lambda path: readers.append(make_reader(path)) or readers[-1]  # to see tier_sources
+
+    class BeforeTeardown(pl.Callback):
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            if trainer.global_rank == 0:
+                on_s3 = strategy.s3.s3_path_exists(f"{args.dirpath}/last.ckpt/.metadata")
+                (out / f"{args.phase}-s3-last-before-teardown").write_text(str(on_s3))
+
     checkpoint = pl.callbacks.ModelCheckpoint(
         dirpath=args.dirpath,
         filename="{step}",
@@ -125,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         devices=args.world_size,
         strategy=strategy,
         max_steps=6 if args.phase == "fit" else 8,
-        callbacks=[checkpoint],
+        callbacks=[checkpoint, BeforeTeardown()],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -137,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     trainer.fit(module, ckpt_path=ckpt_path)
     if trainer.global_rank == 0:
         (out / f"{args.phase}-done-rank0").write_text(str(trainer.global_step))
+    if args.memory_tier:
+        loaded = [item for reader in readers for item in reader.tier_sources.items()]
+        sources = {url: source[1] if source else "s3" for url, source in loaded}
+        (out / f"{args.phase}-sources-rank{trainer.global_rank}.json").write_text(json.dumps(sources))
+        close_process_group()
+        return 0
     full_url = f"{args.dirpath}-full/consolidated.ckpt"
     if args.phase == "fit":  # also a full (consolidated) checkpoint of the final state, through S3CheckpointIO
         if args.strategy == "model_parallel":
