@@ -555,6 +555,9 @@ class ReplicaServer:
                         f"{self.launch!r} is older (a straggler), so it serves no replicas"
                     )
                 self._write_owner()
+                for stale in self.root.glob(_SERVER_LOCK.format("*")):  # older launches' (no later one claimed)
+                    if stale != path:
+                        stale.unlink(missing_ok=True)  # a server still holding it keeps its (unlinked) lock
         except BaseException:
             os.close(fd)
             raise

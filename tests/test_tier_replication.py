@@ -467,6 +467,7 @@ def test_after_a_takeover_the_older_launchs_server_stores_and_drops_nothing(tmp_
             assert older.keep_latest(NODE, 1) == []
             assert _files(root) == before
             assert [i.name for i in newer.replicas(NODE)] == ["step=1", "step=2"]
+            assert len(list(root.glob(".s3ckpt-replicas-*.lock"))) == 1  # the older launch's is gone
             with pytest.raises(RuntimeError, match=r"Another ReplicaServer of launch 'slurm:77#1.0'"):
                 replication.ReplicaServer(root, job=JOB, launch=NEWER)
         with pytest.raises(RuntimeError, match=r"launch 'slurm:77#1.0' .* took .* over.*older \(a straggler\)"):
