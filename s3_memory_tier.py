@@ -794,7 +794,7 @@ class TierReplication:
                 self.server = module.ReplicaServer(
                     tier.replicas, job=tier.job, launch=self.launch, bind_host=bind_host, keep=tier.config.keep
                 )
-            except (RuntimeError, OSError) as exc:  # e.g. a stopped process of an older launch still holds the root
+            except (RuntimeError, OSError) as exc:  # e.g. a newer launch claimed the root: this process is a straggler
                 # Every rank still joins the exchange below (one rank raising here would leave the others waiting in
                 # it until the process group's timeout); this node then serves no replicas, said loudly.
                 logger.error("memory tier: node %s serves no replicas, so its peer's checkpoints get no copy on "
