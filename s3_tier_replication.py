@@ -480,8 +480,7 @@ class ReplicaServer:
         return list(dropped)
 
     def _refused_by_takeover(self, what: str) -> bool:
-        taken_over = self._taken_over()
-        if taken_over:
+        if taken_over := self._taken_over():
             logger.warning("Replica server %s: no %s: %s", self.root, what, taken_over)
         return bool(taken_over)
 
@@ -610,15 +609,10 @@ class ReplicaServer:
     def _taken_over(self) -> str | None:
         """Why this server may no longer store or drop anything (a newer launch claimed the root), else None; call
         it under `_root_locked` to act on it."""
-        if not (self.root / _LAUNCH_RECORD).exists():
-            return None
-        owner = self._owner()
+        owner = self._owner() if (self.root / _LAUNCH_RECORD).exists() else self.launch
         if owner == self.launch:
             return None
-        return (
-            f"launch {owner!r} took this node's replica root over: this server (launch {self.launch!r}, a "
-            "straggler's) stores and drops nothing"
-        )
+        return f"launch {owner!r} took this node's replica root over; launch {self.launch!r} stores nothing here"
 
     def _clean_root(self) -> None:
         """Remove temporaries, replicas without a manifest and manifests without a replica; learn the launches."""
