@@ -25,8 +25,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
     [
         SoakConfig(mode="single", kills=3, seed=3, straggler_launches=(1,), early_kill_probability=0.5),
         SoakConfig(mode="dcp", kills=2, seed=2, straggler_launches=(0,), early_kill_probability=0.0),
-        SoakConfig(  # no straggler: its removals in its own memory tier are not fenced yet (benchmarks/soak.md)
-            mode="tier", kills=3, seed=5, straggler_launches=(), early_kill_probability=0.25, node_loss_every=2,
+        SoakConfig(
+            mode="tier", kills=3, seed=5, straggler_launches=(0,), early_kill_probability=0.25, node_loss_every=2,
             drain_every=3,
         ),
     ],
