@@ -604,9 +604,10 @@ def test_a_peer_without_room_refuses_before_any_byte_is_sent(
 
 
 def test_a_node_whose_replica_root_is_held_joins_the_exchange_and_serves_none(tmp_path: Path) -> None:
-    """A process of an older launch, stopped, can still hold the node's replica root: starting replication on that
-    node logs an error and goes on without a server there (every rank still joins the address exchange, so none
-    waits in it until the process group's timeout), instead of raising on that rank alone."""
+    """Where the node's replica server cannot start (another server of the same launch holds the root, or a newer
+    launch claimed it), starting replication on that node logs an error and goes on without a server there (every
+    rank still joins the address exchange, so none waits in it until the process group's timeout), instead of
+    raising on that rank alone."""
     script = f"""
 import logging, sys
 import torch.distributed as dist
@@ -614,7 +615,7 @@ import s3_fencing, s3_memory_tier, s3_tier_replication
 logging.basicConfig(level=logging.ERROR, stream=sys.stdout)
 dist.init_process_group("gloo", init_method="file://{tmp_path}/pg", rank=0, world_size=1)
 tier = s3_memory_tier.NodeTier(s3_memory_tier.MemoryTier(root="{tmp_path}/tier", job="job-1"), s3_fencing.current_run())
-with s3_tier_replication.ReplicaServer(tier.replicas, job="job-1", launch=None):  # the older launch's
+with s3_tier_replication.ReplicaServer(tier.replicas, job="job-1", launch=None):  # another of this launch
     replication = s3_memory_tier.TierReplication(tier)
 print("server", replication.server, "peer", replication.peer)
 replication.close()
