@@ -454,24 +454,29 @@ class NodeTier:
     def claim(self) -> None:
         """Record this run as the tier's newest writer, or raise `CheckpointDirectoryTakenError` if a newer launch
         of the job wrote here (this run is a straggler: it writes nothing)."""
-        path = self.directory / _LAUNCH_RECORD
         with self._launch_lock():
-            found = _read_json(path)
-            owner = None
-            if found is not None:
-                with contextlib.suppress(TypeError, ValueError):
-                    owner = _fencing.CheckpointRun(**{**found, "attempt": tuple(found.get("attempt", ()))})
-            if owner is not None and owner.run_id != self.run.run_id:
-                if owner.is_newer_than(self.run):
-                    raise _fencing.CheckpointDirectoryTakenError(
-                        f"memory tier {self.directory}: {owner} is a newer launch of this job than {self.run}; this "
-                        "run is stale and writes nothing into the tier (docs/fencing.md)",
-                        str(self.directory),
-                        self.run,
-                        owner,
-                    )
+            owner = self._check_owner()
             if owner is None or owner.run_id != self.run.run_id:
-                _write_json_atomically(path, dataclasses.asdict(self.run))
+                _write_json_atomically(self.directory / _LAUNCH_RECORD, dataclasses.asdict(self.run))
+
+    def _check_owner(self) -> _fencing.CheckpointRun | None:
+        """The run the tier's launch record names (None: none); `CheckpointDirectoryTakenError` if it is a newer
+        launch of the job than this run. Call it under `_launch_lock`: `claim`, and again right before each commit
+        and removal (a straggler stopped after its claim changes nothing once it continues)."""
+        found = _read_json(self.directory / _LAUNCH_RECORD)
+        owner = None
+        if found is not None:
+            with contextlib.suppress(TypeError, ValueError):
+                owner = _fencing.CheckpointRun(**{**found, "attempt": tuple(found.get("attempt", ()))})
+        if owner is not None and owner.run_id != self.run.run_id and owner.is_newer_than(self.run):
+            raise _fencing.CheckpointDirectoryTakenError(
+                f"memory tier {self.directory}: {owner} is a newer launch of this job than {self.run}; this "
+                "run is stale and writes nothing into the tier (docs/fencing.md)",
+                str(self.directory),
+                self.run,
+                owner,
+            )
+        return owner
 
     # ---- save ----------------------------------------------------------------------------------------------------
 
@@ -541,7 +546,8 @@ class NodeTier:
         }
         record_file = _json_file_beside(self.record_path(path), record)  # needs room: before any change
         try:
-            with self._lock:  # the old record goes first: a kill between the renames leaves no false commit
+            with self._lock, self._launch_lock():  # the old record goes first: a kill between the renames ...
+                self._check_owner()  # ... leaves no false commit; a straggler's late commit, none at all
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.record_path(path))
                 os.rename(partial, path)
@@ -694,9 +700,15 @@ class NodeTier:
     # ---- removal and the bound ---------------------------------------------------------------------------------
 
     def remove(self, url: str) -> bool:
-        """Drop the tier's copy of `url` (its record first: a kill in between leaves no false commit)."""
+        """Drop the tier's copy of `url` (its record first: a kill in between leaves no false commit); False when
+        there was none, or (logged) when a newer launch claimed the tier: a straggler drops nothing."""
         path = self.path_of(url)
-        with self._lock:
+        with self._lock, self._launch_lock():
+            try:
+                self._check_owner()
+            except _fencing.CheckpointDirectoryTakenError as exc:
+                logger.warning("memory tier: not dropping %s: %s", path, exc)
+                return False
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.record_path(path))
             try:
@@ -794,7 +806,7 @@ class TierReplication:
                 self.server = module.ReplicaServer(
                     tier.replicas, job=tier.job, launch=self.launch, bind_host=bind_host, keep=tier.config.keep
                 )
-            except (RuntimeError, OSError) as exc:  # e.g. a stopped process of an older launch still holds the root
+            except (RuntimeError, OSError) as exc:  # e.g. a newer launch claimed the root: this process is a straggler
                 # Every rank still joins the exchange below (one rank raising here would leave the others waiting in
                 # it until the process group's timeout); this node then serves no replicas, said loudly.
                 logger.error("memory tier: node %s serves no replicas, so its peer's checkpoints get no copy on "

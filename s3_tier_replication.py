@@ -26,8 +26,14 @@ when the environment sets it (the same value on every node: then only holders of
 replicas) and else by the job's identity, which refuses other jobs and confused peers but is no secret. File bytes
 are verified by checksums, not signed. Fencing: the server refuses a replica whose launch is older than the newest
 launch it has seen for that sender, or than its own (a straggler of an older launch cannot overwrite a newer
-launch's replicas); reads (fetch, list) need the job only. Launches are spelled as `s3_fencing.LaunchIdentity.run_id`
-(``<job>#<attempt>``), ordered by the attempt; None (outside any launcher) has nothing to fence.
+launch's replicas); reads (fetch, list) need the job only. A node's replica root belongs to the newest launch that
+started a server on it (a launch record in the root, written under a short lock): a newer launch's server takes the
+root over from an older one's, even one whose process is stopped or hung, and the older server stores and drops
+nothing from then on (checked under the same lock as each commit), while the replicas it received stay, readable to
+the newer launch; a server of a launch older than the record's does not start. Two servers of one launch on one root
+are refused (each would remove the other's transfers in flight). Launches are spelled as
+`s3_fencing.LaunchIdentity.run_id` (``<job>#<attempt>``), ordered by the attempt; None (outside any launcher) has
+nothing to fence.
 
 Timeouts: every socket operation gives up after `timeout_s` without progress, so a dead or stopped peer costs at
 most that long; the caller's thread is never held longer than its own send.
@@ -84,7 +90,9 @@ _MAGIC = b"S3RP"
 _FRAME = struct.Struct(">4sI")
 _MAX_MESSAGE = 64 * _s3.MB  # a manifest of very many files still fits
 _INCOMING = ".incoming-"  # temporaries; names may not start with a dot, so they never collide
-_LOCK_NAME = ".s3ckpt-replicas.lock"
+_LOCK_NAME = ".s3ckpt-replicas.lock"  # the short lock around the launch record and each commit
+_LAUNCH_RECORD = ".s3ckpt-replicas.launch.json"  # {"launch": ...}: the newest launch that claimed the root
+_SERVER_LOCK = ".s3ckpt-replicas-{}.lock"  # held for its life by the one server of a launch (a digest of it)
 _MAX_CONNECTIONS = 8
 
 Manifest = Mapping[str, tuple[int, str]]
@@ -375,7 +383,9 @@ class ReplicaServer:
     the oldest is dropped as a new one starts to arrive; with 1, once the new one counts), where the replicas a
     sender put in one retention group (`send_directory`'s `group`: the files of one checkpoint) count as one, kept or
     dropped together; None keeps all (`drop` and `keep_latest` bound them by hand). `close` stops it; in-flight
-    transfers fail and leave nothing that counts. A second server on the same root raises RuntimeError.
+    transfers fail and leave nothing that counts. A second server of the same launch on the same root raises
+    RuntimeError, as does one of a launch older than the newest that claimed the root (a straggler's); a newer
+    launch's server takes the root over (see the module's fencing), and the replicas received before stay.
     Package-internal (docs/api.md).
     """
 
@@ -452,19 +462,29 @@ class ReplicaServer:
             return self._replicas(sender_node)
 
     def drop(self, sender_node: str, name: str) -> bool:
-        """Remove one replica (its manifest first, so it stops counting at once); whether there was one."""
-        with self._lock:
+        """Remove one replica (its manifest first, so it stops counting at once); whether there was one (False,
+        logged, once a newer launch took the root over)."""
+        with self._lock, self._root_locked():
+            if self._refused_by_takeover("drop"):
+                return False
             trash = self._retire(_component("sender node", sender_node), _component("name", name))
         _remove(trash)
         return trash is not None
 
     def keep_latest(self, sender_node: str, keep: int) -> list[str]:
         """Drop all but the `keep` newest replicas of `sender_node` (a retention group counts as one, ranked by its
-        newest replica); the names dropped."""
-        with self._lock:
+        newest replica); the names dropped (none, logged, once a newer launch took the root over)."""
+        with self._lock, self._root_locked():
+            if self._refused_by_takeover("keep_latest"):
+                return []
             dropped = self._keep_latest(_component("sender node", sender_node), keep)
         _remove(*dropped.values())
         return list(dropped)
+
+    def _refused_by_takeover(self, what: str) -> bool:
+        if taken_over := self._taken_over():
+            logger.warning("Replica server %s: no %s: %s", self.root, what, taken_over)
+        return bool(taken_over)
 
     def _replicas(self, sender_node: str | None) -> list[ReplicaInfo]:
         found = []
@@ -510,8 +530,11 @@ class ReplicaServer:
         with self._lock:
             others = {k for (node, k), count in self._arriving.items() if node == sender_node and count and k != key}
             self._arriving[arriving] += 1
+        with self._lock, self._root_locked():
             if self.keep is None or self.keep < 2 or _older(launch, self._newest.get(sender_node)):
                 return []  # (a stale launch is refused at its commit: it replaces nothing)
+            if self._taken_over():
+                return []  # a newer launch's server owns the root: this one drops nothing (refused at its commit)
             held = {info.group or f"name {info.name}" for info in self._replicas(sender_node)}
             if key in held:
                 return []  # another file of a group held, or a replica of the same name sent again
@@ -531,17 +554,87 @@ class ReplicaServer:
     # ---- start-up: one server per root; what a killed one left ----------------------------------------------------
 
     def _take_root(self) -> int:
-        fd = os.open(self.root / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        if fcntl is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(fd)
-                raise RuntimeError(
-                    f"Another ReplicaServer (this or another process) holds {self.root}: run one per node and root, "
-                    "or give this one its own root"
-                ) from None
+        """Hold this launch's server lock (one server per launch and root) and claim the root for this launch;
+        RuntimeError if another server of this launch holds it or a newer launch claimed the root."""
+        digest = hashlib.sha256(json.dumps(self.launch).encode()).hexdigest()[:16]
+        path = self.root / _SERVER_LOCK.format(digest)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            if fcntl is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    raise RuntimeError(
+                        f"Another ReplicaServer of launch {self.launch!r} (this or another process) holds "
+                        f"{self.root}: run one per node and root, or give this one its own root"
+                    ) from None
+            with self._root_locked():
+                owner = self._owner()
+                if self.launch is not None and owner is not None and _older(self.launch, owner):
+                    raise RuntimeError(
+                        f"launch {owner!r} of job {self.job!r} took {self.root} over: this server's launch "
+                        f"{self.launch!r} is older (a straggler), so it serves no replicas"
+                    )
+                self._write_owner()
+                for stale in self.root.glob(_SERVER_LOCK.format("*")):  # older launches' (no later one claimed)
+                    if stale != path:
+                        stale.unlink(missing_ok=True)  # a server still holding it keeps its (unlinked) lock
+        except BaseException:
+            os.close(fd)
+            raise
         return fd
+
+    @contextlib.contextmanager
+    def _root_locked(self) -> Any:
+        """The short lock around the launch record and each commit, waited for at most `timeout_s` (a process
+        stopped while it held it: the error says so rather than hang)."""
+        if fcntl is None:
+            yield
+            return
+        fd = os.open(self.root / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise ReplicationError(
+                            f"{self.root / _LOCK_NAME} stayed locked for {self.timeout_s:g} s: a process holding it "
+                            "is stopped or hung (a straggler of an earlier launch?); end it, or restart this node"
+                        ) from None
+                    time.sleep(0.01)
+            yield
+        finally:
+            os.close(fd)
+
+    def _owner(self) -> str | None:
+        """The launch the root's launch record names (None: none, or outside any launcher)."""
+        try:
+            record = json.loads((self.root / _LAUNCH_RECORD).read_bytes())
+            launch = record.get("launch") if isinstance(record, dict) else None
+            launch_attempt(launch)
+            return launch
+        except (OSError, ValueError) as exc:
+            if not isinstance(exc, FileNotFoundError):
+                logger.warning("Ignoring the unreadable replica launch record in %s: %s", self.root, exc)
+            return None
+
+    def _write_owner(self) -> None:
+        staged = self.root / f"{_LAUNCH_RECORD}-{secrets.token_hex(4)}"
+        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as stream:
+            json.dump({"launch": self.launch, "job": self.job, "pid": os.getpid(), "claimed": time.time()}, stream)
+        os.replace(staged, self.root / _LAUNCH_RECORD)
+
+    def _taken_over(self) -> str | None:
+        """Why this server may no longer store or drop anything (a newer launch claimed the root), else None; call
+        it under `_root_locked` to act on it."""
+        owner = self._owner() if (self.root / _LAUNCH_RECORD).exists() else self.launch
+        if owner == self.launch:
+            return None
+        return f"launch {owner!r} took this node's replica root over; launch {self.launch!r} stores nothing here"
 
     def _clean_root(self) -> None:
         """Remove temporaries, replicas without a manifest and manifests without a replica; learn the launches."""
@@ -643,6 +736,9 @@ class ReplicaServer:
         sender = request.get("sender_node")
         sender_node = None if op == "list" and sender is None else _component("sender node", sender)
         if op == "put":
+            taken_over = self._taken_over()  # before any byte arrives; `_commit` checks again under the root's lock
+            if taken_over:
+                raise ReplicaRefusedError(taken_over)
             with self._lock:
                 newest = self._newest.get(sender_node, self.launch)  # type: ignore[arg-type]
                 if _older(launch, newest) or _older(launch, self.launch):
@@ -708,9 +804,12 @@ class ReplicaServer:
         sender_dir = self.root / sender_node
         final = sender_dir / name
         info = ReplicaInfo(sender_node, name, self.job, launch, manifest, time.time(), str(final), group)
-        with self._lock:
+        with self._lock, self._root_locked():
             if _older(launch, self._newest.get(sender_node)):
                 raise ReplicaRefusedError(f"launch {self._newest.get(sender_node)!r} of {sender_node} began meanwhile")
+            taken_over = self._taken_over()
+            if taken_over:
+                raise ReplicaRefusedError(taken_over)
             replaced = [self._retire(sender_node, name)]
             os.rename(temporary, final)
             staged = sender_dir / f"{_INCOMING}{name}{MANIFEST_SUFFIX}-{secrets.token_hex(4)}"

@@ -97,14 +97,12 @@ def main() -> int:
         for index, mode in enumerate(args.modes.split(",")):
             bucket = f"soak-{mode}-{stamp.lower()}"
             client.create_bucket(Bucket=bucket)
-            if mode == "tier" and args.straggler_probability:  # see benchmarks/soak.md, "With the memory tier"
-                print("tier mode: no stragglers (a stopped rank of an older launch holds its node's replica root)")
             config = SoakConfig(
                 mode=mode,
                 kills=args.kills,
                 seed=args.seed + index,
                 mib=args.mib,
-                straggler_probability=0.0 if mode == "tier" else args.straggler_probability,
+                straggler_probability=args.straggler_probability,
                 early_kill_probability=args.early_kill_probability,
                 faults=not args.no_faults,
                 drain_every=args.drain_every,

@@ -296,6 +296,30 @@ def test_a_straggler_of_an_older_launch_cannot_write_into_the_newer_launchs_tier
     assert NodeTier(MemoryTier(root=str(tmp_path), job="another"), run_of(0)).copies() == []  # other jobs see none
 
 
+def test_a_straggler_stopped_after_its_claim_commits_and_drops_nothing_once_it_continues(tmp_path: Path) -> None:
+    """A straggler claims, is stopped while it writes, and the newer launch takes the tier over and saves the same
+    URL meanwhile: once it continues, its commit is refused, and its removals and prunes drop nothing."""
+    config = MemoryTier(root=str(tmp_path), keep=1)
+    straggler, newer = NodeTier(config, run_of(0)), NodeTier(config, run_of(1))
+    url = "s3://bkt/run/step=2-last.ckpt"
+    straggler.save({"x": torch.zeros(3)}, "s3://bkt/run/step=1-last.ckpt", 1, torch.save)
+
+    def write_while_the_newer_launch_saves(checkpoint: object, stream: object) -> None:
+        torch.save(checkpoint, stream)
+        newer.save({"x": torch.ones(3)}, url, 2, torch.save)
+
+    with pytest.raises(s3_fencing.CheckpointDirectoryTakenError, match="newer launch"):
+        straggler.save({"x": torch.full((3,), 7.0)}, url, 2, write_while_the_newer_launch_saves)
+    assert straggler.remove(url) is False
+    assert straggler.prune() == []
+    [copy] = [c for c in newer.copies() if c.url == url]
+    assert copy.record["run"]["run_id"] == "slurm:9#1"
+    assert torch.equal(torch.load(copy.path, weights_only=True)["x"], torch.ones(3))
+    left = sorted(p.name for p in newer.own.rglob("*") if p.is_file())  # no temporary of the straggler's either
+    assert left == ["step=1-last.ckpt", "step=1-last.ckpt.s3ckpt-tier.json", url.rpartition("/")[2],
+                    "step=2-last.ckpt.s3ckpt-tier.json"]  # fmt: skip
+
+
 def test_an_uncommitted_file_is_not_a_checkpoint(tmp_path: Path) -> None:
     tier = NodeTier(MemoryTier(root=str(tmp_path), job="j"), run_of(0))
     copy = tier.save({"x": torch.ones(3)}, "s3://bkt/run/step=1.ckpt", 1, torch.save)

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
         SoakConfig(mode="single", kills=3, seed=3, straggler_launches=(1,), early_kill_probability=0.5),
         SoakConfig(mode="dcp", kills=2, seed=2, straggler_launches=(0,), early_kill_probability=0.0),
         SoakConfig(
-            mode="tier", kills=3, seed=5, straggler_launches=(), early_kill_probability=0.25, node_loss_every=2,
+            mode="tier", kills=3, seed=5, straggler_launches=(0,), early_kill_probability=0.25, node_loss_every=2,
             drain_every=3,
         ),
     ],

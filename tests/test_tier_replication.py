@@ -421,6 +421,61 @@ def test_one_server_per_root(server: replication.ReplicaServer) -> None:
     replication.ReplicaServer(server.root, job=JOB, launch=LAUNCH).close()  # released by close
 
 
+NEWER = "slurm:77#1.0"  # the relaunch of LAUNCH
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    """Every file under `root` with its bytes (the servers' own dot files at the top aside)."""
+    found = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        if path.parent != root:
+            found[str(path.relative_to(root))] = path.read_bytes()
+    return found
+
+
+def test_a_newer_launch_takes_the_root_over_from_a_stopped_server_of_an_older_launch(tmp_path: Path) -> None:
+    """A straggler's server (stopped, still holding the root) does not keep the relaunch's server from starting on
+    that node: the relaunch serves, and the replicas the straggler's server received stay, held for the resume."""
+    root, manifest = tmp_path / "replicas", make_checkpoint(tmp_path / "ckpt", big=1000)
+    with Served(root) as (process, old_address):
+        send(tmp_path / "ckpt", "step=1", old_address, manifest)
+        os.kill(process.pid, signal.SIGSTOP)
+        try:
+            with replication.ReplicaServer(root, job=JOB, launch=NEWER) as newer:
+                send(tmp_path / "ckpt", "step=2", newer.address, manifest, launch=NEWER)
+                assert [(i.name, i.launch) for i in newer.replicas(NODE)] == [("step=1", LAUNCH), ("step=2", NEWER)]
+                assert directory_manifest(root / NODE / "step=1") == manifest
+                listed = replication.list_replicas(newer.address, job=JOB, launch=NEWER)
+                assert [i.name for i in listed] == ["step=1", "step=2"]
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+
+
+def test_after_a_takeover_the_older_launchs_server_stores_and_drops_nothing(tmp_path: Path) -> None:
+    """Once a newer launch's server claimed the root, the older one (continued after a stop, say) refuses every
+    replica, whichever launch sends it, drops nothing, and leaves every file as it was; a server of the older
+    launch cannot start there again, one of the newer launch only once at a time."""
+    root, manifest = tmp_path / "replicas", make_checkpoint(tmp_path / "ckpt", big=1000)
+    with replication.ReplicaServer(root, job=JOB, launch=LAUNCH) as older:
+        send(tmp_path / "ckpt", "step=1", older.address, manifest)
+        with replication.ReplicaServer(root, job=JOB, launch=NEWER) as newer:
+            send(tmp_path / "ckpt", "step=2", newer.address, manifest, launch=NEWER)
+            before = _files(root)
+            for launch, name in [(LAUNCH, "step=3"), (NEWER, "step=2"), (NEWER, "step=4")]:
+                with pytest.raises(replication.ReplicaRefusedError, match=r"took this node's replica root over"):
+                    send(tmp_path / "ckpt", name, older.address, manifest, launch=launch)
+            assert older.drop(NODE, "step=1") is False
+            assert older.keep_latest(NODE, 1) == []
+            assert _files(root) == before
+            assert [i.name for i in newer.replicas(NODE)] == ["step=1", "step=2"]
+            assert len(list(root.glob(".s3ckpt-replicas-*.lock"))) == 1  # the older launch's is gone
+            with pytest.raises(RuntimeError, match=r"Another ReplicaServer of launch 'slurm:77#1.0'"):
+                replication.ReplicaServer(root, job=JOB, launch=NEWER)
+        with pytest.raises(RuntimeError, match=r"launch 'slurm:77#1.0' .* took .* over.*older \(a straggler\)"):
+            replication.ReplicaServer(root, job=JOB, launch="slurm:77#0.5")
+        assert _files(root) == before
+
+
 def test_retention_keeps_the_newest_replicas(tmp_path: Path) -> None:
     manifest = make_checkpoint(tmp_path / "ckpt", big=1000)
     with replication.ReplicaServer(tmp_path / "replicas", job=JOB, launch=LAUNCH, keep=2) as server:
@@ -571,9 +626,10 @@ def test_a_peer_without_room_refuses_before_any_byte_is_sent(
 
 
 def test_a_node_whose_replica_root_is_held_joins_the_exchange_and_serves_none(tmp_path: Path) -> None:
-    """A process of an older launch, stopped, can still hold the node's replica root: starting replication on that
-    node logs an error and goes on without a server there (every rank still joins the address exchange, so none
-    waits in it until the process group's timeout), instead of raising on that rank alone."""
+    """Where the node's replica server cannot start (another server of the same launch holds the root, or a newer
+    launch claimed it), starting replication on that node logs an error and goes on without a server there (every
+    rank still joins the address exchange, so none waits in it until the process group's timeout), instead of
+    raising on that rank alone."""
     script = f"""
 import logging, sys
 import torch.distributed as dist
@@ -581,7 +637,7 @@ import s3_fencing, s3_memory_tier, s3_tier_replication
 logging.basicConfig(level=logging.ERROR, stream=sys.stdout)
 dist.init_process_group("gloo", init_method="file://{tmp_path}/pg", rank=0, world_size=1)
 tier = s3_memory_tier.NodeTier(s3_memory_tier.MemoryTier(root="{tmp_path}/tier", job="job-1"), s3_fencing.current_run())
-with s3_tier_replication.ReplicaServer(tier.replicas, job="job-1", launch=None):  # the older launch's
+with s3_tier_replication.ReplicaServer(tier.replicas, job="job-1", launch=None):  # another of this launch
     replication = s3_memory_tier.TierReplication(tier)
 print("server", replication.server, "peer", replication.peer)
 replication.close()
