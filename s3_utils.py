@@ -79,16 +79,18 @@ PROBE_KEY_PREFIX = ".s3ckpt-probe-"  # the temporary object of a capability prob
 
 
 def check_transfer_sizes(chunk_size_MB: float, **concurrency: int) -> None:
-    """Refuse a part and range size under S3's minimum part size (or not a number), and a concurrency (named by its
-    argument: ``max_read_concurrency=...``) that is not an int >= 1: the one check of every class that takes them.
-    Package-internal (docs/api.md)."""
-    number = isinstance(chunk_size_MB, (int, float)) and not isinstance(chunk_size_MB, bool)
-    if not (number and math.isfinite(chunk_size_MB) and chunk_size_MB * MB >= MIN_PART_SIZE):
-        raise ValueError(
-            f"chunk_size_MB must be a number >= {MIN_PART_SIZE // MB} (S3's minimum part size), got {chunk_size_MB!r}"
-        )
+    """Refuse a part and range size under S3's minimum part size, and a concurrency (named by its argument:
+    ``max_read_concurrency=...``) under 1 (ValueError), or either of the wrong type (TypeError, as Python's own
+    functions do): the one check of every class that takes them. Package-internal (docs/api.md)."""
+    minimum = f"chunk_size_MB must be a number >= {MIN_PART_SIZE // MB} (S3's minimum part size), got {chunk_size_MB!r}"
+    if not isinstance(chunk_size_MB, (int, float)) or isinstance(chunk_size_MB, bool):
+        raise TypeError(minimum)
+    if not (math.isfinite(chunk_size_MB) and chunk_size_MB * MB >= MIN_PART_SIZE):
+        raise ValueError(minimum)
     for name, value in concurrency.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int >= 1, got {value!r}")
+        if value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
