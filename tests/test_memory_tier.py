@@ -16,6 +16,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -318,6 +319,54 @@ def test_a_straggler_stopped_after_its_claim_commits_and_drops_nothing_once_it_c
     left = sorted(p.name for p in newer.own.rglob("*") if p.is_file())  # no temporary of the straggler's either
     assert left == ["step=1-last.ckpt", "step=1-last.ckpt.s3ckpt-tier.json", url.rpartition("/")[2],
                     "step=2-last.ckpt.s3ckpt-tier.json"]  # fmt: skip
+
+
+STOPPED_INSIDE_THE_LOCK = """
+import os, signal, sys, torch
+import s3_fencing, s3_memory_tier
+run = s3_fencing.CheckpointRun("slurm:9#0", "host", 1, 1.0, "slurm:9", (0,))
+tier = s3_memory_tier.NodeTier(s3_memory_tier.MemoryTier(root=sys.argv[1]), run)
+tier.claim()
+with tier._launch_lock():  # as a commit between its launch check and its renames
+    print("locked", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+try:
+    tier.save({"x": torch.zeros(3)}, "s3://bkt/run/step=3.ckpt", 3, torch.save)
+except s3_fencing.CheckpointDirectoryTakenError:
+    print("refused", flush=True)
+"""
+
+
+def test_a_straggler_stopped_inside_the_tiers_lock_holds_no_relaunch_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A straggler stopped (SIGSTOP) while it holds the tier's short launch lock: the relaunch's claim waits a
+    bounded time, says so, and goes on under a fresh lock (its next commits do not wait again); the straggler,
+    once it continues, commits nothing more."""
+    monkeypatch.setattr(s3_memory_tier, "_LAUNCH_LOCK_WAIT_S", 1.0)
+    straggler = subprocess.Popen(
+        [sys.executable, "-c", STOPPED_INSIDE_THE_LOCK, str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    try:
+        assert straggler.stdout is not None and straggler.stdout.readline() == "locked\n"
+        newer = NodeTier(MemoryTier(root=str(tmp_path)), run_of(1))
+        claimed = threading.Thread(target=newer.claim, daemon=True)  # the old code waited here forever
+        with caplog.at_level(logging.WARNING, logger="s3_memory_tier"):
+            claimed.start()
+            claimed.join(timeout=30)
+            assert not claimed.is_alive(), "the relaunch still waits for the stopped straggler's lock"
+        assert "stayed locked for 1 s" in caplog.text and "fresh lock" in caplog.text
+        started = time.monotonic()
+        newer.save({"x": torch.ones(3)}, "s3://bkt/run/step=2.ckpt", 2, torch.save)
+        assert time.monotonic() - started < 1.0  # under the fresh lock: no second wait
+        straggler.send_signal(signal.SIGCONT)
+        assert straggler.communicate(timeout=60)[0] == "refused\n" and straggler.returncode == 0
+    finally:
+        straggler.kill()
+        straggler.wait()
+    assert [(copy.record["step"], copy.record["run"]["run_id"]) for copy in newer.copies()] == [(2, "slurm:9#1")]
+    assert stat.S_IMODE(os.lstat(newer.directory / ".launch.lock").st_mode) == 0o600  # the fresh one: private too
 
 
 def test_an_uncommitted_file_is_not_a_checkpoint(tmp_path: Path) -> None:
