@@ -535,17 +535,22 @@ class ReplicaServer:
                 return []  # (a stale launch is refused at its commit: it replaces nothing)
             if self._taken_over():
                 return []  # a newer launch's server owns the root: this one drops nothing (refused at its commit)
-            held = {info.group or f"name {info.name}" for info in self._replicas(sender_node)}
+            found = self._replicas(sender_node)  # one scan of the manifests under the lock
+            held = {info.group or f"name {info.name}" for info in found}
             if key in held:
                 return []  # another file of a group held, or a replica of the same name sent again
             room = max(1, self.keep - 1 - len(others - held))
-            return list(self._keep_latest(sender_node, room).values())
+            return list(self._keep_latest(sender_node, room, found).values())
 
-    def _keep_latest(self, sender_node: str, keep: int) -> dict[str, Path | None]:
+    def _keep_latest(
+        self, sender_node: str, keep: int, found: list[ReplicaInfo] | None = None
+    ) -> dict[str, Path | None]:
+        """Retire all but the `keep` newest groups of `sender_node` (`found`: its replicas, scanned under the same
+        hold of the root's lock, or None to scan them)."""
         if keep < 1:
             raise ValueError(f"keep={keep}: keep at least one replica")
         groups: dict[str, list[ReplicaInfo]] = {}
-        for info in self._replicas(sender_node):  # oldest first: a group ranks by its newest replica
+        for info in self._replicas(sender_node) if found is None else found:  # oldest first: by its newest
             groups.setdefault(info.group or f"name {info.name}", []).append(info)
         ordered = sorted(groups.values(), key=lambda held: (held[-1].received, held[-1].name))
         retired = [info for held in ordered[: max(0, len(ordered) - keep)] for info in held]
