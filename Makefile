@@ -7,6 +7,7 @@
 
 PYTHON ?= python3
 VENV ?= .venv
+NEMO_VENV ?= .venv-nemo
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist); 0 runs the suite in this one process. The suite waits on servers and subprocesses
@@ -88,7 +89,6 @@ $(VENV)/.stamp-bench: $(VENV)/.stamp-test
 # dependencies; NEMO_IMPORT_DEPS are the ones importing nemo.lightning (MegatronCheckpointIO, MegatronStrategy,
 # AsyncFinalizableCheckpointIO) needs, found one ImportError at a time. Every install names $(TORCH), so pip never
 # resolves an unpinned torch. About 2 minutes and 1.5 GB (torch's CPU wheel is most of it).
-NEMO_VENV ?= .venv-nemo
 NEMO ?= nemo-toolkit==2.7.3
 NEMO_MEGATRON_CORE ?= megatron-core==0.18.2
 NEMO_LIGHTNING ?= lightning==2.4.0
