@@ -303,7 +303,7 @@ class PacerLane:
             grown = self._rate * (1.0 + step) + quiet * self.CATCH_UP * n * max(0.0, now - self._changed_at)
             cap = max(self._rate, 2.0 * self.measured_rate(now))
             if self._tokens + (now - self._refilled_at) * self._rate < 1.0:  # no token lies unused: requests wait
-                cap = max(cap, self._rate * 2.0 ** ((now - self._changed_at) / self.DOUBLING_S))
+                cap = max(cap, self._rate * 2.0 ** min((now - self._changed_at) / self.DOUBLING_S, 64.0))
             grown = min(grown, cap)
             self._changed_at = now
             if grown > self._rate:

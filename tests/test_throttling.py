@@ -199,6 +199,15 @@ class TestPacerLane:
         assert busy.rate > 8 * 0.7 * 5 and busy.rate > 2.5 * busy.measured_rate(6.0)  # past 2x what the window saw
         assert run(busy=False).rate <= 2 * 5  # sending nothing: twice what it sent, at most
 
+    def test_a_waiting_lane_after_hours_without_a_success_grows_without_overflow(self) -> None:
+        """A lane at a huge job's floor may go hours between successes with its next token still not there: its
+        growth is bounded, not a float overflow."""
+        lane = PacerLane("writes", world=lambda: 10_000_000)  # floor: 800 requests/s over 10 million processes
+        lane.on_throttle(sent=0.0, now=0.0)
+        assert lane.reserve(0.0) > 0.0
+        lane.on_success(sent=0.0, now=3600.0)  # an hour at 8e-05 tokens per second: 0.29 of one, still waiting
+        assert lane.rate < math.inf
+
     def test_a_budget_paces_from_the_first_request_and_caps_growth(self, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("WORLD_SIZE", "4")
         pacer = RequestPacer(None, "bucket", world_size=s3_utils.world_size)  # as `request_pacer` makes it
