@@ -121,9 +121,11 @@ class PacerLane:
     Dormant until the first throttling answer or a budget. The rate starts at `BETA` times the send rate, drops by
     `BETA` on a throttling answer to a request sent after the last drop, and grows on each success (faster when slow,
     on a long run, and the longer since the last drop: `QUIET_S`; plus `CATCH_UP` for fairness), within
-    ``[floor, 2 x send rate]`` and the budget's share; the floor is `MIN_RATE` per process, less in a job of more
-    than ``JOB_MIN_RATE / MIN_RATE`` processes (`world`), whose floors together stay at `JOB_MIN_RATE`. A lane shared
-    by n processes (`SharedLaneStore`) acts as n lanes in lock step. Times are arguments, else `clock`'s
+    ``[floor, 2 x send rate]`` and the budget's share. A lane whose requests wait for its tokens (none lies unused)
+    is using all of its rate, which the send rate measured over `WINDOW_S` shows only a window late: it may double
+    every `DOUBLING_S` instead. The floor is `MIN_RATE` per process, less in a job of more than
+    ``JOB_MIN_RATE / MIN_RATE`` processes (`world`), whose floors together stay at `JOB_MIN_RATE`. A lane shared by n
+    processes (`SharedLaneStore`) acts as n lanes in lock step. Times are arguments, else `clock`'s
     (``time.monotonic``; benchmarks/s3_sim.py: simulated).
     """
 
@@ -135,6 +137,7 @@ class PacerLane:
     MIN_RATE = 0.2  # requests/s per process a lane never goes under (to learn when the store has room)
     JOB_MIN_RATE = 800.0  # the most a job's floors add up to: a quarter of one S3 prefix's writes, at any world size
     QUIET_S, MAX_QUIET = 0.25, 64.0  # s seconds after WINDOW_S without a cut, growth is 1 + s / QUIET_S times faster
+    DOUBLING_S = 0.5  # a lane whose requests wait for tokens may double its rate this often (else: 2x what it sends)
     WINDOW_S = 2.0  # the window over which a lane measures its send rate (to start from, and to cap its growth)
 
     def __init__(
@@ -298,7 +301,10 @@ class PacerLane:
             quiet = min(1.0 + max(0.0, now - self._epoch - self.WINDOW_S) / self.QUIET_S, self.MAX_QUIET)
             step = quiet * self.GROWTH * (1.0 + self._streak / self.STREAK_SCALE) / math.sqrt(self._rate * n)
             grown = self._rate * (1.0 + step) + quiet * self.CATCH_UP * n * max(0.0, now - self._changed_at)
-            grown = min(grown, max(self._rate, 2.0 * self.measured_rate(now)))
+            cap = max(self._rate, 2.0 * self.measured_rate(now))
+            if self._tokens + (now - self._refilled_at) * self._rate < 1.0:  # no token lies unused: requests wait
+                cap = max(cap, self._rate * 2.0 ** min((now - self._changed_at) / self.DOUBLING_S, 64.0))
+            grown = min(grown, cap)
             self._changed_at = now
             if grown > self._rate:
                 self._set_rate(grown, now)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -173,6 +174,39 @@ class TestPacerLane:
         for _ in range(200):
             lane.on_success(sent=1.6, now=1.7)  # no more sends: the lane is not using what it has
         assert lane.rate == pytest.approx(2 * lane.measured_rate(1.7))
+
+    def test_a_lane_whose_requests_wait_doubles_within_doubling_s_not_a_window_late(self) -> None:
+        """A lane using every token it gets grows past twice the send rate its 2 s window measured (which lags a full
+        window behind it), but beyond that never more than doubles per `DOUBLING_S`; the same lane sending nothing
+        stays at twice its measured rate."""
+
+        def run(busy: bool) -> PacerLane:
+            lane = PacerLane("writes")
+            sends(lane, [n * 0.2 for n in range(10)])  # 5 per second
+            lane.on_throttle(sent=1.8, now=1.9)
+            now, sent, history = 1.9, 1.9, []
+            while now < 6.0:  # 4 s without a cut: quiet-time growth
+                now = round(now + 0.01, 2)
+                while busy and lane.reserve(now) == 0.0:  # a request always waits: each token is used at once
+                    sent = now
+                lane.on_success(sent=sent, now=now)
+                history.append((now, lane.rate, 2 * lane.measured_rate(now)))
+            for (t0, r0, _), (t1, r1, cap) in itertools.pairwise(history):
+                assert r1 <= max(cap, r0 * 2.0 ** ((t1 - t0) / PacerLane.DOUBLING_S)) * (1 + 1e-9)
+            return lane
+
+        busy = run(busy=True)
+        assert busy.rate > 8 * 0.7 * 5 and busy.rate > 2.5 * busy.measured_rate(6.0)  # past 2x what the window saw
+        assert run(busy=False).rate <= 2 * 5  # sending nothing: twice what it sent, at most
+
+    def test_a_waiting_lane_after_hours_without_a_success_grows_without_overflow(self) -> None:
+        """A lane at a huge job's floor may go hours between successes with its next token still not there: its
+        growth is bounded, not a float overflow."""
+        lane = PacerLane("writes", world=lambda: 10_000_000)  # floor: 800 requests/s over 10 million processes
+        lane.on_throttle(sent=0.0, now=0.0)
+        assert lane.reserve(0.0) > 0.0
+        lane.on_success(sent=0.0, now=3600.0)  # an hour at 8e-05 tokens per second: 0.29 of one, still waiting
+        assert lane.rate < math.inf
 
     def test_a_budget_paces_from_the_first_request_and_caps_growth(self, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("WORLD_SIZE", "4")
