@@ -739,11 +739,10 @@ def agree_resume(storage: Any, directory: str, step_of: Any = None, *, group: An
     held_paths: dict[str, Path] = {}
 
     def candidates() -> dict[str, Any]:
-        tier.node.pin(copy.url for copy in tier.node.copies())  # nothing offered leaves memory while ranks decide
         s3 = storage.s3 if lists_s3 else None
         return _candidates(tier, s3, directory, step_of, verified, held_paths, tuple(followers))
 
-    gathered, rank = _tier.gather_candidates(candidates, directory, group)
+    gathered, rank = _tier.gather_candidates(candidates, directory, group, tier.node)
     steps, files, sources, hand_overs, any_hand_over = decide(gathered, rank, tier.node, held_paths)
     tier.node.pin(f for f in files if f in sources)  # the files to load stay until the next save (`NodeTier.unpin`)
     if any_hand_over:

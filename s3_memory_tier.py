@@ -1051,14 +1051,18 @@ def decide(gathered: list[dict[str, Any]], rank: int) -> tuple[list[int], dict[i
     return sorted(common, reverse=True), {step: mine[step] for step in common}
 
 
-def gather_candidates(candidates: Any, directory: str, group: Any = None) -> tuple[list[dict[str, Any]], int]:
+def gather_candidates(candidates: Any, directory: str, group: Any = None, tier: NodeTier | None = None
+                      ) -> tuple[list[dict[str, Any]], int]:  # fmt: skip
     """The collective of a resume decision: one all_gather of each rank's ``candidates()`` (what it can load; a
-    dict), then every rank's entries and this rank's index. A rank whose ``candidates()`` raises makes every rank
-    raise (this rank its own error, the others a RuntimeError naming it and `directory`): no rank waits in a
-    collective the others left. Outside a process group (or a group of one), this process's entry alone.
-    Package-internal (docs/api.md)."""
+    dict), then every rank's entries and this rank's index. `tier`: this rank's node tier, every copy of which is
+    pinned first (nothing a rank offers leaves memory while the ranks decide; the caller pins what it loads after).
+    A rank whose ``candidates()`` raises makes every rank raise (this rank its own error, the others a RuntimeError
+    naming it and `directory`): no rank waits in a collective the others left. Outside a process group (or a group
+    of one), this process's entry alone. Package-internal (docs/api.md)."""
     failure = None
     try:
+        if tier is not None:
+            tier.pin(copy.url for copy in tier.copies())
         mine = candidates()
     except Exception as exc:  # said to every rank through the collective, then raised here
         failure, mine = exc, {"error": f"{type(exc).__name__}: {exc}"}
@@ -1095,7 +1099,6 @@ def agree_on_resume(
     node, held, verified = _s3.node_key(), {}, {}
 
     def candidates() -> dict[str, Any]:
-        tier.pin(copy.url for copy in tier.copies())  # nothing this rank offers leaves memory while the ranks decide
         s3_steps = {
             f"s3://{obj.bucket}/{obj.key}": step_of(obj.key.rsplit("/", 1)[-1]) if step_of is not None else None
             for obj in listing()
@@ -1103,7 +1106,7 @@ def agree_on_resume(
         held.update({entry[0]: entry for entry in held_replicas(tier)})
         return _my_candidates(tier, replication, directory, s3_steps, list(held.values()), verified)
 
-    gathered, rank = gather_candidates(candidates, directory, group)
+    gathered, rank = gather_candidates(candidates, directory, group, tier)
     mine = gathered[rank]
     steps, options = decide(gathered, rank)
     addresses = {entry["node"]: tuple(entry["address"]) for entry in gathered if entry["address"]}
