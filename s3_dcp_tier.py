@@ -173,6 +173,7 @@ class TierFile:
         if error.errno not in (errno.ENOSPC, errno.EDQUOT) or small or self._tier.s3.s3_path_exists(self._commit):
             raise error
         self._tier.node.warn_full_once(self.url, error)
+        self._tier.node.remove(self.url)  # an older save's copy of this URL: never read in place of this file
         fence = _fencing.DirectoryFence(self._tier.s3, _urls.s3_url_parent(self._checkpoint), self._tier.run)
         _spread.ensure_layout(self._tier.s3, self._checkpoint, self._directories, fence=fence)  # before the file
         self._s3 = self._tier.s3.open_writer(self.url, checksum_algorithm=self._algorithm.name, fence=fence)
@@ -327,6 +328,9 @@ class DcpTier:
             self._drain_files(copies, plan.run, writer)
         self._replicate(copies)
         self.node.unpin()  # a resume's files stayed until this newer save was in memory
+        for url, source in list(getattr(self.agreement, "sources", {}).items()):  # the resume read them from S3 ...
+            if source.tier == "s3":  # ... a newer save may hold them in memory now
+                del self.agreement.sources[url]
         self.node.prune_soon()
 
     def committed(self, checkpoint: str, name: str, files: dict[str, Any], plan: TierPlan, writer: Any) -> None:
@@ -609,6 +613,8 @@ def source_of(tier: DcpTier, url: str) -> tuple[Path, str] | None:
     started, this node's replica its peer holds (a replaced node; fetched, verified and made this node's copy):
     ``(path, tier)``; None: S3. A copy that does not verify is skipped, loudly. Package-internal (docs/api.md)."""
     agreement = tier.agreement
+    if agreement is not None and getattr(agreement.sources.get(url), "tier", None) == "s3":
+        return None  # this save's file went to S3 directly: a copy of its URL in a tier is not this save's
     if agreement is not None and url in agreement.sources:
         try:
             copy, name = _tier.copy_to_load(tier.node, agreement, url)
@@ -744,14 +750,14 @@ def agree_resume(storage: Any, directory: str, step_of: Any = None, *, group: An
 
     gathered, rank = _tier.gather_candidates(candidates, directory, group, tier.node)
     steps, files, sources, hand_overs, any_hand_over = decide(gathered, rank, tier.node, held_paths)
-    tier.node.pin(f for f in files if f in sources)  # the files to load stay until the next save (`NodeTier.unpin`)
+    tier.node.pin(f for f in files if sources[f].tier != "s3")  # the files to load stay until the next save
     if any_hand_over:
         _hand_over(tier, hand_overs)
         dist.barrier(group=group)  # every hand-over is in place before any rank loads
     urls = {step: checkpoint for step, checkpoint in steps}
     newest = steps[0][0] if steps else None
     url = urls.get(newest) if newest is not None else None
-    tiers = {sources[f].tier for f in files}
+    tiers = {sources[f].tier for f in files} - {"s3"}  # the fastest of this rank's tiers describes it
     tier_name = None if url is None else ("s3" if not tiers else "replica" if "replica" in tiers else "memory")
     if url is not None:
         logger.info("memory tier: every rank resumes DCP step %s; this rank reads %s from %s", newest, url, tier_name)
@@ -776,9 +782,11 @@ def _candidates(tier: DcpTier, s3: Any, directory: str, step_of: Any, verified: 
     """This rank's part of the collective: the DCP files below `directory` its node holds verified (own copies,
     also put in `verified`; replicas, their paths in `held_paths`), the file lists of the item-checksum records
     among them, the files each checkpoint needs after ``.metadata`` (the `required` names, those that followed it
-    into a tier), and (with `s3`) the checkpoints whose ``.metadata`` and `required` files S3 has."""
+    into a tier), the files those records name with an S3 ETag (``"direct"``: they went to S3 for want of room), and
+    (with `s3`) the checkpoints whose ``.metadata`` and `required` files S3 has, and the objects of the others
+    (``"loose"``: size and ETag)."""
     prefix = directory + "/"
-    own, held, lists, steps, followers = {}, [], {}, {}, {}
+    own, held, lists, steps, followers, direct = {}, [], {}, {}, {}, {}
 
     def note(url: str, record: dict[str, Any], path: Path) -> bool:
         found = _checkpoint_of(record, url, prefix, step_of)
@@ -791,6 +799,8 @@ def _candidates(tier: DcpTier, s3: Any, directory: str, step_of: Any, verified: 
         if isinstance(commit, str) and url == commit.removesuffix(".metadata") + ITEMS_SUFFIX:
             listed = json.loads(Path(path).read_bytes()).get("files", {})
             lists[found[0]] = [commit, [url] + [_spread.join(found[0], name) for name in listed]]
+            direct.update({_spread.join(found[0], name): [entry["size"], entry["etag"]]  # went to S3 for want of room
+                           for name, entry in listed.items() if entry.get("etag")})  # fmt: skip
         return True
 
     for copy in tier.node.copies():
@@ -808,21 +818,26 @@ def _candidates(tier: DcpTier, s3: Any, directory: str, step_of: Any, verified: 
         if note(url, record, path):
             held.append([url, sender, name, str(path)])
             held_paths[url] = path
-    on_s3, names_on_s3 = {}, {}
+    on_s3, names_on_s3, objects = {}, {}, {}
     for obj in s3.list_objects(directory) if s3 is not None else []:
         relative = f"s3://{obj.bucket}/{obj.key}"[len(prefix) :]
         name, _, file = relative.partition("/")
         names_on_s3.setdefault(name, set()).add(file)
+        owner = _spread.owner_of(relative) if _spread.in_spread_directory(relative) else name
+        objects.setdefault(prefix + owner, {})[prefix + relative] = [obj.size, obj.etag]
         step = step_of(name) if step_of is not None and file == ".metadata" else None
         if isinstance(step, int) and not isinstance(step, bool):
             on_s3[prefix + name] = step
     on_s3 = {url: step for url, step in on_s3.items() if set(required) <= names_on_s3[url[len(prefix) :]]}
+    loose = {url: found for checkpoint, files in objects.items() if checkpoint not in on_s3  # not committed on S3
+             for url, found in files.items()}  # fmt: skip
     for checkpoint in steps:
         followers.setdefault(checkpoint, set()).update(_urls.join_s3_url(checkpoint, name) for name in required)
     replication = tier.replication
     address = None if replication is None or replication.server is None else list(replication.server.address)
     return {"node": _s3.node_key(), "address": address, "directory": directory, "own": sorted(own), "held": held,
-            "lists": lists, "steps": steps, "s3": on_s3, "replicating": replication is not None,
+            "lists": lists, "steps": steps, "s3": on_s3, "replicating": replication is not None, "direct": direct,
+            "loose": loose,
             "followers": {checkpoint: sorted(urls) for checkpoint, urls in followers.items()}}  # fmt: skip
 
 
@@ -850,8 +865,9 @@ def decide(gathered: list[dict[str, Any]], rank: int, node: _tier.NodeTier, held
     reach otherwise) and whether any rank makes one. A checkpoint becomes one URL per rank for
     `s3_memory_tier.decide`: on S3 as listed, "in memory" for a rank whose node reaches each of its files (those its
     item-checksum record lists, that record, ``.metadata`` and the ``"followers"`` some node names for it): in its
-    memory or a replica held there, a replica another node serves, or (nodes with replication started) another
-    node's memory, handed over. The same on every rank. Package-internal (docs/api.md)."""
+    memory or a replica held there, a replica another node serves, (nodes with replication started) another node's
+    memory, handed over, or S3 for a file that went there directly for want of room (listed with the size and ETag
+    its record names: read from S3, tier ``"s3"``). The same on every rank. Package-internal (docs/api.md)."""
     addresses = {entry["node"]: tuple(entry["address"]) for entry in gathered if entry["address"]}
     at_node: dict[str, dict[str, Any]] = {}
     served: dict[str, tuple[str, str, str]] = {}  # file -> (serving node, sender node, replica name)
@@ -874,9 +890,13 @@ def decide(gathered: list[dict[str, Any]], rank: int, node: _tier.NodeTier, held
              for entry in gathered for checkpoint, (commit, files) in entry["lists"].items()}  # fmt: skip
     steps = {checkpoint: step for entry in gathered for checkpoint, step in entry["steps"].items()}
     s3 = {checkpoint: step for entry in gathered for checkpoint, step in entry["s3"].items()}
+    loose = {url: found for entry in gathered for url, found in entry.get("loose", {}).items()}
+    recorded = {url: found for entry in gathered for url, found in entry.get("direct", {}).items()}
+    direct = {url for url, found in recorded.items() if loose.get(url) == found}  # on S3 as recorded: size, ETag
     wholes = []
     for entry in gathered:
         reach = at_node[entry["node"]].keys() | served.keys() | (handed.keys() if entry["node"] in addresses else set())
+        reach = (reach - recorded.keys()) | direct  # a copy of such a URL in a tier is an older save's
         wholes.append({checkpoint: [commit, *files] for checkpoint, (commit, files) in lists.items()
                        if checkpoint in steps and {commit, *files} <= reach})  # fmt: skip
     converted = [
@@ -895,14 +915,16 @@ def decide(gathered: list[dict[str, Any]], rank: int, node: _tier.NodeTier, held
     hand_overs, any_hand_over = [], False
     for target, index in first_rank.items():  # each node that loads the newest outside S3, once
         for url in wholes[index].get(checkpoint, []):
-            if url not in at_node[target] and url not in served:
+            if url not in at_node[target] and url not in served and url not in direct:
                 any_hand_over = True
                 if first_rank[handed[url]] == rank:
                     hand_overs.append((url, addresses[target]))
     mine, here = wholes[rank].get(checkpoint, []), at_node[gathered[rank]["node"]]
     sources = {}
     for url in mine if options[agreed[0][0]][0][0] == 0 else []:
-        if here.get(url) == "memory":
+        if url in direct:  # this save's file is on S3: a copy of its URL in a tier is an older save's
+            sources[url] = _tier.ResumeSource(url, "s3")
+        elif here.get(url) == "memory":
             sources[url] = _tier.ResumeSource(url, "memory", node.path_of(url))
         elif url in here:
             sources[url] = _tier.ResumeSource(url, "replica", held_paths.get(url, here[url]))
