@@ -718,9 +718,8 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
 
     def _open(self, url: str, chunk_size_MB: float, concurrency: int, fence: Any) -> Any:
         if self.memory_tier is not None:  # the node's memory tier, else an S3 multipart upload
-            directories = self._tier_plan.directories if self._tier_plan is not None else ()
             return self._tier().open_file(url, self.path, metadata_name(self._metadata_rank()), self.checksum_algorithm,
-                                          directories)  # fmt: skip
+                                          self._tier_plan)  # fmt: skip
         return self.s3.open_writer(url, chunk_size_MB, concurrency, self.checksum_algorithm, fence=fence)
 
     def _metadata_rank(self) -> int | None:

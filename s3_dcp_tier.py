@@ -84,6 +84,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ITEMS_SUFFIX = ".s3ckpt-items.json"  # s3_dcp.ITEM_CHECKSUMS_NAME: the item checksums a ``.metadata`` goes with
+SHARD_SUFFIX = ".distcp"  # s3_dcp.DCP_SHARD_SUFFIX: a DCP shard's (what a replaced checkpoint's drain removes)
 DRAIN_WAIT_S = 1800.0
 """How long the coordinator's drain waits for every listed file to be on S3 before it gives up (no ``.metadata``)."""
 _POLL_S = (0.05, 1.0)  # first and longest pause between two looks at S3
@@ -97,13 +98,16 @@ def config(value: Any) -> _tier.MemoryTier | None:
 @dataclass(frozen=True)
 class TierPlan:
     """What the coordinator tells every rank in its save plan: whether this save drains to S3, the run that
-    holds the checkpoint directory (every rank's upload is fenced by it), and the save's spread directories (prefix
-    spreading; none: one prefix), which the layout record on S3 names before any file goes into one of them.
+    holds the checkpoint directory (every rank's upload is fenced by it), the save's spread directories (prefix
+    spreading; none: one prefix), which the layout record on S3 names before any file goes into one of them, and
+    the save's place among the saves (`save`, growing; each file's commit record keeps it: once a newer save of a
+    checkpoint URL is in a node's tier, `NodeTier.prune` drops the files of the older one it did not rewrite).
     Package-internal (docs/api.md)."""
 
     drain: bool
     run: _fencing.CheckpointRun
     directories: tuple[str, ...] = ()
+    save: int = 0
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -123,10 +127,11 @@ class TierFile:
     Package-internal (docs/api.md)."""
 
     def __init__(self, tier: DcpTier, url: str, checkpoint: str, commit: str, algorithm: str,
-                 directories: tuple[str, ...] = ()) -> None:  # fmt: skip
+                 plan: TierPlan | None = None) -> None:  # fmt: skip
         self.url = url
         self._tier, self._checkpoint, self._commit = tier, checkpoint, commit
-        self._directories = tuple(directories)  # the save's spread directories (`TierPlan.directories`)
+        self._directories = plan.directories if plan is not None else ()  # the save's spread directories
+        self._save = plan.save if plan is not None else 0
         self._algorithm = _s3.ChecksumAlgorithm.named(algorithm)
         self._pieces: list[tuple[int, int, int]] = []  # (offset, length, checksum) between boundaries
         self._start = self._size = self._checksum = 0
@@ -213,7 +218,7 @@ class TierFile:
             checksum = self._algorithm.encode(total)
             self.copy = self._tier.node.commit(
                 self._partial, self.url, None, self._size, f"{self._algorithm.name} {checksum}",
-                checkpoint=self._checkpoint, commit=self._commit,
+                checkpoint=self._checkpoint, commit=self._commit, save=self._save,
                 **({"layout": list(self._directories)} if self._directories else {}),
             )  # fmt: skip
         except BaseException:
@@ -280,6 +285,7 @@ class DcpTier:
         self.node.claim()
         self.saves = 0
         self._last_drain = -float("inf")
+        self._last_save = 0  # `TierPlan.save` of the last save this process planned
         self._executors = {  # a commit waiting for other ranks' files never holds up this rank's own uploads
             kind: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"s3ckpt-dcp-drain-{kind}")
             for kind in ("files", "commits")
@@ -305,15 +311,16 @@ class DcpTier:
         drain = (self.saves - 1) % self.config.drain_every == 0 or timer
         if drain:
             self._last_drain = time.monotonic()
-        return TierPlan(drain, self.run, tuple(directories))
+        self._last_save = max(time.time_ns(), self._last_save + 1)  # grows, also across launches (the clock)
+        return TierPlan(drain, self.run, tuple(directories), self._last_save)
 
     def open_file(self, url: str, checkpoint: str, commit_name: str, algorithm: str,
-                  directories: tuple[str, ...] = ()) -> TierFile:  # fmt: skip
+                  plan: TierPlan | None = None) -> TierFile:  # fmt: skip
         """A file of the checkpoint at `checkpoint` (committed by its ``.metadata``, `commit_name`) into the tier;
-        `directories`: the save's spread directories (its commit record keeps them for the drain)."""
+        `plan`: the save's (its commit record keeps the spread directories, for the drain, and the save's place)."""
         commit = _urls.join_s3_url(checkpoint, commit_name)
         self.node.claim()  # a straggler writes nothing
-        file = TierFile(self, url, checkpoint, commit, algorithm, directories)
+        file = TierFile(self, url, checkpoint, commit, algorithm, plan)
         if url != commit and not url.endswith(ITEMS_SUFFIX):
             with self._lock:
                 self._open.setdefault(checkpoint, []).append(file)
@@ -369,7 +376,7 @@ class DcpTier:
                 stream.write(body)
             checksum = f"{algorithm.name} {algorithm.encode(algorithm.update(memoryview(body), 0))}"
             copy = self.node.commit(partial, url, None, len(body), checksum, checkpoint=checkpoint, commit=commit,
-                                    follows_commit=True)  # fmt: skip
+                                    follows_commit=True, save=metadata.record.get("save", 0))  # fmt: skip
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(partial)
@@ -515,7 +522,8 @@ class DcpTier:
             for copy in commit:
                 self.node.set_drain(copy, "done")
             return
-        if self.s3.s3_path_exists(metadata.url):
+        replacing = self.s3.s3_path_exists(metadata.url)
+        if replacing:
             logger.warning("memory tier: removing the older %s before draining its successor", metadata.url)
             declared = [_urls.join_s3_url(checkpoint, name) for name in getattr(writer, "commit_followers", ())]
             for url in dict.fromkeys([*declared, *(copy.url for copy in reversed(commit))]):  # followers first
@@ -542,6 +550,11 @@ class DcpTier:
         for copy in commit:  # the item checksums, then .metadata, then what follows it
             self._upload(copy, fence, writer)
         logger.info("memory tier: drained %s to S3 (committed by its .metadata)", checkpoint)
+        if replacing:  # the replaced checkpoint's shards this one does not use go, as after an S3 save's overwrite
+            kept = {_spread.join(checkpoint, name) for name in files}
+            for name, obj in _spread.checkpoint_objects(self.s3, checkpoint):
+                if name.endswith(SHARD_SUFFIX) and ("/" not in name or name.startswith("../")) and obj.url not in kept:
+                    self.s3.remove_object(obj.url, fence=fence)
         self.node.prune()
 
     @staticmethod

@@ -699,15 +699,19 @@ class NodeTier:
 
     # ---- removal and the bound ---------------------------------------------------------------------------------
 
-    def remove(self, url: str) -> bool:
+    def remove(self, url: str, copy: TierCopy | None = None) -> bool:
         """Drop the tier's copy of `url` (its record first: a kill in between leaves no false commit); False when
-        there was none, or (logged) when a newer launch claimed the tier: a straggler drops nothing."""
+        there was none, or (logged) when a newer launch claimed the tier: a straggler drops nothing. `copy`: only
+        while that is the committed copy of `url` (one a save of the URL committed meanwhile stays)."""
         path = self.path_of(url)
         with self._lock, self._launch_lock():
             try:
                 self._check_owner()
             except _fencing.CheckpointDirectoryTakenError as exc:
                 logger.warning("memory tier: not dropping %s: %s", path, exc)
+                return False
+            current = self.copy_of(url) if copy is not None else None
+            if copy is not None and (current is None or current.record["sequence"] != copy.record["sequence"]):
                 return False
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.record_path(path))
@@ -749,17 +753,25 @@ class NodeTier:
         fewer than `keep` steps): its newest, those whose drain is pending (S3 has no copy yet), then the newest
         others up to `keep`. A checkpoint is a copy, or the files whose records name one ``"checkpoint"`` (a DCP
         checkpoint's, one per file), kept or dropped together. So `keep` bounds a node's copies while a drain runs
-        too (only more drains pending at once than `keep` - 1 hold more). Copies `pin` holds stay besides (a resume
-        reads them). Returns the URLs dropped."""
+        too (only more drains pending at once than `keep` - 1 hold more). First, a multi-file checkpoint saved again
+        at its URL (a newer ``"save"`` in a record naming the same ``"commit"``) loses the older save's files the
+        newer one did not rewrite (another rank count or file naming): memory stays bounded, and no load meets a mix.
+        Copies `pin` holds stay besides (a resume reads them). Returns the URLs dropped."""
         with self._prune_lock:
             return self._prune(self._pinned)
 
     def _prune(self, pinned: frozenset[str]) -> list[str]:
+        copies, newest = self.copies(), {}  # oldest first; each multi-file checkpoint's newest save in the tier
+        for copy in copies:
+            commit = copy.record.get("commit")
+            newest[commit] = max(newest.get(commit, 0), copy.record.get("save", 0))
+        replaced = [copy for copy in copies if copy.url not in pinned and copy.record.get("commit")
+                    and copy.record.get("save", 0) < newest[copy.record["commit"]]]  # fmt: skip
+        dropped = [copy.url for copy in replaced if self.remove(copy.url, copy)]
         by_rank: dict[Any, dict[str, list[TierCopy]]] = {}
-        for copy in self.copies():  # oldest first
+        for copy in (copy for copy in copies if copy.url not in {copy.url for copy in replaced}):
             checkpoint = copy.record.get("checkpoint") or copy.url
             by_rank.setdefault(copy.record.get("rank"), {}).setdefault(checkpoint, []).append(copy)
-        dropped = []
         for checkpoints in by_rank.values():  # a checkpoint ranks by its newest file
             ordered = sorted(checkpoints.items(), key=lambda item: item[1][-1].record.get("sequence", 0))
             kept = {ordered[-1][0]} | {key for key, files in ordered if any(c.drain == "pending" for c in files)}
@@ -770,7 +782,7 @@ class NodeTier:
             kept |= {key for key, files in ordered if any(copy.url in pinned for copy in files)}
             for key, files in ordered:
                 if key not in kept:
-                    dropped += [copy.url for copy in files if self.remove(copy.url)]
+                    dropped += [copy.url for copy in files if self.remove(copy.url, copy)]
         return dropped
 
 

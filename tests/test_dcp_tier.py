@@ -557,3 +557,47 @@ def test_the_dcp_decision_reads_a_file_that_went_to_s3_for_want_of_room_there_on
     assert s3_dcp_tier.decide(entries('"e1"'), 0, node, {})[2][shard1].tier == "s3"
     for rank in (0, 1):
         assert s3_dcp_tier.decide(entries('"other"'), rank, node, {})[0] == [(1, f"{run}/step-1")]
+
+
+def tier_files(node: s3_memory_tier.NodeTier, bucket: str, checkpoint: str) -> list[str]:
+    return sorted(p.name for p in (node.own / bucket / checkpoint).iterdir())
+
+
+def test_a_checkpoint_saved_again_at_its_url_leaves_none_of_the_replaced_saves_files_in_memory(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """Saved with two files, then again at the same URL with one: once the new save is in memory, the replaced
+    save's file it did not rewrite is gone (as an untiered overwrite removes unused shards from S3), the load reads
+    the new state from memory alone, and the drain puts exactly the new checkpoint on S3."""
+    tier, url = tier_config(tmp_path, drain_every=10), f"s3://{bucket}/run/last"
+    first = s3_dcp.S3StorageWriter(url, memory_tier=tier, thread_count=2)
+    dcp.save(state_of(1), storage_writer=first, no_dist=True)
+    first.finish_drains(drain_last=False)  # the first save drains: done before the URL is saved again
+    node = s3_dcp_tier.tier_of(tier, s3_dcp.S3StorageReader(url).s3).node
+    assert [name for name in tier_files(node, bucket, "run/last") if name.endswith(".distcp")] == [
+        "__0_0.distcp", "__0_1.distcp"]  # fmt: skip
+    writer = save(state_of(2), url, tier)
+    writer.finish_drains(drain_last=False)  # waits for the tier's pruning too
+    assert tier_files(node, bucket, "run/last") == sorted(
+        name + suffix for name in COMMITTED for suffix in ("", COMMIT_RECORD_SUFFIX))
+    assert set(tiers_read(load(state_of(2), url, tier)).values()) == {"memory"}
+    writer.finish_drains()
+    assert s3_names(s3_client, bucket, "run/last") == COMMITTED
+    load(state_of(2), url, None)
+
+
+def test_a_file_saved_again_that_goes_to_s3_for_want_of_room_leaves_no_older_copy_of_its_url_to_read(
+    s3_server: Any, bucket: str, tmp_path: Path
+) -> None:
+    """A small save fits the tier whole; the next save at the same URL has a shard too large for it, which goes to
+    S3 directly: the older memory copy of that shard's URL goes, and the load reads the new shard from S3."""
+    tier, url = tier_config(tmp_path, drain_every=10, capacity_bytes=200_000), f"s3://{bucket}/run/last"
+    small = {"w": torch.arange(100.0), "b": torch.arange(11.0), "step": 1}
+    save(small, f"s3://{bucket}/run/first", tier).finish_drains(drain_last=False)  # the one save that drains
+    save(small, url, tier).finish_drains(drain_last=False)  # in memory only (on S3 it would refuse the fall-back)
+    node = s3_dcp_tier.tier_of(tier, s3_dcp.S3StorageReader(url).s3).node
+    assert node.copy_of(url + "/__0_0.distcp") is not None
+    save(state_of(2), url, tier).finish_drains(drain_last=False)
+    assert node.copy_of(url + "/__0_0.distcp") is None
+    reader = load(state_of(2), url, tier)
+    assert tiers_read(reader) == {".metadata": "memory", ".s3ckpt-items.json": "memory", "__0_0.distcp": "s3"}
