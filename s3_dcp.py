@@ -755,10 +755,8 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
 
     def _remove_stale_shards(self, kept: set[str], fence: Any = None) -> None:
         """After replacing a checkpoint saved by more ranks or threads: delete its shards the new one does not use."""
-        stale = []
-        for name, obj in _spread.checkpoint_objects(self.s3, self.path, self._layout.stale_shard_directories()):
-            if ("/" not in name or name.startswith("../")) and name.endswith(DCP_SHARD_SUFFIX) and name not in kept:
-                stale.append(obj.url)  # at the top level of the checkpoint or of a spread directory
+        directories = self._layout.stale_shard_directories()
+        stale = _spread.unused_shards(self.s3, self.path, kept, DCP_SHARD_SUFFIX, directories)
         for url in stale:
             self.s3.remove_object(url, fence=fence)  # and the checksum record this package may keep beside it
         if self._layout.previous and not self._layout.directories:  # a spread checkpoint replaced by an unspread one

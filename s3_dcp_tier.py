@@ -16,12 +16,13 @@ when it passes ``memory_tier``). docs/tiers.md shows the user's side. In parts:
    checked against the commit record before S3 commits them), fenced by the coordinator's run. The coordinator
    first removes an older checkpoint's ``.metadata`` at the same prefix (the ranks wait for that before uploading,
    so a half-replaced checkpoint never looks complete), then watches S3 until every file the checkpoint lists is
-   there with the recorded size and checksum, and only then uploads the item checksums and ``.metadata``. So
-   ``.metadata`` never reaches S3 before its files; a drain that fails or is killed leaves the checkpoint absent
-   from S3 (its files orphaned, as a failed S3 save leaves them) until a relaunch finishes it. Watching S3 costs a
-   HEAD per file once it is there and one per look while waiting (files are looked for in order), off the training
-   path; piggybacking on the next save's plan would instead delay
-   ``.metadata`` until a next save, which the last save of a run never has. With prefix spreading a save's files
+   there with the recorded size and checksum, and only then uploads the item checksums and ``.metadata`` (then,
+   where it replaced a checkpoint, removes the replaced one's shards the new one does not use). So ``.metadata``
+   never reaches S3 before its files; a drain that fails or is killed leaves the checkpoint absent from S3 (its
+   files orphaned, as a failed S3 save leaves them) until a relaunch finishes it. Watching S3 costs a HEAD per file
+   once it is there and one per look while waiting (files are looked for in order), off the training path;
+   piggybacking on the next save's plan would instead delay ``.metadata`` until a next save, which the last save of
+   a run never has. With prefix spreading a save's files
    keep their spread URLs in memory (``run/s3ckpt-spread-03/step-200/``), their commit records name the save's spread
    directories (``"layout"``), and the layout record goes to S3 before any file goes into one of them
    (`s3_prefix_spreading.ensure_layout`): by each rank before its first file, by the coordinator before it waits.
@@ -121,7 +122,8 @@ class TierFile:
 
     When the tier has no room for a rank's file (the tmpfs or `MemoryTier.capacity_bytes`), that file goes to S3
     directly instead, what was written first (one warning per tier; fenced by this process's run): the save goes on,
-    and the coordinator's drain finds the file on S3 like a drained one. Not so for ``.metadata`` and its item
+    the tier's older copy of the URL goes (never read for this file), and the coordinator's drain finds the file on S3
+    like a drained one. Not so for ``.metadata`` and its item
     checksums (tiny; on S3 they would commit the checkpoint before its files), nor while an older checkpoint's
     ``.metadata`` is at the prefix on S3 (its files would be overwritten under it): the save fails then.
     Package-internal (docs/api.md)."""
@@ -551,10 +553,8 @@ class DcpTier:
             self._upload(copy, fence, writer)
         logger.info("memory tier: drained %s to S3 (committed by its .metadata)", checkpoint)
         if replacing:  # the replaced checkpoint's shards this one does not use go, as after an S3 save's overwrite
-            kept = {_spread.join(checkpoint, name) for name in files}
-            for name, obj in _spread.checkpoint_objects(self.s3, checkpoint):
-                if name.endswith(SHARD_SUFFIX) and ("/" not in name or name.startswith("../")) and obj.url not in kept:
-                    self.s3.remove_object(obj.url, fence=fence)
+            for url in _spread.unused_shards(self.s3, checkpoint, files, SHARD_SUFFIX):
+                self.s3.remove_object(url, fence=fence)
         self.node.prune()
 
     @staticmethod

@@ -711,7 +711,7 @@ class NodeTier:
                 logger.warning("memory tier: not dropping %s: %s", path, exc)
                 return False
             current = self.copy_of(url) if copy is not None else None
-            if copy is not None and (current is None or current.record["sequence"] != copy.record["sequence"]):
+            if copy is not None and (current is None or current.record.get("sequence") != copy.record.get("sequence")):
                 return False
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.record_path(path))
@@ -765,11 +765,11 @@ class NodeTier:
         for copy in copies:
             commit = copy.record.get("commit")
             newest[commit] = max(newest.get(commit, 0), copy.record.get("save", 0))
-        replaced = [copy for copy in copies if copy.url not in pinned and copy.record.get("commit")
-                    and copy.record.get("save", 0) < newest[copy.record["commit"]]]  # fmt: skip
-        dropped = [copy.url for copy in replaced if self.remove(copy.url, copy)]
+        replaced = {copy.url: copy for copy in copies if copy.url not in pinned and copy.record.get("commit")
+                    and copy.record.get("save", 0) < newest[copy.record["commit"]]}  # fmt: skip
+        dropped = [url for url, copy in replaced.items() if self.remove(url, copy)]
         by_rank: dict[Any, dict[str, list[TierCopy]]] = {}
-        for copy in (copy for copy in copies if copy.url not in {copy.url for copy in replaced}):
+        for copy in (copy for copy in copies if copy.url not in replaced):
             checkpoint = copy.record.get("checkpoint") or copy.url
             by_rank.setdefault(copy.record.get("rank"), {}).setdefault(checkpoint, []).append(copy)
         for checkpoints in by_rank.values():  # a checkpoint ranks by its newest file
