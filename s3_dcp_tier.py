@@ -455,8 +455,7 @@ class DcpTier:
 
     def _superseded(self, copy: _tier.TierCopy) -> bool:
         """Whether a newer save of the same URL replaced `copy` in memory (its own drain, if due, takes over)."""
-        current = self.node.copy_of(copy.url)
-        if current is not None and current.record.get("sequence") == copy.record.get("sequence"):
+        if self.node.is_committed(copy):
             return False
         logger.info("memory tier: %s was saved again (or dropped) before its drain; that drain is skipped", copy.url)
         return True

@@ -576,6 +576,11 @@ class NodeTier:
             return None
         return TierCopy(url, path, record)
 
+    def is_committed(self, copy: TierCopy) -> bool:
+        """Whether `copy` is still the committed copy of its URL (not dropped, nor replaced by a newer save of it)."""
+        current = self.copy_of(copy.url)
+        return current is not None and current.record.get("sequence") == copy.record.get("sequence")
+
     def verified_copy(self, url: str, trusted: TierCopy | None = None) -> TierCopy | None:
         """The committed copy of `url` if its bytes match its record; None if there is none; raises
         `s3_utils.ChecksumMismatchError` (naming the file and the URL) if they do not. `trusted`: this copy as it
@@ -710,8 +715,7 @@ class NodeTier:
             except _fencing.CheckpointDirectoryTakenError as exc:
                 logger.warning("memory tier: not dropping %s: %s", path, exc)
                 return False
-            current = self.copy_of(url) if copy is not None else None
-            if copy is not None and (current is None or current.record.get("sequence") != copy.record.get("sequence")):
+            if copy is not None and not self.is_committed(copy):
                 return False
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.record_path(path))
@@ -856,8 +860,7 @@ class TierReplication:
             self._futures.append(self._executor.submit(self._send, copy))
 
     def _send(self, copy: TierCopy) -> None:
-        current = self.tier.copy_of(copy.url)
-        if current is None or current.record.get("sequence") != copy.record.get("sequence"):
+        if not self.tier.is_committed(copy):
             logger.info("memory tier: %s left memory (or was saved again) before its replication: not sent", copy.url)
             return
         try:
