@@ -718,9 +718,8 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
 
     def _open(self, url: str, chunk_size_MB: float, concurrency: int, fence: Any) -> Any:
         if self.memory_tier is not None:  # the node's memory tier, else an S3 multipart upload
-            directories = self._tier_plan.directories if self._tier_plan is not None else ()
             return self._tier().open_file(url, self.path, metadata_name(self._metadata_rank()), self.checksum_algorithm,
-                                          directories)  # fmt: skip
+                                          self._tier_plan)  # fmt: skip
         return self.s3.open_writer(url, chunk_size_MB, concurrency, self.checksum_algorithm, fence=fence)
 
     def _metadata_rank(self) -> int | None:
@@ -756,10 +755,8 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
 
     def _remove_stale_shards(self, kept: set[str], fence: Any = None) -> None:
         """After replacing a checkpoint saved by more ranks or threads: delete its shards the new one does not use."""
-        stale = []
-        for name, obj in _spread.checkpoint_objects(self.s3, self.path, self._layout.stale_shard_directories()):
-            if ("/" not in name or name.startswith("../")) and name.endswith(DCP_SHARD_SUFFIX) and name not in kept:
-                stale.append(obj.url)  # at the top level of the checkpoint or of a spread directory
+        directories = self._layout.stale_shard_directories()
+        stale = _spread.unused_shards(self.s3, self.path, kept, DCP_SHARD_SUFFIX, directories)
         for url in stale:
             self.s3.remove_object(url, fence=fence)  # and the checksum record this package may keep beside it
         if self._layout.previous and not self._layout.directories:  # a spread checkpoint replaced by an unspread one

@@ -16,12 +16,13 @@ when it passes ``memory_tier``). docs/tiers.md shows the user's side. In parts:
    checked against the commit record before S3 commits them), fenced by the coordinator's run. The coordinator
    first removes an older checkpoint's ``.metadata`` at the same prefix (the ranks wait for that before uploading,
    so a half-replaced checkpoint never looks complete), then watches S3 until every file the checkpoint lists is
-   there with the recorded size and checksum, and only then uploads the item checksums and ``.metadata``. So
-   ``.metadata`` never reaches S3 before its files; a drain that fails or is killed leaves the checkpoint absent
-   from S3 (its files orphaned, as a failed S3 save leaves them) until a relaunch finishes it. Watching S3 costs a
-   HEAD per file once it is there and one per look while waiting (files are looked for in order), off the training
-   path; piggybacking on the next save's plan would instead delay
-   ``.metadata`` until a next save, which the last save of a run never has. With prefix spreading a save's files
+   there with the recorded size and checksum, and only then uploads the item checksums and ``.metadata`` (then,
+   where it replaced a checkpoint, removes the replaced one's shards the new one does not use). So ``.metadata``
+   never reaches S3 before its files; a drain that fails or is killed leaves the checkpoint absent from S3 (its
+   files orphaned, as a failed S3 save leaves them) until a relaunch finishes it. Watching S3 costs a HEAD per file
+   once it is there and one per look while waiting (files are looked for in order), off the training path;
+   piggybacking on the next save's plan would instead delay ``.metadata`` until a next save, which the last save of
+   a run never has. With prefix spreading a save's files
    keep their spread URLs in memory (``run/s3ckpt-spread-03/step-200/``), their commit records name the save's spread
    directories (``"layout"``), and the layout record goes to S3 before any file goes into one of them
    (`s3_prefix_spreading.ensure_layout`): by each rank before its first file, by the coordinator before it waits.
@@ -84,6 +85,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ITEMS_SUFFIX = ".s3ckpt-items.json"  # s3_dcp.ITEM_CHECKSUMS_NAME: the item checksums a ``.metadata`` goes with
+SHARD_SUFFIX = ".distcp"  # s3_dcp.DCP_SHARD_SUFFIX: a DCP shard's (what a replaced checkpoint's drain removes)
 DRAIN_WAIT_S = 1800.0
 """How long the coordinator's drain waits for every listed file to be on S3 before it gives up (no ``.metadata``)."""
 _POLL_S = (0.05, 1.0)  # first and longest pause between two looks at S3
@@ -97,13 +99,16 @@ def config(value: Any) -> _tier.MemoryTier | None:
 @dataclass(frozen=True)
 class TierPlan:
     """What the coordinator tells every rank in its save plan: whether this save drains to S3, the run that
-    holds the checkpoint directory (every rank's upload is fenced by it), and the save's spread directories (prefix
-    spreading; none: one prefix), which the layout record on S3 names before any file goes into one of them.
+    holds the checkpoint directory (every rank's upload is fenced by it), the save's spread directories (prefix
+    spreading; none: one prefix), which the layout record on S3 names before any file goes into one of them, and
+    the save's place among the saves (`save`, growing; each file's commit record keeps it: once a newer save of a
+    checkpoint URL is in a node's tier, `NodeTier.prune` drops the files of the older one it did not rewrite).
     Package-internal (docs/api.md)."""
 
     drain: bool
     run: _fencing.CheckpointRun
     directories: tuple[str, ...] = ()
+    save: int = 0
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -117,16 +122,18 @@ class TierFile:
 
     When the tier has no room for a rank's file (the tmpfs or `MemoryTier.capacity_bytes`), that file goes to S3
     directly instead, what was written first (one warning per tier; fenced by this process's run): the save goes on,
-    and the coordinator's drain finds the file on S3 like a drained one. Not so for ``.metadata`` and its item
+    the tier's older copy of the URL goes (never read for this file), and the coordinator's drain finds the file on S3
+    like a drained one. Not so for ``.metadata`` and its item
     checksums (tiny; on S3 they would commit the checkpoint before its files), nor while an older checkpoint's
     ``.metadata`` is at the prefix on S3 (its files would be overwritten under it): the save fails then.
     Package-internal (docs/api.md)."""
 
     def __init__(self, tier: DcpTier, url: str, checkpoint: str, commit: str, algorithm: str,
-                 directories: tuple[str, ...] = ()) -> None:  # fmt: skip
+                 plan: TierPlan | None = None) -> None:  # fmt: skip
         self.url = url
         self._tier, self._checkpoint, self._commit = tier, checkpoint, commit
-        self._directories = tuple(directories)  # the save's spread directories (`TierPlan.directories`)
+        self._directories = plan.directories if plan is not None else ()  # the save's spread directories
+        self._save = plan.save if plan is not None else 0
         self._algorithm = _s3.ChecksumAlgorithm.named(algorithm)
         self._pieces: list[tuple[int, int, int]] = []  # (offset, length, checksum) between boundaries
         self._start = self._size = self._checksum = 0
@@ -173,6 +180,7 @@ class TierFile:
         if error.errno not in (errno.ENOSPC, errno.EDQUOT) or small or self._tier.s3.s3_path_exists(self._commit):
             raise error
         self._tier.node.warn_full_once(self.url, error)
+        self._tier.node.remove(self.url)  # an older save's copy of this URL: never read in place of this file
         fence = _fencing.DirectoryFence(self._tier.s3, _urls.s3_url_parent(self._checkpoint), self._tier.run)
         _spread.ensure_layout(self._tier.s3, self._checkpoint, self._directories, fence=fence)  # before the file
         self._s3 = self._tier.s3.open_writer(self.url, checksum_algorithm=self._algorithm.name, fence=fence)
@@ -212,7 +220,7 @@ class TierFile:
             checksum = self._algorithm.encode(total)
             self.copy = self._tier.node.commit(
                 self._partial, self.url, None, self._size, f"{self._algorithm.name} {checksum}",
-                checkpoint=self._checkpoint, commit=self._commit,
+                checkpoint=self._checkpoint, commit=self._commit, save=self._save,
                 **({"layout": list(self._directories)} if self._directories else {}),
             )  # fmt: skip
         except BaseException:
@@ -279,6 +287,7 @@ class DcpTier:
         self.node.claim()
         self.saves = 0
         self._last_drain = -float("inf")
+        self._last_save = 0  # `TierPlan.save` of the last save this process planned
         self._executors = {  # a commit waiting for other ranks' files never holds up this rank's own uploads
             kind: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"s3ckpt-dcp-drain-{kind}")
             for kind in ("files", "commits")
@@ -304,15 +313,16 @@ class DcpTier:
         drain = (self.saves - 1) % self.config.drain_every == 0 or timer
         if drain:
             self._last_drain = time.monotonic()
-        return TierPlan(drain, self.run, tuple(directories))
+        self._last_save = max(time.time_ns(), self._last_save + 1)  # grows, also across launches (the clock)
+        return TierPlan(drain, self.run, tuple(directories), self._last_save)
 
     def open_file(self, url: str, checkpoint: str, commit_name: str, algorithm: str,
-                  directories: tuple[str, ...] = ()) -> TierFile:  # fmt: skip
+                  plan: TierPlan | None = None) -> TierFile:  # fmt: skip
         """A file of the checkpoint at `checkpoint` (committed by its ``.metadata``, `commit_name`) into the tier;
-        `directories`: the save's spread directories (its commit record keeps them for the drain)."""
+        `plan`: the save's (its commit record keeps the spread directories, for the drain, and the save's place)."""
         commit = _urls.join_s3_url(checkpoint, commit_name)
         self.node.claim()  # a straggler writes nothing
-        file = TierFile(self, url, checkpoint, commit, algorithm, directories)
+        file = TierFile(self, url, checkpoint, commit, algorithm, plan)
         if url != commit and not url.endswith(ITEMS_SUFFIX):
             with self._lock:
                 self._open.setdefault(checkpoint, []).append(file)
@@ -327,6 +337,9 @@ class DcpTier:
             self._drain_files(copies, plan.run, writer)
         self._replicate(copies)
         self.node.unpin()  # a resume's files stayed until this newer save was in memory
+        for url, source in list(getattr(self.agreement, "sources", {}).items()):  # the resume read them from S3 ...
+            if source.tier == "s3":  # ... a newer save may hold them in memory now
+                del self.agreement.sources[url]
         self.node.prune_soon()
 
     def committed(self, checkpoint: str, name: str, files: dict[str, Any], plan: TierPlan, writer: Any) -> None:
@@ -365,7 +378,7 @@ class DcpTier:
                 stream.write(body)
             checksum = f"{algorithm.name} {algorithm.encode(algorithm.update(memoryview(body), 0))}"
             copy = self.node.commit(partial, url, None, len(body), checksum, checkpoint=checkpoint, commit=commit,
-                                    follows_commit=True)  # fmt: skip
+                                    follows_commit=True, save=metadata.record.get("save", 0))  # fmt: skip
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(partial)
@@ -442,8 +455,7 @@ class DcpTier:
 
     def _superseded(self, copy: _tier.TierCopy) -> bool:
         """Whether a newer save of the same URL replaced `copy` in memory (its own drain, if due, takes over)."""
-        current = self.node.copy_of(copy.url)
-        if current is not None and current.record.get("sequence") == copy.record.get("sequence"):
+        if self.node.is_committed(copy):
             return False
         logger.info("memory tier: %s was saved again (or dropped) before its drain; that drain is skipped", copy.url)
         return True
@@ -511,7 +523,8 @@ class DcpTier:
             for copy in commit:
                 self.node.set_drain(copy, "done")
             return
-        if self.s3.s3_path_exists(metadata.url):
+        replacing = self.s3.s3_path_exists(metadata.url)
+        if replacing:
             logger.warning("memory tier: removing the older %s before draining its successor", metadata.url)
             declared = [_urls.join_s3_url(checkpoint, name) for name in getattr(writer, "commit_followers", ())]
             for url in dict.fromkeys([*declared, *(copy.url for copy in reversed(commit))]):  # followers first
@@ -538,6 +551,9 @@ class DcpTier:
         for copy in commit:  # the item checksums, then .metadata, then what follows it
             self._upload(copy, fence, writer)
         logger.info("memory tier: drained %s to S3 (committed by its .metadata)", checkpoint)
+        if replacing:  # the replaced checkpoint's shards this one does not use go, as after an S3 save's overwrite
+            for url in _spread.unused_shards(self.s3, checkpoint, files, SHARD_SUFFIX):
+                self.s3.remove_object(url, fence=fence)
         self.node.prune()
 
     @staticmethod
@@ -609,6 +625,8 @@ def source_of(tier: DcpTier, url: str) -> tuple[Path, str] | None:
     started, this node's replica its peer holds (a replaced node; fetched, verified and made this node's copy):
     ``(path, tier)``; None: S3. A copy that does not verify is skipped, loudly. Package-internal (docs/api.md)."""
     agreement = tier.agreement
+    if agreement is not None and getattr(agreement.sources.get(url), "tier", None) == "s3":
+        return None  # this save's file went to S3 directly: a copy of its URL in a tier is not this save's
     if agreement is not None and url in agreement.sources:
         try:
             copy, name = _tier.copy_to_load(tier.node, agreement, url)
@@ -739,20 +757,19 @@ def agree_resume(storage: Any, directory: str, step_of: Any = None, *, group: An
     held_paths: dict[str, Path] = {}
 
     def candidates() -> dict[str, Any]:
-        tier.node.pin(copy.url for copy in tier.node.copies())  # nothing offered leaves memory while ranks decide
         s3 = storage.s3 if lists_s3 else None
         return _candidates(tier, s3, directory, step_of, verified, held_paths, tuple(followers))
 
-    gathered, rank = _tier.gather_candidates(candidates, directory, group)
+    gathered, rank = _tier.gather_candidates(candidates, directory, group, tier.node)
     steps, files, sources, hand_overs, any_hand_over = decide(gathered, rank, tier.node, held_paths)
-    tier.node.pin(f for f in files if f in sources)  # the files to load stay until the next save (`NodeTier.unpin`)
+    tier.node.pin(f for f in files if sources[f].tier != "s3")  # the files to load stay until the next save
     if any_hand_over:
         _hand_over(tier, hand_overs)
         dist.barrier(group=group)  # every hand-over is in place before any rank loads
     urls = {step: checkpoint for step, checkpoint in steps}
     newest = steps[0][0] if steps else None
     url = urls.get(newest) if newest is not None else None
-    tiers = {sources[f].tier for f in files}
+    tiers = {sources[f].tier for f in files} - {"s3"}  # the fastest of this rank's tiers describes it
     tier_name = None if url is None else ("s3" if not tiers else "replica" if "replica" in tiers else "memory")
     if url is not None:
         logger.info("memory tier: every rank resumes DCP step %s; this rank reads %s from %s", newest, url, tier_name)
@@ -777,9 +794,11 @@ def _candidates(tier: DcpTier, s3: Any, directory: str, step_of: Any, verified: 
     """This rank's part of the collective: the DCP files below `directory` its node holds verified (own copies,
     also put in `verified`; replicas, their paths in `held_paths`), the file lists of the item-checksum records
     among them, the files each checkpoint needs after ``.metadata`` (the `required` names, those that followed it
-    into a tier), and (with `s3`) the checkpoints whose ``.metadata`` and `required` files S3 has."""
+    into a tier), the files those records name with an S3 ETag (``"direct"``: they went to S3 for want of room), and
+    (with `s3`) the checkpoints whose ``.metadata`` and `required` files S3 has, and the objects of the others
+    (``"loose"``: size and ETag)."""
     prefix = directory + "/"
-    own, held, lists, steps, followers = {}, [], {}, {}, {}
+    own, held, lists, steps, followers, direct = {}, [], {}, {}, {}, {}
 
     def note(url: str, record: dict[str, Any], path: Path) -> bool:
         found = _checkpoint_of(record, url, prefix, step_of)
@@ -792,6 +811,8 @@ def _candidates(tier: DcpTier, s3: Any, directory: str, step_of: Any, verified: 
         if isinstance(commit, str) and url == commit.removesuffix(".metadata") + ITEMS_SUFFIX:
             listed = json.loads(Path(path).read_bytes()).get("files", {})
             lists[found[0]] = [commit, [url] + [_spread.join(found[0], name) for name in listed]]
+            direct.update({_spread.join(found[0], name): [entry["size"], entry["etag"]]  # went to S3 for want of room
+                           for name, entry in listed.items() if entry.get("etag")})  # fmt: skip
         return True
 
     for copy in tier.node.copies():
@@ -809,21 +830,26 @@ def _candidates(tier: DcpTier, s3: Any, directory: str, step_of: Any, verified: 
         if note(url, record, path):
             held.append([url, sender, name, str(path)])
             held_paths[url] = path
-    on_s3, names_on_s3 = {}, {}
+    on_s3, names_on_s3, objects = {}, {}, {}
     for obj in s3.list_objects(directory) if s3 is not None else []:
         relative = f"s3://{obj.bucket}/{obj.key}"[len(prefix) :]
         name, _, file = relative.partition("/")
         names_on_s3.setdefault(name, set()).add(file)
+        owner = _spread.owner_of(relative) if _spread.in_spread_directory(relative) else name
+        objects.setdefault(prefix + owner, {})[prefix + relative] = [obj.size, obj.etag]
         step = step_of(name) if step_of is not None and file == ".metadata" else None
         if isinstance(step, int) and not isinstance(step, bool):
             on_s3[prefix + name] = step
     on_s3 = {url: step for url, step in on_s3.items() if set(required) <= names_on_s3[url[len(prefix) :]]}
+    loose = {url: found for checkpoint, files in objects.items() if checkpoint not in on_s3  # not committed on S3
+             for url, found in files.items()}  # fmt: skip
     for checkpoint in steps:
         followers.setdefault(checkpoint, set()).update(_urls.join_s3_url(checkpoint, name) for name in required)
     replication = tier.replication
     address = None if replication is None or replication.server is None else list(replication.server.address)
     return {"node": _s3.node_key(), "address": address, "directory": directory, "own": sorted(own), "held": held,
-            "lists": lists, "steps": steps, "s3": on_s3, "replicating": replication is not None,
+            "lists": lists, "steps": steps, "s3": on_s3, "replicating": replication is not None, "direct": direct,
+            "loose": loose,
             "followers": {checkpoint: sorted(urls) for checkpoint, urls in followers.items()}}  # fmt: skip
 
 
@@ -851,8 +877,9 @@ def decide(gathered: list[dict[str, Any]], rank: int, node: _tier.NodeTier, held
     reach otherwise) and whether any rank makes one. A checkpoint becomes one URL per rank for
     `s3_memory_tier.decide`: on S3 as listed, "in memory" for a rank whose node reaches each of its files (those its
     item-checksum record lists, that record, ``.metadata`` and the ``"followers"`` some node names for it): in its
-    memory or a replica held there, a replica another node serves, or (nodes with replication started) another
-    node's memory, handed over. The same on every rank. Package-internal (docs/api.md)."""
+    memory or a replica held there, a replica another node serves, (nodes with replication started) another node's
+    memory, handed over, or S3 for a file that went there directly for want of room (listed with the size and ETag
+    its record names: read from S3, tier ``"s3"``). The same on every rank. Package-internal (docs/api.md)."""
     addresses = {entry["node"]: tuple(entry["address"]) for entry in gathered if entry["address"]}
     at_node: dict[str, dict[str, Any]] = {}
     served: dict[str, tuple[str, str, str]] = {}  # file -> (serving node, sender node, replica name)
@@ -875,9 +902,13 @@ def decide(gathered: list[dict[str, Any]], rank: int, node: _tier.NodeTier, held
              for entry in gathered for checkpoint, (commit, files) in entry["lists"].items()}  # fmt: skip
     steps = {checkpoint: step for entry in gathered for checkpoint, step in entry["steps"].items()}
     s3 = {checkpoint: step for entry in gathered for checkpoint, step in entry["s3"].items()}
+    loose = {url: found for entry in gathered for url, found in entry.get("loose", {}).items()}
+    recorded = {url: found for entry in gathered for url, found in entry.get("direct", {}).items()}
+    direct = {url for url, found in recorded.items() if loose.get(url) == found}  # on S3 as recorded: size, ETag
     wholes = []
     for entry in gathered:
         reach = at_node[entry["node"]].keys() | served.keys() | (handed.keys() if entry["node"] in addresses else set())
+        reach = (reach - recorded.keys()) | direct  # a copy of such a URL in a tier is an older save's
         wholes.append({checkpoint: [commit, *files] for checkpoint, (commit, files) in lists.items()
                        if checkpoint in steps and {commit, *files} <= reach})  # fmt: skip
     converted = [
@@ -896,14 +927,16 @@ def decide(gathered: list[dict[str, Any]], rank: int, node: _tier.NodeTier, held
     hand_overs, any_hand_over = [], False
     for target, index in first_rank.items():  # each node that loads the newest outside S3, once
         for url in wholes[index].get(checkpoint, []):
-            if url not in at_node[target] and url not in served:
+            if url not in at_node[target] and url not in served and url not in direct:
                 any_hand_over = True
                 if first_rank[handed[url]] == rank:
                     hand_overs.append((url, addresses[target]))
     mine, here = wholes[rank].get(checkpoint, []), at_node[gathered[rank]["node"]]
     sources = {}
     for url in mine if options[agreed[0][0]][0][0] == 0 else []:
-        if here.get(url) == "memory":
+        if url in direct:  # this save's file is on S3: a copy of its URL in a tier is an older save's
+            sources[url] = _tier.ResumeSource(url, "s3")
+        elif here.get(url) == "memory":
             sources[url] = _tier.ResumeSource(url, "memory", node.path_of(url))
         elif url in here:
             sources[url] = _tier.ResumeSource(url, "replica", held_paths.get(url, here[url]))

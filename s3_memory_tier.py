@@ -626,6 +626,11 @@ class NodeTier:
             return None
         return TierCopy(url, path, record)
 
+    def is_committed(self, copy: TierCopy) -> bool:
+        """Whether `copy` is still the committed copy of its URL (not dropped, nor replaced by a newer save of it)."""
+        current = self.copy_of(copy.url)
+        return current is not None and current.record.get("sequence") == copy.record.get("sequence")
+
     def verified_copy(self, url: str, trusted: TierCopy | None = None) -> TierCopy | None:
         """The committed copy of `url` if its bytes match its record; None if there is none; raises
         `s3_utils.ChecksumMismatchError` (naming the file and the URL) if they do not. `trusted`: this copy as it
@@ -749,15 +754,18 @@ class NodeTier:
 
     # ---- removal and the bound ---------------------------------------------------------------------------------
 
-    def remove(self, url: str) -> bool:
+    def remove(self, url: str, copy: TierCopy | None = None) -> bool:
         """Drop the tier's copy of `url` (its record first: a kill in between leaves no false commit); False when
-        there was none, or (logged) when a newer launch claimed the tier: a straggler drops nothing."""
+        there was none, or (logged) when a newer launch claimed the tier: a straggler drops nothing. `copy`: only
+        while that is the committed copy of `url` (one a save of the URL committed meanwhile stays)."""
         path = self.path_of(url)
         with self._lock, self._launch_lock():
             try:
                 self._check_owner()
             except _fencing.CheckpointDirectoryTakenError as exc:
                 logger.warning("memory tier: not dropping %s: %s", path, exc)
+                return False
+            if copy is not None and not self.is_committed(copy):
                 return False
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.record_path(path))
@@ -799,17 +807,25 @@ class NodeTier:
         fewer than `keep` steps): its newest, those whose drain is pending (S3 has no copy yet), then the newest
         others up to `keep`. A checkpoint is a copy, or the files whose records name one ``"checkpoint"`` (a DCP
         checkpoint's, one per file), kept or dropped together. So `keep` bounds a node's copies while a drain runs
-        too (only more drains pending at once than `keep` - 1 hold more). Copies `pin` holds stay besides (a resume
-        reads them). Returns the URLs dropped."""
+        too (only more drains pending at once than `keep` - 1 hold more). First, a multi-file checkpoint saved again
+        at its URL (a newer ``"save"`` in a record naming the same ``"commit"``) loses the older save's files the
+        newer one did not rewrite (another rank count or file naming): memory stays bounded, and no load meets a mix.
+        Copies `pin` holds stay besides (a resume reads them). Returns the URLs dropped."""
         with self._prune_lock:
             return self._prune(self._pinned)
 
     def _prune(self, pinned: frozenset[str]) -> list[str]:
+        copies, newest = self.copies(), {}  # oldest first; each multi-file checkpoint's newest save in the tier
+        for copy in copies:
+            commit = copy.record.get("commit")
+            newest[commit] = max(newest.get(commit, 0), copy.record.get("save", 0))
+        replaced = {copy.url: copy for copy in copies if copy.url not in pinned and copy.record.get("commit")
+                    and copy.record.get("save", 0) < newest[copy.record["commit"]]}  # fmt: skip
+        dropped = [url for url, copy in replaced.items() if self.remove(url, copy)]
         by_rank: dict[Any, dict[str, list[TierCopy]]] = {}
-        for copy in self.copies():  # oldest first
+        for copy in (copy for copy in copies if copy.url not in replaced):
             checkpoint = copy.record.get("checkpoint") or copy.url
             by_rank.setdefault(copy.record.get("rank"), {}).setdefault(checkpoint, []).append(copy)
-        dropped = []
         for checkpoints in by_rank.values():  # a checkpoint ranks by its newest file
             ordered = sorted(checkpoints.items(), key=lambda item: item[1][-1].record.get("sequence", 0))
             kept = {ordered[-1][0]} | {key for key, files in ordered if any(c.drain == "pending" for c in files)}
@@ -820,7 +836,7 @@ class NodeTier:
             kept |= {key for key, files in ordered if any(copy.url in pinned for copy in files)}
             for key, files in ordered:
                 if key not in kept:
-                    dropped += [copy.url for copy in files if self.remove(copy.url)]
+                    dropped += [copy.url for copy in files if self.remove(copy.url, copy)]
         return dropped
 
 
@@ -894,8 +910,7 @@ class TierReplication:
             self._futures.append(self._executor.submit(self._send, copy))
 
     def _send(self, copy: TierCopy) -> None:
-        current = self.tier.copy_of(copy.url)
-        if current is None or current.record.get("sequence") != copy.record.get("sequence"):
+        if not self.tier.is_committed(copy):
             logger.info("memory tier: %s left memory (or was saved again) before its replication: not sent", copy.url)
             return
         try:
@@ -1101,14 +1116,18 @@ def decide(gathered: list[dict[str, Any]], rank: int) -> tuple[list[int], dict[i
     return sorted(common, reverse=True), {step: mine[step] for step in common}
 
 
-def gather_candidates(candidates: Any, directory: str, group: Any = None) -> tuple[list[dict[str, Any]], int]:
+def gather_candidates(candidates: Any, directory: str, group: Any = None, tier: NodeTier | None = None
+                      ) -> tuple[list[dict[str, Any]], int]:  # fmt: skip
     """The collective of a resume decision: one all_gather of each rank's ``candidates()`` (what it can load; a
-    dict), then every rank's entries and this rank's index. A rank whose ``candidates()`` raises makes every rank
-    raise (this rank its own error, the others a RuntimeError naming it and `directory`): no rank waits in a
-    collective the others left. Outside a process group (or a group of one), this process's entry alone.
-    Package-internal (docs/api.md)."""
+    dict), then every rank's entries and this rank's index. `tier`: this rank's node tier, every copy of which is
+    pinned first (nothing a rank offers leaves memory while the ranks decide; the caller pins what it loads after).
+    A rank whose ``candidates()`` raises makes every rank raise (this rank its own error, the others a RuntimeError
+    naming it and `directory`): no rank waits in a collective the others left. Outside a process group (or a group
+    of one), this process's entry alone. Package-internal (docs/api.md)."""
     failure = None
     try:
+        if tier is not None:
+            tier.pin(copy.url for copy in tier.copies())
         mine = candidates()
     except Exception as exc:  # said to every rank through the collective, then raised here
         failure, mine = exc, {"error": f"{type(exc).__name__}: {exc}"}
@@ -1145,7 +1164,6 @@ def agree_on_resume(
     node, held, verified = _s3.node_key(), {}, {}
 
     def candidates() -> dict[str, Any]:
-        tier.pin(copy.url for copy in tier.copies())  # nothing this rank offers leaves memory while the ranks decide
         s3_steps = {
             f"s3://{obj.bucket}/{obj.key}": step_of(obj.key.rsplit("/", 1)[-1]) if step_of is not None else None
             for obj in listing()
@@ -1153,7 +1171,7 @@ def agree_on_resume(
         held.update({entry[0]: entry for entry in held_replicas(tier)})
         return _my_candidates(tier, replication, directory, s3_steps, list(held.values()), verified)
 
-    gathered, rank = gather_candidates(candidates, directory, group)
+    gathered, rank = gather_candidates(candidates, directory, group, tier)
     mine = gathered[rank]
     steps, options = decide(gathered, rank)
     addresses = {entry["node"]: tuple(entry["address"]) for entry in gathered if entry["address"]}

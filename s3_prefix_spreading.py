@@ -193,6 +193,16 @@ def checkpoint_objects(
     return found
 
 
+def unused_shards(s3: _s3.S3Utils, checkpoint_url: str, kept: Iterable[str], suffix: str,
+                  directories: Iterable[str] | None = None) -> list[str]:  # fmt: skip
+    """The URLs of a replaced checkpoint's shards its successor does not use: the objects ending in `suffix` at the
+    top level of the checkpoint or of a spread directory (`checkpoint_objects`) whose relative path (as ``.metadata``
+    names it) is not among `kept`. Package-internal (docs/api.md)."""
+    kept = set(kept)
+    return [obj.url for name, obj in checkpoint_objects(s3, checkpoint_url, directories)
+            if ("/" not in name or name.startswith("../")) and name.endswith(suffix) and name not in kept]  # fmt: skip
+
+
 def ensure_layout(s3: _s3.S3Utils, checkpoint_url: str, directories: Iterable[str], *, fence: Any = None) -> None:
     """Make the layout record on S3 name every one of `directories` (a spread save's, each relative as in the
     record) before a file of the save goes into one of them: nothing when the record names them already, else the

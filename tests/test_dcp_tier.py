@@ -510,3 +510,94 @@ def test_a_checkpoint_counts_only_where_the_files_that_follow_its_metadata_are_r
     steps, mine, sources, *_ = s3_dcp_tier.decide(entries([meta, items, shard0, config]), 0, node, {})
     assert steps[0] == (2, f"{run}/step-2") and config in mine
     assert sources[config].peer == ("127.0.0.1", 10)  # fetched from node 1's replica
+
+
+def test_the_resume_agreement_counts_a_file_that_went_to_s3_for_want_of_room_and_the_load_reads_it_there(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """Step 1 drained, step 2 complete with its shard on S3 (no room in the tier) and its commit in memory: every
+    rank agrees on step 2, the shard as read from S3, the rest from memory; a shard on S3 whose ETag is not the one
+    its record names (written over since) does not count, and every rank takes step 1."""
+    tier, run = tier_config(tmp_path, drain_every=10, capacity_bytes=200_000), f"s3://{bucket}/run"
+    save(state_of(1), f"{run}/step-1", tier).finish_drains()
+    writer = save(state_of(2), f"{run}/step-2", tier)  # not drained: the shard went to S3 directly
+    agreed = s3_dcp_tier.agree_resume(writer, run, lambda name: int(name.removeprefix("step-")))
+    assert (agreed.step, agreed.steps, agreed.url, agreed.tier) == (2, [2, 1], f"{run}/step-2", "memory")
+    assert {url.rsplit("/", 1)[-1]: source.tier for url, source in agreed.sources.items()} == {
+        ".metadata": "memory", ".s3ckpt-items.json": "memory", "__0_0.distcp": "s3"}  # fmt: skip
+    reader = load(state_of(2), agreed.url, tier)
+    assert tiers_read(reader) == {".metadata": "memory", ".s3ckpt-items.json": "memory", "__0_0.distcp": "s3"}
+
+    s3_client.put_object(Bucket=bucket, Key="run/step-2/__0_0.distcp", Body=b"written over")
+    agreed = s3_dcp_tier.agree_resume(writer, run, lambda name: int(name.removeprefix("step-")))
+    assert (agreed.step, agreed.steps, agreed.tier) == (1, [1], "s3")
+
+
+def test_the_dcp_decision_reads_a_file_that_went_to_s3_for_want_of_room_there_on_every_node(tmp_path: Path) -> None:
+    """Node 1's shard of step 2 went to S3 directly (its record names its ETag); the rest is in node 0's memory and
+    replicated to node 1: every rank agrees on step 2, node 1 reads its shard from S3 (not the copy of that URL in
+    its memory, an older save's), and nobody hands it over. Listed with another ETag, it does not count."""
+    node = s3_memory_tier.NodeTier(tier_config(tmp_path), s3_fencing.current_run())
+    run = "s3://my-bucket/run"
+    meta, items, shard0, shard1 = (f"{run}/step-2/{name}" for name in (
+        ".metadata", ".s3ckpt-items.json", "__0_0.distcp", "__1_0.distcp"))  # fmt: skip
+
+    def entries(etag_on_s3: str) -> list[dict[str, Any]]:
+        common = {"directory": run, "steps": {f"{run}/step-2": 2}, "replicating": True,
+                  "lists": {f"{run}/step-2": [meta, [items, shard0, shard1]]}, "direct": {shard1: [7, '"e1"']}}
+        return [{**common, "node": "n0", "address": ["127.0.0.1", 9], "own": [meta, items, shard0], "held": [],
+                 "s3": {f"{run}/step-1": 1}, "loose": {shard1: [7, etag_on_s3]}},
+                {**common, "node": "n1", "address": ["127.0.0.1", 10], "own": [shard1], "s3": {},
+                 "held": [[url, "n0", f"r{i}", f"/replicas/n0/r{i}/x"] for i, url in enumerate([meta, items, shard0])]}]
+
+    steps, mine, sources, hand_overs, any_hand_over = s3_dcp_tier.decide(entries('"e1"'), 1, node, {})
+    assert steps == [(2, f"{run}/step-2"), (1, f"{run}/step-1")] and (hand_overs, any_hand_over) == ([], False)
+    assert {url: source.tier for url, source in sources.items() if url in mine} == {
+        meta: "replica", items: "replica", shard0: "replica", shard1: "s3"}  # fmt: skip
+    assert s3_dcp_tier.decide(entries('"e1"'), 0, node, {})[2][shard1].tier == "s3"
+    for rank in (0, 1):
+        assert s3_dcp_tier.decide(entries('"other"'), rank, node, {})[0] == [(1, f"{run}/step-1")]
+
+
+def tier_files(node: s3_memory_tier.NodeTier, bucket: str, checkpoint: str) -> list[str]:
+    return sorted(p.name for p in (node.own / bucket / checkpoint).iterdir())
+
+
+def test_a_checkpoint_saved_again_at_its_url_leaves_none_of_the_replaced_saves_files_in_memory(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """Saved with two files, then again at the same URL with one: once the new save is in memory, the replaced
+    save's file it did not rewrite is gone (as an untiered overwrite removes unused shards from S3), the load reads
+    the new state from memory alone, and the drain puts exactly the new checkpoint on S3."""
+    tier, url = tier_config(tmp_path, drain_every=10), f"s3://{bucket}/run/last"
+    first = s3_dcp.S3StorageWriter(url, memory_tier=tier, thread_count=2)
+    dcp.save(state_of(1), storage_writer=first, no_dist=True)
+    first.finish_drains(drain_last=False)  # the first save drains: done before the URL is saved again
+    node = s3_dcp_tier.tier_of(tier, s3_dcp.S3StorageReader(url).s3).node
+    assert [name for name in tier_files(node, bucket, "run/last") if name.endswith(".distcp")] == [
+        "__0_0.distcp", "__0_1.distcp"]  # fmt: skip
+    writer = save(state_of(2), url, tier)
+    writer.finish_drains(drain_last=False)  # waits for the tier's pruning too
+    assert tier_files(node, bucket, "run/last") == sorted(
+        name + suffix for name in COMMITTED for suffix in ("", COMMIT_RECORD_SUFFIX))
+    assert set(tiers_read(load(state_of(2), url, tier)).values()) == {"memory"}
+    writer.finish_drains()
+    assert s3_names(s3_client, bucket, "run/last") == COMMITTED
+    load(state_of(2), url, None)
+
+
+def test_a_file_saved_again_that_goes_to_s3_for_want_of_room_leaves_no_older_copy_of_its_url_to_read(
+    s3_server: Any, bucket: str, tmp_path: Path
+) -> None:
+    """A small save fits the tier whole; the next save at the same URL has a shard too large for it, which goes to
+    S3 directly: the older memory copy of that shard's URL goes, and the load reads the new shard from S3."""
+    tier, url = tier_config(tmp_path, drain_every=10, capacity_bytes=200_000), f"s3://{bucket}/run/last"
+    small = {"w": torch.arange(100.0), "b": torch.arange(11.0), "step": 1}
+    save(small, f"s3://{bucket}/run/first", tier).finish_drains(drain_last=False)  # the one save that drains
+    save(small, url, tier).finish_drains(drain_last=False)  # in memory only (on S3 it would refuse the fall-back)
+    node = s3_dcp_tier.tier_of(tier, s3_dcp.S3StorageReader(url).s3).node
+    assert node.copy_of(url + "/__0_0.distcp") is not None
+    save(state_of(2), url, tier).finish_drains(drain_last=False)
+    assert node.copy_of(url + "/__0_0.distcp") is None
+    reader = load(state_of(2), url, tier)
+    assert tiers_read(reader) == {".metadata": "memory", ".s3ckpt-items.json": "memory", "__0_0.distcp": "s3"}
