@@ -10,6 +10,10 @@ own ``FileSystemReader`` loads it once the prefix is copied to a local directory
 
 * every shard streams into a checksummed multipart upload and appears only when complete; a failed save aborts its
   uploads, leaving no partial object and no open multipart upload;
+* every ``.distcp`` file ends with a nonce drawn for it, after its last item (``s3ckpt-nonce``, 32 random hex digits
+  and a newline: bytes no DCP read touches, as items are read by the offsets and lengths in ``.metadata``), so no two
+  saves leave the same bytes, nor the same ETag, at one key: a stale run's ETag condition never holds on a newer run's
+  file (docs/fencing.md);
 * ``.metadata`` is the commit marker, one PUT by the coordinator once every rank reported its files durable (no
   copy + delete "rename"); an overwrite deletes the old ``.metadata`` first, so a half-replaced checkpoint never
   looks complete;
@@ -248,11 +252,18 @@ class _FilePrefix:
     tier: Any = None  # with a memory tier: the coordinator's `s3_dcp_tier.TierPlan` of this save
 
 
+def _file_trailer() -> bytes:
+    """What follows a file's last item: a nonce drawn per file, so that two saves of the same tensors at one name
+    (a straggler and its relaunch) differ in bytes and ETag, and the stale one's ``If-Match`` fails."""
+    return b"s3ckpt-nonce " + os.urandom(16).hex().encode() + b"\n"
+
+
 @dataclass(frozen=True)
 class _ObjectRecord:
     size: int
     etag: str
     checksum: str  # base64 of the full-object checksum
+    trailer: tuple[int, int, int] | None = None  # (offset, length, checksum) of the nonce after the last item
 
 
 @dataclass(frozen=True)
@@ -808,6 +819,9 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
                     stream.begin_item(tensor if tensor.is_contiguous() and nbytes else None, borrow=own)
                     _save_tensor(tensor, stream, framings)
                 written.append((item, *stream.end_item(), stream.tensor_span))
+            stream.begin_item()
+            stream.write(_file_trailer())
+            trailer_at, trailer_length = stream.end_item()
         except BaseException as exc:
             raw.abort()
             cancelled.set()
@@ -823,7 +837,8 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
             raise self._upload_error(url, exc) from exc
         info = raw.info
         assert info is not None
-        obj = _ObjectRecord(info.size, info.etag, next(iter(info.checksums.values()), ""))
+        trailer = (trailer_at, trailer_length, raw.checksum_of(trailer_at, trailer_at + trailer_length))
+        obj = _ObjectRecord(info.size, info.etag, next(iter(info.checksums.values()), ""), trailer)
         return [
             WriteResult(
                 index=item.index,
@@ -1538,6 +1553,10 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
                 return  # only part of the file was read: the item checksums cover it
             total = algorithm.combine(total, checksum, length)
             position += length
+        trailer = record.get("trailer")  # the nonce after the last item: recorded, never read
+        if isinstance(trailer, list) and [type(v) for v in trailer] == [int] * 3 and trailer[0] == position:
+            total = algorithm.combine(total, trailer[2], max(trailer[1], 0))
+            position += max(trailer[1], 0)
         if position != record["size"]:
             return
         if algorithm.encode(total) != record["checksum"]:

@@ -11,6 +11,7 @@ import io
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import warnings
@@ -212,7 +213,8 @@ def test_item_checksums_come_from_the_upload_pass_and_equal_direct_ones(
 ) -> None:
     """Item checksums are combined from the checksums the upload computes (items crossing 5 MiB part boundaries,
     small ones between them) and equal a separate pass over each item's bytes; the items' archives skip torch's zip
-    CRC32 (the item checksum covers every byte) and still load in torch's own FileSystemReader."""
+    CRC32 (the item checksum covers every byte) and still load in torch's own FileSystemReader; a nonce, recorded with
+    its checksum, follows the last item."""
     generator = torch.Generator().manual_seed(3)
     state = {
         "a": torch.randn(1_500_000, generator=generator),  # 5.7 MiB: crosses the first part boundary
@@ -227,6 +229,9 @@ def test_item_checksums_come_from_the_upload_pass_and_equal_direct_ones(
     shard = (tmp_path / "__0_0.distcp").read_bytes()
     algorithm = s3_utils.ChecksumAlgorithm.named(record["algorithm"])
     assert len(record["items"]) == len(state)
+    trailer_at, trailer_length, trailer_checksum = record["trailer"]  # what follows the last item: a nonce
+    assert re.fullmatch(rb"s3ckpt-nonce [0-9a-f]{32}\n", shard[trailer_at:]) and trailer_length == 46
+    assert trailer_checksum == algorithm.update(shard[trailer_at:], 0)
     for offset, (length, checksum) in record["items"].items():
         item = shard[int(offset) : int(offset) + length]
         assert checksum == algorithm.update(item, 0), offset
@@ -840,7 +845,8 @@ def test_a_whole_file_read_is_also_checked_against_its_full_object_checksum(buck
     record = json.loads(s3_client.get_object(Bucket=bucket, Key=key)["Body"].read())
     assert set(record["files"]) == {"__0_0.distcp"}
     entry = record["files"]["__0_0.distcp"]
-    assert entry["size"] == sum(length for length, _ in entry["items"].values())  # items tile the file
+    trailer_at, trailer_length, _ = entry["trailer"]  # the file's nonce, after its last item
+    assert trailer_at == sum(length for length, _ in entry["items"].values()) == entry["size"] - trailer_length
     entry["checksum"] = "AAAAAA=="
     s3_client.put_object(Bucket=bucket, Key=key, Body=json.dumps(record).encode())
 

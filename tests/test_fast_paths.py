@@ -9,6 +9,7 @@ to the part grid, and repeated kinds (framing reuse). benchmarks/realistic.md we
 from __future__ import annotations
 
 import io
+import re
 from typing import Any
 
 import pytest
@@ -142,8 +143,8 @@ def _same(got: Any, expected: Any) -> None:
 def test_dcp_save_writes_the_same_files_on_either_path(
     reference: str, bucket: str, s3_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every data file of a DCP save is identical with the fast path on and on its reference path (``.metadata``
-    carries a save id of its own, so it is compared by what it loads)."""
+    """Every data file of a DCP save is identical with the fast path on and on its reference path but for the nonce
+    each file ends with (``.metadata`` carries a save id of its own, so it is compared by what it loads)."""
     state = _flat(_gpt_checkpoint())
     files = {}
     for label, env in (("fast", ""), ("reference", reference)):
@@ -154,7 +155,9 @@ def test_dcp_save_writes_the_same_files_on_either_path(
     data = sorted(name for name in files["fast"] if name.endswith(".distcp"))
     assert data and data == sorted(name for name in files["reference"] if name.endswith(".distcp"))
     for name in data:
-        assert files["fast"][name] == files["reference"][name], name
+        fast, slow = files["fast"][name], files["reference"][name]
+        assert re.fullmatch(rb"s3ckpt-nonce [0-9a-f]{32}\n", fast[-46:]) and fast[-46:] != slow[-46:], name
+        assert fast[:-46] == slow[:-46], name
     monkeypatch.setenv(s3_utils.REFERENCE_PATHS_ENV, "")
     for label in ("fast", "reference"):
         loaded = _empty(state)

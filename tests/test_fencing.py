@@ -345,6 +345,50 @@ def test_a_dcp_rank_stopped_after_its_check_cannot_overwrite_the_relaunchs_file(
     assert s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
 
+def test_a_stale_rank_saving_the_same_tensors_as_the_relaunch_cannot_commit_over_its_file(
+    s3_server: S3Endpoint, bucket: str, s3_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An earlier launch left a file of an incomplete save; a straggler and its relaunch save the same step with the
+    same tensors. The straggler's first commit fails (If-None-Match: the file is there), it reads the file's ETag and
+    its own record, and stops before sending If-Match on that ETag; the relaunch takes the directory over and commits
+    the same tensors over the earlier file. Each file ends with its own nonce, so the relaunch's ETag is not the one
+    the straggler names: its commit is refused, and the file stays the relaunch's, bytes and run."""
+    earliest, older, newer = run_at(-120), run_at(-60), run_at(0)
+    url = f"s3://{bucket}/same-bytes/step=5.ckpt"
+    key = "same-bytes/step=5.ckpt/__0_0.distcp"
+
+    def rank_of(run: CheckpointRun) -> tuple[Any, Any, s3_dcp.S3StorageWriter]:
+        plan, planner = coordinators_plan(url, run)  # its coordinator takes the directory over
+        rank = s3_dcp.S3StorageWriter(url, chunk_size_MB=5)
+        rank.set_up_storage_writer(False, rank=1, use_collectives=True)
+        return plan, planner, rank
+
+    plan, planner, rank = rank_of(earliest)
+    rank.write_data(plan, planner).wait()  # and is killed before its .metadata
+    earlier = s3_client.head_object(Bucket=bucket, Key=key)["ETag"]
+    failed = DirectoryFence.precondition_failed
+    relaunched: list[str] = []
+
+    def relaunch_before_the_retried_commit(self: DirectoryFence, *args: Any, **kwargs: Any) -> dict[str, str]:
+        retry = failed(self, *args, **kwargs)
+        if self.run == older and not relaunched:
+            assert retry == {"IfMatch": earlier}  # what the straggler's next commit is to carry
+            relaunched.append(s3_client.head_object(Bucket=bucket, Key=key)["ETag"])
+            plan, planner, rank = rank_of(newer)
+            rank.write_data(plan, planner).wait()  # the same tensors, over the earlier launch's file
+        return retry
+
+    plan, planner, rank = rank_of(older)
+    monkeypatch.setattr(DirectoryFence, "precondition_failed", relaunch_before_the_retried_commit)
+    with pytest.raises(CheckpointDirectoryTakenError, match=newer.run_id):
+        rank.write_data(plan, planner).wait()
+    monkeypatch.undo()
+    assert relaunched == [earlier]
+    now = s3_client.head_object(Bucket=bucket, Key=key)
+    assert now["ETag"] != earlier and newer.run_id in now["Metadata"]["s3ckpt-run"]
+    assert s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
 def test_dcp_rank_is_refused_when_the_directory_changes_hands_after_the_plan(
     s3_server: S3Endpoint, bucket: str, s3_client: Any
 ) -> None:
