@@ -926,12 +926,8 @@ def _memory_tier_config(value: Any) -> Any:
     """The `s3_memory_tier.MemoryTier` a ``memory_tier=`` argument means (None: off); ImportError without the module."""
     if value is None or value is False:
         return None
-    module = _memory_tier_module()
-    if module is None:
-        raise ImportError(
-            f"memory_tier needs {MEMORY_TIER_MODULE}.py beside s3_checkpoint_io.py (it is part of s3-checkpoint-io; "
-            "a fork that copied only the core files lacks it): copy it there, or leave memory_tier unset"
-        )
+    module = _s3.require_sibling(MEMORY_TIER_MODULE, __package__, "memory_tier", "s3_checkpoint_io.py",
+                                 otherwise=", or leave memory_tier unset")  # fmt: skip
     return module.MemoryTier.from_value(value)
 
 

@@ -185,24 +185,12 @@ def _join(base: str, name: str) -> str:
 
 def _tier_config(value: Any) -> Any:
     """The `s3_memory_tier.MemoryTier` a ``memory_tier=`` means (None: off); ImportError naming a file a fork lacks."""
-    try:
-        return None if value is None or value is False else _dcp_tier().config(value)
-    except ModuleNotFoundError as exc:  # s3_dcp_tier is there, but not s3_memory_tier (which it imports)
-        if (exc.name or "").rsplit(".", 1)[-1] != "s3_memory_tier":
-            raise
-        raise _tier_missing("s3_memory_tier") from exc
+    return None if value is None or value is False else _dcp_tier().config(value)
 
 
-def _tier_missing(name: str) -> ImportError:
-    return ImportError(f"memory_tier needs {name}.py beside s3_dcp.py (part of s3-checkpoint-io; a fork that copied "
-                       "only some files lacks it): copy it there, or leave memory_tier unset")
-
-
-def _dcp_tier() -> Any:  # the memory tier's DCP side, a sibling module imported on first use
-    module = _s3.import_sibling("s3_dcp_tier", __package__)
-    if module is None:
-        raise _tier_missing("s3_dcp_tier")
-    return module
+def _dcp_tier() -> Any:  # the memory tier's DCP side, a sibling module imported on first use (it imports the tier)
+    return _s3.require_sibling("s3_dcp_tier", __package__, "memory_tier", "s3_dcp.py", needs=("s3_memory_tier",),
+                               otherwise=", or leave memory_tier unset")  # fmt: skip
 
 
 def _checkpoint_url(path: str | os.PathLike[str]) -> str:

@@ -137,11 +137,8 @@ _DCP_TIER = "s3_dcp_tier"
 def _dcp_tier() -> Any:
     """The memory tier's DCP side (`s3_dcp_tier`), a sibling imported on first use (only with ``memory_tier``);
     ImportError naming the file where a fork lacks it."""
-    sibling = _s3.import_sibling(_DCP_TIER, __package__)
-    if sibling is None:
-        raise ImportError(f"memory_tier for megatron-core needs {_DCP_TIER}.py and s3_memory_tier.py beside "
-                          "s3_mcore.py (part of s3-checkpoint-io): copy them there")
-    return sibling
+    return _s3.require_sibling(_DCP_TIER, __package__, "memory_tier for megatron-core", "s3_mcore.py",
+                               needs=("s3_memory_tier",))  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1189,11 +1186,7 @@ _NEMO = "s3_mcore_nemo"
 
 
 def _nemo() -> Any:
-    sibling = _s3.import_sibling(_NEMO, __package__)
-    if sibling is None:
-        raise ImportError(f"NeMo 2.x's checkpoint IO needs {_NEMO}.py beside s3_mcore.py (part of s3-checkpoint-io; "
-                          "a fork that copied only some files lacks it): copy it there")
-    return sibling
+    return _s3.require_sibling(_NEMO, __package__, "NeMo 2.x's checkpoint IO", "s3_mcore.py")
 
 
 def megatron_checkpoint_io_class(base: type | None = None) -> type:

@@ -780,13 +780,7 @@ class NodeTier:
 
 
 def _replication_module() -> types.ModuleType:
-    module = _s3.import_sibling("s3_tier_replication", __package__)
-    if module is None:
-        raise ImportError(
-            "replicating the memory tier needs s3_tier_replication.py beside s3_memory_tier.py (part of "
-            "s3-checkpoint-io): copy it there"
-        )
-    return module
+    return _s3.require_sibling("s3_tier_replication", __package__, "replicating the memory tier", "s3_memory_tier.py")
 
 
 class TierReplication:
