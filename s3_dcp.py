@@ -2081,9 +2081,22 @@ class S3ShardedStrategyMixin:
             return getattr(self, "_state_dict_type", "sharded") == "sharded"
         return bool(getattr(self, "_save_distributed_checkpoint", True))
 
+    @property
+    def memory_tier(self) -> Any:
+        """The `s3_memory_tier.MemoryTier` of the sharded saves and loads (``memory_tier=``), or None."""
+        return self.s3_options["memory_tier"]
+
+    def _agree_to_load(self, url: str) -> bool:
+        """Memory tier, every rank: one collective decision on the DCP checkpoint `url` alone
+        (`s3_dcp_tier.agree_resume`): whether every rank can load it whole from some tier (its node's memory, a
+        replica held there or on another node, another node's memory handed over first, S3), and where each rank
+        reads each file."""
+        directory, name = _urls.s3_url_parent(url), _urls.s3_url_name(url)
+        return _dcp_tier().agree_resume(self, directory, {name: 0}.get).url is not None
+
     def _is_s3_sharded_checkpoint(self, url: str) -> bool:
-        """Whether `url` is a complete DCP checkpoint: its ``.metadata`` in rank 0's memory tier or on S3 (rank 0 asks,
-        every rank gets the answer; a rank whose node has no copy reads S3's, or fails the load naming the URL)."""
+        """Whether `url` is a complete DCP checkpoint: its ``.metadata`` in rank 0's memory tier (or where the ranks
+        agreed to read it) or on S3 (rank 0 asks, every rank gets the answer)."""
         found = None
         if self.is_global_zero:  # type: ignore[attr-defined]
             tier = self._node_tier()
@@ -2099,6 +2112,7 @@ class S3ShardedStrategyMixin:
         super().setup_environment()  # type: ignore[misc]
         if self.s3_options["memory_tier"] is not None:
             _fencing.adopt_run(self.broadcast(_fencing.current_run()))  # type: ignore[attr-defined]
+            _dcp_tier().replicate_by_default(self, local_rank=self.local_rank)  # type: ignore[attr-defined]
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if not _urls.is_s3_url(filepath):
@@ -2140,8 +2154,16 @@ class S3ShardedStrategyMixin:
         if not _urls.is_s3_url(checkpoint_path):
             return self._lightning_load_checkpoint(checkpoint_path, weights_only)
         url = _checkpoint_url(self.broadcast(_urls.normalize_s3_url(checkpoint_path)))  # type: ignore[attr-defined]
-        if not self._is_s3_sharded_checkpoint(url):
-            return self._load_full_s3_checkpoint(url, weights_only)
+        tiered = self.s3_options["memory_tier"] is not None
+        if not (tiered and self._agree_to_load(url)):
+            if not self._is_s3_sharded_checkpoint(url):
+                return self._load_full_s3_checkpoint(url, weights_only)
+            if tiered:  # rank 0's node holds its .metadata, but some rank reaches a file in no tier
+                raise FileNotFoundError(
+                    f"{url}: not every rank can load this checkpoint from any tier (its node's memory, a replica, "
+                    "S3): some of its files are only in another node's memory and their drain to S3 did not finish. "
+                    "Resume from one on S3, or keep replication on (a job of several nodes starts it)"
+                )
         if self._s3_kind == "fsdp":
             self._load_sharded_fsdp1(url)
         else:

@@ -245,12 +245,13 @@ def _tier_routing(what: str) -> S3Routing:
     return active
 
 
-def start_replication(group: Any = None, *, bind_host: str = "127.0.0.1", local_rank: int | None = None) -> None:
+def start_replication(group: Any = None, *, bind_host: str | None = None, local_rank: int | None = None) -> None:
     """Memory tier: send each checkpoint this node saves into memory (every file, megatron-core's ``metadata.json``
     and ``common.pt`` included) to the next node's, verified there (`s3_dcp_tier.start_replication` with the
     routing's tier). Collective: every rank of `group` (default: the default process group) once, after
     `install_s3_routing` with ``memory_tier`` and after the process group is up; the node's first rank (`local_rank`,
-    default ``LOCAL_RANK``) serves the peer's replicas on `bind_host`, the node's address on the job's network."""
+    default ``LOCAL_RANK``) serves the peer's replicas on `bind_host`, the node's address on the job's network
+    (default: ``S3CKPT_REPLICA_HOST``, else this host's address on its route to ``MASTER_ADDR``)."""
     _dcp_tier().start_replication(_tier_routing("start_replication"), group, bind_host=bind_host, local_rank=local_rank)
 
 

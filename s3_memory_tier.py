@@ -788,8 +788,9 @@ class TierReplication:
     sender to the next node's. Collective to start (every rank of `group`); `send` never blocks the caller.
     Package-internal (docs/api.md)."""
 
-    def __init__(self, tier: NodeTier, group: Any = None, *, bind_host: str = "127.0.0.1", local_rank: int = 0) -> None:
+    def __init__(self, tier: NodeTier, group: Any = None, *, bind_host: str | None = None, local_rank: int = 0) -> None:
         module = _replication_module()
+        bind_host = module.job_network_host() if bind_host is None else bind_host
         self._module = module
         self.tier = tier
         self.node = _s3.node_key()
