@@ -255,6 +255,13 @@ def start_replication(group: Any = None, *, bind_host: str | None = None, local_
     _dcp_tier().start_replication(_tier_routing("start_replication"), group, bind_host=bind_host, local_rank=local_rank)
 
 
+def replicate_by_default(group: Any = None) -> None:
+    """What NeMo 2.x's ``S3MegatronCheckpointIO`` does before each save and load with the memory tier, so that no
+    extra call is needed: `s3_dcp_tier.replicate_by_default` with the routing's tier (`start_replication` once, where
+    the process group spans several nodes). Collective. Package-internal (docs/api.md)."""
+    _dcp_tier().replicate_by_default(_tier_routing("replicate_by_default"), group)
+
+
 def _iteration_of(name: str) -> int | None:
     """The iteration of a Megatron-LM checkpoint directory name (``iter_0000100`` -> 100); None for other names."""
     digits = name.removeprefix("iter_")
