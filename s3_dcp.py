@@ -1972,9 +1972,11 @@ class S3ShardedStrategyMixin:
     endpoint_url, region_name, retry_policy, request_options, fencing, max_requests_per_second (as `S3CheckpointIO`),
     prefix_spreading (as `S3StorageWriter`), s3_planners (default True: DCP saves and loads plan with
     `S3SavePlanner` / `S3LoadPlanner`; False: torch's default planners), and memory_tier (as `S3StorageWriter`:
-    sharded saves land in the node's memory and drain to S3 behind, ``.metadata`` last; loads read memory first;
-    ``meta.pt`` still goes to S3 first; teardown finishes the drains on every rank, so a run that ends normally leaves
-    its last checkpoint on S3; removal also drops the checkpoint's memory copies on each node. docs/tiers.md).
+    sharded saves land in the node's memory and drain to S3 behind, ``.metadata`` last; ``meta.pt`` still goes to S3
+    first; in a job of several nodes each save's files also go to the next node (replication, started by the strategy);
+    a load first has every rank agree where it reads each file (memory, a replica, S3), or fails on every rank naming
+    the URL where some rank cannot load it; teardown finishes the drains on every rank, so a run that ends normally
+    leaves its last checkpoint on S3; removal also drops the checkpoint's memory copies on each node. docs/tiers.md).
     """
 
     lightning_base: type
@@ -2108,7 +2110,8 @@ class S3ShardedStrategyMixin:
 
     def setup_environment(self) -> None:
         """Memory tier: once the process group is up, every rank adopts rank 0's run (docs/runs.md), so the node's
-        tier takes the job's ranks for one launch, not for stragglers of each other."""
+        tier takes the job's ranks for one launch, not for stragglers of each other; then, in a job of several nodes,
+        replication to the next node starts (`s3_dcp_tier.replicate_by_default`)."""
         super().setup_environment()  # type: ignore[misc]
         if self.s3_options["memory_tier"] is not None:
             _fencing.adopt_run(self.broadcast(_fencing.current_run()))  # type: ignore[attr-defined]

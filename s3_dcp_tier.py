@@ -44,6 +44,8 @@ when it passes ``memory_tier``). docs/tiers.md shows the user's side. In parts:
    replication: no other node can load it). Files that follow ``.metadata`` (megatron-core's ``metadata.json``,
    ``common.pt``) are replicated and counted as the checkpoint's others are; ``agree_resume(followers=...)`` names
    those a checkpoint must have to count at all (`s3_mcore.agree_resume` passes megatron-core's).
+   `replicate_by_default` is what the Lightning sharded strategies and NeMo 2.x's checkpoint IO call by themselves
+   (replication once, in a job of several nodes); they agree over the one checkpoint they are asked to load.
 
 Every rank calls ``S3StorageWriter.finish_drains()`` at the end of a run: the last save drains if it did not, and the
 drains' failures are raised there.
