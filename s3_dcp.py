@@ -2088,14 +2088,6 @@ class S3ShardedStrategyMixin:
         """The `s3_memory_tier.MemoryTier` of the sharded saves and loads (``memory_tier=``), or None."""
         return self.s3_options["memory_tier"]
 
-    def _agree_to_load(self, url: str) -> bool:
-        """Memory tier, every rank: one collective decision on the DCP checkpoint `url` alone
-        (`s3_dcp_tier.agree_resume`): whether every rank can load it whole from some tier (its node's memory, a
-        replica held there or on another node, another node's memory handed over first, S3), and where each rank
-        reads each file."""
-        directory, name = _urls.s3_url_parent(url), _urls.s3_url_name(url)
-        return _dcp_tier().agree_resume(self, directory, {name: 0}.get).url is not None
-
     def _is_s3_sharded_checkpoint(self, url: str) -> bool:
         """Whether `url` is a complete DCP checkpoint: its ``.metadata`` in rank 0's memory tier (or where the ranks
         agreed to read it) or on S3 (rank 0 asks, every rank gets the answer)."""
@@ -2158,7 +2150,7 @@ class S3ShardedStrategyMixin:
             return self._lightning_load_checkpoint(checkpoint_path, weights_only)
         url = _checkpoint_url(self.broadcast(_urls.normalize_s3_url(checkpoint_path)))  # type: ignore[attr-defined]
         tiered = self.s3_options["memory_tier"] is not None
-        if not (tiered and self._agree_to_load(url)):
+        if not (tiered and _dcp_tier().agree_to_load(self, url)):  # every rank: where it reads each file
             if not self._is_s3_sharded_checkpoint(url):
                 return self._load_full_s3_checkpoint(url, weights_only)
             if tiered:  # rank 0's node holds its .metadata, but some rank reaches a file in no tier

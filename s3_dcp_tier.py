@@ -45,7 +45,7 @@ when it passes ``memory_tier``). docs/tiers.md shows the user's side. In parts:
    ``common.pt``) are replicated and counted as the checkpoint's others are; ``agree_resume(followers=...)`` names
    those a checkpoint must have to count at all (`s3_mcore.agree_resume` passes megatron-core's).
    `replicate_by_default` is what the Lightning sharded strategies and NeMo 2.x's checkpoint IO call by themselves
-   (replication once, in a job of several nodes); they agree over the one checkpoint they are asked to load.
+   (replication once, in a job of several nodes), and `agree_to_load` over the one checkpoint they are asked to load.
 
 Every rank calls ``S3StorageWriter.finish_drains()`` at the end of a run: the last save drains if it did not, and the
 drains' failures are raised there.
@@ -781,6 +781,15 @@ def agree_resume(storage: Any, directory: str, step_of: Any = None, *, group: An
     tier.agreement = _tier.TierAgreement(directory, newest, url, tier_name, list(urls), urls, committed, sources,
                                          verified)  # fmt: skip
     return tier.agreement
+
+
+def agree_to_load(storage: Any, url: str, *, group: Any = None, followers: tuple[str, ...] = ()) -> bool:
+    """`agree_resume` over the one DCP checkpoint at `url` (a load asked for it, not for the newest): True where every
+    rank can load it whole from some tier (this process's loads then read each file where agreed), False where some
+    rank cannot, or it is no DCP checkpoint. Collective. Package-internal (docs/api.md)."""
+    url = _urls.normalize_s3_url(url).rstrip("/")
+    step_of = {_urls.s3_url_name(url): 0}.get
+    return agree_resume(storage, _urls.s3_url_parent(url), step_of, group=group, followers=followers).url is not None
 
 
 def _checkpoint_of(record: dict[str, Any], url: str, prefix: str, step_of: Any) -> tuple[str, int] | None:

@@ -278,8 +278,21 @@ def agree_resume(dirpath: str, step_of: Callable[[str], int | None] | None = Non
     then reads each file where agreed (a peer's replica fetched into this node's memory), megatron-core's own files
     too (`s3_dcp_tier.agree_resume` with megatron-core's files as ``followers``)."""
     active = _tier_routing("agree_resume")
-    followers = (COMMON_STATE_NAME, CONFIG_NAME) if active.mechanism == "msc_module" else (CONFIG_NAME,)
+    followers = _followers(active)
     return _dcp_tier().agree_resume(active, dirpath, step_of or _iteration_of, group=group, followers=followers)
+
+
+def agree_to_load(url: str, group: Any = None) -> bool:
+    """What NeMo 2.x's ``S3MegatronCheckpointIO`` does before each load with the memory tier:
+    `s3_dcp_tier.agree_to_load` over the checkpoint at `url`, with the routing's tier and megatron-core's files as
+    `agree_resume` counts them. Collective. Package-internal (docs/api.md)."""
+    active = _tier_routing("agree_to_load")
+    return _dcp_tier().agree_to_load(active, url, group=group, followers=_followers(active))
+
+
+def _followers(active: S3Routing) -> tuple[str, ...]:
+    """The files megatron-core writes after ``.metadata`` that a checkpoint must have to count (`agree_resume`)."""
+    return (COMMON_STATE_NAME, CONFIG_NAME) if active.mechanism == "msc_module" else (CONFIG_NAME,)
 
 
 _MEGATRON_ARGUMENTS = ("keep_only_main_replica", "thread_count", "cached_metadata", "separation_hint", "cpu_shm_mode")

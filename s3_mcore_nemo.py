@@ -184,15 +184,14 @@ def _tiered() -> bool:
 def _nemo_weights_to_load(url: str) -> str:
     """``<url>/weights`` when it holds megatron-core's ``metadata.json`` (NeMo 2.x's layout), else `url` if it does;
     FileNotFoundError (as NeMo's) if neither does. With the memory tier, every rank first agrees on ``<url>/weights``
-    alone (`s3_mcore.agree_resume`, replication started first): taken where every rank can load it whole from some
+    alone (`s3_mcore.agree_to_load`, replication started first): taken where every rank can load it whole from some
     tier, which the load then reads each file from; else only what S3 holds counts, alike on every rank."""
     active = _mc.routing()
     exists = active.exists if active is not None else _nemo_s3().s3_path_exists  # the memory tier too
     weights = url if url.endswith("/" + WEIGHTS_SUBDIR) else _urls.join_s3_url(url, WEIGHTS_SUBDIR)
     if _tiered():  # collective: NeMo loads (and asks for the content metadata) on every rank
         _mc.replicate_by_default()
-        name = _urls.s3_url_name(weights)
-        if _mc.agree_resume(_urls.s3_url_parent(weights), {name: 0}.get).url is not None:
+        if _mc.agree_to_load(weights):
             return weights
         exists = _nemo_s3().s3_path_exists  # what some rank's node alone holds does not count
     for candidate in dict.fromkeys((weights, url)):
