@@ -256,9 +256,7 @@ def _without_stale_objects(
 
 def _with_memory_tier(entries: list[CheckpointEntry], url: str, config: Any, recursive: bool) -> list[CheckpointEntry]:
     """`entries` with the tiers this node's memory tier adds, and its checkpoints that S3 does not have."""
-    tier_module = _s3.import_sibling("s3_memory_tier", __package__)
-    if tier_module is None:
-        raise ImportError("listing a memory tier needs s3_memory_tier.py beside s3_checkpoint_admin.py: copy it there")
+    tier_module = _s3.require_sibling("s3_memory_tier", __package__, "listing a memory tier", "s3_checkpoint_admin.py")
     config = tier_module.MemoryTier.from_value(config)
     if not config.job:
         raise ValueError("listing a memory tier needs its job (MemoryTier(job=...), ls --job): the tier is per job")

@@ -735,10 +735,11 @@ class S3CheckpointIO:
         tier.prune_soon()  # at most `keep` copies, also while the peer lags or does not answer (bounded memory)
         return True
 
-    def start_replication(self, group: Any = None, *, bind_host: str = "127.0.0.1", local_rank: int = 0) -> None:
+    def start_replication(self, group: Any = None, *, bind_host: str | None = None, local_rank: int = 0) -> None:
         """Replicate this node's memory tier to the next node (a ring over the job's nodes): collective, every rank
         of `group` (default: the default process group) calls it once; the node's first rank (`local_rank` 0)
-        serves its peers' replicas on `bind_host` (the node's address on the job's network). Every save into the
+        serves its peers' replicas on `bind_host`, the node's address on the job's network (default:
+        ``S3CKPT_REPLICA_HOST``, else this host's address on its route to ``MASTER_ADDR``). Every save into the
         tier is then sent in the background, verified on arrival; needs s3_tier_replication.py beside this module.
         """
         module = _memory_tier_module()
@@ -926,12 +927,8 @@ def _memory_tier_config(value: Any) -> Any:
     """The `s3_memory_tier.MemoryTier` a ``memory_tier=`` argument means (None: off); ImportError without the module."""
     if value is None or value is False:
         return None
-    module = _memory_tier_module()
-    if module is None:
-        raise ImportError(
-            f"memory_tier needs {MEMORY_TIER_MODULE}.py beside s3_checkpoint_io.py (it is part of s3-checkpoint-io; "
-            "a fork that copied only the core files lacks it): copy it there, or leave memory_tier unset"
-        )
+    module = _s3.require_sibling(MEMORY_TIER_MODULE, __package__, "memory_tier", "s3_checkpoint_io.py",
+                                 otherwise=", or leave memory_tier unset")  # fmt: skip
     return module.MemoryTier.from_value(value)
 
 

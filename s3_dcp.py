@@ -189,24 +189,12 @@ def _join(base: str, name: str) -> str:
 
 def _tier_config(value: Any) -> Any:
     """The `s3_memory_tier.MemoryTier` a ``memory_tier=`` means (None: off); ImportError naming a file a fork lacks."""
-    try:
-        return None if value is None or value is False else _dcp_tier().config(value)
-    except ModuleNotFoundError as exc:  # s3_dcp_tier is there, but not s3_memory_tier (which it imports)
-        if (exc.name or "").rsplit(".", 1)[-1] != "s3_memory_tier":
-            raise
-        raise _tier_missing("s3_memory_tier") from exc
+    return None if value is None or value is False else _dcp_tier().config(value)
 
 
-def _tier_missing(name: str) -> ImportError:
-    return ImportError(f"memory_tier needs {name}.py beside s3_dcp.py (part of s3-checkpoint-io; a fork that copied "
-                       "only some files lacks it): copy it there, or leave memory_tier unset")
-
-
-def _dcp_tier() -> Any:  # the memory tier's DCP side, a sibling module imported on first use
-    module = _s3.import_sibling("s3_dcp_tier", __package__)
-    if module is None:
-        raise _tier_missing("s3_dcp_tier")
-    return module
+def _dcp_tier() -> Any:  # the memory tier's DCP side, a sibling module imported on first use (it imports the tier)
+    return _s3.require_sibling("s3_dcp_tier", __package__, "memory_tier", "s3_dcp.py", needs=("s3_memory_tier",),
+                               otherwise=", or leave memory_tier unset")  # fmt: skip
 
 
 def _checkpoint_url(path: str | os.PathLike[str]) -> str:
@@ -2000,9 +1988,11 @@ class S3ShardedStrategyMixin:
     endpoint_url, region_name, retry_policy, request_options, fencing, max_requests_per_second (as `S3CheckpointIO`),
     prefix_spreading (as `S3StorageWriter`), s3_planners (default True: DCP saves and loads plan with
     `S3SavePlanner` / `S3LoadPlanner`; False: torch's default planners), and memory_tier (as `S3StorageWriter`:
-    sharded saves land in the node's memory and drain to S3 behind, ``.metadata`` last; loads read memory first;
-    ``meta.pt`` still goes to S3 first; teardown finishes the drains on every rank, so a run that ends normally leaves
-    its last checkpoint on S3; removal also drops the checkpoint's memory copies on each node. docs/tiers.md).
+    sharded saves land in the node's memory and drain to S3 behind, ``.metadata`` last; ``meta.pt`` still goes to S3
+    first; in a job of several nodes each save's files also go to the next node (replication, started by the strategy);
+    a load first has every rank agree where it reads each file (memory, a replica, S3), or fails on every rank naming
+    the URL where some rank cannot load it; teardown finishes the drains on every rank, so a run that ends normally
+    leaves its last checkpoint on S3; removal also drops the checkpoint's memory copies on each node. docs/tiers.md).
     """
 
     lightning_base: type
@@ -2109,9 +2099,14 @@ class S3ShardedStrategyMixin:
             return getattr(self, "_state_dict_type", "sharded") == "sharded"
         return bool(getattr(self, "_save_distributed_checkpoint", True))
 
+    @property
+    def memory_tier(self) -> Any:
+        """The `s3_memory_tier.MemoryTier` of the sharded saves and loads (``memory_tier=``), or None."""
+        return self.s3_options["memory_tier"]
+
     def _is_s3_sharded_checkpoint(self, url: str) -> bool:
-        """Whether `url` is a complete DCP checkpoint: its ``.metadata`` in rank 0's memory tier or on S3 (rank 0 asks,
-        every rank gets the answer; a rank whose node has no copy reads S3's, or fails the load naming the URL)."""
+        """Whether `url` is a complete DCP checkpoint: its ``.metadata`` in rank 0's memory tier (or where the ranks
+        agreed to read it) or on S3 (rank 0 asks, every rank gets the answer)."""
         found = None
         if self.is_global_zero:  # type: ignore[attr-defined]
             tier = self._node_tier()
@@ -2123,10 +2118,12 @@ class S3ShardedStrategyMixin:
 
     def setup_environment(self) -> None:
         """Memory tier: once the process group is up, every rank adopts rank 0's run (docs/runs.md), so the node's
-        tier takes the job's ranks for one launch, not for stragglers of each other."""
+        tier takes the job's ranks for one launch, not for stragglers of each other; then, in a job of several nodes,
+        replication to the next node starts (`s3_dcp_tier.replicate_by_default`)."""
         super().setup_environment()  # type: ignore[misc]
         if self.s3_options["memory_tier"] is not None:
             _fencing.adopt_run(self.broadcast(_fencing.current_run()))  # type: ignore[attr-defined]
+            _dcp_tier().replicate_by_default(self, local_rank=self.local_rank)  # type: ignore[attr-defined]
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if not _urls.is_s3_url(filepath):
@@ -2168,8 +2165,16 @@ class S3ShardedStrategyMixin:
         if not _urls.is_s3_url(checkpoint_path):
             return self._lightning_load_checkpoint(checkpoint_path, weights_only)
         url = _checkpoint_url(self.broadcast(_urls.normalize_s3_url(checkpoint_path)))  # type: ignore[attr-defined]
-        if not self._is_s3_sharded_checkpoint(url):
-            return self._load_full_s3_checkpoint(url, weights_only)
+        tiered = self.s3_options["memory_tier"] is not None
+        if not (tiered and _dcp_tier().agree_to_load(self, url)):  # every rank: where it reads each file
+            if not self._is_s3_sharded_checkpoint(url):
+                return self._load_full_s3_checkpoint(url, weights_only)
+            if tiered:  # rank 0's node holds its .metadata, but some rank reaches a file in no tier
+                raise FileNotFoundError(
+                    f"{url}: not every rank can load this checkpoint from any tier (its node's memory, a replica, "
+                    "S3): some of its files are only in another node's memory and their drain to S3 did not finish. "
+                    "Resume from one on S3, or keep replication on (a job of several nodes starts it)"
+                )
         if self._s3_kind == "fsdp":
             self._load_sharded_fsdp1(url)
         else:

@@ -45,6 +45,8 @@ when it passes ``memory_tier``). docs/tiers.md shows the user's side. In parts:
    replication: no other node can load it). Files that follow ``.metadata`` (megatron-core's ``metadata.json``,
    ``common.pt``) are replicated and counted as the checkpoint's others are; ``agree_resume(followers=...)`` names
    those a checkpoint must have to count at all (`s3_mcore.agree_resume` passes megatron-core's).
+   `replicate_by_default` is what the Lightning sharded strategies and NeMo 2.x's checkpoint IO call by themselves
+   (replication once, in a job of several nodes), and `agree_to_load` over the one checkpoint they are asked to load.
 
 Every rank calls ``S3StorageWriter.finish_drains()`` at the end of a run: the last save drains if it did not, and the
 drains' failures are raised there.
@@ -298,6 +300,7 @@ class DcpTier:
         self._sources_lock = threading.Lock()
         self._lock = threading.Lock()
         self.replication: _tier.TierReplication | None = None  # `start_replication`
+        self.replication_decided = False  # `replicate_by_default` asked whether the job spans several nodes
         self.agreement: _tier.TierAgreement | None = None  # the last `agree_resume`: where a load reads each file
         self.peer_unreachable = False  # a fetch from the peer failed: this process asks it no more
         if os.environ.get("LOCAL_RANK", "0") == "0":
@@ -431,7 +434,7 @@ class DcpTier:
         if errors:
             raise errors[0]
 
-    def start_replication(self, group: Any = None, *, bind_host: str = "127.0.0.1", local_rank: int = 0) -> None:
+    def start_replication(self, group: Any = None, *, bind_host: str | None = None, local_rank: int = 0) -> None:
         """Collective (`start_replication`): this node's replica server (on its first rank) and a sender to the next
         node; every save's files are sent from then on, the first rank's loads fetch from the peer."""
         if self.replication is not None:
@@ -720,18 +723,36 @@ def _storage_tier(storage: Any) -> DcpTier:
     return tier_of(memory_tier, storage.s3, getattr(storage, "checksum_algorithm", "auto"))
 
 
-def start_replication(storage: Any, group: Any = None, *, bind_host: str = "127.0.0.1", local_rank: int | None = None
+def start_replication(storage: Any, group: Any = None, *, bind_host: str | None = None, local_rank: int | None = None
                       ) -> None:  # fmt: skip
     """Replicate this node's DCP saves in memory to the next node (a ring over the job's nodes), as
     ``S3CheckpointIO.start_replication`` does for single files: collective, every rank of `group` (default: the
-    default process group) calls it once, with a writer or reader made with the job's ``memory_tier``; the node's
-    first rank (`local_rank`, default ``LOCAL_RANK``) serves its peers' replicas on `bind_host` (the node's address
-    on the job's network). Each file a save commits in memory is then sent in the background, verified on arrival;
-    the peer keeps `MemoryTier.keep` checkpoints of each rank, all of a checkpoint's files together. A load of a file
-    this node lacks fetches it from the peer's replica (a replaced node) before it goes to S3."""
+    default process group) calls it once, with a writer or reader made with the job's ``memory_tier`` (or another
+    object with its ``memory_tier`` and ``s3``: a Lightning sharded strategy, `s3_mcore`'s routing); the node's first
+    rank (`local_rank`, default ``LOCAL_RANK``) serves its peers' replicas on `bind_host`, the node's address on the
+    job's network (default: ``S3CKPT_REPLICA_HOST``, else this host's address on its route to ``MASTER_ADDR``). Each
+    file a save commits in memory is then sent in the background, verified on arrival; the peer keeps
+    `MemoryTier.keep` checkpoints of each rank, all of a checkpoint's files together. A load of a file this node
+    lacks fetches it from the peer's replica (a replaced node) before it goes to S3."""
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
     _storage_tier(storage).start_replication(group, bind_host=bind_host, local_rank=local_rank)
+
+
+def replicate_by_default(storage: Any, group: Any = None, *, local_rank: int | None = None) -> None:
+    """What the Lightning sharded strategies and NeMo 2.x's checkpoint IO do by themselves with ``memory_tier``, so
+    that a lost node loses no checkpoint in memory: `start_replication` (the default address), once per process and
+    tier, where the process group spans more than one node (one all_gather of node identities, the first time).
+    Collective: every rank of `group`; nothing outside a process group. Package-internal (docs/api.md)."""
+    tier = _storage_tier(storage)
+    dist = _s3.import_optional_dependency("torch.distributed", "replicating the memory tier")
+    if tier.replication is not None or tier.replication_decided or not (dist.is_available() and dist.is_initialized()):
+        return
+    tier.replication_decided = True
+    nodes: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(nodes, _s3.node_key(), group=group)
+    if len(set(nodes)) > 1:
+        start_replication(storage, group, local_rank=local_rank)
 
 
 def agree_resume(storage: Any, directory: str, step_of: Any = None, *, group: Any = None,
@@ -777,6 +798,15 @@ def agree_resume(storage: Any, directory: str, step_of: Any = None, *, group: An
     tier.agreement = _tier.TierAgreement(directory, newest, url, tier_name, list(urls), urls, committed, sources,
                                          verified)  # fmt: skip
     return tier.agreement
+
+
+def agree_to_load(storage: Any, url: str, *, group: Any = None, followers: tuple[str, ...] = ()) -> bool:
+    """`agree_resume` over the one DCP checkpoint at `url` (a load asked for it, not for the newest): True where every
+    rank can load it whole from some tier (this process's loads then read each file where agreed), False where some
+    rank cannot, or it is no DCP checkpoint. Collective. Package-internal (docs/api.md)."""
+    url = _urls.normalize_s3_url(url).rstrip("/")
+    step_of = {_urls.s3_url_name(url): 0}.get
+    return agree_resume(storage, _urls.s3_url_parent(url), step_of, group=group, followers=followers).url is not None
 
 
 def _checkpoint_of(record: dict[str, Any], url: str, prefix: str, step_of: Any) -> tuple[str, int] | None:

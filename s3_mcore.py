@@ -137,11 +137,8 @@ _DCP_TIER = "s3_dcp_tier"
 def _dcp_tier() -> Any:
     """The memory tier's DCP side (`s3_dcp_tier`), a sibling imported on first use (only with ``memory_tier``);
     ImportError naming the file where a fork lacks it."""
-    sibling = _s3.import_sibling(_DCP_TIER, __package__)
-    if sibling is None:
-        raise ImportError(f"memory_tier for megatron-core needs {_DCP_TIER}.py and s3_memory_tier.py beside "
-                          "s3_mcore.py (part of s3-checkpoint-io): copy them there")
-    return sibling
+    return _s3.require_sibling(_DCP_TIER, __package__, "memory_tier for megatron-core", "s3_mcore.py",
+                               needs=("s3_memory_tier",))  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -248,13 +245,21 @@ def _tier_routing(what: str) -> S3Routing:
     return active
 
 
-def start_replication(group: Any = None, *, bind_host: str = "127.0.0.1", local_rank: int | None = None) -> None:
+def start_replication(group: Any = None, *, bind_host: str | None = None, local_rank: int | None = None) -> None:
     """Memory tier: send each checkpoint this node saves into memory (every file, megatron-core's ``metadata.json``
     and ``common.pt`` included) to the next node's, verified there (`s3_dcp_tier.start_replication` with the
     routing's tier). Collective: every rank of `group` (default: the default process group) once, after
     `install_s3_routing` with ``memory_tier`` and after the process group is up; the node's first rank (`local_rank`,
-    default ``LOCAL_RANK``) serves the peer's replicas on `bind_host`, the node's address on the job's network."""
+    default ``LOCAL_RANK``) serves the peer's replicas on `bind_host`, the node's address on the job's network
+    (default: ``S3CKPT_REPLICA_HOST``, else this host's address on its route to ``MASTER_ADDR``)."""
     _dcp_tier().start_replication(_tier_routing("start_replication"), group, bind_host=bind_host, local_rank=local_rank)
+
+
+def replicate_by_default(group: Any = None) -> None:
+    """What NeMo 2.x's ``S3MegatronCheckpointIO`` does before each save and load with the memory tier, so that no
+    extra call is needed: `s3_dcp_tier.replicate_by_default` with the routing's tier (`start_replication` once, where
+    the process group spans several nodes). Collective. Package-internal (docs/api.md)."""
+    _dcp_tier().replicate_by_default(_tier_routing("replicate_by_default"), group)
 
 
 def _iteration_of(name: str) -> int | None:
@@ -273,8 +278,21 @@ def agree_resume(dirpath: str, step_of: Callable[[str], int | None] | None = Non
     then reads each file where agreed (a peer's replica fetched into this node's memory), megatron-core's own files
     too (`s3_dcp_tier.agree_resume` with megatron-core's files as ``followers``)."""
     active = _tier_routing("agree_resume")
-    followers = (COMMON_STATE_NAME, CONFIG_NAME) if active.mechanism == "msc_module" else (CONFIG_NAME,)
+    followers = _followers(active)
     return _dcp_tier().agree_resume(active, dirpath, step_of or _iteration_of, group=group, followers=followers)
+
+
+def agree_to_load(url: str, group: Any = None) -> bool:
+    """What NeMo 2.x's ``S3MegatronCheckpointIO`` does before each load with the memory tier:
+    `s3_dcp_tier.agree_to_load` over the checkpoint at `url`, with the routing's tier and megatron-core's files as
+    `agree_resume` counts them. Collective. Package-internal (docs/api.md)."""
+    active = _tier_routing("agree_to_load")
+    return _dcp_tier().agree_to_load(active, url, group=group, followers=_followers(active))
+
+
+def _followers(active: S3Routing) -> tuple[str, ...]:
+    """The files megatron-core writes after ``.metadata`` that a checkpoint must have to count (`agree_resume`)."""
+    return (COMMON_STATE_NAME, CONFIG_NAME) if active.mechanism == "msc_module" else (CONFIG_NAME,)
 
 
 _MEGATRON_ARGUMENTS = ("keep_only_main_replica", "thread_count", "cached_metadata", "separation_hint", "cpu_shm_mode")
@@ -1189,11 +1207,7 @@ _NEMO = "s3_mcore_nemo"
 
 
 def _nemo() -> Any:
-    sibling = _s3.import_sibling(_NEMO, __package__)
-    if sibling is None:
-        raise ImportError(f"NeMo 2.x's checkpoint IO needs {_NEMO}.py beside s3_mcore.py (part of s3-checkpoint-io; "
-                          "a fork that copied only some files lacks it): copy it there")
-    return sibling
+    return _s3.require_sibling(_NEMO, __package__, "NeMo 2.x's checkpoint IO", "s3_mcore.py")
 
 
 def megatron_checkpoint_io_class(base: type | None = None) -> type:

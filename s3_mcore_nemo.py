@@ -4,7 +4,9 @@ The NeMo 2.x half of `s3_mcore` (docs/megatron.md has the recipe); users reach i
 ``s3_mcore.megatron_checkpoint_io_class()``. NeMo's class turns an ``s3://`` URL into a ``pathlib.Path``
 (``s3:/bucket/...``) and makes local directories for it; the class built here saves and loads ``<url>/weights`` with
 `s3_mcore.S3TorchDistSaveShardedStrategy` and megatron-core's own load, through `s3_mcore`'s routing (the memory tier
-too, from ``s3_writer_options={"memory_tier": ...}``). NeMo and megatron-core are imported on first use.
+too, from ``s3_writer_options={"memory_tier": ...}``: saves replicate to the next node by themselves in a job of
+several nodes, and every rank agrees where it reads each file before a load). NeMo and megatron-core are imported on
+first use.
 
 Package-internal (docs/api.md): `megatron_checkpoint_io_class` and `nemo_checkpoint_url` are `s3_mcore`'s names.
 """
@@ -89,6 +91,8 @@ class _S3MegatronCheckpointIOMixin:
         if url is None:
             return super().save_checkpoint(checkpoint, path, storage_options)  # type: ignore[misc]
         weights = url if url.endswith("/" + WEIGHTS_SUBDIR) else _urls.join_s3_url(url, WEIGHTS_SUBDIR)
+        if _tiered():  # every file this save commits in memory also goes to the next node
+            _mc.replicate_by_default()
         serialization = _mc.megatron_core("dist_checkpointing.serialization")
         kwargs: dict[str, Any] = {}
         content_metadata = (storage_options or {}).get("content_metadata")
@@ -172,12 +176,24 @@ def _nemo_s3() -> _s3.S3Utils:
     return _mc.routing().s3 if _mc.routing() is not None else _s3.S3Utils()
 
 
+def _tiered() -> bool:
+    active = _mc.routing()
+    return active is not None and active.memory_tier is not None
+
+
 def _nemo_weights_to_load(url: str) -> str:
     """``<url>/weights`` when it holds megatron-core's ``metadata.json`` (NeMo 2.x's layout), else `url` if it does;
-    FileNotFoundError (as NeMo's) if neither does."""
+    FileNotFoundError (as NeMo's) if neither does. With the memory tier, every rank first agrees on ``<url>/weights``
+    alone (`s3_mcore.agree_to_load`, replication started first): taken where every rank can load it whole from some
+    tier, which the load then reads each file from; else only what S3 holds counts, alike on every rank."""
     active = _mc.routing()
     exists = active.exists if active is not None else _nemo_s3().s3_path_exists  # the memory tier too
     weights = url if url.endswith("/" + WEIGHTS_SUBDIR) else _urls.join_s3_url(url, WEIGHTS_SUBDIR)
+    if _tiered():  # collective: NeMo loads (and asks for the content metadata) on every rank
+        _mc.replicate_by_default()
+        if _mc.agree_to_load(weights):
+            return weights
+        exists = _nemo_s3().s3_path_exists  # what some rank's node alone holds does not count
     for candidate in dict.fromkeys((weights, url)):
         if exists(_urls.join_s3_url(candidate, _mc.CONFIG_NAME)):
             return candidate

@@ -846,13 +846,7 @@ class NodeTier:
 
 
 def _replication_module() -> types.ModuleType:
-    module = _s3.import_sibling("s3_tier_replication", __package__)
-    if module is None:
-        raise ImportError(
-            "replicating the memory tier needs s3_tier_replication.py beside s3_memory_tier.py (part of "
-            "s3-checkpoint-io): copy it there"
-        )
-    return module
+    return _s3.require_sibling("s3_tier_replication", __package__, "replicating the memory tier", "s3_memory_tier.py")
 
 
 class TierReplication:
@@ -860,8 +854,9 @@ class TierReplication:
     sender to the next node's. Collective to start (every rank of `group`); `send` never blocks the caller.
     Package-internal (docs/api.md)."""
 
-    def __init__(self, tier: NodeTier, group: Any = None, *, bind_host: str = "127.0.0.1", local_rank: int = 0) -> None:
+    def __init__(self, tier: NodeTier, group: Any = None, *, bind_host: str | None = None, local_rank: int = 0) -> None:
         module = _replication_module()
+        bind_host = module.job_network_host() if bind_host is None else bind_host
         self._module = module
         self.tier = tier
         self.node = _s3.node_key()

@@ -83,6 +83,7 @@ logger = logging.getLogger(__name__)
 CHUNK = 8 * _s3.MB  # the piece of a file in memory at once, on either side
 DEFAULT_TIMEOUT_S = 60.0  # seconds without progress on a socket before a transfer fails
 SECRET_ENV = "S3CKPT_REPLICA_SECRET"  # an optional shared secret, the same on every node of the job
+HOST_ENV = "S3CKPT_REPLICA_HOST"  # the node's address its replica server listens on (`job_network_host`)
 # package-internal (docs/api.md)
 MANIFEST_SUFFIX = ".replica.json"  # ``root/<sender_node>/<name>.replica.json``: the replica counts once it is there
 PROTOCOL = 1
@@ -999,6 +1000,26 @@ def peer_of(node_index: int, node_count: int) -> int | None:
     if not 0 <= node_index < node_count:
         raise ValueError(f"node index {node_index} is not in 0..{node_count - 1}")
     return None if node_count == 1 else (node_index + 1) % node_count
+
+
+def job_network_host(environ: Mapping[str, str] | None = None) -> str:
+    """This node's address on the job's network, where its replica server listens and peers connect: `HOST_ENV` if
+    set, else the local address of this host's route to the job's rendezvous host (``MASTER_ADDR``; a UDP socket's
+    connect picks it, sending nothing), else 127.0.0.1 (one host). Package-internal (docs/api.md)."""
+    environ = os.environ if environ is None else environ
+    if environ.get(HOST_ENV, "").strip():
+        return environ[HOST_ENV].strip()
+    rendezvous = environ.get("MASTER_ADDR", "").strip()
+    if rendezvous:
+        try:
+            family, _, _, _, address = socket.getaddrinfo(rendezvous, 9, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect(address)
+                return str(probe.getsockname()[0])
+        except OSError as exc:
+            logger.warning("memory tier: no route to MASTER_ADDR=%s (%s): replicas listen on 127.0.0.1; set %s to "
+                           "this node's address on the job's network", rendezvous, exc, HOST_ENV)  # fmt: skip
+    return "127.0.0.1"
 
 
 def exchange_addresses(group: Any = None, *, server: ReplicaServer | None = None) -> dict[str, Address]:

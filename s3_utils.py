@@ -153,6 +153,23 @@ def import_sibling(name: str, package: str | None) -> types.ModuleType | None:
         return None
 
 
+def require_sibling(name: str, package: str | None, feature: str, caller: str, *, needs: tuple[str, ...] = (),
+                    otherwise: str = "") -> types.ModuleType:  # fmt: skip
+    """`import_sibling`, or the ImportError for a file a fork lacks: "`feature` needs X.py beside `caller` (...): copy
+    it there`otherwise`", X being `name` or one of the siblings it imports at its top (`needs`). Package-internal
+    (docs/api.md)."""
+    try:
+        module, missing = import_sibling(name, package), name
+    except ModuleNotFoundError as exc:
+        module, missing = None, (exc.name or "").rsplit(".", 1)[-1]
+        if missing not in needs:
+            raise
+    if module is None:
+        raise ImportError(f"{feature} needs {missing}.py beside {caller} (part of s3-checkpoint-io; a fork that copied "
+                          f"only some files lacks it): copy it there{otherwise}")
+    return module
+
+
 NODE_SHARING_MODULE = "s3_node_sharing"  # the optional sibling module with what a host's processes share
 _node_sharing: list[types.ModuleType | None] = []  # the import's outcome, once known
 _node_sharing_warned = False

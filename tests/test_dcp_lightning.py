@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -25,6 +26,8 @@ from s3_servers import skip_unless_multirank_backend  # noqa: E402
 
 import s3_dcp  # noqa: E402
 from s3_fencing import OWNER_RECORD_NAME  # noqa: E402
+from s3_memory_tier import COMMIT_RECORD_SUFFIX  # noqa: E402
+from s3_tier_replication import MANIFEST_SUFFIX  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.lightning]
 
@@ -38,9 +41,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch(module: str, arguments: list[str], world_size: int, cwd: Path, what: str) -> None:
-    """Start one ``python -m <module>`` process per rank with the variables a launcher sets, wait for all of them
-    (killing any left after 300 s), and fail with a rank's output if it failed."""
+def _launch(module: str, arguments: list[str], world_size: int, cwd: Path, what: str, nodes: int = 1) -> None:
+    """Start one ``python -m <module>`` process per rank with the variables a launcher sets (`nodes` simulated nodes
+    of ``world_size / nodes`` ranks each), wait for all of them (killing any left after 300 s), and fail with a
+    rank's output if it failed."""
     port = _free_port()
     procs = []
     for rank in range(world_size):
@@ -48,8 +52,8 @@ def _launch(module: str, arguments: list[str], world_size: int, cwd: Path, what:
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(HELPERS), *sys.path]),
             "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "NODE_RANK": "0",
+            "LOCAL_RANK": str(rank % (world_size // nodes)),
+            "NODE_RANK": str(rank // (world_size // nodes)),
             "WORLD_SIZE": str(world_size),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
@@ -72,13 +76,14 @@ def _launch(module: str, arguments: list[str], world_size: int, cwd: Path, what:
 
 def _run_ranks(
     family: str, phase: str, dirpath: str, out: Path, cwd: Path, strategy: str = "model_parallel", world_size: int = 2,
-    prefix_spreading: int | None = None, memory_tier: Path | None = None,
+    prefix_spreading: int | None = None, memory_tier: Path | None = None, nodes: int = 1,
 ) -> None:
     arguments = ["--family", family, "--phase", phase, "--dirpath", dirpath, "--out", str(out)]
     arguments += ["--strategy", strategy, "--world-size", str(world_size)]
     arguments += ["--prefix-spreading", str(prefix_spreading)] if prefix_spreading else []
     arguments += ["--memory-tier", str(memory_tier)] if memory_tier else []
-    _launch("dcp_lightning_worker", arguments, world_size, cwd, phase)
+    arguments += ["--nodes", str(nodes)]
+    _launch("dcp_lightning_worker", arguments, world_size, cwd, phase, nodes)
 
 
 SIDECAR = ".s3ckpt-checksum.json"
@@ -146,13 +151,22 @@ def test_model_parallel_fit_checkpoints_to_s3_and_resumes(
     assert not Path("s3:").exists()
 
 
-def test_model_parallel_saves_into_the_memory_tier_resumes_from_it_and_drains_the_last_at_teardown(
+def replicas_held(node: Path, checkpoint: str) -> dict[Path, str]:
+    """The replicas of `checkpoint`'s files a node's tier holds: each replica's folder -> the file's URL."""
+    records = node.rglob(f"replicas/*/*/*{COMMIT_RECORD_SUFFIX}")
+    found = {record.parent: json.loads(record.read_text())["url"] for record in records}
+    return {folder: url for folder, url in found.items() if url.startswith(checkpoint + "/")}
+
+
+def test_model_parallel_saves_into_the_memory_tier_replicates_resumes_from_it_and_drains_the_last_at_teardown(
     s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
 ) -> None:
-    """With ``memory_tier`` the sharded strategy saves into the node's memory (S3 gets a checkpoint's ``.metadata``
-    only from its drain: the first save, then the last at teardown), top-k removal drops the memory copies too, a
-    relaunch on the same node resumes from memory (``.metadata`` there only), and teardown leaves the newest
-    checkpoint complete on S3."""
+    """Two simulated nodes of one rank each (their own NODE_RANK and tier). With ``memory_tier`` the sharded strategy
+    saves into the node's memory (S3 gets a checkpoint's ``.metadata`` only from its drain: the first save, then the
+    last at teardown), replicates each node's files to the other by itself, and top-k removal drops the memory
+    copies too. A relaunch resumes ``last.ckpt`` whose ``.metadata`` is only in node 0's memory (not on S3, and its
+    replica on node 1 lost): every rank agrees by itself where each file comes from, node 0 hands the files over,
+    and each rank reads its own shard from memory; teardown leaves the newest checkpoint complete on S3."""
     pytest.importorskip("lightning.pytorch")
     skip_unless_multirank_backend(s3_server)
     dirpath, base = f"s3://{bucket}/run/checkpoints", "run/checkpoints/"
@@ -160,27 +174,37 @@ def test_model_parallel_saves_into_the_memory_tier_resumes_from_it_and_drains_th
     for folder in (out, cwd, root):
         folder.mkdir()
 
-    def in_memory() -> set[str]:  # the checkpoints with a committed .metadata in the tier
+    def in_memory() -> set[str]:  # the checkpoints with a committed .metadata in a node's own tier
         return {path.parent.name for path in root.rglob(".metadata") if path.parent.parent.name == "checkpoints"}
 
-    _run_ranks("lightning.pytorch", "fit", dirpath, out, cwd, memory_tier=root)
+    _run_ranks("lightning.pytorch", "fit", dirpath, out, cwd, memory_tier=root, nodes=2)
     assert (out / "fit-s3-last-before-teardown").read_text() == "False"  # last.ckpt was in memory only
     keys = {k for k in keys_now(s3_client, bucket) if k.startswith(base)}
     assert {k.split("/")[2] for k in keys} - {OWNER_RECORD_NAME} == {"step=4.ckpt", "step=6.ckpt", "last.ckpt"}
     assert {base + f"last.ckpt/{n}" for n in (".metadata", "meta.pt", "__0_0.distcp", "__1_0.distcp")} <= keys
     assert base + "step=6.ckpt/meta.pt" in keys and base + "step=6.ckpt/.metadata" not in keys  # never drained
     assert in_memory() == {"step=4.ckpt", "step=6.ckpt", "last.ckpt"}  # step=2.ckpt: removed from memory too
+    last = f"{dirpath}/last.ckpt"
+    node0_files = {f"{last}/{name}" for name in (".metadata", ".s3ckpt-items.json", "__0_0.distcp")}
+    assert set(replicas_held(root / "node1", last).values()) == node0_files  # replicated without being asked
+    assert set(replicas_held(root / "node0", last).values()) == {f"{last}/__1_0.distcp"}
 
     for name in (".metadata", ".s3ckpt-items.json"):  # as if the drain had not run: .metadata only in memory
         s3_client.delete_object(Bucket=bucket, Key=f"{base}last.ckpt/{name}")
-    _run_ranks("lightning.pytorch", "resume", dirpath, out, cwd, memory_tier=root)
+    for folder in replicas_held(root / "node1", last):  # and node 1's replicas of it lost
+        shutil.rmtree(folder)
+        folder.with_name(folder.name + MANIFEST_SUFFIX).unlink()
+    _run_ranks("lightning.pytorch", "resume", dirpath, out, cwd, memory_tier=root, nodes=2)
     end = torch.load(out / "fit-end.pt", weights_only=True)
     start = torch.load(out / "resume-start.pt", weights_only=True)
     assert start["global_step"] == 6 and _equal(start["model"], end["model"]) and _equal(start["optim"], end["optim"])
-    for rank in range(2):
-        sources = json.loads((out / f"resume-sources-rank{rank}.json").read_text())
-        assert f"{dirpath}/last.ckpt/.metadata" in sources and f"{dirpath}/last.ckpt/__{rank}_0.distcp" in sources
-        assert set(sources.values()) == {"memory"}, sources
+    sources = [json.loads((out / f"resume-sources-rank{rank}.json").read_text()) for rank in range(2)]
+    assert {url: tier for url, tier in sources[0].items() if url.startswith(last)} == {
+        **dict.fromkeys([f"{last}/.metadata", f"{last}/.s3ckpt-items.json", f"{last}/__0_0.distcp"], "memory"),
+        f"{last}/__1_0.distcp": "replica"}  # DCP's load reads an item rank 1 alone saved: node 1's replica  # fmt: skip
+    assert {url: tier for url, tier in sources[1].items() if url.startswith(last)} == {
+        f"{last}/.metadata": "replica", f"{last}/.s3ckpt-items.json": "replica",  # handed over by node 0
+        f"{last}/__1_0.distcp": "memory"}  # fmt: skip
     assert (out / "resume-s3-last-before-teardown").read_text() == "False"
     keys = {k for k in keys_now(s3_client, bucket) if k.startswith(base)}
     assert {base + f"last.ckpt/{n}" for n in (".metadata", ".s3ckpt-items.json", "meta.pt")} <= keys

@@ -71,6 +71,7 @@ TWO_RANK_SCENARIOS = [
     "tier_cut",
     "tier_async",
     "tier_two_nodes",
+    "tier_nemo_two_nodes",
 ]
 
 
@@ -371,6 +372,23 @@ def test_two_nodes_agree_on_a_checkpoint_only_in_memory_and_megatron_core_loads_
         assert sorted(node["sources"]) == sorted(files)
     assert node0["sources"] == {**{name: ["replica", True] for name in files}, "__1_0.distcp": ["replica", False]}
     assert node1["sources"] == {**{name: ["replica", False] for name in files}, "__1_0.distcp": ["memory", False]}
+    assert set(node0["first_reads"].values()) == {"replica"} and "__0_0.distcp" in node0["first_reads"]
+    assert node1["first_reads"]["__1_0.distcp"] == "memory"
+    assert {tier for name, tier in node1["first_reads"].items() if name != "__1_0.distcp"} == {"replica"}
+
+
+def test_nemo_checkpoint_io_with_the_memory_tier_replicates_and_agrees_by_itself_on_two_nodes(
+    mcore_run: dict[str, Any],
+) -> None:
+    """NeMo 2.x's S3MegatronCheckpointIO with ``memory_tier`` (over a stand-in for NeMo's class), each rank a node of
+    its own, no call to s3_mcore's functions: its saves replicate to the other node by themselves, and after node 0
+    lost its memory, its content-metadata read and its load agree on every rank by themselves and load model--step=7
+    (only in the nodes' memory) bit-exact: node 0 from node 1's replicas, node 1 its shard from its memory."""
+    node0, node1 = _outcomes(mcore_run["outs"][2], "tier_nemo_two_nodes")
+    for node in (node0, node1):
+        assert node["replicated"] is True
+        assert node["on_s3"] == []
+        assert node["content_metadata"] == {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     assert set(node0["first_reads"].values()) == {"replica"} and "__0_0.distcp" in node0["first_reads"]
     assert node1["first_reads"]["__1_0.distcp"] == "memory"
     assert {tier for name, tier in node1["first_reads"].items() if name != "__1_0.distcp"} == {"replica"}

@@ -411,6 +411,24 @@ def test_without_the_module_the_core_and_the_dcp_writer_and_reader_say_what_is_m
     assert done.stdout.count("memory_tier needs s3_memory_tier.py beside s3_dcp.py") == 2
 
 
+def test_a_sibling_file_a_fork_lacks_is_named_with_what_needs_it_and_where_to_copy_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One message for every module: the missing file (the sibling asked for, or one it imports at its top that the
+    caller names), what needs it, beside which file; another missing module is not hidden behind it."""
+    monkeypatch.setitem(sys.modules, "s3_memory_tier", None)  # as if the file were absent
+    monkeypatch.delitem(sys.modules, "s3_dcp_tier", raising=False)
+    expected = r"^memory_tier for megatron-core needs s3_memory_tier\.py beside s3_mcore\.py .*: copy it there$"
+    with pytest.raises(ImportError, match=expected):
+        s3_utils.require_sibling("s3_dcp_tier", None, "memory_tier for megatron-core", "s3_mcore.py",
+                                 needs=("s3_memory_tier",))  # fmt: skip
+    with pytest.raises(ModuleNotFoundError):  # s3_dcp_tier's own import, not named as needed: raised as it is
+        s3_utils.require_sibling("s3_dcp_tier", None, "memory_tier", "s3_dcp.py")
+    with pytest.raises(ImportError, match=r"^listing needs s3_nowhere\.py beside s3_x\.py .*copy it there, or not$"):
+        s3_utils.require_sibling("s3_nowhere", None, "listing", "s3_x.py", otherwise=", or not")
+    assert s3_utils.require_sibling("s3_fencing", None, "x", "y.py") is sys.modules["s3_fencing"]
+
+
 @pytest.mark.slow
 def test_two_nodes_replicate_and_agree_on_what_every_rank_can_load(
     s3_server: Any, bucket: str, tmp_path: Path

@@ -549,6 +549,19 @@ def test_a_single_node_has_no_peer() -> None:
         replication.peer_of(3, 3)
 
 
+def test_a_replica_server_listens_on_the_nodes_address_toward_the_rendezvous_host(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The default address: the one set for it, else the local end of the route to MASTER_ADDR (a server bound there
+    is reachable from the rendezvous host's side), else loopback; an unresolvable MASTER_ADDR is said, not fatal."""
+    host = replication.job_network_host
+    assert host({replication.HOST_ENV: " 10.1.2.3 ", "MASTER_ADDR": "127.0.0.1"}) == "10.1.2.3"
+    assert host({"MASTER_ADDR": "127.0.0.1"}) == "127.0.0.1" and host({}) == "127.0.0.1"
+    with caplog.at_level("WARNING", logger="s3_tier_replication"):
+        assert host({"MASTER_ADDR": "no-such-host.invalid"}) == "127.0.0.1"
+    assert "MASTER_ADDR=no-such-host.invalid" in caplog.text and replication.HOST_ENV in caplog.text
+
+
 def test_replication_needs_no_extra_and_the_address_exchange_names_torch(tmp_path: Path) -> None:
     """Every extra hidden (torch, boto3, awscrt...): a round trip works (CRC32 without awscrt); only the address
     exchange needs torch, and says how to install it."""

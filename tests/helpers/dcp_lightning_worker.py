@@ -8,7 +8,8 @@ with `S3ModelParallelStrategy` on CPU (``--strategy model_parallel``, 2 ranks) o
 Trainer from ``<dirpath>/last.ckpt``. Rank 0 writes the full (unsharded) state at the start and end of each phase to
 ``<out>/<phase>-start.pt`` / ``-end.pt`` for the test to compare. ``fit`` also saves a full (consolidated)
 checkpoint; ``resume`` loads it back after training on (``full-loaded.pt``). With ``--memory-tier ROOT`` the strategy
-saves through a memory tier under ROOT (a ``memory_tier`` config mapping); rank 0 writes whether S3 had
+saves through a memory tier under ROOT (a ``memory_tier`` config mapping; with ``--nodes 2`` each rank is a node of
+its own, ``NODE_RANK``, with its tier under ``ROOT/node<NODE_RANK>``); rank 0 writes whether S3 had
 ``last.ckpt/.metadata`` when training ended, before teardown (``<phase>-s3-last-before-teardown``), each rank where its
 loads read each file (``<phase>-sources-rank<r>.json``: the readers' ``tier_sources``), and no full checkpoint is made.
 """
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--prefix-spreading", type=int, default=None, help="the strategy's prefix_spreading")
     parser.add_argument("--memory-tier", default=None, help="the root of the strategy's memory tier")
+    parser.add_argument("--nodes", type=int, default=1, help="the Trainer's num_nodes (devices: world size / nodes)")
     args = parser.parse_args(argv)
     out = Path(args.out)
 
@@ -112,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         "prefix_spreading": args.prefix_spreading,
     }
     if args.memory_tier:  # a config key's mapping; drains the first save, then only the last one (at teardown)
-        s3_options["memory_tier"] = {"root": args.memory_tier, "job": "job-1", "drain_every": 100, "keep": 4}
+        root = Path(args.memory_tier) / f"node{os.environ['NODE_RANK']}" if args.nodes > 1 else args.memory_tier
+        s3_options["memory_tier"] = {"root": str(root), "job": "job-1", "drain_every": 100, "keep": 4}
     strategy_class = s3_dcp.sharded_strategy_class(args.strategy, args.family)
     if args.strategy == "model_parallel":
         strategy = strategy_class(data_parallel_size=args.world_size, tensor_parallel_size=1, **s3_options)
@@ -139,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     trainer = pl.Trainer(
         accelerator="cpu" if args.strategy == "model_parallel" else "cuda",
-        devices=args.world_size,
+        devices=args.world_size // args.nodes,
+        num_nodes=args.nodes,
         strategy=strategy,
         max_steps=6 if args.phase == "fit" else 8,
         callbacks=[checkpoint, BeforeTeardown()],

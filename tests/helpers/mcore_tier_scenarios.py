@@ -1,6 +1,6 @@
 """megatron-core saves through the memory tier: the ``tier_*`` scenarios of tests/helpers/mcore_worker.py (its 2
-ranks on one simulated node: one tier root under ``--out``, LOCAL_RANK 0 and 1; ``tier_two_nodes`` makes each rank a
-node of its own for its duration; tests/test_mcore.py asserts on them).
+ranks on one simulated node: one tier root under ``--out``, LOCAL_RANK 0 and 1; ``tier_two_nodes`` and
+``tier_nemo_two_nodes`` make each rank a node of its own for their duration; tests/test_mcore.py asserts on them).
 
 Each scenario installs `s3_mcore`'s routing with ``memory_tier`` and puts it back without the tier when it ends; the
 ranks adopt rank 0's run first, as one launch's ranks share one. The state and its expected values are
@@ -242,6 +242,59 @@ def scenario_two_nodes(ctx: Any) -> dict[str, Any]:
             "sources": sources,
             "first_reads": first_reads,
         }
+    finally:
+        if dcp_tier.replication is not None:
+            dcp_tier.replication.close()
+        for name, value in before.items():
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+
+
+def scenario_nemo_two_nodes(ctx: Any) -> dict[str, Any]:
+    """NeMo 2.x's checkpoint IO with the memory tier (``s3_writer_options``; over mcore_worker's stand-in for NeMo's
+    class) on two nodes, each rank a node of its own, and no call to s3_mcore's replication or agreement: model--step=6
+    drains (the first save), model--step=7 stays in memory, and on the other node if the IO's saves replicated by
+    themselves. Node 0's own memory is then lost; the load of step 7 (its content metadata first, as NeMo's
+    ``MegatronStrategy`` asks) agrees on every rank by itself, node 0 reading its files from node 1's replicas."""
+    import os
+
+    from mcore_worker import CONTENT_METADATA, NeMoLikeCheckpointIO, differences, sharded_state
+
+    import s3_dcp_tier
+    import s3_mcore
+
+    before = {name: os.environ.get(name) for name in ("GROUP_RANK", "LOCAL_RANK")}
+    os.environ.update(GROUP_RANK=str(ctx.rank), LOCAL_RANK="0")
+    tier = _tier(ctx, "nemo-two-nodes", node=ctx.rank)
+    options = {"client_settings": ctx.settings, "retry_policy": ctx.retry_policy, "memory_tier": tier}
+    io = s3_mcore.megatron_checkpoint_io_class(NeMoLikeCheckpointIO)(s3_writer_options=options)
+    routing = s3_mcore.routing()
+    dcp_tier = s3_dcp_tier.tier_of(tier, routing.s3)
+    try:
+        for version in (6, 7):
+            url = ctx.url(f"nemo/model--step={version}")
+            io.save_checkpoint(sharded_state(ctx, version), url, {"content_metadata": CONTENT_METADATA})
+        s3_mcore.finish_drains(drain_last=False)  # the first save's drain; every replication sent
+        ctx.barrier()
+        replicated, on_s3 = dcp_tier.replication is not None, ctx.names("nemo/model--step=7")
+        if not replicated:  # node 0 could not load step 7 while node 1 would wait for it in the load
+            return {"differences": [], "replicated": False}
+        if ctx.rank == 0:  # node 0's own memory is lost (the replicas of node 1's files it holds stay)
+            for copy in dcp_tier.node.copies():
+                dcp_tier.node.remove(copy.url)
+        ctx.barrier()
+        readers = _readers(routing)
+        try:
+            content = io.load_content_metadata(ctx.url("nemo/model--step=7"))
+            loaded = io.load_checkpoint(ctx.url("nemo/model--step=7"), sharded_state_dict=sharded_state(ctx, 7, True))
+        finally:
+            del routing.reader
+        first_reads: dict[str, str] = {}
+        for reader in readers:
+            for url, source in reader.tier_sources.items():
+                first_reads.setdefault(url.rsplit("/", 1)[-1], source[1] if source else "s3")
+        ctx.barrier()  # no replica server goes while the other node still fetches from it
+        return {"differences": differences(ctx, loaded, 7), "replicated": True, "on_s3": on_s3,
+                "content_metadata": content, "first_reads": first_reads}  # fmt: skip
     finally:
         if dcp_tier.replication is not None:
             dcp_tier.replication.close()
