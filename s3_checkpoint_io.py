@@ -685,7 +685,7 @@ class S3CheckpointIO:
             tier.claim()
             self._tier = tier
             if _s3.global_rank() == 0:
-                for copy in tier.pending_drains():
+                for copy in reversed(tier.pending_drains()):  # newest first: the newest checkpoint is durable soonest
                     logger.warning("memory tier: finishing the drain of %s to S3 a previous process began", copy.url)
                     self._submit(copy.url, self._drain_now, copy)
         return self._tier
@@ -795,6 +795,8 @@ class S3CheckpointIO:
             self._held_removals.append(path)
         if not draining:
             self.node_tier().remove(path)
+        elif (copy := self.node_tier().copy_of(path)) is not None and copy.drain == "pending":
+            self._tier.set_drain(copy, "removed")  # killed before the drain ends: no relaunch uploads it; prunable
 
     def _load_from_tier(
         self, path: str, armed: _CollectiveLoad | None, load_kwargs: dict[str, Any], started: float

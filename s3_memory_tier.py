@@ -19,7 +19,8 @@ docs/tiers.md shows the user's side.
 5. Draining: `NodeTier.upload` streams a committed file into an `s3_utils.S3MultipartWriter` straight from the tier's
    pages (no copy by the training process), checking the bytes against the commit record before S3 commits them.
    The commit record says ``"drain": "pending"`` from the moment a drain is decided until S3 has the object, so a
-   relaunch finishes a drain a kill cut short (`NodeTier.pending_drains`).
+   relaunch finishes a drain a kill cut short (`NodeTier.pending_drains`, newest first), unless the checkpoint's
+   removal was asked for meanwhile (``"removed"``: no relaunch uploads it, and `prune` may drop it).
 
 6. Replication (with the sibling `s3_tier_replication`): `TierReplication`, started collectively by
    `S3CheckpointIO.start_replication`, runs each node's replica server on ``<job>/replicas`` and sends every
@@ -718,8 +719,8 @@ class NodeTier:
     # ---- drain ---------------------------------------------------------------------------------------------------
 
     def set_drain(self, copy: TierCopy, state: str) -> TierCopy:
-        """Record the drain state of `copy` (``"pending"``, ``"done"``) in its commit record, if it is still the
-        committed copy (a newer save of the same URL keeps its own state)."""
+        """Record the drain state of `copy` (``"pending"``, ``"done"``, ``"removed"``) in its commit record, if it is
+        still the committed copy (a newer save of the same URL keeps its own state)."""
         with self._lock:
             current = self.copy_of(copy.url)
             if current is None or current.record.get("sequence") != copy.record.get("sequence"):

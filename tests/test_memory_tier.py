@@ -233,6 +233,33 @@ def test_a_drain_cut_short_by_a_kill_is_finished_by_the_relaunch(
         assert downloaded.read_all() == stream.read()
 
 
+def test_a_relaunch_does_not_drain_a_checkpoint_whose_removal_was_asked_for_while_it_drained(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """A kill during a drain whose checkpoint was removed meanwhile (top-k, the "-last" clean-up) left it pending: each
+    relaunch uploaded it, and memory held every such copy (a prune keeps pending drains), so under frequent kills
+    the backlog grew and S3 fell ever further behind. Its record now says so: no relaunch uploads it, prune drops it;
+    a relaunch finishes the other drains newest first."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    removed, kept = f"s3://{bucket}/run/step=7-last.ckpt", f"s3://{bucket}/run/step=8.ckpt"
+    for mode, url, seed in (("save-remove", removed, "7"), ("save", kept, "8")):  # the second: a relaunch, killed
+        killed = subprocess.run(
+            [sys.executable, str(WORKER), mode, url, str(tmp_path), "job-1", seed],
+            capture_output=True, text=True, timeout=120, cwd=REPO, env=env,
+        )  # fmt: skip
+        assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr[-3000:]
+    tier = NodeTier(MemoryTier(root=str(tmp_path), job="job-1"), s3_fencing.current_run())
+    assert [copy.url for copy in tier.pending_drains()] == [kept]
+    relaunch = subprocess.run(
+        [sys.executable, str(WORKER), "relaunch", str(tmp_path), "job-1"],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=env,
+    )  # fmt: skip
+    assert relaunch.returncode == 0, relaunch.stderr[-3000:]
+    assert [record[1] for record in json.loads(relaunch.stdout.strip().splitlines()[-1])] == [kept]
+    assert s3_keys(s3_client, bucket) == ["run/step=8.ckpt"]
+    assert tier.copy_of(removed) is None or tier.copy_of(removed).drain == "removed"
+
+
 def test_a_load_from_memory_does_not_wait_for_that_checkpoints_drain_to_s3(
     s3_server: Any, bucket: str, tmp_path: Path
 ) -> None:
