@@ -9,6 +9,9 @@ Two ranks (gloo, CPU) through tests/helpers/mcore_worker.py:
 * ``nemo_real_io``: the IO built on NeMo's own ``MegatronCheckpointIO``; a sync save, NeMo's
   ``load_content_metadata`` and loads with ``strict`` None/True/False, an async save through NeMo's own
   ``AsyncFinalizableCheckpointIO`` (with a caller's ``finalize_fn``), a load and the removal through that wrapper.
+* ``tier_nemo_real_two_nodes``: the IO on NeMo's own class with the memory tier, each rank a node of its own
+  (tests/helpers/mcore_tier_scenarios.py): its saves replicate by themselves, and after node 0 lost its memory NeMo's
+  ``load_content_metadata`` and load agree on every rank and load the step only the nodes' memory holds.
 * ``nemo_real_strategy``: NeMo's own ``MegatronStrategy`` (without a Trainer) as docs/megatron.md builds it:
   ``save_checkpoint``, the blocking finalize (what ``AsyncFinalizerCallback`` runs at the end of training),
   ``load_checkpoint`` of the collapsed Path, and ``remove_checkpoint``, NeMo's own and the documented subclass's.
@@ -47,7 +50,7 @@ from s3_servers import empty_and_delete_bucket, rank_environment, skip_unless_mu
 pytestmark = [pytest.mark.megatron]
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
-SCENARIOS = ["nemo_real_io", "nemo_real_strategy"]
+SCENARIOS = ["nemo_real_io", "nemo_real_strategy", "tier_nemo_real_two_nodes"]
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
@@ -112,3 +115,18 @@ def test_nemos_megatron_strategy_drives_it(nemo_run: Path) -> None:
     # NeMo's own MegatronStrategy.remove_checkpoint removes with shutil.rmtree, locally: hence the documented subclass
     assert outcomes[0]["nemo_remove"].startswith("FileNotFoundError"), outcomes[0]["nemo_remove"]
     assert "s3:/" in outcomes[0]["nemo_remove"]
+
+
+def test_nemos_own_checkpoint_io_with_the_memory_tier_replicates_and_agrees_by_itself_on_two_nodes(
+    nemo_run: Path,
+) -> None:
+    """As test_mcore's test of the same name, on NeMo's own MegatronCheckpointIO: model--step=7 is only in the nodes'
+    memory; node 0 lost its own and reads its files from node 1's replicas, node 1 its shard from its memory."""
+    node0, node1 = _outcomes(nemo_run, "tier_nemo_real_two_nodes")
+    for node in (node0, node1):
+        assert node["differences"] == []
+        assert node["replicated"] is True
+        assert node["on_s3"] == []
+        assert node["content_metadata"] == CONTENT_METADATA
+    assert set(node0["first_reads"].values()) == {"replica"} and "__0_0.distcp" in node0["first_reads"]
+    assert node1["first_reads"]["__1_0.distcp"] == "memory"

@@ -255,27 +255,42 @@ def scenario_nemo_two_nodes(ctx: Any) -> dict[str, Any]:
     drains (the first save), model--step=7 stays in memory, and on the other node if the IO's saves replicated by
     themselves. Node 0's own memory is then lost; the load of step 7 (its content metadata first, as NeMo's
     ``MegatronStrategy`` asks) agrees on every rank by itself, node 0 reading its files from node 1's replicas."""
+    from mcore_worker import NeMoLikeCheckpointIO
+
+    return _nemo_two_nodes(ctx, "nemo", NeMoLikeCheckpointIO)
+
+
+def scenario_nemo_real_two_nodes(ctx: Any) -> dict[str, Any]:
+    """As ``nemo_two_nodes``, on the real NeMo 2.x ``MegatronCheckpointIO`` (nemo-toolkit installed: tests/test_nemo.py
+    under `make nemo-check`), megatron-core's removed tensorstore strategy stood in for as mcore_worker does."""
+    from mcore_stub import stand_in_for_removed_tensorstore_strategy
+
+    stand_in_for_removed_tensorstore_strategy()
+    return _nemo_two_nodes(ctx, "nemo-real", None)
+
+
+def _nemo_two_nodes(ctx: Any, where: str, nemo_class: Any) -> dict[str, Any]:
     import os
 
-    from mcore_worker import CONTENT_METADATA, NeMoLikeCheckpointIO, differences, sharded_state
+    from mcore_worker import CONTENT_METADATA, differences, sharded_state
 
     import s3_dcp_tier
     import s3_mcore
 
     before = {name: os.environ.get(name) for name in ("GROUP_RANK", "LOCAL_RANK")}
     os.environ.update(GROUP_RANK=str(ctx.rank), LOCAL_RANK="0")
-    tier = _tier(ctx, "nemo-two-nodes", node=ctx.rank)
+    tier = _tier(ctx, f"{where}-two-nodes", node=ctx.rank)
     options = {"client_settings": ctx.settings, "retry_policy": ctx.retry_policy, "memory_tier": tier}
-    io = s3_mcore.megatron_checkpoint_io_class(NeMoLikeCheckpointIO)(s3_writer_options=options)
+    io = s3_mcore.megatron_checkpoint_io_class(nemo_class)(s3_writer_options=options)  # None: NeMo's own class
     routing = s3_mcore.routing()
     dcp_tier = s3_dcp_tier.tier_of(tier, routing.s3)
     try:
         for version in (6, 7):
-            url = ctx.url(f"nemo/model--step={version}")
+            url = ctx.url(f"{where}/model--step={version}")
             io.save_checkpoint(sharded_state(ctx, version), url, {"content_metadata": CONTENT_METADATA})
         s3_mcore.finish_drains(drain_last=False)  # the first save's drain; every replication sent
         ctx.barrier()
-        replicated, on_s3 = dcp_tier.replication is not None, ctx.names("nemo/model--step=7")
+        replicated, on_s3 = dcp_tier.replication is not None, ctx.names(f"{where}/model--step=7")
         if not replicated:  # node 0 could not load step 7 while node 1 would wait for it in the load
             return {"differences": [], "replicated": False}
         if ctx.rank == 0:  # node 0's own memory is lost (the replicas of node 1's files it holds stay)
@@ -284,8 +299,9 @@ def scenario_nemo_two_nodes(ctx: Any) -> dict[str, Any]:
         ctx.barrier()
         readers = _readers(routing)
         try:
-            content = io.load_content_metadata(ctx.url("nemo/model--step=7"))
-            loaded = io.load_checkpoint(ctx.url("nemo/model--step=7"), sharded_state_dict=sharded_state(ctx, 7, True))
+            step7 = ctx.url(f"{where}/model--step=7")
+            content = io.load_content_metadata(step7)
+            loaded = io.load_checkpoint(step7, sharded_state_dict=sharded_state(ctx, 7, True))
         finally:
             del routing.reader
         first_reads: dict[str, str] = {}
