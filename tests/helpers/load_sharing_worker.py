@@ -323,6 +323,10 @@ def main() -> None:
     parser.add_argument("--payload-mib", type=float, default=64)
     parser.add_argument("--scenarios", help="load mode: JSON list of loads to make in turn (see run_load)")
     args = parser.parse_args()
+    if args.mode == "load":  # no Trainer: spare each rank the import of Lightning an S3CheckpointIO would make
+        from lightning_stand_in import stand_in_for_lightning
+
+        stand_in_for_lightning()
     rank = int(os.environ["RANK"])
     report: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "node": int(os.environ["GROUP_RANK"])}
     modes = {"load": run_load, "trainer": run_trainer, "nemo": run_nemo, "save": run_save}
