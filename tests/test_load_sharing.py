@@ -118,38 +118,43 @@ def gets_by_rank(proxy: FaultProxy, key: str) -> Counter[int]:
 def test_trainer_resume_downloads_once_per_node_or_job(
     s3_server: S3Endpoint, s3_client, bucket: str, fault_proxy: FaultProxy, tmp_path: Path
 ) -> None:
+    """One job of 4 ranks resumes a Trainer once per load-sharing mode, each from its own copy of one checkpoint (so
+    the proxy tells the modes' GETs apart), in a new Trainer each: one launch, so each rank imports Lightning once."""
     skip_unless_multirank_backend(s3_server)
-    url = f"s3://{bucket}/run/big-last.ckpt"
-    save = run_ranks(s3_server, s3_server.endpoint_url, "save", url, tmp_path / "save", "--max-steps", "2", world=1)
+    modes = {"node": {0, 2}, "job": {0}, "rank": {0, 1, 2, 3}}
+    url = f"s3://{bucket}/run/big-last-{{sharing}}.ckpt"
+    save_args = ("--sharing", ",".join(modes), "--max-steps", "2")
+    save = run_ranks(s3_server, s3_server.endpoint_url, "save", url, tmp_path / "save", *save_args, world=1)
     assert save == [0], logs(tmp_path / "save", [0])
-    size = s3_client.head_object(Bucket=bucket, Key="run/big-last.ckpt")["ContentLength"]
-    saved = S3CheckpointIO().load_checkpoint(url, weights_only=False)  # verified (moto's own checksum is wrong)
+    sizes = {s3_client.head_object(Bucket=bucket, Key=f"run/big-last-{mode}.ckpt")["ContentLength"] for mode in modes}
+    assert len(sizes) == 1, sizes
+    size = sizes.pop()
+    saved = S3CheckpointIO().load_checkpoint(url.format(sharing="node"), weights_only=False)  # verified
     assert size >= 64 * 2**20 and saved["global_step"] == 2
     ranges_per_download = math.ceil(size / (CHUNK_MIB * 2**20))
     before = shared_files()
 
+    args = ("--sharing", ",".join(modes), "--chunk", str(CHUNK_MIB), "--max-steps", "3")
+    reports = run_job(s3_server, fault_proxy.endpoint_url, "trainer", url, tmp_path / "trainer", *args)
+    assert shared_files() <= before, f"left {shared_files() - before}"
     measured = {}
-    for mode, downloaders in (("node", {0, 2}), ("job", {0}), ("rank", {0, 1, 2, 3})):
-        fault_proxy.clear()
-        args = ("--sharing", mode, "--chunk", str(CHUNK_MIB), "--max-steps", "3")
-        reports = run_job(s3_server, fault_proxy.endpoint_url, "trainer", url, tmp_path / mode, *args)
-        gets = gets_by_rank(fault_proxy, "run/big-last.ckpt")
+    for mode, downloaders in modes.items():
+        gets = gets_by_rank(fault_proxy, f"run/big-last-{mode}.ckpt")
         assert set(gets) == downloaders, f"{mode}: GETs per rank {dict(gets)}"
         assert all(count == ranges_per_download for count in gets.values()), f"{mode}: {dict(gets)}"
-        for report in reports:  # every rank holds exactly what was saved
-            rank, start = report["rank"], report["start"]
-            assert report["node_rank"] == rank // PER_NODE
-            assert start["global_step"] == 2 and start["ckpt_path"] == url, (mode, rank, start)
+        resumes = [report["resumes"][mode] for report in reports]
+        for rank, resume in enumerate(resumes):  # every rank holds exactly what was saved
+            start = resume["start"]
+            assert resume["node_rank"] == rank // PER_NODE
+            assert start["global_step"] == 2 and start["ckpt_path"] == url.format(sharing=mode), (mode, rank, start)
             for name, tensor in saved["state_dict"].items():
                 assert torch.equal(torch.tensor(start["weights"][name]), tensor), (mode, rank, name)
             for index, state in saved["optimizer_states"][0]["state"].items():
                 assert torch.equal(torch.tensor(start["exp_avg"][str(index)]), state["exp_avg"]), (mode, rank)
-            assert report["payload_sha256"] == hashlib.sha256(saved["payload"].numpy()).hexdigest(), (mode, rank)
-        node_ram = [
-            sum(r["pss_during"] - r["pss_before"] for r in reports if r["node"] == node) / size for node in range(NODES)
-        ]
+            assert resume["payload_sha256"] == hashlib.sha256(saved["payload"].numpy()).hexdigest(), (mode, rank)
+        grown = [(r["node"], m["pss_during"] - m["pss_before"]) for r, m in zip(reports, resumes, strict=True)]
+        node_ram = [sum(bytes_ for n, bytes_ in grown if n == node) / size for node in range(NODES)]
         measured[mode] = (sum(gets.values()) / ranges_per_download, node_ram)
-        assert shared_files() <= before, f"{mode}: left {shared_files() - before}"
     print(
         f"\n{size / 2**20:.0f} MiB checkpoint, {WORLD} ranks as {NODES} nodes x {PER_NODE}: "
         + "; ".join(

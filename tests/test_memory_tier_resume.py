@@ -50,6 +50,13 @@ def url(bucket: str, rank: int, step: int) -> str:
     return f"s3://{bucket}/run/rank{rank}/step={step}.ckpt"
 
 
+def skip_unless_moto(s3_server: Any, covered_on_seaweedfs_by: str) -> None:
+    """Skip a scenario on any store but moto (CI time): its S3 requests (a drain's PUTs, rank 0's LIST) are a subset
+    of what `covered_on_seaweedfs_by`, which runs on SeaweedFS too, makes there in the same kind of scenario."""
+    if s3_server.name != "moto":
+        pytest.skip(f"the same store requests as {covered_on_seaweedfs_by} on this store: moto is enough (CI time)")
+
+
 def held_replica(out: Path, holder: int, step: int) -> Path:
     """The file of the replica of the other node's `step` that node `holder` holds."""
     found = [p for p in (out / f"node{holder}").rglob(f"step={step}.ckpt") if "replicas" in p.parts]
@@ -59,6 +66,8 @@ def held_replica(out: Path, holder: int, step: int) -> Path:
 
 @pytest.mark.slow
 def test_a_restart_on_the_same_nodes_reads_every_part_from_memory(s3_server: Any, bucket: str, tmp_path: Path) -> None:
+    """Moto only: SeaweedFS sees the same requests in test_soak.py's tier soak (relaunches that resume from memory)."""
+    skip_unless_moto(s3_server, "test_soak.py's tier soak")
     run_job(s3_server, bucket, tmp_path, "save", "10", "1", "2", "3")  # step 1 on S3, 2 and 3 in memory only
     ranks = run_job(s3_server, bucket, tmp_path, "resume")
     for rank, found in enumerate(ranks):
@@ -67,6 +76,9 @@ def test_a_restart_on_the_same_nodes_reads_every_part_from_memory(s3_server: Any
 
 @pytest.mark.slow
 def test_a_replaced_node_fetches_its_part_from_its_peers_replica(s3_server: Any, bucket: str, tmp_path: Path) -> None:
+    """Moto only: SeaweedFS sees the same requests on node losses in test_both_nodes_lost_resume_the_newest_step_on_s3
+    and test_soak.py's tier soak (a lost node fetches its peer's replica there)."""
+    skip_unless_moto(s3_server, "test_both_nodes_lost_resume_the_newest_step_on_s3")
     run_job(s3_server, bucket, tmp_path, "save", "10", "1", "2", "3")
     shutil.rmtree(tmp_path / "node1")  # node 1 lost: a new node with an empty tier takes its place
     node0, node1 = run_job(s3_server, bucket, tmp_path, "resume")
@@ -100,6 +112,9 @@ def test_a_corrupt_replica_is_skipped_for_s3_at_the_same_step(s3_server: Any, bu
 
 @pytest.mark.slow
 def test_a_step_only_one_node_holds_is_not_chosen(s3_server: Any, bucket: str, tmp_path: Path) -> None:
+    """Moto only: SeaweedFS sees the same requests (S3 older than one node's memory) in
+    test_nemo_resume_if_exists_resumes_the_newest_step_every_node_can_load."""
+    skip_unless_moto(s3_server, "test_nemo_resume_if_exists_resumes_the_newest_step_every_node_can_load")
     run_job(s3_server, bucket, tmp_path, "save", "10", "1", "2", "3")
     for holder in (0, 1):  # node 1 was killed before its step 3, node 0's step 3 never reached node 1: only node
         replica = held_replica(tmp_path, holder, 3)  # 0's memory holds a step 3 (not replicated, not on S3)

@@ -405,7 +405,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing as mp
 
     started = time.monotonic()
-    mp.spawn(_rank_main, args=(args, _free_port()), nprocs=args.world_size, join=True)
+    if args.world_size == 1:  # in this process: a spawned one would import torch and the rest once more
+        _rank_main(0, args, _free_port())
+    else:
+        mp.spawn(_rank_main, args=(args, _free_port()), nprocs=args.world_size, join=True)
     shutil.rmtree(Path(args.out) / "torch-written", ignore_errors=True)
     print(f"{args.world_size} ranks ran {args.scenarios} in {time.monotonic() - started:.1f} s")
     return 0

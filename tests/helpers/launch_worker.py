@@ -94,10 +94,13 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--mib", type=float, default=0.0)
     args = parser.parse_args()
+    from lightning_stand_in import stand_in_for_lightning
+
+    stand_in_for_lightning()  # no Trainer here: the forked ranks' S3CheckpointIO need not import Lightning
     import torch  # noqa: F401
     from throttle_worker import fork_ranks
 
-    import s3_checkpoint_io  # noqa: F401 (Lightning too, as a job's would)
+    import s3_checkpoint_io  # noqa: F401
 
     args.start_at = time.time() + 1.0
     fork_ranks(

@@ -8,12 +8,16 @@ MASTER_PORT): GROUP_RANK is the "node", so 2 nodes x 2 local ranks run on one ma
 Modes (``--mode``):
   load     init gloo, then ``with io.collective_load(): io.load_checkpoint(url)`` (the explicit collective call),
            once per ``--scenarios`` entry
-  trainer  a Lightning DDP Trainer resumes from ``--url`` through the connector (``configure_s3_checkpointing``)
+  trainer  a Lightning DDP Trainer resumes from ``--url`` through the connector (``configure_s3_checkpointing``),
+           once per mode of ``--sharing`` (comma-separated), each in a new Trainer in this one process (one launch
+           instead of one per mode: each rank imports Lightning once); ``{sharing}`` in ``--url`` names the mode
   nemo     NeMo's load: download_fileobj into a BytesIO, then torch.load from it (no sharing); benchmark only
-  save     one process trains ``--max-steps`` and saves a Lightning checkpoint with a ``--payload-mib`` tensor
+  save     one process trains ``--max-steps`` and saves a Lightning checkpoint with a ``--payload-mib`` tensor (to
+           each URL ``--url`` names with ``{sharing}`` set to a mode of ``--sharing``)
 
 Writes ``<out>/rank<N>.json``: outcome (or the error's type and message), seconds from the start of the load until
 it returned, PSS before and while holding the state, what was loaded (sums of tensors), GETs and bytes it received.
+In trainer mode the per-load entries are under ``"resumes"``, by mode.
 """
 
 from __future__ import annotations
@@ -183,7 +187,32 @@ def run_nemo(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> Non
     dist.destroy_process_group()
 
 
+def mode_urls(args: argparse.Namespace) -> dict[str, str]:
+    """Each mode of ``--sharing`` and its checkpoint: ``--url`` with ``{sharing}`` set to the mode."""
+    return {mode: args.url.replace("{sharing}", mode) for mode in args.sharing.split(",")}
+
+
+def measured_module_class(base: type, resume: dict[str, Any]) -> type:
+    """`base` recording into `resume` when the resume starts and while Lightning holds the loaded checkpoint."""
+
+    class Module(base):  # type: ignore[misc, valid-type]
+        def setup(self, stage: str) -> None:
+            self.trainer.strategy.checkpoint_io.s3.client  # noqa: B018 - built before the PSS baseline
+            resume["pss_before"] = pss()
+            resume["started"] = time.time()
+
+        def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            resume["loaded_at"] = time.time()
+            resume["payload_sha256"] = hashlib.sha256(checkpoint["payload"].numpy()).hexdigest()  # reads every page
+            self.trainer.strategy.barrier()  # PSS splits shared pages among the processes mapping them: all have now
+            resume["pss_during"] = pss()  # Lightning holds the whole loaded checkpoint here
+
+    return Module
+
+
 def run_trainer(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> None:
+    import gc
+
     import lightning.pytorch as pl
     from tiny_lightning import close_process_group, tiny_module_class
 
@@ -193,57 +222,60 @@ def run_trainer(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> 
     world_size = int(os.environ["WORLD_SIZE"])
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
     base = tiny_module_class(pl, outputs=2, seed=1234 + rank, samples=256, data_seed=7)
-
-    class Module(base):  # type: ignore[misc, valid-type]
-        def setup(self, stage: str) -> None:
-            self.trainer.strategy.checkpoint_io.s3.client  # noqa: B018 - built before the PSS baseline
-            report["pss_before"] = pss()
-            report["started"] = time.time()
-
-        def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-            report["loaded_at"] = time.time()
-            report["payload_sha256"] = hashlib.sha256(checkpoint["payload"].numpy()).hexdigest()  # reads every page
-            self.trainer.strategy.barrier()  # PSS splits shared pages among the processes mapping them: all have now
-            report["pss_during"] = pss()  # Lightning holds the whole loaded checkpoint here
-
-    config = {
-        "s3_checkpointing": {
-            "max_write_concurrency": 2,
-            "max_read_concurrency": args.concurrency,
-            "chunk_size_MB": args.chunk,
-            "enable_async_checkpointing": False,
-            "load_sharing": args.sharing,
-        },
-        "exp_manager": {  # saves nothing: the test is about the load
-            "checkpoint_callback_params": {"dirpath": args.url.rpartition("/")[0], "save_top_k": 0, "save_last": False}
-        },
-    }
-    trainer = pl.Trainer(
-        strategy="ddp",
-        accelerator="cpu",
-        devices=local_world_size,
-        num_nodes=world_size // local_world_size,
-        max_steps=int(args.max_steps),
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=True,
-    )
-    settings = S3ClientSettings(user_agent_extra=f"rank/{rank}", max_pool_connections=8)
-    connector.configure_s3_checkpointing(trainer, config, client_settings=settings)
-    model = Module()
-    trainer.fit(model, ckpt_path=args.url)
-    start = model.started_at
-    assert start is not None
-    report["start"] = {
-        "global_step": start["global_step"],
-        "ckpt_path": start["ckpt_path"],
-        "weights": {name: tensor.tolist() for name, tensor in start["weights"].items()},
-        "exp_avg": {str(k): state["exp_avg"].tolist() for k, state in start["optimizer_state"].items()},
-    }
-    report["node_rank"] = trainer.node_rank
-    write_report(args, rank, report)
+    report["resumes"] = {}
+    for sharing, url in mode_urls(args).items():  # a new Trainer and module per mode, as a new launch would make
+        resume: dict[str, Any] = {}
+        Module = measured_module_class(base, resume)
+        config = {
+            "s3_checkpointing": {
+                "max_write_concurrency": 2,
+                "max_read_concurrency": args.concurrency,
+                "chunk_size_MB": args.chunk,
+                "enable_async_checkpointing": False,
+                "load_sharing": sharing,
+            },
+            "exp_manager": {  # saves nothing: the test is about the load
+                "checkpoint_callback_params": {"dirpath": url.rpartition("/")[0], "save_top_k": 0, "save_last": False}
+            },
+        }
+        trainer = pl.Trainer(
+            strategy="ddp",
+            accelerator="cpu",
+            devices=local_world_size,
+            num_nodes=world_size // local_world_size,
+            max_steps=int(args.max_steps),
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=True,
+        )
+        settings = S3ClientSettings(user_agent_extra=f"rank/{rank}", max_pool_connections=8)
+        connector.configure_s3_checkpointing(trainer, config, client_settings=settings)
+        model = Module()
+        trainer.fit(model, ckpt_path=url)
+        start = model.started_at
+        assert start is not None
+        resume["start"] = {
+            "global_step": start["global_step"],
+            "ckpt_path": start["ckpt_path"],
+            "weights": {name: tensor.tolist() for name, tensor in start["weights"].items()},
+            "exp_avg": {str(k): state["exp_avg"].tolist() for k, state in start["optimizer_state"].items()},
+        }
+        resume["node_rank"] = trainer.node_rank
+        report["resumes"][sharing] = resume
+        write_report(args, rank, report)
+        del trainer, model, start
+        gc.collect()  # the next mode's PSS baseline without this one's checkpoint
+        trainer_barrier()
     close_process_group()  # Lightning leaves it open: alive at exit, it can abort a finished rank
+
+
+def trainer_barrier() -> None:
+    """Every rank done with one mode before any starts the next (the next Trainer reuses the process group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def run_save(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> None:
@@ -272,7 +304,8 @@ def run_save(args: argparse.Namespace, rank: int, report: dict[str, Any]) -> Non
         plugins=[S3CheckpointIO(chunk_size_MB=args.chunk)],
     )
     trainer.fit(Module())
-    trainer.save_checkpoint(args.url)
+    for url in dict.fromkeys(mode_urls(args).values()):
+        trainer.save_checkpoint(url)
 
 
 def main() -> None:
@@ -290,6 +323,10 @@ def main() -> None:
     parser.add_argument("--payload-mib", type=float, default=64)
     parser.add_argument("--scenarios", help="load mode: JSON list of loads to make in turn (see run_load)")
     args = parser.parse_args()
+    if args.mode == "load":  # no Trainer: spare each rank the import of Lightning an S3CheckpointIO would make
+        from lightning_stand_in import stand_in_for_lightning
+
+        stand_in_for_lightning()
     rank = int(os.environ["RANK"])
     report: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "node": int(os.environ["GROUP_RANK"])}
     modes = {"load": run_load, "trainer": run_trainer, "nemo": run_nemo, "save": run_save}

@@ -795,7 +795,10 @@ def main(argv: list[str] | None = None) -> int:
     from s3_local_servers import free_port
 
     started = time.monotonic()
-    mp.spawn(_rank_main, args=(args, free_port()), nprocs=args.world_size, join=True)
+    if args.world_size == 1:  # in this process: a spawned one would import torch and the rest once more
+        _rank_main(0, args, free_port())
+    else:
+        mp.spawn(_rank_main, args=(args, free_port()), nprocs=args.world_size, join=True)
     print(f"{args.world_size} ranks ran {args.scenarios} in {time.monotonic() - started:.1f} s")
     return 0
 

@@ -32,7 +32,6 @@ the tier: when its drain's record appears, never for the memory copy). "resumed"
 
 from __future__ import annotations
 
-import abc
 import argparse
 import datetime
 import faulthandler
@@ -43,17 +42,11 @@ import signal
 import sys
 import threading
 import time
-import types
 from typing import Any
 
-# A plain loop, no Trainer: S3CheckpointIO registers itself as a Lightning CheckpointIO, and importing Lightning costs
-# each rank seconds of CPU per launch (3 s idle, 9 s on this shared machine under load). Here a bare ABC stands in
-# for Lightning's, so the job does everything but that import.
-_checkpoint_io = types.ModuleType("lightning.fabric.plugins.io.checkpoint_io")
-_checkpoint_io.CheckpointIO = type("CheckpointIO", (abc.ABC,), {})  # type: ignore[attr-defined]
-sys.modules.setdefault(_checkpoint_io.__name__, _checkpoint_io)
-for _other in ("lightning_fabric", "pytorch_lightning"):  # the standalone packages: not imported either
-    sys.modules.setdefault(_other, None)  # type: ignore[arg-type]
+from lightning_stand_in import stand_in_for_lightning
+
+stand_in_for_lightning()  # a plain loop, no Trainer: the job does everything but import Lightning
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

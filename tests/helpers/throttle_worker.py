@@ -48,11 +48,15 @@ def main() -> None:
     parser.add_argument("--per-node", type=int, required=True)
     parser.add_argument("--mib", type=float, default=6.0, help="size of each single-file checkpoint's tensor")
     args = parser.parse_args()
-    # Import once, then fork the ranks: 8 interpreters importing torch and Lightning each would take most of a minute
-    # of CPU on a small machine. Nothing has started a thread or an S3 client yet (clients and pacers are per pid).
+    # Import once, then fork the ranks: 8 interpreters importing torch each would take most of a minute of CPU on a
+    # small machine. Nothing has started a thread or an S3 client yet (clients and pacers are per pid). No Trainer
+    # here: a stand-in spares each rank the import of Lightning that building an S3CheckpointIO would make.
+    from lightning_stand_in import stand_in_for_lightning
+
+    stand_in_for_lightning()
     import torch.distributed.checkpoint  # noqa: F401
 
-    import s3_checkpoint_io  # noqa: F401 (imports Lightning too, as a job's would)
+    import s3_checkpoint_io  # noqa: F401
     import s3_dcp  # noqa: F401
 
     def environment(rank: int) -> dict[str, str]:

@@ -19,12 +19,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from lightning_stand_in import stand_in_for_lightning
 
 from s3_checkpoint_io import S3CheckpointIO
 from s3_memory_tier import MemoryTier
 
 
 def main() -> None:
+    stand_in_for_lightning()  # no Trainer here: S3CheckpointIO need not import Lightning (lightning_stand_in.py)
     bucket, out, saves = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from lightning_stand_in import stand_in_for_lightning
 
 import connector
 from s3_checkpoint_io import S3CheckpointIO
@@ -32,6 +33,7 @@ def state(rank: int, step: int) -> dict[str, object]:
 
 
 def main() -> None:
+    stand_in_for_lightning()  # no Trainer here: S3CheckpointIO need not import Lightning (lightning_stand_in.py)
     bucket, out, phase = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo")
     rank = dist.get_rank()

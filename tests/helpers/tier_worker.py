@@ -18,12 +18,14 @@ import sys
 import threading
 
 import torch
+from lightning_stand_in import stand_in_for_lightning
 
 from s3_checkpoint_io import S3CheckpointIO
 from s3_memory_tier import MemoryTier
 
 
 def main() -> None:
+    stand_in_for_lightning()  # no Trainer here: S3CheckpointIO need not import Lightning (lightning_stand_in.py)
     mode = sys.argv[1]
     if mode in ("save", "save-remove"):
         url, root, job, seed = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
