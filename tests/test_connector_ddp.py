@@ -54,8 +54,26 @@ def rank_of(request: RecordedRequest) -> int:
 def run_job(
     server: S3Endpoint, proxy: FaultProxy, mode: str, dirpath: str, world_size: int, max_steps: int, out: Path
 ) -> Job:
-    """Start `world_size` worker processes (one per rank) and wait for all of them."""
+    """Start `world_size` worker processes (one per rank) and wait for all of them; once more if the rendezvous port
+    was taken between `free_port` and rank 0's bind (EADDRINUSE: another process's connection, on a busy machine)."""
     out.mkdir(parents=True)
+    for attempt in range(2):
+        failed = _run_ranks(server, proxy, mode, dirpath, world_size, max_steps, out)
+        clash = any("EADDRINUSE" in (out / f"rank{r}.log").read_text() for r in failed)
+        if not failed or attempt or not clash:
+            break
+        for stale in out.glob("rank*"):
+            stale.unlink()
+    if failed:
+        logs = "\n".join(f"--- rank {r} ---\n" + (out / f"rank{r}.log").read_text()[-4000:] for r in failed)
+        pytest.fail(f"{mode} job with {world_size} ranks failed on ranks {failed}:\n{logs}")
+    return Job([json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)], proxy.requests)
+
+
+def _run_ranks(
+    server: S3Endpoint, proxy: FaultProxy, mode: str, dirpath: str, world_size: int, max_steps: int, out: Path
+) -> list[int]:
+    """One start of the job's ranks: the ranks that failed."""
     proxy.clear()
     base = {k: v for k, v in os.environ.items() if not _LAUNCHER_VARIABLES.match(k)}
     base.update(server.env())
@@ -90,10 +108,7 @@ def run_job(
                 proc.kill()
                 proc.wait()
             log.close()
-    if failed:
-        logs = "\n".join(f"--- rank {r} ---\n" + (out / f"rank{r}.log").read_text()[-4000:] for r in failed)
-        pytest.fail(f"{mode} job with {world_size} ranks failed on ranks {failed}:\n{logs}")
-    return Job([json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)], proxy.requests)
+    return failed
 
 
 def load_checkpoint(s3_client, bucket: str, key: str) -> dict:
