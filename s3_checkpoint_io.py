@@ -685,6 +685,8 @@ class S3CheckpointIO:
             tier.claim()
             self._tier = tier
             if _s3.global_rank() == 0:
+                for copy in tier.removed_while_draining():
+                    tier.remove(copy.url, copy)
                 for copy in reversed(tier.pending_drains()):  # newest first: the newest checkpoint is durable soonest
                     logger.warning("memory tier: finishing the drain of %s to S3 a previous process began", copy.url)
                     self._submit(copy.url, self._drain_now, copy)
@@ -796,7 +798,7 @@ class S3CheckpointIO:
         if not draining:
             self.node_tier().remove(path)
         elif (copy := self.node_tier().copy_of(path)) is not None and copy.drain == "pending":
-            self._tier.set_drain(copy, "removed")  # killed before the drain ends: no relaunch uploads it; prunable
+            self._tier.mark_removed(copy)  # killed before the drain ends: the relaunch drops it, uploads nothing
 
     def _load_from_tier(
         self, path: str, armed: _CollectiveLoad | None, load_kwargs: dict[str, Any], started: float

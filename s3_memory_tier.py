@@ -20,7 +20,7 @@ docs/tiers.md shows the user's side.
    pages (no copy by the training process), checking the bytes against the commit record before S3 commits them.
    The commit record says ``"drain": "pending"`` from the moment a drain is decided until S3 has the object, so a
    relaunch finishes a drain a kill cut short (`NodeTier.pending_drains`, newest first), unless the checkpoint's
-   removal was asked for meanwhile (``"removed"``: no relaunch uploads it, and `prune` may drop it).
+   removal was asked for meanwhile (``"removed": true``, `NodeTier.mark_removed`: the relaunch drops it instead).
 
 6. Replication (with the sibling `s3_tier_replication`): `TierReplication`, started collectively by
    `S3CheckpointIO.start_replication`, runs each node's replica server on ``<job>/replicas`` and sends every
@@ -713,19 +713,32 @@ class NodeTier:
         """Committed checkpoints whose drain to S3 was decided and not finished (a kill cut it short), oldest first;
         with `files_of_checkpoints`, instead the files of multi-file checkpoints (DCP's, `s3_dcp_tier`), which drain
         in their own order."""
-        pending = [copy for copy in self.copies() if copy.drain == "pending"]
+        pending = [copy for copy in self.copies() if copy.drain == "pending" and not copy.record.get("removed")]
         return [copy for copy in pending if bool(copy.record.get("checkpoint")) == files_of_checkpoints]
+
+    def removed_while_draining(self) -> list[TierCopy]:
+        """Copies whose removal was asked for while their drain ran (`mark_removed`) and whose drain never ended (a
+        kill): a relaunch drops them (no upload: the checkpoint was removed)."""
+        return [copy for copy in self.copies() if copy.drain == "pending" and copy.record.get("removed")]
 
     # ---- drain ---------------------------------------------------------------------------------------------------
 
     def set_drain(self, copy: TierCopy, state: str) -> TierCopy:
-        """Record the drain state of `copy` (``"pending"``, ``"done"``, ``"removed"``) in its commit record, if it is
-        still the committed copy (a newer save of the same URL keeps its own state)."""
+        """Record the drain state of `copy` (``"pending"``, ``"done"``) in its commit record, if it is still the
+        committed copy (a newer save of the same URL keeps its own state)."""
+        return self._update_record(copy, drain=state)
+
+    def mark_removed(self, copy: TierCopy) -> TierCopy:
+        """Record that the removal of `copy` was asked for while its drain runs: the drain still reads it, but a
+        relaunch finds no drain to finish there (`pending_drains`) and drops it."""
+        return self._update_record(copy, removed=True)
+
+    def _update_record(self, copy: TierCopy, **fields: Any) -> TierCopy:
         with self._lock:
             current = self.copy_of(copy.url)
             if current is None or current.record.get("sequence") != copy.record.get("sequence"):
                 return copy
-            record = {**current.record, "drain": state}
+            record = {**current.record, **fields}
             _write_json_atomically(self.record_path(copy.path), record)
         return TierCopy(copy.url, copy.path, record)
 

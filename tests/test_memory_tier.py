@@ -238,8 +238,8 @@ def test_a_relaunch_does_not_drain_a_checkpoint_whose_removal_was_asked_for_whil
 ) -> None:
     """A kill during a drain whose checkpoint was removed meanwhile (top-k, the "-last" clean-up) left it pending: each
     relaunch uploaded it, and memory held every such copy (a prune keeps pending drains), so under frequent kills
-    the backlog grew and S3 fell ever further behind. Its record now says so: no relaunch uploads it, prune drops it;
-    a relaunch finishes the other drains newest first."""
+    the backlog grew and S3 fell ever further behind. Its record now says so: the relaunch drops it and uploads
+    nothing of it; it finishes the other drains newest first."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     removed, kept = f"s3://{bucket}/run/step=7-last.ckpt", f"s3://{bucket}/run/step=8.ckpt"
     for mode, url, seed in (("save-remove", removed, "7"), ("save", kept, "8")):  # the second: a relaunch, killed
@@ -257,7 +257,27 @@ def test_a_relaunch_does_not_drain_a_checkpoint_whose_removal_was_asked_for_whil
     assert relaunch.returncode == 0, relaunch.stderr[-3000:]
     assert [record[1] for record in json.loads(relaunch.stdout.strip().splitlines()[-1])] == [kept]
     assert s3_keys(s3_client, bucket) == ["run/step=8.ckpt"]
-    assert tier.copy_of(removed) is None or tier.copy_of(removed).drain == "removed"
+    assert tier.copy_of(removed) is None
+
+
+def test_a_checkpoint_removed_while_its_drain_runs_is_still_drained_whatever_newer_saves_prune(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """The "-last" clean-up removes a checkpoint whose drain to S3 is slow; newer saves prune the tier meanwhile: the
+    copy stays until its drain has read it (a prune that dropped it made the drain fail, raised at the next save)."""
+    urls = [f"s3://{bucket}/run/step={step}-last.ckpt" for step in range(1, 7)]
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        proxy.add_rule(FaultRule(Fault.stall(3.0), method="PUT", times=1))  # the first drain is slow
+        plugin = S3CheckpointIO(
+            chunk_size_MB=5, endpoint_url=proxy.endpoint_url,
+            memory_tier=MemoryTier(root=str(tmp_path), job="job-1", keep=1, drain_every=3),
+        )  # fmt: skip
+        plugin.save_checkpoint(make_checkpoint(1, mib=0.5), urls[0])  # the first save drains (slowly); the 4th's
+        for step in range(2, 7):  # drain waits behind it while step 5's save removes step 4 and prunes
+            plugin.save_checkpoint(make_checkpoint(step, mib=0.5), urls[step - 1])
+            plugin.remove_checkpoint(urls[step - 2])  # the "-last" clean-up; each save prunes to keep=1
+        plugin.teardown()  # raises what a drain raised
+    assert s3_keys(s3_client, bucket) == ["run/step=6-last.ckpt"]  # the older ones went once a newer one was there
 
 
 def test_a_load_from_memory_does_not_wait_for_that_checkpoints_drain_to_s3(
