@@ -260,6 +260,16 @@ def test_a_relaunch_does_not_drain_a_checkpoint_whose_removal_was_asked_for_whil
     assert tier.copy_of(removed) is None
 
 
+def slow_first_drain(proxy: FaultProxy, root: Path) -> S3CheckpointIO:
+    """A plugin through `proxy` whose first drain is slow (its first PUT stalls 3 s), keeping one copy in memory and
+    draining every third save: later drains wait in the queue behind the first."""
+    proxy.add_rule(FaultRule(Fault.stall(3.0), method="PUT", times=1))
+    return S3CheckpointIO(
+        chunk_size_MB=5, endpoint_url=proxy.endpoint_url,
+        memory_tier=MemoryTier(root=str(root), job="job-1", keep=1, drain_every=3),
+    )  # fmt: skip
+
+
 def test_a_checkpoint_removed_while_its_drain_runs_is_still_drained_whatever_newer_saves_prune(
     s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path
 ) -> None:
@@ -267,11 +277,7 @@ def test_a_checkpoint_removed_while_its_drain_runs_is_still_drained_whatever_new
     copy stays until its drain has read it (a prune that dropped it made the drain fail, raised at the next save)."""
     urls = [f"s3://{bucket}/run/step={step}-last.ckpt" for step in range(1, 7)]
     with FaultProxy(s3_server.endpoint_url) as proxy:
-        proxy.add_rule(FaultRule(Fault.stall(3.0), method="PUT", times=1))  # the first drain is slow
-        plugin = S3CheckpointIO(
-            chunk_size_MB=5, endpoint_url=proxy.endpoint_url,
-            memory_tier=MemoryTier(root=str(tmp_path), job="job-1", keep=1, drain_every=3),
-        )  # fmt: skip
+        plugin = slow_first_drain(proxy, tmp_path)
         plugin.save_checkpoint(make_checkpoint(1, mib=0.5), urls[0])  # the first save drains (slowly); the 4th's
         for step in range(2, 7):  # drain waits behind it while step 5's save removes step 4 and prunes
             plugin.save_checkpoint(make_checkpoint(step, mib=0.5), urls[step - 1])
@@ -308,11 +314,7 @@ def test_a_url_saved_again_while_its_drain_waits_in_the_queue_is_kept_and_draine
     (the pruned copy made the drain fail with FileNotFoundError, raised at the next save)."""
     url = f"s3://{bucket}/run/step=4-last.ckpt"
     with FaultProxy(s3_server.endpoint_url) as proxy:
-        proxy.add_rule(FaultRule(Fault.stall(3.0), method="PUT", times=1))  # the first drain is slow
-        plugin = S3CheckpointIO(
-            chunk_size_MB=5, endpoint_url=proxy.endpoint_url,
-            memory_tier=MemoryTier(root=str(tmp_path), job="job-1", keep=1, drain_every=3),
-        )  # fmt: skip
+        plugin = slow_first_drain(proxy, tmp_path)
         for step in (1, 2, 3):
             plugin.save_checkpoint(make_checkpoint(step), f"s3://{bucket}/run/step={step}-last.ckpt")
         plugin.save_checkpoint(make_checkpoint(4), url)  # the 4th save: its drain is queued behind the first

@@ -45,6 +45,15 @@ def _readers(routing: Any) -> list[Any]:
     return made
 
 
+def _first_reads(readers: list[Any]) -> dict[str, str]:
+    """Each file's name: the tier its first read came from."""
+    first: dict[str, str] = {}
+    for reader in readers:
+        for url, source in reader.tier_sources.items():
+            first.setdefault(url.rsplit("/", 1)[-1], source[1] if source else "s3")
+    return first
+
+
 def _tiers_read(readers: list[Any]) -> list[str]:
     return sorted({source[1] if source else "s3" for r in readers for source in r.tier_sources.values()})
 
@@ -230,10 +239,7 @@ def scenario_two_nodes(ctx: Any) -> dict[str, Any]:
             loaded = _load_and_compare(ctx, agreement.url, agreement.step)
         finally:
             del routing.reader
-        first_reads: dict[str, str] = {}
-        for reader in readers:
-            for url, source in reader.tier_sources.items():
-                first_reads.setdefault(url.rsplit("/", 1)[-1], source[1] if source else "s3")
+        first_reads = _first_reads(readers)
         ctx.barrier()  # no replica server goes while the other node still fetches from it
         return {
             "differences": loaded["differences"],
@@ -304,10 +310,7 @@ def _nemo_two_nodes(ctx: Any, where: str, nemo_class: Any) -> dict[str, Any]:
             loaded = io.load_checkpoint(step7, sharded_state_dict=sharded_state(ctx, 7, True))
         finally:
             del routing.reader
-        first_reads: dict[str, str] = {}
-        for reader in readers:
-            for url, source in reader.tier_sources.items():
-                first_reads.setdefault(url.rsplit("/", 1)[-1], source[1] if source else "s3")
+        first_reads = _first_reads(readers)
         ctx.barrier()  # no replica server goes while the other node still fetches from it
         return {"differences": differences(ctx, loaded, 7), "replicated": True, "on_s3": on_s3,
                 "content_metadata": content, "first_reads": first_reads}  # fmt: skip
