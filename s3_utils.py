@@ -594,14 +594,24 @@ class S3ClientSettings:
         )
 
 
-_clients: dict[tuple[int, S3ClientSettings], Any] = {}
+_clients: dict[tuple[int, S3ClientSettings, tuple[tuple[str, str], ...]], Any] = {}
 _clients_lock = threading.Lock()
 
 
+def _proxy_environment() -> tuple[tuple[str, str], ...]:
+    """The ``*_proxy`` variables botocore reads when it builds a client (``HTTP_PROXY``, ``NO_PROXY``, ...).
+
+    A client keeps the proxies of the moment it was built, so a client built before the variables changed is not the
+    client the same settings give now.
+    """
+    return tuple(sorted((name, value) for name, value in os.environ.items() if name.lower().endswith("_proxy")))
+
+
 def get_s3_client(settings: S3ClientSettings | None = None) -> Any:
-    """The process-wide boto3 S3 client for these settings (thread-safe), per process id (a fork builds its own)."""
+    """The process-wide boto3 S3 client for these settings and proxy variables (thread-safe), per process id (a
+    fork builds its own)."""
     settings = (settings or S3ClientSettings()).resolved()
-    key = (os.getpid(), settings)
+    key = (os.getpid(), settings, _proxy_environment())
     client = _clients.get(key)
     if client is not None:
         return client

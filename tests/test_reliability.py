@@ -175,7 +175,9 @@ def make_plugin(fault_proxy: FaultProxy, bucket: str) -> Iterator[Callable[..., 
     def build(mode: str, policy: RetryPolicy = FAST, **kwargs: Any) -> S3CheckpointIO:
         settings = S3ClientSettings(
             endpoint_url=fault_proxy.endpoint_url,
-            read_timeout_s=2,
+            # Wide enough for SeaweedFS on a busy CI machine (two test workers on two cores answer in seconds at
+            # times); no test here waits on a hung read: stalls end in a dropped connection.
+            read_timeout_s=10,
             connect_timeout_s=2,
             max_pool_connections=16,
             user_agent_extra=f"reliability-{uuid.uuid4().hex[:8]}",  # a fresh client: no connection reuse across tests

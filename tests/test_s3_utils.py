@@ -8,6 +8,7 @@ import io
 import os
 import threading
 import tracemalloc
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -224,6 +225,23 @@ class TestClient:
         assert client.meta.endpoint_url == s3_server.endpoint_url
         assert client.meta.config.max_pool_connections == 17
         assert get_s3_client(S3ClientSettings(endpoint_url=s3_server.endpoint_url)) is not client
+
+    def test_a_changed_proxy_environment_gets_its_own_client(self, s3_server, monkeypatch) -> None:
+        """A client keeps the proxies of the moment it was built: a cached one must not outlive a change of them."""
+        from botocore.exceptions import ProxyConnectionError
+
+        for name in ("HTTP_PROXY", "http_proxy", "NO_PROXY", "no_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        settings = S3ClientSettings(endpoint_url=s3_server.endpoint_url, user_agent_extra=f"proxy-{uuid.uuid4().hex}")
+        direct = get_s3_client(settings)
+        monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # nothing listens there
+        proxied = get_s3_client(settings)
+        assert proxied is not direct
+        with pytest.raises(ProxyConnectionError):
+            proxied.list_buckets()
+        direct.list_buckets()
+        monkeypatch.delenv("HTTP_PROXY")
+        assert get_s3_client(settings) is direct
 
     def test_class_level_calls_use_the_environment_endpoint(self, s3_server, bucket: str) -> None:
         assert S3Utils().client.meta.endpoint_url == s3_server.endpoint_url
