@@ -314,7 +314,8 @@ RETRIABLE_HTTP_STATUSES = frozenset({500, 502, 503, 504})
 
 
 class TransientTransferError(IOError):
-    """A response ended early or was shorter than promised; retrying the request may succeed."""
+    """A response ended early or was shorter than promised; retrying the request may succeed. Package-internal
+    (docs/api.md)."""
 
 
 @dataclass(frozen=True)
@@ -1028,6 +1029,14 @@ class S3ObjectInfo:
     def url(self) -> str:
         return _object_url(self.bucket, self.key)
 
+    @classmethod
+    def of_response(cls, bucket: str, key: str, response: dict[str, Any]) -> S3ObjectInfo:
+        """The object a HEAD or a whole-object GET (``ChecksumMode="ENABLED"``) answered about: the same headers."""
+        checksums = {name: value for name, value in response.items() if name.startswith("Checksum")}
+        checksums.pop("ChecksumType", None)
+        return cls(bucket, key, response["ContentLength"], response.get("ETag", ""), response.get("LastModified"),
+                   checksums, response.get("ChecksumType"), dict(response.get("Metadata") or {}))
+
 
 @dataclass(frozen=True)
 class MultipartUploadInfo:
@@ -1417,18 +1426,7 @@ class S3Utils:
         if not key or key.endswith("/"):
             raise IsADirectoryError(f"{url} names a directory (or bucket), not an object; give the object's key")
         response = self.call("head_object", url, Bucket=bucket, Key=key, ChecksumMode="ENABLED")
-        return S3ObjectInfo(
-            bucket=bucket,
-            key=key,
-            size=response["ContentLength"],
-            etag=response.get("ETag", ""),
-            last_modified=response.get("LastModified"),
-            checksums={
-                name: response[name] for name in response if name.startswith("Checksum") and name != "ChecksumType"
-            },
-            checksum_type=response.get("ChecksumType"),
-            metadata=dict(response.get("Metadata") or {}),
-        )
+        return S3ObjectInfo.of_response(bucket, key, response)
 
     @_ClassOrInstanceMethod
     def list_objects(self, s3_path: str | os.PathLike[str], *, include_sidecars: bool = False) -> list[S3ObjectInfo]:
@@ -2071,7 +2069,7 @@ def _read_body_into(body: Any, views: list[memoryview]) -> int:
 
 REFERENCE_PATHS_ENV = "S3CKPT_REFERENCE_PATHS"  # `FAST_PATHS` names (or ``all``) to take their reference path
 
-FAST_PATHS = ("borrowed_parts", "framing_reuse", "direct_reads", "scatter_reads", "span_reads")
+FAST_PATHS = ("borrowed_parts", "framing_reuse", "direct_reads", "scatter_reads", "span_reads", "one_get_records")
 """The fast paths behind the switch (docs/internals.md); one gaining under 5% in benchmarks/realistic.md goes."""
 
 

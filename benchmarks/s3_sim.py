@@ -455,10 +455,10 @@ def rank_phases(work: Workload, rank: int, node_keys: list[str]) -> list[list[tu
             [("write", key, n) for n in sizes],  # UploadPart
             [("write", key + ".rec", 256)] * work.extra_writes_per_file + [("write", key, 0)],  # (record,) Complete
         ]
-    if work.kind == "dcp":  # every rank reads .metadata (HEAD + GET), then its own file's ranges
-        meta = key_of(work, ".metadata", 0)
+    if work.kind == "dcp":  # every rank reads .metadata, then the item record (one GET each), then its file's ranges
+        meta, items = key_of(work, ".metadata", 0), key_of(work, ".s3ckpt-items.json", 0)
         key = key_of(work, f"__{rank}_0.distcp", rank)
-        return [[("read", meta, 0), ("read", meta, 64 * 1024)], [("read", key, n) for n in sizes]]
+        return [[("read", meta, 64 * 1024)], [("read", items, 64 * 1024)], [("read", key, n) for n in sizes]]
     # single-file load: the ranks that download (the package's own decision), each HEAD (+1 when shared) + ranges
     if rank not in work_downloaders(work, node_keys):
         return None
@@ -603,7 +603,7 @@ def bandwidth_bound_s(work: Workload, client: ClientParams, s3: S3Params, concur
         per_host_streams = min(concurrency, parts)  # one downloader per host (node mode)
     stream_rate = min(s3.conn_bytes_per_s, s3.host_bytes_per_s / per_host_streams)
     transfer = rounds * (s3.latency_s + min(part, size) / stream_rate)
-    fixed = 2 * s3.latency_s  # create + complete (save); HEAD + metadata (load)
+    fixed = 2 * s3.latency_s  # create + complete (save); two small reads first (load: .metadata and item record)
     if work.kind == "dcp" and work.direction == "save":
         fixed += 2 * s3.latency_s  # then the coordinator's checksum record and .metadata, one after the other
     return transfer + fixed

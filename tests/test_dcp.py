@@ -805,6 +805,61 @@ def test_corrupted_shard_in_transit_raises_checksum_mismatch(
     assert f"{url}/__0_0.distcp" in str(failure) and "corrupt" in str(failure)
 
 
+def _record_requests(proxy: Any) -> list[tuple[str, str]]:
+    """(method, file name) of each request to a checkpoint's records (``.metadata``, the item record)."""
+    return [
+        (r.method, r.path.rsplit("/", 1)[-1])
+        for r in proxy.requests
+        if r.path.endswith((".metadata", s3_dcp.ITEM_CHECKSUMS_NAME))
+    ]
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["one-get", "reference"])
+def test_the_records_every_rank_reads_take_one_get_each(
+    reference: bool, bucket: str, fault_proxy: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At thousands of ranks every rank reads ``.metadata`` and the item record in the same second: one GET each,
+    no HEAD first (the reference path, a download, sends a HEAD and then the GET)."""
+    monkeypatch.setenv(s3_utils.REFERENCE_PATHS_ENV, "one_get_records" if reference else "")
+    url, state = f"s3://{bucket}/ckpt", _state()
+    _save(state, url)
+    loaded = _empty_like(state)
+    settings = s3_utils.S3ClientSettings(endpoint_url=fault_proxy.endpoint_url)
+    dcp.load(loaded, storage_reader=_reader(url, client_settings=settings), no_dist=True)
+    _assert_same(loaded, state)
+    records = _record_requests(fault_proxy)
+    names = (".metadata", s3_dcp.ITEM_CHECKSUMS_NAME)
+    if reference:
+        assert sorted(records) == sorted([*(("GET", n) for n in names), *(("HEAD", n) for n in names)])
+    else:
+        assert sorted(records) == sorted(("GET", n) for n in names)
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "too-large"])
+def test_a_record_read_in_one_get_falls_back_to_the_reference_path(
+    fault: str, bucket: str, fault_proxy: Any, s3_client: Any
+) -> None:
+    """A record whose one GET does not match its recorded checksum is read again by a verified download, which
+    names the URL and what is wrong; one larger than a chunk is read by parallel ranged GETs instead."""
+    url = f"s3://{bucket}/ckpt"
+    settings = s3_utils.S3ClientSettings(endpoint_url=fault_proxy.endpoint_url)
+    if fault == "corrupt":
+        _save(_state(), url)
+        fault_proxy.add_rule(FaultRule(Fault.corrupt_body(offset=10), method="GET", path_regex=r"\.metadata$"))
+        with pytest.raises(CheckpointException) as caught:
+            dcp.load(_empty_like(_state()), storage_reader=_reader(url, client_settings=settings), no_dist=True)
+        assert f"{url}/.metadata is corrupt" in str(_failure(caught))  # torch then tried a rank's own metadata
+        sent = [method for method, name in _record_requests(fault_proxy) if name == ".metadata"]
+        assert sent == ["GET", "HEAD", "GET"]  # the one GET, then the reference path's download
+        return
+    payload = bytes(range(256)) * (6 * 1024 * 4)  # 6 MiB: more than the reader's 5 MiB chunk
+    s3_client.put_object(Bucket=bucket, Key="ckpt/.metadata", Body=payload)
+    reader = _reader(url, client_settings=settings)
+    assert reader._read_whole(f"{url}/.metadata") == payload
+    methods = [r.method for r in fault_proxy.requests if r.path.endswith(".metadata")]
+    assert methods[:2] == ["GET", "HEAD"] and methods.count("GET") == 3  # 2 ranges of 5 MiB after the first answer
+
+
 def test_corrupted_foreign_file_in_transit_raises_checksum_mismatch(
     bucket: str, fault_proxy: Any, tmp_path: Path
 ) -> None:
