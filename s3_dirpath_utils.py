@@ -407,3 +407,22 @@ def s3_dir_prefix(url: str | os.PathLike[str], *, strict_bucket_names: bool | No
     the bucket root), so ``s3://b/ckpt`` lists ``ckpt/...`` but not ``ckpt_old/...``."""
     bucket, key = parse_s3_url(url, strict_bucket_names=strict_bucket_names)
     return bucket, (key.rstrip("/") + "/" if key else "")
+
+
+# ---- prefix spreading's directories (s3_prefix_spreading lays them out; s3_utils paces each apart) ------------------
+
+SPREAD_SEGMENT_PREFIX = "s3ckpt-spread-"  # Package-internal (docs/api.md)
+"""The start of a spread directory's key segment; its hexadecimal index follows (``run/s3ckpt-spread-03/``).
+Package-internal (docs/api.md)."""
+
+
+def spread_prefix(key: str) -> str:
+    """`key` up to and including its first spread segment (``run/s3ckpt-spread-03/`` for
+    ``run/s3ckpt-spread-03/step-200/__3_0.distcp``, also for the directory ``run/s3ckpt-spread-03/``); ``""`` for a
+    key in no spread directory. S3 serves each such prefix from a partition of its own once it has split them, so the
+    request pacer paces each apart (`s3_utils.request_pacer`). Package-internal (docs/api.md)."""
+    parts = key.split("/")
+    for index, part in enumerate(parts[:-1]):
+        if part.startswith(SPREAD_SEGMENT_PREFIX):
+            return "/".join(parts[: index + 1]) + "/"
+    return ""

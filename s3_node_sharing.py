@@ -209,7 +209,7 @@ class SharedPacerFile:
 
     @classmethod
     def path_for(cls, key: str) -> str:
-        """The file of `key` (job, endpoint and bucket) for this user."""
+        """The file of `key` (job, endpoint and bucket, or spread prefix) for this user."""
         digest = hashlib.sha256(key.encode()).hexdigest()[:24]
         return os.path.join(PACER_SHARED_DIR, f"{_PACER_FILE_PREFIX}{os.geteuid()}-{digest}")
 
@@ -412,17 +412,21 @@ _shared_pacer_files: dict[tuple[int, str], SharedPacerFile | None] = {}
 _shared_pacer_problems: set[str] = set()
 
 
-def _shared_pacer_key(endpoint_url: str | None, bucket: str) -> str | None:
+def _shared_pacer_key(endpoint_url: str | None, bucket: str, partition: str = "") -> str | None:
+    """The job's, endpoint's and bucket's key (a spread prefix's after a fourth line: a bucket name has no newline);
+    the file's name is its hash (`SharedPacerFile.path_for`), whatever characters a key holds."""
     job = _s3.job_key()
-    return None if job is None else f"{job}\n{endpoint_url or ''}\n{bucket}"
+    if job is None:
+        return None
+    return f"{job}\n{endpoint_url or ''}\n{bucket}" + (f"\n{partition}" if partition else "")
 
 
-def shared_pacer_file(endpoint_url: str | None, bucket: str) -> SharedPacerFile | None:
-    """This process's handle on its host's shared pacer state for the job, endpoint and bucket (what
-    `s3_utils.request_pacer` gives its `RequestPacer`); None (with one log line per kind of problem) where there is
-    no job or the file cannot be used safely. ``S3CKPT_PACER_SHARING=0`` is checked by the caller.
-    Package-internal (docs/api.md)."""
-    key = _shared_pacer_key(endpoint_url, bucket)
+def shared_pacer_file(endpoint_url: str | None, bucket: str, partition: str = "") -> SharedPacerFile | None:
+    """This process's handle on its host's shared pacer state for the job, endpoint and bucket, or a spread prefix
+    of the bucket (`partition`; what `s3_utils.request_pacer` gives its `RequestPacer`); None (with one log line per
+    kind of problem) where there is no job or the file cannot be used safely. ``S3CKPT_PACER_SHARING=0`` is checked by
+    the caller. Package-internal (docs/api.md)."""
+    key = _shared_pacer_key(endpoint_url, bucket, partition)
     if key is None:
         return None
     cache_key = (os.getpid(), key)
@@ -436,9 +440,10 @@ def shared_pacer_file(endpoint_url: str | None, bucket: str) -> SharedPacerFile 
         if problem not in _shared_pacer_problems:
             _shared_pacer_problems.add(problem)
             logger.warning(
-                "S3 request pacing for s3://%s: this process paces on its own, not with the other processes of the "
-                "job on this host (%s); nothing to do unless S3 throttles this job",
+                "S3 request pacing for s3://%s/%s: this process paces on its own, not with the other processes of "
+                "the job on this host (%s); nothing to do unless S3 throttles this job",
                 bucket,
+                partition,
                 problem,
             )
     _shared_pacer_files[cache_key] = shared

@@ -1,13 +1,15 @@
 """The request pacer: how fast this process sends S3 requests once S3 answers SlowDown, or under a job's budget.
 
 A core file, standard library only, imported by s3_utils (whose `S3Utils.with_retries` sends every request through
-the process's `RequestPacer`, made by `s3_utils.request_pacer`). Two parts:
+the process's `RequestPacer`, made by `s3_utils.request_pacer`). Three parts:
 
 1. `RequestRates`: a job-wide budget of requests per second, from a number, a ``write=N,read=M`` string or a mapping.
-2. The pacer: `PacerLane`, an adaptive token bucket for one direction (writes or reads), and `RequestPacer`, the two
-   lanes of one process for one bucket. A lane may keep its state in a store shared by the job's processes on the
-   host (`SharedLaneStore`; ``s3_node_sharing.SharedPacerFile`` is one), so a process learns from its neighbours'
-   SlowDowns too.
+2. Throttling answers: `is_throttling_error` (S3's ``SlowDown`` and its kin).
+3. The pacer: `PacerLane`, an adaptive token bucket for one direction (writes or reads), and `RequestPacer`, the two
+   lanes of one process for one bucket, or for one spread prefix of it (``run/s3ckpt-spread-03/``: S3 serves each
+   from a partition of its own, so each is paced apart). A lane may keep its state in a store shared by the job's
+   processes on the host (`SharedLaneStore`; ``s3_node_sharing.SharedPacerFile`` is one), so a process learns from
+   its neighbours' SlowDowns too.
 
 Why and with what figures: docs/scale.md ("Under S3 throttling"); benchmarks/s3_sim.py simulates thousands of ranks
 with these very classes (their clock is an argument).
@@ -81,7 +83,36 @@ class RequestRates:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# The pacer: lanes, their state shared on a host, and one process's pacer of a bucket
+# Throttling answers: what the pacer slows down for
+# --------------------------------------------------------------------------------------------------------------------
+
+# botocore's list (retries/standard.py's _THROTTLED_ERROR_CODES) less the DynamoDB-only codes: copied, as that name is
+# private (tests/test_private_surface.py checks that botocore's lists have not grown past s3_utils's retried codes).
+THROTTLING_ERROR_CODES = frozenset(  # Package-internal (docs/api.md)
+    {
+        *("SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled"),
+        *("RequestThrottledException", "TooManyRequestsException", "RequestLimitExceeded", "BandwidthLimitExceeded"),
+        *("EC2ThrottledException", "PriorRequestNotComplete"),
+    }
+)
+"""The codes that mean "too many requests" (as do HTTP 429 and 503): paced, not counted
+(``s3_utils.S3Utils.with_retries``). Package-internal (docs/api.md)."""
+
+_THROTTLING_HTTP_STATUSES = frozenset({429, 503})
+
+
+def is_throttling_error(exc: BaseException) -> bool:
+    """True for S3's "slow down" answers: a throttling code (`THROTTLING_ERROR_CODES`) or HTTP 429 / 503.
+    Package-internal (docs/api.md): the API's name is ``s3_utils.is_throttling_error``."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return False
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return response.get("Error", {}).get("Code") in THROTTLING_ERROR_CODES or status in _THROTTLING_HTTP_STATUSES
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The pacer: lanes, their state shared on a host, and one process's pacer of a bucket (or of a spread prefix)
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -371,9 +402,10 @@ _WRITE_OPERATIONS = frozenset(
 
 
 class RequestPacer:
-    """The request pacer of one process for one bucket and endpoint: a `PacerLane` each for writes and for reads.
-    A budget (`limit`) is job-wide: this process takes its share, the rate over `world_size()` (the job's processes,
-    ``s3_utils.world_size`` as `s3_utils.request_pacer` builds it; None: this process alone)."""
+    """The request pacer of one process for one bucket and endpoint (or one spread prefix of the bucket:
+    `s3_utils.request_pacer`'s ``partition``): a `PacerLane` each for writes and for reads. A budget (`limit`) is
+    job-wide: this process takes its share, the rate over `world_size()` (the job's processes, ``s3_utils.world_size``
+    as `s3_utils.request_pacer` builds it; None: this process alone); with spreading, per pacer: per prefix."""
 
     def __init__(
         self, endpoint_url: str | None, bucket: str, shared: SharedLaneStore | None = None,

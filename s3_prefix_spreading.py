@@ -24,8 +24,12 @@ Nothing needs configuring to read, list, verify, convert or remove a spread chec
 * the layout record (`LAYOUT_NAME`) names the spread directories, written before any shard (by the memory tier's
   drain, `ensure_layout`, before the first shard reaches S3), removed last, so ``ls``,
   ``rm``, ``gc`` and overwriting saves find every object of a checkpoint, also of one whose save never committed
-  (`checkpoint_objects`, `remove_checkpoint`); the segment's fixed name (`SEGMENT_PREFIX`) keeps listings from
-  mistaking a spread directory for a checkpoint of its own (`in_spread_directory`).
+  (`checkpoint_objects`, `remove_checkpoint`); the segment's fixed start
+  (``s3_dirpath_utils.SPREAD_SEGMENT_PREFIX``) keeps listings from mistaking a spread directory for a checkpoint of
+  its own (`in_spread_directory`);
+* the request pacer paces the requests to each spread directory apart from the rest of the bucket and from the other
+  spread directories (``s3_dirpath_utils.spread_prefix``, `s3_utils.request_pacer`), as S3 serves each from a
+  partition of its own: one prefix's ``SlowDown`` does not slow the others.
 
 The default is one prefix with unchanged keys and no layout record. Single-file checkpoints write one object per save
 (per rank), far below a partition's rate: spreading is for DCP (`s3_dcp.S3StorageWriter`'s ``prefix_spreading``).
@@ -56,9 +60,6 @@ __version__ = _urls.__version__
 LAYOUT_NAME = ".s3ckpt-layout.json"  # Package-internal (docs/api.md)
 """A spread checkpoint's layout record, beside its ``.metadata``: ``{"version": 1, "directories": [...]}``, each
 directory relative to the checkpoint (``../s3ckpt-spread-03/step-200/``). Package-internal (docs/api.md)."""
-SEGMENT_PREFIX = "s3ckpt-spread-"  # Package-internal (docs/api.md)
-"""The spread segment's fixed start; its hexadecimal index follows (``s3ckpt-spread-03``). Package-internal
-(docs/api.md)."""
 _LAYOUT_VERSION = 1
 DEFAULT_AUTO_PREFIXES = 16
 """Prefixes of ``prefix_spreading="auto"`` once throttling was seen."""
@@ -74,9 +75,10 @@ class PrefixSpreading:
     """Spread a DCP save's shards over `prefixes` key prefixes, rank ``r`` to prefix ``r % prefixes`` (override
     `index_of` for another assignment, e.g. by node).
 
-    With `after_throttles`, a save spreads only once this process's write pacer for the bucket has seen that many
-    throttling answers (``503 SlowDown``) since the process started (``prefix_spreading="auto"``: 16 prefixes after
-    the first); from then on every save of the run spreads. The decision is the coordinator's (rank 0), from what
+    With `after_throttles`, a save spreads only once this process's write pacer for the checkpoint's own prefix (the
+    bucket's pacer, not a spread prefix's: `s3_utils.S3Utils.pacer`) has seen that many throttling answers
+    (``503 SlowDown``) since the process started (``prefix_spreading="auto"``: 16 prefixes after the first); from
+    then on every save of the run spreads. The decision is the coordinator's (rank 0), from what
     its own process saw (not the whole job's count: that is not built), and every rank follows its plan.
     """
 
@@ -109,7 +111,7 @@ class PrefixSpreading:
         """The key segment of prefix `index`: ``s3ckpt-spread-`` and its index in hex, 2 digits (more beyond 256
         prefixes), so that a later save with another count up to 256 reuses the same names, and S3's ranges."""
         width = max(2, len(f"{self.prefixes - 1:x}"))
-        return f"{SEGMENT_PREFIX}{index:0{width}x}"
+        return f"{_urls.SPREAD_SEGMENT_PREFIX}{index:0{width}x}"
 
     def applies(self, s3: _s3.S3Utils, url: str) -> bool:
         """Whether a save to `url` spreads now (always, without `after_throttles`)."""
@@ -241,14 +243,14 @@ def in_spread_directory(relative: str) -> bool:
     """Whether a key relative to a listed directory lies in a spread directory (a segment ``s3ckpt-spread-XX``):
     it belongs to the checkpoint whose layout record names it, not to a checkpoint of its own.
     Package-internal (docs/api.md)."""
-    return any(part.startswith(SEGMENT_PREFIX) for part in relative.split("/")[:-1])
+    return _urls.spread_prefix(relative) != ""
 
 
 def owner_of(relative: str) -> str:
     """The checkpoint folder a key (or folder, ending in ``/``) in a spread directory belongs to, relative to the same
     listing: ``run/s3ckpt-spread-03/step-200/__3_0.distcp`` -> ``run/step-200``. Package-internal (docs/api.md)."""
     parts = relative.split("/")[:-1]
-    spread = next(i for i, part in enumerate(parts) if part.startswith(SEGMENT_PREFIX))
+    spread = next(i for i, part in enumerate(parts) if part.startswith(_urls.SPREAD_SEGMENT_PREFIX))
     return "/".join(parts[:spread] + parts[spread + 1 :])
 
 

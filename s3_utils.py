@@ -289,19 +289,11 @@ def job_key(environ: Mapping[str, str] | None = None) -> str | None:
 # Retries
 # --------------------------------------------------------------------------------------------------------------------
 
-# botocore's own lists (retries/standard.py's _THROTTLED_ERROR_CODES and _TRANSIENT_ERROR_CODES, retries/special.py's
-# IDPCommunicationError) less the DynamoDB-only codes, plus S3's 5xx codes: copied, as those names are private
-# (tests/test_private_surface.py checks that botocore's lists have not grown past these).
-THROTTLING_ERROR_CODES = frozenset(
-    {
-        *("SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled"),
-        *("RequestThrottledException", "TooManyRequestsException", "RequestLimitExceeded", "BandwidthLimitExceeded"),
-        *("EC2ThrottledException", "PriorRequestNotComplete"),
-    }
-)
-"""The codes that mean "too many requests" (as do HTTP 429 and 503): paced, not counted (`S3Utils.with_retries`)."""
-
-RETRIABLE_ERROR_CODES = THROTTLING_ERROR_CODES | frozenset(
+# botocore's own lists (retries/standard.py's _THROTTLED_ERROR_CODES: s3_pacing's THROTTLING_ERROR_CODES, and
+# _TRANSIENT_ERROR_CODES, retries/special.py's IDPCommunicationError) less the DynamoDB-only codes, plus S3's 5xx
+# codes: copied, as those names are private (tests/test_private_surface.py checks that botocore's lists have not grown
+# past these).
+RETRIABLE_ERROR_CODES = _pacing.THROTTLING_ERROR_CODES | frozenset(
     {
         *("ServiceUnavailable", "InternalError", "InternalFailure", "RequestTimeout", "RequestTimeoutException"),
         "IDPCommunicationError",
@@ -413,17 +405,7 @@ def error_code(exc: BaseException) -> str:
 # ---- throttling and the request pacer (s3_pacing: the pacer itself) ----------------------------------------------
 
 RequestRates, RequestPacer, PacerLane = _pacing.RequestRates, _pacing.RequestPacer, _pacing.PacerLane  # re-exported
-
-_THROTTLING_HTTP_STATUSES = frozenset({429, 503})
-
-
-def is_throttling_error(exc: BaseException) -> bool:
-    """True for S3's "slow down" answers: a throttling code (`THROTTLING_ERROR_CODES`) or HTTP 429 / 503."""
-    response = getattr(exc, "response", None)
-    if not isinstance(response, dict):
-        return False
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return response.get("Error", {}).get("Code") in THROTTLING_ERROR_CODES or status in _THROTTLING_HTTP_STATUSES
+is_throttling_error = _pacing.is_throttling_error  # re-exported: S3's "slow down" answers (code, or HTTP 429 / 503)
 
 
 # ---- the host's shared pacer state (optional: s3_node_sharing) -----------------------------------------------------
@@ -435,27 +417,29 @@ def is_throttling_error(exc: BaseException) -> bool:
 PACER_SHARING_ENV = "S3CKPT_PACER_SHARING"  # set to ``0`` (or ``off``) to keep one pacer per process even inside a job
 
 
-def _shared_pacer_state(endpoint_url: str | None, bucket: str) -> _pacing.SharedLaneStore | None:
-    """The host's shared state for this job's pacer of `bucket`; None outside a job, or where sharing is off/absent."""
+def _shared_pacer_state(endpoint_url: str | None, bucket: str, partition: str) -> _pacing.SharedLaneStore | None:
+    """The host's shared state for this job's pacer of `bucket` (and `partition`); None outside a job, or where
+    sharing is off/absent."""
     if os.environ.get(PACER_SHARING_ENV, "").strip().lower() in ("0", "off", "false", "no") or job_key() is None:
         return None
     sharing = node_sharing()
-    return None if sharing is None else sharing.shared_pacer_file(endpoint_url, bucket)
+    return None if sharing is None else sharing.shared_pacer_file(endpoint_url, bucket, partition)
 
 
-_pacers: dict[tuple[int, str | None, str], RequestPacer] = {}
+_pacers: dict[tuple[int, str | None, str, str], RequestPacer] = {}
 _pacers_lock = threading.Lock()
 
 
-def request_pacer(endpoint_url: str | None, bucket: str) -> RequestPacer:
-    """The process's `RequestPacer` for `bucket` at `endpoint_url` (None: AWS), made on first use (also in a fork)."""
-    key = (os.getpid(), endpoint_url, bucket)
+def request_pacer(endpoint_url: str | None, bucket: str, partition: str = "") -> RequestPacer:
+    """The process's `RequestPacer` for `bucket` at `endpoint_url` (None: AWS), made on first use (also in a fork);
+    `partition`: a spread directory's prefix (`_urls.spread_prefix`), paced apart from the bucket's other keys."""
+    key = (os.getpid(), endpoint_url, bucket, partition)
     pacer = _pacers.get(key)
     if pacer is None:
         with _pacers_lock:
             pacer = _pacers.get(key)
             if pacer is None:
-                shared = _shared_pacer_state(endpoint_url, bucket)
+                shared = _shared_pacer_state(endpoint_url, bucket, partition)
                 pacer = _pacers[key] = RequestPacer(endpoint_url, bucket, shared, world_size=world_size)
     return pacer
 
@@ -1342,7 +1326,7 @@ class S3Utils:
         Throttling answers use up no attempts: they fail only after ``max_elapsed_s`` without a success.
         """
         policy = self.retry_policy
-        pacer = request_pacer(self.settings.endpoint_url, bucket or _urls.parse_s3_url(url)[0])
+        pacer = self.pacer(url, bucket)
         url = f"{url} ({detail})" if detail else url
         if self.settings.max_requests_per_second is not None:
             pacer.limit(self.settings.max_requests_per_second)
@@ -1389,9 +1373,16 @@ class S3Utils:
         _annotate(exc, operation, url, self.settings.request_options, tried)
         raise exc
 
-    def pacer(self, s3_path: str | os.PathLike[str]) -> RequestPacer:
-        """The `RequestPacer` this instance's requests to the bucket of `s3_path` go through (shared by the process)."""
-        return request_pacer(self.settings.endpoint_url, _urls.parse_s3_url(_urls.normalize_s3_url(s3_path))[0])
+    def pacer(self, s3_path: str | os.PathLike[str], bucket: str | None = None) -> RequestPacer:
+        """The `RequestPacer` (shared by the process) this instance's requests to `s3_path` (in `bucket`, by default
+        its own) go through: its bucket's, or its spread directory's (`_urls.spread_prefix`), which S3 serves apart."""
+        try:
+            own, key = _urls.parse_s3_url(s3_path)
+        except ValueError:  # a request with its bucket and a text naming it (or a URL no bucket rule takes)
+            if bucket is None:
+                raise
+            own, key = bucket, ""
+        return request_pacer(self.settings.endpoint_url, bucket or own, _urls.spread_prefix(key))
 
     @property
     def _checksum_records(self) -> _ChecksumRecords:

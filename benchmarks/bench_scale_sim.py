@@ -5,6 +5,7 @@ own request pacer, job budget, retry policy and load-sharing decision in simulat
     python benchmarks/bench_scale_sim.py                     # the sweep and the emulation check (a few minutes)
     python benchmarks/bench_scale_sim.py --ranks 2048 --tag quick
     python benchmarks/bench_scale_sim.py --check-only        # only the comparison with bench_throttle's measurements
+    python benchmarks/bench_scale_sim.py --only spread --only "dcp 16384 one-prefix pacer" --tag lanes  # some rows
 
 Scenarios (every rank starts at once):
 
@@ -112,7 +113,7 @@ def emulation_check(path: Path = EMULATION_RESULT) -> list[dict[str, Any]]:
 
 def scenarios(ranks_list: list[int], args: argparse.Namespace) -> list[tuple[str, s3_sim.Workload, s3_sim.ClientParams]]:
     budget = s3_sim.ClientParams(pacer="budget", budget=(args.budget_write, args.budget_read))
-    spread_budget = s3_sim.ClientParams(  # the spread layout's budget: each prefix's share
+    spread_budget = s3_sim.ClientParams(  # a prefix's pacer serves 1/P of the ranks, each taking budget / world size
         pacer="budget", budget=(args.budget_write * args.prefixes, args.budget_read * args.prefixes)
     )
     out = []
@@ -141,6 +142,18 @@ def scenarios(ranks_list: list[int], args: argparse.Namespace) -> list[tuple[str
             work = s3_sim.Workload(kind="dcp", direction=direction, ranks=max(ranks_list), mib_per_rank=args.big_mib)
             out.append(("pacer", work, s3_sim.ClientParams()))
     return out
+
+
+def scenario_words(label: str, work: s3_sim.Workload) -> set[str]:
+    """What ``--only`` matches: ``save dcp 16384 one-prefix pacer``, ``load single node 2048 one-prefix pacer``..."""
+    layout = "one-prefix" if work.layout == "one-prefix" else "spread"
+    sharing = work.load_sharing if work.kind == "single" and work.direction == "load" else ""
+    return {work.direction, work.kind, sharing, str(work.ranks), layout, label, f"{work.mib_per_rank:g}MiB"} - {""}
+
+
+def selected(label: str, work: s3_sim.Workload, only: list[str]) -> bool:
+    """Whether a scenario runs: every one without ``--only``, else those with all the words of one ``--only``."""
+    return not only or any(set(words.split()) <= scenario_words(label, work) for words in only)
 
 
 def job_broadcast_s(ranks: int, gib: float, per_host: int = 8, link_bytes_per_s: float = 2e9) -> float:
@@ -307,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split-after-s", type=float, default=300.0)
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--tag", default="")
+    parser.add_argument("--only", action="append", default=[], metavar="WORDS",
+                        help="run only the rows with all these words (repeatable), e.g. 'spread' or "
+                             "'dcp 16384 one-prefix pacer'; words: save/load, single/dcp, node/job, ranks, "
+                             "one-prefix/spread, pacer/budget/none, 64MiB")
     args = parser.parse_args(argv)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     started = time.monotonic()
@@ -322,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     ranks_list = [int(n) for n in args.ranks.split(",") if n]
     if not args.check_only:
         for label, work, client in scenarios(ranks_list, args):
+            if not selected(label, work, args.only):
+                continue
             t = time.monotonic()
             row = row_of(label, s3_sim.run(work, client, s3))
             rows.append(row)

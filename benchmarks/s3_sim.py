@@ -1,8 +1,9 @@
 """A discrete-event model of S3 at scale, driving this package's own request pacer and retry policy in simulated time.
 
-What is the package's (imported, not copied): `s3_pacing.RequestPacer` / `PacerLane` (one per simulated process, the
-ranks of a host sharing their lanes' state through a `SharedLaneStore`, as ``s3_node_sharing.SharedPacerFile`` does
-on a real host), the job budget (`RequestPacer.limit`, each process's share by ``WORLD_SIZE``), `s3_utils.CallRetries`
+What is the package's (imported, not copied): `s3_pacing.RequestPacer` / `PacerLane` (one per simulated process for
+the bucket and one for each spread prefix it sends to, chosen by the package's rule, ``s3_dirpath_utils.spread_prefix``;
+the ranks of a host sharing each one's lanes' state through a `SharedLaneStore`, as ``s3_node_sharing.SharedPacerFile``
+does on a real host, a file per bucket and per spread prefix), the job budget (`RequestPacer.limit`, each process's share by ``WORLD_SIZE``), `s3_utils.CallRetries`
 (what `S3Utils.with_retries` does after each failed attempt), and `s3_node_sharing.downloading_ranks` (who downloads
 on a shared resume). What is modelled here:
 
@@ -19,8 +20,8 @@ on a shared resume). What is modelled here:
   when the request starts (a fluid approximation); a SlowDown answer takes `slowdown_latency_s` (no body is sent: the
   SDK waits for ``100-continue``).
 * **The client.** Each rank keeps up to `concurrency` parts (or ranges) of a file in flight, as the package does
-  (`max_write_concurrency` / `max_read_concurrency`). A request waits in its host's queue for a token of its
-  process's lane (`PacerLane.reserve`, at the floor `acquire` uses), is sent, and on SlowDown calls `on_throttle`
+  (`max_write_concurrency` / `max_read_concurrency`). A request waits in its host's queue (one per pacer: the
+  bucket's, each spread prefix's) for a token of its process's lane (`PacerLane.reserve`, at the floor `acquire` uses), is sent, and on SlowDown calls `on_throttle`
   then `CallRetries.after_failure` (give up, or retry when the pacer allows); on success `on_success`. One
   difference from threads blocked in `acquire`: the host's waiting requests queue in order, and only the first polls
   the lane (real threads all wake and all but one go back to sleep: the same grants, far fewer events); a success that
@@ -34,6 +35,7 @@ by `run`.
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import heapq
 import math
@@ -50,6 +52,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+import s3_dirpath_utils  # noqa: E402
 import s3_node_sharing  # noqa: E402
 import s3_pacing  # noqa: E402
 import s3_prefix_spreading  # noqa: E402
@@ -225,10 +228,11 @@ class ClientParams:
 
 
 class Request:
-    __slots__ = ("direction", "key", "nbytes", "op", "queued", "rank", "retries", "sent")
+    __slots__ = ("direction", "key", "lane", "nbytes", "op", "queued", "rank", "retries", "sent")
 
     def __init__(self, op: Op, direction: str, key: str, nbytes: int, rank: int) -> None:
         self.op, self.direction, self.key, self.nbytes, self.rank = op, direction, key, nbytes, rank
+        self.lane = (s3_dirpath_utils.spread_prefix(key), direction)  # its pacer ("": the bucket's) and lane
         self.retries: s3_utils.CallRetries | None = None
         self.sent = 0.0
         self.queued = 0.0
@@ -281,36 +285,55 @@ class Op:
 
 
 class Cluster:
-    """Hosts of ranks, one `RequestPacer` per rank (a host's ranks sharing its lanes), against one `S3Model`."""
+    """Hosts of ranks against one `S3Model`: per rank a `RequestPacer` for the bucket and one per spread prefix it
+    sends to (as `s3_utils.request_pacer` makes them), a host's ranks sharing each one's lanes."""
 
     def __init__(
-        self, ranks: int, s3: S3Model, client: ClientParams, clock: Clock, senders: set[int] | None = None
+        self, ranks: int, s3: S3Model, client: ClientParams, clock: Clock, senders: set[int] | None = None,
+        partitions: dict[int, set[str]] | None = None,
     ) -> None:
         """`senders`: the ranks that make requests (default: all); a host's shared pacer state counts those only,
-        as a real host's file counts the processes that attached to it by sending."""
+        as a real host's file counts the processes that attached to it by sending. `partitions`: the spread prefixes
+        each rank sends to (a host's state of one counts the host's ranks that send to it)."""
         self.ranks, self.s3, self.client, self.clock = ranks, s3, client, clock
         per_host = client.ranks_per_host
         self.hosts = (ranks + per_host - 1) // per_host
         counts = [0] * self.hosts
+        prefix_counts: dict[tuple[int, str], int] = collections.Counter()
         for rank in range(ranks) if senders is None else senders:
             counts[rank // per_host] += 1
-        stores = [HostLaneStore(max(1, count)) for count in counts]
-        self.pacers = [
-            s3_pacing.RequestPacer("http://sim", "bucket", stores[r // per_host], clock=clock, world_size=s3_utils.world_size)
-            for r in range(ranks)
-        ]
-        if client.pacer == "budget" and client.budget is not None:
-            for pacer in self.pacers:
-                pacer.limit(s3_pacing.RequestRates(*client.budget))
-        self.waiting = [{"write": deque(), "read": deque()} for _ in range(self.hosts)]
-        self.polling = [{"write": False, "read": False} for _ in range(self.hosts)]
-        self.poll_due = [{"write": 0, "read": 0} for _ in range(self.hosts)]  # which scheduled poll is the live one
-        self.queued = [{"write": 0, "read": 0} for _ in range(ranks)]  # each rank's requests in its host's queue
+            for partition in (partitions or {}).get(rank, ()):
+                prefix_counts[rank // per_host, partition] += 1
+        self.stores = {(host, ""): HostLaneStore(max(1, count)) for host, count in enumerate(counts)}
+        self.stores.update({key: HostLaneStore(count) for key, count in prefix_counts.items() if key[1]})
+        self.pacers: list[dict[str, s3_pacing.RequestPacer]] = [{} for _ in range(ranks)]
+        for rank in range(ranks):
+            self.pacer(rank, "")
+        self.waiting: dict[tuple[int, str, str], deque[Request]] = collections.defaultdict(deque)  # (host, *lane)
+        self.polling: dict[tuple[int, str, str], bool] = collections.defaultdict(bool)
+        self.poll_due: dict[tuple[int, str, str], int] = collections.defaultdict(int)  # which scheduled poll is live
+        self.queued = [collections.Counter() for _ in range(ranks)]  # each rank's requests per lane in the host's queue
         self.host_transfers = [0] * self.hosts
         self.jitter = random.Random(f"latency {ranks}")  # its own stream: the retry policy's draws stay as they were
         self.failures = 0
         self.sent = {"write": 0, "read": 0}
         self.waited_s = 0.0
+
+    def pacer(self, rank: int, partition: str) -> s3_pacing.RequestPacer:
+        """`rank`'s pacer of the bucket (`partition` ``""``) or of a spread prefix, made on first use; with the
+        budget client, limited from then on (as `S3Utils.with_retries` does)."""
+        pacer = self.pacers[rank].get(partition)
+        if pacer is None:
+            store = self.stores.setdefault((rank // self.client.ranks_per_host, partition), HostLaneStore(1))
+            pacer = s3_pacing.RequestPacer("http://sim", "bucket", store, clock=self.clock, world_size=s3_utils.world_size)
+            self.pacers[rank][partition] = pacer
+            if self.client.pacer == "budget" and self.client.budget is not None:
+                pacer.limit(s3_pacing.RequestRates(*self.client.budget))
+        return pacer
+
+    def lane(self, req: Request) -> s3_pacing.PacerLane:
+        partition, direction = req.lane
+        return self.pacer(req.rank, partition).lane("upload_part" if direction == "write" else "get_object")
 
     # ---- a request's life --------------------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -321,37 +344,37 @@ class Cluster:
         if self.client.pacer == "none":
             self._send(req)
             return
-        host = req.rank // self.client.ranks_per_host
+        queue = (req.rank // self.client.ranks_per_host, *req.lane)
         req.queued = self.clock.now
-        self.waiting[host][req.direction].append(req)
-        self.queued[req.rank][req.direction] += 1
-        if not self.polling[host][req.direction]:
-            self.polling[host][req.direction] = True
-            self._poll(host, req.direction)
+        self.waiting[queue].append(req)
+        self.queued[req.rank][req.lane] += 1
+        if not self.polling[queue]:
+            self.polling[queue] = True
+            self._poll(queue)
 
-    def _poll(self, host: int, direction: str, due: int | None = None) -> None:
+    def _poll(self, queue_key: tuple[int, str, str], due: int | None = None) -> None:
         """The first waiting request of the host asks its process's lane for a token (as `PacerLane.acquire`); `due`:
         a scheduled poll's number, ignored once a success that grew the lane has polled again (as `acquire`'s threads
         are woken early then)."""
-        if due is not None and due != self.poll_due[host][direction]:
+        if due is not None and due != self.poll_due[queue_key]:
             return
-        queue = self.waiting[host][direction]
+        queue = self.waiting[queue_key]
         now = self.clock.now
         floor = 1.0 / self.client.policy.max_backoff_s
         while queue:
             req = queue[0]
-            lane = self.pacers[req.rank].lane("upload_part" if direction == "write" else "get_object")
+            lane = self.lane(req)
             # a dormant lane: `acquire`'s own fast path (no wait, no lock); else the token bucket `acquire` loops on
             wait = 0.0 if not lane.active and lane.acquire() == now else lane.reserve(now, floor)
             if wait > 0.0:
-                self.poll_due[host][direction] += 1
-                self.clock.at(now + wait, self._poll, host, direction, self.poll_due[host][direction])
+                self.poll_due[queue_key] += 1
+                self.clock.at(now + wait, self._poll, queue_key, self.poll_due[queue_key])
                 return
             queue.popleft()
-            self.queued[req.rank][direction] -= 1
+            self.queued[req.rank][req.lane] -= 1
             self.waited_s += now - req.queued
             self._send(req)
-        self.polling[host][direction] = False
+        self.polling[queue_key] = False
 
     def _send(self, req: Request) -> None:
         now = self.clock.now
@@ -374,11 +397,11 @@ class Cluster:
     def _succeeded(self, req: Request, host: int) -> None:
         self.host_transfers[host] -= 1
         if self.client.pacer != "none":
-            lane = self.pacers[req.rank].lane("upload_part" if req.direction == "write" else "get_object")
+            lane = self.lane(req)
             before = lane.rate
             lane.on_success(req.sent, self.clock.now)
-            if self.queued[req.rank][req.direction] and lane.rate > before:  # wakes the process's waiting requests
-                self._poll(host, req.direction)
+            if self.queued[req.rank][req.lane] and lane.rate > before:  # wakes the process's waiting requests
+                self._poll((host, *req.lane))
         req.op.request_done(True)
 
     def _throttled(self, req: Request) -> None:
@@ -388,7 +411,7 @@ class Cluster:
         if self.client.pacer == "none":  # SlowDown as an ordinary retriable error: counted backoff (botocore standard)
             delay = retries.after_failure(req.sent, now, False, -math.inf)
         else:
-            lane = self.pacers[req.rank].lane("upload_part" if req.direction == "write" else "get_object")
+            lane = self.lane(req)
             lane.on_throttle(req.sent, now)
             delay = retries.after_failure(req.sent, now, True, lane.last_success)
         if delay is None:
@@ -520,7 +543,11 @@ def run(
     with _world(work.ranks):
         plans = {rank: rank_phases(work, rank, node_keys) for rank in range(work.ranks)}
         plans = {rank: phases for rank, phases in plans.items() if phases is not None}
-        cluster = Cluster(work.ranks, model, client, clock, set(plans))
+        partitions = {
+            rank: {s3_dirpath_utils.spread_prefix(key) for phase in phases for _, key, _ in phase} - {""}
+            for rank, phases in plans.items()
+        }
+        cluster = Cluster(work.ranks, model, client, clock, set(plans), partitions)
         ops: list[Op] = []
         for rank, phases in plans.items():
             op = Op(cluster, rank, phases, concurrency)

@@ -160,3 +160,28 @@ def test_a_grown_lane_wakes_the_hosts_waiting_requests() -> None:
     result = s3_sim.run(work, s3=SMALL_S3)
     assert result["failed"] == 0 and result["throttled"] > 0
     assert result["time_over_bound"] <= 1.3, result["time_over_bound"]
+
+
+def test_a_ranks_requests_to_a_spread_prefix_go_through_that_prefixs_pacer_shared_by_its_hosts_ranks() -> None:
+    """As `s3_utils.request_pacer` paces them: a rank's request to ``run/s3ckpt-spread-XX/`` goes through that
+    prefix's pacer, whose lanes the host's ranks sending there share (and only they count); a SlowDown there slows
+    neither the bucket's lanes nor another prefix's."""
+    spread = [f"run/s3ckpt-spread-0{n}/" for n in range(2)]
+    cluster = s3_sim.Cluster(
+        16, s3_sim.S3Model(SMALL_S3), s3_sim.ClientParams(), s3_sim.Clock(),
+        partitions={rank: {spread[rank % 2]} for rank in range(16)},
+    )
+
+    def lane(rank: int, key: str) -> s3_sim.s3_pacing.PacerLane:
+        return cluster.lane(s3_sim.Request(None, "read", key, 0, rank))  # type: ignore[arg-type]
+
+    shard = lane(0, f"{spread[0]}step-1/__0_0.distcp")
+    assert shard is lane(0, f"{spread[0]}step-2/__0_0.distcp") is cluster.pacer(0, spread[0]).reads
+    assert lane(0, "run/step-1/.metadata") is cluster.pacer(0, "").reads is not shard
+    shard.on_throttle(s3_sim.T0, s3_sim.T0)
+    assert shard.active and shard.processes == 4  # ranks 0, 2, 4, 6 of host 0
+    assert lane(2, f"{spread[0]}step-1/__2_0.distcp").active  # the host's lane of that prefix
+    for other in (lane(0, "run/step-1/.metadata"), lane(1, f"{spread[1]}step-1/__1_0.distcp"),
+                  lane(8, f"{spread[0]}step-1/__8_0.distcp")):  # the bucket's, another prefix's, another host's
+        assert not other.active
+    assert cluster.stores[0, ""].processes == 8 and cluster.stores[0, spread[1]].processes == 4

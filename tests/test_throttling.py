@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fault_proxy import FaultProxy, RateLimit, TokenBucket
+from fault_proxy import Fault, FaultProxy, FaultRule, RateLimit, TokenBucket
 from s3_servers import S3Endpoint, rank_environment, skip_unless_multirank_backend
 
 import s3_checkpoint_cli as cli
@@ -309,6 +309,31 @@ def test_a_budget_keeps_a_process_under_the_store_limit(fault_proxy: FaultProxy,
     assert limit.throttled["write"] > 0
 
 
+def test_a_slowdown_on_one_spread_prefix_paces_that_prefix_alone(fault_proxy: FaultProxy, bucket: str) -> None:
+    """S3 serves each spread prefix (``run/s3ckpt-spread-XX/``) from a partition of its own: a SlowDown on one of them
+    slows the requests to that prefix, not those to the other prefixes nor to the checkpoint's own (``run/step-1/``,
+    the bucket's pacer)."""
+    fault_proxy.add_rule(FaultRule(Fault.slow_down(), method="PUT", path_regex=r"/run/s3ckpt-spread-01/", times=2))
+    fast = s3_utils.RetryPolicy(max_attempts=3, max_elapsed_s=10, initial_backoff_s=0.01, max_backoff_s=0.05)
+    utils = S3Utils(S3ClientSettings(endpoint_url=fault_proxy.endpoint_url), fast)  # a token every 0.05 s at least
+    hot, cold, own = "run/s3ckpt-spread-01/step-1/", "run/s3ckpt-spread-02/step-1/", "run/step-1/"
+    for n, prefix in itertools.product(range(3), (hot, cold, own)):
+        utils.upload_file_stream_to_s3(io_of(b"x" * 100), f"s3://{bucket}/{prefix}__{n}_0.distcp")
+    pacers = {prefix: utils.pacer(f"s3://{bucket}/{prefix}__0_0.distcp") for prefix in (hot, cold, own)}
+    assert pacers[hot].writes.throttles == 2 and pacers[hot].writes.active
+    assert utils.pacer(f"s3://{bucket}/run/s3ckpt-spread-01/") is pacers[hot]  # a batch's URL: its directory
+    assert len({id(pacer) for pacer in pacers.values()}) == 3
+    for name in ("run/s3ckpt-spread-01", "run/", "", "run/step-1/s3ckpt-spread-01"):  # not in a spread directory
+        assert utils.pacer(f"s3://{bucket}/{name}") is pacers[own]
+    for prefix in (cold, own):
+        for lane in (pacers[prefix].writes, pacers[prefix].reads):
+            assert (lane.active, lane.throttles, lane.waits) == (False, 0, 0), (prefix, lane)
+    fault_proxy.add_rule(FaultRule(Fault.slow_down(), method="POST", query="delete", times=1))
+    assert utils.remove_objects_with_prefix(f"s3://{bucket}/{hot}") >= 3  # DeleteObjects: paced by its directory
+    assert [o.key for o in utils.list_objects(f"s3://{bucket}/{hot}")] == []
+    assert (pacers[hot].writes.throttles, pacers[cold].writes.throttles, pacers[own].writes.throttles) == (3, 0, 0)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The pacer shared by a job's processes on one host (/dev/shm)
 # --------------------------------------------------------------------------------------------------------------------
@@ -316,7 +341,7 @@ def test_a_budget_keeps_a_process_under_the_store_limit(fault_proxy: FaultProxy,
 PACER_PROCESS = r"""
 import json, os, sys, time
 import s3_node_sharing, s3_utils
-pacer = s3_utils.request_pacer("http://pacer-test.invalid", "bucket")
+pacer = s3_utils.request_pacer("http://pacer-test.invalid", "bucket", os.environ.get("PACER_PARTITION", ""))
 lane = pacer.writes
 shared = next(iter(s3_node_sharing._shared_pacer_files.values()), None)
 print(json.dumps({"shared": pacer.shared, "path": shared and shared.path}), flush=True)
@@ -336,7 +361,8 @@ for line in sys.stdin:
 
 
 class PacerProcess:
-    """A real process of a job (its environment says which) holding the pacer of one bucket, driven line by line."""
+    """A real process of a job (its environment says which) holding the pacer of one bucket (or of the spread prefix
+    ``PACER_PARTITION`` names), driven line by line."""
 
     def __init__(self, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(
@@ -398,6 +424,31 @@ def test_a_jobs_processes_on_a_host_share_one_pacer() -> None:
         codes = [process.close() for process in (first, second, other_job)]
     assert codes == [0, 0, 0]
     assert not os.path.exists(first.hello["path"]) and not os.path.exists(other_job.hello["path"])
+
+
+def test_a_spread_prefixs_lane_is_shared_by_the_jobs_processes_on_the_host_apart_from_the_buckets() -> None:
+    """Two processes of one job pacing the spread prefix ``run/s3ckpt-spread-01/`` share its lane (a file of its own):
+    one's SlowDown paces the other; the same job's lanes of the bucket and of another spread prefix stay dormant."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCHELASTIC_RUN_ID": f"test-{uuid.uuid4().hex}", "WORLD_SIZE": "4"}
+    env.pop("S3CKPT_PACER_SHARING", None)
+    hot = {**env, "PACER_PARTITION": "run/s3ckpt-spread-01/"}
+    first, second = PacerProcess(hot), PacerProcess(hot)
+    others = [PacerProcess(env), PacerProcess({**env, "PACER_PARTITION": "run/s3ckpt-spread-02/"})]
+    try:
+        paths = [process.hello["path"] for process in (first, second, *others)]
+        assert all(process.hello["shared"] for process in (first, second, *others))
+        assert paths[0] == paths[1] and len(set(paths)) == 3
+        assert stat.S_IMODE(os.stat(paths[0]).st_mode) == 0o600
+        first("send 40")
+        assert first("throttle")["active"]
+        paced = second("send 4")  # never throttled itself: paced by its prefix's host lane
+        assert paced["active"] and paced["waits"] >= 3 and paced["processes"] == 2
+        for other in others:  # the bucket's lane and another prefix's: dormant, never waiting
+            assert (lambda reply: (reply["active"], reply["waits"]))(other("send 50")) == (False, 0)
+    finally:
+        codes = [process.close() for process in (first, second, *others)]
+    assert codes == [0, 0, 0, 0]
+    assert not any(os.path.exists(path) for path in paths)
 
 
 @pytest.fixture
