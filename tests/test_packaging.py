@@ -283,6 +283,9 @@ def test_connector_spells_the_dcp_file_names_as_s3_dcp_does() -> None:
     import s3_prefix_spreading
 
     assert connector._LAYOUT_NAME == s3_prefix_spreading.LAYOUT_NAME
+    import s3_dcp_tier  # its own spellings too: it cannot import s3_dcp, which imports it
+
+    assert (s3_dcp_tier.ITEMS_SUFFIX, s3_dcp_tier.SHARD_SUFFIX) == (s3_dcp.ITEM_CHECKSUMS_NAME, s3_dcp.DCP_SHARD_SUFFIX)
 
 
 FORK_RANK = """
