@@ -179,11 +179,14 @@ def _writer_and_reader(spec: dict[str, Any], url: str) -> tuple[Any, Any]:
     raise ValueError(method)
 
 
-def _null_storage(metadata_path: Path) -> tuple[Any, Any]:
+def _null_storage(metadata_path: Path, objects: bool = False) -> tuple[Any, Any]:
     """The ``floor`` method's writer and reader: DCP's own work with no bytes moved (module doc). The coordinator's
     writer pickles the save's `Metadata` to `metadata_path` (a local file all ranks see; DCP's save returns on no
     rank before the coordinator's ``finish``); the reader serves it back, so the load plans against what the save
-    recorded."""
+    recorded. With `objects`, the bytes of DCP's byte items (pickled non-tensor values, a few KiB) are kept in that
+    file and handed back to the load planner, for a load that cannot go on without them (megatron-core's common
+    state, bench_mcore.py); no tensor's bytes are ever moved."""
+    import io
     import pickle
 
     import torch
@@ -218,7 +221,11 @@ def _null_storage(metadata_path: Path) -> tuple[Any, Any]:
         def write_data(self, plan: Any, planner: Any) -> Any:
             results = []
             for item in plan.items:
-                planner.resolve_data(item)
+                data = planner.resolve_data(item)
+                if objects and item.type.name == "BYTE_IO":
+                    kept = data.getvalue()
+                    results.append(WriteResult(index=item.index, size_in_bytes=len(kept), storage_data=kept))
+                    continue
                 results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=_StorageInfo("-", 0, 0)))
             return done(results)
 
@@ -231,12 +238,14 @@ def _null_storage(metadata_path: Path) -> tuple[Any, Any]:
             return pickle.loads(metadata_path.read_bytes())
 
         def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-            pass
+            self.storage_data = metadata.storage_data
 
         def read_data(self, plan: Any, planner: Any) -> Any:
             for request in plan.items:
                 if request.type.name == "BYTE_IO":
-                    continue  # a non-tensor item: nothing was stored to decode
+                    if objects:
+                        planner.load_bytes(request, io.BytesIO(self.storage_data[request.storage_index]))
+                    continue  # without `objects`, a non-tensor item: nothing was stored to decode
                 planner.commit_tensor(request, planner.resolve_tensor(request))
             return done(None)
 
@@ -291,10 +300,10 @@ def _raw(spec: dict[str, Any], rank: int, tensors: list[Any]) -> dict[str, Any]:
     return outcome
 
 
-def _put(client: Any, key: str, payload: bytes, crc: Any) -> None:
+def _put(client: Any, key: str, payload: bytes, crc: Any, bucket: str = BUCKET) -> None:
     if crc is not None:
         crc.update(payload, 0)
-    client.put_object(Bucket=BUCKET, Key=key, Body=payload)
+    client.put_object(Bucket=bucket, Key=key, Body=payload)
 
 
 def _get_ranges(utils: Any, url: str, ranges: list[tuple[int, memoryview]], crc: Any) -> None:
@@ -310,16 +319,16 @@ def _get_ranges(utils: Any, url: str, ranges: list[tuple[int, memoryview]], crc:
             future.result()
 
 
-def _upload_in_parts(client: Any, key: str, bodies: list[bytes], crc: Any) -> None:
+def _upload_in_parts(client: Any, key: str, bodies: list[bytes], crc: Any, bucket: str = BUCKET) -> None:
     """``raw-parts``: a plain multipart upload of `bodies` (cut before the clock), one part after another."""
-    upload_id = client.create_multipart_upload(Bucket=BUCKET, Key=key)["UploadId"]
+    upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
     parts = []
     for number, body in enumerate(bodies, 1):
         if crc is not None:
             crc.update(body, 0)
-        response = client.upload_part(Bucket=BUCKET, Key=key, UploadId=upload_id, PartNumber=number, Body=body)
+        response = client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body)
         parts.append({"PartNumber": number, "ETag": response["ETag"]})
-    client.complete_multipart_upload(Bucket=BUCKET, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
+    client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
 
 
 def _rank_main(rank: int, spec: dict[str, Any], port: int) -> None:
