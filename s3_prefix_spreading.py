@@ -249,9 +249,9 @@ def in_spread_directory(relative: str) -> bool:
 def owner_of(relative: str) -> str:
     """The checkpoint folder a key (or folder, ending in ``/``) in a spread directory belongs to, relative to the same
     listing: ``run/s3ckpt-spread-03/step-200/__3_0.distcp`` -> ``run/step-200``. Package-internal (docs/api.md)."""
-    parts = relative.split("/")[:-1]
-    spread = next(i for i, part in enumerate(parts) if part.startswith(_urls.SPREAD_SEGMENT_PREFIX))
-    return "/".join(parts[:spread] + parts[spread + 1 :])
+    prefix = _urls.spread_prefix(relative)  # "run/s3ckpt-spread-03/"
+    outside = prefix[: prefix.rstrip("/").rfind("/") + 1]  # "run/"
+    return posixpath.dirname(outside + relative[len(prefix) :])
 
 
 def remove_checkpoint(s3: _s3.S3Utils, checkpoint_url: str, *, fence: Any = None) -> int:
