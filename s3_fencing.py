@@ -8,6 +8,8 @@ A core file beside s3_utils (which it uses to talk to S3); s3_checkpoint_io and 
    `CheckpointDirectoryTakenError`, and the owner record (`OWNER_RECORD_NAME`) (docs/fencing.md).
 4. Stale objects: `directory_owner`, `stale_objects`: what a run older than the directory's owner committed after
    the owner took over; readers leave such objects out, and the owner's next save removes them (docs/fencing.md).
+5. Host locks: `takeover_lock`, the short lock on a node's tmpfs (memory tier, replica root) that a process stopped
+   inside it cannot hold for longer than a few seconds.
 """
 
 from __future__ import annotations
@@ -19,12 +21,19 @@ import logging
 import os
 import secrets
 import socket
+import stat
 import threading
 import time
 import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # not on POSIX: host locks are no-ops there
+    fcntl = None  # type: ignore[assignment]
 
 if __package__:
     from . import s3_dirpath_utils as _urls
@@ -744,3 +753,83 @@ def _run_from_metadata(value: str | None) -> CheckpointRun | None:
         return CheckpointRun(run_id, "", 0, float(started), "" if job == "-" else job, numbers)
     except ValueError:
         return None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Host locks: a short lock on a node's tmpfs that a stopped straggler cannot hold
+# --------------------------------------------------------------------------------------------------------------------
+
+TAKEOVER_LOCK_WAIT_S = 10.0  # Package-internal (docs/api.md)
+"""How long a `takeover_lock` waits: its holders keep it for a few renames, so 10 s held means a stopped or hung one."""
+
+
+@contextlib.contextmanager
+def takeover_lock(path: Path, what: str) -> Iterator[None]:
+    """Hold an exclusive flock on the private lock file `path` (created 0600, never through a link) around a few
+    renames of `what` (a memory tier's launch record and commits, a replica root's). A holder that keeps it
+    `TAKEOVER_LOCK_WAIT_S` is stopped or hung: typically a straggler of an earlier launch, SIGSTOPped by its
+    scheduler inside a commit. This process then renames a fresh, locked lock file over that one, says so, and goes
+    on under it; the stopped holder, once it continues, finishes at most the one commit it was inside, and its next
+    check of the launch record refuses it (docs/fencing.md). Never a relaunch that waits forever, or gives up, on a
+    process it cannot see.
+    Package-internal (docs/api.md)."""
+    if fcntl is None:
+        yield
+        return
+    path = Path(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        wait_s = TAKEOVER_LOCK_WAIT_S
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pass
+            else:
+                if _same_file(fd, path):
+                    break
+                fcntl.flock(fd, fcntl.LOCK_UN)  # a lock file replaced meanwhile: take the one in place
+            if not _same_file(fd, path):
+                os.close(fd)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            elif time.monotonic() > deadline:
+                os.close(fd)
+                fd = _replace_lock_file(path, what, wait_s)
+                break
+            else:
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `fd` is still the file at `path` (one `_replace_lock_file` replaced is not)."""
+    try:
+        found = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (found.st_dev, found.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _replace_lock_file(path: Path, what: str, wait_s: float) -> int:
+    """A fresh lock file, locked, renamed over the one a stopped process holds: its fd."""
+    fresh = path.with_name(f".tmp-{path.name}-{secrets.token_hex(4)}")
+    fd = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, stat.S_IRUSR | stat.S_IWUSR)  # 0600 whatever the umask
+        fcntl.flock(fd, fcntl.LOCK_EX)  # new and unseen: free
+        os.rename(fresh, path)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(fresh)
+        raise
+    logger.warning(
+        "%s: %s stayed locked for %g s: a process holding it is stopped or hung (a straggler of an earlier launch?); "
+        "this process goes on under a fresh lock. The stopped one can finish at most the one commit it was inside "
+        "once it continues; end it (docs/fencing.md)", what, path, wait_s,
+    )  # fmt: skip
+    return fd

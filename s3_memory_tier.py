@@ -58,15 +58,10 @@ import stat
 import threading
 import time
 import types
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-try:
-    import fcntl
-except ImportError:  # not on POSIX: no lock around the launch record
-    fcntl = None  # type: ignore[assignment]
 
 if __package__:
     from . import s3_dirpath_utils as _urls
@@ -87,7 +82,6 @@ COMMIT_RECORD_SUFFIX = ".s3ckpt-tier.json"  # Package-internal (docs/api.md)
 """Beside each checkpoint in the tier: its commit record (without it, the file is not a checkpoint)."""
 _LAUNCH_RECORD = "launch.json"
 _LAUNCH_LOCK = ".launch.lock"
-_LAUNCH_LOCK_WAIT_S = 10.0  # a commit holds the lock for a few renames: 10 s held means a stopped or hung holder
 _FORMAT = 1
 _SLACK_BYTES = 1 << 20  # what a torch.save adds to its tensors' bytes (pickle records, zip headers), at most
 
@@ -209,16 +203,6 @@ def _create_private_file(path: Path) -> int:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     os.fchmod(fd, 0o600)
     return fd
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    """Whether `fd` is still the file at `path` (a lock file replaced by `NodeTier._replace_launch_lock` is not)."""
-    try:
-        found = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    mine = os.fstat(fd)
-    return (found.st_dev, found.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def _temporary_sibling(path: Path) -> Path:
@@ -452,55 +436,10 @@ class NodeTier:
 
     # ---- fencing -------------------------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _launch_lock(self) -> Iterator[None]:
-        """The short lock around the launch record and each commit and removal (a few renames). A holder that keeps
-        it for `_LAUNCH_LOCK_WAIT_S` is stopped or hung (a straggler of an earlier launch stopped inside a commit):
-        this process then puts a fresh lock file in its place, says so, and goes on under that one; the stopped
-        holder, once it continues, finishes at most the one commit it was inside and is refused from its next on
-        (docs/fencing.md). Never a relaunch that waits forever on a process it cannot see."""
-        if fcntl is None:
-            yield
-            return
-        lock_path = self.directory / _LAUNCH_LOCK
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            deadline = time.monotonic() + _LAUNCH_LOCK_WAIT_S
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    pass
-                else:
-                    if _same_file(fd, lock_path):
-                        break
-                    fcntl.flock(fd, fcntl.LOCK_UN)  # a lock file already replaced: take the one in place
-                if not _same_file(fd, lock_path):
-                    os.close(fd)
-                    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-                elif time.monotonic() > deadline:
-                    os.close(fd)
-                    fd = self._replace_launch_lock(lock_path)
-                    break
-                else:
-                    time.sleep(0.01)
-            yield
-        finally:
-            os.close(fd)
-
-    def _replace_launch_lock(self, lock_path: Path) -> int:
-        """A fresh lock file, locked, renamed over the one a stopped process holds: its fd."""
-        fresh = _temporary_sibling(lock_path)
-        fd = _create_private_file(fresh)
-        fcntl.flock(fd, fcntl.LOCK_EX)  # new and unseen: free
-        os.rename(fresh, lock_path)
-        logger.warning(
-            "memory tier %s: %s stayed locked for %g s: a process holding it is stopped or hung (a straggler of an "
-            "earlier launch?); %s goes on under a fresh lock. The stopped process can finish at most the one commit it "
-            "was inside once it continues; end it (docs/fencing.md)",
-            self.directory, lock_path.name, _LAUNCH_LOCK_WAIT_S, self.run,
-        )  # fmt: skip
-        return fd
+    def _launch_lock(self) -> contextlib.AbstractContextManager[None]:
+        """The short lock around the launch record and each commit and removal (a few renames), which a straggler
+        stopped inside it holds only for `s3_fencing.TAKEOVER_LOCK_WAIT_S` (`s3_fencing.takeover_lock`)."""
+        return _fencing.takeover_lock(self.directory / _LAUNCH_LOCK, f"memory tier {self.directory} ({self.run})")
 
     def claim(self) -> None:
         """Record this run as the tier's newest writer, or raise `CheckpointDirectoryTakenError` if a newer launch

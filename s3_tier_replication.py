@@ -1,8 +1,8 @@
 """A copy of each node's in-memory checkpoint on another node: the memory tier's replicas.
 
-An optional sibling of the core modules (standard library, `s3_utils` for checksums and this process's identity;
-torch.distributed only for `exchange_addresses`, imported on first use). The memory tier (`s3_memory_tier`) calls it;
-nothing in the core needs it.
+An optional sibling of the core modules (standard library, `s3_utils` for checksums and this process's identity,
+`s3_fencing` for the root's lock; torch.distributed only for `exchange_addresses`, imported on first use). The memory
+tier (`s3_memory_tier`) calls it; nothing in the core needs it.
 
 1. Names, manifests and launches: what a replica is called, the manifest it is verified against (relative path ->
    ``(size, "<ALGORITHM> <value>")``, the spelling of the package's checksum records) and the order of launches.
@@ -68,8 +68,10 @@ except ImportError:  # not on POSIX: no lock against a second server on one root
     fcntl = None  # type: ignore[assignment]
 
 if __package__:
+    from . import s3_fencing as _fencing
     from . import s3_utils as _s3
-else:  # installed (or copied) as a top-level module
+else:  # installed (or copied) as top-level modules
+    import s3_fencing as _fencing
     import s3_utils as _s3
 
 __all__ = [
@@ -590,30 +592,11 @@ class ReplicaServer:
             raise
         return fd
 
-    @contextlib.contextmanager
-    def _root_locked(self) -> Any:
-        """The short lock around the launch record and each commit, waited for at most `timeout_s` (a process
-        stopped while it held it: the error says so rather than hang)."""
-        if fcntl is None:
-            yield
-            return
-        fd = os.open(self.root / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            deadline = time.monotonic() + self.timeout_s
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise ReplicationError(
-                            f"{self.root / _LOCK_NAME} stayed locked for {self.timeout_s:g} s: a process holding it "
-                            "is stopped or hung (a straggler of an earlier launch?); end it, or restart this node"
-                        ) from None
-                    time.sleep(0.01)
-            yield
-        finally:
-            os.close(fd)
+    def _root_locked(self) -> contextlib.AbstractContextManager[None]:
+        """The short lock around the launch record and each commit, which a straggler's server stopped inside it
+        holds only for `s3_fencing.TAKEOVER_LOCK_WAIT_S` (`s3_fencing.takeover_lock`): a relaunch's server then
+        starts and serves rather than give up on this node's replicas."""
+        return _fencing.takeover_lock(self.root / _LOCK_NAME, f"replica root {self.root} (launch {self.launch})")
 
     def _owner(self) -> str | None:
         """The launch the root's launch record names (None: none, or outside any launcher)."""

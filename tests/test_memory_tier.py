@@ -392,7 +392,7 @@ def test_a_straggler_stopped_inside_the_tiers_lock_holds_no_relaunch_up(
     """A straggler stopped (SIGSTOP) while it holds the tier's short launch lock: the relaunch's claim waits a
     bounded time, says so, and goes on under a fresh lock (its next commits do not wait again); the straggler,
     once it continues, commits nothing more."""
-    monkeypatch.setattr(s3_memory_tier, "_LAUNCH_LOCK_WAIT_S", 1.0)
+    monkeypatch.setattr(s3_fencing, "TAKEOVER_LOCK_WAIT_S", 1.0)
     straggler = subprocess.Popen(
         [sys.executable, "-c", STOPPED_INSIDE_THE_LOCK, str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -401,7 +401,7 @@ def test_a_straggler_stopped_inside_the_tiers_lock_holds_no_relaunch_up(
         assert straggler.stdout is not None and straggler.stdout.readline() == "locked\n"
         newer = NodeTier(MemoryTier(root=str(tmp_path)), run_of(1))
         claimed = threading.Thread(target=newer.claim, daemon=True)  # the old code waited here forever
-        with caplog.at_level(logging.WARNING, logger="s3_memory_tier"):
+        with caplog.at_level(logging.WARNING, logger="s3_fencing"):
             claimed.start()
             claimed.join(timeout=30)
             assert not claimed.is_alive(), "the relaunch still waits for the stopped straggler's lock"

@@ -8,6 +8,7 @@ address exchange.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -449,6 +450,52 @@ def test_a_newer_launch_takes_the_root_over_from_a_stopped_server_of_an_older_la
                 assert [i.name for i in listed] == ["step=1", "step=2"]
         finally:
             os.kill(process.pid, signal.SIGCONT)
+
+
+STOPPED_INSIDE_THE_ROOT_LOCK = """
+import os, signal, sys
+import s3_tier_replication as replication
+server = replication.ReplicaServer(sys.argv[1], job=sys.argv[2], launch=sys.argv[3])
+with server._root_locked():  # as a commit between its launch check and its renames
+    print("locked", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+print(server._taken_over() or "still the owner", flush=True)
+"""
+
+
+def test_a_server_stopped_inside_the_roots_lock_holds_no_relaunch_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A straggler's server stopped (SIGSTOP) inside the root's short lock: the relaunch's server waits a bounded
+    time, says so, takes the root over under a fresh lock and serves (its commits do not wait again); the old code
+    gave up after its 60 s socket timeout, and that node served no replicas for the whole launch."""
+    import s3_fencing
+
+    monkeypatch.setattr(s3_fencing, "TAKEOVER_LOCK_WAIT_S", 1.0)
+    root, manifest = tmp_path / "replicas", make_checkpoint(tmp_path / "ckpt", big=1000)
+    straggler = subprocess.Popen(
+        [sys.executable, "-c", STOPPED_INSIDE_THE_ROOT_LOCK, str(root), JOB, LAUNCH], stdout=subprocess.PIPE,
+        text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    try:
+        assert straggler.stdout is not None and straggler.stdout.readline() == "locked\n"
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="s3_fencing"):
+            newer = replication.ReplicaServer(root, job=JOB, launch=NEWER)
+        with newer:
+            assert time.monotonic() - started < 20.0
+            assert "stayed locked for 1 s" in caplog.text and "fresh lock" in caplog.text
+            started = time.monotonic()
+            send(tmp_path / "ckpt", "step=2", newer.address, manifest, launch=NEWER)
+            assert time.monotonic() - started < 1.0  # under the fresh lock: no second wait
+            assert [(i.name, i.launch) for i in newer.replicas(NODE)] == [("step=2", NEWER)]
+            straggler.send_signal(signal.SIGCONT)
+            said = straggler.communicate(timeout=60)[0]
+            assert "took this node's replica root over" in said and straggler.returncode == 0, said
+    finally:
+        straggler.kill()
+        straggler.wait()
+    assert stat.S_IMODE(os.lstat(root / ".s3ckpt-replicas.lock").st_mode) == 0o600  # the fresh one: private too
 
 
 def test_after_a_takeover_the_older_launchs_server_stores_and_drops_nothing(tmp_path: Path) -> None:
