@@ -197,6 +197,7 @@ def adopt_run(run: CheckpointRun) -> None:
 _OWNER_RECORD_VERSION = 1
 _TAKE_OVER_ATTEMPTS = 5
 _REMEMBERED_KEYS = 10_000  # keys per directory whose last state (ETag, or removed) a run remembers
+_EARLIER_OWNERS = 8  # the owners before the current one that its record names, each with when it took over
 
 
 class CheckpointDirectoryTakenError(RuntimeError):
@@ -232,6 +233,7 @@ class _Hold:
         self.objects: dict[str, str | None] = {}  # key -> ETag this run committed, or None: this run removed it
         self.record_seen: tuple[str, Any] | None = None  # the record's ETag and modification time at the last HEAD
         self.not_stale: dict[str, str] = {}  # key -> ETag of objects `remove_stale_objects` found not a stale run's
+        self.earlier: tuple[tuple[CheckpointRun, datetime.datetime], ...] = ()  # the record's earlier owners
 
 
 _holds: dict[tuple[str | None, str, str, str], _Hold] = {}
@@ -314,7 +316,7 @@ class DirectoryFence:
             record, etag = self._read_record()
             if _is_run_of(record, self.run):  # rewritten by this run from another process (a pickled plugin...)
                 if not self._follows:
-                    hold.etag = etag
+                    hold.etag, hold.earlier = etag, _record_earlier(record)
                 return
             if record is None and not self._follows:
                 logger.warning("%s is gone (removed by hand?): %s writes it again", self.record_url, self.run)
@@ -375,8 +377,8 @@ class DirectoryFence:
                 seen = self._hold.record_seen
             if self._hold.etag is None or seen is None or seen[0] != self._hold.etag or seen[1] is None:
                 return 0  # not (or no longer) this run's: its own check refuses what comes next
-            owner = DirectoryOwner(self.directory, self.run, seen[1])
             hold = self._hold
+            owner = DirectoryOwner(self.directory, self.run, seen[1], hold.earlier)
             with hold.lock:
                 known = {**hold.not_stale, **{key: etag for key, etag in hold.objects.items() if isinstance(etag, str)}}
             listed = self._utils.list_objects(self.directory)
@@ -476,24 +478,28 @@ class DirectoryFence:
 
     def _read_record(self) -> tuple[dict[str, Any] | None, str | None]:
         """The owner record (a dict; ``{}`` if unreadable) and its ETag, or ``(None, None)`` if there is none."""
+        return self._read_dated_record()[:2]
+
+    def _read_dated_record(self) -> tuple[dict[str, Any] | None, str | None, datetime.datetime | None]:
+        """`_read_record`, and the record's modification time (the store's clock: when its owner took over)."""
         try:
             response = self._utils.call("get_object", self.record_url, Bucket=self.bucket, Key=self.record_key)
         except FileNotFoundError as exc:
             _raise_if_no_bucket(exc)
-            return None, None
+            return None, None, None
         with response["Body"] as body:
             raw = body.read()
         try:
             record = json.loads(raw)
         except ValueError:
             record = None
-        return (record if isinstance(record, dict) else {}), response.get("ETag", "")
+        return (record if isinstance(record, dict) else {}), response.get("ETag", ""), response.get("LastModified")
 
-    def _put_record(self, generation: int, conditions: Mapping[str, str]) -> str:
+    def _put_record(self, generation: int, conditions: Mapping[str, str], earlier: list[dict[str, Any]]) -> str:
         body = {
             "version": _OWNER_RECORD_VERSION, "run": self.run.run_id, "host": self.run.host, "pid": self.run.pid,
             "started": self.run.started, "job": self.run.job, "attempt": list(self.run.attempt),
-            "generation": generation, "taken": time.time(),
+            "generation": generation, "taken": time.time(), "earlier": earlier,
         }
         response = self._utils.call(
             "put_object", self.record_url, Bucket=self.bucket, Key=self.record_key,
@@ -505,17 +511,18 @@ class DirectoryFence:
         """Make this run the directory's owner (lock held), as the comment above says."""
         hold = self._hold
         for _ in range(_TAKE_OVER_ATTEMPTS):
-            record, etag = self._read_record()
+            record, etag, taken = self._read_dated_record()
             owner = _record_run(record)
             if self._adopted_or_refused(url, action, record, etag):
                 return
             generation = _record_generation(record) + 1
+            earlier = _earlier_entries(record, taken)
             support = self.capabilities.conditional_put
             conditions: dict[str, str] = {}
             if support is not False:
                 conditions = {"IfMatch": str(etag)} if record is not None else {"IfNoneMatch": "*"}
             try:
-                hold.etag = self._put_record(generation, conditions)
+                hold.etag = self._put_record(generation, conditions, earlier)
             except Exception as exc:
                 if conditions and _s3.is_precondition_failed(exc, conditions):
                     continue  # another run wrote the record since it was read: read it again
@@ -523,8 +530,9 @@ class DirectoryFence:
                     self._conditional_writes_unsupported(f"it answers {_s3.error_code(exc)} to them")
                     continue
                 raise
+            hold.earlier = _record_earlier({"earlier": earlier})
             if support is None:
-                self._probe(generation)
+                self._probe(generation, earlier)
             previous = f", from {owner}" if owner is not None else ""
             logger.info("%s took %s over (generation %d%s)", self.run, self.directory, generation, previous)
             return
@@ -537,17 +545,17 @@ class DirectoryFence:
     def _adopted_or_refused(self, url: str, action: str, record: dict[str, Any] | None, etag: str | None) -> bool:
         """True if `record` is this run's (adopted); refuse if it is a later run's; else False (free to take)."""
         if _is_run_of(record, self.run):
-            self._hold.etag = etag
+            self._hold.etag, self._hold.earlier = etag, _record_earlier(record)
             return True
         owner = _record_run(record)
         if record is not None and owner is not None and owner.is_newer_than(self.run):
             self._refuse(url, action, record, newer=True)
         return False
 
-    def _probe(self, generation: int) -> None:
+    def _probe(self, generation: int, earlier: list[dict[str, Any]]) -> None:
         """Once per store and bucket: a PUT that must fail (If-None-Match: * on the record just written)."""
         try:
-            self._hold.etag = self._put_record(generation, {"IfNoneMatch": "*"})
+            self._hold.etag = self._put_record(generation, {"IfNoneMatch": "*"}, earlier)
         except Exception as exc:
             if _s3.is_precondition_failed(exc, {}):
                 _s3.note_capability(self.capabilities, "conditional_put", True)
@@ -614,6 +622,29 @@ def _record_generation(record: Mapping[str, Any] | None) -> int:
     return generation if isinstance(generation, int) else 0
 
 
+def _earlier_entries(record: Mapping[str, Any] | None, taken: datetime.datetime | None) -> list[dict[str, Any]]:
+    """The ``earlier`` list of a record that takes over from `record` (modified at `taken`): its owner first, with
+    when it took over, then the owners its record names, `_EARLIER_OWNERS` at most."""
+    if not isinstance(record, Mapping) or _record_run(record) is None or taken is None:
+        return []
+    fields = ("run", "host", "pid", "started", "job", "attempt")
+    entry = {name: record.get(name) for name in fields} | {"taken_at": taken.timestamp()}
+    earlier = record.get("earlier")
+    return [entry, *(earlier if isinstance(earlier, list) else [])][:_EARLIER_OWNERS]
+
+
+def _record_earlier(record: Mapping[str, Any] | None) -> tuple[tuple[CheckpointRun, datetime.datetime], ...]:
+    """The earlier owners a record names, newest first, each with when it took over (the store's clock)."""
+    entries = record.get("earlier") if isinstance(record, Mapping) else None
+    found = []
+    for entry in entries if isinstance(entries, list) else []:
+        run = _record_run(entry)
+        taken = entry.get("taken_at") if isinstance(entry, Mapping) else None
+        if run is not None and isinstance(taken, (int, float)) and not isinstance(taken, bool):
+            found.append((run, datetime.datetime.fromtimestamp(taken, datetime.timezone.utc)))
+    return tuple(found)
+
+
 class _CheckedOnce:
     """A fence whose check runs once: later operations reuse its outcome (see `DirectoryFence.once`)."""
 
@@ -661,6 +692,9 @@ class DirectoryOwner:
     directory: str
     run: CheckpointRun
     taken: datetime.datetime  # the owner record's modification time, by the store's clock: when the owner took over
+    earlier: tuple[tuple[CheckpointRun, datetime.datetime], ...] = ()  # the owners before it, newest first, each
+    # with when it took over: an older run's commit after any of those takeovers is a stale run's too (a straggler
+    # that committed after a launch took over, which was killed before its next save removed it)
 
 
 def directory_owner(utils: _s3.S3Utils, directory: str | os.PathLike[str]) -> DirectoryOwner | None:
@@ -683,7 +717,7 @@ def directory_owner(utils: _s3.S3Utils, directory: str | os.PathLike[str]) -> Di
     run = _record_run(record)
     if run is None or response.get("LastModified") is None:
         return None
-    return DirectoryOwner(url, run, response["LastModified"])
+    return DirectoryOwner(url, run, response["LastModified"], _record_earlier(record))
 
 
 def stale_objects(
@@ -691,10 +725,11 @@ def stale_objects(
     owner: DirectoryOwner | object | None = _UNKNOWN, known: Mapping[str, str] | None = None,
 ) -> list[_s3.S3ObjectInfo]:
     """The objects among `objects` (listed under the checkpoint `directory`) that a run older than its `owner` (read
-    with `directory_owner` if not given) committed after the owner took over: a stale run's. Never an object that
-    names no run (written with fencing off, by hand, by another tool), one of a run newer than the owner (so a stale
-    run that believes it still owns the directory never counts the newer run's objects as stale), or one committed
-    before the takeover. Package-internal (docs/api.md).
+    with `directory_owner` if not given) committed after the owner, or an earlier owner newer than that run, took
+    over: a stale run's. Never an object that names no run (written with fencing off, by hand, by another tool), one
+    of a run newer than the owner (so a stale run that believes it still owns the directory never counts the newer
+    run's objects as stale), or one committed before every takeover by a run newer than its writer (an older run's
+    checkpoint from before it was superseded). Package-internal (docs/api.md).
 
     Times are the store's, to the second: what an older run commits in the second of the takeover counts as after it
     (that run was still writing while the newer one saved: a straggler's, not a checkpoint to resume). One HEAD per
@@ -706,7 +741,8 @@ def stale_objects(
     if not isinstance(owner, DirectoryOwner):
         return []
     _, prefix = _urls.s3_dir_prefix(owner.directory)
-    after = owner.taken.replace(microsecond=0)  # the store dates to the second: the takeover's second counts
+    takeovers = [(run, taken.replace(microsecond=0)) for run, taken in ((owner.run, owner.taken), *owner.earlier)]
+    after = min(taken for _, taken in takeovers)  # the store dates to the second: a takeover's second counts
     groups: dict[str, list[_s3.S3ObjectInfo]] = {}  # name directly in the directory -> its objects since the takeover
     for info in objects:
         relative = info.key[len(prefix) :] if info.key.startswith(prefix) else ""
@@ -732,8 +768,16 @@ def stale_objects(
     with ThreadPoolExecutor(min(_HEAD_WORKERS, len(decisions)), thread_name_prefix="s3ckpt-stale") as pool:
         runs = list(pool.map(writer_run, [info for info, _ in decisions]))
     stale = []
+    def superseded(run: CheckpointRun, committed: datetime.datetime) -> bool:  # after a newer run took over
+        return any(
+            newer.run_id != run.run_id and newer.is_newer_than(run) and committed >= taken for newer, taken in takeovers
+        )
+
     for (info, members), run in zip(decisions, runs, strict=True):
-        if run is not None and run.run_id != owner.run.run_id and owner.run.is_newer_than(run):
+        if (
+            run is not None and run.run_id != owner.run.run_id and owner.run.is_newer_than(run)
+            and info.last_modified is not None and superseded(run, info.last_modified)
+        ):
             stale += members
         elif isinstance(known, dict) and info.etag:
             known[info.key] = info.etag  # decided: not a stale run's (the caller may keep it)

@@ -153,3 +153,42 @@ def test_objects_that_name_no_run_are_never_a_stale_runs(s3_server: S3Endpoint, 
     assert find_resume_checkpoint(directory) == f"{directory}/step=5-last.ckpt"
     owner.save_checkpoint({"step": 2}, f"{directory}/step=2.ckpt")
     assert S3Utils().s3_path_exists(f"{directory}/step=5-last.ckpt")
+
+
+def test_a_later_launch_removes_what_a_stale_run_committed_after_an_earlier_takeover(
+    stale_after_takeover: dict[str, Any], bucket: str, s3_client: Any
+) -> None:
+    """The newer run is killed before its next save, and a third run takes the directory over: the stale run's keys
+    were committed before that third takeover, but after the second's, which the owner record still names (its
+    earlier owners, with when each took over). Readers still leave them out, and the third run's first save removes
+    them (the soak's straggler key left after 150 kills, before the record named earlier owners)."""
+    directory = stale_after_takeover["directory"]
+    time.sleep(SECOND)
+    third = plugin_of(run_at(30))
+    third.save_checkpoint({"step": 4}, f"{directory}/step=4-last.ckpt")  # takes over, then looks for stale objects
+    left = keys(s3_client, bucket, "job/")
+    assert not any(key.startswith(("step=9-last.ckpt", "step=8-last.ckpt")) for key in left), left
+    assert {"step=1-last.ckpt", "step=1.ckpt/.metadata", "step=2-last.ckpt", "step=4-last.ckpt"} <= left
+    listed = {entry.name for entry in list_checkpoints(directory)}
+    assert listed == {"step=1-last.ckpt", "step=1.ckpt", "step=2-last.ckpt", "step=4-last.ckpt"}
+
+
+def test_the_owner_record_names_its_earlier_owners_with_when_each_took_over(
+    s3_server: S3Endpoint, bucket: str
+) -> None:
+    """Each takeover writes the previous owner, dated by the store's clock (the record's modification time), at the
+    head of the record's ``earlier`` list, at most 8 of them; readers get them from `directory_owner`."""
+    import s3_fencing
+
+    if s3_server.name != "moto":
+        pytest.skip("the record's fields are the same on every backend: moto is enough")
+    directory = f"s3://{bucket}/owners"
+    runs = [run_at(offset) for offset in range(0, 100, 10)]
+    taken = []
+    for step, run in enumerate(runs):
+        plugin_of(run).save_checkpoint({"step": step}, f"{directory}/step={step}.ckpt")
+        owner = s3_fencing.directory_owner(S3Utils(), directory)
+        assert owner is not None and owner.run.run_id == run.run_id
+        taken.append(owner.taken)
+    assert [run.run_id for run, _ in owner.earlier] == [run.run_id for run in reversed(runs[1:-1])]
+    assert [when for _, when in owner.earlier] == list(reversed(taken[1:-1]))
