@@ -448,6 +448,29 @@ class NodeTier:
             owner = self._check_owner()
             if owner is None or owner.run_id != self.run.run_id:
                 _write_json_atomically(self.directory / _LAUNCH_RECORD, dataclasses.asdict(self.run))
+                self._remove_unfinished_writes()
+
+    def _remove_unfinished_writes(self) -> None:
+        """What killed processes of earlier launches left half-written in this node's own copies: temporary files
+        (a kill inside a save) and data files without their commit record (a kill between a commit's renames). None
+        of them is a checkpoint, and nothing else would ever free their memory. Called at a launch's first claim,
+        under the launch lock: every process of this launch claims before it writes, so nothing here is its own."""
+        removed, freed = 0, 0
+        for path in sorted(self.own.rglob("*")):
+            name = path.name
+            unfinished = name.startswith(".tmp-") or (
+                not name.endswith(COMMIT_RECORD_SUFFIX) and not self.record_path(path).exists()
+            )
+            with contextlib.suppress(FileNotFoundError):
+                info = path.lstat()
+                if unfinished and stat.S_ISREG(info.st_mode):
+                    path.unlink()
+                    removed, freed = removed + 1, freed + info.st_size
+        if removed:
+            logger.warning(
+                "memory tier %s: removed %d unfinished file(s), %.1f MiB, that killed processes of an earlier launch "
+                "left (none of them was a committed copy)", self.own, removed, freed / _s3.MB,
+            )  # fmt: skip
 
     def _check_owner(self) -> _fencing.CheckpointRun | None:
         """The run the tier's launch record names (None: none); `CheckpointDirectoryTakenError` if it is a newer

@@ -761,3 +761,26 @@ def test_the_copy_a_resume_agreed_on_stays_while_finishing_drains_prune_the_tier
     relaunch.wait_for_pending_saves()
     assert [copy.record["step"] for copy in tier.copies()] == [4, 5]  # `keep` holds again after a newer save
     relaunch.teardown()
+
+
+def test_a_new_launch_frees_what_killed_processes_left_half_written(tmp_path: Path) -> None:
+    """A kill inside a save leaves its temporary file, one between a commit's renames a data file without its commit
+    record: neither is a checkpoint, and nothing else would free their memory. The next launch's first claim removes
+    both; committed copies, and what this launch writes itself, stay."""
+    config = MemoryTier(root=str(tmp_path))
+    older = NodeTier(config, run_of(0))
+    kept = older.save({"x": torch.ones(3)}, "s3://bkt/run/step=1.ckpt", 1, torch.save)
+    partial, fd = older.temporary_file("s3://bkt/run/step=2.ckpt")  # killed while writing step 2
+    os.write(fd, b"x" * 4096)
+    os.close(fd)
+    cut = older.save({"x": torch.ones(3)}, "s3://bkt/run/step=3.ckpt", 3, torch.save)
+    os.unlink(older.record_path(cut.path))  # killed between the data's rename and the record's
+    newer = NodeTier(config, run_of(1))
+    newer.claim()
+    assert not partial.exists() and not cut.path.exists()
+    assert kept.path.exists() and [c.url for c in newer.copies()] == ["s3://bkt/run/step=1.ckpt"]
+    mine, fd = newer.temporary_file("s3://bkt/run/step=4.ckpt")  # this launch's own write in progress
+    os.close(fd)
+    newer.claim()  # claimed already: nothing more is removed
+    NodeTier(config, run_of(1)).claim()  # another process of the same launch
+    assert mine.exists()
