@@ -497,9 +497,8 @@ class DirectoryFence:
 
     def _put_record(self, generation: int, conditions: Mapping[str, str], earlier: list[dict[str, Any]]) -> str:
         body = {
-            "version": _OWNER_RECORD_VERSION, "run": self.run.run_id, "host": self.run.host, "pid": self.run.pid,
-            "started": self.run.started, "job": self.run.job, "attempt": list(self.run.attempt),
-            "generation": generation, "taken": time.time(), "earlier": earlier,
+            "version": _OWNER_RECORD_VERSION, **_run_fields(self.run), "generation": generation, "taken": time.time(),
+            "earlier": earlier,
         }
         response = self._utils.call(
             "put_object", self.record_url, Bucket=self.bucket, Key=self.record_key,
@@ -606,6 +605,14 @@ def _is_run_of(record: Mapping[str, Any] | None, run: CheckpointRun) -> bool:
     return isinstance(record, Mapping) and record.get("run") == run.run_id
 
 
+def _run_fields(run: CheckpointRun) -> dict[str, Any]:
+    """How an owner record spells a run (its owner's, and each of its earlier owners'); `_record_run` reads it."""
+    return {
+        "run": run.run_id, "host": run.host, "pid": run.pid, "started": run.started, "job": run.job,
+        "attempt": list(run.attempt),
+    }
+
+
 def _record_run(record: Mapping[str, Any] | None) -> CheckpointRun | None:
     if not isinstance(record, Mapping):
         return None
@@ -625,10 +632,10 @@ def _record_generation(record: Mapping[str, Any] | None) -> int:
 def _earlier_entries(record: Mapping[str, Any] | None, taken: datetime.datetime | None) -> list[dict[str, Any]]:
     """The ``earlier`` list of a record that takes over from `record` (modified at `taken`): its owner first, with
     when it took over, then the owners its record names, `_EARLIER_OWNERS` at most."""
-    if not isinstance(record, Mapping) or _record_run(record) is None or taken is None:
+    owner = _record_run(record)
+    if owner is None or taken is None:
         return []
-    fields = ("run", "host", "pid", "started", "job", "attempt")
-    entry = {name: record.get(name) for name in fields} | {"taken_at": taken.timestamp()}
+    entry = _run_fields(owner) | {"taken_at": taken.timestamp()}
     earlier = record.get("earlier")
     return [entry, *(earlier if isinstance(earlier, list) else [])][:_EARLIER_OWNERS]
 
@@ -767,12 +774,12 @@ def stale_objects(
 
     with ThreadPoolExecutor(min(_HEAD_WORKERS, len(decisions)), thread_name_prefix="s3ckpt-stale") as pool:
         runs = list(pool.map(writer_run, [info for info, _ in decisions]))
-    stale = []
     def superseded(run: CheckpointRun, committed: datetime.datetime) -> bool:  # after a newer run took over
         return any(
             newer.run_id != run.run_id and newer.is_newer_than(run) and committed >= taken for newer, taken in takeovers
         )
 
+    stale = []
     for (info, members), run in zip(decisions, runs, strict=True):
         if (
             run is not None and run.run_id != owner.run.run_id and owner.run.is_newer_than(run)
