@@ -81,12 +81,14 @@ if __package__:
     from . import connector as _connector
     from . import s3_checkpoint_admin as _admin
     from . import s3_dirpath_utils as _urls
+    from . import s3_fencing as _fencing
     from . import s3_local_servers as _servers
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import connector as _connector
     import s3_checkpoint_admin as _admin
     import s3_dirpath_utils as _urls
+    import s3_fencing as _fencing
     import s3_local_servers as _servers
     import s3_utils as _s3
 
@@ -517,7 +519,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     """Probe what the store and bucket of the URL honour (`s3_utils.store_capabilities`) and print it."""
     url = s3_url_argument(args.url)
     bucket, prefix = _urls.s3_dir_prefix(url)
-    record = _s3.store_capabilities(_make_s3(args), bucket, _s3.CAPABILITIES, prefix)
+    s3 = _make_s3(args)
+    record = _s3.store_capabilities(s3, bucket, _s3.CAPABILITIES, prefix)
+    _fencing.probe_expiring_requests(s3, bucket, prefix)
     print(f"{record.store}, bucket {record.bucket}:")
     for line in record.describe():
         print(f"  {line}")

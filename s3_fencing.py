@@ -8,14 +8,20 @@ A core file beside s3_utils (which it uses to talk to S3); s3_checkpoint_io and 
    `CheckpointDirectoryTakenError`, and the owner record (`OWNER_RECORD_NAME`) (docs/fencing.md).
 4. Stale objects: `directory_owner`, `stale_objects`: what a run older than the directory's owner committed after
    the owner took over; readers leave such objects out, and the owner's next save removes them (docs/fencing.md).
-5. Host locks: `takeover_lock`, the short lock on a node's tmpfs (memory tier, replica root) that a process stopped
+5. Expiring requests: where the store honours them, every fenced commit and removal is signed at the check that
+   allowed it and expires `FENCED_REQUEST_LIFETIME_S` later, and a takeover waits that long: nothing a stale run
+   checked before a takeover lands after the newer run starts writing (`probe_expiring_requests`).
+6. Host locks: `takeover_lock`, the short lock on a node's tmpfs (memory tier, replica root) that a process stopped
    inside it cannot hold for longer than a few seconds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import datetime
+import email.utils
+import functools
 import json
 import logging
 import os
@@ -25,10 +31,11 @@ import stat
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterable, Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 try:
     import fcntl
@@ -43,8 +50,8 @@ else:  # installed (or copied) as a top-level module
     import s3_utils as _s3
 
 __all__ = [
-    "OWNER_RECORD_NAME", "CheckpointDirectoryTakenError", "CheckpointRun", "DirectoryFence", "LaunchIdentity",
-    "adopt_run", "current_run", "launch_identity",
+    "FENCED_REQUEST_LIFETIME_S", "OWNER_RECORD_NAME", "CheckpointDirectoryTakenError", "CheckpointRun",
+    "DirectoryFence", "LaunchIdentity", "adopt_run", "current_run", "launch_identity",
 ]
 
 logger = logging.getLogger(__name__)
@@ -193,7 +200,10 @@ def adopt_run(run: CheckpointRun) -> None:
 #   in the record and sends again. Left open: new keys of a stale run, and removals (no condition).
 # * other ranks of a sharded save check against the coordinator's `FenceToken`; stores that refuse or ignore
 #   conditional headers are found once per bucket (one warning): the record is then written without conditions.
+# * where the store honours expiring requests, each commit and removal expires a lifetime after its check, and a run
+#   taking the directory over from another waits that lifetime (and a second) before it writes anything: part 5.
 
+_T = TypeVar("_T")
 _OWNER_RECORD_VERSION = 1
 _TAKE_OVER_ATTEMPTS = 5
 _REMEMBERED_KEYS = 10_000  # keys per directory whose last state (ETag, or removed) a run remembers
@@ -221,6 +231,7 @@ class FenceToken:
     etag: str
     run: CheckpointRun
     conditional: bool = False
+    expiring: bool = False  # the store refuses a fenced request once expired (`probe_expiring_requests`)
 
 
 class _Hold:
@@ -234,6 +245,8 @@ class _Hold:
         self.record_seen: tuple[str, Any] | None = None  # the record's ETag and modification time at the last HEAD
         self.not_stale: dict[str, str] = {}  # key -> ETag of objects `remove_stale_objects` found not a stale run's
         self.earlier: tuple[tuple[CheckpointRun, datetime.datetime], ...] = ()  # the record's earlier owners
+        self.checked: tuple[datetime.datetime, float] | None = None  # the last read of the record: store, local time
+        self.quiet = datetime.timedelta(0)  # how long after its record's write this run's takeover began writing
 
 
 _holds: dict[tuple[str | None, str, str, str], _Hold] = {}
@@ -256,11 +269,12 @@ class DirectoryFence:
 
     def __init__(
         self, utils: _s3.S3Utils, directory: str | os.PathLike[str], run: CheckpointRun | None = None, *,
-        follows: str | None = None, conditional: bool = False,
+        follows: str | None = None, conditional: bool = False, expiring: bool = False,
     ) -> None:
-        """`follows`, `conditional`: see `following`."""
+        """`follows`, `conditional`, `expiring`: see `following`."""
         self._follows = follows
         self._follows_conditionally = conditional
+        self._follows_expiring = expiring
         self.directory = _urls.normalize_s3_url(directory).rstrip("/")
         self.bucket, prefix = _urls.s3_dir_prefix(self.directory)
         self._prefix = prefix
@@ -283,7 +297,10 @@ class DirectoryFence:
     @classmethod
     def following(cls, utils: _s3.S3Utils, token: FenceToken) -> DirectoryFence:
         """The fence of a rank that commits files for the run that holds `token`: it checks, never takes over."""
-        return cls(utils, token.directory, token.run, follows=token.etag, conditional=token.conditional)
+        return cls(
+            utils, token.directory, token.run, follows=token.etag, conditional=token.conditional,
+            expiring=token.expiring,
+        )
 
     def once(self) -> _CheckedOnce:
         """This fence, checked at most once: one HEAD for operations within moments of each other (one rank's save)."""
@@ -297,7 +314,7 @@ class DirectoryFence:
             if self._hold.etag is None:
                 self._take_over(url, "save")
             assert self._hold.etag is not None
-            return FenceToken(self.directory, self._hold.etag, self.run, self._conditional())
+            return FenceToken(self.directory, self._hold.etag, self.run, self._conditional(), self._expiring())
 
     def before_mutation(self, url: str, action: str) -> None:
         """Before a ``"save"`` or ``"removal"`` of `url`: take the directory over, or check (one HEAD) it is held."""
@@ -316,7 +333,7 @@ class DirectoryFence:
             record, etag = self._read_record()
             if _is_run_of(record, self.run):  # rewritten by this run from another process (a pickled plugin...)
                 if not self._follows:
-                    hold.etag, hold.earlier = etag, _record_earlier(record)
+                    hold.etag, hold.earlier, hold.quiet = etag, _record_earlier(record), _quiet(record)
                 return
             if record is None and not self._follows:
                 logger.warning("%s is gone (removed by hand?): %s writes it again", self.record_url, self.run)
@@ -336,6 +353,37 @@ class DirectoryFence:
         if self._follows:
             return self._follows_conditionally
         return self.capabilities.conditional_put is True
+
+    def _expiring(self) -> bool:
+        return self._follows_expiring if self._follows else self.capabilities.expiring_requests is True
+
+    def sent(self, url: str, action: str, request: Callable[[], _T]) -> _T:
+        """`request()`, a commit or removal of `url` that the last check allowed: where the store honours expiring
+        requests, signed at that check's time (the store's) to expire `FENCED_REQUEST_LIFETIME_S` after it, so a
+        stale run's request that arrives after a newer run's takeover is refused by the store. A check older than
+        half that is made again first; a request the store refused as expired is checked again and sent once more."""
+        if not self._expiring():
+            return request()
+        lifetime = _request_lifetime_s()
+        for attempt in (1, 2):
+            with self._hold.lock:
+                checked = self._hold.checked
+            if checked is None or time.monotonic() - checked[1] > lifetime / 2:
+                self.before_mutation(url, action)
+                with self._hold.lock:
+                    checked = self._hold.checked
+            assert checked is not None
+            _install_expiring_signer(self._utils.client)
+            try:
+                with _signed_at(checked[0], lifetime):
+                    return request()
+            except Exception as exc:
+                if attempt == 2 or not _is_expired(exc):
+                    raise
+                logger.debug("The %s of %s expired before the store took it: checking %s again", action, url,
+                             self.record_url)
+                self.before_mutation(url, action)  # a refusal here names the store's answer as its context
+        raise AssertionError("unreachable")
 
     def metadata(self) -> dict[str, str]:
         """The user metadata every commit of this run carries: which run it is (`stale_objects` reads it)."""
@@ -378,7 +426,7 @@ class DirectoryFence:
             if self._hold.etag is None or seen is None or seen[0] != self._hold.etag or seen[1] is None:
                 return 0  # not (or no longer) this run's: its own check refuses what comes next
             hold = self._hold
-            owner = DirectoryOwner(self.directory, self.run, seen[1], hold.earlier)
+            owner = DirectoryOwner(self.directory, self.run, seen[1] + hold.quiet, hold.earlier)
             with hold.lock:
                 known = {**hold.not_stale, **{key: etag for key, etag in hold.objects.items() if isinstance(etag, str)}}
             listed = self._utils.list_objects(self.directory)
@@ -473,8 +521,16 @@ class DirectoryFence:
         except FileNotFoundError as exc:
             _raise_if_no_bucket(exc)
             return None
+        self._note_checked(response)
         self._hold.record_seen = (response["ETag"], response.get("LastModified"))
         return str(response["ETag"])
+
+    def _note_checked(self, response: Mapping[str, Any]) -> None:
+        """A read of the record answered: when, by the store's clock (its Date, to the second) and this process's."""
+        moment = _store_time(response)
+        if moment is not None:
+            with self._hold.lock:
+                self._hold.checked = (moment, time.monotonic())
 
     def _read_record(self) -> tuple[dict[str, Any] | None, str | None]:
         """The owner record (a dict; ``{}`` if unreadable) and its ETag, or ``(None, None)`` if there is none."""
@@ -487,6 +543,7 @@ class DirectoryFence:
         except FileNotFoundError as exc:
             _raise_if_no_bucket(exc)
             return None, None, None
+        self._note_checked(response)
         with response["Body"] as body:
             raw = body.read()
         try:
@@ -496,14 +553,16 @@ class DirectoryFence:
         return (record if isinstance(record, dict) else {}), response.get("ETag", ""), response.get("LastModified")
 
     def _put_record(self, generation: int, conditions: Mapping[str, str], earlier: list[dict[str, Any]]) -> str:
+        quiet = self._hold.quiet.total_seconds()
         body = {
             "version": _OWNER_RECORD_VERSION, **_run_fields(self.run), "generation": generation, "taken": time.time(),
-            "earlier": earlier,
+            "earlier": earlier, **({"quiet_s": quiet} if quiet else {}),
         }
         response = self._utils.call(
             "put_object", self.record_url, Bucket=self.bucket, Key=self.record_key,
             Body=json.dumps(body, sort_keys=True).encode(), ContentType="application/json", **conditions,
         )
+        self._note_checked(response)
         return str(response.get("ETag", ""))
 
     def _take_over(self, url: str, action: str) -> None:
@@ -517,6 +576,8 @@ class DirectoryFence:
             generation = _record_generation(record) + 1
             earlier = _earlier_entries(record, taken)
             support = self.capabilities.conditional_put
+            if support is not False and probe_expiring_requests(self._utils, self.bucket, self._prefix):
+                hold.quiet = datetime.timedelta(seconds=_request_lifetime_s() + 1)  # readers: `quiet_s`
             conditions: dict[str, str] = {}
             if support is not False:
                 conditions = {"IfMatch": str(etag)} if record is not None else {"IfNoneMatch": "*"}
@@ -532,6 +593,11 @@ class DirectoryFence:
             hold.earlier = _record_earlier({"earlier": earlier})
             if support is None:
                 self._probe(generation, earlier)
+            if hold.quiet and owner is not None and not _is_run_of(record, self.run):
+                self._wait_for_the_last_owners_requests(hold.quiet, time.monotonic())
+                if self._head_record() != hold.etag:  # taken over again meanwhile: look again
+                    hold.etag = None
+                    continue
             previous = f", from {owner}" if owner is not None else ""
             logger.info("%s took %s over (generation %d%s)", self.run, self.directory, generation, previous)
             return
@@ -541,10 +607,19 @@ class DirectoryFence:
             "the same moment; run one job per checkpoint directory."
         )
 
+    def _wait_for_the_last_owners_requests(self, quiet: datetime.timedelta, written: float) -> None:
+        """Sleep until every commit or removal the replaced owner's checks allowed has expired (their lifetime and a
+        second after the record's write, by the store's clock): what lands meanwhile counts as before the takeover
+        (`stale_objects` reads ``quiet_s``), and this run writes nothing in that time, so nothing it writes can meet
+        one. Once per run and directory taken from another run."""
+        logger.info("%s waits %.0f s for requests %s's earlier owner checked before the takeover to expire",
+                    self.run, quiet.total_seconds(), self.directory)
+        time.sleep(max(0.0, quiet.total_seconds() - (time.monotonic() - written)))
+
     def _adopted_or_refused(self, url: str, action: str, record: dict[str, Any] | None, etag: str | None) -> bool:
         """True if `record` is this run's (adopted); refuse if it is a later run's; else False (free to take)."""
         if _is_run_of(record, self.run):
-            self._hold.etag, self._hold.earlier = etag, _record_earlier(record)
+            self._hold.etag, self._hold.earlier, self._hold.quiet = etag, _record_earlier(record), _quiet(record)
             return True
         owner = _record_run(record)
         if record is not None and owner is not None and owner.is_newer_than(self.run):
@@ -635,9 +710,25 @@ def _earlier_entries(record: Mapping[str, Any] | None, taken: datetime.datetime 
     owner = _record_run(record)
     if owner is None or taken is None:
         return []
-    entry = _run_fields(owner) | {"taken_at": taken.timestamp()}
+    entry = _run_fields(owner) | {"taken_at": (taken + _quiet(record)).timestamp()}
     earlier = record.get("earlier")
     return [entry, *(earlier if isinstance(earlier, list) else [])][:_EARLIER_OWNERS]
+
+
+def _quiet(record: Mapping[str, Any] | None) -> datetime.timedelta:
+    """How long after its record's write the owner's takeover began writing (``quiet_s``; 0 where not recorded)."""
+    quiet = record.get("quiet_s") if isinstance(record, Mapping) else None
+    ok = isinstance(quiet, (int, float)) and not isinstance(quiet, bool) and 0 < quiet < 3600
+    return datetime.timedelta(seconds=quiet if ok else 0)
+
+
+def _store_time(response: Mapping[str, Any]) -> datetime.datetime | None:
+    """When the store answered (its Date header, to the second), or None without one."""
+    headers = response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+    try:
+        return email.utils.parsedate_to_datetime(headers["date"]).astimezone(datetime.timezone.utc)
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _record_earlier(record: Mapping[str, Any] | None) -> tuple[tuple[CheckpointRun, datetime.datetime], ...]:
@@ -698,7 +789,8 @@ class DirectoryOwner:
 
     directory: str
     run: CheckpointRun
-    taken: datetime.datetime  # the owner record's modification time, by the store's clock: when the owner took over
+    taken: datetime.datetime  # when the owner took over: its record's modification time by the store's clock, and
+    # its quiet time (``quiet_s``: a stale request that lands within it was sent before the takeover, part 5)
     earlier: tuple[tuple[CheckpointRun, datetime.datetime], ...] = ()  # the owners before it, newest first, each
     # with when it took over: an older run's commit after any of those takeovers is a stale run's too (a straggler
     # that committed after a launch took over, which was killed before its next save removed it)
@@ -724,7 +816,7 @@ def directory_owner(utils: _s3.S3Utils, directory: str | os.PathLike[str]) -> Di
     run = _record_run(record)
     if run is None or response.get("LastModified") is None:
         return None
-    return DirectoryOwner(url, run, response["LastModified"], _record_earlier(record))
+    return DirectoryOwner(url, run, response["LastModified"] + _quiet(record), _record_earlier(record))
 
 
 def stale_objects(
@@ -804,6 +896,143 @@ def _run_from_metadata(value: str | None) -> CheckpointRun | None:
         return CheckpointRun(run_id, "", 0, float(started), "" if job == "-" else job, numbers)
     except ValueError:
         return None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Expiring requests: a stale run's commit or removal that the store refuses once its check is old
+# --------------------------------------------------------------------------------------------------------------------
+#
+# ETag conditions keep a stale run, stopped between its check and its request, off every object the newer run wrote,
+# but not off what the newer run has not written yet (its own last commit, an older checkpoint, a new key). Where the
+# store refuses a request signed to expire (SigV4 in the query, as a presigned URL: ``X-Amz-Date`` and
+# ``X-Amz-Expires``), each fenced commit and removal is signed at the store's time of the check that allowed it (the
+# Date of that answer, so no clock of this host counts) and lives `FENCED_REQUEST_LIFETIME_S`. A run taking the
+# directory over from another waits that long and a second before it writes: nothing checked before the takeover
+# lands after the newer run starts writing, and what lands before counts as before the takeover (``quiet_s``).
+
+FENCED_REQUEST_LIFETIME_S = 15
+"""Seconds a fenced commit or removal stays valid after its check, and a takeover from another run waits (plus one);
+the ``S3CKPT_FENCED_REQUEST_LIFETIME_S`` environment variable sets it (docs/fencing.md)."""
+_LIFETIME_ENV = "S3CKPT_FENCED_REQUEST_LIFETIME_S"
+_EXPIRING_SIGNER = "s3v4-s3ckpt-expiring"  # its name among botocore's signers
+_GUARDED_OPERATIONS = ("PutObject", "CompleteMultipartUpload", "DeleteObject", "DeleteObjects", "CopyObject")
+_signature: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar("s3ckpt_signed_at", default=None)
+_clients_with_signer: weakref.WeakSet[Any] = weakref.WeakSet()
+_signer_lock = threading.Lock()
+
+
+def _request_lifetime_s() -> int:
+    """`FENCED_REQUEST_LIFETIME_S`, or the environment's ``S3CKPT_FENCED_REQUEST_LIFETIME_S`` (a whole number >= 1)."""
+    try:
+        return max(1, int(os.environ.get(_LIFETIME_ENV, "") or FENCED_REQUEST_LIFETIME_S))
+    except ValueError:
+        return FENCED_REQUEST_LIFETIME_S
+
+
+@contextlib.contextmanager
+def _signed_at(moment: datetime.datetime, lifetime: int) -> Iterator[None]:
+    """Within the block, this thread's guarded requests are signed at `moment` and expire `lifetime` s after it."""
+    token = _signature.set((moment.astimezone(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ"), lifetime))
+    try:
+        yield
+    finally:
+        _signature.reset(token)
+
+
+def _install_expiring_signer(client: Any) -> None:
+    """Let `client` sign its guarded operations inside `_signed_at` (once per client; other requests as before)."""
+    with _signer_lock:
+        if client in _clients_with_signer:
+            return
+        import botocore.auth
+
+        botocore.auth.AUTH_TYPE_MAPS.setdefault(_EXPIRING_SIGNER, _expiring_auth())
+        for operation in _GUARDED_OPERATIONS:
+            client.meta.events.register_first(
+                f"choose-signer.s3.{operation}", _choose_signer, unique_id=f"s3ckpt-expiring-{operation}"
+            )
+        _clients_with_signer.add(client)
+
+
+def _choose_signer(signature_version: str = "", **_: Any) -> str | None:
+    """botocore's ``choose-signer`` event: inside `_signed_at`, a SigV4 request gets the expiring signer."""
+    return _EXPIRING_SIGNER if _signature.get() is not None and signature_version in ("s3v4", "v4") else None
+
+
+@functools.cache
+def _expiring_auth() -> type:
+    """botocore's S3 query signer, dated at the check (`_signed_at`) and expiring after its lifetime. It keeps the
+    body where it is (the query signer would move a form body into the URL) and signs every header sent."""
+    from botocore.auth import S3SigV4QueryAuth
+
+    class ExpiringS3QueryAuth(S3SigV4QueryAuth):  # type: ignore[misc]
+        def __init__(self, credentials: Any, service_name: str, region_name: str, **_: Any) -> None:
+            timestamp, lifetime = _signature.get() or ("", 1)
+            super().__init__(credentials, service_name, region_name, expires=lifetime)
+            self._timestamp = timestamp
+
+        def _modify_request_before_signing(self, request: Any) -> None:
+            if self._timestamp:
+                request.context["timestamp"] = self._timestamp  # add_auth set it to this host's clock
+            data, request.data = request.data, b""
+            try:
+                super()._modify_request_before_signing(request)
+            finally:
+                request.data = data
+
+    return ExpiringS3QueryAuth
+
+
+def _is_expired(exc: BaseException) -> bool:
+    """Whether `exc` is the store refusing a request whose signature expired."""
+    response = getattr(exc, "response", None)
+    message = str(response.get("Error", {}).get("Message", "")) if isinstance(response, dict) else ""
+    return _s3.error_code(exc) in ("AccessDenied", "403") and "expired" in message.lower()
+
+
+def probe_expiring_requests(utils: _s3.S3Utils, bucket: str, prefix: str = "") -> bool | None:
+    """Whether the store refuses a fenced request once expired (`StoreCapabilities.expiring_requests`): probed once
+    per store and bucket on a temporary key under `prefix`. A PUT signed now must be taken, and one signed ten minutes
+    ago with a one-second lifetime refused as expired: moto takes it (it checks no signature), SeaweedFS and S3 refuse
+    it. None if the probe failed (access denied, say).
+    Package-internal (docs/api.md)."""
+    record = _s3.store_capabilities(utils, bucket)
+    if record.expiring_requests is not None:
+        return record.expiring_requests
+    key = f"{prefix}{_s3.PROBE_KEY_PREFIX}{secrets.token_hex(8)}"
+    url = _urls.build_s3_url(bucket, key)
+
+    def answer(moment: datetime.datetime, lifetime: int) -> str:
+        try:
+            with _signed_at(moment, lifetime):
+                utils.call("put_object", url, Bucket=bucket, Key=key, Body=b"probe", Metadata={"s3ckpt-probe": "1"})
+        except Exception as exc:
+            return "expired" if _is_expired(exc) else repr(exc)
+        return "taken"
+
+    try:
+        now = _store_time(utils.call("put_object", url, Bucket=bucket, Key=key, Body=b"probe"))
+        _install_expiring_signer(utils.client)
+        fresh = answer(now, 60) if now is not None else "no Date header"
+        late = answer(now - datetime.timedelta(minutes=10), 1) if now is not None else ""
+        honoured = fresh == "taken" and late == "expired"
+        _s3.note_capability(record, "expiring_requests", honoured)
+        logger.debug("%s (bucket %s): a fresh signed request: %s; an expired one: %s", record.store, bucket, fresh,
+                     late)
+    except Exception as exc:
+        logger.debug("%s (bucket %s): could not probe expiring requests: %r", record.store, bucket, exc)
+    finally:
+        with contextlib.suppress(Exception):
+            utils.call("delete_object", url, Bucket=bucket, Key=key)
+    if record.expiring_requests is False:
+        _s3.warn_missing(
+            record, "expiring_requests",
+            "requests signed to expire (SigV4 X-Amz-Expires): a stale run paused between its check of the owner "
+            f"record ({OWNER_RECORD_NAME}) and its commit or removal can still, once it goes on, replace or remove "
+            "what the newer run has not written yet there (never what it wrote: the ETag conditions refuse that); "
+            "docs/fencing.md",
+        )
+    return record.expiring_requests
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ MAX_PARTS = 10_000  # S3's maximum number of parts in one multipart upload
 CHECKSUM_SIDECAR_SUFFIX = ".s3ckpt-checksum.json"  # a checksum record beside an object; package-internal (docs/api.md)
 # package-internal (docs/api.md)
 OWNER_RECORD_NAME = ".s3ckpt-owner.json"  # a checkpoint directory's owner record (s3_fencing.DirectoryFence)
-PROBE_KEY_PREFIX = ".s3ckpt-probe-"  # the temporary object of a capability probe (`store_capabilities`)
+PROBE_KEY_PREFIX = ".s3ckpt-probe-"  # a capability probe's temporary object (`store_capabilities`). Package-internal
 
 
 def check_transfer_sizes(chunk_size_MB: float, **concurrency: int) -> None:
@@ -1196,6 +1196,10 @@ class Fence(Protocol):
     def conditions(self, key: str) -> dict[str, str]:
         """The ETag condition a commit of `key` carries (``IfMatch`` / ``IfNoneMatch``), or none."""
 
+    def sent(self, url: str, action: str, request: Callable[[], _T]) -> _T:
+        """`request()`, a commit or removal (`action`) of `url` that the last `before_mutation` allowed, sent so that
+        a store which honours it refuses it once stale (signed to expire after that check; checked again if so)."""
+
     def precondition_failed(self, url: str, key: str, exc: BaseException, action: str = "save") -> dict[str, str]:
         """A commit's or a removal's (`action`) condition failed (`exc`): raise if another run owns the directory,
         else the retry's conditions (``IfMatch`` on what is there now; ``IfNoneMatch``: nothing is)."""
@@ -1592,7 +1596,8 @@ class S3Utils:
         for attempt in range(1, _CONDITIONAL_REMOVAL_ATTEMPTS + 1):
             retry = []
             for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
-                retry += self._delete_batch(bucket, keys[start : start + 1000], url, fence, known)
+                batch = functools.partial(self._delete_batch, bucket, keys[start : start + 1000], url, fence, known)
+                retry += fence.sent(url, "removal", batch) if fence is not None else batch()
             if not retry:
                 return
             keys = retry
@@ -2693,7 +2698,10 @@ class S3MultipartWriter(io.RawIOBase):
             fence.before_mutation(self.url, "save")  # a stale run writes nothing, not even the record
         had_record = True
         if self._commit_kind != "put" and not _keeps_checksums(self._utils, self.bucket, self._commit_kind):
-            had_record = self._records.write_pending(self.bucket, self.key, self._algorithm.name, checksum, self._size)
+            pending = functools.partial(
+                self._records.write_pending, self.bucket, self.key, self._algorithm.name, checksum, self._size
+            )
+            had_record = fence.sent(self.url, "save", pending) if fence is not None else pending()
             self._wrote_pending = True
         try:
             if fence is not None and self._wrote_pending:
@@ -2704,7 +2712,7 @@ class S3MultipartWriter(io.RawIOBase):
             conditions = fence.conditions(self.key)
             for attempt in range(1, _CONDITIONAL_COMMIT_ATTEMPTS + 1):
                 try:
-                    response = request(conditions)
+                    response = fence.sent(self.url, "save", lambda: request(conditions))  # noqa: B023 (sent at once)
                     break
                 except Exception as exc:
                     if not (conditions and is_precondition_failed(exc, conditions)):
@@ -2772,6 +2780,7 @@ class StoreCapabilities:
     conditional_complete: bool | None = None  # If-None-Match: * and If-Match on CompleteMultipartUpload answer 412
     conditional_delete: bool | None = None  # If-Match on DeleteObject and a per-object ETag in DeleteObjects
     conditional_copy: bool | None = None  # If-None-Match: * on CopyObject's destination answers 412
+    expiring_requests: bool | None = None  # a request signed to expire is refused once expired (s3_fencing probes)
     multipart_checksum: str | None = None  # what a multipart upload keeps: "FULL_OBJECT", "COMPOSITE" or "none"
     checksums_kept: dict[str, bool] = field(default_factory=dict)  # commit kind -> whether its answer had a checksum
     warned: set[str] = field(default_factory=set)  # capabilities whose absence was logged
@@ -2781,7 +2790,7 @@ class StoreCapabilities:
         def shown(value: object) -> str:
             return "unknown" if value is None else "yes" if value is True else "no" if value is False else str(value)
 
-        lines = [f"{name}: {shown(getattr(self, name))}  ({_CAPABILITY_USES[name]})" for name in CAPABILITIES]
+        lines = [f"{name}: {shown(getattr(self, name))}  ({use})" for name, use in _CAPABILITY_USES.items()]
         return [*lines, "409 ConditionalRequestConflict: retried with backoff (not probed: it needs a race)"]
 
 
@@ -2790,6 +2799,7 @@ _CAPABILITY_USES = {
     "conditional_complete": "fencing: every fenced multipart commit",
     "conditional_delete": "fencing, rm and gc: a removal carries the ETag it checked",
     "conditional_copy": "not used yet",
+    "expiring_requests": "fencing: a stale run's late commit or removal is refused (probed at a takeover)",
     "multipart_checksum": "verified loads; without one, a checksum record beside the object",
 }
 

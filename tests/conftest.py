@@ -33,6 +33,10 @@ from s3_utils import forget_s3fs_instances, fresh_s3fs_instances
 
 KNOWN_BACKENDS = ("moto", "seaweedfs", "external")
 
+# A takeover from another run waits the fenced requests' lifetime and a second (docs/fencing.md): 2 s, not 15, in tests
+# (subprocesses inherit it); the tests of that wait set their own.
+os.environ.setdefault("S3CKPT_FENCED_REQUEST_LIFETIME_S", "1")
+
 
 def _selected_backends() -> list[str]:
     """Backends to run, from the environment (see module docstring)."""
