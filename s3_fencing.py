@@ -539,19 +539,12 @@ class DirectoryFence:
 
     def _read_dated_record(self) -> tuple[dict[str, Any] | None, str | None, datetime.datetime | None]:
         """`_read_record`, and the record's modification time (the store's clock: when its owner took over)."""
-        try:
-            response = self._utils.call("get_object", self.record_url, Bucket=self.bucket, Key=self.record_key)
-        except FileNotFoundError as exc:
-            _raise_if_no_bucket(exc)
+        found = _get_record(self._utils, self.bucket, self.record_key)
+        if found is None:
             return None, None, None
+        record, response = found
         self._note_checked(response)
-        with response["Body"] as body:
-            raw = body.read()
-        try:
-            record = json.loads(raw)
-        except ValueError:
-            record = None
-        return (record if isinstance(record, dict) else {}), response.get("ETag", ""), response.get("LastModified")
+        return record, response.get("ETag", ""), response.get("LastModified")
 
     def _put_record(self, generation: int, conditions: Mapping[str, str], earlier: list[dict[str, Any]]) -> str:
         quiet = self._hold.quiet.total_seconds()
@@ -802,7 +795,16 @@ def directory_owner(utils: _s3.S3Utils, directory: str | os.PathLike[str]) -> Di
     fenced save yet) or the record is unreadable. Package-internal (docs/api.md)."""
     url = _urls.normalize_s3_url(directory).rstrip("/")
     bucket, prefix = _urls.s3_dir_prefix(url)
-    key = prefix + OWNER_RECORD_NAME
+    found = _get_record(utils, bucket, prefix + OWNER_RECORD_NAME)
+    run = _record_run(found[0]) if found is not None else None
+    if found is None or run is None or found[1].get("LastModified") is None:
+        return None
+    record, response = found
+    return DirectoryOwner(url, run, response["LastModified"] + _quiet(record), _record_earlier(record))
+
+
+def _get_record(utils: _s3.S3Utils, bucket: str, key: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """One GET of an owner record: its JSON (``{}`` if unreadable) and the response, or None where there is none."""
     try:
         response = utils.call("get_object", _urls.build_s3_url(bucket, key), Bucket=bucket, Key=key)
     except FileNotFoundError as exc:
@@ -813,11 +815,8 @@ def directory_owner(utils: _s3.S3Utils, directory: str | os.PathLike[str]) -> Di
     try:
         record = json.loads(raw)
     except ValueError:
-        return None
-    run = _record_run(record)
-    if run is None or response.get("LastModified") is None:
-        return None
-    return DirectoryOwner(url, run, response["LastModified"] + _quiet(record), _record_earlier(record))
+        record = None
+    return (record if isinstance(record, dict) else {}), response
 
 
 def stale_objects(
