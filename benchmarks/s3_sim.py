@@ -27,6 +27,10 @@ on a shared resume). What is modelled here:
   the lane (real threads all wake and all but one go back to sleep: the same grants, far fewer events); a success that
   grows a lane's rate polls the host's queue again at once if the rank that succeeded has a request in it
   (`acquire`'s threads wait on a condition that their own process's growing successes notify).
+* **The oracle** (``ClientParams(pacer="oracle")``): not a client, a measure. One job-wide queue per partition and
+  direction, whose head is sent the moment the partition holds a token: nothing is throttled and no token lies
+  unused while a request waits, so its time is the least any client takes in this model, request latencies and
+  phases included (the partition-capacity bound leaves those out).
 
 Deterministic: the only randomness is `random.uniform` in `CallRetries` (for errors other than throttling), seeded
 by `run`.
