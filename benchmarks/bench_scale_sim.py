@@ -16,6 +16,10 @@ Scenarios (every rank starts at once):
   clients: the package's default (its pacer, shared by a host's ranks), with a job budget
   (``max_requests_per_second`` a little under S3's rates) and, at the smallest rank count, without pacing
   (SlowDown retried like any other error: counted attempts, exponential backoff, as botocore's standard mode);
+  at the largest rank count also the oracle (`s3_sim`'s ``pacer="oracle"``: a job-wide queue per partition that
+  sends the moment the partition holds a token, no SlowDown, no token unused while a request waits): not a client
+  anyone can run, the least time any client takes in this model, latencies and phases included; with
+  `--spread-mib`, the largest job's spread DCP save again with bigger files (pacer and budget);
 * resumes: a single-file checkpoint of `--resume-gib` GiB that every rank loads (``load_sharing`` ``"node"`` and
   ``"job"``; ``"rank"`` is counted, not simulated), and a DCP load (every rank reads ``.metadata`` and its own file).
 
@@ -141,6 +145,15 @@ def scenarios(ranks_list: list[int], args: argparse.Namespace) -> list[tuple[str
         for direction in ("save", "load"):
             work = s3_sim.Workload(kind="dcp", direction=direction, ranks=max(ranks_list), mib_per_rank=args.big_mib)
             out.append(("pacer", work, s3_sim.ClientParams()))
+    if args.spread_mib:  # the largest job's spread save with bigger files: a bound of seconds, not of latencies
+        work = s3_sim.Workload(kind="dcp", direction="save", ranks=max(ranks_list), mib_per_rank=args.spread_mib,
+                               layout="spread", prefixes=args.prefixes)
+        out += [("pacer", work, s3_sim.ClientParams()), ("budget", work, spread_budget)]
+    if args.oracle:  # the least time any client takes: the largest job's partition-bound rows with the oracle client
+        top = max(ranks_list)
+        oracle = s3_sim.ClientParams(pacer="oracle")
+        out += [("oracle", work, oracle) for label, work, _ in list(out)
+                if label == "pacer" and work.ranks == top and not (work.kind == "single" and work.direction == "load")]
     return out
 
 
@@ -226,7 +239,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"partition, 1 s of burst, splits after {doc['s3']['split_after_s']:g} s of sustained SlowDown; 100 ms per "
         f"request, 5 Gb/s per connection, 100 Gb/s per host. spread/P: keys over P already partitioned prefixes. "
         f"budget: max_requests_per_second write={args['budget_write']:g}, read={args['budget_read']:g}. "
-        f"none: no pacer (SlowDown retried with counted backoff).",
+        f"none: no pacer (SlowDown retried with counted backoff). oracle: a measure, not a client (one job-wide queue "
+        f"per partition, sent the moment the partition holds a token): the least time any client takes.",
         "",
         "| op | ranks (hosts) | layout | client | failed | time s | bound s | time / bound | SlowDown / admitted "
         "| goodput | requests / rank | targets |",
@@ -276,7 +290,7 @@ def chart(doc: dict[str, Any], path: Path) -> bool:
         axis.set_prop_cycle(color=plt.get_cmap("tab20").colors)
     series: dict[str, list[dict[str, Any]]] = {}
     for row in doc["rows"]:
-        if row["client"] == "none":
+        if row["client"] in ("none", "oracle"):
             continue
         op = op_name(row, doc["args"]["mib"])
         series.setdefault(f"{op}, {row['layout']}, {row['client']}", []).append(row)
@@ -314,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=float, default=64.0, help="each rank's file (saves, DCP loads), MiB")
     parser.add_argument("--resume-gib", type=float, default=1.0, help="the single-file checkpoint resumed, GiB")
     parser.add_argument("--big-mib", type=float, default=0.0, help="the largest DCP job again with this much per rank")
+    parser.add_argument("--spread-mib", type=float, default=0.0,
+                        help="the largest job's spread DCP save again with this much per rank (pacer and budget)")
+    parser.add_argument("--oracle", action=argparse.BooleanOptionalAction, default=True,
+                        help="the largest job's rows with the oracle client too (the least time any client takes)")
     parser.add_argument("--prefixes", type=int, default=16, help="spread layout: how many prefixes")
     parser.add_argument("--budget-write", type=float, default=3500.0, help="the job budget's writes/s")
     parser.add_argument("--budget-read", type=float, default=5500.0, help="the job budget's reads/s")
@@ -323,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", default=[], metavar="WORDS",
                         help="run only the rows with all these words (repeatable), e.g. 'spread' or "
                              "'dcp 16384 one-prefix pacer'; words: save/load, single/dcp, node/job, ranks, "
-                             "one-prefix/spread, pacer/budget/none, 64MiB")
+                             "one-prefix/spread, pacer/budget/none/oracle, 64MiB")
     args = parser.parse_args(argv)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     started = time.monotonic()

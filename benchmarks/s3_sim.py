@@ -27,6 +27,10 @@ on a shared resume). What is modelled here:
   the lane (real threads all wake and all but one go back to sleep: the same grants, far fewer events); a success that
   grows a lane's rate polls the host's queue again at once if the rank that succeeded has a request in it
   (`acquire`'s threads wait on a condition that their own process's growing successes notify).
+* **The oracle** (``ClientParams(pacer="oracle")``): not a client, a measure. One job-wide queue per partition and
+  direction, whose head is sent the moment the partition holds a token: nothing is throttled and no token lies
+  unused while a request waits, so its time is the least any client takes in this model, request latencies and
+  phases included (the partition-capacity bound leaves those out).
 
 Deterministic: the only randomness is `random.uniform` in `CallRetries` (for errors other than throttling), seeded
 by `run`.
@@ -93,6 +97,7 @@ class Partition:
         self.recent: deque[str] = deque(maxlen=512)
         self.admitted = {"write": 0, "read": 0}
         self.throttled = {"write": 0, "read": 0}
+        self.last_admitted: dict[str, float] = {}
 
 
 class S3Model:
@@ -115,7 +120,7 @@ class S3Model:
         part = self.partition_of(key)
         if self.params.unlimited:
             part.admitted[direction] += 1
-            self.last_admitted[direction] = now
+            part.last_admitted[direction] = self.last_admitted[direction] = now
             return True
         rate = part.rates[direction]
         tokens = min(rate * self.params.burst_s, part.tokens[direction] + (now - part.refilled[direction]) * rate)
@@ -124,7 +129,7 @@ class S3Model:
         if tokens >= 1.0:
             part.tokens[direction] = tokens - 1.0
             part.admitted[direction] += 1
-            self.last_admitted[direction] = now
+            part.last_admitted[direction] = self.last_admitted[direction] = now
             if part.hot_since is not None and now - part.last_throttle > self.params.quiet_s:
                 part.hot_since = None
             return True
@@ -221,7 +226,7 @@ class Clock:
 
 @dataclass
 class ClientParams:
-    pacer: str = "pacer"  # "pacer" (the package's default), "budget" (plus max_requests_per_second), "none"
+    pacer: str = "pacer"  # "pacer" (the package's default), "budget" (plus max_requests_per_second), "none", "oracle"
     budget: tuple[float, float] | None = None  # (write, read) requests per second for the whole job
     policy: s3_utils.RetryPolicy = field(default_factory=s3_utils.RetryPolicy)
     ranks_per_host: int = 8
@@ -344,6 +349,9 @@ class Cluster:
         if self.client.pacer == "none":
             self._send(req)
             return
+        if self.client.pacer == "oracle":
+            self._oracle_enqueue(req)
+            return
         queue = (req.rank // self.client.ranks_per_host, *req.lane)
         req.queued = self.clock.now
         self.waiting[queue].append(req)
@@ -376,6 +384,31 @@ class Cluster:
             self._send(req)
         self.polling[queue_key] = False
 
+    def _oracle_enqueue(self, req: Request) -> None:
+        """The oracle client (a measure, no client can be it): one job-wide queue per partition and direction, whose
+        head is sent the moment the partition holds a token, so nothing is throttled and no token lies unused while a
+        request waits: the least time any client takes in this model, latencies and phases included."""
+        part = self.s3.partition_of(req.key)
+        queue_key = (-1, part.low, req.direction)
+        req.queued = self.clock.now
+        self.waiting[queue_key].append(req)
+        if not self.polling[queue_key]:
+            self.polling[queue_key] = True
+            self._oracle_poll(queue_key, part)
+
+    def _oracle_poll(self, queue_key: tuple[int, str, str], part: Partition) -> None:
+        queue, now, direction = self.waiting[queue_key], self.clock.now, queue_key[2]
+        rate = part.rates[direction]
+        while queue:
+            tokens = min(rate * self.s3.params.burst_s, part.tokens[direction] + (now - part.refilled[direction]) * rate)
+            if tokens < 1.0:
+                self.clock.at(now + (1.0 - tokens) / rate + 1e-9, self._oracle_poll, queue_key, part)
+                return
+            req = queue.popleft()
+            self.waited_s += now - req.queued
+            self._send(req)
+        self.polling[queue_key] = False
+
     def _send(self, req: Request) -> None:
         now = self.clock.now
         req.sent = now
@@ -396,7 +429,7 @@ class Cluster:
 
     def _succeeded(self, req: Request, host: int) -> None:
         self.host_transfers[host] -= 1
-        if self.client.pacer != "none":
+        if self.client.pacer not in ("none", "oracle"):
             lane = self.lane(req)
             before = lane.rate
             lane.on_success(req.sent, self.clock.now)
@@ -575,12 +608,17 @@ def run(
     per_partition = {}
     for part in model.partitions:
         if part.admitted[direction] + part.throttled[direction]:
-            per_partition[part.low or "(bucket)"] = part.admitted[direction]
-    hot = max(per_partition.values()) if per_partition else 0
+            per_partition[part.low or "(bucket)"] = part
+    hottest = max(  # of equally hot partitions, the one admitting last
+        per_partition.values(), key=lambda p: (p.admitted[direction], p.last_admitted.get(direction, T0)), default=None
+    )
+    hot = hottest.admitted[direction] if hottest is not None else 0
     # the hottest partition's requests beyond its burst at its rate: in t seconds a partition admits at most its burst
     # plus t x its rate, so no client can take less
     capacity_bound = max(0.0, hot - rate * s3.burst_s) / rate if not s3.unlimited else 0.0
-    first, last = model.first_request.get(direction, T0), model.last_admitted.get(direction, T0)
+    # its last admission, not the bucket's: a spread DCP save's records go to another partition after the shards
+    first = model.first_request.get(direction, T0)
+    last = hottest.last_admitted.get(direction, T0) if hottest is not None else T0
     used = len(per_partition)
     # the emulation's goodput, of the partition that bounds the run (the hottest): its admitted requests beyond its
     # burst at its rate / the seconds from the first request to the last admitted one

@@ -185,3 +185,20 @@ def test_a_ranks_requests_to_a_spread_prefix_go_through_that_prefixs_pacer_share
                   lane(8, f"{spread[0]}step-1/__8_0.distcp")):  # the bucket's, another prefix's, another host's
         assert not other.active
     assert cluster.stores[0, ""].processes == 8 and cluster.stores[0, spread[1]].processes == 4
+
+
+def test_the_oracle_client_is_never_throttled_and_takes_no_longer_than_any_client() -> None:
+    """The oracle (one job-wide queue per partition, sent the moment the partition holds a token) is the measure of
+    the least time any client takes: no SlowDown, no slower than the pacer, the budget or no pacer, no faster than the
+    partition-capacity bound; and its goodput, of the hottest partition up to that partition's last admission (not
+    the bucket's: here a spread DCP save's records go to a partition of their own after the shards), is whole."""
+    work = s3_sim.Workload(kind="dcp", ranks=1024, mib_per_rank=64, layout="spread", prefixes=2)
+    records_apart = ["run/step-"]  # .metadata and the checksum record in their own partition
+    oracle = s3_sim.run(work, s3_sim.ClientParams(pacer="oracle"), SMALL_S3, partitions=records_apart)
+    assert oracle["failed"] == 0 and oracle["throttled"] == 0
+    assert oracle["capacity_bound_s"] <= oracle["elapsed_s"] <= 1.1 * oracle["bound_s"]
+    assert oracle["goodput"] is not None and oracle["goodput"] >= 0.99, oracle["goodput"]
+    budget = s3_sim.ClientParams(pacer="budget", budget=(2 * 350.0, 2 * 550.0))
+    for client in (s3_sim.ClientParams(), budget, s3_sim.ClientParams(pacer="none")):
+        other = s3_sim.run(work, client, SMALL_S3, partitions=records_apart)
+        assert other["elapsed_s"] >= oracle["elapsed_s"] - 0.05, (client.pacer, other["elapsed_s"])
