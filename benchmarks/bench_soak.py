@@ -17,7 +17,8 @@ node losses and the tier each rank's load read (memory, a peer's replica, S3). E
 while the launch before runs, and begin when it is killed ("seconds to resume" counts from there). Results:
 ``benchmarks/results/soak-<UTC>[-tag].json`` and a Markdown table on stdout (benchmarks/soak.md keeps the latest).
 The store is moto: its wrong multipart checksums are the case where the checksum record carries a checkpoint's
-integrity alone.
+integrity alone. ``--server seaweedfs`` runs it on SeaweedFS, which refuses expired requests (docs/fencing.md): there a
+straggler's requests checked before a relaunch's takeover are refused by the store.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ for _path in (REPO, REPO / "tests" / "helpers"):
 
 from soak import SoakConfig, run_soak  # noqa: E402
 
-from s3_local_servers import moto_server  # noqa: E402
+from s3_local_servers import moto_server, seaweedfs_server  # noqa: E402
 
 
 def table(reports: list[dict[str, Any]]) -> str:
@@ -85,12 +86,15 @@ def main() -> int:
     parser.add_argument("--drain-every", type=int, default=3, help="tier mode: every Nth save in memory goes to S3")
     parser.add_argument("--node-loss-every", type=int, default=10, help="tier mode: every Nth kill loses a node")
     parser.add_argument("--tag", default="")
+    parser.add_argument("--server", choices=("moto", "seaweedfs"), default="moto",
+                        help="the store behind the fault proxy (SeaweedFS refuses expired requests: docs/fencing.md)")
     parser.add_argument("--logs", default=None, help="keep the launches' logs in this directory (default: removed)")
     args = parser.parse_args()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     reports = []
-    with moto_server() as server, tempfile.TemporaryDirectory(prefix="soak-logs-") as temporary:
+    start_server = seaweedfs_server if args.server == "seaweedfs" else moto_server
+    with start_server() as server, tempfile.TemporaryDirectory(prefix="soak-logs-") as temporary:
         logs = args.logs or temporary
         os.environ.update(server.env())
         client = server.client()
