@@ -577,6 +577,7 @@ class DirectoryFence:
                 conditions = {"IfMatch": str(etag)} if record is not None else {"IfNoneMatch": "*"}
             try:
                 hold.etag = self._put_record(generation, conditions, earlier)
+                written = time.monotonic()
             except Exception as exc:
                 if conditions and _s3.is_precondition_failed(exc, conditions):
                     continue  # another run wrote the record since it was read: read it again
@@ -588,7 +589,7 @@ class DirectoryFence:
             if support is None:
                 self._probe(generation, earlier)
             if hold.quiet and owner is not None and not _is_run_of(record, self.run):
-                self._wait_for_the_last_owners_requests(hold.quiet, time.monotonic())
+                self._wait_for_the_last_owners_requests(hold.quiet, written)
                 if self._head_record() != hold.etag:  # taken over again meanwhile: look again
                     hold.etag = None
                     continue
