@@ -462,6 +462,17 @@ def _item_nbytes(item: Any) -> int:
     return size * item.tensor_data.properties.dtype.itemsize
 
 
+_SMALL_ITEM_BYTES = 64 * 1024
+"""A file holds its byte items first, then its tensors under this size, then the others (each in plan order): what
+every rank reads of another rank's file (values DCP stored once for all ranks: optimizer steps, scalars, objects)
+then lies together at its start, one short GET away, instead of between large shards (where a load read 35 GETs
+and 74 MiB of one 460 MiB file for 230 KiB of such items: benchmarks/README.md)."""
+
+
+def _is_large(item: Any) -> bool:
+    return _item_nbytes(item) >= _SMALL_ITEM_BYTES
+
+
 def _split_items(bins: int, items: list[Any], byte_io: Any) -> list[list[Any]]:
     """Items per file: byte items round-robin, tensors largest first onto the least-filled file (as DCP does)."""
     if bins == 1:
@@ -788,8 +799,8 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         algorithm = _s3.ChecksumAlgorithm.named(self.checksum_algorithm)
         raw = self._open(url, self.chunk_size_MB, self.max_write_concurrency, fence)
         stream = _ItemStream(raw, cancelled)
-        ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
-        ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
+        ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]  # then small tensors: `_SMALL_ITEM_BYTES`
+        ordered += sorted((i for i in items if i.type != WriteItemType.BYTE_IO), key=_is_large)
         written: list[tuple[Any, int, int, _TensorSpan | None]] = []
         framings: dict[tuple[Any, ...], _Framing] = {}
         try:
@@ -1409,7 +1420,7 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
                 item.checksum = int(recorded[1])
                 item.span = self.read_path.item_span(record, item)
             etag = record["etag"] or None
-            file_groups, file_direct = self.read_path.plan_file(self, relative_path, url, items, etag, planner, gap)
+            file_groups, file_direct = self.read_path.plan_file(self, relative_path, items, etag, planner)
             for group in file_groups:
                 group.file_record = record
             self._file_progress[relative_path] = [len(file_groups) + len(file_direct), []]
@@ -1690,22 +1701,15 @@ class ReadPath:
         return False
 
     def plan_file(
-        self,
-        reader: S3StorageReader,
-        relative_path: str,
-        url: str,
-        items: list[_Item],
-        etag: str | None,
-        planner: LoadPlanner,
-        gap: int,
+        self, reader: S3StorageReader, relative_path: str, items: list[_Item], etag: str | None, planner: LoadPlanner
     ) -> tuple[list[_Group], list[_DirectRead]]:
         """How one recorded file's needed `items` (sorted, their checksums and spans set) are read: the items read
-        straight into their targets, and groups of coalesced items (at most a chunk each, closer than `gap`)."""
+        straight into their targets, and groups of coalesced items (a chunk at most, closer than the reader's gap)."""
+        url, gap, limit = _join(reader.path, relative_path), int(reader.coalesce_gap_MB * _s3.MB), _chunk(reader)
         into_target = [self.direct_read(reader, relative_path, url, item, etag, planner) for item in items]
         buffered = [item for item, read in zip(items, into_target, strict=True) if read is None]
         for item in buffered:
             self.plan_fill(item, planner)
-        limit = max(int(reader.chunk_size_MB * _s3.MB), 1)
         return reader._coalesce(url, relative_path, buffered, gap, limit, etag), [r for r in into_target if r]
 
     def span_bytes(
@@ -1814,17 +1818,10 @@ class WindowReads(ScatterReads):
         return math.inf
 
     def plan_file(
-        self,
-        reader: S3StorageReader,
-        relative_path: str,
-        url: str,
-        items: list[_Item],
-        etag: str | None,
-        planner: LoadPlanner,
-        gap: int,
+        self, reader: S3StorageReader, relative_path: str, items: list[_Item], etag: str | None, planner: LoadPlanner
     ) -> tuple[list[_Group], list[_DirectRead]]:
+        url, gap, chunk = _join(reader.path, relative_path), int(reader.coalesce_gap_MB * _s3.MB), _chunk(reader)
         into_target = [self.direct_read(reader, relative_path, url, item, etag, planner) for item in items]
-        chunk = max(int(reader.chunk_size_MB * _s3.MB), 1)
         groups: list[_Group] = []
         for item, read in zip(items, into_target, strict=True):
             if read is not None:
@@ -1947,6 +1944,10 @@ def default_read_path() -> ReadPath:
     if window:
         return FastReads() if direct else WindowReads()
     return DirectScatterReads() if direct else ScatterReads()
+
+
+def _chunk(reader: S3StorageReader) -> int:
+    return max(int(reader.chunk_size_MB * _s3.MB), 1)
 
 
 def _buffered(group: _Group) -> int:

@@ -386,6 +386,26 @@ def test_a_file_is_read_in_gets_of_one_chunk_each_an_item_split_across_them(buck
     assert counts["requests"] == -(-counts["bytes"] // (5 * 2**20)) == 3
 
 
+def test_byte_items_and_small_tensors_lie_together_at_the_start_of_a_file(bucket: str) -> None:
+    """A file holds its byte items, then its tensors under 64 KiB, then the large ones: a load of the small ones
+    alone (what a rank reads of another rank's file: values DCP stored once for all, such as optimizer steps) is one
+    short GET, though in plan order they lie between tensors wider than the coalescing gap."""
+    generator = torch.Generator().manual_seed(3)
+    state: dict[str, Any] = {"epoch": 7}
+    for n in range(4):
+        state[f"w{n}"] = torch.randn(1536, 1024, generator=generator)  # 6 MiB
+        state[f"step{n}"] = torch.tensor(float(n))
+    _save(state, f"s3://{bucket}/small-first")
+    small: dict[str, Any] = {"epoch": 0, **{f"step{n}": torch.zeros(()) for n in range(4)}}
+    counts = _load(small, f"s3://{bucket}/small-first")
+    assert small["epoch"] == 7 and all(torch.equal(small[f"step{n}"], state[f"step{n}"]) for n in range(4))
+    assert counts["requests"] == 1 and counts["bytes"] < 64 * 1024
+    everything = _empty_like(state)
+    _load(everything, f"s3://{bucket}/small-first")
+    tensors = [key for key in state if key != "epoch"]
+    _assert_same({key: everything[key] for key in tensors}, {key: state[key] for key in tensors})
+
+
 def test_one_corrupted_byte_of_an_item_split_across_gets_is_detected(bucket: str, fault_proxy: Any) -> None:
     """A byte flipped in transit in the second GET of a file, inside the 12 MiB item the first GET began: the
     checksums of the item's pieces combine to another than the recorded one, and the error names the file."""
