@@ -123,6 +123,7 @@ __all__ = [
     "CheckpointIncompleteError",
     "CheckpointWriteError",
     "DirectReads",
+    "DirectScatterReads",
     "FastReads",
     "ReadPath",
     "S3FSDPStrategy",
@@ -135,6 +136,7 @@ __all__ = [
     "ScatterReads",
     "SpanReads",
     "UnsafeCheckpointMetadataError",
+    "WindowReads",
     "sharded_strategy_class",
 ]
 
