@@ -49,7 +49,7 @@ import threading
 import traceback
 import uuid
 import zipfile
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -123,6 +123,7 @@ __all__ = [
     "CheckpointIncompleteError",
     "CheckpointWriteError",
     "DirectReads",
+    "DirectScatterReads",
     "FastReads",
     "ReadPath",
     "S3FSDPStrategy",
@@ -135,6 +136,7 @@ __all__ = [
     "ScatterReads",
     "SpanReads",
     "UnsafeCheckpointMetadataError",
+    "WindowReads",
     "sharded_strategy_class",
 ]
 
@@ -460,6 +462,17 @@ def _item_nbytes(item: Any) -> int:
     for dim in item.tensor_data.size:
         size *= dim
     return size * item.tensor_data.properties.dtype.itemsize
+
+
+_SMALL_ITEM_BYTES = 64 * 1024
+"""A file holds its byte items first, then its tensors under this size, then the others (each in plan order): what
+every rank reads of another rank's file (values DCP stored once for all ranks: optimizer steps, scalars, objects)
+then lies together at its start, one short GET away, instead of between large shards (where a load read 35 GETs
+and 74 MiB of one 460 MiB file for 230 KiB of such items: benchmarks/README.md)."""
+
+
+def _is_large(item: Any) -> bool:
+    return _item_nbytes(item) >= _SMALL_ITEM_BYTES
 
 
 def _split_items(bins: int, items: list[Any], byte_io: Any) -> list[list[Any]]:
@@ -788,8 +801,8 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         algorithm = _s3.ChecksumAlgorithm.named(self.checksum_algorithm)
         raw = self._open(url, self.chunk_size_MB, self.max_write_concurrency, fence)
         stream = _ItemStream(raw, cancelled)
-        ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
-        ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
+        ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]  # then small tensors: `_SMALL_ITEM_BYTES`
+        ordered += sorted((i for i in items if i.type != WriteItemType.BYTE_IO), key=_is_large)
         written: list[tuple[Any, int, int, _TensorSpan | None]] = []
         framings: dict[tuple[Any, ...], _Framing] = {}
         try:
@@ -1083,15 +1096,54 @@ def _scatter(group: _Group, chunk: int) -> bool:
                 skip = memoryview(bytearray(wanted))
             views.append(skip[:wanted])
             position += wanted
-        if item.fill is not None:
-            head, tail = item.fill.start, item.length - item.fill.start - item.fill.nbytes
-            item.parts = [memoryview(bytearray(head)), tensor_bytes_view(item.target), memoryview(bytearray(tail))]
-        else:
-            item.parts = [memoryview(_unzeroed_buffer(item.length))]
-        views += item.parts
+        views += _lay_out(item)
         position = item.offset + item.length
     group.views = views
     return True
+
+
+def _lay_out(item: _Item) -> list[memoryview]:
+    """Where a scattered GET puts `item`'s bytes (`_Item.parts`): a filled item's framing into two small buffers and
+    its tensor bytes into its target; any other item into a buffer of its own."""
+    if item.fill is not None:
+        head, tail = item.fill.start, item.length - item.fill.start - item.fill.nbytes
+        item.parts = [memoryview(bytearray(head)), tensor_bytes_view(item.target), memoryview(bytearray(tail))]
+    else:
+        item.parts = [memoryview(_unzeroed_buffer(item.length))]
+    return item.parts
+
+
+def _windows(group: _Group, chunk: int) -> list[tuple[int, list[memoryview], list[Any]]]:
+    """Cut `group`'s bytes, laid out as `_scatter` lays them, at every `chunk` bytes from its start: per GET its
+    start, the views it fills in order, and whose bytes each view holds ((item index, part index); None: a gap). An
+    item may span several GETs."""
+    segments: list[tuple[memoryview, Any]] = []
+    skip, position = None, group.start
+    for index, item in enumerate(group.items):
+        gap = item.offset - position
+        if gap > 0 and (skip is None or len(skip) < min(gap, _SCATTER_SKIP_BUFFER)):
+            skip = memoryview(bytearray(min(gap, _SCATTER_SKIP_BUFFER)))
+        while gap > 0:
+            segments.append((skip[: min(gap, len(skip))], None))  # type: ignore[index,arg-type]
+            gap -= len(segments[-1][0])
+        segments += [(part, (index, n)) for n, part in enumerate(_lay_out(item))]
+        position = item.offset + item.length
+    windows: list[tuple[int, list[memoryview], list[Any]]] = []
+    start, views, owners = group.start, [], []
+    filled = 0
+    for view, owner in segments:
+        while len(view):
+            piece = view[: chunk - filled]
+            views.append(piece)
+            owners.append(owner)
+            filled += len(piece)
+            view = view[len(piece) :]
+            if filled == chunk:
+                windows.append((start, views, owners))
+                start, views, owners, filled = start + chunk, [], [], 0
+    if views:
+        windows.append((start, views, owners))
+    return windows
 
 
 def tensor_bytes_view(tensor: Any) -> memoryview:
@@ -1144,6 +1196,8 @@ class _Group:
     file_record: dict[str, Any] | None = None  # the writer's record of the whole file (ours only)
     buffer: Any = None  # `_unzeroed_buffer` while its bytes are fetched and loaded
     views: list[memoryview] | None = None  # instead of `buffer`: where its one GET puts each byte (`_scatter`)
+    windows: list[Any] | None = None  # instead: its GETs, cut at every chunk (`WindowReads`; laid out when submitted)
+    buffered: int | None = None  # the bytes it holds in buffers while in flight, where not all (`WindowReads`)
     futures: list[Future[list[int]]] = dataclasses.field(default_factory=list)
 
 
@@ -1157,10 +1211,11 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         max_read_concurrency: parallel ranged GETs per rank.
         coalesce_gap_MB: items of one file closer than this are fetched by one GET.
         direct_read_min_MB: tensor items at least this large are read straight into a whole, contiguous CPU target
-            of the stored dtype and shape with ranged GETs of their own; default: one chunk. Smaller ones share
-            coalesced GETs, which put a tensor with a recorded span into its target too (``scatter_reads``). At 4 MiB
-            a GPT-style state's 2-9 MiB tensors each took GETs of their own: 2-3x the requests of reading the same
-            bytes in chunks, and 1.3-1.5x the load's client CPU (benchmarks/realistic.md).
+            of the stored dtype and shape with ranged GETs of their own; default: none (`WindowReads`: each file in
+            GETs of one chunk, each scattered into the items it covers, a tensor with a recorded span straight into
+            its target; one chunk where ``window_reads`` is switched off). At 4 MiB a GPT-style state's 2-9 MiB
+            tensors each took GETs of their own: 2-3x the requests of reading the same bytes in chunks, and 1.3-1.5x
+            the load's client CPU (benchmarks/realistic.md).
         read_path: how items reach their targets (`ReadPath` and its subclasses); default: `default_read_path()`.
         memory_tier: read each file from the node's verified memory copy or a replica it holds, else S3 (as the writer).
         endpoint_url, region_name, client_settings, retry_policy, s3_utils: how to reach S3 (as `S3CheckpointIO`).
@@ -1194,9 +1249,7 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
             raise TypeError(f"read_path must be a ReadPath (s3_dcp.ReadPath or a subclass), got {read_path!r}")
         if not coalesce_gap_MB >= 0:
             raise ValueError(f"coalesce_gap_MB must be >= 0, got {coalesce_gap_MB!r}")
-        if direct_read_min_MB is None:
-            direct_read_min_MB = chunk_size_MB  # (see the docstring)
-        if not direct_read_min_MB >= 0:
+        if direct_read_min_MB is not None and not direct_read_min_MB >= 0:
             raise ValueError(f"direct_read_min_MB must be >= 0, got {direct_read_min_MB!r}")
         self.s3 = _s3.S3Utils.from_arguments(
             s3_utils=s3_utils,
@@ -1284,13 +1337,13 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
                 for read in direct:  # planned by DirectReads
                     self.read_path.submit_direct(self, pool, read, chunk)  # type: ignore[attr-defined]
                 for group in groups:
-                    while pending and in_flight + (group.end - group.start) > budget:
+                    while pending and in_flight + _buffered(group) > budget:
                         done = pending.popleft()
-                        in_flight -= done.end - done.start
+                        in_flight -= _buffered(done)
                         self._consume(done, planner)
                     self._submit(pool, group, chunk)
                     pending.append(group)
-                    in_flight += group.end - group.start
+                    in_flight += _buffered(group)
                 while pending:
                     self._consume(pending.popleft(), planner)
                 for read in direct:
@@ -1369,13 +1422,7 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
                 item.checksum = int(recorded[1])
                 item.span = self.read_path.item_span(record, item)
             etag = record["etag"] or None
-            path = self.read_path
-            into_target = [path.direct_read(self, relative_path, url, item, etag, planner) for item in items]
-            file_direct = [read for read in into_target if read is not None]
-            buffered = [item for item, read in zip(items, into_target, strict=True) if read is None]
-            for item in buffered:
-                self.read_path.plan_fill(item, planner)
-            file_groups = self._coalesce(url, relative_path, buffered, gap, limit, etag)
+            file_groups, file_direct = self.read_path.plan_file(self, relative_path, items, etag, planner)
             for group in file_groups:
                 group.file_record = record
             self._file_progress[relative_path] = [len(file_groups) + len(file_direct), []]
@@ -1521,7 +1568,7 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
 
     def _consume(self, group: _Group, planner: LoadPlanner) -> None:
         """Wait for a group's bytes, verify them, and load its items into the planner's tensors."""
-        if group.views is not None:  # laid out by ScatterReads
+        if group.views is not None or group.windows is not None:  # laid out by ScatterReads or WindowReads
             self.read_path.consume_scattered(self, group, planner)  # type: ignore[attr-defined]
             return
         piece_checksums = [future.result() for future in group.futures]
@@ -1655,6 +1702,18 @@ class ReadPath:
         """Start one GET that scatters `group`'s bytes into its items' own buffers and targets; False: not done."""
         return False
 
+    def plan_file(
+        self, reader: S3StorageReader, relative_path: str, items: list[_Item], etag: str | None, planner: LoadPlanner
+    ) -> tuple[list[_Group], list[_DirectRead]]:
+        """How one recorded file's needed `items` (sorted, their checksums and spans set) are read: the items read
+        straight into their targets, and groups of coalesced items (a chunk at most, closer than the reader's gap)."""
+        url, gap, limit = _join(reader.path, relative_path), int(reader.coalesce_gap_MB * _s3.MB), _chunk(reader)
+        into_target = [self.direct_read(reader, relative_path, url, item, etag, planner) for item in items]
+        buffered = [item for item, read in zip(items, into_target, strict=True) if read is None]
+        for item in buffered:
+            self.plan_fill(item, planner)
+        return reader._coalesce(url, relative_path, buffered, gap, limit, etag), [r for r in into_target if r]
+
     def span_bytes(
         self, reader: S3StorageReader, data: memoryview, item: _Item, group: _Group, stored: tuple[Any, Any] | None
     ) -> _SpanBytes | None:
@@ -1728,8 +1787,8 @@ class ScatterReads(SpanReads):
     def consume_scattered(self, reader: S3StorageReader, group: _Group, planner: LoadPlanner) -> None:
         """Verify a scattered group's items (each whole, and each filled tensor against its span's checksum), then
         commit the filled targets and load the other items from their buffers."""
-        (checksums,) = [future.result() for future in group.futures]
         algorithm = _algorithm_of(reader._records, group.relative_path)
+        checksums = self.scattered_checksums(group, algorithm)
         for item, (actual, tensor) in zip(group.items, checksums, strict=True):
             reader._accept_item(group.url, group.relative_path, item, algorithm, actual)
             if item.fill is not None and algorithm is not None and tensor != item.fill.checksum:
@@ -1741,7 +1800,77 @@ class ScatterReads(SpanReads):
                 reader._load_item(item.parts[0], item, planner, group)
             else:
                 planner.commit_tensor(item.requests[0], item.target)
-        group.views = None
+        group.views = group.windows = None
+
+    def scattered_checksums(self, group: _Group, algorithm: Any) -> list[tuple[int, int | None]]:
+        """Per item of a fetched scattered group: its checksum, and its tensor's where it was filled."""
+        (checksums,) = [future.result() for future in group.futures]
+        return checksums
+
+
+class WindowReads(ScatterReads):
+    """`ScatterReads` over whole files: the needed items of a file, in runs closer than ``coalesce_gap_MB``, are read
+    by GETs of one chunk each from the run's start (the last one shorter), each scattered into every item it covers,
+    tensors straight into their targets (`_windows`). A load sends about as many GETs as its bytes need, where groups
+    of whole items and tensors read on their own end short of a chunk. An item split across GETs is checked by
+    combining the checksums of its pieces. Items of at least ``direct_read_min_MB``, if given, are read on their own
+    where the path has `DirectReads` (`FastReads`)."""
+
+    def direct_read_default_MB(self, reader: S3StorageReader) -> float:
+        return math.inf
+
+    def plan_file(
+        self, reader: S3StorageReader, relative_path: str, items: list[_Item], etag: str | None, planner: LoadPlanner
+    ) -> tuple[list[_Group], list[_DirectRead]]:
+        url, gap, chunk = _join(reader.path, relative_path), int(reader.coalesce_gap_MB * _s3.MB), _chunk(reader)
+        into_target = [self.direct_read(reader, relative_path, url, item, etag, planner) for item in items]
+        groups: list[_Group] = []
+        for item, read in zip(items, into_target, strict=True):
+            if read is not None:
+                continue
+            self.plan_fill(item, planner)
+            last = groups[-1] if groups else None
+            held = item.length - (item.fill.nbytes if item.fill is not None else 0)  # buffered, not in a target
+            if last is not None and last.end <= item.offset <= last.end + gap and last.buffered + held <= chunk:  # type: ignore[operator]
+                last.items.append(item)
+                last.end, last.buffered = item.offset + item.length, last.buffered + held  # type: ignore[operator]
+            else:
+                groups.append(_Group(relative_path, url, item.offset, item.offset + item.length, [item], etag))
+                groups[-1].windows, groups[-1].buffered = [], held
+        return groups, [read for read in into_target if read is not None]
+
+    def submit_scattered(self, reader: S3StorageReader, pool: ThreadPoolExecutor, group: _Group, chunk: int) -> bool:
+        if group.windows is None:
+            return super().submit_scattered(reader, pool, group, chunk)
+        group.windows = _windows(group, chunk)
+        algorithm = _algorithm_of(reader._records, group.relative_path)
+        for window in group.windows:
+            group.futures.append(pool.submit(self._fetch_window, reader, group, window, algorithm))
+        return True
+
+    @staticmethod
+    def _fetch_window(reader: S3StorageReader, group: _Group, window: Any, algorithm: Any) -> list[int]:
+        """One GET of a window; the checksum of each view it filled that holds an item's bytes."""
+        start, views, owners = window
+        reader._get_range(group.url, start, views, group.etag)
+        return [_s3.checksum_of(algorithm, v) for v, owner in zip(views, owners, strict=True) if owner is not None]
+
+    def scattered_checksums(self, group: _Group, algorithm: Any) -> list[tuple[int, int | None]]:
+        if group.windows is None:
+            return super().scattered_checksums(group, algorithm)
+        pieces: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+        for (_, views, owners), future in zip(group.windows, group.futures, strict=True):
+            owned = [(view, owner) for view, owner in zip(views, owners, strict=True) if owner is not None]
+            for (view, owner), checksum in zip(owned, future.result(), strict=True):
+                pieces[owner].append((checksum, len(view)))
+        if algorithm is None:  # a file nobody recorded checksums for: nothing to check
+            return [(0, None)] * len(group.items)
+        checksums: list[tuple[int, int | None]] = []
+        for index, item in enumerate(group.items):
+            parts = [(_s3.combine_checksums(algorithm, pieces[index, n]), len(p)) for n, p in enumerate(item.parts)]
+            tensor = parts[1][0] if item.fill is not None else None
+            checksums.append((_s3.combine_checksums(algorithm, parts), tensor))
+        return checksums
 
 
 class DirectReads(SpanReads):
@@ -1752,7 +1881,9 @@ class DirectReads(SpanReads):
     def direct_read(
         self, reader: S3StorageReader, relative_path: str, url: str, item: _Item, etag: str | None, planner: LoadPlanner
     ) -> _DirectRead | None:
-        if item.span is None or len(item.requests) != 1 or item.length < max(reader.direct_read_min_MB * _s3.MB, 1):
+        least = reader.direct_read_min_MB
+        least = self.direct_read_default_MB(reader) if least is None else least
+        if item.span is None or len(item.requests) != 1 or item.length < max(least * _s3.MB, 1):
             return None
         request = item.requests[0]
         if request.type != LoadItemType.TENSOR or any(request.storage_offsets):
@@ -1762,6 +1893,10 @@ class DirectReads(SpanReads):
             return None
         span = _span_for_target(item, target)
         return None if span is None else _DirectRead(relative_path, url, item, etag, span)
+
+    def direct_read_default_MB(self, reader: S3StorageReader) -> float:
+        """``direct_read_min_MB`` when the reader was given none: one chunk."""
+        return reader.chunk_size_MB
 
     def submit_direct(self, reader: S3StorageReader, pool: ThreadPoolExecutor, read: _DirectRead, chunk: int) -> None:
         view = tensor_bytes_view(read.item.target)
@@ -1790,18 +1925,36 @@ class DirectReads(SpanReads):
         planner.commit_tensor(read.item.requests[0], read.item.target)
 
 
-class FastReads(DirectReads, ScatterReads):
-    """Every kept fast path: `DirectReads`, `ScatterReads` and the `SpanReads` both build on (the default)."""
+class DirectScatterReads(DirectReads, ScatterReads):
+    """`DirectReads` and `ScatterReads` (the default before `WindowReads`)."""
+
+
+class FastReads(WindowReads, DirectScatterReads):
+    """Every kept fast path (the default): `WindowReads`, with `DirectReads` for items of at least
+    ``direct_read_min_MB`` where the reader is given one."""
 
 
 def default_read_path() -> ReadPath:
     """`FastReads`, unless ``S3CKPT_REFERENCE_PATHS`` (`s3_utils.REFERENCE_PATHS_ENV`, a switch for tests and
     benchmarks) names read paths to leave out: then the reference `ReadPath` plus whichever of them remain (without
-    ``span_reads``, none: the others need the spans)."""
+    ``span_reads``, none: the others need the spans; ``window_reads`` needs ``scatter_reads``)."""
     if not _s3.fast_path("span_reads"):
         return ReadPath()
-    paths = {(True, True): FastReads, (True, False): DirectReads, (False, True): ScatterReads}
-    return paths.get((_s3.fast_path("direct_reads"), _s3.fast_path("scatter_reads")), SpanReads)()
+    direct, scatter, window = (_s3.fast_path(name) for name in ("direct_reads", "scatter_reads", "window_reads"))
+    if not scatter:
+        return DirectReads() if direct else SpanReads()
+    if window:
+        return FastReads() if direct else WindowReads()
+    return DirectScatterReads() if direct else ScatterReads()
+
+
+def _chunk(reader: S3StorageReader) -> int:
+    return max(int(reader.chunk_size_MB * _s3.MB), 1)
+
+
+def _buffered(group: _Group) -> int:
+    """The bytes `group` holds in buffers while in flight (counted against the reader's read-ahead budget)."""
+    return group.end - group.start if group.buffered is None else group.buffered
 
 
 def _stored_chunk(planner: LoadPlanner, request: Any) -> tuple[tuple[int, ...], Any] | None:

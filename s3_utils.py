@@ -2065,7 +2065,9 @@ def _read_body_into(body: Any, views: list[memoryview]) -> int:
 
 REFERENCE_PATHS_ENV = "S3CKPT_REFERENCE_PATHS"  # `FAST_PATHS` names (or ``all``) to take their reference path
 
-FAST_PATHS = ("borrowed_parts", "framing_reuse", "direct_reads", "scatter_reads", "span_reads", "one_get_records")
+FAST_PATHS = (
+    "borrowed_parts", "framing_reuse", "direct_reads", "scatter_reads", "window_reads", "span_reads", "one_get_records"
+)
 """The fast paths behind the switch (docs/internals.md); one gaining under 5% in benchmarks/realistic.md goes."""
 
 

@@ -350,7 +350,7 @@ def test_large_item_is_fetched_as_parallel_ranges_straight_into_its_target(bucke
     _save(state, f"s3://{bucket}/huge")
     loaded = {"huge": torch.zeros(3 * 1024 * 1024)}
     address = loaded["huge"].data_ptr()
-    counts = _load(loaded, f"s3://{bucket}/huge", chunk_size_MB=5)
+    counts = _load(loaded, f"s3://{bucket}/huge", chunk_size_MB=5, direct_read_min_MB=5)
     assert torch.equal(loaded["huge"], state["huge"]) and loaded["huge"].data_ptr() == address
     assert counts["direct_items"] == counts["recorded_spans"] == 1
     assert counts["requests"] == 3  # 3 ranges of <= 5 MiB: the writer recorded where the tensor's bytes lie
@@ -368,6 +368,62 @@ def test_large_item_is_fetched_as_parallel_ranges_straight_into_its_target(bucke
     counts = _load(buffered, f"s3://{bucket}/huge", chunk_size_MB=5, direct_read_min_MB=64)
     assert torch.equal(buffered["huge"], state["huge"])
     assert counts["direct_items"] == 0 and counts["requests"] == 3
+
+
+def test_a_file_is_read_in_gets_of_one_chunk_each_an_item_split_across_them(bucket: str) -> None:
+    """By default a file's needed bytes are read in GETs of one chunk each from its first item (the last shorter),
+    each scattered into every item it covers: as many requests as the bytes need. The 12 MiB item spans three of
+    them and lands in its own target whole."""
+    state = {"a": torch.randn(1000), "huge": torch.randn(3 * 1024 * 1024), "b": torch.randn(300, 7)}
+    _save(state, f"s3://{bucket}/windows")
+    loaded = _empty_like(state)
+    address = loaded["huge"].data_ptr()
+    counts = _load(loaded, f"s3://{bucket}/windows", chunk_size_MB=5)
+    _assert_same(loaded, state)
+    assert loaded["huge"].data_ptr() == address
+    assert counts["direct_items"] == 0 and counts["recorded_spans"] == 3
+    assert 12 * 2**20 < counts["bytes"] < 12 * 2**20 + 64 * 1024  # every item once, their framing included
+    assert counts["requests"] == -(-counts["bytes"] // (5 * 2**20)) == 3
+
+
+def test_byte_items_and_small_tensors_lie_together_at_the_start_of_a_file(bucket: str) -> None:
+    """A file holds its byte items, then its tensors under 64 KiB, then the large ones: a load of the small ones
+    alone (what a rank reads of another rank's file: values DCP stored once for all, such as optimizer steps) is one
+    short GET, though in plan order they lie between tensors wider than the coalescing gap."""
+    generator = torch.Generator().manual_seed(3)
+    state: dict[str, Any] = {"epoch": 7}
+    for n in range(4):
+        state[f"w{n}"] = torch.randn(1536, 1024, generator=generator)  # 6 MiB
+        state[f"step{n}"] = torch.tensor(float(n))
+    _save(state, f"s3://{bucket}/small-first")
+    small: dict[str, Any] = {"epoch": 0, **{f"step{n}": torch.zeros(()) for n in range(4)}}
+    counts = _load(small, f"s3://{bucket}/small-first")
+    assert small["epoch"] == 7 and all(torch.equal(small[f"step{n}"], state[f"step{n}"]) for n in range(4))
+    assert counts["requests"] == 1 and counts["bytes"] < 64 * 1024
+    everything = _empty_like(state)
+    _load(everything, f"s3://{bucket}/small-first")
+    tensors = [key for key in state if key != "epoch"]
+    _assert_same({key: everything[key] for key in tensors}, {key: state[key] for key in tensors})
+
+
+def test_one_corrupted_byte_of_an_item_split_across_gets_is_detected(bucket: str, fault_proxy: Any) -> None:
+    """A byte flipped in transit in the second GET of a file, inside the 12 MiB item the first GET began: the
+    checksums of the item's pieces combine to another than the recorded one, and the error names the file."""
+    url = f"s3://{bucket}/ckpt"
+    state = {"a": torch.randn(1000), "huge": torch.randn(3 * 1024 * 1024), "b": torch.randn(300, 7)}
+    _save(state, url)
+    second = {"after_requests": 1, "times": 1}  # of GETs sent one at a time, in order (max_read_concurrency=1)
+    fault_proxy.add_rule(FaultRule(Fault.corrupt_body(100), method="GET", path_regex=r"__0_0\.distcp$", **second))
+    settings = s3_utils.S3ClientSettings(endpoint_url=fault_proxy.endpoint_url)
+    reader = _reader(url, client_settings=settings, retry_policy=FAST_RETRIES, max_read_concurrency=1)
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load(_empty_like(state), storage_reader=reader, no_dist=True)
+    failure = _failure(caught)
+    assert isinstance(failure, s3_utils.ChecksumMismatchError)
+    assert f"{url}/__0_0.distcp is corrupt" in str(failure) and "item huge" in str(failure)
+    metadata = reader.storage_data
+    (huge,) = [info for index, info in metadata.items() if index.fqn == "huge"]
+    assert huge.offset < 5 * 2**20 + 100 < huge.offset + huge.length  # the corrupted byte lies in the split item
 
 
 def _item_record(url: str) -> dict[str, Any]:
@@ -429,9 +485,9 @@ def test_writer_records_where_each_contiguous_tensor_lies_from_the_upload_pass(
     real_tensor = s3_dcp._SpanBytes.tensor
     monkeypatch.setattr(s3_dcp._SpanBytes, "tensor", lambda span: decoded.append(span) or real_tensor(span))
     loaded = _empty_like(state)
-    counts = _load(loaded, f"s3://{bucket}/spans")  # "flat" read straight, "rows" and "small" from a buffer
+    counts = _load(loaded, f"s3://{bucket}/spans")  # all three scattered straight into their targets
     _assert_same(loaded, state)
-    assert counts["recorded_spans"] == 3 and counts["direct_items"] == 1
+    assert counts["recorded_spans"] == 3 and counts["direct_items"] == 0
     assert decoded == []  # whole tensors into whole targets of their dtype: their bytes copied as they are
     converted = {"rows": torch.zeros(600, 1000), "small": torch.zeros(1000, dtype=torch.float64)}
     _load(converted, f"s3://{bucket}/spans")  # other dtypes: decoded from the span, then converted on copy

@@ -165,37 +165,54 @@ def test_dcp_save_writes_the_same_files_on_either_path(
         _same(loaded, state)
 
 
-@pytest.mark.parametrize("reference", ["direct_reads", "scatter_reads", "span_reads", "all"])
+@pytest.mark.parametrize(
+    ("fast", "reference"),
+    [
+        ("", "window_reads"),
+        ("window_reads", "window_reads,direct_reads"),
+        ("window_reads", "window_reads,scatter_reads"),
+        ("", "span_reads"),
+        ("", "all"),
+    ],
+)
 def test_dcp_load_fills_the_same_tensors_on_either_path(
-    reference: str, bucket: str, monkeypatch: pytest.MonkeyPatch
+    fast: str, reference: str, bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A DCP load fills every target identically with the reader's fast paths on and with `reference` on its
-    reference path, and the fast path is what ran when on (counted from outside the reader)."""
+    """A DCP load fills every target identically with a fast path on (`fast` names the paths off in both runs) and
+    on its reference path, and the fast path is what ran when on (counted from outside the reader)."""
     state = _flat(_gpt_checkpoint())
     url = f"s3://{bucket}/load-{reference}"
     monkeypatch.setenv(s3_utils.REFERENCE_PATHS_ENV, "")
     dcp.save(state, storage_writer=s3_dcp.S3StorageWriter(url, chunk_size_MB=5), no_dist=True)
     stats = {}
-    real_scatter = s3_dcp._scatter
+    real_scatter, real_windows = s3_dcp._scatter, s3_dcp._windows
     scattered: list[bool] = []
+    windows: list[Any] = []
     monkeypatch.setattr(s3_dcp, "_scatter", lambda *a: scattered.append(real_scatter(*a)) or scattered[-1])
-    for label, env in (("fast", ""), ("reference", reference)):
+    monkeypatch.setattr(s3_dcp, "_windows", lambda *a: windows.extend(real_windows(*a)) or windows[-len(windows) :])
+    for label, env in (("fast", fast), ("reference", reference)):
         monkeypatch.setenv(s3_utils.REFERENCE_PATHS_ENV, env)
         loaded = _empty(state)
-        reader = s3_dcp.S3StorageReader(url, chunk_size_MB=5, direct_read_min_MB=1)
+        reader = s3_dcp.S3StorageReader(url, chunk_size_MB=5, direct_read_min_MB=None if fast == "" else 1)
         scattered.clear()
+        windows.clear()
         with counting_reads() as counts:
             dcp.load(loaded, storage_reader=reader, no_dist=True)
         _same(loaded, state)
-        stats[label] = {**counts, "scattered_groups": sum(scattered)}
-    fast, slow = stats["fast"], stats["reference"]
-    assert fast["direct_items"] > 0 and fast["recorded_spans"] > 0 and fast["scattered_groups"] > 0
-    if reference in ("direct_reads", "all"):
-        assert slow["direct_items"] == 0
-    if reference in ("span_reads", "all"):
-        assert slow["recorded_spans"] == 0
-    if reference in ("scatter_reads", "all"):
-        assert slow["scattered_groups"] == 0
+        stats[label] = {**counts, "scattered_groups": sum(scattered), "windows": len(windows)}
+    on, off = stats["fast"], stats["reference"]
+    assert on["recorded_spans"] > 0
+    if "window_reads" not in fast:  # every GET is a window, fewer than groups of whole items and direct reads send
+        assert on["windows"] == on["requests"] > 0 and off["windows"] == 0
+        assert reference != "window_reads" or on["requests"] < off["requests"]
+    else:
+        assert on["direct_items"] > 0 and on["scattered_groups"] > 0
+    if "direct_reads" in reference and "direct_reads" not in fast:
+        assert off["direct_items"] == 0
+    if "span_reads" in reference or reference == "all":
+        assert off["recorded_spans"] == 0
+    if "scatter_reads" in reference and "scatter_reads" not in fast:
+        assert off["scattered_groups"] == 0
 
 
 @pytest.mark.parametrize(
@@ -204,7 +221,9 @@ def test_dcp_load_fills_the_same_tensors_on_either_path(
         ("ReadPath", "all"),
         ("SpanReads", "direct_reads,scatter_reads"),
         ("DirectReads", "scatter_reads"),
-        ("ScatterReads", "direct_reads"),
+        ("ScatterReads", "direct_reads,window_reads"),
+        ("WindowReads", "direct_reads"),
+        ("DirectScatterReads", "window_reads"),
     ],
 )
 def test_the_read_path_argument_chooses_what_the_switch_does(
