@@ -8,8 +8,7 @@ process's job and host. 4. Request options: `S3RequestOptions`. 5. Client: `S3Cl
 8. Errors: S3's answers as Python's exceptions, annotated. 9. `S3Utils`: the facade with NeMo's names; `Fence`, what
 its writer and removals ask of a directory's owner. 10. The ranged reader. 11. Fast paths. 12. The streaming writer
 (`S3MultipartWriter`). 13. Store capabilities: what a store honours (`store_capabilities`). 14. s3fs caches.
-The request pacer is in s3_pacing (before this file); which run this process is, and the fences themselves
-(`DirectoryFence`), are in s3_fencing (after it).
+The request pacer is in s3_pacing (before this file); run identity and the fences (`DirectoryFence`): s3_fencing.
 """
 
 from __future__ import annotations
@@ -2033,13 +2032,9 @@ def _copy_body(
 
 
 def _first_bytes(views: list[memoryview], count: int) -> list[memoryview]:
-    first = []
-    for view in views:
-        if count <= 0:
-            break
-        first.append(view[:count])
-        count -= len(view)
-    return first
+    """The views, cut to hold the first `count` bytes (those wholly past them left out)."""
+    starts = itertools.accumulate((len(view) for view in views), initial=0)
+    return [view[: count - start] for view, start in zip(views, starts, strict=False) if start < count]
 
 
 def _read_body_into(body: Any, views: list[memoryview]) -> int:
@@ -2090,11 +2085,20 @@ def fast_path(name: str) -> bool:
 
 _CONDITIONAL_COMMIT_ATTEMPTS = 5  # sends of a commit whose ETag condition fails while its run owns the directory
 _LEND_MIN = 1 * MB  # `S3MultipartWriter.write_borrowed` lends at least this many bytes to a part, or copies them
+_PartBuffer = bytearray | mmap.mmap  # a part buffer: `_new_part_buffer`
 
 
-def _copy_into(target: bytearray, offset: int, source: memoryview) -> None:
+def _copy_into(target: _PartBuffer, offset: int, source: memoryview) -> None:
     """The one place a write's bytes are copied into a part buffer (a GIL-free copy gained nothing measurable)."""
     memoryview(target)[offset : offset + len(source)] = source
+
+
+def _new_part_buffer(size: int) -> _PartBuffer:
+    """`size` bytes the kernel maps in page by page as they are first written, private to the process (a fork's copy
+    is copied on write); a ``bytearray`` is zeroed whole, 16 MiB a part, where a lent part writes only its framing."""
+    if hasattr(mmap, "MAP_PRIVATE"):
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+    return bytearray(size)
 
 
 class _PartBuffers:
@@ -2102,17 +2106,17 @@ class _PartBuffers:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._free: list[bytearray] = []
+        self._free: list[_PartBuffer] = []
 
-    def take(self, size: int) -> bytearray:
+    def take(self, size: int) -> _PartBuffer:
         with self._lock:
             for index in range(len(self._free) - 1, -1, -1):
                 if len(self._free[index]) == size:
                     return self._free.pop(index)
             self._free.clear()  # none of this size: the others would only add to the memory held
-        return bytearray(size)
+        return _new_part_buffer(size)
 
-    def give_back(self, buffers: Iterable[bytearray]) -> None:
+    def give_back(self, buffers: Iterable[_PartBuffer]) -> None:
         with self._lock:
             self._free.extend(buffers)
 
@@ -2308,13 +2312,13 @@ class S3MultipartWriter(io.RawIOBase):
         self._part_size, self._max_concurrency = part_size, max_concurrency
         self._algorithm = ChecksumAlgorithm.named(checksum_algorithm)
         self._size = 0
-        self._free_buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+        self._free_buffers: queue.SimpleQueue[_PartBuffer] = queue.SimpleQueue()
         self._buffers_made = 0  # buffers this writer holds (taken from `_part_buffers`)
         self._unfinished_parts = 0  # queued or in flight; `write_borrowed` keeps it at most max_concurrency + 1
         self._part_settled = threading.Condition()
         self._cuts: list[int] = []  # marked boundaries inside the part being filled (offsets into it)
         self._pieces: list[tuple[int, int, int]] = []  # (offset, length, checksum) tiling the object, once complete
-        self._buffer: bytearray | None = None  # the part being filled, up to `_filled`
+        self._buffer: _PartBuffer | None = None  # the part being filled, up to `_filled`
         self._filled = 0
         self._lent: list[tuple[int, memoryview, object]] = []  # (offset, view, owner) lent into that part
         self._upload_id: str | None = None  # set while a multipart upload is open on S3
@@ -2504,7 +2508,7 @@ class S3MultipartWriter(io.RawIOBase):
         """Size of part `number` (1-based): doubled every `parts_per_size` parts, so 10,000 parts reach S3's 5 TiB."""
         return self._part_size << min((number - 1) // self.parts_per_size, 20)
 
-    def _take_buffer(self) -> bytearray:
+    def _take_buffer(self) -> _PartBuffer:
         """A buffer for the next part: a free one, a new one (up to max_concurrency + 1), else the next given back."""
         size = self.part_size_of(len(self._parts) + 1)
         while True:
@@ -2546,7 +2550,7 @@ class S3MultipartWriter(io.RawIOBase):
         """The fence's metadata (the run that commits this object; `s3_fencing.stale_objects` reads it)."""
         return dict(self._fence.metadata()) if self._fence is not None else {}
 
-    def _send_part(self, buffer: bytearray | memoryview, length: int, owner: object = None) -> None:
+    def _send_part(self, buffer: _PartBuffer | memoryview, length: int, owner: object = None) -> None:
         """Queue one part: a part buffer (the upload gives it back), or a borrowed view kept alive by `owner`."""
         self._raise_failed_part()
         if self._upload_id is None:
@@ -2583,7 +2587,7 @@ class S3MultipartWriter(io.RawIOBase):
             self._failed_part.result()
 
     def _upload_part(
-        self, number: int, buffer: bytearray | memoryview, length: int, cuts: tuple[int, ...], owner: object = None,
+        self, number: int, buffer: _PartBuffer | memoryview, length: int, cuts: tuple[int, ...], owner: object = None,
         lent: list[tuple[int, memoryview, object]] | None = None,
     ) -> _UploadedPart:
         try:
@@ -2633,12 +2637,9 @@ class S3MultipartWriter(io.RawIOBase):
         self.info = S3ObjectInfo(self.bucket, self.key, self._size, etag, checksums=checksums)
         logger.debug("Wrote %s (%d bytes, %s %s)", self.url, self._size, self._algorithm.name, checksum)
 
-    def _keep_pieces(self, pieces: Iterable[tuple[int, int]]) -> None:
-        offset = 0
-        self._pieces = []
-        for checksum, length in pieces:
-            self._pieces.append((offset, length, checksum))
-            offset += length
+    def _keep_pieces(self, pieces: list[tuple[int, int]]) -> None:
+        offsets = itertools.accumulate((length for _, length in pieces), initial=0)
+        self._pieces = [(start, length, crc) for start, (crc, length) in zip(offsets, pieces, strict=False)]
 
     def _put_whole(self) -> tuple[dict[str, Any], str]:
         """A small object (less than one part): one PUT."""
@@ -2976,8 +2977,7 @@ def invalidate_fsspec_cache(url: str) -> None:
     if s3fs is None:
         return
     bucket_and_key = _urls.normalize_s3_url(url)[len(_urls.S3_PATH_PREFIX) :]
-    instances: Callable[[], Any] = getattr(s3fs.S3FileSystem, "_cache", {}).values
-    for filesystem in list(instances()):
+    for filesystem in list(getattr(s3fs.S3FileSystem, "_cache", {}).values()):
         with contextlib.suppress(Exception):
             filesystem.invalidate_cache(bucket_and_key)
 

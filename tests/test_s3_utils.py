@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import io
 import os
 import threading
 import tracemalloc
 import uuid
+import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from fault_proxy import Fault, FaultRule
@@ -687,10 +690,25 @@ def test_listings_come_back_shuffled_and_are_sorted_here(s3_client, bucket: str)
 # ---- part buffers and checksum boundaries (one checksum pass per byte, no fresh pages per save) ----------------------
 
 
-def _kept_by_the_writer_module() -> int:
-    """Bytes that s3_utils' own lines allocated and that are still alive (tracemalloc, from outside the module)."""
-    snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, s3_utils.__file__)])
-    return sum(stat.size for stat in snapshot.statistics("filename"))
+class _MadeBuffers:
+    """Every part buffer the writer module makes from here on, seen from outside it (weak references: what the
+    process keeps is what is still alive)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.made: list[weakref.ref[Any]] = []
+        make = s3_utils._new_part_buffer
+
+        def make_and_note(size: int) -> Any:
+            buffer = make(size)
+            self.made.append(weakref.ref(buffer))
+            return buffer
+
+        monkeypatch.setattr(s3_utils, "_new_part_buffer", make_and_note)
+
+    def kept(self) -> int:
+        """Bytes of the buffers made so far that are still alive."""
+        gc.collect()
+        return sum(len(buffer) for buffer in (ref() for ref in self.made) if buffer is not None)
 
 
 def test_part_buffers_are_reused_across_saves_within_the_memory_bound(
@@ -700,12 +718,14 @@ def test_part_buffers_are_reused_across_saves_within_the_memory_bound(
     max_concurrency + 1, and what the process keeps between saves is no more than writers held at once."""
     utils = S3Utils(S3ClientSettings(endpoint_url=s3_server.endpoint_url, user_agent_extra="buffer-reuse"))
     spy = _WriterSpy(monkeypatch)
-    first: list[bytearray] = []  # the first save's buffers, held here so that no address is reused meanwhile
+    release_part_buffers()
+    made = _MadeBuffers(monkeypatch)
+    first: list[Any] = []  # the first save's buffers, held here so that no address is reused meanwhile
     fresh: list[bool] = []  # for each buffer the second save took: not one of the first save's
     peaks: list[int] = []  # the most buffers each save's writer held at once
     take = _PartBuffers.take
 
-    def take_and_note(pool: _PartBuffers, size: int) -> bytearray:
+    def take_and_note(pool: _PartBuffers, size: int) -> Any:
         buffer = take(pool, size)
         if len(peaks) == 0:
             first.append(buffer)
@@ -715,50 +735,65 @@ def test_part_buffers_are_reused_across_saves_within_the_memory_bound(
 
     monkeypatch.setattr(_PartBuffers, "take", take_and_note)
     data = os.urandom(23 * MiB)
+    for n in range(2):
+        writer = utils.open_writer(f"s3://{bucket}/reuse-{n}", chunk_size_MB=5, max_concurrency=2)
+        with writer:
+            for start in range(0, len(data), 3 * MiB):
+                writer.write(data[start : start + 3 * MiB])
+        peaks.append(spy.most_buffers[id(writer)])
+    assert 1 <= len(first) <= 3 and max(peaks) <= 3  # max_concurrency + 1
+    assert fresh and not any(fresh)  # the second save allocated nothing
+    assert len(made.made) == len(first)
+    first.clear()
+    assert 5 * MiB <= made.kept() <= 3 * 5 * MiB  # kept: no more than writers held
+    with utils.download_to_memory(f"s3://{bucket}/reuse-1") as downloaded:  # reused buffers carry no stale bytes
+        assert downloaded.read_all() == data
+
+    # another part size: the kept buffers of the old size go before a new one is allocated
+    with utils.open_writer(f"s3://{bucket}/other-size", chunk_size_MB=6, max_concurrency=1) as writer:
+        writer.write(data[: 13 * MiB])
+    assert made.kept() <= 2 * 6 * MiB
     release_part_buffers()
-    tracemalloc.start()
-    try:
-        for n in range(2):
-            writer = utils.open_writer(f"s3://{bucket}/reuse-{n}", chunk_size_MB=5, max_concurrency=2)
-            with writer:
-                for start in range(0, len(data), 3 * MiB):
-                    writer.write(data[start : start + 3 * MiB])
-            peaks.append(spy.most_buffers[id(writer)])
-        assert 1 <= len(first) <= 3 and max(peaks) <= 3  # max_concurrency + 1
-        assert fresh and not any(fresh)  # the second save allocated nothing
-        first.clear()
-        assert 5 * MiB <= _kept_by_the_writer_module() <= 3 * 5 * MiB + MiB  # kept: no more than writers held
-        with utils.download_to_memory(f"s3://{bucket}/reuse-1") as downloaded:  # reused buffers carry no stale bytes
-            assert downloaded.read_all() == data
-
-        # another part size: the kept buffers of the old size go before a new one is allocated
-        with utils.open_writer(f"s3://{bucket}/other-size", chunk_size_MB=6, max_concurrency=1) as writer:
-            writer.write(data[: 13 * MiB])
-        assert _kept_by_the_writer_module() <= 2 * 6 * MiB + MiB
-        release_part_buffers()
-        assert _kept_by_the_writer_module() < MiB
-    finally:
-        tracemalloc.stop()
+    assert made.kept() == 0
 
 
-def test_failed_upload_keeps_no_more_than_its_buffers_and_release_frees_them(s3_server, bucket: str) -> None:
+def test_failed_upload_keeps_no_more_than_its_buffers_and_release_frees_them(
+    s3_server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A failed upload gives its buffers back to the process's free list or drops them: the process keeps no more
     than the writer held (max_concurrency + 1 parts), and `release_part_buffers` frees all of it."""
     utils = S3Utils(S3ClientSettings(endpoint_url=s3_server.endpoint_url), RetryPolicy(max_attempts=1))
     release_part_buffers()
-    tracemalloc.start()
-    try:
-        with pytest.raises(RuntimeError, match="stop"), utils.open_writer(
-            f"s3://{bucket}/x", chunk_size_MB=5, max_concurrency=1
-        ) as writer:
-            writer.write(os.urandom(12 * MiB))
-            raise RuntimeError("stop")
-        del writer
-        assert _kept_by_the_writer_module() <= 2 * 5 * MiB + MiB
-        release_part_buffers()
-        assert _kept_by_the_writer_module() < MiB
-    finally:
-        tracemalloc.stop()
+    made = _MadeBuffers(monkeypatch)
+    with pytest.raises(RuntimeError, match="stop"), utils.open_writer(
+        f"s3://{bucket}/x", chunk_size_MB=5, max_concurrency=1
+    ) as writer:
+        writer.write(os.urandom(12 * MiB))
+        raise RuntimeError("stop")
+    del writer
+    assert 0 < made.kept() <= 2 * 5 * MiB
+    release_part_buffers()
+    assert made.kept() == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_process_writes_its_own_copy_of_a_part_buffer() -> None:
+    """Part buffers are private to a process, as a ``bytearray`` is: megatron-core forks its async saves, and a
+    child filling a buffer it inherited must not change the parent's (nor the parent the child's)."""
+    buffer = s3_utils._new_part_buffer(MiB)
+    buffer[:4] = b"mine"
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        seen = bytes(buffer[:4])
+        buffer[:4] = b"kids"
+        os.write(write_end, seen)
+        os._exit(0)
+    os.close(write_end)
+    seen_by_child = os.read(read_end, 4)
+    os.close(read_end)
+    assert os.waitpid(child, 0)[1] == 0
+    assert seen_by_child == b"mine" and bytes(buffer[:4]) == b"mine"
 
 
 @pytest.mark.parametrize("cut_sizes", [[0, 1, 5 * MiB - 1, 5 * MiB + 2, 3, 0, 7 * MiB], [100, 200], [12 * MiB]])
