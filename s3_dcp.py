@@ -1067,6 +1067,45 @@ class _SpanBytes:
         return raw.view(self.span.dtype).reshape(self.span.shape)
 
 
+def read_record(s3: Any, url: str, chunk_size_MB: float = _s3.DEFAULT_CHUNK_SIZE_MB,
+                concurrency: int = _s3.DEFAULT_MAX_READ_CONCURRENCY) -> bytes:  # fmt: skip
+    """A small object every rank reads (``.metadata``, the item record, megatron-core's ``metadata.json``), verified.
+    Fast path (``one_get_records``): one GET, no HEAD first, half a download's requests (at thousands of ranks, all
+    in one second under one prefix); else (over a chunk, no recorded checksum, a mismatch) `S3Utils.download_to_memory`,
+    the reference path, which says what is wrong. Package-internal (docs/api.md)."""
+    if _s3.fast_path("one_get_records") and (data := _read_in_one_get(s3, url, chunk_size_MB)) is not None:
+        return data
+    with s3.download_to_memory(url, chunk_size_MB, concurrency) as downloaded:
+        return downloaded.read_all()
+
+
+def _read_in_one_get(s3: Any, url: str, chunk_size_MB: float) -> bytes | None:
+    """`url`'s bytes from one whole-object GET if they match the checksum recorded with it; None: take the reference
+    path (FileNotFoundError for a missing object, as there)."""
+    bucket, key = _urls.parse_s3_url(url)
+    checksum_error = _s3.import_optional_dependency("botocore.exceptions", "S3 access").FlexibleChecksumError
+
+    def attempt() -> tuple[dict[str, Any], bytes | None]:
+        response = s3.client.get_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+        with contextlib.closing(response["Body"]) as body:
+            if response["ContentLength"] > chunk_size_MB * _s3.MB:
+                return response, None  # parallel ranged GETs serve it faster
+            try:
+                data = body.read()
+            except checksum_error:  # botocore checked the store's checksum: the reference path says more
+                return response, None
+        if len(data) != response["ContentLength"]:
+            raise _s3.TransientTransferError(f"got {len(data)} of {response['ContentLength']} bytes of {url}")
+        return response, data
+
+    response, data = s3.with_retries(attempt, "get_object", url, bucket=bucket)
+    info = _s3.S3ObjectInfo.of_response(bucket, key, response)
+    if data is None or (recorded := s3.recorded_checksum(info)) is None:
+        return None
+    algorithm = _s3.ChecksumAlgorithm.named(recorded.algorithm)
+    return data if algorithm.encode(_s3.checksum_of(algorithm, data)) == recorded.value else None
+
+
 def _unzeroed_buffer(nbytes: int) -> Any:
     """A writable byte buffer of `nbytes` whose memory is not zeroed first (a ``bytearray`` would be: one more pass
     over every buffered byte, on the consuming thread, before the GETs overwrite them all)."""
@@ -1463,42 +1502,11 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         return None if self.memory_tier is None else _dcp_tier().cached_source(self._tier(), self.tier_sources, url)
 
     def _read_whole(self, url: str) -> bytes:
-        """A record every rank reads (``.metadata``, the item record), verified. Fast path (``one_get_records``): one
-        GET without a HEAD first, half the requests of a download, which at thousands of ranks all come in the same
-        second under one prefix; anything else (an object larger than a chunk, no recorded checksum, a mismatch) is
-        read again by `S3Utils.download_to_memory`, the reference path, which also says what is wrong."""
+        """A record every rank reads (``.metadata``, the item record), verified: from this node's memory tier, else
+        `read_record`."""
         if (local := self._local(url)) is not None:
             return local[0].read_bytes()
-        if _s3.fast_path("one_get_records") and (data := self._read_in_one_get(url)) is not None:
-            return data
-        with self.s3.download_to_memory(url, self.chunk_size_MB, self.max_read_concurrency) as downloaded:
-            return downloaded.read_all()
-
-    def _read_in_one_get(self, url: str) -> bytes | None:
-        """`url`'s bytes from one whole-object GET if they match the checksum recorded with it; None: take the
-        reference path (FileNotFoundError for a missing object, as there)."""
-        bucket, key = _urls.parse_s3_url(url)
-        checksum_error = _s3.import_optional_dependency("botocore.exceptions", "S3 access").FlexibleChecksumError
-
-        def attempt() -> tuple[dict[str, Any], bytes | None]:
-            response = self.s3.client.get_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
-            with contextlib.closing(response["Body"]) as body:
-                if response["ContentLength"] > self.chunk_size_MB * _s3.MB:
-                    return response, None  # parallel ranged GETs serve it faster
-                try:
-                    data = body.read()
-                except checksum_error:  # botocore checked the store's checksum: the reference path says more
-                    return response, None
-            if len(data) != response["ContentLength"]:
-                raise _s3.TransientTransferError(f"got {len(data)} of {response['ContentLength']} bytes of {url}")
-            return response, data
-
-        response, data = self.s3.with_retries(attempt, "get_object", url, bucket=bucket)
-        info = _s3.S3ObjectInfo.of_response(bucket, key, response)
-        if data is None or (recorded := self.s3.recorded_checksum(info)) is None:
-            return None
-        algorithm = _s3.ChecksumAlgorithm.named(recorded.algorithm)
-        return data if algorithm.encode(_s3.checksum_of(algorithm, data)) == recorded.value else None
+        return read_record(self.s3, url, self.chunk_size_MB, self.max_read_concurrency)
 
     def _accept_item(self, url: str, relative_path: str, item: _Item, algorithm: Any, actual: int) -> None:
         """Check an item's bytes against its recorded checksum and count them toward its file's whole-file check

@@ -903,8 +903,7 @@ class S3Routing:
         if local is not None:
             data: Any = local[0].read_bytes()
         else:
-            with self.s3.download_to_memory(url) as downloaded:
-                data = downloaded.read_all()
+            data = _dcp.read_record(self.s3, url)  # metadata.json, common.pt: one GET where its checksum is recorded
         return io.BytesIO(data) if "b" in mode else io.StringIO(bytes(data).decode("utf-8"))
 
     def exists(self, url: str) -> bool:
@@ -915,7 +914,7 @@ class S3Routing:
         """Whether `url` is a checkpoint in this node's memory tier (its ``.metadata`` or ``metadata.json``) or a
         prefix on S3."""
         in_tier = any(self._tier_copy(_urls.join_s3_url(url, name)) for name in (_dcp.METADATA_NAME, CONFIG_NAME))
-        return in_tier or self.s3.s3_path_exists(url, match_directory=True)
+        return in_tier or self.s3.s3_path_exists(url.rstrip("/") + "/", match_directory=True)  # a listing, no HEAD
 
     def remove_from_tier(self, url: str) -> None:
         """Drop this node's memory copies of the checkpoint at `url` (and below it): a drain still due skips them."""

@@ -516,6 +516,32 @@ def test_a_write_that_raises_uploads_nothing(routed: Any, bucket: str, s3_client
     assert s3_client.get_object(Bucket=bucket, Key="run/iter_0000001/metadata.json")["Body"].read() == b"{}"
 
 
+def test_megatron_cores_small_reads_and_directory_checks_take_one_request_each(routed: Any, bucket: str) -> None:
+    """Every rank of a megatron-core load reads ``metadata.json`` (twice) and asks whether the checkpoint is a
+    directory (twice): through the routing, a read is one GET (no HEAD first) and a directory check one listing,
+    which at thousands of ranks is what reaches the prefix at once. An object is not a directory."""
+    routing = s3_mcore.install_s3_routing(fencing=False)
+    checkpoint = f"s3://{bucket}/run/iter_0000001"
+    with routing.open(f"{checkpoint}/metadata.json", "w") as file:
+        file.write('{"sharded_backend": "torch_dist"}')
+    sent: list[str] = []
+
+    def note(event_name: str, **kwargs: Any) -> None:
+        sent.append(event_name.rsplit(".", 1)[-1])
+
+    routing.s3.client.meta.events.register("before-send.s3", note)
+    try:
+        with routing.open(f"{checkpoint}/metadata.json") as file:
+            assert json.loads(file.read()) == {"sharded_backend": "torch_dist"}
+        assert sent == ["GetObject"]
+        sent.clear()
+        assert routing.is_dir(checkpoint) and routing.is_dir(f"{checkpoint}/")
+        assert not routing.is_dir(f"{checkpoint}/metadata.json") and not routing.is_dir(f"s3://{bucket}/elsewhere")
+        assert sent == ["ListObjectsV2"] * 4
+    finally:
+        routing.s3.client.meta.events.unregister("before-send.s3", note)
+
+
 class FakeMultiStorageClient:
     """Stands in for the multistorageclient module: records what it was asked."""
 
