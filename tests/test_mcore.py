@@ -302,7 +302,7 @@ def test_a_save_lands_in_memory_and_a_megatron_core_load_reads_it_there(mcore_ru
     """The second save is not on S3 at all, yet megatron-core loads it, every file from the node's memory
     (metadata.json and common state included: S3 has none of them); S3 alone does not know it."""
     for outcome in _outcomes(mcore_run["outs"][2], "tier_sync"):
-        assert outcome["names"] == {"iter_0000001": CHECKPOINT_FILES, "iter_0000002": []}
+        assert outcome["names"] == {"iter_0000001": CHECKPOINT_FILES, "iter_0000002": []}, outcome["warnings"]
         assert outcome["memory"]["tiers"] == ["memory"]
         assert "does not exist" in outcome["s3_only"]["error"], outcome["s3_only"]
         assert outcome["names_after_finish"] == CHECKPOINT_FILES  # finish_drains: the last save reaches S3

@@ -10,7 +10,9 @@ written to ``<out>/reference.pt`` so loads at other world sizes can be compared 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -18,6 +20,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -356,6 +359,24 @@ def scenario_load_again(ctx: Context) -> dict[str, Any]:
 SCENARIOS = {name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 
+@contextlib.contextmanager
+def _warnings_logged() -> Iterator[list[str]]:
+    """The package's log records at WARNING and above while the block runs, as text."""
+    logged: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append(f"{record.name}: {record.getMessage()}")
+
+    handler = Keep(logging.WARNING)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield logged
+    finally:
+        root.removeHandler(handler)
+
+
 def run_scenarios(scenarios: dict[str, Any], names: str, ctx: Any, rank: int) -> None:
     """Run the comma-separated `names` of `scenarios` on this rank, in order: each outcome (or its error and
     traceback) goes to ``{ctx.out}/{name}-rank{rank}.json``, and the ranks meet after each one, so a failing
@@ -364,11 +385,13 @@ def run_scenarios(scenarios: dict[str, Any], names: str, ctx: Any, rank: int) ->
 
     for name in names.split(","):
         started = time.monotonic()
-        try:
-            outcome = {"ok": True, **scenarios[name](ctx)}
-        except BaseException as exc:
-            outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+        with _warnings_logged() as logged:
+            try:
+                outcome = {"ok": True, **scenarios[name](ctx)}
+            except BaseException as exc:
+                outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
         outcome["seconds"] = round(time.monotonic() - started, 2)
+        outcome["warnings"] = logged  # what the package warned about meanwhile: a failed check's first clue
         (ctx.out / f"{name}-rank{rank}.json").write_text(json.dumps(outcome, default=str))
         dist.barrier()
 
