@@ -386,10 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     RESULTS.mkdir(exist_ok=True)
     base = RESULTS / f"scale-sim-{stamp}{'-' + args.tag if args.tag else ''}"
-    base.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str))
-    base.with_suffix(".md").write_text(markdown(doc))
+    base.with_name(base.name + ".json").write_text(json.dumps(doc, indent=1, default=str))
+    base.with_name(base.name + ".md").write_text(markdown(doc))
     if rows:
-        chart(doc, base.with_suffix(".png"))
+        chart(doc, base.with_name(base.name + ".png"))
     print(markdown(doc))
     print(f"wrote {base}.json, .md, .png in {doc['wall_s']:.0f} s", flush=True)
     return 0 if all(row["agree"] for row in emulation) else 1

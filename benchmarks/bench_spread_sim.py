@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     assert all(row["failed"] == 0 for row in rows), [row for row in rows if row["failed"]]
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = HERE / "results" / f"spread-sim-{stamp}{'-' + args.tag if args.tag else ''}"
-    out.with_suffix(".json").write_text(json.dumps({"stamp": stamp, "args": vars(args), "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(markdown(rows, args.saves))
+    out.with_name(out.name + ".json").write_text(json.dumps({"stamp": stamp, "args": vars(args), "rows": rows}, indent=1))
+    out.with_name(out.name + ".md").write_text(markdown(rows, args.saves))
     print(markdown(rows, args.saves))
     print(f"wrote {out}.json, .md in {time.monotonic() - started:.0f} s")
     return 0

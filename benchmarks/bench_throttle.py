@@ -476,9 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     RESULTS.mkdir(exist_ok=True)
     base = RESULTS / f"throttle-{stamp}{'-' + args.tag if args.tag else ''}"
-    base.with_suffix(".json").write_text(json.dumps(doc, indent=1))
-    base.with_suffix(".md").write_text(_markdown(doc))
-    _chart(doc, base.with_suffix(".png"))
+    base.with_name(base.name + ".json").write_text(json.dumps(doc, indent=1))
+    base.with_name(base.name + ".md").write_text(_markdown(doc))
+    _chart(doc, base.with_name(base.name + ".png"))
     print(_markdown(doc))
     print(f"wrote {base}.json, .md, .png", flush=True)
     return 0
