@@ -56,6 +56,7 @@ import pickle
 import shutil
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -96,6 +97,7 @@ MEGATRON_CORE_PIP = "pip install --no-deps megatron-core==0.19.2 numpy packaging
 """How to install megatron-core for this module (its wheel declares far more than ``dist_checkpointing`` uses).
 NeMo 2.x users keep the megatron-core their NeMo pins (0.16-0.18)."""
 CONFIG_NAME = "metadata.json"  # package-internal (docs/api.md)
+_CONFIG_READ_AT_CHECK_S = 1.0  # how long `S3Routing.open` uses the metadata.json its existence check read
 """megatron-core's "this is a distributed checkpoint" marker, written after DCP's ``.metadata``."""
 COMMON_STATE_NAME = "common.pt"
 """Non-sharded state of megatron-core <= 0.18 checkpoints (0.19 keeps it inside the DCP files)."""
@@ -854,6 +856,9 @@ class S3Routing:
     _held_common_state: _HeldCommonState | None = field(default=None, repr=False)
     _tier_saves: dict[str, MegatronS3StorageWriter] = field(default_factory=dict, repr=False)
     """Checkpoints saved into the memory tier whose megatron-core files (``metadata.json`` last) are still to come."""
+    _checked_configs: dict[str, tuple[float, Any]] = field(default_factory=dict, repr=False)
+    """``metadata.json`` bytes read by `exists` (megatron-core opens it right after): `open`'s, once, within
+    `_CONFIG_READ_AT_CHECK_S`."""
 
     def _save_common_state(self, obj: Any, url: str, *args: Any, **kwargs: Any) -> None:
         """megatron-core <= 0.18's ``common.pt``, which rank 0 alone saves right before every rank enters the save
@@ -889,6 +894,7 @@ class S3Routing:
         """Read (whole, verified; from this node's memory tier first) or write (uploaded on close; for a checkpoint
         saved into the memory tier, committed there after its ``.metadata``) one object; text modes decode UTF-8."""
         if any(flag in mode for flag in "wax"):
+            self._checked_configs.pop(url, None)  # a later read is of what this writes
             checkpoint = _urls.s3_url_parent(url)  # megatron-core writes its files at the checkpoint's top level
             tier_save = self._tier_saves.get(checkpoint)
             if tier_save is not None:
@@ -900,15 +906,27 @@ class S3Routing:
                 file = _S3File(self.s3, url, fence)
             return file if "b" in mode else _S3TextFile(file, encoding="utf-8")
         local = self._tier_source(url)
+        checked = self._checked_configs.pop(url, None)
         if local is not None:
             data: Any = local[0].read_bytes()
+        elif checked is not None and time.monotonic() - checked[0] < _CONFIG_READ_AT_CHECK_S:
+            data = checked[1]  # read by the existence check just before
         else:
             data = _dcp.read_record(self.s3, url)  # metadata.json, common.pt: one GET where its checksum is recorded
         return io.BytesIO(data) if "b" in mode else io.StringIO(bytes(data).decode("utf-8"))
 
     def exists(self, url: str) -> bool:
-        """Whether the object `url` is in this node's memory tier or on S3."""
-        return self._tier_copy(url) or self.s3.s3_path_exists(url)
+        """Whether the object `url` is in this node's memory tier or on S3. megatron-core checks ``metadata.json``
+        and then reads it, on every rank: that check reads it (one GET where a HEAD would go, the next `open` none)."""
+        if self._tier_copy(url):
+            return True
+        if _urls.s3_url_name(url) != CONFIG_NAME:
+            return self.s3.s3_path_exists(url)
+        try:
+            self._checked_configs[url] = (time.monotonic(), _dcp.read_record(self.s3, url))
+        except FileNotFoundError:
+            return False
+        return True
 
     def is_dir(self, url: str) -> bool:
         """Whether `url` is a checkpoint in this node's memory tier (its ``.metadata`` or ``metadata.json``) or a

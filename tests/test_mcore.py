@@ -517,9 +517,10 @@ def test_a_write_that_raises_uploads_nothing(routed: Any, bucket: str, s3_client
 
 
 def test_megatron_cores_small_reads_and_directory_checks_take_one_request_each(routed: Any, bucket: str) -> None:
-    """Every rank of a megatron-core load reads ``metadata.json`` (twice) and asks whether the checkpoint is a
-    directory (twice): through the routing, a read is one GET (no HEAD first) and a directory check one listing,
-    which at thousands of ranks is what reaches the prefix at once. An object is not a directory."""
+    """Every rank of a megatron-core load checks and reads ``metadata.json`` (twice each) and asks whether the
+    checkpoint is a directory (twice): through the routing, a read is one GET (no HEAD first), a check of
+    ``metadata.json`` reads it for the read right after (never past a write), and a directory check is one listing:
+    at thousands of ranks, that is what reaches the prefix at once. An object is not a directory."""
     routing = s3_mcore.install_s3_routing(fencing=False)
     checkpoint = f"s3://{bucket}/run/iter_0000001"
     with routing.open(f"{checkpoint}/metadata.json", "w") as file:
@@ -534,6 +535,23 @@ def test_megatron_cores_small_reads_and_directory_checks_take_one_request_each(r
         with routing.open(f"{checkpoint}/metadata.json") as file:
             assert json.loads(file.read()) == {"sharded_backend": "torch_dist"}
         assert sent == ["GetObject"]
+        sent.clear()
+        # megatron-core's check, then its read: the check reads it, the read sends nothing
+        assert routing.exists(f"{checkpoint}/metadata.json") and not routing.exists(f"{checkpoint}/none.json")
+        assert sent == ["GetObject", "HeadObject"]
+        with routing.open(f"{checkpoint}/metadata.json") as file:
+            assert json.loads(file.read()) == {"sharded_backend": "torch_dist"}
+        assert sent == ["GetObject", "HeadObject"]
+        with routing.open(f"{checkpoint}/metadata.json") as file:  # the check's bytes serve one read only
+            file.read()
+        assert sent == ["GetObject", "HeadObject", "GetObject"]
+        sent.clear()
+        # a write between the check and the read: the read is of what was written
+        assert routing.exists(f"{checkpoint}/metadata.json")
+        with routing.open(f"{checkpoint}/metadata.json", "w") as file:
+            file.write('{"sharded_backend": "torch_dist", "version": 2}')
+        with routing.open(f"{checkpoint}/metadata.json") as file:
+            assert json.loads(file.read())["version"] == 2
         sent.clear()
         assert routing.is_dir(checkpoint) and routing.is_dir(f"{checkpoint}/")
         assert not routing.is_dir(f"{checkpoint}/metadata.json") and not routing.is_dir(f"s3://{bucket}/elsewhere")
