@@ -4,6 +4,11 @@ multi-rank Lightning workers need (`close_process_group`)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,14 +44,29 @@ TOP_K_CHECKPOINT: dict[str, Any] = {
 def close_process_group() -> None:
     """Lightning leaves the process group open; a gloo group still alive at interpreter exit can abort the process
     ("terminate called without an active exception") after all its work is done, failing the rank's exit status.
-    The ranks meet in a barrier first: rank 0 hosts the rendezvous store, and a rank 0 that tears its group down
-    and exits while a peer is still finishing its own collectives leaves that peer's gloo threads talking to a
-    closed socket, which aborts the peer the same way."""
+    The ranks meet in a barrier first, then rank 0, which hosts the rendezvous store, closes its group last: only
+    after every other rank has closed its own (each leaves a mark in a private directory of this launch). A rank 0
+    that tears its group down and exits while a peer is still closing (or finishing its collectives) leaves that
+    peer's gloo threads talking to a closed socket, which aborts the peer the same way."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    closed = Path(tempfile.gettempdir(), f"s3ckpt-test-closed-{os.environ.get('MASTER_PORT', 'none')}")
+    if rank == 0:  # a fresh one: no mark left by an earlier launch on the same port counts
+        shutil.rmtree(closed, ignore_errors=True)
+        closed.mkdir(mode=0o700)
+    dist.barrier()
+    if rank != 0:
         dist.destroy_process_group()
+        (closed / f"rank{rank}").touch()
+        return
+    deadline = time.monotonic() + 60.0
+    while len(list(closed.iterdir())) < world_size - 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    dist.destroy_process_group()
+    shutil.rmtree(closed, ignore_errors=True)
 
 
 def lightning_family(name: str) -> Any:
