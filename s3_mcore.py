@@ -97,8 +97,8 @@ MEGATRON_CORE_PIP = "pip install --no-deps megatron-core==0.19.2 numpy packaging
 """How to install megatron-core for this module (its wheel declares far more than ``dist_checkpointing`` uses).
 NeMo 2.x users keep the megatron-core their NeMo pins (0.16-0.18)."""
 CONFIG_NAME = "metadata.json"  # package-internal (docs/api.md)
-_CONFIG_READ_AT_CHECK_S = 1.0  # how long `S3Routing.open` uses the metadata.json its existence check read
 """megatron-core's "this is a distributed checkpoint" marker, written after DCP's ``.metadata``."""
+_CONFIG_READ_AT_CHECK_S = 1.0  # how long `S3Routing.open` uses the metadata.json its existence check read
 COMMON_STATE_NAME = "common.pt"
 """Non-sharded state of megatron-core <= 0.18 checkpoints (0.19 keeps it inside the DCP files)."""
 
