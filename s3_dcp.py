@@ -1118,27 +1118,34 @@ size, reused."""
 
 
 def _scatter(group: _Group, chunk: int) -> bool:
-    """Lay out where one GET of `group` puts each byte (`group.views`): a filled item's framing into small buffers and
-    its tensor bytes into its target, other items into their own buffers, gaps into a reused skip buffer. False (one
-    buffer instead) when it needs more than one GET or its items overlap."""
-    if group.end - group.start > chunk:
+    """Lay out where one GET of `group` puts each byte (`group.views`, from `_segments`). False (one buffer instead)
+    when it needs more than one GET or its items overlap."""
+    segments = _segments(group) if group.end - group.start <= chunk else None
+    if segments is None:
         return False
-    views: list[memoryview] = []
+    group.views = [view for view, _ in segments]
+    return True
+
+
+def _segments(group: _Group) -> list[tuple[memoryview, Any]] | None:
+    """Where `group`'s bytes go, in order: a filled item's framing into small buffers and its tensor bytes into its
+    target, other items into their own buffers (`_lay_out`), gaps into a reused skip buffer; with whose bytes each
+    view holds ((item index, part index); None: a gap). None where items overlap."""
+    segments: list[tuple[memoryview, Any]] = []
     skip = None
     position = group.start
-    for item in group.items:
+    for index, item in enumerate(group.items):
         if item.offset < position:
-            return False
+            return None
         while position < item.offset:
             wanted = min(_SCATTER_SKIP_BUFFER, item.offset - position)
             if skip is None or len(skip) < wanted:  # grown for a wider gap: never many small reads through it
                 skip = memoryview(bytearray(wanted))
-            views.append(skip[:wanted])
+            segments.append((skip[:wanted], None))
             position += wanted
-        views += _lay_out(item)
+        segments += [(part, (index, n)) for n, part in enumerate(_lay_out(item))]
         position = item.offset + item.length
-    group.views = views
-    return True
+    return segments
 
 
 def _lay_out(item: _Item) -> list[memoryview]:
@@ -1153,20 +1160,11 @@ def _lay_out(item: _Item) -> list[memoryview]:
 
 
 def _windows(group: _Group, chunk: int) -> list[tuple[int, list[memoryview], list[Any]]]:
-    """Cut `group`'s bytes, laid out as `_scatter` lays them, at every `chunk` bytes from its start: per GET its
-    start, the views it fills in order, and whose bytes each view holds ((item index, part index); None: a gap). An
-    item may span several GETs."""
-    segments: list[tuple[memoryview, Any]] = []
-    skip, position = None, group.start
-    for index, item in enumerate(group.items):
-        gap = item.offset - position
-        if gap > 0 and (skip is None or len(skip) < min(gap, _SCATTER_SKIP_BUFFER)):
-            skip = memoryview(bytearray(min(gap, _SCATTER_SKIP_BUFFER)))
-        while gap > 0:
-            segments.append((skip[: min(gap, len(skip))], None))  # type: ignore[index,arg-type]
-            gap -= len(segments[-1][0])
-        segments += [(part, (index, n)) for n, part in enumerate(_lay_out(item))]
-        position = item.offset + item.length
+    """Cut `group`'s bytes, laid out by `_segments`, at every `chunk` bytes from its start: per GET its start, the
+    views it fills in order, and whose bytes each view holds ((item index, part index); None: a gap). An item may
+    span several GETs."""
+    segments = _segments(group)
+    assert segments is not None, "a window group's items never overlap (`WindowReads.plan_file`)"
     windows: list[tuple[int, list[memoryview], list[Any]]] = []
     start, views, owners = group.start, [], []
     filled = 0
