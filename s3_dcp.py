@@ -33,6 +33,7 @@ strategy names.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import dataclasses
 import functools
@@ -50,7 +51,7 @@ import traceback
 import uuid
 import zipfile
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -1067,16 +1068,54 @@ class _SpanBytes:
         return raw.view(self.span.dtype).reshape(self.span.shape)
 
 
+@dataclass
+class OneLoad:
+    """What one load has read and asked already (`one_load`): a record's verified bytes by URL, and answers by
+    question (a directory check of s3_mcore's routing). Package-internal (docs/api.md)."""
+
+    records: dict[str, bytes] = dataclasses.field(default_factory=dict)
+    answers: dict[tuple[str, str], Any] = dataclasses.field(default_factory=dict)
+
+
+_ONE_LOAD: contextvars.ContextVar[OneLoad | None] = contextvars.ContextVar("s3ckpt_one_load", default=None)
+
+
+@contextlib.contextmanager
+def one_load() -> Iterator[OneLoad]:
+    """Within it (in this thread), `read_record` reads each URL once: megatron-core's load opens the checkpoint's
+    ``metadata.json``, ``.metadata`` and item record twice each, on every rank at once. A load reads a committed
+    checkpoint, which does not change under it. Nested: the outermost load's. Package-internal (docs/api.md)."""
+    outer = _ONE_LOAD.get()
+    if outer is not None:
+        yield outer
+        return
+    token = _ONE_LOAD.set(OneLoad())
+    try:
+        yield _ONE_LOAD.get()  # type: ignore[misc]
+    finally:
+        _ONE_LOAD.reset(token)
+
+
+def current_load() -> OneLoad | None:
+    """The `one_load` this thread is in, or None. Package-internal (docs/api.md)."""
+    return _ONE_LOAD.get()
+
+
 def read_record(s3: Any, url: str, chunk_size_MB: float = _s3.DEFAULT_CHUNK_SIZE_MB,
                 concurrency: int = _s3.DEFAULT_MAX_READ_CONCURRENCY) -> bytes:  # fmt: skip
-    """A small object every rank reads (``.metadata``, the item record, megatron-core's ``metadata.json``), verified.
-    Fast path (``one_get_records``): one GET, no HEAD first, half a download's requests (at thousands of ranks, all
-    in one second under one prefix); else (over a chunk, no recorded checksum, a mismatch) `S3Utils.download_to_memory`,
-    the reference path, which says what is wrong. Package-internal (docs/api.md)."""
-    if _s3.fast_path("one_get_records") and (data := _read_in_one_get(s3, url, chunk_size_MB)) is not None:
-        return data
-    with s3.download_to_memory(url, chunk_size_MB, concurrency) as downloaded:
-        return downloaded.read_all()
+    """A small object every rank reads (``.metadata``, the item record, megatron-core's ``metadata.json``), verified;
+    once per `one_load`. Fast path (``one_get_records``): one GET, no HEAD first, half a download's requests (at
+    thousands of ranks, all in one second under one prefix); else (over a chunk, no recorded checksum, a mismatch)
+    `S3Utils.download_to_memory`, the reference path, which says what is wrong. Package-internal (docs/api.md)."""
+    load = _ONE_LOAD.get()
+    if load is not None and url in load.records:
+        return load.records[url]
+    if not _s3.fast_path("one_get_records") or (data := _read_in_one_get(s3, url, chunk_size_MB)) is None:
+        with s3.download_to_memory(url, chunk_size_MB, concurrency) as downloaded:
+            data = downloaded.read_all()
+    if load is not None:
+        load.records[url] = data
+    return data
 
 
 def _read_in_one_get(s3: Any, url: str, chunk_size_MB: float) -> bytes | None:

@@ -932,7 +932,15 @@ class S3Routing:
         """Whether `url` is a checkpoint in this node's memory tier (its ``.metadata`` or ``metadata.json``) or a
         prefix on S3."""
         in_tier = any(self._tier_copy(_urls.join_s3_url(url, name)) for name in (_dcp.METADATA_NAME, CONFIG_NAME))
-        return in_tier or self.s3.s3_path_exists(url.rstrip("/") + "/", match_directory=True)  # a listing, no HEAD
+        if in_tier:
+            return True
+        load, question = _dcp.current_load(), ("is_dir", url.rstrip("/") + "/")
+        if load is not None and question in load.answers:
+            return load.answers[question]  # megatron-core checks its checkpoint twice in one load
+        answer = self.s3.s3_path_exists(question[1], match_directory=True)  # a listing, no HEAD
+        if load is not None:
+            load.answers[question] = answer
+        return answer
 
     def remove_from_tier(self, url: str) -> None:
         """Drop this node's memory copies of the checkpoint at `url` (and below it): a drain still due skips them."""
@@ -1034,6 +1042,7 @@ def install_s3_routing(
             return active
         routing_ = S3Routing(s3_utils or _s3.S3Utils(), dict(reader_options or {}), fencing, memory_tier=tier)
         _route_filesystem_reader(routing_, torch_strategies)
+        _route_load(routing_)
         maybe = getattr(msc_utils, "maybe_msc", None)
         if maybe is not None:
             _route_maybe_msc(routing_, maybe)
@@ -1043,6 +1052,25 @@ def install_s3_routing(
         _ROUTING.routing = routing_
         logger.info("megatron-core's file operations for s3:// go through s3-checkpoint-io (%s)", routing_.mechanism)
         return routing_
+
+
+def _route_load(routing_: S3Routing) -> None:
+    """``dist_checkpointing.load`` of an ``s3://`` checkpoint runs in `s3_dcp.one_load`: megatron-core checks the
+    directory and reads ``metadata.json`` twice, and opens two DCP readers (the common state's, the tensors'), each
+    reading ``.metadata`` and the item record; within one load each of these is one request per rank."""
+    serialization = _mcore("dist_checkpointing.serialization")
+    original = serialization.load
+
+    @functools.wraps(original)
+    def load(sharded_state_dict: Any, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
+        if megatron_s3_url(checkpoint_dir) is None:
+            return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        with _dcp.one_load():
+            return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+
+    for module in (serialization, _mcore("dist_checkpointing")):
+        if getattr(module, "load", None) is original:
+            _patch(routing_, module, "load", load)
 
 
 def _route_filesystem_reader(routing_: S3Routing, torch_strategies: Any) -> None:

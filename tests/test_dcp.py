@@ -891,6 +891,31 @@ def test_the_records_every_rank_reads_take_one_get_each(
         assert sorted(records) == sorted(("GET", n) for n in names)
 
 
+def test_loads_inside_one_load_read_each_record_once(bucket: str, fault_proxy: Any) -> None:
+    """Two loads of one checkpoint (megatron-core's load makes two: its common state, then the tensors) read
+    ``.metadata`` and the item record once inside `s3_dcp.one_load`, nested or not, and again outside it."""
+    url, state = f"s3://{bucket}/ckpt", _state()
+    _save(state, url)
+    settings = s3_utils.S3ClientSettings(endpoint_url=fault_proxy.endpoint_url)
+
+    def load_twice() -> None:
+        for _ in range(2):
+            loaded = _empty_like(state)
+            dcp.load(loaded, storage_reader=_reader(url, client_settings=settings), no_dist=True)
+            _assert_same(loaded, state)
+
+    names = sorted([".metadata", s3_dcp.ITEM_CHECKSUMS_NAME])
+    with s3_dcp.one_load() as outer:
+        load_twice()
+        with s3_dcp.one_load() as inner:
+            load_twice()
+    assert inner is outer and s3_dcp.current_load() is None
+    assert sorted(name for _, name in _record_requests(fault_proxy)) == names
+    fault_proxy.clear()
+    load_twice()
+    assert sorted(name for _, name in _record_requests(fault_proxy)) == sorted(names * 2)
+
+
 @pytest.mark.parametrize("fault", ["corrupt", "too-large"])
 def test_a_record_read_in_one_get_falls_back_to_the_reference_path(
     fault: str, bucket: str, fault_proxy: Any, s3_client: Any

@@ -13,6 +13,7 @@ for (tests/helpers/mcore_stub.py). Without megatron-core every test here is skip
 
 from __future__ import annotations
 
+import collections
 import importlib.metadata
 import inspect
 import io
@@ -21,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,6 +61,7 @@ TWO_RANK_SCENARIOS = [
     "overwrite_fail",
     "overwrite_refused",
     "load_previous",
+    "load_requests",
     "from_stock",
     "to_stock",
     "fencing",
@@ -136,7 +139,7 @@ def mcore_run(s3_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
             endpoints = (proxy.endpoint_url, s3_server.endpoint_url)
             _run_ranks(2, TWO_RANK_SCENARIOS, base, endpoints, outs[2], s3_server)
             _run_ranks(1, ["reshard"], base, endpoints, outs[1], s3_server)
-            yield {"client": client, "bucket": bucket, "outs": outs, "throttle": throttle}
+            yield {"client": client, "bucket": bucket, "outs": outs, "throttle": throttle, "proxy": proxy}
     finally:
         empty_and_delete_bucket(client, bucket)
 
@@ -152,6 +155,21 @@ def test_sync_save_and_load(mcore_run: dict[str, Any]) -> None:
     DCP's layout plus megatron-core's metadata.json."""
     for outcome in _outcomes(mcore_run["outs"][2], "sync"):
         assert outcome["names"] == CHECKPOINT_FILES
+
+
+def test_a_load_reads_each_small_file_once_per_rank(mcore_run: dict[str, Any]) -> None:
+    """megatron-core's load checks the directory and reads ``metadata.json`` twice, and opens two DCP readers (the
+    common state's, the tensors'), each reading ``.metadata`` and the item record: within one load the routing sends
+    one request per rank for each (at thousands of ranks, all of them reach the prefix at once)."""
+    _outcomes(mcore_run["outs"][2], "load_requests")
+    proxy, prefix = mcore_run["proxy"], f"/{mcore_run['bucket']}/run/counted-load/"
+    sent = [(r.method, r.path[len(prefix):]) for r in proxy.requests if r.path.startswith(prefix)]
+    listings = [r for r in proxy.requests if r.method == "GET" and "counted-load" in urllib.parse.unquote(r.query)]
+    per_file = collections.Counter(name for method, name in sent if method == "GET")
+    for name in (".metadata", ".s3ckpt-items.json", "metadata.json"):
+        assert per_file[name] == 2, f"{name}: {per_file[name]} GETs by 2 ranks; every request: {sent}"
+    common_state_checks = 1 if BEFORE_0_19 else 2  # a HEAD of common.pt, which 0.19 answers with a listing too
+    assert len(listings) == 2 * common_state_checks, [r.query for r in listings]
 
 
 def test_metadata_readers_take_urls_and_collapsed_paths(mcore_run: dict[str, Any]) -> None:
@@ -475,8 +493,12 @@ def test_routing_installs_once_and_uninstalls(routed: Any, tmp_path: Path) -> No
     from megatron.core.dist_checkpointing.strategies import torch as torch_strategies
 
     msc_utils = routed
+    from megatron.core import dist_checkpointing
+
     before = (type(msc_utils.maybe_msc), torch_strategies._get_filesystem_reader, serialization._get_filesystem_reader)
+    before += (serialization.load, dist_checkpointing.load)
     first = s3_mcore.install_s3_routing()
+    assert dist_checkpointing.load is serialization.load is not before[-1]  # a load of s3:// in `s3_dcp.one_load`
     assert s3_mcore.install_s3_routing(reader_options={"max_read_concurrency": 3}) is first
     assert first.mechanism == "maybe_msc" and first.reader_options == {"max_read_concurrency": 3}
     assert not msc_utils.MultiStorageClientFeature.is_enabled()  # the MSC flag is left alone
@@ -497,6 +519,7 @@ def test_routing_installs_once_and_uninstalls(routed: Any, tmp_path: Path) -> No
     assert reader.max_read_concurrency == 3
     first.uninstall()
     after = (type(msc_utils.maybe_msc), torch_strategies._get_filesystem_reader, serialization._get_filesystem_reader)
+    after += (serialization.load, dist_checkpointing.load)
     assert after == before and s3_mcore.routing() is None
 
 
@@ -698,6 +721,11 @@ def test_pinned_strategy_internals(megatron: Any) -> None:
     init = inspect.signature(torch_strategies.TorchDistSaveShardedStrategy.__init__).parameters
     assert list(init)[1:5] == ["backend", "version", "keep_only_main_replica", "thread_count"]
     assert "checkpoint_dir" in inspect.signature(torch_strategies._get_filesystem_reader).parameters
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import serialization
+
+    assert dist_checkpointing.load is serialization.load  # the package's name for it, wrapped in both places
+    assert list(inspect.signature(serialization.load).parameters)[:2] == ["sharded_state_dict", "checkpoint_dir"]
     assert hasattr(torch_strategies, "TorchDistLoadShardedStrategy")
 
 

@@ -361,6 +361,25 @@ def scenario_load_previous(ctx: Context) -> dict[str, Any]:
     return _load_and_compare(ctx, ctx.url("iter_0000010"), 1)
 
 
+def scenario_load_requests(ctx: Context) -> dict[str, Any]:
+    """A load whose every request goes through the proxy (the routing's own too), of a checkpoint saved past it: the
+    test counts what one megatron-core load sends per rank."""
+    from megatron.core import dist_checkpointing
+
+    import s3_mcore
+    import s3_utils
+
+    strategy = ctx.strategy(direct=True)  # saved past the proxy (as the routing's own files): it sees the load alone
+    dist_checkpointing.save(sharded_state(ctx, 1), ctx.url("counted-load"), sharded_strategy=strategy)
+    ctx.barrier()
+    s3_mcore.install_s3_routing(s3_utils.S3Utils(ctx.settings), reader_options=ctx.reader_options)
+    try:
+        return _load_and_compare(ctx, ctx.url("counted-load"), 1)
+    finally:
+        ctx.barrier()
+        s3_mcore.install_s3_routing(ctx.s3, reader_options=ctx.reader_options)
+
+
 def scenario_from_stock(ctx: Context) -> dict[str, Any]:
     """A checkpoint stock megatron-core saved to a local directory (routing installed: local paths are untouched),
     uploaded as files, loads from S3."""
