@@ -34,18 +34,20 @@ if __package__:
     from . import s3_checkpoint_io as _ckpt_io
     from . import s3_dirpath_utils as _urls
     from . import s3_fencing as _fencing
+    from . import s3_process as _process
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_checkpoint_io as _ckpt_io
     import s3_dirpath_utils as _urls
     import s3_fencing as _fencing
+    import s3_process as _process
     import s3_utils as _s3
 
 
 @functools.cache
 def _s3_dcp() -> types.ModuleType | None:
     """`s3_dcp` from beside this module, imported on first need, or None where a fork copied only the core files."""
-    return _s3.import_sibling("s3_dcp", __package__)
+    return _process.import_sibling("s3_dcp", __package__)
 
 
 __all__ = [
@@ -121,8 +123,8 @@ def _require_dcp_support(url: str) -> None:
 # Which rank am I (before the process group exists)?
 # --------------------------------------------------------------------------------------------------------------------
 
-global_rank = _s3.global_rank
-"""`s3_utils.global_rank` under NeMo's name: torch.distributed's rank, else the launcher's (before the group exists)."""
+global_rank = _process.global_rank
+"""`s3_process.global_rank` under NeMo's name: torch.distributed's rank, else the launcher's (before a group)."""
 
 
 def is_global_rank_zero(environ: Mapping[str, str] | None = None) -> bool:
@@ -1075,7 +1077,7 @@ def _family_of(family: str | None) -> str:
 
 
 def _lightning_module(family: str, submodule: str) -> Any:
-    return _s3.import_optional_dependency(f"{family}.{submodule}", f"{family} support")
+    return _process.import_optional_dependency(f"{family}.{submodule}", f"{family} support")
 
 
 def checkpoint_connector_class(family: str | None = None) -> type:
@@ -1200,7 +1202,7 @@ def _as_dict(node: Any, what: str) -> dict[str, Any]:
     if node is None:
         return {}
     if type(node).__module__.startswith("omegaconf"):
-        omegaconf = _s3.import_optional_dependency("omegaconf", "OmegaConf configs")
+        omegaconf = _process.import_optional_dependency("omegaconf", "OmegaConf configs")
         node = omegaconf.OmegaConf.to_container(node, resolve=True)
     if not isinstance(node, Mapping):
         raise TypeError(f"{what} must be a mapping (dict or OmegaConf DictConfig), got {type(node).__name__}")

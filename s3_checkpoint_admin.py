@@ -39,12 +39,14 @@ if __package__:
     from . import s3_dirpath_utils as _urls
     from . import s3_fencing as _fencing
     from . import s3_prefix_spreading as _spread
+    from . import s3_process as _process
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import connector as _connector
     import s3_dirpath_utils as _urls
     import s3_fencing as _fencing
     import s3_prefix_spreading as _spread
+    import s3_process as _process
     import s3_utils as _s3
 
 __all__ = [
@@ -70,7 +72,7 @@ def _s3_dcp(purpose: str) -> types.ModuleType:
     """`s3_dcp` from beside this module, imported now (the first time a DCP checkpoint is met), or
     `connector.DCPSupportMissingError` naming what is missing where it is absent. One that is there but fails to
     import raises as usual."""
-    module = _s3.import_sibling("s3_dcp", __package__)
+    module = _process.import_sibling("s3_dcp", __package__)
     if module is None:
         here = os.path.dirname(os.path.abspath(__file__))
         raise _connector.DCPSupportMissingError(
@@ -256,7 +258,8 @@ def _without_stale_objects(
 
 def _with_memory_tier(entries: list[CheckpointEntry], url: str, config: Any, recursive: bool) -> list[CheckpointEntry]:
     """`entries` with the tiers this node's memory tier adds, and its checkpoints that S3 does not have."""
-    tier_module = _s3.require_sibling("s3_memory_tier", __package__, "listing a memory tier", "s3_checkpoint_admin.py")
+    where = "s3_checkpoint_admin.py"
+    tier_module = _process.require_sibling("s3_memory_tier", __package__, "listing a memory tier", where)
     config = tier_module.MemoryTier.from_value(config)
     if not config.job:
         raise ValueError("listing a memory tier needs its job (MemoryTier(job=...), ls --job): the tier is per job")

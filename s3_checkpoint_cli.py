@@ -83,6 +83,7 @@ if __package__:
     from . import s3_dirpath_utils as _urls
     from . import s3_fencing as _fencing
     from . import s3_local_servers as _servers
+    from . import s3_process as _process
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import connector as _connector
@@ -90,6 +91,7 @@ else:  # installed (or copied) as top-level modules
     import s3_dirpath_utils as _urls
     import s3_fencing as _fencing
     import s3_local_servers as _servers
+    import s3_process as _process
     import s3_utils as _s3
 
 __all__ = [
@@ -553,7 +555,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _sibling(name: str) -> types.ModuleType:
     """A module beside this one, imported only for its command (convert needs s3_dcp, the demo torch and Lightning)."""
-    module = _s3.import_sibling(name, __package__)
+    module = _process.import_sibling(name, __package__)
     if module is None:
         raise ImportError(f"this command needs {name}.py beside s3_checkpoint_cli.py (part of s3-checkpoint-io)")
     return module

@@ -65,11 +65,13 @@ if __package__:
     from . import s3_dcp as _dcp
     from . import s3_dirpath_utils as _urls
     from . import s3_fencing as _fencing
+    from . import s3_process as _process
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_dcp as _dcp
     import s3_dirpath_utils as _urls
     import s3_fencing as _fencing
+    import s3_process as _process
     import s3_utils as _s3
 
 __all__ = [
@@ -141,7 +143,7 @@ class _Options:
 
 
 def _torch() -> Any:
-    return _s3.import_optional_dependency("torch", "checkpoint conversion")
+    return _process.import_optional_dependency("torch", "checkpoint conversion")
 
 
 def _is_s3(location: str) -> bool:
@@ -384,7 +386,7 @@ class _DcpSource:
             )
             self.metadata = self.reader.read_metadata()
         else:
-            fs = _s3.import_optional_dependency("torch.distributed.checkpoint", "checkpoint conversion")
+            fs = _process.import_optional_dependency("torch.distributed.checkpoint", "checkpoint conversion")
             path = os.path.join(location, _dcp.METADATA_NAME)
             with open(path, "rb") as stream:
                 self.metadata = _dcp.load_metadata_bytes(stream.read(), path)
@@ -534,9 +536,9 @@ class _DcpSource:
         """The entries `fqns`: tensors assembled from all their chunks (in `arena`, a uint8 tensor large enough for
         all of them at 64-byte aligned offsets, when given), bytes items as their raw bytes."""
         torch = _torch()
-        metadata_mod = _s3.import_optional_dependency("torch.distributed.checkpoint.metadata", "conversion")
-        planner_mod = _s3.import_optional_dependency("torch.distributed.checkpoint.planner", "conversion")
-        helpers = _s3.import_optional_dependency("torch.distributed.checkpoint.planner_helpers", "conversion")
+        metadata_mod = _process.import_optional_dependency("torch.distributed.checkpoint.metadata", "conversion")
+        planner_mod = _process.import_optional_dependency("torch.distributed.checkpoint.planner", "conversion")
+        helpers = _process.import_optional_dependency("torch.distributed.checkpoint.planner_helpers", "conversion")
         targets: dict[str, Any] = {}
         items: list[Any] = []
         used = 0
@@ -927,7 +929,7 @@ def _write_torch(source: _DcpSource, fqns: list[str], sink: _Sink, options: _Opt
     """A ``torch.save`` archive of the nested state dict: ``data.pkl`` first (tensors as storages still to come,
     non-tensor entries unpickled), then each storage record as its tensor is assembled, in key order."""
     torch = _torch()
-    traverse = _s3.import_optional_dependency("torch.distributed.checkpoint._traverse", "checkpoint conversion")
+    traverse = _process.import_optional_dependency("torch.distributed.checkpoint._traverse", "checkpoint conversion")
     tensor_fqns = [fqn for fqn in fqns if source.tensor_metadata(fqn) is not None]
     blobs = source.read([fqn for fqn in fqns if source.tensor_metadata(fqn) is None])
     planner_data = source.metadata.planner_data or {}
@@ -1181,8 +1183,8 @@ class _TorchFileSource:
 
 def _materializing_planner(source: _TorchFileSource) -> Any:
     """DCP's default save planner, handing the writer each tensor's real bytes only when it writes that tensor."""
-    default_planner = _s3.import_optional_dependency("torch.distributed.checkpoint.default_planner", "conversion")
-    planner_mod = _s3.import_optional_dependency("torch.distributed.checkpoint.planner", "conversion")
+    default_planner = _process.import_optional_dependency("torch.distributed.checkpoint.default_planner", "conversion")
+    planner_mod = _process.import_optional_dependency("torch.distributed.checkpoint.planner", "conversion")
 
     class MaterializingSavePlanner(default_planner.DefaultSavePlanner):
         def resolve_data(self, write_item: Any) -> Any:
@@ -1199,8 +1201,8 @@ def _materializing_planner(source: _TorchFileSource) -> Any:
 def _torch_file_to_dcp(
     source_location: str, destination: str, s3: _s3.S3Utils, options: _Options, overwrite: bool
 ) -> ConversionReport:
-    dcp = _s3.import_optional_dependency("torch.distributed.checkpoint", "checkpoint conversion")
-    api = _s3.import_optional_dependency("torch.distributed.checkpoint.api", "checkpoint conversion")
+    dcp = _process.import_optional_dependency("torch.distributed.checkpoint", "checkpoint conversion")
+    api = _process.import_optional_dependency("torch.distributed.checkpoint.api", "checkpoint conversion")
     source = _TorchFileSource(source_location, s3, options)
     try:
         if not isinstance(source.state, dict):

@@ -29,12 +29,14 @@ if __package__:
     from . import s3_checkpoint_cli as _cli
     from . import s3_dirpath_utils as _urls
     from . import s3_local_servers as _servers
+    from . import s3_process as _process
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_checkpoint_admin as _admin
     import s3_checkpoint_cli as _cli
     import s3_dirpath_utils as _urls
     import s3_local_servers as _servers
+    import s3_process as _process
     import s3_utils as _s3
 
 __all__: list[str] = []  # no public names: see docs/api.md
@@ -164,7 +166,7 @@ def _lightning() -> Any:
     try:
         import lightning.pytorch as pl
     except ImportError:
-        pl = _s3.import_optional_dependency("pytorch_lightning", "the demo")
+        pl = _process.import_optional_dependency("pytorch_lightning", "the demo")
     return pl
 
 
@@ -291,7 +293,7 @@ def _run_demo(
     retry_policy: _s3.RetryPolicy | None,
 ) -> dict[str, Any]:
     """Job 1 (killed part way), then job 2 (resumed from S3 on rank 0); returns what the report needs."""
-    torch = _s3.import_optional_dependency("torch", "the demo")
+    torch = _process.import_optional_dependency("torch", "the demo")
     pl = _lightning()
     if __package__:
         from . import connector
@@ -508,9 +510,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     plan = _demo_plan(args.size_mb, args.steps)
     # Fail on a missing extra before starting anything; importing Lightning (both families the plugin registers
     # with) now also lets _quiet_training_output see all of its loggers.
-    _s3.import_optional_dependency("torch", "the demo")
+    _process.import_optional_dependency("torch", "the demo")
     _lightning()
-    _s3.import_optional_dependency("boto3", "the demo")
+    _process.import_optional_dependency("boto3", "the demo")
     if __package__:
         from . import s3_checkpoint_io as ckpt_io
     else:
@@ -552,7 +554,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"{PROG} demo: a training job checkpoints to S3, is killed part way, and a new job resumes", flush=True)
         if server is not None:
             print(started_line, flush=True)
-        torch = _s3.import_optional_dependency("torch", "the demo")
+        torch = _process.import_optional_dependency("torch", "the demo")
         threads = torch.get_num_threads()
         try:
             torch.set_num_threads(min(4, os.cpu_count() or 1))

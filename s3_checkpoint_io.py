@@ -56,10 +56,14 @@ from typing import Any, NamedTuple
 if __package__:
     from . import s3_dirpath_utils as _urls
     from . import s3_fencing as _fencing
+    from . import s3_pacing as _pacing
+    from . import s3_process as _process
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_dirpath_utils as _urls
     import s3_fencing as _fencing
+    import s3_pacing as _pacing
+    import s3_process as _process
     import s3_utils as _s3
 
 __all__ = [
@@ -93,7 +97,7 @@ _registered: set[tuple[str, type]] = set()
 
 
 def _torch() -> Any:
-    return _s3.import_optional_dependency("torch", "checkpoint serialisation")
+    return _process.import_optional_dependency("torch", "checkpoint serialisation")
 
 
 MEMORY_TIER_MODULE = "s3_memory_tier"  # the optional sibling module behind ``memory_tier=``
@@ -102,7 +106,7 @@ MEMORY_TIER_MODULE = "s3_memory_tier"  # the optional sibling module behind ``me
 @functools.cache
 def _memory_tier_module() -> types.ModuleType | None:
     """`s3_memory_tier` from beside this module, imported on first need, or None where a fork copied only the core."""
-    return _s3.import_sibling(MEMORY_TIER_MODULE, __package__)
+    return _process.import_sibling(MEMORY_TIER_MODULE, __package__)
 
 
 def register_with_lightning(cls: type) -> list[str]:
@@ -125,7 +129,7 @@ def register_with_lightning(cls: type) -> list[str]:
                 _registered.add((module_name, cls))
             found.append(module_name)
     if not found:
-        _s3.import_optional_dependency("lightning", "the Lightning CheckpointIO plugin")
+        _process.import_optional_dependency("lightning", "the Lightning CheckpointIO plugin")
     return found
 
 
@@ -145,7 +149,7 @@ def lightning_family(family: str | None = None, what: str = "Lightning support")
         with contextlib.suppress(ImportError):
             __import__(name)
             return name
-    _s3.import_optional_dependency("lightning", what)
+    _process.import_optional_dependency("lightning", what)
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -562,7 +566,7 @@ class S3CheckpointIO:
         except (FileNotFoundError, PermissionError) as exc:
             raise _as_lightning_load_error(path, exc) from exc
         except Exception as exc:
-            if _s3.error_code(exc) not in _ACCESS_DENIED_CODES:
+            if _pacing.error_code(exc) not in _ACCESS_DENIED_CODES:
                 raise
             raise _as_lightning_load_error(path, exc) from exc
 
@@ -684,7 +688,7 @@ class S3CheckpointIO:
             tier = module.NodeTier(self.memory_tier, self.run, self.checksum_algorithm)
             tier.claim()
             self._tier = tier
-            if _s3.global_rank() == 0:
+            if _process.global_rank() == 0:
                 for copy in tier.removed_while_draining():
                     tier.remove(copy.url, copy)
                 for copy in reversed(tier.pending_drains()):  # newest first: the newest checkpoint is durable soonest
@@ -931,7 +935,7 @@ def _memory_tier_config(value: Any) -> Any:
     """The `s3_memory_tier.MemoryTier` a ``memory_tier=`` argument means (None: off); ImportError without the module."""
     if value is None or value is False:
         return None
-    module = _s3.require_sibling(MEMORY_TIER_MODULE, __package__, "memory_tier", "s3_checkpoint_io.py",
+    module = _process.require_sibling(MEMORY_TIER_MODULE, __package__, "memory_tier", "s3_checkpoint_io.py",
                                  otherwise=", or leave memory_tier unset")  # fmt: skip
     return module.MemoryTier.from_value(value)
 
@@ -1159,7 +1163,7 @@ def _as_lightning_load_error(url: str, exc: BaseException) -> OSError:
     """The error Lightning's ``TorchCheckpointIO`` gives for a checkpoint that is missing (``FileNotFoundError:
     Checkpoint file not found: <path>``) or that may not be read (``PermissionError``, as ``open`` raises), with
     what S3 said (the URL, the operation, its status and request id) kept as notes."""
-    if isinstance(exc, FileNotFoundError) or _s3.error_code(exc) not in _ACCESS_DENIED_CODES | {"PermissionError"}:
+    if isinstance(exc, FileNotFoundError) or _pacing.error_code(exc) not in _ACCESS_DENIED_CODES | {"PermissionError"}:
         error: OSError = FileNotFoundError(f"Checkpoint file not found: {url}")
     else:
         error = PermissionError(errno.EACCES, "Permission denied (S3 refused to read the checkpoint)", url)
@@ -1397,5 +1401,5 @@ def _download_shared(io: S3CheckpointIO, url: str, armed: _CollectiveLoad) -> An
     dist = _torch().distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
         return None
-    sharing = _s3.node_sharing()
+    sharing = _process.node_sharing()
     return None if sharing is None else sharing.download_shared(io, url, armed.node_rank)

@@ -60,13 +60,17 @@ if __package__:
     from . import s3_checkpoint_io as _ckpt_io
     from . import s3_dirpath_utils as _urls
     from . import s3_fencing as _fencing
+    from . import s3_pacing as _pacing
     from . import s3_prefix_spreading as _spread
+    from . import s3_process as _process
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_checkpoint_io as _ckpt_io
     import s3_dirpath_utils as _urls
     import s3_fencing as _fencing
+    import s3_pacing as _pacing
     import s3_prefix_spreading as _spread
+    import s3_process as _process
     import s3_utils as _s3
 
 # ---- torch, imported once: every DCP name this module uses (the private ones are pinned by tests/test_dcp.py) -------
@@ -183,7 +187,7 @@ class UnsafeCheckpointMetadataError(pickle.UnpicklingError):
 def _require_dcp() -> None:
     """Raise the ImportError naming the install line when torch or ``torch.distributed.checkpoint`` is missing."""
     if _DCP_IMPORT_ERROR is not None:
-        _s3.import_optional_dependency("torch.distributed.checkpoint", "distributed checkpoints")
+        _process.import_optional_dependency("torch.distributed.checkpoint", "distributed checkpoints")
         raise _DCP_IMPORT_ERROR
 
 
@@ -197,7 +201,7 @@ def _tier_config(value: Any) -> Any:
 
 
 def _dcp_tier() -> Any:  # the memory tier's DCP side, a sibling module imported on first use (it imports the tier)
-    return _s3.require_sibling("s3_dcp_tier", __package__, "memory_tier", "s3_dcp.py", needs=("s3_memory_tier",),
+    return _process.require_sibling("s3_dcp_tier", __package__, "memory_tier", "s3_dcp.py", needs=("s3_memory_tier",),
                                otherwise=", or leave memory_tier unset")  # fmt: skip
 
 
@@ -1122,7 +1126,7 @@ def _read_in_one_get(s3: Any, url: str, chunk_size_MB: float) -> bytes | None:
     """`url`'s bytes from one whole-object GET if they match the checksum recorded with it; None: take the reference
     path (FileNotFoundError for a missing object, as there)."""
     bucket, key = _urls.parse_s3_url(url)
-    checksum_error = _s3.import_optional_dependency("botocore.exceptions", "S3 access").FlexibleChecksumError
+    checksum_error = _process.import_optional_dependency("botocore.exceptions", "S3 access").FlexibleChecksumError
 
     def attempt() -> tuple[dict[str, Any], bytes | None]:
         response = s3.client.get_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
@@ -1134,7 +1138,7 @@ def _read_in_one_get(s3: Any, url: str, chunk_size_MB: float) -> bytes | None:
             except checksum_error:  # botocore checked the store's checksum: the reference path says more
                 return response, None
         if len(data) != response["ContentLength"]:
-            raise _s3.TransientTransferError(f"got {len(data)} of {response['ContentLength']} bytes of {url}")
+            raise _pacing.TransientTransferError(f"got {len(data)} of {response['ContentLength']} bytes of {url}")
         return response, data
 
     response, data = s3.with_retries(attempt, "get_object", url, bucket=bucket)
@@ -1570,7 +1574,7 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         try:
             filled = read(url, start, views, etag=etag) if length else 0
         except Exception as exc:
-            if _s3.error_code(exc) in {"PreconditionFailed", "412"}:
+            if _pacing.error_code(exc) in {"PreconditionFailed", "412"}:
                 raise _s3.ChecksumMismatchError(
                     f"{url} was replaced after the checkpoint was written (its ETag is no longer {etag}): do not use "
                     "this checkpoint"
@@ -2464,7 +2468,9 @@ class S3ShardedStrategyMixin:
 
     def _load_sharded_dtensor(self, url: str) -> None:
         """ModelParallelStrategy (FSDP2 / DTensor): what Lightning's ``_load_checkpoint`` does, reading from S3."""
-        helpers = _s3.import_optional_dependency("torch.distributed.checkpoint.state_dict", "distributed checkpoints")
+        helpers = _process.import_optional_dependency(
+            "torch.distributed.checkpoint.state_dict", "distributed checkpoints"
+        )
         module = self.model  # type: ignore[attr-defined]
         strict = self.lightning_module.strict_loading  # type: ignore[attr-defined]
         module_state = {"state_dict": helpers.get_model_state_dict(module)}
@@ -2479,11 +2485,11 @@ class S3ShardedStrategyMixin:
 
     def _load_sharded_fsdp1(self, url: str) -> None:
         """FSDPStrategy (FSDP1): what Lightning's ``FSDPStrategy.load_checkpoint`` does, reading from S3."""
-        optimizer_helpers = _s3.import_optional_dependency(
+        optimizer_helpers = _process.import_optional_dependency(
             "torch.distributed.checkpoint.optimizer", "distributed checkpoints"
         )
-        fsdp = _s3.import_optional_dependency("torch.distributed.fsdp", "FSDP checkpoints")
-        fabric_fsdp = _s3.import_optional_dependency(f"{_FABRIC_OF[self._s3_family]}.strategies.fsdp", "FSDP")
+        fsdp = _process.import_optional_dependency("torch.distributed.fsdp", "FSDP checkpoints")
+        fabric_fsdp = _process.import_optional_dependency(f"{_FABRIC_OF[self._s3_family]}.strategies.fsdp", "FSDP")
         module = self.model  # type: ignore[attr-defined]
         with fabric_fsdp._get_sharded_state_dict_context(module):
             module_state = {"model": module.state_dict()}
@@ -2539,7 +2545,7 @@ def sharded_strategy_class(kind: str = "model_parallel", family: str | None = No
 
 @functools.cache
 def _build_strategy_class(kind: str, family: str) -> type:
-    strategies = _s3.import_optional_dependency(f"{family}.strategies", f"{family} support")
+    strategies = _process.import_optional_dependency(f"{family}.strategies", f"{family} support")
     base = getattr(strategies, _STRATEGY_BASES[kind])
     name = _STRATEGY_NAMES[kind] + _STRATEGY_SUFFIX[family]
     doc = f"Lightning's ``{base.__name__}`` ({family}) for ``s3://`` checkpoints. {S3ShardedStrategyMixin.__doc__}"

@@ -71,12 +71,14 @@ if __package__:
     from . import s3_fencing as _fencing
     from . import s3_memory_tier as _tier
     from . import s3_prefix_spreading as _spread
+    from . import s3_process as _process
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_dirpath_utils as _urls
     import s3_fencing as _fencing
     import s3_memory_tier as _tier
     import s3_prefix_spreading as _spread
+    import s3_process as _process
     import s3_utils as _s3
 
 __all__ = [
@@ -745,12 +747,12 @@ def replicate_by_default(storage: Any, group: Any = None, *, local_rank: int | N
     tier, where the process group spans more than one node (one all_gather of node identities, the first time).
     Collective: every rank of `group`; nothing outside a process group. Package-internal (docs/api.md)."""
     tier = _storage_tier(storage)
-    dist = _s3.import_optional_dependency("torch.distributed", "replicating the memory tier")
+    dist = _process.import_optional_dependency("torch.distributed", "replicating the memory tier")
     if tier.replication is not None or tier.replication_decided or not (dist.is_available() and dist.is_initialized()):
         return
     tier.replication_decided = True
     nodes: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(nodes, _s3.node_key(), group=group)
+    dist.all_gather_object(nodes, _process.node_key(), group=group)
     if len(set(nodes)) > 1:
         start_replication(storage, group, local_rank=local_rank)
 
@@ -772,7 +774,7 @@ def agree_resume(storage: Any, directory: str, step_of: Any = None, *, group: An
     process follow it (each file from the tier agreed, a remote replica fetched into memory)."""
     tier = _storage_tier(storage)
     directory = _urls.normalize_s3_url(directory).rstrip("/")
-    dist = _s3.import_optional_dependency("torch.distributed", "agreeing on a resume step")
+    dist = _process.import_optional_dependency("torch.distributed", "agreeing on a resume step")
     lists_s3 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank(group) == 0
     verified: dict[str, _tier.TierCopy] = {}
     held_paths: dict[str, Path] = {}
@@ -877,7 +879,7 @@ def _candidates(tier: DcpTier, s3: Any, directory: str, step_of: Any, verified: 
         followers.setdefault(checkpoint, set()).update(_urls.join_s3_url(checkpoint, name) for name in required)
     replication = tier.replication
     address = None if replication is None or replication.server is None else list(replication.server.address)
-    return {"node": _s3.node_key(), "address": address, "directory": directory, "own": sorted(own), "held": held,
+    return {"node": _process.node_key(), "address": address, "directory": directory, "own": sorted(own), "held": held,
             "lists": lists, "steps": steps, "s3": on_s3, "replicating": replication is not None, "direct": direct,
             "loose": loose,
             "followers": {checkpoint: sorted(urls) for checkpoint, urls in followers.items()}}  # fmt: skip

@@ -44,9 +44,11 @@ except ImportError:  # not on POSIX: host locks are no-ops there
 
 if __package__:
     from . import s3_dirpath_utils as _urls
+    from . import s3_pacing as _pacing
     from . import s3_utils as _s3
 else:  # installed (or copied) as a top-level module
     import s3_dirpath_utils as _urls
+    import s3_pacing as _pacing
     import s3_utils as _s3
 
 __all__ = [
@@ -256,12 +258,12 @@ _UNKNOWN = object()
 
 def _raise_if_no_bucket(exc: FileNotFoundError) -> None:
     """A missing record is a fact to act on; a missing bucket is the caller's error (raised with one request)."""
-    if exc.__cause__ is not None and _s3.error_code(exc.__cause__) == "NoSuchBucket":
+    if exc.__cause__ is not None and _pacing.error_code(exc.__cause__) == "NoSuchBucket":
         raise exc
 
 
 def _refuses_conditions(exc: BaseException) -> bool:
-    return _s3.error_code(exc) in ("NotImplemented", "501")
+    return _pacing.error_code(exc) in ("NotImplemented", "501")
 
 
 class DirectoryFence:
@@ -476,7 +478,7 @@ class DirectoryFence:
         if action == "removal":
             logger.debug(
                 "%s changed since this run read its ETag (S3 answered %s), but %s still owns %s: removing it",
-                url, _s3.error_code(exc), self.run, self.directory,
+                url, _pacing.error_code(exc), self.run, self.directory,
             )
             return {"IfMatch": now} if now else {"IfNoneMatch": "*"}
         logger.log(
@@ -484,7 +486,7 @@ class DirectoryFence:
             "%s is not what this run last left there (S3 answered %s to its ETag condition), but %s still owns %s: "
             "overwriting it (%s)",
             url,
-            _s3.error_code(exc),
+            _pacing.error_code(exc),
             self.run,
             self.directory,
             "a writer outside this run changed it, or an earlier attempt of this request went through"
@@ -582,7 +584,7 @@ class DirectoryFence:
                 if conditions and _s3.is_precondition_failed(exc, conditions):
                     continue  # another run wrote the record since it was read: read it again
                 if conditions and _refuses_conditions(exc):
-                    self._conditional_writes_unsupported(f"it answers {_s3.error_code(exc)} to them")
+                    self._conditional_writes_unsupported(f"it answers {_pacing.error_code(exc)} to them")
                     continue
                 raise
             hold.earlier = _record_earlier({"earlier": earlier})
@@ -630,7 +632,7 @@ class DirectoryFence:
                 _s3.note_capability(self.capabilities, "conditional_put", True)
                 return
             if _refuses_conditions(exc):
-                self._conditional_writes_unsupported(f"it answers {_s3.error_code(exc)} to them")
+                self._conditional_writes_unsupported(f"it answers {_pacing.error_code(exc)} to them")
                 return
             raise
         self._conditional_writes_unsupported("it ignores them (a PUT with If-None-Match: * replaced an object)")
@@ -988,7 +990,7 @@ def _is_expired(exc: BaseException) -> bool:
     """Whether `exc` is the store refusing a request whose signature expired."""
     response = getattr(exc, "response", None)
     message = str(response.get("Error", {}).get("Message", "")) if isinstance(response, dict) else ""
-    return _s3.error_code(exc) in ("AccessDenied", "403") and "expired" in message.lower()
+    return _pacing.error_code(exc) in ("AccessDenied", "403") and "expired" in message.lower()
 
 
 def probe_expiring_requests(utils: _s3.S3Utils, bucket: str, prefix: str = "") -> bool | None:

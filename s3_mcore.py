@@ -67,12 +67,14 @@ if __package__:
     from . import s3_dcp as _dcp
     from . import s3_dirpath_utils as _urls
     from . import s3_fencing as _fencing
+    from . import s3_process as _process
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_checkpoint_admin as _admin
     import s3_dcp as _dcp
     import s3_dirpath_utils as _urls
     import s3_fencing as _fencing
+    import s3_process as _process
     import s3_utils as _s3
 
 __all__ = [
@@ -139,7 +141,7 @@ _DCP_TIER = "s3_dcp_tier"
 def _dcp_tier() -> Any:
     """The memory tier's DCP side (`s3_dcp_tier`), a sibling imported on first use (only with ``memory_tier``);
     ImportError naming the file where a fork lacks it."""
-    return _s3.require_sibling(_DCP_TIER, __package__, "memory_tier for megatron-core", "s3_mcore.py",
+    return _process.require_sibling(_DCP_TIER, __package__, "memory_tier for megatron-core", "s3_mcore.py",
                                needs=("s3_memory_tier",))  # fmt: skip
 
 
@@ -337,7 +339,7 @@ class _StagedItems:
 def _stage(plan: Any, planner: Any) -> _StagedItems:
     """Host copies of this rank's items (device tensors copied to CPU, CPU tensors cloned): training may change the
     live tensors while the upload runs. Objects are already serialised by the planner."""
-    torch = _s3.import_optional_dependency("torch", "megatron-core checkpoints")
+    torch = _process.import_optional_dependency("torch", "megatron-core checkpoints")
     from torch.distributed.checkpoint.planner import WriteItemType
 
     staged: dict[Any, Any] = {}
@@ -770,7 +772,7 @@ class _RoutedTorch(_Router):
         if _urls.s3_url_name(url) == COMMON_STATE_NAME:
             return self._routing._save_common_state(obj, url, *args, **kwargs)
         with self._routing.open(url, "wb") as file:
-            _s3.import_optional_dependency("torch").save(obj, file, *args, **kwargs)
+            _process.import_optional_dependency("torch").save(obj, file, *args, **kwargs)
         return None
 
     def load(self, path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -778,7 +780,7 @@ class _RoutedTorch(_Router):
         if url is None:
             return self._fallback.load(path, *args, **kwargs)
         with self._routing.open(url, "rb") as file:
-            return _s3.import_optional_dependency("torch").load(file, *args, **kwargs)
+            return _process.import_optional_dependency("torch").load(file, *args, **kwargs)
 
     def MultiStorageFileSystemReader(self, path: Any, *args: Any, **kwargs: Any) -> Any:
         url = megatron_s3_url(path)
@@ -800,7 +802,7 @@ class _StdlibFiles:
 
     @property
     def torch(self) -> Any:
-        return _s3.import_optional_dependency("torch")
+        return _process.import_optional_dependency("torch")
 
 
 class _S3Facade:
@@ -883,7 +885,7 @@ class S3Routing:
         self._held_common_state = None
         try:
             with self.open(held.url, "wb") as file:
-                _s3.import_optional_dependency("torch").save(held.obj, file, *held.args, **held.kwargs)
+                _process.import_optional_dependency("torch").save(held.obj, file, *held.args, **held.kwargs)
         except _fencing.CheckpointDirectoryTakenError:
             raise  # names the URL already
         except Exception as exc:
@@ -1252,7 +1254,7 @@ _NEMO = "s3_mcore_nemo"
 
 
 def _nemo() -> Any:
-    return _s3.require_sibling(_NEMO, __package__, "NeMo 2.x's checkpoint IO", "s3_mcore.py")
+    return _process.require_sibling(_NEMO, __package__, "NeMo 2.x's checkpoint IO", "s3_mcore.py")
 
 
 def megatron_checkpoint_io_class(base: type | None = None) -> type:

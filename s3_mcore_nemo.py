@@ -23,11 +23,13 @@ if __package__:
     from . import s3_dcp as _dcp
     from . import s3_dirpath_utils as _urls
     from . import s3_mcore as _mc
+    from . import s3_process as _process
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_dcp as _dcp
     import s3_dirpath_utils as _urls
     import s3_mcore as _mc
+    import s3_process as _process
     import s3_utils as _s3
 
 __all__: list[str] = []  # users reach it through s3_mcore.megatron_checkpoint_io_class
@@ -213,7 +215,7 @@ def _data_parallel_group() -> Any:
 def _to_current_cuda_device(checkpoint: Any) -> Any:
     """NeMo's ``_fix_tensors_device`` after a load: CUDA tensors on another device move to the current one. A no-op
     where CUDA is not initialised (NeMo's asserts instead, so its own load cannot run on CPU)."""
-    torch = _s3.import_optional_dependency("torch", "megatron-core checkpoints")
+    torch = _process.import_optional_dependency("torch", "megatron-core checkpoints")
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return checkpoint
     current = torch.device("cuda", index=torch.cuda.current_device())

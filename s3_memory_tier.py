@@ -66,10 +66,12 @@ from typing import Any
 if __package__:
     from . import s3_dirpath_utils as _urls
     from . import s3_fencing as _fencing
+    from . import s3_process as _process
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_dirpath_utils as _urls
     import s3_fencing as _fencing
+    import s3_process as _process
     import s3_utils as _s3
 
 __all__ = [
@@ -549,7 +551,7 @@ class NodeTier:
             "format": _FORMAT,
             "url": url,
             "step": step,
-            "rank": _s3.global_rank(),  # the bound counts each saving rank's copies (`prune`)
+            "rank": _process.global_rank(),  # the bound counts each saving rank's copies (`prune`)
             "run": dataclasses.asdict(self.run),
             "files": {path.name: [size, checksum]},
             "committed": time.time(),
@@ -822,7 +824,8 @@ class NodeTier:
 
 
 def _replication_module() -> types.ModuleType:
-    return _s3.require_sibling("s3_tier_replication", __package__, "replicating the memory tier", "s3_memory_tier.py")
+    feature = "replicating the memory tier"
+    return _process.require_sibling("s3_tier_replication", __package__, feature, "s3_memory_tier.py")
 
 
 class TierReplication:
@@ -835,7 +838,7 @@ class TierReplication:
         bind_host = module.job_network_host() if bind_host is None else bind_host
         self._module = module
         self.tier = tier
-        self.node = _s3.node_key()
+        self.node = _process.node_key()
         self.launch = tier.run.run_id if tier.run.job else None
         self.server = None
         if local_rank == 0:
@@ -851,7 +854,7 @@ class TierReplication:
         addresses = module.exchange_addresses(group, server=self.server)
         nodes = list(addresses)
         if self.server is not None and nodes:  # `keep` replicas of each of the peer's ranks (as `NodeTier.prune`)
-            self.server.keep = tier.config.keep * max(1, -(-_s3.world_size() // len(nodes)))
+            self.server.keep = tier.config.keep * max(1, -(-_process.world_size() // len(nodes)))
         peer = module.peer_of(nodes.index(self.node), len(nodes)) if self.node in addresses else None
         self.peer = None if peer is None else addresses[nodes[peer]]
         if self.peer is None:
@@ -1046,7 +1049,7 @@ def _my_candidates(
         own[copy.url] = [copy.record.get("step"), float(copy.record.get("committed", 0.0))]
     address = None if replication is None or replication.server is None else list(replication.server.address)
     held_urls = [[url, step, committed, sender, name] for url, step, committed, sender, name, *_ in held]
-    return {"node": _s3.node_key(), "address": address, "directory": directory, "own": own, "s3": dict(s3_steps),
+    return {"node": _process.node_key(), "address": address, "directory": directory, "own": own, "s3": dict(s3_steps),
             "held": held_urls}  # fmt: skip
 
 
@@ -1102,7 +1105,7 @@ def gather_candidates(candidates: Any, directory: str, group: Any = None, tier: 
         mine = candidates()
     except Exception as exc:  # said to every rank through the collective, then raised here
         failure, mine = exc, {"error": f"{type(exc).__name__}: {exc}"}
-    dist = _s3.import_optional_dependency("torch.distributed", "agreeing on a resume step")
+    dist = _process.import_optional_dependency("torch.distributed", "agreeing on a resume step")
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         gathered: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, mine, group=group)
@@ -1132,7 +1135,7 @@ def agree_on_resume(
     loudly. A rank that fails to list makes every rank raise (no rank waits in the collective). Outside a process
     group, this process alone decides. Package-internal (docs/api.md)."""
     directory = _urls.normalize_s3_url(directory).rstrip("/")
-    node, held, verified = _s3.node_key(), {}, {}
+    node, held, verified = _process.node_key(), {}, {}
 
     def candidates() -> dict[str, Any]:
         s3_steps = {

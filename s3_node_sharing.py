@@ -1,7 +1,7 @@
 """What the processes of a job on one host share through /dev/shm: the request pacer's state and checkpoint loads.
 
 An optional sibling of the core modules (README.md's fork table), in the
-``s3_dcp`` pattern: the core imports it on first use (`s3_utils.node_sharing`) and works without it, with a pacer
+``s3_dcp`` pattern: the core imports it on first use (`s3_process.node_sharing`) and works without it, with a pacer
 per process (as ``S3CKPT_PACER_SHARING=0``) and one download per rank (as ``load_sharing="rank"``), and one warning
 when a job of more than one process runs without it. Copy this file beside the core ones for multi-node scale.
 
@@ -45,9 +45,11 @@ except ImportError:  # not on POSIX: nothing is shared (a pacer per process, a d
 
 if __package__:
     from . import s3_pacing as _pacing
+    from . import s3_process as _process
     from . import s3_utils as _s3
 else:  # installed (or copied) as a top-level module
     import s3_pacing as _pacing
+    import s3_process as _process
     import s3_utils as _s3
 
 if TYPE_CHECKING:
@@ -60,7 +62,7 @@ logger = logging.getLogger(__name__)
 
 
 def _torch() -> Any:
-    return _s3.import_optional_dependency("torch", "load sharing")
+    return _process.import_optional_dependency("torch", "load sharing")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -174,7 +176,7 @@ def _path_identity(path: str) -> tuple[int, int] | None:
 # logged once and the process keeps a pacer of its own. The file lists the pids using it (dead ones are pruned every
 # few seconds): their count is the lane's scale. Each user also holds a shared flock on the file: the last one to
 # leave (at exit) unlinks it, and one that finds nobody holding it (every user was killed) resets it to dormant. The
-# job is told apart by the launcher's environment (`s3_utils.job_key`); a process outside any launcher keeps a pacer
+# job is told apart by the launcher's environment (`s3_process.job_key`); a process outside any launcher keeps a pacer
 # of its own. A job whose processes were killed or left through os._exit (multiprocessing children skip exit handlers)
 # leaves its file (`SharedPacerFile.SIZE`, 1,744 bytes, per job, endpoint and bucket) until the next job of the
 # same user on the host creates one: it removes every pacer file nobody holds (`_remove_unused_pacer_files`).
@@ -415,7 +417,7 @@ _shared_pacer_problems: set[str] = set()
 def _shared_pacer_key(endpoint_url: str | None, bucket: str, partition: str = "") -> str | None:
     """The job's, endpoint's and bucket's key (a spread prefix's after a fourth line: a bucket name has no newline);
     the file's name is its hash (`SharedPacerFile.path_for`), whatever characters a key holds."""
-    job = _s3.job_key()
+    job = _process.job_key()
     if job is None:
         return None
     return f"{job}\n{endpoint_url or ''}\n{bucket}" + (f"\n{partition}" if partition else "")
@@ -587,7 +589,8 @@ class _SharedLoad:
             except Exception as exc:
                 head_error = exc
         head_problem = None if head_error is None else _describe(head_error)
-        identities = self._all_gather((_s3.node_key(self.node_rank), secrets.token_hex(8), self.size, head_problem))
+        identity = (_process.node_key(self.node_rank), secrets.token_hex(8), self.size, head_problem)
+        identities = self._all_gather(identity)
         if head_error is not None:
             raise head_error
         if identities[0][3] is not None:
@@ -606,7 +609,7 @@ class _SharedLoad:
             return False  # one rank per node: nothing to share
 
         digest = hashlib.sha256(self.url.encode()).hexdigest()[:12]
-        job_id = next((value for value in (_s3.job_key() or "").split("|") if value), "")  # a readable label
+        job_id = next((value for value in (_process.job_key() or "").split("|") if value), "")  # a readable label
         job = "".join(c for c in job_id if c.isalnum())
         base = os.path.join(SHARED_FILE_DIR, f"{_SHARED_FILE_PREFIX}{job[:24] or 'job'}-{identities[0][1]}")
         base += f"-node{self.node_index}-{digest}"
@@ -837,7 +840,7 @@ def download_shared(io: S3CheckpointIO, url: str, node_rank: int | None = None) 
     """The checkpoint at `url`, downloaded once per node or job as ``io.load_sharing`` says (see the block comment
     above); None where every rank should download its own (``"rank"``, one rank per node, no usable /dev/shm: said
     in a warning). A collective call: every rank of the default process group makes it with the same URL.
-    `node_rank`: this rank's node (default: `s3_utils.node_key`). Raises `s3_utils.SharedLoadError` when
+    `node_rank`: this rank's node (default: `s3_process.node_key`). Raises `s3_utils.SharedLoadError` when
     the rank that downloads for this one fails, dies or takes too long. Package-internal (docs/api.md)."""
     if io.load_sharing == "rank" or fcntl is None:
         return None

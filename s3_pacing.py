@@ -1,11 +1,14 @@
-"""The request pacer: how fast this process sends S3 requests once S3 answers SlowDown, or under a job's budget.
+"""Retries and the request pacer: what this process does when S3 fails a request or answers SlowDown.
 
-A core file, standard library only, imported by s3_utils (whose `S3Utils.with_retries` sends every request through
-the process's `RequestPacer`, made by `s3_utils.request_pacer`). Three parts:
+A core file, standard library only (botocore's exceptions are looked up where it is installed), imported by s3_utils
+(whose `S3Utils.with_retries` sends every request through the process's `RequestPacer`, made by
+`s3_utils.request_pacer`, and retries it under a `RetryPolicy`). Four parts:
 
 1. `RequestRates`: a job-wide budget of requests per second, from a number, a ``write=N,read=M`` string or a mapping.
 2. Throttling answers: `is_throttling_error` (S3's ``SlowDown`` and its kin).
-3. The pacer: `PacerLane`, an adaptive token bucket for one direction (writes or reads), and `RequestPacer`, the two
+3. Retries: `RetryPolicy` (attempts, time, backoff), `CallRetries` (one call's decision after each failure: wait how
+   long, or give up), `is_retriable_error` (throttling, 5xx, timeouts, resets; never a credentials error).
+4. The pacer: `PacerLane`, an adaptive token bucket for one direction (writes or reads), and `RequestPacer`, the two
    lanes of one process for one bucket, or for one spread prefix of it (``run/s3ckpt-spread-03/``: S3 serves each
    from a partition of its own, so each is paced apart). A lane may keep its state in a store shared by the job's
    processes on the host (`SharedLaneStore`; ``s3_node_sharing.SharedPacerFile`` is one), so a process learns from
@@ -19,15 +22,22 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import http.client
 import logging
 import math
+import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
-__all__ = ["PacerLane", "RequestPacer", "RequestRates"]
+if __package__:
+    from . import s3_process as _process
+else:  # installed (or copied) as a top-level module
+    import s3_process as _process
+
+__all__ = ["PacerLane", "RequestPacer", "RequestRates", "RetryPolicy"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +119,117 @@ def is_throttling_error(exc: BaseException) -> bool:
         return False
     status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     return response.get("Error", {}).get("Code") in THROTTLING_ERROR_CODES or status in _THROTTLING_HTTP_STATUSES
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Retries: which failures are retried, and how long a call waits after each
+# --------------------------------------------------------------------------------------------------------------------
+
+# botocore's own lists (retries/standard.py's _THROTTLED_ERROR_CODES: s3_pacing's THROTTLING_ERROR_CODES, and
+# _TRANSIENT_ERROR_CODES, retries/special.py's IDPCommunicationError) less the DynamoDB-only codes, plus S3's 5xx
+# codes: copied, as those names are private (tests/test_private_surface.py checks that botocore's lists have not grown
+# past these).
+RETRIABLE_ERROR_CODES = THROTTLING_ERROR_CODES | frozenset(
+    {
+        *("ServiceUnavailable", "InternalError", "InternalFailure", "RequestTimeout", "RequestTimeoutException"),
+        "IDPCommunicationError",
+        "ConditionalRequestConflict",  # 409: a conditional write raced another one on the key; S3 says retry
+    }
+)
+"""S3 error codes that mean "try again later" (throttling, server-side and transient errors)."""
+
+RETRIABLE_HTTP_STATUSES = frozenset({500, 502, 503, 504})
+
+
+class TransientTransferError(IOError):
+    """A response ended early or was shorter than promised; retrying the request may succeed. Package-internal
+    (docs/api.md)."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How every S3 request is retried: exponential backoff, full jitter, bounded by attempts and time (or paced)."""
+
+    max_attempts: int = 8  # attempts per call, the first included (1 disables retries)
+    max_elapsed_s: float = 120.0  # no attempt starts this long after the first (throttling: after a success)
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 20.0  # the longest backoff; the pacer never spaces requests further apart
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"RetryPolicy.max_attempts must be >= 1, got {self.max_attempts}")
+        if self.max_elapsed_s <= 0 or self.initial_backoff_s < 0 or self.max_backoff_s < 0:
+            raise ValueError(f"RetryPolicy times must be positive: {self}")
+
+
+class CallRetries:
+    """One call's failed attempts under a `RetryPolicy`: `after_failure` says how long to wait, or to give up. Times
+    are the caller's (`S3Utils.with_retries` reads ``time.monotonic``; benchmarks/s3_sim.py its simulated clock).
+    Package-internal (docs/api.md)."""
+
+    def __init__(self, policy: RetryPolicy, started: float) -> None:
+        self.policy, self.started = policy, started
+        self.attempts = self.counted = 0  # failed attempts; those that count against ``max_attempts``
+        self.first_counted = 0.0
+
+    def after_failure(self, sent: float, now: float, throttled: bool, last_success: float) -> float | None:
+        """Seconds until the next attempt of a retriable failure sent at `sent` (0.0: when the pacer allows), or None
+        to give up. A throttling answer counts no attempt: it gives up after ``max_elapsed_s`` without a success
+        (`last_success`: its pacer lane's); other errors back off exponentially with full jitter."""
+        policy = self.policy
+        self.attempts += 1
+        if throttled:
+            return None if now - max(self.started, last_success) >= policy.max_elapsed_s else 0.0
+        self.counted += 1
+        self.first_counted = self.first_counted or sent
+        delay = random.uniform(0.0, min(policy.max_backoff_s, policy.initial_backoff_s * 2.0 ** (self.counted - 1)))
+        give_up = self.counted >= policy.max_attempts or now + delay - self.first_counted >= policy.max_elapsed_s
+        return None if give_up else delay
+
+
+def is_retriable_error(exc: BaseException) -> bool:
+    """True for throttling, 5xx, timeouts, connection resets and unparsable replies; False for anything else.
+    Package-internal (docs/api.md)."""
+    if isinstance(exc, TransientTransferError):
+        return True
+    try:
+        bexc = _process.import_optional_dependency("botocore.exceptions", "S3 access")
+    except _process.MissingOptionalDependencyError:
+        return isinstance(exc, (ConnectionError, TimeoutError))
+    if isinstance(exc, bexc.ClientError):
+        error = exc.response.get("Error", {})
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return error.get("Code") in RETRIABLE_ERROR_CODES or status in RETRIABLE_HTTP_STATUSES
+    if isinstance(exc, (bexc.SSLError, bexc.NoCredentialsError, bexc.PartialCredentialsError)):
+        return False
+    if isinstance(
+        exc,
+        (
+            bexc.ConnectionError,  # endpoint unreachable, connect timeout, proxy errors
+            bexc.HTTPClientError,  # connection closed, read timeout, broken response stream
+            bexc.IncompleteReadError,
+            http.client.IncompleteRead,  # a body that ended early, read straight from the socket
+            ConnectionError,  # ConnectionResetError and friends, raised while streaming a body
+            TimeoutError,
+        ),
+    ):
+        return True
+    parsers = _process.optional_module("botocore.parsers")
+    if parsers is not None and isinstance(exc, parsers.ResponseParserError):
+        return True  # a reply whose XML is cut or garbled (a throttled store, a proxy in between): botocore says so
+    urllib3_exceptions = _process.optional_module("urllib3.exceptions")
+    return urllib3_exceptions is not None and isinstance(
+        exc, (urllib3_exceptions.ProtocolError, urllib3_exceptions.ReadTimeoutError)
+    )
+
+
+def error_code(exc: BaseException) -> str:
+    """S3's error code of a botocore error (``"NoSuchKey"``, ``"SlowDown"``...), else the exception's class name.
+    Package-internal (docs/api.md)."""
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    return type(exc).__name__
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -404,7 +525,7 @@ _WRITE_OPERATIONS = frozenset(
 class RequestPacer:
     """The request pacer of one process for one bucket and endpoint (or one spread prefix of the bucket:
     `s3_utils.request_pacer`'s ``partition``): a `PacerLane` each for writes and for reads. A budget (`limit`) is
-    job-wide: this process takes its share, the rate over `world_size()` (the job's processes, ``s3_utils.world_size``
+    job-wide: this process takes its share, the rate over `world_size()` (the job's processes, ``s3_process.world_size``
     as `s3_utils.request_pacer` builds it; None: this process alone); with spreading, per pacer: per prefix."""
 
     def __init__(

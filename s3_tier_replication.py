@@ -69,9 +69,11 @@ except ImportError:  # not on POSIX: no lock against a second server on one root
 
 if __package__:
     from . import s3_fencing as _fencing
+    from . import s3_process as _process
     from . import s3_utils as _s3
 else:  # installed (or copied) as top-level modules
     import s3_fencing as _fencing
+    import s3_process as _process
     import s3_utils as _s3
 
 __all__ = [
@@ -1009,13 +1011,13 @@ def exchange_addresses(group: Any = None, *, server: ReplicaServer | None = None
     """Every node's replica server address, on every rank: a collective of the process group (`group`, default the
     default one) that every rank calls, passing its `server` where it runs one (the node's first rank; others None).
 
-    Keys are `s3_utils.node_key` labels, ordered by each node's lowest global rank, so ``list(result).index(key)``
+    Keys are `s3_process.node_key` labels, ordered by each node's lowest global rank, so ``list(result).index(key)``
     is a node's index for `peer_of`. A node where no rank serves is left out (with a warning).
     Package-internal (docs/api.md)."""
-    dist = _s3.import_optional_dependency("torch.distributed", "the replica address exchange")
+    dist = _process.import_optional_dependency("torch.distributed", "the replica address exchange")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("exchange_addresses needs an initialised torch.distributed process group")
-    mine = (_s3.node_key(), None if server is None else list(server.address))
+    mine = (_process.node_key(), None if server is None else list(server.address))
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
     nodes: dict[str, Address | None] = {}

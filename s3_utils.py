@@ -1,14 +1,14 @@
 """Everything that talks to S3: one core file, in parts that build on each other (read it top to bottom).
 
-1. Optional dependencies and sibling modules (`import_sibling`), imported on first use. 2. This process (not S3,
-but every part asks it): `global_rank`, `world_size`, `node_key`, `job_key`. 3. Retries: `RetryPolicy`, the single
-retry layer of every request; throttling answers, and `request_pacer`, which wires the pacer (s3_pacing) to this
-process's job and host. 4. Request options: `S3RequestOptions`. 5. Client: `S3ClientSettings` and `get_s3_client`.
-6. Checksums: S3's CRCs and the records a load is verified against. 7. Objects: `S3ObjectInfo`, `DownloadedObject`.
-8. Errors: S3's answers as Python's exceptions, annotated. 9. `S3Utils`: the facade with NeMo's names; `Fence`, what
-its writer and removals ask of a directory's owner. 10. The ranged reader. 11. Fast paths. 12. The streaming writer
-(`S3MultipartWriter`). 13. Store capabilities: what a store honours (`store_capabilities`). 14. s3fs caches.
-The request pacer is in s3_pacing (before this file); run identity and the fences (`DirectoryFence`): s3_fencing.
+1. Retries: `RetryPolicy`, the single retry layer of every request; throttling answers, and `request_pacer`, which
+wires the pacer (s3_pacing) to this process's job and host. 2. Request options: `S3RequestOptions`. 3. Client:
+`S3ClientSettings` and `get_s3_client`. 4. Checksums: S3's CRCs and the records a load is verified against.
+5. Objects: `S3ObjectInfo`, `DownloadedObject`. 6. Errors: S3's answers as Python's exceptions, annotated. 7. `S3Utils`:
+the facade with NeMo's names; `Fence`, what its writer and removals ask of a directory's owner. 8. The ranged reader.
+9. Fast paths. 10. The streaming writer (`S3MultipartWriter`). 11. Store capabilities: what a store honours
+(`store_capabilities`). 12. s3fs caches. Before this file: s3_process (the optional packages and sibling files this
+process has, and which rank of which job on which node it is) and s3_pacing (the request pacer); after it,
+s3_fencing (run identity and the fences, `DirectoryFence`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import email.utils
 import enum
 import functools
 import http.client
-import importlib
 import io
 import itertools
 import json
@@ -48,9 +47,11 @@ from typing import IO, Any, BinaryIO, NoReturn, Protocol, TypeVar
 if __package__:
     from . import s3_dirpath_utils as _urls
     from . import s3_pacing as _pacing
+    from . import s3_process as _process
 else:  # installed (or copied) as a top-level module
     import s3_dirpath_utils as _urls
     import s3_pacing as _pacing
+    import s3_process as _process
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE_MB", "DEFAULT_MAX_READ_CONCURRENCY", "DEFAULT_MAX_WRITE_CONCURRENCY", "GB", "MB",
@@ -63,6 +64,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 __version__ = _urls.__version__
+MissingOptionalDependencyError = _process.MissingOptionalDependencyError  # re-exported: a feature's missing package
 
 MB = 1024**2
 GB = 1024**3
@@ -101,305 +103,12 @@ def _is_package_record(key: str) -> bool:
 
 _T = TypeVar("_T")
 
-# --------------------------------------------------------------------------------------------------------------------
-# Optional dependencies
-# --------------------------------------------------------------------------------------------------------------------
-
-_INSTALL_HINTS: dict[str, tuple[str, str]] = {  # import name: (distribution, the command that fixes it)
-    "boto3": ("boto3", 'pip install "s3-checkpoint-io[s3]"'),
-    "botocore": ("botocore", 'pip install "s3-checkpoint-io[s3]"'),
-    "s3transfer": ("s3transfer", 'pip install "s3-checkpoint-io[s3]"'),
-    "awscrt": ("awscrt (boto3[crt])", 'pip install "s3-checkpoint-io[s3]"'),
-    "s3fs": ("s3fs", 'pip install "s3-checkpoint-io[s3]"'),
-    "lightning": ("lightning", 'pip install "s3-checkpoint-io[lightning]"'),
-    "pytorch_lightning": ("pytorch_lightning", 'pip install "s3-checkpoint-io[lightning]"'),
-    "torch": ("torch", "pip install torch  (pick the build for your hardware at https://pytorch.org)"),
-}
-
-
-class MissingOptionalDependencyError(ImportError):
-    """A feature needs an optional package that is not installed; the message says how to install it."""
-
-
-def import_optional_dependency(name: str, feature: str = "") -> types.ModuleType:
-    """Import `name` (a module, e.g. ``"boto3"`` or ``"s3transfer.crt"``) or explain which extra provides it.
-    Package-internal (docs/api.md)."""
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        top = name.split(".")[0]
-        package, command = _INSTALL_HINTS.get(top, (top, f"pip install {top}"))
-        purpose = f" for {feature}" if feature else ""
-        raise MissingOptionalDependencyError(
-            f"s3-checkpoint-io needs the optional package '{package}'{purpose}, but it could not be imported "
-            f"({exc}). Install it with: {command}",
-            name=top,
-        ) from exc
-
-
-def import_sibling(name: str, package: str | None) -> types.ModuleType | None:
-    """The module `name` from beside the caller, imported now: ``package.name`` inside a package (pass the caller's
-    ``__package__``, which differs per copy: ``nemo.utils`` in a fork), else the top-level module `name`. None where
-    that file is absent (a fork copied only some files); one that is there but fails to import raises as usual. What
-    an absent sibling means (a feature off, or an error naming the file) is the caller's to say.
-    Package-internal (docs/api.md)."""
-    full = f"{package}.{name}" if package else name
-    try:
-        return importlib.import_module(full)
-    except ModuleNotFoundError as exc:
-        if exc.name != full:
-            raise
-        return None
-
-
-def require_sibling(name: str, package: str | None, feature: str, caller: str, *, needs: tuple[str, ...] = (),
-                    otherwise: str = "") -> types.ModuleType:  # fmt: skip
-    """`import_sibling`, or the ImportError for a file a fork lacks: "`feature` needs X.py beside `caller` (...): copy
-    it there`otherwise`", X being `name` or one of the siblings it imports at its top (`needs`). Package-internal
-    (docs/api.md)."""
-    try:
-        module, missing = import_sibling(name, package), name
-    except ModuleNotFoundError as exc:
-        module, missing = None, (exc.name or "").rsplit(".", 1)[-1]
-        if missing not in needs:
-            raise
-    if module is None:
-        raise ImportError(f"{feature} needs {missing}.py beside {caller} (part of s3-checkpoint-io; a fork that copied "
-                          f"only some files lacks it): copy it there{otherwise}")
-    return module
-
-
-NODE_SHARING_MODULE = "s3_node_sharing"  # the optional sibling module with what a host's processes share
-_node_sharing: list[types.ModuleType | None] = []  # the import's outcome, once known
-_node_sharing_warned = False
-
-
-def node_sharing() -> types.ModuleType | None:
-    """`s3_node_sharing` from beside this module, imported on first use; None (warned once in a job) where absent.
-    Package-internal (docs/api.md)."""
-    global _node_sharing_warned
-    if not _node_sharing:
-        _node_sharing.append(import_sibling(NODE_SHARING_MODULE, __package__))
-    module = _node_sharing[0]
-    processes = 1 if module is not None or _node_sharing_warned else world_size()
-    if processes > 1:
-        _node_sharing_warned = True
-        logger.warning(
-            "This job has %d processes, but %s.py is not beside s3_utils.py in %s: each process paces its S3 requests "
-            "on its own and every rank downloads the checkpoints it loads (no load_sharing='node' or 'job'). Copy "
-            "%s.py from s3-checkpoint-io beside s3_utils.py (or pip install s3-checkpoint-io) for multi-node scale.",
-            *(processes, NODE_SHARING_MODULE, os.path.dirname(os.path.abspath(__file__)), NODE_SHARING_MODULE),
-        )
-    return module
-
-
-class SharedLoadError(RuntimeError):
-    """The rank that downloads a shared checkpoint for this rank (``s3_node_sharing.download_shared``) failed, died
-    or took too long; the message names the URL and the cause. Also ``s3_checkpoint_io.SharedLoadError``."""
-
 
 # --------------------------------------------------------------------------------------------------------------------
-# This process: which rank of which job on which node
-# --------------------------------------------------------------------------------------------------------------------
-#
-# torch.distributed answers once its process group is up (torch is never imported just to ask); before that (resume
-# discovery runs first), the launcher's environment.
-
-LAUNCHER_ENV_VARS: Mapping[str, tuple[str, ...]] = {
-    "global_rank": ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK"),
-    "world_size": ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"),
-    "node_rank": ("GROUP_RANK", "SLURM_NODEID", "NODE_RANK"),
-    "local_rank": ("LOCAL_RANK",),
-    "local_world_size": ("LOCAL_WORLD_SIZE",),
-    "job": ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "MASTER_ADDR", "MASTER_PORT"),
-}
-"""The launcher variables each answer reads (torchrun, SLURM, Open MPI, MPICH/PMIx, MVAPICH): the first set wins."""
-
-
-def _launcher_int(environ: Mapping[str, str], what: str, minimum: int = 0) -> int | None:
-    """The first of `what`'s launcher variables that holds a whole number of at least `minimum`."""
-    for name in LAUNCHER_ENV_VARS[what]:
-        with contextlib.suppress(ValueError):
-            value = int(environ.get(name, "").strip())
-            if value >= minimum:
-                return value
-    return None
-
-
-def _process_group() -> Any:
-    distributed = getattr(sys.modules.get("torch"), "distributed", None)
-    if distributed is not None and distributed.is_available() and distributed.is_initialized():
-        return distributed
-    return None
-
-
-def global_rank(environ: Mapping[str, str] | None = None) -> int:
-    """This process's global rank: torch.distributed's, else the launcher's (or node and local rank), else 0.
-    Package-internal (docs/api.md)."""
-    if environ is None:
-        group = _process_group()
-        if group is not None:
-            return int(group.get_rank())
-        environ = os.environ
-    rank = _launcher_int(environ, "global_rank")
-    if rank is not None:
-        return rank
-    node_rank = _launcher_int(environ, "node_rank") or 0
-    local_rank = _launcher_int(environ, "local_rank") or 0
-    local_world_size = _launcher_int(environ, "local_world_size") or 1
-    return node_rank * max(local_world_size, local_rank + 1) + local_rank
-
-
-def world_size(environ: Mapping[str, str] | None = None) -> int:
-    """The job's process count: torch.distributed's, else the launcher's environment, else 1. Package-internal
-    (docs/api.md)."""
-    if environ is None:
-        group = _process_group()
-        if group is not None:
-            return max(1, int(group.get_world_size()))
-        environ = os.environ
-    return _launcher_int(environ, "world_size", minimum=1) or 1
-
-
-def node_key(node_rank: int | None = None, environ: Mapping[str, str] | None = None) -> str:
-    """A label equal on every process of this node: the node rank given or the launcher's, else host and boot id.
-    Package-internal (docs/api.md)."""
-    if node_rank is not None:
-        return f"node {node_rank}"
-    environ = os.environ if environ is None else environ
-    for name in LAUNCHER_ENV_VARS["node_rank"]:
-        if environ.get(name, "").strip():
-            return f"node {environ[name].strip()} ({name})"
-    boot_id = ""
-    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as stream:
-        boot_id = stream.read().strip()
-    return f"host {os.uname().nodename} {boot_id}"
-
-
-def job_key(environ: Mapping[str, str] | None = None) -> str | None:
-    """What tells this job apart from others on the host (`LAUNCHER_ENV_VARS` ``job``); None outside any launcher.
-    Package-internal (docs/api.md)."""
-    environ = os.environ if environ is None else environ
-    values = [environ.get(name, "").strip() for name in LAUNCHER_ENV_VARS["job"]]
-    return "|".join(values) if any(values) else None
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Retries
+# Retries: the policy and the decision after each failure are s3_pacing's; here, the pacer of this process
 # --------------------------------------------------------------------------------------------------------------------
 
-# botocore's own lists (retries/standard.py's _THROTTLED_ERROR_CODES: s3_pacing's THROTTLING_ERROR_CODES, and
-# _TRANSIENT_ERROR_CODES, retries/special.py's IDPCommunicationError) less the DynamoDB-only codes, plus S3's 5xx
-# codes: copied, as those names are private (tests/test_private_surface.py checks that botocore's lists have not grown
-# past these).
-RETRIABLE_ERROR_CODES = _pacing.THROTTLING_ERROR_CODES | frozenset(
-    {
-        *("ServiceUnavailable", "InternalError", "InternalFailure", "RequestTimeout", "RequestTimeoutException"),
-        "IDPCommunicationError",
-        "ConditionalRequestConflict",  # 409: a conditional write raced another one on the key; S3 says retry
-    }
-)
-"""S3 error codes that mean "try again later" (throttling, server-side and transient errors)."""
-
-RETRIABLE_HTTP_STATUSES = frozenset({500, 502, 503, 504})
-
-
-class TransientTransferError(IOError):
-    """A response ended early or was shorter than promised; retrying the request may succeed. Package-internal
-    (docs/api.md)."""
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How every S3 request is retried: exponential backoff, full jitter, bounded by attempts and time (or paced)."""
-
-    max_attempts: int = 8  # attempts per call, the first included (1 disables retries)
-    max_elapsed_s: float = 120.0  # no attempt starts this long after the first (throttling: after a success)
-    initial_backoff_s: float = 0.5
-    max_backoff_s: float = 20.0  # the longest backoff; the pacer never spaces requests further apart
-
-    def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ValueError(f"RetryPolicy.max_attempts must be >= 1, got {self.max_attempts}")
-        if self.max_elapsed_s <= 0 or self.initial_backoff_s < 0 or self.max_backoff_s < 0:
-            raise ValueError(f"RetryPolicy times must be positive: {self}")
-
-
-class CallRetries:
-    """One call's failed attempts under a `RetryPolicy`: `after_failure` says how long to wait, or to give up. Times
-    are the caller's (`S3Utils.with_retries` reads ``time.monotonic``; benchmarks/s3_sim.py its simulated clock).
-    Package-internal (docs/api.md)."""
-
-    def __init__(self, policy: RetryPolicy, started: float) -> None:
-        self.policy, self.started = policy, started
-        self.attempts = self.counted = 0  # failed attempts; those that count against ``max_attempts``
-        self.first_counted = 0.0
-
-    def after_failure(self, sent: float, now: float, throttled: bool, last_success: float) -> float | None:
-        """Seconds until the next attempt of a retriable failure sent at `sent` (0.0: when the pacer allows), or None
-        to give up. A throttling answer counts no attempt: it gives up after ``max_elapsed_s`` without a success
-        (`last_success`: its pacer lane's); other errors back off exponentially with full jitter."""
-        policy = self.policy
-        self.attempts += 1
-        if throttled:
-            return None if now - max(self.started, last_success) >= policy.max_elapsed_s else 0.0
-        self.counted += 1
-        self.first_counted = self.first_counted or sent
-        delay = random.uniform(0.0, min(policy.max_backoff_s, policy.initial_backoff_s * 2.0 ** (self.counted - 1)))
-        give_up = self.counted >= policy.max_attempts or now + delay - self.first_counted >= policy.max_elapsed_s
-        return None if give_up else delay
-
-
-def is_retriable_error(exc: BaseException) -> bool:
-    """True for throttling, 5xx, timeouts, connection resets and unparsable replies; False for anything else."""
-    if isinstance(exc, TransientTransferError):
-        return True
-    try:
-        bexc = import_optional_dependency("botocore.exceptions", "S3 access")
-    except MissingOptionalDependencyError:
-        return isinstance(exc, (ConnectionError, TimeoutError))
-    if isinstance(exc, bexc.ClientError):
-        error = exc.response.get("Error", {})
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return error.get("Code") in RETRIABLE_ERROR_CODES or status in RETRIABLE_HTTP_STATUSES
-    if isinstance(exc, (bexc.SSLError, bexc.NoCredentialsError, bexc.PartialCredentialsError)):
-        return False
-    if isinstance(
-        exc,
-        (
-            bexc.ConnectionError,  # endpoint unreachable, connect timeout, proxy errors
-            bexc.HTTPClientError,  # connection closed, read timeout, broken response stream
-            bexc.IncompleteReadError,
-            http.client.IncompleteRead,  # a body that ended early, read straight from the socket
-            ConnectionError,  # ConnectionResetError and friends, raised while streaming a body
-            TimeoutError,
-        ),
-    ):
-        return True
-    parsers = _optional_module("botocore.parsers")
-    if parsers is not None and isinstance(exc, parsers.ResponseParserError):
-        return True  # a reply whose XML is cut or garbled (a throttled store, a proxy in between): botocore says so
-    urllib3_exceptions = _optional_module("urllib3.exceptions")
-    return urllib3_exceptions is not None and isinstance(
-        exc, (urllib3_exceptions.ProtocolError, urllib3_exceptions.ReadTimeoutError)
-    )
-
-
-def _optional_module(name: str) -> types.ModuleType | None:
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        return None
-
-
-def error_code(exc: BaseException) -> str:
-    """S3's error code of a botocore error (``"NoSuchKey"``, ``"SlowDown"``...), else the exception's class name.
-    Package-internal (docs/api.md)."""
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        return str(response.get("Error", {}).get("Code", ""))
-    return type(exc).__name__
-
+RetryPolicy = _pacing.RetryPolicy  # re-exported: how every S3 request is retried
 
 # ---- throttling and the request pacer (s3_pacing: the pacer itself) ----------------------------------------------
 
@@ -419,9 +128,10 @@ PACER_SHARING_ENV = "S3CKPT_PACER_SHARING"  # set to ``0`` (or ``off``) to keep 
 def _shared_pacer_state(endpoint_url: str | None, bucket: str, partition: str) -> _pacing.SharedLaneStore | None:
     """The host's shared state for this job's pacer of `bucket` (and `partition`); None outside a job, or where
     sharing is off/absent."""
-    if os.environ.get(PACER_SHARING_ENV, "").strip().lower() in ("0", "off", "false", "no") or job_key() is None:
+    sharing_off = os.environ.get(PACER_SHARING_ENV, "").strip().lower() in ("0", "off", "false", "no")
+    if sharing_off or _process.job_key() is None:
         return None
-    sharing = node_sharing()
+    sharing = _process.node_sharing()
     return None if sharing is None else sharing.shared_pacer_file(endpoint_url, bucket, partition)
 
 
@@ -439,7 +149,7 @@ def request_pacer(endpoint_url: str | None, bucket: str, partition: str = "") ->
             pacer = _pacers.get(key)
             if pacer is None:
                 shared = _shared_pacer_state(endpoint_url, bucket, partition)
-                pacer = _pacers[key] = RequestPacer(endpoint_url, bucket, shared, world_size=world_size)
+                pacer = _pacers[key] = RequestPacer(endpoint_url, bucket, shared, world_size=_process.world_size)
     return pacer
 
 
@@ -599,8 +309,8 @@ def get_s3_client(settings: S3ClientSettings | None = None) -> Any:
     client = _clients.get(key)
     if client is not None:
         return client
-    boto3_session = import_optional_dependency("boto3.session", "S3 access")
-    botocore_config = import_optional_dependency("botocore.config", "S3 access")
+    boto3_session = _process.import_optional_dependency("boto3.session", "S3 access")
+    botocore_config = _process.import_optional_dependency("botocore.config", "S3 access")
     with _clients_lock:
         client = _clients.get(key)
         if client is None:
@@ -682,7 +392,7 @@ def _no_region_redirects(params: dict[str, Any], **_: Any) -> None:
 @functools.cache
 def _awscrt_checksums() -> types.ModuleType | None:
     """awscrt's checksum module, or None: imported once per process, not per block."""
-    return _optional_module("awscrt.checksums")
+    return _process.optional_module("awscrt.checksums")
 
 
 class ChecksumAlgorithm:
@@ -712,7 +422,7 @@ class ChecksumAlgorithm:
             known = sorted(_CHECKSUMS)
             raise ValueError(f"Unknown checksum algorithm {name!r}; use one of {known} or 'auto'") from None
         if algorithm.name != "CRC32":
-            import_optional_dependency("awscrt.checksums", f"{algorithm.name} checksums")
+            _process.import_optional_dependency("awscrt.checksums", f"{algorithm.name} checksums")
         return algorithm
 
     @property
@@ -727,7 +437,8 @@ class ChecksumAlgorithm:
         """The checksum of everything before `data` (whose checksum is `previous`) followed by `data`."""
         update = self._update
         if update is None:
-            checksums = _awscrt_checksums() or import_optional_dependency("awscrt.checksums", f"{self.name} checksums")
+            feature = f"{self.name} checksums"
+            checksums = _awscrt_checksums() or _process.import_optional_dependency("awscrt.checksums", feature)
             update = self._update = getattr(checksums, self.name.lower())
         return update(data, previous)
 
@@ -1121,11 +832,16 @@ class DownloadedObject:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+class SharedLoadError(RuntimeError):
+    """The rank that downloads a shared checkpoint for this rank (``s3_node_sharing.download_shared``) failed, died
+    or took too long; the message names the URL and the cause. Also ``s3_checkpoint_io.SharedLoadError``."""
+
+
 def _annotate(
     exc: BaseException, operation: str, url: str, options: S3RequestOptions | None = None, tried: str = ""
 ) -> None:
     """Note on `exc` (re-raised unchanged) the URL, what S3 said (status, request and host id) and what to do."""
-    code = error_code(exc)
+    code = _pacing.error_code(exc)
     if code in {"AccessDenied", "403", "Forbidden"}:
         hint = "check the credentials and that their policy allows this action on this bucket and key"
         if options is not None and options.ExpectedBucketOwner:
@@ -1149,7 +865,7 @@ def is_precondition_failed(exc: BaseException, conditions: Mapping[str, str]) ->
     Package-internal (docs/api.md)."""
     response = getattr(exc, "response", None)
     status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict) else None
-    if error_code(exc) in ("PreconditionFailed", "412") or status == 412:
+    if _pacing.error_code(exc) in ("PreconditionFailed", "412") or status == 412:
         return True
     return "IfMatch" in conditions and isinstance(exc, FileNotFoundError)
 
@@ -1335,7 +1051,7 @@ class S3Utils:
             pacer.limit(self.settings.max_requests_per_second)
         lane = pacer.lane(operation)
         started = time.monotonic()
-        retries = CallRetries(policy, started)
+        retries = _pacing.CallRetries(policy, started)
         while True:
             sent = lane.acquire(policy.max_backoff_s)
             try:
@@ -1345,7 +1061,7 @@ class S3Utils:
                 throttled = is_throttling_error(exc)
                 if throttled:
                     lane.on_throttle(sent, now)
-                if not is_retriable_error(exc):
+                if not _pacing.is_retriable_error(exc):
                     self._raise_final(exc, operation, url, retries.attempts + 1, now - started)
                 delay = retries.after_failure(sent, now, throttled, lane.last_success)
                 if delay is None:
@@ -1354,7 +1070,7 @@ class S3Utils:
                     self.retries += 1
                 how = "throttled" if throttled else f"{retries.counted} of {policy.max_attempts} counted"
                 (logger.debug if throttled else logger.warning)(
-                    "S3 %s on %s failed with %s (attempt %d, %s); retrying%s", operation, url, error_code(exc),
+                    "S3 %s on %s failed with %s (attempt %d, %s); retrying%s", operation, url, _pacing.error_code(exc),
                     retries.attempts, how,
                     f" in {delay:.2f} s" if delay else " when the pacer allows",
                 )
@@ -1366,7 +1082,7 @@ class S3Utils:
 
     def _raise_final(self, exc: Exception, operation: str, url: str, attempts: int, seconds: float) -> NoReturn:
         """Raise a failed call's error: FileNotFoundError for a missing key or bucket, else `exc`, annotated."""
-        code = error_code(exc)
+        code = _pacing.error_code(exc)
         if code in {"NoSuchKey", "404", "NotFound", "NoSuchBucket"}:
             what = "bucket" if code == "NoSuchBucket" else "object"
             raise FileNotFoundError(f"No such {what}: {url} (S3 {operation} answered {code})") from exc
@@ -1501,7 +1217,7 @@ class S3Utils:
             raise ValueError("Pass either profile or creds, not both")
         if profile is not None:
             return S3Utils(replace(self.settings, profile_name=profile), self.retry_policy)
-        boto3_session = import_optional_dependency("boto3.session", "S3 access")
+        boto3_session = _process.import_optional_dependency("boto3.session", "S3 access")
         session = boto3_session.Session(
             aws_access_key_id=creds["AccessKeyId"], aws_secret_access_key=creds["SecretAccessKey"],
             aws_session_token=creds.get("SessionToken"),
@@ -1707,7 +1423,7 @@ class S3Utils:
                     MaxParts=self.list_page_size, **marker,
                 )
             except Exception as exc:
-                if error_code(exc) == "NoSuchUpload":
+                if _pacing.error_code(exc) == "NoSuchUpload":
                     return None
                 raise
             parts += len(page.get("Parts", []))
@@ -1724,7 +1440,7 @@ class S3Utils:
         try:
             self.call("abort_multipart_upload", url, Bucket=bucket, Key=key, UploadId=upload_id)
         except Exception as exc:
-            if error_code(exc) == "NoSuchUpload":
+            if _pacing.error_code(exc) == "NoSuchUpload":
                 return False
             raise
         return True
@@ -1852,7 +1568,7 @@ class S3Utils:
             try:
                 response = self.client.get_object(**kwargs)
             except Exception as exc:
-                if error_code(exc) == "InvalidRange":  # the range starts at or past the end of the object
+                if _pacing.error_code(exc) == "InvalidRange":  # the range starts at or past the end of the object
                     return 0
                 raise
             body = response["Body"]
@@ -1869,7 +1585,7 @@ class S3Utils:
             finally:
                 body.close()
             if filled != expected:
-                raise TransientTransferError(f"got {filled} of {expected} bytes of {url} from offset {start}")
+                raise _pacing.TransientTransferError(f"got {filled} of {expected} bytes of {url} from offset {start}")
             return filled
 
         return self.with_retries(attempt, "get_object", url, bucket=bucket)
@@ -1980,7 +1696,7 @@ class _RangedDownload:
             finally:
                 body.close()
             if filled != end - start:
-                raise TransientTransferError(f"got {filled} of {end - start} bytes of {info.url}")
+                raise _pacing.TransientTransferError(f"got {filled} of {end - start} bytes of {info.url}")
             return checksum
 
         checksum = self.utils.with_retries(attempt, "get_object", info.url, bucket=info.bucket)
@@ -2535,9 +2251,9 @@ class S3MultipartWriter(io.RawIOBase):
                 "create_multipart_upload", self.url, Bucket=self.bucket, Key=self.key, **checksum_args, **metadata
             )
         except Exception as exc:
-            if error_code(exc) not in {"InvalidArgument", "InvalidRequest", "NotImplemented"}:
+            if _pacing.error_code(exc) not in {"InvalidArgument", "InvalidRequest", "NotImplemented"}:
                 raise
-            url, code = self.url, error_code(exc)
+            url, code = self.url, _pacing.error_code(exc)
             logger.info("%s: the store rejects full-object checksums (%s); recording them beside the object", url, code)
             self._native_checksums = False
             response = self._utils.call(
@@ -2868,7 +2584,7 @@ def _refused_by_condition(utils: S3Utils, operation: str, url: str, **kwargs: An
     except Exception as exc:
         if is_precondition_failed(exc, {}):
             return True
-        if error_code(exc) in _REFUSALS:
+        if _pacing.error_code(exc) in _REFUSALS:
             return False
         raise
     return False
@@ -2931,7 +2647,7 @@ def _probe_multipart_checksum(utils: S3Utils, bucket: str, key: str, url: str) -
                 "create_multipart_upload", url, Bucket=bucket, Key=key, ChecksumAlgorithm="CRC32", ChecksumType=kind
             )["UploadId"]
         except Exception as exc:
-            if error_code(exc) in _REFUSALS:
+            if _pacing.error_code(exc) in _REFUSALS:
                 continue
             raise
         try:
@@ -2947,7 +2663,7 @@ def _probe_multipart_checksum(utils: S3Utils, bucket: str, key: str, url: str) -
             )
             upload = ""
         except Exception as exc:
-            if error_code(exc) in _REFUSALS:
+            if _pacing.error_code(exc) in _REFUSALS:
                 continue
             raise
         finally:

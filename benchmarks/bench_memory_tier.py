@@ -63,7 +63,7 @@ import s3_local_servers  # noqa: E402
 import s3_tier_replication  # noqa: E402
 from s3_checkpoint_io import S3CheckpointIO  # noqa: E402
 from s3_memory_tier import MemoryTier, TierReplication  # noqa: E402
-from s3_utils import node_key  # noqa: E402
+from s3_process import node_key  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 JOB = "bench-tier"

@@ -3,7 +3,7 @@
 What is the package's (imported, not copied): `s3_pacing.RequestPacer` / `PacerLane` (one per simulated process for
 the bucket and one for each spread prefix it sends to, chosen by the package's rule, ``s3_dirpath_utils.spread_prefix``;
 the ranks of a host sharing each one's lanes' state through a `SharedLaneStore`, as ``s3_node_sharing.SharedPacerFile``
-does on a real host, a file per bucket and per spread prefix), the job budget (`RequestPacer.limit`, each process's share by ``WORLD_SIZE``), `s3_utils.CallRetries`
+does on a real host, a file per bucket and per spread prefix), the job budget (`RequestPacer.limit`, each process's share by ``WORLD_SIZE``), `s3_pacing.CallRetries`
 (what `S3Utils.with_retries` does after each failed attempt), and `s3_node_sharing.downloading_ranks` (who downloads
 on a shared resume). What is modelled here:
 
@@ -60,6 +60,7 @@ import s3_dirpath_utils  # noqa: E402
 import s3_node_sharing  # noqa: E402
 import s3_pacing  # noqa: E402
 import s3_prefix_spreading  # noqa: E402
+import s3_process  # noqa: E402
 import s3_utils  # noqa: E402
 
 MiB = 1 << 20
@@ -238,7 +239,7 @@ class Request:
     def __init__(self, op: Op, direction: str, key: str, nbytes: int, rank: int) -> None:
         self.op, self.direction, self.key, self.nbytes, self.rank = op, direction, key, nbytes, rank
         self.lane = (s3_dirpath_utils.spread_prefix(key), direction)  # its pacer ("": the bucket's) and lane
-        self.retries: s3_utils.CallRetries | None = None
+        self.retries: s3_pacing.CallRetries | None = None
         self.sent = 0.0
         self.queued = 0.0
 
@@ -330,7 +331,7 @@ class Cluster:
         pacer = self.pacers[rank].get(partition)
         if pacer is None:
             store = self.stores.setdefault((rank // self.client.ranks_per_host, partition), HostLaneStore(1))
-            pacer = s3_pacing.RequestPacer("http://sim", "bucket", store, clock=self.clock, world_size=s3_utils.world_size)
+            pacer = s3_pacing.RequestPacer("http://sim", "bucket", store, clock=self.clock, world_size=s3_process.world_size)
             self.pacers[rank][partition] = pacer
             if self.client.pacer == "budget" and self.client.budget is not None:
                 pacer.limit(s3_pacing.RequestRates(*self.client.budget))
@@ -342,7 +343,7 @@ class Cluster:
 
     # ---- a request's life --------------------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
-        req.retries = s3_utils.CallRetries(self.client.policy, self.clock.now)
+        req.retries = s3_pacing.CallRetries(self.client.policy, self.clock.now)
         self._enqueue(req)
 
     def _enqueue(self, req: Request) -> None:

@@ -17,6 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 CORE_MODULES = [
     "s3_dirpath_utils",
+    "s3_process",
     "s3_pacing",
     "s3_utils",
     "s3_fencing",

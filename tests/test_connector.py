@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import connector
-import s3_utils
+import s3_process
 from connector import (
     CheckpointAlreadyCompletedError,
     CheckpointNotFoundError,
@@ -406,16 +406,16 @@ def test_global_rank_from_environment(environ: dict[str, str], rank: int) -> Non
 
 
 def test_which_process_am_i_is_answered_in_one_place() -> None:
-    """World size, node and job come from the same launcher table as the rank (s3_utils' "This process" part);
+    """World size, node and job come from the same launcher table as the rank (s3_process);
     connector re-exports the rank under NeMo's name."""
-    assert global_rank is s3_utils.global_rank
-    assert s3_utils.world_size({}) == 1 and s3_utils.world_size({"WORLD_SIZE": "", "SLURM_NTASKS": "16"}) == 16
-    assert s3_utils.world_size({"WORLD_SIZE": "0"}) == 1
-    assert s3_utils.node_key(3) == "node 3"
-    assert s3_utils.node_key(environ={"SLURM_NODEID": "2", "NODE_RANK": "5"}) == "node 2 (SLURM_NODEID)"
-    assert s3_utils.node_key(environ={}).startswith("host ")  # ranks that share the host share /dev/shm
-    assert s3_utils.job_key({}) is None
-    assert s3_utils.job_key({"SLURM_JOB_ID": "42", "MASTER_PORT": "29500"}) == "|42|||29500"
+    assert global_rank is s3_process.global_rank
+    assert s3_process.world_size({}) == 1 and s3_process.world_size({"WORLD_SIZE": "", "SLURM_NTASKS": "16"}) == 16
+    assert s3_process.world_size({"WORLD_SIZE": "0"}) == 1
+    assert s3_process.node_key(3) == "node 3"
+    assert s3_process.node_key(environ={"SLURM_NODEID": "2", "NODE_RANK": "5"}) == "node 2 (SLURM_NODEID)"
+    assert s3_process.node_key(environ={}).startswith("host ")  # ranks that share the host share /dev/shm
+    assert s3_process.job_key({}) is None
+    assert s3_process.job_key({"SLURM_JOB_ID": "42", "MASTER_PORT": "29500"}) == "|42|||29500"
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -1131,7 +1131,7 @@ def test_works_copied_into_a_package_folder(tmp_path: Path) -> None:
     package.mkdir(parents=True)
     (tmp_path / "nemo_fork" / "__init__.py").write_text("")
     (package / "__init__.py").write_text("")
-    core = ("s3_dirpath_utils", "s3_pacing", "s3_utils", "s3_fencing", "s3_checkpoint_io")
+    core = ("s3_dirpath_utils", "s3_process", "s3_pacing", "s3_utils", "s3_fencing", "s3_checkpoint_io")
     for module in (*core, "s3_prefix_spreading", "s3_dcp"):
         shutil.copy(repo / f"{module}.py", package / f"{module}.py")
     code = (

@@ -42,11 +42,11 @@ from s3_fencing import (
     current_run,
     launch_identity,
 )
+from s3_pacing import is_retriable_error
 from s3_utils import (
     RetryPolicy,
     S3ClientSettings,
     S3Utils,
-    is_retriable_error,
     note_capability,
     store_capabilities,
 )

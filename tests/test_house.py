@@ -278,7 +278,7 @@ def test_docs_api_lists_every_modules_all() -> None:
 
 def _module_loaders(module: str, tree: ast.Module) -> dict[str, str]:
     """Functions of `tree` that import another first-party module on first use and return it (``importlib`` or
-    ``s3_utils.import_sibling`` with the module's name in a string, or in a module-level constant):
+    ``s3_process.import_sibling`` with the module's name in a string, or in a module-level constant):
     ``function name -> module``."""
     constants = {
         target.id: node.value.value
@@ -360,24 +360,24 @@ def _definitions(module: str) -> dict[str, tuple[str | None, list[str]]]:
 
 def test_the_use_check_finds_each_way_of_reaching_a_sibling() -> None:
     """The checker itself: an alias, ``from ... import``, a loader function's result (``importlib`` or
-    ``import_sibling``; called, or kept in a name), and another module's loader (``s3_utils.node_sharing`` returns
+    ``import_sibling``; called, or kept in a name), and another module's loader (``s3_process.node_sharing`` returns
     `s3_node_sharing`); private names are left out."""
     source = (
-        "import importlib\nimport s3_utils as _s3\nfrom s3_dcp import METADATA_NAME\n"
+        "import importlib\nimport s3_utils as _s3\nimport s3_process as _process\nfrom s3_dcp import METADATA_NAME\n"
         "TIER = 's3_memory_tier'\n"
         "def _tier():\n    return importlib.import_module(TIER)\n"
-        "_s3.error_code; _s3._private\n"
+        "_s3.S3Utils; _s3._private\n"
         "_tier().copy_to_load\n"
         "rep = _tier()\nrep.TierReplication\n"
-        "_s3.node_sharing().download_shared\n"
+        "_process.node_sharing().download_shared\n"
         "def _convert():\n    return _urls.import_sibling('s3_checkpoint_convert', __package__)\n"
         "_convert().convert_checkpoint\n"
     )
     assert sibling_uses("s3_checkpoint_io", source) == {
         ("s3_checkpoint_convert", "convert_checkpoint"),
         ("s3_dcp", "METADATA_NAME"),
-        ("s3_utils", "error_code"),
-        ("s3_utils", "node_sharing"),
+        ("s3_utils", "S3Utils"),
+        ("s3_process", "node_sharing"),
         ("s3_memory_tier", "copy_to_load"),
         ("s3_memory_tier", "TierReplication"),
         ("s3_node_sharing", "download_shared"),
@@ -401,7 +401,7 @@ def test_what_siblings_use_besides_the_api_is_marked_package_internal() -> None:
     )
 
 
-CORE_CHAIN = ["s3_dirpath_utils", "s3_pacing", "s3_utils", "s3_fencing", "s3_checkpoint_io", "connector"]
+CORE_CHAIN = ["s3_dirpath_utils", "s3_process", "s3_pacing", "s3_utils", "s3_fencing", "s3_checkpoint_io", "connector"]
 """The core files, in order: each imports (at its top) only first-party modules before it, so a fork copies them
 alone and any prefix of the chain works without what follows (README.md, "Use in a NeMo 1.x fork")."""
 

@@ -33,6 +33,7 @@ import s3_checkpoint_admin
 import s3_checkpoint_cli
 import s3_fencing
 import s3_memory_tier
+import s3_process
 import s3_utils
 from s3_checkpoint_io import S3CheckpointIO
 from s3_memory_tier import COMMIT_RECORD_SUFFIX, MemoryTier, NodeTier
@@ -469,13 +470,13 @@ def test_a_sibling_file_a_fork_lacks_is_named_with_what_needs_it_and_where_to_co
     monkeypatch.delitem(sys.modules, "s3_dcp_tier", raising=False)
     expected = r"^memory_tier for megatron-core needs s3_memory_tier\.py beside s3_mcore\.py .*: copy it there$"
     with pytest.raises(ImportError, match=expected):
-        s3_utils.require_sibling("s3_dcp_tier", None, "memory_tier for megatron-core", "s3_mcore.py",
+        s3_process.require_sibling("s3_dcp_tier", None, "memory_tier for megatron-core", "s3_mcore.py",
                                  needs=("s3_memory_tier",))  # fmt: skip
     with pytest.raises(ModuleNotFoundError):  # s3_dcp_tier's own import, not named as needed: raised as it is
-        s3_utils.require_sibling("s3_dcp_tier", None, "memory_tier", "s3_dcp.py")
+        s3_process.require_sibling("s3_dcp_tier", None, "memory_tier", "s3_dcp.py")
     with pytest.raises(ImportError, match=r"^listing needs s3_nowhere\.py beside s3_x\.py .*copy it there, or not$"):
-        s3_utils.require_sibling("s3_nowhere", None, "listing", "s3_x.py", otherwise=", or not")
-    assert s3_utils.require_sibling("s3_fencing", None, "x", "y.py") is sys.modules["s3_fencing"]
+        s3_process.require_sibling("s3_nowhere", None, "listing", "s3_x.py", otherwise=", or not")
+    assert s3_process.require_sibling("s3_fencing", None, "x", "y.py") is sys.modules["s3_fencing"]
 
 
 @pytest.mark.slow

@@ -20,8 +20,8 @@ from optional_imports import extras as optional_dependencies
 
 REPO = Path(__file__).resolve().parent.parent
 CORE_MODULES = [
-    "s3_dirpath_utils", "s3_pacing", "s3_utils", "s3_fencing", "s3_checkpoint_io", "s3_prefix_spreading", "s3_dcp",
-    "s3_node_sharing", "s3_memory_tier", "connector",
+    "s3_dirpath_utils", "s3_process", "s3_pacing", "s3_utils", "s3_fencing", "s3_checkpoint_io", "s3_prefix_spreading",
+    "s3_dcp", "s3_node_sharing", "s3_memory_tier", "connector",
 ]
 
 
@@ -36,7 +36,7 @@ def test_core_modules_import_with_every_extra_hidden() -> None:
     hidden = CORE_OPTIONAL_MODULES
     result = run_python(
         """
-        import s3_dirpath_utils, s3_pacing, s3_utils, s3_fencing, s3_checkpoint_io
+        import s3_dirpath_utils, s3_process, s3_pacing, s3_utils, s3_fencing, s3_checkpoint_io
         import s3_dcp, s3_node_sharing, s3_memory_tier
         import connector
         assert s3_dirpath_utils.parse_s3_url("s3://bucket/key") == ("bucket", "key")
@@ -142,10 +142,11 @@ def test_core_modules_work_copied_into_a_package_folder(tmp_path: Path) -> None:
         import nemo_fork.utils.connector as connector
         assert "s3_utils" not in sys.modules and "s3_dirpath_utils" not in sys.modules, "imported the top-level copies"
         assert utils._urls.__name__ == "nemo_fork.utils.s3_dirpath_utils"
-        assert connector._s3_dcp().__name__ == "nemo_fork.utils.s3_dcp"  # DCP features light up with the fifth file
-        assert utils.node_sharing().__name__ == "nemo_fork.utils.s3_node_sharing"  # and host sharing with the sixth
+        assert connector._s3_dcp().__name__ == "nemo_fork.utils.s3_dcp"  # DCP features light up with its file
+        import nemo_fork.utils.s3_process as process
+        assert process.node_sharing().__name__ == "nemo_fork.utils.s3_node_sharing"  # and host sharing with its file
         import nemo_fork.utils.s3_checkpoint_io as ckpt_io
-        assert ckpt_io._memory_tier_module().__name__ == "nemo_fork.utils.s3_memory_tier"  # the memory tier: seventh
+        assert ckpt_io._memory_tier_module().__name__ == "nemo_fork.utils.s3_memory_tier"  # the memory tier
         assert utils.S3Utils.parse_s3_url("s3://bucket/a/b.ckpt") == ("bucket", "a/b.ckpt")
         print("ok")
         """,
@@ -196,7 +197,7 @@ def test_every_module_at_the_repo_root_is_installed() -> None:
     assert sorted(listed) == sorted(path.stem for path in REPO.glob("*.py"))
 
 
-CORE_FILES = ["s3_dirpath_utils", "s3_pacing", "s3_utils", "s3_fencing", "s3_checkpoint_io", "connector"]
+CORE_FILES = ["s3_dirpath_utils", "s3_process", "s3_pacing", "s3_utils", "s3_fencing", "s3_checkpoint_io", "connector"]
 """What the design card names: a fork may copy only these (no s3_dcp: no sharded checkpoints on S3)."""
 
 CORE_FILE_FORKS = """
@@ -247,7 +248,7 @@ fork("", {flat!r}, {url!r} + "/top-level")
 def test_forks_of_the_core_files_checkpoint_resume_and_name_what_a_dcp_checkpoint_needs(
     bucket: str, s3_server: Any, tmp_path: Path
 ) -> None:
-    """The six files copied into a package folder and as top-level modules (both in one interpreter: their
+    """The seven files copied into a package folder and as top-level modules (both in one interpreter: their
     module names differ): single-file save, resume discovery and load work, and a DCP checkpoint met on resume
     names itself and the missing s3_dcp.py."""
     if s3_server.name == "seaweedfs":
@@ -313,8 +314,9 @@ for layout, package, folder in (("package", "nemo_fork.utils.", {package_folder!
     assert torch.equal(loaded["w"], torch.arange(10.0)) and loaded["global_step"] == 3
     plugin.teardown()
     s3_utils = importlib.import_module(package + "s3_utils")
+    s3_process = importlib.import_module(package + "s3_process")
     report[layout] = {{
-        "sharing_module": getattr(s3_utils.node_sharing(), "__file__", None),
+        "sharing_module": getattr(s3_process.node_sharing(), "__file__", None),
         "pacer_shared": s3_utils.request_pacer(None, "fork-bucket").shared,
         "load_verified_here": plugin.records[-1].checksum is not None,  # a shared load maps the node's copy (None)
     }}
@@ -327,7 +329,7 @@ dist.destroy_process_group()
 def test_a_two_rank_job_of_the_core_files_works_and_warns_once_that_host_sharing_is_missing(
     bucket: str, s3_server: Any, tmp_path: Path, with_node_sharing: bool
 ) -> None:
-    """Two real ranks (gloo, torchrun's environment) of a fork that copied the six core files, as a package and as
+    """Two real ranks (gloo, torchrun's environment) of a fork that copied the seven core files, as a package and as
     top-level modules: each saves, then all load rank 0's checkpoint collectively. Without s3_node_sharing.py each
     rank paces on its own and downloads for itself, and says once (per copy of s3_utils) what is missing and what to
     copy; with it beside them, the pacer is the host's, the load is shared, and nothing is said."""

@@ -24,6 +24,7 @@ from tiny_lightning import FAMILIES, lightning_family
 
 import connector
 import s3_checkpoint_io
+import s3_pacing
 import s3_utils
 from s3_utils import S3ClientSettings, S3Utils
 
@@ -99,8 +100,8 @@ def test_botocore_retry_codes_are_all_retried_here() -> None:
     codes = set(standard.ThrottledRetryableChecker._THROTTLED_ERROR_CODES)
     codes |= set(standard.TransientRetryableChecker._TRANSIENT_ERROR_CODES)
     assert "IDPCommunicationError" in inspect.getsource(special.RetryIDPCommunicationError)
-    assert codes - not_s3 <= s3_utils.RETRIABLE_ERROR_CODES
-    assert set(standard.TransientRetryableChecker._TRANSIENT_STATUS_CODES) <= s3_utils.RETRIABLE_HTTP_STATUSES
+    assert codes - not_s3 <= s3_pacing.RETRIABLE_ERROR_CODES
+    assert set(standard.TransientRetryableChecker._TRANSIENT_STATUS_CODES) <= s3_pacing.RETRIABLE_HTTP_STATUSES
 
 
 # ---- s3fs: its instance cache and listings cache (s3_utils.invalidate_fsspec_cache, forget_s3fs_instances) ---------

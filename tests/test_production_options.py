@@ -19,7 +19,8 @@ from fault_proxy import Fault, FaultRule
 import connector
 import s3_checkpoint_cli as cli
 from s3_checkpoint_io import S3CheckpointIO
-from s3_utils import RetryPolicy, S3ClientSettings, S3RequestOptions, S3Utils, __version__, is_retriable_error
+from s3_pacing import is_retriable_error
+from s3_utils import RetryPolicy, S3ClientSettings, S3RequestOptions, S3Utils, __version__
 
 MiB = 1024 * 1024
 FAST = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05)

@@ -32,11 +32,11 @@ from s3_servers import S3Endpoint, seaweedfs_process
 
 from s3_checkpoint_io import S3CheckpointIO
 from s3_fencing import OWNER_RECORD_NAME as OWNER_RECORD
+from s3_pacing import is_retriable_error
 from s3_utils import (
     ChecksumMismatchError,
     RetryPolicy,
     S3ClientSettings,
-    is_retriable_error,
     is_throttling_error,
     store_capabilities,
 )

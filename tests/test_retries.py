@@ -12,12 +12,12 @@ from botocore.exceptions import ClientError, ConnectTimeoutError, EndpointConnec
 from fault_proxy import Fault, FaultRule
 
 from s3_checkpoint_io import S3CheckpointIO
+from s3_pacing import is_retriable_error
 from s3_utils import (
     ChecksumMismatchError,
     RetryPolicy,
     S3ClientSettings,
     S3Utils,
-    is_retriable_error,
     is_throttling_error,
 )
 

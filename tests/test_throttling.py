@@ -34,6 +34,7 @@ from s3_servers import S3Endpoint, rank_environment, skip_unless_multirank_backe
 import s3_checkpoint_cli as cli
 import s3_node_sharing
 import s3_pacing
+import s3_process
 import s3_utils
 from s3_utils import (
     PacerLane,
@@ -210,7 +211,7 @@ class TestPacerLane:
 
     def test_a_budget_paces_from_the_first_request_and_caps_growth(self, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("WORLD_SIZE", "4")
-        pacer = RequestPacer(None, "bucket", world_size=s3_utils.world_size)  # as `request_pacer` makes it
+        pacer = RequestPacer(None, "bucket", world_size=s3_process.world_size)  # as `request_pacer` makes it
         assert not pacer.writes.active and not pacer.reads.active
         pacer.limit(RequestRates(write=8, read=None))
         assert pacer.writes.active and pacer.writes.rate == 2.0  # 8 per second for the job, 4 processes
@@ -530,7 +531,7 @@ def test_without_dev_shm_or_a_job_each_process_paces_alone(
     monkeypatch.setattr(s3_node_sharing, "PACER_SHARED_DIR", str(pacer_dir / "missing"))
     assert "not a directory" in _refused("bucket", caplog)
     monkeypatch.setattr(s3_node_sharing, "PACER_SHARED_DIR", str(pacer_dir))
-    for name in s3_utils.LAUNCHER_ENV_VARS["job"]:
+    for name in s3_process.LAUNCHER_ENV_VARS["job"]:
         monkeypatch.delenv(name, raising=False)
     assert s3_node_sharing.shared_pacer_file(None, "no-job") is None  # no launcher: nothing to share, nothing said
     monkeypatch.setenv("MASTER_PORT", "29500")
