@@ -97,7 +97,7 @@ class RequestRates:
 # --------------------------------------------------------------------------------------------------------------------
 
 # botocore's list (retries/standard.py's _THROTTLED_ERROR_CODES) less the DynamoDB-only codes: copied, as that name is
-# private (tests/test_private_surface.py checks that botocore's lists have not grown past s3_utils's retried codes).
+# private (tests/test_private_surface.py checks that botocore's lists have not grown past RETRIABLE_ERROR_CODES).
 THROTTLING_ERROR_CODES = frozenset(  # Package-internal (docs/api.md)
     {
         *("SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled"),

@@ -26,7 +26,7 @@ __all__ = ["MissingOptionalDependencyError"]
 logger = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------------------------------
-# Optional dependencies
+# Optional dependencies and sibling modules
 # --------------------------------------------------------------------------------------------------------------------
 
 _INSTALL_HINTS: dict[str, tuple[str, str]] = {  # import name: (distribution, the command that fixes it)

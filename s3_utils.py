@@ -2533,7 +2533,7 @@ def store_capabilities(
     """The record of `utils`'s store and `bucket` (made on first use, kept for the process), after probing each
     capability named in `probe` (`CAPABILITIES`) that is not known yet, on a temporary key under `prefix`."""
     endpoint = str(getattr(getattr(utils.client, "meta", None), "endpoint_url", "") or "")
-    store = "AWS S3" if not endpoint or endpoint.endswith(".amazonaws.com") else endpoint
+    store = "AWS S3" if _is_aws_endpoint(endpoint) else endpoint
     with _capabilities_lock:
         record = _capabilities.setdefault((endpoint, bucket), StoreCapabilities(store, bucket))
         unknown = [name for name in probe if getattr(record, name) is None]
@@ -2541,6 +2541,13 @@ def store_capabilities(
             _probe_capabilities(utils, record, unknown, prefix)
             logger.debug("%s (bucket %s): %s", store, bucket, "; ".join(record.describe()))
         return record
+
+
+def _is_aws_endpoint(endpoint: str) -> bool:
+    """Whether `endpoint` (empty: boto3's default) is AWS S3's, in any partition (``.amazonaws.com``, China's
+    ``.amazonaws.com.cn``), with or without a port or a path."""
+    host = urllib.parse.urlsplit(endpoint if "//" in endpoint else f"//{endpoint}").hostname or ""
+    return not endpoint or host.endswith((".amazonaws.com", ".amazonaws.com.cn")) or host == "amazonaws.com"
 
 
 def note_capability(record: StoreCapabilities, name: str, value: bool | str) -> None:

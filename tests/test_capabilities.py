@@ -94,3 +94,23 @@ def test_a_fenced_multipart_commit_without_conditional_completes_warns_once_nami
     assert len(warned) == (0 if honoured else 1), warned
     if warned:
         assert s3_server.endpoint_url in warned[0] and bucket in warned[0]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "aws"),
+    [
+        (None, True),  # boto3's default endpoint for the region
+        ("https://s3.us-west-2.amazonaws.com", True),
+        ("https://s3.cn-north-1.amazonaws.com.cn", True),  # the China partition
+        ("https://s3.us-east-1.amazonaws.com:443/", True),  # a port and a trailing slash
+        ("https://minio.example.internal:9000", False),
+        ("https://amazonaws.com.example.org", False),  # the name appears, the host is not AWS's
+    ],
+)
+def test_the_record_names_aws_s3_for_every_aws_endpoint(endpoint: str | None, aws: bool) -> None:
+    """The record (the debug log, ``doctor``, the warnings) names AWS S3 for its endpoints in every partition, with
+    or without a port; another store by its endpoint. Nothing is probed, nothing is sent."""
+    utils = S3Utils(S3ClientSettings(endpoint_url=endpoint, region_name="us-east-1"))
+    record = store_capabilities(utils, f"bucket-{abs(hash(endpoint)) % 10**6}")
+    assert (record.store == "AWS S3") is aws, record.store
+    assert aws or record.store == endpoint

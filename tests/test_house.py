@@ -437,8 +437,8 @@ def test_the_import_check_sees_both_import_forms() -> None:
 
 
 MAX_LINES = {
-    "s3_utils": 3000, "s3_dcp": 2860, "s3_checkpoint_io": 1550, "s3_checkpoint_convert": 1400, "connector": 1390,
-    "s3_mcore": 1350, "s3_memory_tier": 1350, "s3_checkpoint_cli": 900, "s3_tier_replication": 1120, "s3_fencing": 1230,
+    "s3_utils": 3000, "s3_dcp": 2860, "s3_checkpoint_io": 1550, "s3_checkpoint_convert": 1400, "connector": 1460,
+    "s3_mcore": 1430, "s3_memory_tier": 1350, "s3_checkpoint_cli": 900, "s3_tier_replication": 1120, "s3_fencing": 1230,
 }
 """Line limits of modules that may be larger than `DEFAULT_MAX_LINES`, the limit of every other root-level module:
 about 10% above each module's size when set, and never above 3,000 (a module that needs more is split by concept)."""
