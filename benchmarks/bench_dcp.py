@@ -516,6 +516,64 @@ def _ratio(medians: dict[str, Any], a: str, b: str, direction: str) -> str:
         return "n/a"
 
 
+FLOOR_METHODS = ("ours", "raw-parts-crc", "floor")
+DIRS = ("save", "load")
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f} to {max(values):.2f})"
+
+
+def verified_floor_lines(runs: list[dict[str, Any]], floor: str, heading: str = "") -> list[str]:
+    """Client CPU against the verified floor (``floor`` + ``raw-parts-crc``: the library's own work with no bytes
+    moved, `floor` saying which, plus a plain multipart upload / ranged GETs of the same bytes with a CRC32C of every
+    byte): per rep, since the methods of one rep run back to back; a rep counts only with all three methods. Medians
+    (min to max). bench_mcore.py's report uses it too."""
+    by_rep: dict[int, dict[str, Any]] = {}
+    for run in runs:
+        if "error" not in run:
+            by_rep.setdefault(run["rep"], {})[run["method"]] = run
+    reps = [rep for rep in by_rep.values() if all(method in rep for method in FLOOR_METHODS)]
+    if not reps:
+        return []
+
+    def per_rep(method: str, key: str) -> list[list[float]]:
+        """[the saves' values, the loads' values], one per rep."""
+        return [[rep[method][direction][key] for rep in reps] for direction in DIRS]
+
+    def combine(a: list[list[float]], b: list[list[float]], how: Any) -> list[list[float]]:
+        return [[how(x, y) for x, y in zip(xs, ys, strict=True)] for xs, ys in zip(a, b, strict=True)]
+
+    def row(name: str, cpu: list[list[float]] | None, wall: list[list[float]] | None) -> str:
+        cells = [name]
+        for direction in range(len(DIRS)):
+            cells += [_spread(cpu[direction]) if cpu else "-", _spread(wall[direction]) if wall else "-"]
+        return "| " + " | ".join(cells) + " |"
+
+    cpu = {method: per_rep(method, "cpu_s_per_gib") for method in FLOOR_METHODS}
+    wall = {method: per_rep(method, "wall_s") for method in FLOOR_METHODS}
+    raw = "raw-parts-crc"
+    floors = combine(cpu["floor"], cpu[raw], lambda x, y: x + y)
+    ratios = combine(cpu["ours"], floors, lambda x, y: x / y)
+    return [
+        "",
+        f"Client CPU against the verified floor{heading}, side by side in the same run ({len(reps)} reps with all "
+        "three methods; medians, min to max):",
+        "",
+        "| | save CPU s/GiB | save wall s | load CPU s/GiB | load wall s |",
+        "|---|---:|---:|---:|---:|",
+        row("ours", cpu["ours"], wall["ours"]),
+        row("raw-parts-crc (multipart upload / ranged GETs, a CRC32C of every byte)", cpu[raw], wall[raw]),
+        row(f"floor ({floor})", cpu["floor"], wall["floor"]),
+        row("verified floor: floor + raw-parts-crc", floors, None),
+        row("**ours / verified floor** (per rep)", ratios, None),
+        row("ours / raw-parts-crc wall (per rep)", None, combine(wall["ours"], wall[raw], lambda x, y: x / y)),
+        "",
+        f"Target: ours within 1.2x of the verified floor; medians: save {statistics.median(ratios[0]):.2f}x, "
+        f"load {statistics.median(ratios[1]):.2f}x.",
+    ]
+
+
 def _markdown(report: dict[str, Any]) -> str:
     medians = report["medians"]
     lines = [
@@ -559,6 +617,10 @@ def _markdown(report: dict[str, Any]) -> str:
                     f"save {_ratio(medians, ours, _label({'method': 'raw', 'layout': layout}), 'save')}, "
                     f"load {_ratio(medians, ours, _label({'method': 'raw', 'layout': layout}), 'load')}.",
                 ]
+    for layout in report["layouts"]:
+        runs = [run for run in report["runs"] if run.get("layout", layout) == layout]
+        heading = f" (layout {layout})" if len(report["layouts"]) > 1 else ""
+        lines += verified_floor_lines(runs, "DCP's save / load with our planners, no bytes moved", heading)
     for note in report["notes"]:
         lines += ["", f"Note: {note}"]
     errors = [r for r in report["runs"] if "error" in r]

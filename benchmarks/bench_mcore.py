@@ -73,7 +73,6 @@ VOCAB = 32000
 RAW_METHODS = ("raw", "raw-crc", "raw-parts", "raw-parts-crc")
 METHODS = ("ours", "local", *RAW_METHODS, "floor")
 DIRS = ("save", "load")
-FLOOR_METHODS = ("ours", "raw-parts-crc", "floor")
 """What the verified-floor rows need, in the same rep."""
 DEFAULT_METHODS = ("ours", "local", "raw")
 FLOOR_METADATA = "floor.metadata"
@@ -401,60 +400,6 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return medians
 
 
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f} to {max(values):.2f})"
-
-
-def _verified_floor(runs: list[dict[str, Any]]) -> list[str]:
-    """Client CPU against the verified floor (``floor`` + ``raw-parts-crc``: megatron-core's own work with no bytes
-    moved, plus a plain multipart upload / ranged GETs of the same bytes with a CRC32C of every byte), as
-    benchmarks/README.md shows bench_dcp.py's: per rep, since the methods of one rep run back to back; a rep counts
-    only with all three methods. Medians (min to max)."""
-    by_rep: dict[int, dict[str, Any]] = {}
-    for run in runs:
-        if "error" not in run:
-            by_rep.setdefault(run["rep"], {})[run["method"]] = run
-    reps = [rep for rep in by_rep.values() if all(method in rep for method in FLOOR_METHODS)]
-    if not reps:
-        return []
-
-    def per_rep(method: str, key: str) -> list[list[float]]:
-        """[the saves' values, the loads' values], one per rep."""
-        return [[rep[method][direction][key] for rep in reps] for direction in DIRS]
-
-    def combine(a: list[list[float]], b: list[list[float]], how: Any) -> list[list[float]]:
-        return [[how(x, y) for x, y in zip(xs, ys, strict=True)] for xs, ys in zip(a, b, strict=True)]
-
-    def row(name: str, cpu: list[list[float]] | None, wall: list[list[float]] | None) -> str:
-        cells = [name]
-        for direction in range(len(DIRS)):
-            cells += [_spread(cpu[direction]) if cpu else "-", _spread(wall[direction]) if wall else "-"]
-        return "| " + " | ".join(cells) + " |"
-
-    cpu = {method: per_rep(method, "cpu_s_per_gib") for method in FLOOR_METHODS}
-    wall = {method: per_rep(method, "wall_s") for method in FLOOR_METHODS}
-    raw = "raw-parts-crc"
-    floors = combine(cpu["floor"], cpu[raw], lambda x, y: x + y)
-    ratios = combine(cpu["ours"], floors, lambda x, y: x / y)
-    return [
-        "",
-        f"Client CPU against the verified floor, side by side in the same run ({len(reps)} reps with all three "
-        "methods; medians, min to max):",
-        "",
-        "| | save CPU s/GiB | save wall s | load CPU s/GiB | load wall s |",
-        "|---|---:|---:|---:|---:|",
-        row("ours", cpu["ours"], wall["ours"]),
-        row("raw-parts-crc (multipart upload / ranged GETs, a CRC32C of every byte)", cpu[raw], wall[raw]),
-        row("floor (megatron-core's save / load, no bytes moved)", cpu["floor"], wall["floor"]),
-        row("verified floor: floor + raw-parts-crc", floors, None),
-        row("**ours / verified floor** (per rep)", ratios, None),
-        row("ours / raw-parts-crc wall (per rep)", None, combine(wall["ours"], wall[raw], lambda x, y: x / y)),
-        "",
-        f"Target: ours within 1.2x of the verified floor; medians: save {statistics.median(ratios[0]):.2f}x, "
-        f"load {statistics.median(ratios[1]):.2f}x.",
-    ]
-
-
 def _markdown(report: dict[str, Any]) -> str:
     medians = report["medians"]
     lines = [
@@ -474,7 +419,7 @@ def _markdown(report: dict[str, Any]) -> str:
             f"| {load['mib_s']:.0f} | {load['cpu_s_per_gib']:.2f} | {load['peak_extra_mib_per_rank']:.0f} "
             f"| {identical} |"
         )
-    lines += _verified_floor(report["runs"])
+    lines += bench_dcp.verified_floor_lines(report["runs"], "megatron-core's save / load, no bytes moved")
     lines += ["", *[f"- {note}" for note in report["notes"]]]
     errors = [r for r in report["runs"] if "error" in r]
     lines += [f"- {len(errors)} run(s) failed: {errors[0]['error'][-500:]!r}"] if errors else []
