@@ -107,9 +107,13 @@ def test_a_fenced_multipart_commit_without_conditional_completes_warns_once_nami
         ("https://amazonaws.com.example.org", False),  # the name appears, the host is not AWS's
     ],
 )
-def test_the_record_names_aws_s3_for_every_aws_endpoint(endpoint: str | None, aws: bool) -> None:
+def test_the_record_names_aws_s3_for_every_aws_endpoint(
+    endpoint: str | None, aws: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The record (the debug log, ``doctor``, the warnings) names AWS S3 for its endpoints in every partition, with
     or without a port; another store by its endpoint. Nothing is probed, nothing is sent."""
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):  # the suite's server, where a fixture set it
+        monkeypatch.delenv(name, raising=False)
     utils = S3Utils(S3ClientSettings(endpoint_url=endpoint, region_name="us-east-1"))
     record = store_capabilities(utils, f"bucket-{abs(hash(endpoint)) % 10**6}")
     assert (record.store == "AWS S3") is aws, record.store
