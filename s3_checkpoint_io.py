@@ -936,7 +936,7 @@ def _memory_tier_config(value: Any) -> Any:
     if value is None or value is False:
         return None
     module = _process.require_sibling(MEMORY_TIER_MODULE, __package__, "memory_tier", "s3_checkpoint_io.py",
-                                 otherwise=", or leave memory_tier unset")  # fmt: skip
+                                      otherwise=", or leave memory_tier unset")  # fmt: skip
     return module.MemoryTier.from_value(value)
 
 

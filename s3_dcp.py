@@ -202,7 +202,7 @@ def _tier_config(value: Any) -> Any:
 
 def _dcp_tier() -> Any:  # the memory tier's DCP side, a sibling module imported on first use (it imports the tier)
     return _process.require_sibling("s3_dcp_tier", __package__, "memory_tier", "s3_dcp.py", needs=("s3_memory_tier",),
-                               otherwise=", or leave memory_tier unset")  # fmt: skip
+                                    otherwise=", or leave memory_tier unset")  # fmt: skip
 
 
 def _checkpoint_url(path: str | os.PathLike[str]) -> str:
@@ -1074,11 +1074,11 @@ class _SpanBytes:
 
 @dataclass
 class OneLoad:
-    """What one load has read and asked already (`one_load`): a record's verified bytes by URL, and answers by
-    question (a directory check of s3_mcore's routing). Package-internal (docs/api.md)."""
+    """What one load has read and asked already (`one_load`): a record's verified bytes by URL, and whether a prefix
+    (ending in ``/``) holds objects (s3_mcore's directory checks). Package-internal (docs/api.md)."""
 
     records: dict[str, bytes] = dataclasses.field(default_factory=dict)
-    answers: dict[tuple[str, str], Any] = dataclasses.field(default_factory=dict)
+    directories: dict[str, bool] = dataclasses.field(default_factory=dict)
 
 
 _ONE_LOAD: contextvars.ContextVar[OneLoad | None] = contextvars.ContextVar("s3ckpt_one_load", default=None)

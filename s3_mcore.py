@@ -142,7 +142,7 @@ def _dcp_tier() -> Any:
     """The memory tier's DCP side (`s3_dcp_tier`), a sibling imported on first use (only with ``memory_tier``);
     ImportError naming the file where a fork lacks it."""
     return _process.require_sibling(_DCP_TIER, __package__, "memory_tier for megatron-core", "s3_mcore.py",
-                               needs=("s3_memory_tier",))  # fmt: skip
+                                    needs=("s3_memory_tier",))  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -936,13 +936,13 @@ class S3Routing:
         in_tier = any(self._tier_copy(_urls.join_s3_url(url, name)) for name in (_dcp.METADATA_NAME, CONFIG_NAME))
         if in_tier:
             return True
-        load, question = _dcp.current_load(), ("is_dir", url.rstrip("/") + "/")
-        if load is not None and question in load.answers:
-            return load.answers[question]  # megatron-core checks its checkpoint twice in one load
-        answer = self.s3.s3_path_exists(question[1], match_directory=True)  # a listing, no HEAD
+        load, prefix = _dcp.current_load(), url.rstrip("/") + "/"
+        if load is not None and prefix in load.directories:
+            return load.directories[prefix]  # megatron-core checks its checkpoint twice in one load
+        found = self.s3.s3_path_exists(prefix, match_directory=True)  # a listing, no HEAD
         if load is not None:
-            load.answers[question] = answer
-        return answer
+            load.directories[prefix] = found
+        return found
 
     def remove_from_tier(self, url: str) -> None:
         """Drop this node's memory copies of the checkpoint at `url` (and below it): a drain still due skips them."""

@@ -125,7 +125,7 @@ def is_throttling_error(exc: BaseException) -> bool:
 # Retries: which failures are retried, and how long a call waits after each
 # --------------------------------------------------------------------------------------------------------------------
 
-# botocore's own lists (retries/standard.py's _THROTTLED_ERROR_CODES: s3_pacing's THROTTLING_ERROR_CODES, and
+# botocore's own lists (retries/standard.py's _THROTTLED_ERROR_CODES: THROTTLING_ERROR_CODES above, and
 # _TRANSIENT_ERROR_CODES, retries/special.py's IDPCommunicationError) less the DynamoDB-only codes, plus S3's 5xx
 # codes: copied, as those names are private (tests/test_private_surface.py checks that botocore's lists have not grown
 # past these).
