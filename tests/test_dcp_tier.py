@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
-from s3_servers import rank_environment  # noqa: E402
+from s3_servers import rank_environment, wait_for_ranks  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 
@@ -197,7 +197,7 @@ def test_two_nodes_save_into_their_own_memory_and_load_each_file_from_the_fastes
         run_worker("two-nodes", bucket, tmp_path, {**env, "RANK": str(rank), "GROUP_RANK": str(rank)})
         for rank in range(2)
     ]
-    assert [proc.wait(timeout=300) for proc in procs] == [0, 0]
+    assert wait_for_ranks(procs, 300) == [0, 0]
     node0, node1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2))
     assert node0["step1"] == {"equal": True, "tiers": dict.fromkeys(
         [".metadata", ".s3ckpt-items.json", "__0_0.distcp"], "memory")}  # fmt: skip
@@ -410,7 +410,7 @@ def run_launch(s3_server: Any, mode: str, bucket: str, out: Path) -> list[dict[s
     results each rank wrote (none for a save)."""
     env = rank_environment(s3_server, s3_server.endpoint_url, WORLD_SIZE="2", LOCAL_RANK="0")
     procs = [run_worker(mode, bucket, out, {**env, "RANK": str(rank), "GROUP_RANK": str(rank)}) for rank in range(2)]
-    assert [proc.wait(timeout=300) for proc in procs] == [0, 0]
+    assert wait_for_ranks(procs, 300) == [0, 0]
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)] if mode == "relaunch" else []
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 from fault_proxy import Fault, FaultProxy, FaultRule
-from s3_servers import rank_environment
+from s3_servers import rank_environment, wait_for_ranks
 from tiny_lightning import FAMILIES, TOP_K_CHECKPOINT, lightning_family, tiny_module_class, tiny_trainer
 
 import connector
@@ -471,7 +471,7 @@ def test_a_sibling_file_a_fork_lacks_is_named_with_what_needs_it_and_where_to_co
     expected = r"^memory_tier for megatron-core needs s3_memory_tier\.py beside s3_mcore\.py .*: copy it there$"
     with pytest.raises(ImportError, match=expected):
         s3_process.require_sibling("s3_dcp_tier", None, "memory_tier for megatron-core", "s3_mcore.py",
-                                 needs=("s3_memory_tier",))  # fmt: skip
+                                   needs=("s3_memory_tier",))  # fmt: skip
     with pytest.raises(ModuleNotFoundError):  # s3_dcp_tier's own import, not named as needed: raised as it is
         s3_process.require_sibling("s3_dcp_tier", None, "memory_tier", "s3_dcp.py")
     with pytest.raises(ImportError, match=r"^listing needs s3_nowhere\.py beside s3_x\.py .*copy it there, or not$"):
@@ -493,7 +493,7 @@ def test_two_nodes_replicate_and_agree_on_what_every_rank_can_load(
         )
         for rank in range(2)
     ]
-    assert [proc.wait(timeout=300) for proc in procs] == [0, 0]
+    assert wait_for_ranks(procs, 300) == [0, 0]
     node0, node1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2))
     step1, step2 = (f"s3://{bucket}/run/step={step}-last.ckpt" for step in (1, 2))
     assert node0["own"] == [step1, step2] and node1["own"] == []

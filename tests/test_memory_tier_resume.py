@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from s3_servers import rank_environment
+from s3_servers import rank_environment, wait_for_ranks
 
 import s3_tier_replication
 from s3_memory_tier import decide
@@ -40,7 +40,7 @@ def run_job(s3_server: Any, bucket: str, out: Path, *args: str) -> list[dict[str
         )
         for rank in range(2)
     ]
-    assert [proc.wait(timeout=300) for proc in procs] == [0, 0]
+    assert wait_for_ranks(procs, 300) == [0, 0]
     if args[0] != "resume":
         return []
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
@@ -151,7 +151,7 @@ def test_nemo_resume_if_exists_resumes_the_newest_step_every_node_can_load(
                     env={**env, "WORLD_SIZE": str(ranks), "RANK": str(rank), "GROUP_RANK": str(rank)},
                     stderr=subprocess.STDOUT, cwd=REPO,
                 ))  # fmt: skip
-        codes = [proc.wait(timeout=300) for proc in procs]
+        codes = wait_for_ranks(procs, 300)
         assert codes == [0] * ranks, "\n".join((tmp_path / f"{phase}{r}.log").read_text()[-3000:] for r in range(ranks))
 
     launch("save", 1)  # node 0 alone: in DDP only rank 0 saves

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from optional_imports import CORE_OPTIONAL_MODULES, HIDE_PREAMBLE
+from s3_servers import wait_for_ranks
 
 import s3_tier_replication as replication
 from s3_local_servers import free_port
@@ -652,7 +653,7 @@ def test_exchange_addresses_and_a_ring_of_replicas_with_gloo(tmp_path: Path) -> 
         env = {**base, "RANK": str(rank), "GROUP_RANK": str(nodes[rank]), "LOCAL_RANK": str(local)}
         env["LOCAL_WORLD_SIZE"] = str(nodes.count(nodes[rank]))
         procs.append(subprocess.Popen([sys.executable, str(WORKER), "exchange", str(tmp_path)], env=env, cwd=REPO))
-    codes = [proc.wait(timeout=120) for proc in procs]
+    codes = wait_for_ranks(procs, 120)
     assert codes == [0] * world
 
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]

@@ -12,8 +12,9 @@ import contextlib
 import os
 import re
 import signal
+import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -40,6 +41,7 @@ __all__ = [
     "MULTIRANK_BACKENDS",
     "free_port",
     "rank_environment",
+    "wait_for_ranks",
     "seaweedfs_command",
     "seaweedfs_process",
     "skip_unless_multirank_backend",
@@ -190,3 +192,16 @@ def rank_environment(server: LocalS3, endpoint_url: str, **extra: str) -> dict[s
     )
     env.update(extra)
     return env
+
+
+def wait_for_ranks(procs: Sequence[subprocess.Popen[Any]], timeout_s: float) -> list[int]:
+    """The exit codes of a test job's rank processes, each waited for up to `timeout_s` (TimeoutExpired past it);
+    whatever is still running then is killed, never left behind (a rank whose peer failed, or lost its free port to
+    another test, waits in the rendezvous for good)."""
+    try:
+        return [proc.wait(timeout=timeout_s) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
