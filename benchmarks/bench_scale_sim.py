@@ -139,8 +139,8 @@ def scenarios(ranks_list: list[int], args: argparse.Namespace) -> list[tuple[str
             work = s3_sim.Workload(kind="dcp", direction="load", ranks=ranks, mib_per_rank=args.mib, layout=layout,
                                    prefixes=prefixes)
             out.append(("pacer", work, s3_sim.ClientParams()))
-            if layout == "one-prefix" and ranks in (min(ranks_list), max(ranks_list)):
-                out.append(("budget", work, budget))
+            if ranks in (min(ranks_list), max(ranks_list)):
+                out.append(("budget", work, budget if layout == "one-prefix" else spread_budget))
     if args.big_mib:  # the largest job again with bigger files: more requests per rank after the first wave
         for direction in ("save", "load"):
             work = s3_sim.Workload(kind="dcp", direction=direction, ranks=max(ranks_list), mib_per_rank=args.big_mib)
