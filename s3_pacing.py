@@ -267,6 +267,23 @@ class SharedLaneStore(Protocol):
     def last_success(self, lane: int) -> float: ...
 
 
+_alone = threading.local()  # `sending_alone`'s depth in this thread
+
+
+@contextlib.contextmanager
+def sending_alone() -> Iterator[None]:
+    """Within it, this thread's requests do not wait for a budget's share: they are requests one process sends while
+    the rest of the job sends none (a DCP save's commit, once every rank's files are written), which a share of the
+    budget over the job's processes (3,500 / 16,384 writes per second) would hold back for seconds. A lane that S3
+    has throttled paces them as before. Package-internal (docs/api.md)."""
+    depth = getattr(_alone, "depth", 0)
+    _alone.depth = depth + 1
+    try:
+        yield
+    finally:
+        _alone.depth = depth
+
+
 class PacerLane:
     """One direction (reads or writes) of a `RequestPacer`: a token bucket whose rate adapts to S3's answers.
 
@@ -404,6 +421,9 @@ class PacerLane:
         if not self._active:
             self._own_sends.append(now)
             return 0.0
+        if getattr(_alone, "depth", 0) and self._host_throttles == 0:  # paced by a budget alone, never throttled
+            self._sends.append(now)
+            return 0.0
         limit = self._apply_limit(now)
         floor *= self._processes  # each process's waiting request gets one at least that often
         rate = max(self._rate, min(floor, limit if limit is not None else math.inf))  # a budget is never exceeded
@@ -525,8 +545,9 @@ _WRITE_OPERATIONS = frozenset(
 class RequestPacer:
     """The request pacer of one process for one bucket and endpoint (or one spread prefix of the bucket:
     `s3_utils.request_pacer`'s ``partition``): a `PacerLane` each for writes and for reads. A budget (`limit`) is
-    job-wide: this process takes its share, the rate over `world_size()` (the job's processes, ``s3_process.world_size``
-    as `s3_utils.request_pacer` builds it; None: this process alone); with spreading, per pacer: per prefix."""
+    per prefix, as S3's rates are, and job-wide: this process takes its share, the rate over the job's processes that
+    send to the prefix: `world_size()` (``s3_process.world_size`` as `s3_utils.request_pacer` builds it; None: this
+    process alone), or 1/N of them for one of N spread prefixes (`spread_over`)."""
 
     def __init__(
         self, endpoint_url: str | None, bucket: str, shared: SharedLaneStore | None = None,
@@ -535,6 +556,7 @@ class RequestPacer:
         self.endpoint_url, self.bucket, self._clock, self._world_size = endpoint_url, bucket, clock, world_size
         self._budget: RequestRates | None = None
         self._world: tuple[float, int] = (-math.inf, 1)
+        self._spread = 1  # the prefixes this pacer's is one of (`spread_over`)
         self.writes = PacerLane("writes", lambda: self._share("write"), shared, 0, clock, self._processes_of_job)
         self.reads = PacerLane("reads", lambda: self._share("read"), shared, 1, clock, self._processes_of_job)
 
@@ -562,6 +584,19 @@ class RequestPacer:
                     lane._activate_with_budget(now)
                 lane._apply_limit(now)
 
+    def spread_over(self, prefixes: int) -> None:
+        """This pacer's prefix is one of `prefixes` over which a spread checkpoint's files go, each written and read by
+        about 1/`prefixes` of the job's processes: its budget's share, and its floor's, are over those processes."""
+        spread = max(1, int(prefixes))
+        if spread == self._spread:
+            return
+        self._spread, self._world = spread, (-math.inf, 1)  # counted again now
+        now = self._clock()
+        for lane in (self.writes, self.reads):  # a lane paced by the budget alone takes its new share at once
+            with lane._state():
+                if lane._active and lane._host_throttles == 0 and lane._limit is not None and lane._limit() is not None:
+                    lane._activate_with_budget(now)
+
     def _share(self, direction: str) -> float | None:
         """The job-wide rate over the world size."""
         budget = self._budget
@@ -569,12 +604,13 @@ class RequestPacer:
         return None if rate is None else rate / self._processes_of_job()
 
     def _processes_of_job(self) -> int:
-        """The job's process count, `world_size()` (asked again every 5 s: the process group starts after S3
-        requests); 1 without it."""
+        """The job's processes that send to this pacer's prefix: `world_size()` (asked again every 5 s: the process
+        group starts after S3 requests; 1 without it), over the spread prefixes (`spread_over`), rounded up."""
         checked, world = self._world
         now = self._clock()
         if now - checked > 5.0:
             world = self._world_size() if self._world_size is not None else 1
+            world = max(1, -(-world // self._spread))
             self._world = (now, world)
         return world
 

@@ -310,6 +310,30 @@ def test_a_budget_keeps_a_process_under_the_store_limit(fault_proxy: FaultProxy,
     assert limit.throttled["write"] > 0
 
 
+def test_a_budget_is_per_prefix_and_a_process_alone_does_not_wait_for_its_share() -> None:
+    """A budget is per prefix, as S3's rates are: each process takes it over the job's processes that send there, all
+    of them for the bucket's pacer, 1/N of them for one of N spread prefixes (`spread_over`). Requests a process sends
+    alone (`sending_alone`: a DCP save's commit) do not wait for that share, until S3 throttles the lane."""
+    now = 100.0
+    own, spread, alone = (s3_pacing.RequestPacer(None, "b", clock=lambda: now, world_size=lambda: 64) for _ in range(3))
+    spread.spread_over(16)
+    for pacer in (own, spread, alone):
+        pacer.limit(RequestRates(write=64.0, read=64.0))
+    assert own.writes.rate == pytest.approx(1.0) and spread.writes.rate == pytest.approx(16.0)  # 64 / 4 processes
+    own.spread_over(8)  # told after its budget: its lanes take the new share at once
+    assert own.writes.rate == pytest.approx(8.0) and own.reads.rate == pytest.approx(8.0)
+    own.spread_over(1)
+    assert own.writes.rate == pytest.approx(1.0)
+
+    lane = alone.writes
+    assert lane.reserve(now) == 0.0 and lane.reserve(now) == pytest.approx(1.0)  # one token, then 1 s for the next
+    with s3_pacing.sending_alone():
+        assert [lane.reserve(now) for _ in range(5)] == [0.0] * 5
+        lane.on_throttle(now, now + 0.1)  # S3 throttled it: paced again
+        assert lane.reserve(now + 0.1) > 0.0
+    assert alone.reads.reserve(now) == 0.0 and alone.reads.reserve(now) > 0.0  # after it: the share again
+
+
 def test_a_slowdown_on_one_spread_prefix_paces_that_prefix_alone(fault_proxy: FaultProxy, bucket: str) -> None:
     """S3 serves each spread prefix (``run/s3ckpt-spread-XX/``) from a partition of its own: a SlowDown on one of them
     slows the requests to that prefix, not those to the other prefixes nor to the checkpoint's own (``run/step-1/``,
