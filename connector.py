@@ -1185,7 +1185,7 @@ _S3_CONFIG_TO_IO_KWARGS = {
     "request_options": "request_options",  # a mapping of s3_utils.S3RequestOptions fields (S3's parameter names)
     "load_sharing": "load_sharing",
     "fencing": "fencing",  # false: no owner record, a stale run is not refused (docs/fencing.md)
-    "max_requests_per_second": "max_requests_per_second",  # a number, or {write: .., read: ..}: the whole job's
+    "max_requests_per_second": "max_requests_per_second",  # a number or {write: .., read: ..}: the job's, per prefix
     "memory_tier": "memory_tier",  # a tmpfs path or a mapping of s3_memory_tier.MemoryTier fields (docs/tiers.md)
 }
 # NeMoModelCheckpoint-only keys of checkpoint_callback_params: accepted, logged, not used.

@@ -292,10 +292,10 @@ class S3CheckpointIO:
             takes it over, and a save or removal of a run that another (newer) run took it over from raises
             `CheckpointDirectoryTakenError` and changes nothing. One small request (a HEAD) per save and removal.
             False: no owner record, no check (docs/fencing.md).
-        max_requests_per_second: a budget of S3 requests per second for the whole job, split across its processes
-            by world size: one number for writes and reads each, or ``{"write": 3000, "read": 5000}`` (see
-            `s3_utils.RequestRates`). None (default): no budget; the process's request pacer still slows down from
-            the first SlowDown on.
+        max_requests_per_second: a budget of S3 requests per second for the whole job, per prefix (as S3's rates
+            are), split across its processes by world size: one number for writes and reads each, or
+            ``{"write": 3000, "read": 5000}`` (see `s3_utils.RequestRates`). None (default): no budget; the
+            process's request pacer still slows down from the first SlowDown on.
         memory_tier: keep checkpoints first in the node's memory (a tmpfs): a save of an ``s3://`` URL returns once
             the checkpoint is committed there, and a background drain uploads it (every Nth, and the last one at
             `teardown`) from the memory copy; loads read a memory copy that verifies. A path (the tmpfs directory),

@@ -630,6 +630,11 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         """Once before any rank writes (coordinator; every rank without collectives): take the directory over for
         this run, refuse an existing checkpoint with ``overwrite=False`` or retire its ``.metadata`` (incomplete until
         the new one lands), and give every rank its file prefix and the hold to check."""
+        # with collectives the coordinator plans alone, every other rank waiting: no share of a budget to keep
+        with _pacing.sending_alone() if self._metadata_rank() is None else contextlib.nullcontext():
+            return self._prepare_global_plan(plans)
+
+    def _prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         tiered = self.memory_tier is not None  # S3 comes behind: nothing read or written there now
         fence = self._fence() if not tiered else None
         token = fence.token(self.path) if fence is not None else None
@@ -662,6 +667,8 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         self._tier_plan = prefix.tier if self.memory_tier is not None else None  # every rank: the save's directories
         buckets = _split_items(self.thread_count, plan.items, WriteItemType.BYTE_IO)
         files = [(f"{prefix.prefix}{n}{DCP_SHARD_SUFFIX}", bucket) for n, bucket in enumerate(buckets)]
+        if self.prefix_spreading is not None:  # a budget's share of a spread prefix: over the ranks that send there
+            _spread.pace_spread_prefixes(self.s3, [_join(self.path, prefix.prefix)], self.prefix_spreading.prefixes)
         # checked right before each file's commit (not once per save: a rank stopped after one check must not commit
         # its other files on it), each commit carrying the coordinator's ETag conditions
         fence = _fencing.DirectoryFence.following(self.s3, prefix.fence) if prefix.fence is not None else None
@@ -714,14 +721,16 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         rank = self._metadata_rank()
         record = {"version": _ITEM_RECORD_VERSION, "save_id": self.save_id, "files": files}
         fence = self._fence()  # checked before the record, before .metadata and before each removal
-        self._put(item_checksums_name(rank), json.dumps(record, sort_keys=True).encode(), fence)
-        self._put(metadata_name(rank), pickle.dumps(metadata), fence)
-        if self.memory_tier is not None:
-            self._tier().committed(self.path, metadata_name(rank), files, self._tier_plan, self)
-        if self._replacing and rank is None:  # only the coordinator of a collective save knows every file
-            self._remove_stale_shards(set(files), fence)
-        if fence is not None:
-            fence.remove_stale_objects()  # what a stale run committed here since this run took over (docs/fencing.md)
+        # with collectives the coordinator commits alone, every rank's files written: no share of a budget to keep
+        with _pacing.sending_alone() if rank is None else contextlib.nullcontext():
+            self._put(item_checksums_name(rank), json.dumps(record, sort_keys=True).encode(), fence)
+            self._put(metadata_name(rank), pickle.dumps(metadata), fence)
+            if self.memory_tier is not None:
+                self._tier().committed(self.path, metadata_name(rank), files, self._tier_plan, self)
+            if self._replacing and rank is None:  # only the coordinator of a collective save knows every file
+                self._remove_stale_shards(set(files), fence)
+            if fence is not None:
+                fence.remove_stale_objects()  # what a stale run committed here since it took over (docs/fencing.md)
         self._replacing = False
         _s3.invalidate_fsspec_cache(self.path)  # Lightning's ModelCheckpoint asks s3fs what exists
         logger.info("Committed DCP checkpoint %s (%d files)", _join(self.path, metadata_name(rank)), len(files))
@@ -1389,6 +1398,8 @@ class S3StorageReader(_CheckpointPrefix, StorageReader):
         self.use_collectives = kwargs.get("use_collectives", True)
         if self.storage_data is None:
             raise ValueError(f"{_join(self.path, METADATA_NAME)} has no storage data: not a DCP checkpoint")
+        files = {getattr(info, "relative_path", "") for info in self.storage_data.values()}
+        _spread.pace_spread_prefixes(self.s3, [_join(self.path, name) for name in files if name])
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

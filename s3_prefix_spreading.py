@@ -254,6 +254,17 @@ def owner_of(relative: str) -> str:
     return posixpath.dirname(outside + relative[len(prefix) :])
 
 
+def pace_spread_prefixes(s3: _s3.S3Utils, urls: Iterable[str], prefixes: int | None = None) -> None:
+    """Tell the request pacers of the spread prefixes among `urls` (files of one checkpoint) that each is one of
+    `prefixes` (default: as many as `urls` reach), sent to by that share of the job's processes: a budget
+    (``max_requests_per_second``) is per prefix, and each process's share of it is over the processes that send
+    there (`s3_utils.RequestPacer.spread_over`). Package-internal (docs/api.md)."""
+    spread = {_urls.spread_prefix(_urls.parse_s3_url(url)[1]): url for url in urls}
+    spread.pop("", None)
+    for url in spread.values():
+        s3.pacer(url).spread_over(prefixes or len(spread))
+
+
 def remove_checkpoint(s3: _s3.S3Utils, checkpoint_url: str, *, fence: Any = None) -> int:
     """Delete a DCP checkpoint with its records, wherever its layout put its objects: first everything in its spread
     directories, then everything at and under `checkpoint_url` (the layout record among them, so that an interrupted

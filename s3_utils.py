@@ -270,7 +270,7 @@ class S3ClientSettings:
     sign_payloads: bool = False
     """SHA-256-sign bodies over plain http too (off: every body carries a CRC the store verifies; signing is slow)."""
     request_options: S3RequestOptions | None = None  # added to the requests of this client
-    max_requests_per_second: RequestRates | None = None  # a job-wide budget; None: adaptive pacing only
+    max_requests_per_second: RequestRates | None = None  # a job-wide budget per prefix; None: adaptive pacing only
 
     path_style_by_default: bool = field(default=False, repr=False)  # "path" filled in by `resolved`
 

@@ -284,6 +284,30 @@ def test_segments_keep_their_names_as_prefixes_grow_and_relative_paths_stay_in_t
     assert spreading.owner_of("a/s3ckpt-spread-03/step-2/__3_0.distcp") == "a/step-2"
 
 
+def test_a_budget_applies_per_prefix_to_a_spread_save_and_load_and_the_commit_does_not_wait(
+    bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``max_requests_per_second`` is per prefix: a process of a 64-process job takes 1/64 of it for the checkpoint's
+    own prefix and 1/4 for each of 16 spread prefixes (4 processes send to each), on save and load; what the
+    coordinator sends alone (the takeover, the layout record, the commit) does not wait for its 1/64."""
+    monkeypatch.setenv("WORLD_SIZE", "64")
+    budget = {"write": 64, "read": 6400}
+    s3 = s3_utils.S3Utils(s3_utils.S3ClientSettings(max_requests_per_second=budget), FAST_RETRIES)
+    url = f"s3://{bucket}/run/step-1"
+    state = save_as_ranks(url, 16, s3_utils=s3, prefix_spreading=16)  # 16 of the 64 ranks: a file in each prefix
+    own, spread = s3.pacer(f"{url}/.metadata"), s3.pacer(f"s3://{bucket}/run/s3ckpt-spread-01/step-1/__1_0.distcp")
+    assert own is not spread
+    assert own.writes.rate == pytest.approx(1.0) and spread.writes.rate == pytest.approx(16.0)
+    assert own.writes.waits == 0  # at 1 write/s, each of its writes after the first would have waited for a token
+
+    loaded = empty_like(state)
+    reader = s3_dcp.S3StorageReader(url, chunk_size_MB=5, s3_utils=s3)
+    dcp.load(loaded, storage_reader=reader, no_dist=True)
+    assert own.reads.rate == pytest.approx(100.0) and spread.reads.rate == pytest.approx(1600.0)
+    assert differences({k: (v.getvalue() if isinstance(v, io.BytesIO) else v) for k, v in loaded.items()},
+                       plain(state)) == []
+
+
 def test_auto_spreads_the_saves_after_the_runs_writes_were_throttled(
     bucket: str, s3_client: Any, fault_proxy: Any
 ) -> None:
