@@ -116,10 +116,7 @@ def emulation_check(path: Path = EMULATION_RESULT) -> list[dict[str, Any]]:
 
 
 def scenarios(ranks_list: list[int], args: argparse.Namespace) -> list[tuple[str, s3_sim.Workload, s3_sim.ClientParams]]:
-    budget = s3_sim.ClientParams(pacer="budget", budget=(args.budget_write, args.budget_read))
-    spread_budget = s3_sim.ClientParams(  # a prefix's pacer serves 1/P of the ranks, each taking budget / world size
-        pacer="budget", budget=(args.budget_write * args.prefixes, args.budget_read * args.prefixes)
-    )
+    budget = s3_sim.ClientParams(pacer="budget", budget=(args.budget_write, args.budget_read))  # per prefix
     out = []
     for ranks in ranks_list:
         for kind in ("single", "dcp"):
@@ -128,7 +125,7 @@ def scenarios(ranks_list: list[int], args: argparse.Namespace) -> list[tuple[str
                                        layout=layout, prefixes=prefixes)
                 out.append(("pacer", work, s3_sim.ClientParams()))
                 if ranks in (min(ranks_list), max(ranks_list)):
-                    out.append(("budget", work, budget if layout == "one-prefix" else spread_budget))
+                    out.append(("budget", work, budget))
                     if ranks == min(ranks_list) and layout == "one-prefix":
                         out.append(("none", work, s3_sim.ClientParams(pacer="none")))
         for sharing in ("node", "job"):
@@ -140,7 +137,7 @@ def scenarios(ranks_list: list[int], args: argparse.Namespace) -> list[tuple[str
                                    prefixes=prefixes)
             out.append(("pacer", work, s3_sim.ClientParams()))
             if ranks in (min(ranks_list), max(ranks_list)):
-                out.append(("budget", work, budget if layout == "one-prefix" else spread_budget))
+                out.append(("budget", work, budget))
     if args.big_mib:  # the largest job again with bigger files: more requests per rank after the first wave
         for direction in ("save", "load"):
             work = s3_sim.Workload(kind="dcp", direction=direction, ranks=max(ranks_list), mib_per_rank=args.big_mib)
@@ -148,7 +145,7 @@ def scenarios(ranks_list: list[int], args: argparse.Namespace) -> list[tuple[str
     if args.spread_mib:  # the largest job's spread save with bigger files: a bound of seconds, not of latencies
         work = s3_sim.Workload(kind="dcp", direction="save", ranks=max(ranks_list), mib_per_rank=args.spread_mib,
                                layout="spread", prefixes=args.prefixes)
-        out += [("pacer", work, s3_sim.ClientParams()), ("budget", work, spread_budget)]
+        out += [("pacer", work, s3_sim.ClientParams()), ("budget", work, budget)]
     if args.oracle:  # the least time any client takes: the largest job's partition-bound rows with the oracle client
         top = max(ranks_list)
         oracle = s3_sim.ClientParams(pacer="oracle")

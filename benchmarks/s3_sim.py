@@ -3,7 +3,9 @@
 What is the package's (imported, not copied): `s3_pacing.RequestPacer` / `PacerLane` (one per simulated process for
 the bucket and one for each spread prefix it sends to, chosen by the package's rule, ``s3_dirpath_utils.spread_prefix``;
 the ranks of a host sharing each one's lanes' state through a `SharedLaneStore`, as ``s3_node_sharing.SharedPacerFile``
-does on a real host, a file per bucket and per spread prefix), the job budget (`RequestPacer.limit`, each process's share by ``WORLD_SIZE``), `s3_pacing.CallRetries`
+does on a real host, a file per bucket and per spread prefix), the job budget (`RequestPacer.limit`, per prefix, each
+process's share by ``WORLD_SIZE`` and, for a spread prefix, `RequestPacer.spread_over`), `s3_pacing.sending_alone`
+(the DCP coordinator's commit), `s3_pacing.CallRetries`
 (what `S3Utils.with_retries` does after each failed attempt), and `s3_node_sharing.downloading_ranks` (who downloads
 on a shared resume). What is modelled here:
 
@@ -228,7 +230,7 @@ class Clock:
 @dataclass
 class ClientParams:
     pacer: str = "pacer"  # "pacer" (the package's default), "budget" (plus max_requests_per_second), "none", "oracle"
-    budget: tuple[float, float] | None = None  # (write, read) requests per second for the whole job
+    budget: tuple[float, float] | None = None  # (write, read) requests per second for the whole job, per prefix
     policy: s3_utils.RetryPolicy = field(default_factory=s3_utils.RetryPolicy)
     ranks_per_host: int = 8
 
@@ -258,6 +260,7 @@ class Op:
         self.started = cluster.clock.now
         self.finished: float | None = None
         self.requests = 0
+        self.alone = False  # sent while no other rank sends (a DCP commit): `s3_pacing.sending_alone`, as the package
 
     def start(self) -> None:
         self._fill()
@@ -302,6 +305,7 @@ class Cluster:
         as a real host's file counts the processes that attached to it by sending. `partitions`: the spread prefixes
         each rank sends to (a host's state of one counts the host's ranks that send to it)."""
         self.ranks, self.s3, self.client, self.clock = ranks, s3, client, clock
+        self.spread = max(1, len(set().union(*(partitions or {}).values())))  # the spread prefixes (1: none)
         per_host = client.ranks_per_host
         self.hosts = (ranks + per_host - 1) // per_host
         counts = [0] * self.hosts
@@ -332,6 +336,8 @@ class Cluster:
         if pacer is None:
             store = self.stores.setdefault((rank // self.client.ranks_per_host, partition), HostLaneStore(1))
             pacer = s3_pacing.RequestPacer("http://sim", "bucket", store, clock=self.clock, world_size=s3_process.world_size)
+            if partition:  # a spread prefix: as S3StorageWriter and S3StorageReader tell its pacer
+                pacer.spread_over(self.spread)
             self.pacers[rank][partition] = pacer
             if self.client.pacer == "budget" and self.client.budget is not None:
                 pacer.limit(s3_pacing.RequestRates(*self.client.budget))
@@ -374,7 +380,11 @@ class Cluster:
             req = queue[0]
             lane = self.lane(req)
             # a dormant lane: `acquire`'s own fast path (no wait, no lock); else the token bucket `acquire` loops on
-            wait = 0.0 if not lane.active and lane.acquire() == now else lane.reserve(now, floor)
+            if not lane.active and lane.acquire() == now:
+                wait = 0.0
+            else:
+                with s3_pacing.sending_alone() if req.op.alone else contextlib.nullcontext():
+                    wait = lane.reserve(now, floor)
             if wait > 0.0:
                 self.poll_due[queue_key] += 1
                 self.clock.at(now + wait, self._poll, queue_key, self.poll_due[queue_key])
@@ -595,6 +605,7 @@ def run(
                 if pending[0] == 0:
                     final = Op(cluster, 0, [[("write", key_of(work, ".checksums", 0), 4096)],
                                             [("write", key_of(work, ".metadata", 0), 1 << 20)]], 1)
+                    final.alone = True
                     ops.append(final)
                     final.start()
             for op in ops:

@@ -7,6 +7,8 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 import s3_node_sharing
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -185,6 +187,21 @@ def test_a_ranks_requests_to_a_spread_prefix_go_through_that_prefixs_pacer_share
                   lane(8, f"{spread[0]}step-1/__8_0.distcp")):  # the bucket's, another prefix's, another host's
         assert not other.active
     assert cluster.stores[0, ""].processes == 8 and cluster.stores[0, spread[1]].processes == 4
+
+
+def test_the_budget_client_takes_a_budget_per_prefix_as_the_package_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The budget is per prefix: a spread prefix's pacer is told it is one of the spread prefixes
+    (`RequestPacer.spread_over`, as `S3StorageWriter` and `S3StorageReader` tell it), so its processes take the budget
+    over the ranks that send there (1/2 of the job here), the bucket's pacer over all of them."""
+    spread = [f"run/s3ckpt-spread-0{n}/" for n in range(2)]
+    monkeypatch.setenv("WORLD_SIZE", "16")  # as s3_sim.run sets it
+    cluster = s3_sim.Cluster(
+        16, s3_sim.S3Model(SMALL_S3), s3_sim.ClientParams(pacer="budget", budget=(160.0, 320.0)), s3_sim.Clock(),
+        partitions={rank: {spread[rank % 2]} for rank in range(16)},
+    )
+    assert cluster.pacer(0, spread[0]).writes.rate == pytest.approx(4 * 160.0 / 8)  # host 0's 4 ranks sending there
+    assert cluster.pacer(0, spread[0]).reads.rate == pytest.approx(4 * 320.0 / 8)
+    assert cluster.pacer(0, "").writes.rate == pytest.approx(8 * 160.0 / 16)  # the bucket's: all 8, over all 16
 
 
 def test_the_oracle_client_is_never_throttled_and_takes_no_longer_than_any_client() -> None:
