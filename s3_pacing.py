@@ -598,7 +598,7 @@ class RequestPacer:
                     lane._activate_with_budget(now)
 
     def _share(self, direction: str) -> float | None:
-        """The job-wide rate over the world size."""
+        """The job-wide rate over the job's processes that send to this pacer's prefix (`_processes_of_job`)."""
         budget = self._budget
         rate = getattr(budget, direction) if budget is not None else None
         return None if rate is None else rate / self._processes_of_job()
