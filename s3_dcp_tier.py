@@ -70,6 +70,7 @@ if __package__:
     from . import s3_dirpath_utils as _urls
     from . import s3_fencing as _fencing
     from . import s3_memory_tier as _tier
+    from . import s3_pacing as _pacing
     from . import s3_prefix_spreading as _spread
     from . import s3_process as _process
     from . import s3_utils as _s3
@@ -77,6 +78,7 @@ else:  # installed (or copied) as top-level modules
     import s3_dirpath_utils as _urls
     import s3_fencing as _fencing
     import s3_memory_tier as _tier
+    import s3_pacing as _pacing
     import s3_prefix_spreading as _spread
     import s3_process as _process
     import s3_utils as _s3
@@ -553,8 +555,9 @@ class DcpTier:
             self._wait(all_there, f"every file of {checkpoint} to be on S3")
         except _SupersededError:
             return
-        for copy in commit:  # the item checksums, then .metadata, then what follows it
-            self._upload(copy, fence, writer)
+        with _pacing.sending_alone():  # every file is on S3: no share of a budget to keep
+            for copy in commit:  # the item checksums, then .metadata, then what follows it
+                self._upload(copy, fence, writer)
         logger.info("memory tier: drained %s to S3 (committed by its .metadata)", checkpoint)
         if replacing:  # the replaced checkpoint's shards this one does not use go, as after an S3 save's overwrite
             for url in _spread.unused_shards(self.s3, checkpoint, files, SHARD_SUFFIX):

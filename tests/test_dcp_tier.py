@@ -29,6 +29,7 @@ import s3_dcp_tier  # noqa: E402
 import s3_fencing  # noqa: E402
 import s3_memory_tier  # noqa: E402
 import s3_prefix_spreading  # noqa: E402
+import s3_utils  # noqa: E402
 from s3_memory_tier import COMMIT_RECORD_SUFFIX, MemoryTier  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,6 +111,24 @@ def test_finish_drains_puts_the_last_save_on_s3_loadable_without_the_tier(
     assert s3_names(s3_client, bucket, "run/step-2") == []  # neither the first nor the last
     assert s3_names(s3_client, bucket, "run/step-3") == COMMITTED
     load(state_of(3), urls[2], None)
+
+
+def test_the_drains_commit_does_not_wait_for_its_share_of_a_budget(
+    s3_server: Any, bucket: str, s3_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once every file of a checkpoint is on S3, the coordinator's drain sends the item record and ``.metadata`` alone
+    (`s3_pacing.sending_alone`), as an S3 save's commit: not at its share of a budget, one write a second here (64
+    writes/s over 64 processes), which would make each of the two wait."""
+    monkeypatch.setenv("WORLD_SIZE", "64")
+    s3 = s3_utils.S3Utils(s3_utils.S3ClientSettings(max_requests_per_second={"write": 64}))
+    url = f"s3://{bucket}/run/step-1"
+    writer = s3_dcp.S3StorageWriter(url, chunk_size_MB=5, memory_tier=tier_config(tmp_path), fencing=False, s3_utils=s3)
+    dcp.save(state_of(1), storage_writer=writer, no_dist=True)
+    writer.finish_drains()
+    assert s3_names(s3_client, bucket, "run/step-1") == COMMITTED
+    lane = s3.pacer(f"{url}/.metadata").writes
+    assert lane.rate == pytest.approx(1.0) and lane.waits == 0  # the file took the one token, the commit none
+    load(state_of(1), url, None)
 
 
 def test_a_memory_copy_that_fails_its_checksum_is_skipped_and_s3_read(
