@@ -630,8 +630,7 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         """Once before any rank writes (coordinator; every rank without collectives): take the directory over for
         this run, refuse an existing checkpoint with ``overwrite=False`` or retire its ``.metadata`` (incomplete until
         the new one lands), and give every rank its file prefix and the hold to check."""
-        # with collectives the coordinator plans alone, every other rank waiting: no share of a budget to keep
-        with _pacing.sending_alone() if self._metadata_rank() is None else contextlib.nullcontext():
+        with self._coordinator_alone():
             return self._prepare_global_plan(plans)
 
     def _prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -721,8 +720,7 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
         rank = self._metadata_rank()
         record = {"version": _ITEM_RECORD_VERSION, "save_id": self.save_id, "files": files}
         fence = self._fence()  # checked before the record, before .metadata and before each removal
-        # with collectives the coordinator commits alone, every rank's files written: no share of a budget to keep
-        with _pacing.sending_alone() if rank is None else contextlib.nullcontext():
+        with self._coordinator_alone():  # every rank's files are written
             self._put(item_checksums_name(rank), json.dumps(record, sort_keys=True).encode(), fence)
             self._put(metadata_name(rank), pickle.dumps(metadata), fence)
             if self.memory_tier is not None:
@@ -751,6 +749,11 @@ class S3StorageWriter(_CheckpointPrefix, StorageWriter, BlockingAsyncStager):
 
     def _metadata_rank(self) -> int | None:
         return self.rank if not self.use_collectives and self.rank is not None else None
+
+    def _coordinator_alone(self) -> contextlib.AbstractContextManager[None]:
+        """With collectives the coordinator plans and commits while every other rank waits for it: what it sends then
+        keeps no share of a budget (`s3_pacing.sending_alone`). Without, every rank plans and commits for itself."""
+        return _pacing.sending_alone() if self._metadata_rank() is None else contextlib.nullcontext()
 
     def _fence(self) -> _fencing.DirectoryFence | None:
         """This run's fence on the checkpoint directory, on the coordinator (the others follow the token in their

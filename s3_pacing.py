@@ -328,7 +328,7 @@ class PacerLane:
         self.waits = 0  # requests of this process that waited for a token
         self.waited_s = 0.0  # seconds they waited, summed over threads
         self.activations = 0  # times this process woke the lane
-        if limit is not None and limit() is not None:
+        if self._has_budget():
             with self._state():
                 if not self._active:
                     self._activate_with_budget(clock())
@@ -421,7 +421,7 @@ class PacerLane:
         if not self._active:
             self._own_sends.append(now)
             return 0.0
-        if getattr(_alone, "depth", 0) and self._host_throttles == 0:  # paced by a budget alone, never throttled
+        if getattr(_alone, "depth", 0) and self._paced_by_budget_alone():  # `sending_alone`: no share to keep
             self._sends.append(now)
             return 0.0
         limit = self._apply_limit(now)
@@ -494,6 +494,13 @@ class PacerLane:
         self._refilled_at = now
         self._rate = rate
         self._apply_limit(now)
+
+    def _has_budget(self) -> bool:
+        return self._limit is not None and self._limit() is not None
+
+    def _paced_by_budget_alone(self) -> bool:
+        """Active under a budget and never throttled (for a shared lane: on this host): its share is what paces it."""
+        return self._active and self._host_throttles == 0 and self._has_budget()
 
     def _activate_with_budget(self, now: float) -> None:
         self._active = True
@@ -580,7 +587,7 @@ class RequestPacer:
         now = self._clock()
         for lane in (self.writes, self.reads):
             with lane._state():
-                if lane._limit is not None and lane._limit() is not None and not lane._active:
+                if lane._has_budget() and not lane._active:
                     lane._activate_with_budget(now)
                 lane._apply_limit(now)
 
@@ -594,7 +601,7 @@ class RequestPacer:
         now = self._clock()
         for lane in (self.writes, self.reads):  # a lane paced by the budget alone takes its new share at once
             with lane._state():
-                if lane._active and lane._host_throttles == 0 and lane._limit is not None and lane._limit() is not None:
+                if lane._paced_by_budget_alone():
                     lane._activate_with_budget(now)
 
     def _share(self, direction: str) -> float | None:
