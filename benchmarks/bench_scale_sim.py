@@ -6,6 +6,7 @@ own request pacer, job budget, retry policy and load-sharing decision in simulat
     python benchmarks/bench_scale_sim.py --ranks 2048 --tag quick
     python benchmarks/bench_scale_sim.py --check-only        # only the comparison with bench_throttle's measurements
     python benchmarks/bench_scale_sim.py --only spread --only "dcp 16384 one-prefix pacer" --tag lanes  # some rows
+    python benchmarks/bench_scale_sim.py --ranks 16384 --draws 4 --tag draws   # each row under 4 latency draws
 
 Scenarios (every rank starts at once):
 
@@ -27,12 +28,15 @@ Measured per run: failed operations, time against the bound (the larger of the p
 partition's requests beyond its burst at its rate, and the bandwidth bound: the same run with no request limit),
 SlowDown answers per admitted request, goodput (of the partition that bounds the run: its admitted requests beyond
 its burst / its rate / the seconds from the first request to the last admitted one, as bench_throttle's; only where
-the partitions bound the time beyond their burst), requests per rank. Output: ``benchmarks/results/scale-sim-<UTC>[-tag].{json,md,png}``.
+the partitions bound the time beyond their burst), requests per rank. With `--draws N`, every row again under N - 1
+other draws of the requests' latencies (`s3_sim.S3Params.latency_draw`; the main table is draw 0's, as without it) and a
+table of each row's range over them: where a row sits within the model's chaos. Output: ``benchmarks/results/scale-sim-<UTC>[-tag].{json,md,png}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -177,10 +181,10 @@ def rank_mode_requests(ranks: int, gib: float, part_mib: float = 16.0) -> int:
     return ranks * (1 + math.ceil(gib * 1024 / part_mib))
 
 
-def row_of(label: str, result: dict[str, Any]) -> dict[str, Any]:
+def row_of(label: str, result: dict[str, Any], draw: int = 0) -> dict[str, Any]:
     work = result["work"]
     row = {
-        "client": label, "ranks": work["ranks"], "hosts": result["hosts"], "kind": work["kind"],
+        "draw": draw, "client": label, "ranks": work["ranks"], "hosts": result["hosts"], "kind": work["kind"],
         "direction": work["direction"], "layout": work["layout"] if work["layout"] == "one-prefix"
         else f"spread/{work['prefixes']}",
         "load_sharing": work["load_sharing"] if work["kind"] == "single" and work["direction"] == "load" else None,
@@ -243,7 +247,7 @@ def markdown(doc: dict[str, Any]) -> str:
         "| goodput | requests / rank | targets |",
         "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for row in doc["rows"]:
+    for row in first_draw(doc["rows"]):
         op = op_name(row, args["mib"])
         ratio = row["elapsed_s"] / row["bound_s"] if row["bound_s"] else None
         lines.append(
@@ -254,6 +258,7 @@ def markdown(doc: dict[str, Any]) -> str:
     lines += ["", "`load_sharing=\"rank\"` (counted, not simulated): "
               + "; ".join(f"{r['ranks']:,} ranks: {r['requests']:,} requests, >= {r['bound_s']:.0f} s at 5,500/s"
                           for r in doc["rank_mode"]), ""]
+    lines += draws_table(doc)
     lines += [
         "## Against bench_throttle's emulation (the same setup simulated)",
         "",
@@ -273,6 +278,44 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def first_draw(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of latency draw 0 (the main table and chart: every run without ``--draws`` has only these)."""
+    return [row for row in rows if row.get("draw", 0) == 0]
+
+
+def draws_table(doc: dict[str, Any]) -> list[str]:
+    """With ``--draws N`` > 1: each row's range over the N latency draws (empty otherwise)."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for row in doc["rows"]:
+        key = (op_name(row, doc["args"]["mib"]), row["ranks"], row["layout"], row["client"])
+        groups.setdefault(key, []).append(row)
+    if all(len(rows) < 2 for rows in groups.values()):
+        return []
+
+    def span(values: list[float | None]) -> str:
+        known = [v for v in values if v is not None]
+        if not known:
+            return "-"
+        low, high = min(known), max(known)
+        return f"{low:.2f}" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}-{high:.2f}"
+
+    lines = [
+        f"## Over {doc['args']['draws']} draws of the requests' latencies (draw 0: the table above)",
+        "",
+        "| op | ranks | layout | client | time s | time / bound | SlowDown / admitted | goodput | targets met |",
+        "|---|---:|---|---|---|---|---|---|---|",
+    ]
+    for (op, ranks, layout, client), rows in groups.items():
+        met = sum(row["meets"] for row in rows)
+        lines.append(
+            f"| {op} | {ranks:,} | {layout} | {client} | {span([r['elapsed_s'] for r in rows])} "
+            f"| {span([r['elapsed_s'] / r['bound_s'] for r in rows])} "
+            f"| {span([r['slowdown_per_admitted'] for r in rows])} | {span([r['goodput'] for r in rows])} "
+            f"| {met} of {len(rows)} |"
+        )
+    return [*lines, ""]
+
+
 def chart(doc: dict[str, Any], path: Path) -> bool:
     try:
         import matplotlib
@@ -286,7 +329,7 @@ def chart(doc: dict[str, Any], path: Path) -> bool:
     for axis in axes:
         axis.set_prop_cycle(color=plt.get_cmap("tab20").colors)
     series: dict[str, list[dict[str, Any]]] = {}
-    for row in doc["rows"]:
+    for row in first_draw(doc["rows"]):
         if row["client"] in ("none", "oracle"):
             continue
         op = op_name(row, doc["args"]["mib"])
@@ -333,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-write", type=float, default=3500.0, help="the job budget's writes/s")
     parser.add_argument("--budget-read", type=float, default=5500.0, help="the job budget's reads/s")
     parser.add_argument("--split-after-s", type=float, default=300.0)
+    parser.add_argument("--draws", type=int, default=1,
+                        help="run every row under this many draws of the requests' latencies (1: draw 0 alone)")
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--tag", default="")
     parser.add_argument("--only", action="append", default=[], metavar="WORDS",
@@ -356,14 +401,16 @@ def main(argv: list[str] | None = None) -> int:
         for label, work, client in scenarios(ranks_list, args):
             if not selected(label, work, args.only):
                 continue
-            t = time.monotonic()
-            row = row_of(label, s3_sim.run(work, client, s3))
-            rows.append(row)
-            print(f"{row['direction']} {row['kind']} {row['load_sharing'] or ''} x{row['ranks']} {row['layout']} "
-                  f"{label}: failed {row['failed']}, {row['elapsed_s']:.1f} s (bound {row['bound_s']:.1f} s), "
-                  f"SlowDown/admitted {row['slowdown_per_admitted']:.2f}, goodput {_fmt(row['goodput'])}, "
-                  f"{row['requests_per_rank']:.2f} req/rank, {'met' if row['meets'] else 'missed'} "
-                  f"[{row['events']} events, {time.monotonic() - t:.1f} s]", flush=True)
+            for draw in range(max(1, args.draws)):
+                t = time.monotonic()
+                row = row_of(label, s3_sim.run(work, client, dataclasses.replace(s3, latency_draw=draw)), draw)
+                rows.append(row)
+                print(f"draw {draw}: " * (args.draws > 1)
+                      + f"{row['direction']} {row['kind']} {row['load_sharing'] or ''} x{row['ranks']} {row['layout']} "
+                      f"{label}: failed {row['failed']}, {row['elapsed_s']:.1f} s (bound {row['bound_s']:.1f} s), "
+                      f"SlowDown/admitted {row['slowdown_per_admitted']:.2f}, goodput {_fmt(row['goodput'])}, "
+                      f"{row['requests_per_rank']:.2f} req/rank, {'met' if row['meets'] else 'missed'} "
+                      f"[{row['events']} events, {time.monotonic() - t:.1f} s]", flush=True)
     rank_mode = [
         {"ranks": n, "requests": rank_mode_requests(n, args.resume_gib),
          "bound_s": rank_mode_requests(n, args.resume_gib) / s3.read_rate}

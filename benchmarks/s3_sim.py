@@ -84,6 +84,7 @@ class S3Params:
     latency_s: float = 0.1  # an admitted request's fixed time (first byte, or the PUT's answer)
     slowdown_latency_s: float = 0.02  # a SlowDown answer's round trip
     latency_jitter: float = 0.2  # each request's fixed time is drawn from (1 +- this) x latency_s / slowdown_latency_s
+    latency_draw: int = 0  # which stream of those draws (0: the one every published run used; others: other draws)
     conn_bytes_per_s: float = 625e6  # 5 Gb/s per connection
     host_bytes_per_s: float = 12.5e9  # 100 Gb/s host NIC toward S3
     unlimited: bool = False  # no partition limits at all (the bandwidth bound)
@@ -324,7 +325,8 @@ class Cluster:
         self.poll_due: dict[tuple[int, str, str], int] = collections.defaultdict(int)  # which scheduled poll is live
         self.queued = [collections.Counter() for _ in range(ranks)]  # each rank's requests per lane in the host's queue
         self.host_transfers = [0] * self.hosts
-        self.jitter = random.Random(f"latency {ranks}")  # its own stream: the retry policy's draws stay as they were
+        draw = s3.params.latency_draw  # its own stream: the retry policy's draws stay as they were
+        self.jitter = random.Random(f"latency {ranks}" + (f" draw {draw}" if draw else ""))
         self.failures = 0
         self.sent = {"write": 0, "read": 0}
         self.waited_s = 0.0

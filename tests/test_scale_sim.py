@@ -3,6 +3,7 @@ agreement with the 8- and 32-writer emulation bench_throttle measured. Small ran
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -103,6 +104,23 @@ def test_the_simulation_is_deterministic() -> None:
     work = s3_sim.Workload(ranks=256, mib_per_rank=64)
     first, second = (s3_sim.run(work, s3_sim.ClientParams(pacer="none"), SMALL_S3, seed=3) for _ in range(2))
     assert first == second
+
+
+def test_a_latency_draw_is_its_own_deterministic_stream_and_draw_0_is_the_published_one() -> None:
+    work = s3_sim.Workload(ranks=256, mib_per_rank=64)
+    published = s3_sim.run(work, s3_sim.ClientParams(), SMALL_S3)
+    draws = [s3_sim.run(work, s3_sim.ClientParams(), dataclasses.replace(SMALL_S3, latency_draw=d)) for d in (0, 1, 1)]
+    assert draws[0] == published
+    assert draws[1] == draws[2]
+    assert draws[1]["elapsed_s"] != published["elapsed_s"]
+    rows = [bench_scale_sim.row_of("pacer", result, draw) for draw, result in enumerate((published, draws[1]))]
+    doc = {"rows": rows, "args": {"mib": 64.0, "draws": 2}}
+    (line,) = [line for line in bench_scale_sim.draws_table(doc) if line.startswith("| save single")]
+    low, high = sorted(row["elapsed_s"] for row in rows)
+    met = sum(row["meets"] for row in rows)
+    assert line.split(" | ")[4] == f"{low:.2f}-{high:.2f}" and line.endswith(f"| {met} of 2 |")
+    assert bench_scale_sim.first_draw(rows) == rows[:1]
+    assert bench_scale_sim.draws_table({"rows": rows[:1], "args": doc["args"]}) == []
 
 
 def test_the_simulation_agrees_with_the_emulation_bench_throttle_measured() -> None:
