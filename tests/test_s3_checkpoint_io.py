@@ -503,8 +503,10 @@ def test_a_save_supersedes_a_removal_of_its_path_deferred_behind_another_save(s3
     plugin.save_checkpoint(make_checkpoint(seed=2), other)
     plugin.remove_checkpoint(old)
     assert s3_checkpoint_io.pending_operation(old) == "remove"
+    gate_x = _GatedSaves(plugin, only="x.ckpt")  # held, so that what is pending for X can be seen (else it may be done)
     plugin.save_checkpoint(make_checkpoint(seed=3), old)
     assert s3_checkpoint_io.pending_operation(old) == "save"
+    gate_x.release.set()
     s3_checkpoint_io.wait_for_pending_save(old)  # the new X is durable before Y settles
     gate.release.set()
     plugin.teardown()
