@@ -225,6 +225,11 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+def over_bound(row: dict[str, Any]) -> float | None:
+    """A row's time over its bound, as the tables and the chart give it (a ``"job"`` resume's broadcast in both)."""
+    return row["elapsed_s"] / row["bound_s"] if row["bound_s"] else None
+
+
 def op_name(row: dict[str, Any], mib: float) -> str:
     name = f"{row['direction']} {row['kind']}" + (f" ({row['load_sharing']})" if row["load_sharing"] else "")
     return name + (f" {row['mib_per_rank']:g} MiB" if row["load_sharing"] is None and row["mib_per_rank"] != mib else "")
@@ -249,7 +254,7 @@ def markdown(doc: dict[str, Any]) -> str:
     ]
     for row in first_draw(doc["rows"]):
         op = op_name(row, args["mib"])
-        ratio = row["elapsed_s"] / row["bound_s"] if row["bound_s"] else None
+        ratio = over_bound(row)
         lines.append(
             f"| {op} | {row['ranks']:,} ({row['hosts']:,}) | {row['layout']} | {row['client']} | {row['failed']} "
             f"| {row['elapsed_s']:.1f} | {row['bound_s']:.1f} | {_fmt(ratio)} | {row['slowdown_per_admitted']:.2f} "
@@ -309,7 +314,7 @@ def draws_table(doc: dict[str, Any]) -> list[str]:
         met = sum(row["meets"] for row in rows)
         lines.append(
             f"| {op} | {ranks:,} | {layout} | {client} | {span([r['elapsed_s'] for r in rows])} "
-            f"| {span([r['elapsed_s'] / r['bound_s'] for r in rows])} "
+            f"| {span([over_bound(r) for r in rows])} "
             f"| {span([r['slowdown_per_admitted'] for r in rows])} | {span([r['goodput'] for r in rows])} "
             f"| {met} of {len(rows)} |"
         )
@@ -339,7 +344,7 @@ def chart(doc: dict[str, Any], path: Path) -> bool:
         style = "--" if "budget" in name else "-"
         marker = "s" if "spread" in name else "o"
         axes[0].plot(xs, [r["elapsed_s"] for r in rows], style, marker=marker, label=name, linewidth=1)
-        axes[1].plot(xs, [r["elapsed_s"] / r["bound_s"] for r in rows], style, marker=marker, linewidth=1)
+        axes[1].plot(xs, [over_bound(r) for r in rows], style, marker=marker, linewidth=1)
         axes[2].plot(xs, [r["slowdown_per_admitted"] for r in rows], style, marker=marker, linewidth=1)
     axes[1].axhline(TARGETS["time_over_bound"], color="black", linewidth=0.8, linestyle=":")
     axes[2].axhline(TARGETS["slowdown_per_admitted"], color="black", linewidth=0.8, linestyle=":")
